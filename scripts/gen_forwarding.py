@@ -1,0 +1,221 @@
+#!/usr/bin/env python3
+"""Generates the decorator's forwarding impls from Burn's own trait definitions.
+
+Every method of every ops trait, defaulted ones included, becomes a one-line call to the
+inner backend. Methods named in the autocast op table (`src/autocast/ops.rs`, the
+`autocast_ops!` list) first pass their float-tensor arguments through a cast plan.
+
+Usage: python3 scripts/gen_forwarding.py [path/to/burn-backend-0.21.0]
+"""
+import glob
+import os
+import re
+import sys
+
+TRAITS = [
+    # (source file under src/backend/ops, trait, generated file)
+    ("tensor.rs", "FloatTensorOps", "float.rs"),
+    ("int_tensor.rs", "IntTensorOps", "int.rs"),
+    ("bool_tensor.rs", "BoolTensorOps", "bool.rs"),
+    ("modules/base.rs", "ModuleOps", "module.rs"),
+    ("activation.rs", "ActivationOps", "activation.rs"),
+    ("qtensor.rs", "QTensorOps", "quantized.rs"),
+    ("transaction.rs", "TransactionOps", "transaction.rs"),
+]
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+OUT_DIR = os.path.join(ROOT, "src", "backend", "forward")
+OPS_TABLE = os.path.join(ROOT, "src", "autocast", "ops.rs")
+
+
+def burn_backend_dir():
+    if len(sys.argv) > 1:
+        return sys.argv[1]
+    found = glob.glob(os.path.expanduser("~/.cargo/registry/src/*/burn-backend-0.21.0"))
+    if not found:
+        sys.exit("burn-backend-0.21.0 not found: run `cargo fetch` first")
+    return found[0]
+
+
+def strip_comments(src):
+    src = re.sub(r"/\*.*?\*/", "", src, flags=re.S)
+    return "\n".join(re.sub(r"//.*$", "", line) for line in src.splitlines())
+
+
+def trait_body(src, trait):
+    m = re.search(r"pub trait %s<B: Backend>\s*\{" % trait, src)
+    if not m:
+        sys.exit("trait %s not found" % trait)
+    i, depth = m.end(), 1
+    start = i
+    while depth:
+        depth += {"{": 1, "}": -1}.get(src[i], 0)
+        i += 1
+    return src[start : i - 1]
+
+
+def methods(body):
+    """Yields (name, generics, params, ret, where) for every `fn` at the trait's top level."""
+    i, depth = 0, 0
+    while i < len(body):
+        c = body[i]
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+        elif depth == 0 and body.startswith("fn ", i) and (i == 0 or not body[i - 1].isalnum()):
+            j, paren, angle = i, 0, 0
+            while True:
+                ch = body[j]
+                if ch == "(":
+                    paren += 1
+                elif ch == ")":
+                    paren -= 1
+                elif ch == "<":
+                    angle += 1
+                elif ch == ">" and body[j - 1] != "-":
+                    angle -= 1
+                elif ch in "{;" and paren == 0 and angle == 0:
+                    break
+                j += 1
+            yield parse_sig(" ".join(body[i:j].split()))
+            i = j
+            continue
+        i += 1
+
+
+def split_top(s, sep=","):
+    parts, depth, cur = [], 0, ""
+    for ch in s:
+        if ch in "(<[":
+            depth += 1
+        elif ch in ")]" or (ch == ">" and not cur.endswith("-")):
+            depth -= 1
+        if ch == sep and depth == 0:
+            parts.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        parts.append(cur.strip())
+    return parts
+
+
+def parse_sig(sig):
+    m = re.match(r"fn (\w+)\s*(<.*?>)?\s*\((.*)$", sig)
+    name, generics, rest = m.group(1), m.group(2) or "", m.group(3)
+    depth, k = 1, 0
+    while depth:
+        depth += {"(": 1, ")": -1}.get(rest[k], 0)
+        k += 1
+    params, tail = rest[: k - 1], rest[k:].strip()
+    where = ""
+    if " where " in " " + tail:
+        tail, where = re.split(r"\bwhere\b", tail, maxsplit=1)
+        where = "where " + where.strip()
+    ret = tail.strip()
+    parsed = []
+    for p in split_top(params):
+        pat, ty = p.split(":", 1)
+        parsed.append((pat.replace("mut ", "").strip(), ty.strip()))
+    return name, generics, parsed, ret, where
+
+
+def to_self(s):
+    # Types are written for the trait's `B`; in the impl they are `Self`'s, and paths into the
+    # trait's own crate are paths into burn_backend.
+    return re.sub(r"\bB\b", "Self", s).replace("crate::", "burn_backend::")
+
+
+def autocast_table():
+    """Method name -> `Op` variant, read from the one op table."""
+    src = open(OPS_TABLE).read()
+    block = re.search(r"autocast_ops!\s*\{(.*?)\n\}", src, re.S).group(1)
+    return dict((m, v) for v, m in re.findall(r"^\s*(\w+)\s*=\s*(\w+)\s*=>", block, re.M))
+
+
+# Backend-generic structs: nominally different types for `B` and `Accelerated<B>`.
+REWRAP = re.compile(r"^(TransactionPrimitive|QuantizationParametersPrimitive|DeformConv2dBackward|"
+                    r"MaxPool[12]dWithIndices|MaxPool[12]dBackward|TensorPrimitive)<B>$")
+
+FLOAT = re.compile(r"^(FloatTensor<B>|Option<FloatTensor<B>>|Vec<FloatTensor<B>>)$")
+
+
+def emit(name, generics, params, ret, where, op):
+    sig_params = ", ".join("%s: %s" % (p, to_self(t)) for p, t in params)
+    ret_s = (" " + to_self(ret)) if ret else ""
+    where_s = (" " + to_self(where)) if where else ""
+    turbofish = ""
+    if generics:
+        names = [g.split(":")[0].strip() for g in split_top(generics[1:-1])]
+        names = [n for n in names if not n.startswith("'")]
+        if names:
+            turbofish = "::<%s>" % ", ".join(names)
+    args = ", ".join(("%s.rewrap()" % p) if REWRAP.match(t) else p for p, t in params)
+    head = "    fn %s%s(%s)%s%s {\n" % (name, generics, sig_params, ret_s, where_s)
+    call = "B::%s%s(%s)" % (name, turbofish, args)
+    if REWRAP.match(ret.replace("-> ", "").strip()):
+        call = "%s.rewrap()" % call
+    if op is None:
+        return head + "        %s\n    }\n" % call
+    floats = [(p, t) for p, t in params if FLOAT.match(t)]
+    if not floats:
+        sys.exit("op table names %s, which takes no float tensor" % name)
+    inputs = ", ".join(
+        {
+            "FloatTensor<B>": "CastInput::One(&%s)",
+            "Option<FloatTensor<B>>": "CastInput::Maybe(&%s)",
+            "Vec<FloatTensor<B>>": "CastInput::Many(&%s)",
+        }[t] % p
+        for p, t in floats
+    )
+    lines = ["        let plan = CastPlan::new::<B>(Op::%s, &[%s]);\n" % (op, inputs)]
+    for p, t in floats:
+        method = {"FloatTensor<B>": "cast", "Option<FloatTensor<B>>": "cast_opt", "Vec<FloatTensor<B>>": "cast_vec"}[t]
+        lines.append("        let %s = plan.%s::<B>(%s);\n" % (p, method, p))
+    return head + "".join(lines) + "        %s\n    }\n" % call
+
+
+HEADER = """// @generated by scripts/gen_forwarding.py from burn-backend 0.21.0's `{trait}`.
+// Do not edit by hand: change the op table in src/autocast/ops.rs or the generator, then rerun it.
+#![allow(unused_imports, clippy::too_many_arguments, clippy::type_complexity)]
+
+use crate::autocast::{{CastInput, CastPlan, Op}};
+use crate::backend::Accelerated;
+use crate::backend::rewrap::Rewrap;
+use burn_backend::ops::*;
+use burn_backend::quantization::*;
+use burn_backend::tensor::Device;
+use burn_backend::tensor::*;
+use burn_backend::*;
+use core::future::Future;
+use core::ops::Range;
+
+impl<B: Backend> {trait}<Self> for Accelerated<B> {{
+"""
+
+
+def main():
+    base = os.path.join(burn_backend_dir(), "src", "backend", "ops")
+    table = autocast_table()
+    seen = set()
+    os.makedirs(OUT_DIR, exist_ok=True)
+    for src_file, trait, out in TRAITS:
+        body = trait_body(strip_comments(open(os.path.join(base, src_file)).read()), trait)
+        text = HEADER.format(trait=trait)
+        for name, generics, params, ret, where in methods(body):
+            op = table.get(name)
+            if op:
+                seen.add(name)
+            text += emit(name, generics, params, ret, where, op)
+        text += "}\n"
+        with open(os.path.join(OUT_DIR, out), "w") as f:
+            f.write(text)
+    missing = set(table) - seen
+    if missing:
+        sys.exit("op table names methods Burn does not have: %s" % sorted(missing))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+//! The cast plan: what the decorator does to an op's float inputs before forwarding it.
+
+use burn_backend::tensor::FloatTensor;
+use burn_backend::{Backend, DType, FloatDType, TensorMetadata};
+
+use super::{Op, OpClass, current, op_class};
+use crate::capability;
+
+/// The float inputs of one op call, as the generated forwarding code hands them over.
+pub enum CastInput<'a, T> {
+    /// A float tensor argument.
+    One(&'a T),
+    /// An optional float tensor argument (a bias, say).
+    Maybe(&'a Option<T>),
+    /// A list of float tensors (`cat`).
+    Many(&'a [T]),
+}
+
+/// The dtype one op's float inputs are cast to, decided once per call.
+///
+/// With autocast off and inputs of one dtype, the plan is empty and costs a thread-local read,
+/// an atomic load and a dtype comparison per input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CastPlan {
+    target: Option<FloatDType>,
+    // Whether f64 inputs are cast too. Autocast's classes leave f64 alone (as PyTorch does);
+    // only promotion, which must make the dtypes agree, touches them.
+    include_f64: bool,
+}
+
+impl CastPlan {
+    /// A plan that casts nothing.
+    pub const NONE: CastPlan = CastPlan {
+        target: None,
+        include_f64: false,
+    };
+
+    /// Decides the plan for `op` given its float inputs.
+    #[inline]
+    pub fn new<B: Backend>(op: Op, inputs: &[CastInput<'_, FloatTensor<B>>]) -> Self {
+        let class_target = match op_class(op) {
+            OpClass::Passthrough | OpClass::Promote => None,
+            OpClass::Fp32 => current().map(|_| FloatDType::F32),
+            OpClass::Lower => match current() {
+                Some(precision) => first_input(inputs)
+                    .map(|t| capability::lower_dtype::<B>(&B::float_device(t), precision, op)),
+                None => None,
+            },
+        };
+        Self::resolve(class_target, inputs)
+    }
+
+    fn resolve<T: TensorMetadata>(
+        class_target: Option<FloatDType>,
+        inputs: &[CastInput<'_, T>],
+    ) -> Self {
+        // The dtype each input has once the class has had its say; if they still disagree
+        // (a bias of another dtype, an f64 operand) promote them all to the widest.
+        let mut first: Option<FloatDType> = None;
+        let mut widest: Option<FloatDType> = None;
+        let mut uniform = true;
+        for_each_dtype(inputs, |dtype| {
+            let Some(dtype) = float_dtype(dtype) else {
+                return;
+            };
+            let after = match class_target {
+                Some(target) if eligible(dtype) => target,
+                _ => dtype,
+            };
+            match first {
+                None => first = Some(after),
+                Some(f) if f != after => uniform = false,
+                _ => {}
+            }
+            widest = Some(widest.map_or(after, |w| wider(w, after)));
+        });
+        if uniform {
+            CastPlan {
+                target: class_target,
+                include_f64: false,
+            }
+        } else {
+            CastPlan {
+                target: widest,
+                include_f64: true,
+            }
+        }
+    }
+
+    /// The dtype this plan casts to, if any.
+    pub fn target(&self) -> Option<FloatDType> {
+        self.target
+    }
+
+    /// Applies the plan to one input.
+    #[inline]
+    pub fn cast<B: Backend>(&self, tensor: FloatTensor<B>) -> FloatTensor<B> {
+        let Some(target) = self.target else {
+            return tensor;
+        };
+        let dtype = tensor.dtype();
+        let castable = match float_dtype(dtype) {
+            Some(FloatDType::F64) => self.include_f64,
+            Some(_) => true,
+            None => false,
+        };
+        if castable && dtype != DType::from(target) {
+            B::float_cast(tensor, target)
+        } else {
+            tensor
+        }
+    }
+
+    /// Applies the plan to an optional input.
+    #[inline]
+    pub fn cast_opt<B: Backend>(&self, tensor: Option<FloatTensor<B>>) -> Option<FloatTensor<B>> {
+        tensor.map(|t| self.cast::<B>(t))
+    }
+
+    /// Applies the plan to a list of inputs.
+    #[inline]
+    pub fn cast_vec<B: Backend>(&self, tensors: Vec<FloatTensor<B>>) -> Vec<FloatTensor<B>> {
+        if self.target.is_none() {
+            return tensors;
+        }
+        tensors.into_iter().map(|t| self.cast::<B>(t)).collect()
+    }
+}
+
+fn first_input<'a, T>(inputs: &'a [CastInput<'a, T>]) -> Option<&'a T> {
+    inputs.iter().find_map(|input| match input {
+        CastInput::One(t) => Some(*t),
+        CastInput::Maybe(t) => t.as_ref(),
+        CastInput::Many(ts) => ts.first(),
+    })
+}
+
+fn for_each_dtype<T: TensorMetadata>(inputs: &[CastInput<'_, T>], mut f: impl FnMut(DType)) {
+    for input in inputs {
+        match input {
+            CastInput::One(t) => f(t.dtype()),
+            CastInput::Maybe(t) => {
+                if let Some(t) = t {
+                    f(t.dtype())
+                }
+            }
+            CastInput::Many(ts) => ts.iter().for_each(|t| f(t.dtype())),
+        }
+    }
+}
+
+fn float_dtype(dtype: DType) -> Option<FloatDType> {
+    dtype.is_float().then(|| FloatDType::from(dtype))
+}
+
+// Autocast's classes act on f32 and the half types; f64 is a deliberate user choice.
+fn eligible(dtype: FloatDType) -> bool {
+    !matches!(dtype, FloatDType::F64)
+}
+
+/// The dtype both `a` and `b` fit in: f16 and bf16 meet at f32, as in PyTorch's promotion.
+pub(crate) fn wider(a: FloatDType, b: FloatDType) -> FloatDType {
+    fn rank(d: FloatDType) -> u8 {
+        match d {
+            FloatDType::F64 => 4,
+            FloatDType::F32 | FloatDType::Flex32 => 3,
+            FloatDType::F16 | FloatDType::BF16 => 1,
+        }
+    }
+    if a == b {
+        a
+    } else if rank(a) == rank(b) {
+        // f16 vs bf16, or f32 vs flex32: neither holds the other.
+        if rank(a) == 1 { FloatDType::F32 } else { a }
+    } else if rank(a) > rank(b) {
+        a
+    } else {
+        b
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn promotion_is_symmetric_and_half_types_meet_at_f32() {
+        use FloatDType::*;
+        let all = [F64, F32, F16, BF16];
+        for a in all {
+            for b in all {
+                assert_eq!(wider(a, b), wider(b, a), "{a:?} {b:?}");
+            }
+        }
+        assert_eq!(wider(F16, BF16), F32);
+        assert_eq!(wider(BF16, F32), F32);
+        assert_eq!(wider(F32, F64), F64);
+        assert_eq!(wider(F16, F16), F16);
+    }
+}

@@ -1,0 +1,49 @@
+//! # burn-accelerate
+//!
+//! What Hugging Face Accelerate gives PyTorch training loops, for [Burn](https://burn.dev):
+//! mixed-precision autocast (bf16, f16) as a backend decorator, so that migrating a Burn
+//! project is one type alias:
+//!
+//! ```text
+//! type Backend = Autodiff<Flex>;              // before
+//! type Backend = Accelerated<Autodiff<Flex>>; // after
+//! ```
+//!
+//! - [`Accelerated`]: the backend decorator; every Burn op forwarded, the autocast table's ops
+//!   cast first.
+//! - [`autocast`]: the precision in force (process default, thread-scoped guards), the op table
+//!   and its classes, user overrides.
+//! - [`capability`]: which low precisions a device really runs, found by running them.
+//!
+//! ```
+//! # #[cfg(feature = "flex")] {
+//! use burn::backend::{Autodiff, Flex};
+//! use burn::tensor::{DType, Tensor};
+//! use burn_accelerate::{Accelerated, AutocastConfig, Precision};
+//!
+//! type B = Accelerated<Autodiff<Flex>>;
+//! let device = Default::default();
+//! let autocast = AutocastConfig::new(Precision::Bf16).init::<B>(&device)?;
+//! let _guard = autocast.enter();
+//!
+//! let x = Tensor::<B, 2>::ones([4, 8], &device);
+//! let w = Tensor::<B, 2>::ones([8, 2], &device);
+//! let logits = x.matmul(w); // lower class: runs in bf16
+//! assert_eq!(logits.dtype(), DType::BF16);
+//! let loss = logits.exp().mean(); // fp32 class: runs in f32
+//! assert_eq!(loss.dtype(), DType::F32);
+//! # }
+//! # Ok::<(), burn_accelerate::AccelerateError>(())
+//! ```
+
+pub mod autocast;
+mod backend;
+pub mod capability;
+pub mod data;
+mod error;
+mod precision;
+
+pub use autocast::{Autocast, AutocastConfig};
+pub use backend::Accelerated;
+pub use error::AccelerateError;
+pub use precision::Precision;
