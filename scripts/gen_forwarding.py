@@ -10,6 +10,7 @@ Usage: python3 scripts/gen_forwarding.py [path/to/burn-backend-0.21.0]
 import glob
 import os
 import re
+import subprocess
 import sys
 
 TRAITS = [
@@ -212,6 +213,8 @@ def main():
         text += "}\n"
         with open(os.path.join(OUT_DIR, out), "w") as f:
             f.write(text)
+    # Format like the rest of the crate, so a rerun on an unchanged table changes nothing.
+    subprocess.run(["rustfmt", "--edition", "2024"] + [os.path.join(OUT_DIR, out) for _, _, out in TRAITS], check=True)
     missing = set(table) - seen
     if missing:
         sys.exit("op table names methods Burn does not have: %s" % sorted(missing))
