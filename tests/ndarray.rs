@@ -86,3 +86,41 @@ fn lower_ops_under_a_guard_fall_back_once_and_say_so() {
     );
     assert!(ours[0].to_string().contains("run in f32"), "{}", ours[0]);
 }
+
+#[test]
+fn training_under_an_autocast_request_matches_f32_training() {
+    use burn::backend::Autodiff;
+    use burn::optim::{GradientsParams, Optimizer, SgdConfig};
+    use burn::tensor::backend::Backend;
+    use burn::tensor::{ElementConversion, Tensor};
+    use burn_accelerate::{Accelerated, autocast};
+    use suite::models::Mlp;
+
+    fn train<B: burn::tensor::backend::AutodiffBackend>(model: Mlp<B>) -> Vec<f32> {
+        let device = Default::default();
+        let mut model = model;
+        let mut optim = SgdConfig::new().init();
+        (0..5)
+            .map(|step| {
+                let x = Tensor::<B, 2>::ones([4, 16], &device).mul_scalar(step as f32 * 0.1);
+                let loss = model.forward(x).powf_scalar(2.0).mean();
+                let value = loss.clone().into_scalar().elem::<f32>();
+                let grads = GradientsParams::from_grads(loss.backward(), &model);
+                model = optim.step(0.1, model.clone(), grads);
+                value
+            })
+            .collect()
+    }
+
+    let device = Default::default();
+    <Autodiff<NdArray> as Backend>::seed(&device, 5);
+    let (plain, accelerated) = suite::twins(
+        Mlp::<Autodiff<NdArray>>::new(16, 8, 2, &device),
+        Mlp::<Accelerated<Autodiff<NdArray>>>::new(16, 8, 2, &device),
+        &device,
+    );
+    let want = train(plain);
+    let _bf16 = autocast::enable(Precision::Bf16);
+    let got = train(accelerated);
+    assert_eq!(got, want, "NdArray runs the bf16 request in f32: the same losses");
+}
