@@ -14,6 +14,7 @@
 //! - [`autocast`]: the precision in force (process default, thread-scoped guards), the op table
 //!   and its classes, user overrides.
 //! - [`capability`]: which low precisions a device really runs, found by running them.
+//! - [`fp8`]: fp8 rounding (E4M3, E5M2) as tensor ops on any backend.
 //!
 //! ```
 //! # #[cfg(feature = "flex")] {
@@ -41,6 +42,7 @@ mod backend;
 pub mod capability;
 pub mod data;
 mod error;
+pub mod fp8;
 mod precision;
 
 pub use autocast::{Autocast, AutocastConfig};
