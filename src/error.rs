@@ -12,6 +12,21 @@ pub enum AccelerateError {
     #[error("unknown precision {0:?}: use one of \"no\"/\"f32\", \"bf16\", \"fp16\"/\"f16\"")]
     UnknownPrecision(String),
 
+    /// A parameter of the fp8 delayed-scaling recipe out of its range.
+    #[error(
+        "fp8 recipe: {parameter} = {value} is invalid: it must be {expected} (see \
+         `DelayedScaling`; Transformer Engine's defaults are margin 0, interval 1, \
+         amax_history_len 1024)"
+    )]
+    InvalidFp8Recipe {
+        /// The parameter's name, as Transformer Engine spells it.
+        parameter: &'static str,
+        /// The value given.
+        value: i64,
+        /// The accepted range, in words.
+        expected: &'static str,
+    },
+
     /// The device cannot run the requested low precision at all.
     #[error(
         "{backend} cannot run {precision} on device {device}: the capability probe found no \
