@@ -15,7 +15,7 @@ fn report<B: Backend>(device: B::Device) {
         }
     };
     println!(
-        "{:<28} {:<24} usable: {:<16} (backend flags: f16 {}, bf16 {})",
+        "{:<28} {:<24} usable: {:<40} (backend flags: f16 {}, bf16 {})",
         B::name(&device),
         format!("{device:?}"),
         caps.to_string(),

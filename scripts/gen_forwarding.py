@@ -3,7 +3,8 @@
 
 Every method of every ops trait, defaulted ones included, becomes a one-line call to the
 inner backend. Methods named in the autocast op table (`src/autocast/ops.rs`, the
-`autocast_ops!` list) first pass their float-tensor arguments through a cast plan.
+`autocast_ops!` list) first pass their float-tensor arguments through a cast plan; required
+ones are numbered (`cast_at`), since fp8 autocast scales each input of a call separately.
 
 Usage: python3 scripts/gen_forwarding.py [path/to/burn-backend-0.21.0]
 """
@@ -172,9 +173,15 @@ def emit(name, generics, params, ret, where, op):
         for p, t in floats
     )
     lines = ["        let plan = CastPlan::new::<B>(Op::%s, &[%s]);\n" % (op, inputs)]
+    # Required inputs are numbered (fp8 keeps a scale per input); optional ones are not rounded.
+    required = 0
     for p, t in floats:
-        method = {"FloatTensor<B>": "cast", "Option<FloatTensor<B>>": "cast_opt", "Vec<FloatTensor<B>>": "cast_vec"}[t]
-        lines.append("        let %s = plan.%s::<B>(%s);\n" % (p, method, p))
+        if t == "FloatTensor<B>":
+            lines.append("        let %s = plan.cast_at::<B>(%d, %s);\n" % (p, required, p))
+            required += 1
+        else:
+            method = {"Option<FloatTensor<B>>": "cast_opt", "Vec<FloatTensor<B>>": "cast_vec"}[t]
+            lines.append("        let %s = plan.%s::<B>(%s);\n" % (p, method, p))
     return head + "".join(lines) + "        %s\n    }\n" % call
 
 

@@ -9,8 +9,38 @@ use crate::Precision;
 #[non_exhaustive]
 pub enum AccelerateError {
     /// A precision name that is none of the known ones.
-    #[error("unknown precision {0:?}: use one of \"no\"/\"f32\", \"bf16\", \"fp16\"/\"f16\"")]
+    #[error(
+        "unknown precision {0:?}: use one of \"no\"/\"f32\", \"bf16\", \"fp16\"/\"f16\", \
+         \"fp8\" (= \"fp8-hybrid\"), \"fp8-e4m3\""
+    )]
     UnknownPrecision(String),
+
+    /// A parameter of the fp8 delayed-scaling recipe out of its range.
+    #[error(
+        "fp8 recipe: {parameter} = {value} is invalid: it must be {expected} (see \
+         `DelayedScaling`; Transformer Engine's defaults are margin 0, interval 1, \
+         amax_history_len 1024)"
+    )]
+    InvalidFp8Recipe {
+        /// The parameter's name, as Transformer Engine spells it.
+        parameter: &'static str,
+        /// The value given.
+        value: i64,
+        /// The accepted range, in words.
+        expected: &'static str,
+    },
+
+    /// fp8 autocast on an autodiff backend whose fp8 cast was never registered: gradients
+    /// would be estimated, not rounded.
+    #[error(
+        "fp8 autocast on {backend}: this autodiff backend has no registered fp8 cast, so HYBRID \
+         could not round gradients. Call `burn_accelerate::fp8::register::<YourBackend>()` \
+         first (Burn's `Autodiff<B>` over this crate's backend features is registered already)"
+    )]
+    Fp8NotRegistered {
+        /// The backend's name.
+        backend: String,
+    },
 
     /// The device cannot run the requested low precision at all.
     #[error(

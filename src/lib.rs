@@ -1,8 +1,8 @@
 //! # burn-accelerate
 //!
 //! What Hugging Face Accelerate gives PyTorch training loops, for [Burn](https://burn.dev):
-//! mixed-precision autocast (bf16, f16) as a backend decorator, so that migrating a Burn
-//! project is one type alias:
+//! mixed-precision autocast (bf16, f16, and fp8 emulated on every backend) as a backend
+//! decorator, so that migrating a Burn project is one type alias:
 //!
 //! ```text
 //! type Backend = Autodiff<Flex>;              // before
@@ -14,6 +14,8 @@
 //! - [`autocast`]: the precision in force (process default, thread-scoped guards), the op table
 //!   and its classes, user overrides.
 //! - [`capability`]: which low precisions a device really runs, found by running them.
+//! - [`fp8`]: fp8 autocast's rounding, Transformer Engine's delayed scaling and its per-tensor
+//!   state.
 //!
 //! ```
 //! # #[cfg(feature = "flex")] {
@@ -41,6 +43,7 @@ mod backend;
 pub mod capability;
 pub mod data;
 mod error;
+pub mod fp8;
 mod precision;
 
 pub use autocast::{Autocast, AutocastConfig};

@@ -6,6 +6,7 @@ use core::str::FromStr;
 use serde::{Deserialize, Serialize};
 
 use crate::error::AccelerateError;
+use crate::fp8::Fp8Mode;
 
 /// The mixed-precision mode: which low dtype autocast lowers eligible ops to.
 ///
@@ -13,11 +14,15 @@ use crate::error::AccelerateError;
 ///
 /// ```
 /// use burn_accelerate::Precision;
+/// use burn_accelerate::fp8::Fp8Mode;
 ///
 /// let p: Precision = "bf16".parse().unwrap();
 /// assert_eq!(p, Precision::Bf16);
 /// assert_eq!(p.to_string(), "bf16");
 /// assert_eq!("fp16".parse::<Precision>().unwrap(), Precision::F16);
+/// // Accelerate's "fp8" is Transformer Engine's default format, HYBRID.
+/// assert_eq!("fp8".parse::<Precision>().unwrap(), Precision::Fp8(Fp8Mode::Hybrid));
+/// assert_eq!("fp8-e4m3".parse::<Precision>().unwrap(), Precision::Fp8(Fp8Mode::E4M3));
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
 #[non_exhaustive]
@@ -32,32 +37,58 @@ pub enum Precision {
     /// IEEE half: 10 bits of mantissa but a narrow range; pair it with loss scaling.
     #[serde(rename = "fp16")]
     F16,
+    /// fp8, emulated: lower-class ops' inputs are rounded to E4M3 (and, under
+    /// [`Fp8Mode::Hybrid`], their gradients to E5M2) with per-tensor delayed scaling, and the
+    /// ops run in f32. See [`fp8`](crate::fp8).
+    #[serde(rename = "fp8")]
+    Fp8(Fp8Mode),
 }
 
 impl Precision {
     /// Every precision, in the order `env`-style reports list them.
-    pub const ALL: [Precision; 3] = [Precision::F32, Precision::Bf16, Precision::F16];
+    pub const ALL: [Precision; 5] = [
+        Precision::F32,
+        Precision::Bf16,
+        Precision::F16,
+        Precision::Fp8(Fp8Mode::E4M3),
+        Precision::Fp8(Fp8Mode::Hybrid),
+    ];
 
-    /// The dtype lower-class ops run in, `None` for full precision.
+    /// The dtype lower-class ops run in, `None` where there is none to cast to: full
+    /// precision, and fp8, whose values stay in f32 tensors.
     pub fn low_dtype(self) -> Option<FloatDType> {
         match self {
-            Precision::F32 => None,
+            Precision::F32 | Precision::Fp8(_) => None,
             Precision::Bf16 => Some(FloatDType::BF16),
             Precision::F16 => Some(FloatDType::F16),
         }
     }
 
-    /// Accelerate's name for this mode (`"no"`, `"bf16"`, `"fp16"`).
+    /// Whether autocast changes anything under this precision (everything but `F32`).
+    pub fn is_mixed(self) -> bool {
+        !matches!(self, Precision::F32)
+    }
+
+    /// The fp8 mode, for the fp8 precisions.
+    pub fn fp8_mode(self) -> Option<Fp8Mode> {
+        match self {
+            Precision::Fp8(mode) => Some(mode),
+            _ => None,
+        }
+    }
+
+    /// Accelerate's name for this mode (`"no"`, `"bf16"`, `"fp16"`, `"fp8"`).
     pub fn accelerate_name(self) -> &'static str {
         match self {
             Precision::F32 => "no",
             Precision::Bf16 => "bf16",
             Precision::F16 => "fp16",
+            Precision::Fp8(_) => "fp8",
         }
     }
 
     /// Whether dynamic loss scaling is on by default for this precision (as in Accelerate:
-    /// only f16's narrow exponent range needs it).
+    /// only f16's narrow exponent range needs it; fp8 scales each tensor instead).
     pub fn wants_loss_scaling(self) -> bool {
         matches!(self, Precision::F16)
     }
@@ -68,6 +99,8 @@ impl Precision {
             Precision::F32 => 1,
             Precision::Bf16 => 2,
             Precision::F16 => 3,
+            Precision::Fp8(Fp8Mode::E4M3) => 4,
+            Precision::Fp8(Fp8Mode::Hybrid) => 5,
         }
     }
 
@@ -76,6 +109,8 @@ impl Precision {
             1 => Some(Precision::F32),
             2 => Some(Precision::Bf16),
             3 => Some(Precision::F16),
+            4 => Some(Precision::Fp8(Fp8Mode::E4M3)),
+            5 => Some(Precision::Fp8(Fp8Mode::Hybrid)),
             _ => None,
         }
     }
@@ -87,6 +122,8 @@ impl fmt::Display for Precision {
             Precision::F32 => "f32",
             Precision::Bf16 => "bf16",
             Precision::F16 => "f16",
+            Precision::Fp8(Fp8Mode::E4M3) => "fp8-e4m3",
+            Precision::Fp8(Fp8Mode::Hybrid) => "fp8-hybrid",
         })
     }
 }
@@ -94,12 +131,15 @@ impl fmt::Display for Precision {
 impl FromStr for Precision {
     type Err = AccelerateError;
 
-    /// Accepts Accelerate's names (`no`, `bf16`, `fp16`) and Burn-style ones (`f32`, `f16`).
+    /// Accepts Accelerate's names (`no`, `bf16`, `fp16`, `fp8`), Burn-style ones (`f32`,
+    /// `f16`) and the fp8 modes (`fp8-e4m3`, `fp8-hybrid`; `_` for `-` too).
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s.to_ascii_lowercase().as_str() {
+        match s.to_ascii_lowercase().replace('_', "-").as_str() {
             "no" | "f32" | "fp32" | "full" => Ok(Precision::F32),
             "bf16" | "bfloat16" => Ok(Precision::Bf16),
             "fp16" | "f16" | "float16" | "half" => Ok(Precision::F16),
+            "fp8" | "fp8-hybrid" | "f8" => Ok(Precision::Fp8(Fp8Mode::Hybrid)),
+            "fp8-e4m3" => Ok(Precision::Fp8(Fp8Mode::E4M3)),
             _ => Err(AccelerateError::UnknownPrecision(s.to_string())),
         }
     }
@@ -112,10 +152,25 @@ mod tests {
     #[test]
     fn parses_accelerate_and_burn_names() {
         for p in Precision::ALL {
-            assert_eq!(p.accelerate_name().parse::<Precision>().unwrap(), p);
+            let by_accelerate_name = p.accelerate_name().parse::<Precision>().unwrap();
+            // "fp8" names both fp8 modes; it parses to the default one.
+            assert_eq!(by_accelerate_name.accelerate_name(), p.accelerate_name());
             assert_eq!(p.to_string().parse::<Precision>().unwrap(), p);
             assert_eq!(Precision::from_code(p.code()), Some(p));
         }
+        assert_eq!(
+            "FP8_E4M3".parse::<Precision>().unwrap(),
+            Precision::Fp8(Fp8Mode::E4M3)
+        );
+    }
+
+    #[test]
+    fn fp8_serializes_with_its_mode() {
+        let p = Precision::Fp8(Fp8Mode::E4M3);
+        let json = serde_json::to_string(&p).unwrap();
+        assert_eq!(json, r#"{"fp8":"e4m3"}"#);
+        assert_eq!(serde_json::from_str::<Precision>(&json).unwrap(), p);
+        assert_eq!(serde_json::to_string(&Precision::F32).unwrap(), r#""no""#);
     }
 
     #[test]

@@ -6,6 +6,7 @@ mod suite;
 
 use burn::backend::{Autodiff, NdArray};
 use burn::tensor::DType;
+use burn_accelerate::fp8::Fp8Mode;
 use burn_accelerate::{AccelerateError, AutocastConfig, Precision, capability};
 
 backend_suite!(
@@ -19,7 +20,15 @@ backend_suite!(
 fn probe_finds_no_half_types() {
     let caps = capability::probe::<NdArray>(&Default::default());
     assert!(!caps.f16 && !caps.bf16, "{caps:?}");
-    assert_eq!(caps.usable(), vec![Precision::F32]);
+    // fp8 is emulated in f32, which NdArray runs.
+    assert_eq!(
+        caps.usable(),
+        vec![
+            Precision::F32,
+            Precision::Fp8(Fp8Mode::E4M3),
+            Precision::Fp8(Fp8Mode::Hybrid)
+        ]
+    );
 }
 
 #[test]
@@ -38,7 +47,7 @@ fn strict_request_is_a_typed_error_naming_device_and_dtype() {
             assert_eq!(*precision, Precision::Bf16);
             assert!(backend.contains("ndarray"), "{backend}");
             assert!(device.contains("Cpu"), "{device}");
-            assert_eq!(supported, "f32");
+            assert_eq!(supported, "f32, fp8-e4m3, fp8-hybrid");
         }
         other => panic!("unexpected {other:?}"),
     }
@@ -126,4 +135,48 @@ fn training_under_an_autocast_request_matches_f32_training() {
         got, want,
         "NdArray runs the bf16 request in f32: the same losses"
     );
+}
+
+#[test]
+fn fp8_runs_here_rounding_inputs_and_gradients() {
+    use burn::tensor::{Tensor, TensorData};
+    use burn_accelerate::Accelerated;
+    use burn_accelerate::fp8::{self, Fp8Format, quantize_dequantize_tensor};
+    type B = Accelerated<Autodiff<NdArray>>;
+    let device = Default::default();
+    let autocast = AutocastConfig::new(Precision::Fp8(Fp8Mode::Hybrid))
+        .init::<B>(&device)
+        .unwrap();
+    assert!(!autocast.fell_back());
+    // The only fp8 test in this binary: the process-wide scales start at 1.
+    let x = [1.125f32, -7.5, 19.0, 0.001]; // E4M3 values E5M2 cannot hold
+    let w = [1.0f32, 0.3, 2.0, -1.0];
+    let q = |v: &[f32], format| {
+        quantize_dequantize_tensor(
+            Tensor::<NdArray, 1>::from_data(TensorData::new(v.to_vec(), [v.len()]), &device),
+            format,
+            1.0,
+        )
+        .into_data()
+        .to_vec::<f32>()
+        .unwrap()
+    };
+    let (xq, wq) = (q(&x, Fp8Format::E4M3), q(&w, Fp8Format::E4M3));
+    let _g = autocast.enter();
+    let xa = Tensor::<B, 2>::from_data(TensorData::new(x.to_vec(), [1, 4]), &device);
+    let wa = Tensor::<B, 2>::from_data(TensorData::new(w.to_vec(), [4, 1]), &device).require_grad();
+    let y = xa.matmul(wa.clone());
+    let want: f32 = xq.iter().zip(&wq).map(|(a, b)| a * b).sum();
+    assert!((y.clone().into_scalar() - want).abs() <= 1e-6 * want.abs());
+    // d(sum y)/dw = x as the matmul saw it (E4M3), then rounded to E5M2.
+    let grads = y.sum().backward();
+    let got = wa
+        .grad(&grads)
+        .unwrap()
+        .into_data()
+        .to_vec::<f32>()
+        .unwrap();
+    assert_eq!(got, q(&xq, Fp8Format::E5M2));
+    assert_eq!(got, [1.0, -8.0, 20.0, 2f32.powi(-9)]);
+    fp8::step();
 }

@@ -4,6 +4,8 @@
 //!     cargo run --release --example conformance -- SUITE CASES.json > results.jsonl
 //!     python3 ../shared/golden/check.py SUITE CASES.json results.jsonl
 
+#[cfg(feature = "flex")]
+mod fp8;
 mod shards;
 
 use std::io::{BufWriter, Write};
@@ -32,11 +34,13 @@ fn main() -> ExitCode {
     let run: fn(&str, &serde_json::Value) -> serde_json::Value =
         if shards::SUITES.contains(&suite.as_str()) {
             shards::run_case
+        } else if let Some(run) = fp8_suite(suite) {
+            run
         } else {
-            eprintln!(
-                "unknown suite {suite:?}; known: {}",
-                shards::SUITES.join(", ")
-            );
+            let mut known = shards::SUITES.to_vec();
+            #[cfg(feature = "flex")]
+            known.extend(fp8::SUITES);
+            eprintln!("unknown suite {suite:?}; known: {}", known.join(", "));
             return ExitCode::from(2);
         };
     let mut out = BufWriter::new(std::io::stdout().lock());
@@ -46,4 +50,14 @@ fn main() -> ExitCode {
         }
     }
     ExitCode::SUCCESS
+}
+
+// fp8 runs on the default backend, Flex: without it the suite is unknown.
+fn fp8_suite(suite: &str) -> Option<fn(&str, &serde_json::Value) -> serde_json::Value> {
+    #[cfg(feature = "flex")]
+    if fp8::SUITES.contains(&suite) {
+        return Some(fp8::run_case);
+    }
+    let _ = suite;
+    None
 }

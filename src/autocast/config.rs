@@ -5,6 +5,7 @@ use burn_backend::Backend;
 
 use super::{AutocastGuard, set_default};
 use crate::capability::{self, Capabilities};
+use crate::fp8::{self, DelayedScaling};
 use crate::{AccelerateError, Precision};
 
 /// How to autocast, checked against a device by [`init`](AutocastConfig::init).
@@ -26,15 +27,49 @@ pub struct AutocastConfig {
     /// Run in f32 (and report it) instead of failing when the device cannot run `precision`.
     #[config(default = false)]
     pub allow_fallback: bool,
+    /// How fp8 tensors are scaled, when `precision` is fp8 (Transformer Engine's defaults).
+    #[config(default = "DelayedScaling::default()")]
+    pub fp8_recipe: DelayedScaling,
 }
 
 impl AutocastConfig {
     /// Probes `device` and returns the autocast it can run.
     ///
+    /// For fp8 it also makes `fp8_recipe` the recipe of the process-wide fp8 state (the state
+    /// is shared, like Accelerate's `AcceleratorState`), and checks that `B`, if it records
+    /// gradients, has its fp8 cast registered (see [`fp8::register`]).
+    ///
     /// # Errors
-    /// [`AccelerateError::UnsupportedPrecision`] when the device cannot run the precision and
-    /// `allow_fallback` is off.
+    /// - [`AccelerateError::UnsupportedPrecision`] when the device cannot run the precision
+    ///   and `allow_fallback` is off;
+    /// - [`AccelerateError::InvalidFp8Recipe`] for an fp8 precision with an invalid recipe;
+    /// - [`AccelerateError::Fp8NotRegistered`] for an fp8 precision on an autodiff backend
+    ///   without a registered fp8 cast.
+    ///
+    /// ```
+    /// use burn_accelerate::fp8::{DelayedScaling, Fp8Mode};
+    /// use burn_accelerate::{AccelerateError, AutocastConfig, Precision};
+    /// # #[cfg(feature = "flex")] {
+    /// type B = burn::backend::Flex;
+    ///
+    /// let bad = DelayedScaling::default().with_amax_history_len(0);
+    /// let err = AutocastConfig::new(Precision::Fp8(Fp8Mode::Hybrid))
+    ///     .with_fp8_recipe(bad)
+    ///     .init::<B>(&Default::default())
+    ///     .unwrap_err();
+    /// assert!(matches!(err, AccelerateError::InvalidFp8Recipe { parameter: "amax_history_len", .. }));
+    /// # }
+    /// ```
     pub fn init<B: Backend>(&self, device: &B::Device) -> Result<Autocast, AccelerateError> {
+        if self.precision.fp8_mode().is_some() {
+            self.fp8_recipe.validate()?;
+            if fp8::needs_registration::<B>(device) {
+                return Err(AccelerateError::Fp8NotRegistered {
+                    backend: B::name(device),
+                });
+            }
+            fp8::set_recipe(self.fp8_recipe)?;
+        }
         let capabilities = capability::probe::<B>(device);
         let effective = match capability::ensure::<B>(device, self.precision) {
             Ok(()) => self.precision,

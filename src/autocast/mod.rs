@@ -57,7 +57,7 @@ pub fn current() -> Option<Precision> {
     } else {
         scoped
     };
-    Precision::from_code(code).filter(|p| p.low_dtype().is_some())
+    Precision::from_code(code).filter(|p| p.is_mixed())
 }
 
 /// Sets the process-wide precision every thread without a guard uses (`None` turns it off).
@@ -71,7 +71,7 @@ pub fn set_default(precision: Option<Precision>) {
 
 /// The process-wide precision set by [`set_default`].
 pub fn default_precision() -> Option<Precision> {
-    Precision::from_code(DEFAULT.load(Ordering::Relaxed)).filter(|p| p.low_dtype().is_some())
+    Precision::from_code(DEFAULT.load(Ordering::Relaxed)).filter(|p| p.is_mixed())
 }
 
 /// Turns autocast on for this thread until the guard drops.

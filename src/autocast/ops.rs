@@ -19,7 +19,12 @@ macro_rules! autocast_ops {
         /// A backend op that autocast may cast the inputs of.
         ///
         /// Each variant is one method of Burn's backend ops traits (named in its doc).
-        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        ///
+        /// Serialized by variant name (fp8 checkpoints name tensors by op).
+        #[derive(
+            Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord,
+            serde::Serialize, serde::Deserialize,
+        )]
         #[non_exhaustive]
         pub enum Op {
             $($(#[$doc])* #[doc = concat!("`", stringify!($method), "`")] $variant,)*

@@ -5,6 +5,8 @@ use burn_backend::{Backend, DType, FloatDType, TensorMetadata};
 
 use super::{Op, OpClass, current, op_class};
 use crate::capability;
+use crate::fp8::Fp8Site;
+use crate::precision::Precision;
 
 /// The float inputs of one op call, as the generated forwarding code hands them over.
 pub enum CastInput<'a, T> {
@@ -16,7 +18,8 @@ pub enum CastInput<'a, T> {
     Many(&'a [T]),
 }
 
-/// The dtype one op's float inputs are cast to, decided once per call.
+/// The dtype one op's float inputs are cast to, decided once per call, and under fp8 the call
+/// their rounding belongs to.
 ///
 /// With autocast off and inputs of one dtype, the plan is empty and costs a thread-local read,
 /// an atomic load and a dtype comparison per input.
@@ -26,6 +29,8 @@ pub struct CastPlan {
     // Whether f64 inputs are cast too. Autocast's classes leave f64 alone (as PyTorch does);
     // only promotion, which must make the dtypes agree, touches them.
     include_f64: bool,
+    // Under fp8, lower-class ops round their required f32 inputs after the cast.
+    fp8: Option<Fp8Site>,
 }
 
 impl CastPlan {
@@ -33,21 +38,31 @@ impl CastPlan {
     pub const NONE: CastPlan = CastPlan {
         target: None,
         include_f64: false,
+        fp8: None,
     };
 
     /// Decides the plan for `op` given its float inputs.
     #[inline]
     pub fn new<B: Backend>(op: Op, inputs: &[CastInput<'_, FloatTensor<B>>]) -> Self {
+        let mut fp8 = None;
         let class_target = match op_class(op) {
             OpClass::Passthrough | OpClass::Promote => None,
             OpClass::Fp32 => current().map(|_| FloatDType::F32),
             OpClass::Lower => match current() {
+                // fp8 is emulated in f32, which every device runs: nothing to probe.
+                Some(Precision::Fp8(mode)) => {
+                    fp8 = Some(Fp8Site::new(mode, op));
+                    Some(FloatDType::F32)
+                }
                 Some(precision) => first_input(inputs)
                     .map(|t| capability::lower_dtype::<B>(&B::float_device(t), precision, op)),
                 None => None,
             },
         };
-        Self::resolve(class_target, inputs)
+        CastPlan {
+            fp8,
+            ..Self::resolve(class_target, inputs)
+        }
     }
 
     fn resolve<T: TensorMetadata>(
@@ -78,11 +93,13 @@ impl CastPlan {
             CastPlan {
                 target: class_target,
                 include_f64: false,
+                fp8: None,
             }
         } else {
             CastPlan {
                 target: widest,
                 include_f64: true,
+                fp8: None,
             }
         }
     }
@@ -92,7 +109,24 @@ impl CastPlan {
         self.target
     }
 
-    /// Applies the plan to one input.
+    /// Whether this plan rounds inputs to fp8.
+    pub fn rounds_to_fp8(&self) -> bool {
+        self.fp8.is_some()
+    }
+
+    /// Applies the plan to the op's `input`-th required float input (0-based, in signature
+    /// order): the cast, then under fp8 the rounding, whose scale belongs to that input.
+    #[inline]
+    pub fn cast_at<B: Backend>(&self, input: u32, tensor: FloatTensor<B>) -> FloatTensor<B> {
+        let tensor = self.cast::<B>(tensor);
+        match self.fp8 {
+            Some(site) if rounds(tensor.dtype()) => site.apply::<B>(input, tensor),
+            _ => tensor,
+        }
+    }
+
+    /// Applies the plan's cast to one input, without fp8 rounding: optional inputs (biases,
+    /// masks) stay in f32 under fp8, as Transformer Engine keeps biases in high precision.
     #[inline]
     pub fn cast<B: Backend>(&self, tensor: FloatTensor<B>) -> FloatTensor<B> {
         let Some(target) = self.target else {
@@ -117,14 +151,23 @@ impl CastPlan {
         tensor.map(|t| self.cast::<B>(t))
     }
 
-    /// Applies the plan to a list of inputs.
+    /// Applies the plan to a list of inputs, each its own input for fp8 (by position).
     #[inline]
     pub fn cast_vec<B: Backend>(&self, tensors: Vec<FloatTensor<B>>) -> Vec<FloatTensor<B>> {
         if self.target.is_none() {
             return tensors;
         }
-        tensors.into_iter().map(|t| self.cast::<B>(t)).collect()
+        tensors
+            .into_iter()
+            .enumerate()
+            .map(|(i, t)| self.cast_at::<B>(i as u32, t))
+            .collect()
     }
+}
+
+// fp8 rounds f32 values; f64 is a deliberate choice autocast leaves alone.
+fn rounds(dtype: DType) -> bool {
+    matches!(dtype, DType::F32 | DType::Flex32)
 }
 
 fn first_input<'a, T>(inputs: &'a [CastInput<'a, T>]) -> Option<&'a T> {

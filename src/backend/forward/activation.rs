@@ -31,8 +31,8 @@ impl<B: Backend> ActivationOps<Self> for Accelerated<B> {
             Op::Prelu,
             &[CastInput::One(&tensor), CastInput::One(&alpha)],
         );
-        let tensor = plan.cast::<B>(tensor);
-        let alpha = plan.cast::<B>(alpha);
+        let tensor = plan.cast_at::<B>(0, tensor);
+        let alpha = plan.cast_at::<B>(1, alpha);
         B::prelu(tensor, alpha)
     }
     fn gelu_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -49,22 +49,22 @@ impl<B: Backend> ActivationOps<Self> for Accelerated<B> {
     }
     fn log_sigmoid(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::LogSigmoid, &[CastInput::One(&tensor)]);
-        let tensor = plan.cast::<B>(tensor);
+        let tensor = plan.cast_at::<B>(0, tensor);
         B::log_sigmoid(tensor)
     }
     fn softmax(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::Softmax, &[CastInput::One(&tensor)]);
-        let tensor = plan.cast::<B>(tensor);
+        let tensor = plan.cast_at::<B>(0, tensor);
         B::softmax(tensor, dim)
     }
     fn log_softmax(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::LogSoftmax, &[CastInput::One(&tensor)]);
-        let tensor = plan.cast::<B>(tensor);
+        let tensor = plan.cast_at::<B>(0, tensor);
         B::log_softmax(tensor, dim)
     }
     fn softmin(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::Softmin, &[CastInput::One(&tensor)]);
-        let tensor = plan.cast::<B>(tensor);
+        let tensor = plan.cast_at::<B>(0, tensor);
         B::softmin(tensor, dim)
     }
     fn log_sigmoid_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {

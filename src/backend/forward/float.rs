@@ -61,8 +61,8 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
     }
     fn float_add(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::Add, &[CastInput::One(&lhs), CastInput::One(&rhs)]);
-        let lhs = plan.cast::<B>(lhs);
-        let rhs = plan.cast::<B>(rhs);
+        let lhs = plan.cast_at::<B>(0, lhs);
+        let rhs = plan.cast_at::<B>(1, rhs);
         B::float_add(lhs, rhs)
     }
     fn float_add_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
@@ -79,8 +79,8 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
     }
     fn float_sub(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::Sub, &[CastInput::One(&lhs), CastInput::One(&rhs)]);
-        let lhs = plan.cast::<B>(lhs);
-        let rhs = plan.cast::<B>(rhs);
+        let lhs = plan.cast_at::<B>(0, lhs);
+        let rhs = plan.cast_at::<B>(1, rhs);
         B::float_sub(lhs, rhs)
     }
     fn float_sub_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
@@ -88,8 +88,8 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
     }
     fn float_mul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::Mul, &[CastInput::One(&lhs), CastInput::One(&rhs)]);
-        let lhs = plan.cast::<B>(lhs);
-        let rhs = plan.cast::<B>(rhs);
+        let lhs = plan.cast_at::<B>(0, lhs);
+        let rhs = plan.cast_at::<B>(1, rhs);
         B::float_mul(lhs, rhs)
     }
     fn float_mul_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
@@ -97,8 +97,8 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
     }
     fn float_div(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::Div, &[CastInput::One(&lhs), CastInput::One(&rhs)]);
-        let lhs = plan.cast::<B>(lhs);
-        let rhs = plan.cast::<B>(rhs);
+        let lhs = plan.cast_at::<B>(0, lhs);
+        let rhs = plan.cast_at::<B>(1, rhs);
         B::float_div(lhs, rhs)
     }
     fn float_div_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
@@ -106,8 +106,8 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
     }
     fn float_remainder(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::Remainder, &[CastInput::One(&lhs), CastInput::One(&rhs)]);
-        let lhs = plan.cast::<B>(lhs);
-        let rhs = plan.cast::<B>(rhs);
+        let lhs = plan.cast_at::<B>(0, lhs);
+        let rhs = plan.cast_at::<B>(1, rhs);
         B::float_remainder(lhs, rhs)
     }
     fn float_remainder_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
@@ -115,8 +115,8 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
     }
     fn float_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::Matmul, &[CastInput::One(&lhs), CastInput::One(&rhs)]);
-        let lhs = plan.cast::<B>(lhs);
-        let rhs = plan.cast::<B>(rhs);
+        let lhs = plan.cast_at::<B>(0, lhs);
+        let rhs = plan.cast_at::<B>(1, rhs);
         B::float_matmul(lhs, rhs)
     }
     fn float_cross(
@@ -125,8 +125,8 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         dim: usize,
     ) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::Cross, &[CastInput::One(&lhs), CastInput::One(&rhs)]);
-        let lhs = plan.cast::<B>(lhs);
-        let rhs = plan.cast::<B>(rhs);
+        let lhs = plan.cast_at::<B>(0, lhs);
+        let rhs = plan.cast_at::<B>(1, rhs);
         B::float_cross(lhs, rhs, dim)
     }
     fn float_neg(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -134,7 +134,7 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
     }
     fn float_recip(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::Recip, &[CastInput::One(&tensor)]);
-        let tensor = plan.cast::<B>(tensor);
+        let tensor = plan.cast_at::<B>(0, tensor);
         B::float_recip(tensor)
     }
     fn float_transpose(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -169,8 +169,8 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
             Op::ScatterAdd,
             &[CastInput::One(&tensor), CastInput::One(&value)],
         );
-        let tensor = plan.cast::<B>(tensor);
-        let value = plan.cast::<B>(value);
+        let tensor = plan.cast_at::<B>(0, tensor);
+        let value = plan.cast_at::<B>(1, value);
         B::float_scatter_add(dim, tensor, indices, value)
     }
     fn float_scatter_nd(
@@ -201,8 +201,8 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
             Op::SelectAdd,
             &[CastInput::One(&tensor), CastInput::One(&value)],
         );
-        let tensor = plan.cast::<B>(tensor);
-        let value = plan.cast::<B>(value);
+        let tensor = plan.cast_at::<B>(0, tensor);
+        let value = plan.cast_at::<B>(1, value);
         B::float_select_add(tensor, dim, indices, value)
     }
     fn float_slice(tensor: FloatTensor<Self>, slices: &[Slice]) -> FloatTensor<Self> {
@@ -217,8 +217,8 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
             Op::SliceAssign,
             &[CastInput::One(&tensor), CastInput::One(&value)],
         );
-        let tensor = plan.cast::<B>(tensor);
-        let value = plan.cast::<B>(value);
+        let tensor = plan.cast_at::<B>(0, tensor);
+        let value = plan.cast_at::<B>(1, value);
         B::float_slice_assign(tensor, slices, value)
     }
     fn float_mask_where(
@@ -230,8 +230,8 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
             Op::MaskWhere,
             &[CastInput::One(&tensor), CastInput::One(&value)],
         );
-        let tensor = plan.cast::<B>(tensor);
-        let value = plan.cast::<B>(value);
+        let tensor = plan.cast_at::<B>(0, tensor);
+        let value = plan.cast_at::<B>(1, value);
         B::float_mask_where(tensor, mask, value)
     }
     fn float_mask_fill(
@@ -247,8 +247,8 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let plan = CastPlan::new::<B>(Op::Equal, &[CastInput::One(&lhs), CastInput::One(&rhs)]);
-        let lhs = plan.cast::<B>(lhs);
-        let rhs = plan.cast::<B>(rhs);
+        let lhs = plan.cast_at::<B>(0, lhs);
+        let rhs = plan.cast_at::<B>(1, rhs);
         B::float_equal(lhs, rhs, out_dtype)
     }
     fn float_not_equal(
@@ -257,8 +257,8 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let plan = CastPlan::new::<B>(Op::NotEqual, &[CastInput::One(&lhs), CastInput::One(&rhs)]);
-        let lhs = plan.cast::<B>(lhs);
-        let rhs = plan.cast::<B>(rhs);
+        let lhs = plan.cast_at::<B>(0, lhs);
+        let rhs = plan.cast_at::<B>(1, rhs);
         B::float_not_equal(lhs, rhs, out_dtype)
     }
     fn float_equal_elem(
@@ -281,8 +281,8 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let plan = CastPlan::new::<B>(Op::Greater, &[CastInput::One(&lhs), CastInput::One(&rhs)]);
-        let lhs = plan.cast::<B>(lhs);
-        let rhs = plan.cast::<B>(rhs);
+        let lhs = plan.cast_at::<B>(0, lhs);
+        let rhs = plan.cast_at::<B>(1, rhs);
         B::float_greater(lhs, rhs, out_dtype)
     }
     fn float_greater_elem(
@@ -301,8 +301,8 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
             Op::GreaterEqual,
             &[CastInput::One(&lhs), CastInput::One(&rhs)],
         );
-        let lhs = plan.cast::<B>(lhs);
-        let rhs = plan.cast::<B>(rhs);
+        let lhs = plan.cast_at::<B>(0, lhs);
+        let rhs = plan.cast_at::<B>(1, rhs);
         B::float_greater_equal(lhs, rhs, out_dtype)
     }
     fn float_greater_equal_elem(
@@ -318,8 +318,8 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let plan = CastPlan::new::<B>(Op::Less, &[CastInput::One(&lhs), CastInput::One(&rhs)]);
-        let lhs = plan.cast::<B>(lhs);
-        let rhs = plan.cast::<B>(rhs);
+        let lhs = plan.cast_at::<B>(0, lhs);
+        let rhs = plan.cast_at::<B>(1, rhs);
         B::float_lower(lhs, rhs, out_dtype)
     }
     fn float_lower_elem(
@@ -335,8 +335,8 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
         let plan = CastPlan::new::<B>(Op::LessEqual, &[CastInput::One(&lhs), CastInput::One(&rhs)]);
-        let lhs = plan.cast::<B>(lhs);
-        let rhs = plan.cast::<B>(rhs);
+        let lhs = plan.cast_at::<B>(0, lhs);
+        let rhs = plan.cast_at::<B>(1, rhs);
         B::float_lower_equal(lhs, rhs, out_dtype)
     }
     fn float_lower_equal_elem(
@@ -357,42 +357,42 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
     }
     fn float_sum(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::Sum, &[CastInput::One(&tensor)]);
-        let tensor = plan.cast::<B>(tensor);
+        let tensor = plan.cast_at::<B>(0, tensor);
         B::float_sum(tensor)
     }
     fn float_sum_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::SumDim, &[CastInput::One(&tensor)]);
-        let tensor = plan.cast::<B>(tensor);
+        let tensor = plan.cast_at::<B>(0, tensor);
         B::float_sum_dim(tensor, dim)
     }
     fn float_prod(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::Prod, &[CastInput::One(&tensor)]);
-        let tensor = plan.cast::<B>(tensor);
+        let tensor = plan.cast_at::<B>(0, tensor);
         B::float_prod(tensor)
     }
     fn float_prod_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::ProdDim, &[CastInput::One(&tensor)]);
-        let tensor = plan.cast::<B>(tensor);
+        let tensor = plan.cast_at::<B>(0, tensor);
         B::float_prod_dim(tensor, dim)
     }
     fn float_mean(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::Mean, &[CastInput::One(&tensor)]);
-        let tensor = plan.cast::<B>(tensor);
+        let tensor = plan.cast_at::<B>(0, tensor);
         B::float_mean(tensor)
     }
     fn float_mean_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::MeanDim, &[CastInput::One(&tensor)]);
-        let tensor = plan.cast::<B>(tensor);
+        let tensor = plan.cast_at::<B>(0, tensor);
         B::float_mean_dim(tensor, dim)
     }
     fn float_cumsum(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::Cumsum, &[CastInput::One(&tensor)]);
-        let tensor = plan.cast::<B>(tensor);
+        let tensor = plan.cast_at::<B>(0, tensor);
         B::float_cumsum(tensor, dim)
     }
     fn float_cumprod(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::Cumprod, &[CastInput::One(&tensor)]);
-        let tensor = plan.cast::<B>(tensor);
+        let tensor = plan.cast_at::<B>(0, tensor);
         B::float_cumprod(tensor, dim)
     }
     fn float_cummin(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
@@ -406,23 +406,23 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
     }
     fn float_exp(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::Exp, &[CastInput::One(&tensor)]);
-        let tensor = plan.cast::<B>(tensor);
+        let tensor = plan.cast_at::<B>(0, tensor);
         B::float_exp(tensor)
     }
     fn float_log(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::Log, &[CastInput::One(&tensor)]);
-        let tensor = plan.cast::<B>(tensor);
+        let tensor = plan.cast_at::<B>(0, tensor);
         B::float_log(tensor)
     }
     fn float_log1p(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::Log1p, &[CastInput::One(&tensor)]);
-        let tensor = plan.cast::<B>(tensor);
+        let tensor = plan.cast_at::<B>(0, tensor);
         B::float_log1p(tensor)
     }
     fn float_powf(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::Powf, &[CastInput::One(&lhs), CastInput::One(&rhs)]);
-        let lhs = plan.cast::<B>(lhs);
-        let rhs = plan.cast::<B>(rhs);
+        let lhs = plan.cast_at::<B>(0, lhs);
+        let rhs = plan.cast_at::<B>(1, rhs);
         B::float_powf(lhs, rhs)
     }
     fn float_powi(lhs: FloatTensor<Self>, rhs: IntTensor<Self>) -> FloatTensor<Self> {
@@ -430,7 +430,7 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
     }
     fn float_powi_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::PowiScalar, &[CastInput::One(&lhs)]);
-        let lhs = plan.cast::<B>(lhs);
+        let lhs = plan.cast_at::<B>(0, lhs);
         B::float_powi_scalar(lhs, rhs)
     }
     fn float_powi_scalar_impl(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
@@ -438,7 +438,7 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
     }
     fn float_powf_scalar(tensor: FloatTensor<Self>, value: Scalar) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::PowfScalar, &[CastInput::One(&tensor)]);
-        let tensor = plan.cast::<B>(tensor);
+        let tensor = plan.cast_at::<B>(0, tensor);
         B::float_powf_scalar(tensor, value)
     }
     fn float_powf_scalar_impl(tensor: FloatTensor<Self>, value: Scalar) -> FloatTensor<Self> {
@@ -446,7 +446,7 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
     }
     fn float_sqrt(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::Sqrt, &[CastInput::One(&tensor)]);
-        let tensor = plan.cast::<B>(tensor);
+        let tensor = plan.cast_at::<B>(0, tensor);
         B::float_sqrt(tensor)
     }
     fn float_abs(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -460,17 +460,17 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
     }
     fn float_tan(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::Tan, &[CastInput::One(&tensor)]);
-        let tensor = plan.cast::<B>(tensor);
+        let tensor = plan.cast_at::<B>(0, tensor);
         B::float_tan(tensor)
     }
     fn float_cosh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::Cosh, &[CastInput::One(&tensor)]);
-        let tensor = plan.cast::<B>(tensor);
+        let tensor = plan.cast_at::<B>(0, tensor);
         B::float_cosh(tensor)
     }
     fn float_sinh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::Sinh, &[CastInput::One(&tensor)]);
-        let tensor = plan.cast::<B>(tensor);
+        let tensor = plan.cast_at::<B>(0, tensor);
         B::float_sinh(tensor)
     }
     fn float_tanh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -478,7 +478,7 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
     }
     fn float_acos(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::Acos, &[CastInput::One(&tensor)]);
-        let tensor = plan.cast::<B>(tensor);
+        let tensor = plan.cast_at::<B>(0, tensor);
         B::float_acos(tensor)
     }
     fn float_acosh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -486,7 +486,7 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
     }
     fn float_asin(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::Asin, &[CastInput::One(&tensor)]);
-        let tensor = plan.cast::<B>(tensor);
+        let tensor = plan.cast_at::<B>(0, tensor);
         B::float_asin(tensor)
     }
     fn float_asinh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -500,8 +500,8 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
     }
     fn float_atan2(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::Atan2, &[CastInput::One(&lhs), CastInput::One(&rhs)]);
-        let lhs = plan.cast::<B>(lhs);
-        let rhs = plan.cast::<B>(rhs);
+        let lhs = plan.cast_at::<B>(0, lhs);
+        let rhs = plan.cast_at::<B>(1, rhs);
         B::float_atan2(lhs, rhs)
     }
     fn float_round(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -518,7 +518,7 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
     }
     fn float_erf(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::Erf, &[CastInput::One(&tensor)]);
-        let tensor = plan.cast::<B>(tensor);
+        let tensor = plan.cast_at::<B>(0, tensor);
         B::float_erf(tensor)
     }
     fn float_cat(tensors: Vec<FloatTensor<Self>>, dim: usize) -> FloatTensor<Self> {
@@ -629,8 +629,8 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
             Op::GridSample2d,
             &[CastInput::One(&tensor), CastInput::One(&grid)],
         );
-        let tensor = plan.cast::<B>(tensor);
-        let grid = plan.cast::<B>(grid);
+        let tensor = plan.cast_at::<B>(0, tensor);
+        let grid = plan.cast_at::<B>(1, grid);
         B::float_grid_sample_2d(tensor, grid, options)
     }
     fn float_unfold(

@@ -37,8 +37,8 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
                 CastInput::Maybe(&bias),
             ],
         );
-        let x = plan.cast::<B>(x);
-        let weight = plan.cast::<B>(weight);
+        let x = plan.cast_at::<B>(0, x);
+        let weight = plan.cast_at::<B>(1, weight);
         let bias = plan.cast_opt::<B>(bias);
         B::linear(x, weight, bias)
     }
@@ -71,8 +71,8 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
                 CastInput::Maybe(&bias),
             ],
         );
-        let x = plan.cast::<B>(x);
-        let weight = plan.cast::<B>(weight);
+        let x = plan.cast_at::<B>(0, x);
+        let weight = plan.cast_at::<B>(1, weight);
         let bias = plan.cast_opt::<B>(bias);
         B::conv1d(x, weight, bias, options)
     }
@@ -113,8 +113,8 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
                 CastInput::Maybe(&bias),
             ],
         );
-        let x = plan.cast::<B>(x);
-        let weight = plan.cast::<B>(weight);
+        let x = plan.cast_at::<B>(0, x);
+        let weight = plan.cast_at::<B>(1, weight);
         let bias = plan.cast_opt::<B>(bias);
         B::conv2d(x, weight, bias, options)
     }
@@ -159,9 +159,9 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
                 CastInput::Maybe(&bias),
             ],
         );
-        let x = plan.cast::<B>(x);
-        let offset = plan.cast::<B>(offset);
-        let weight = plan.cast::<B>(weight);
+        let x = plan.cast_at::<B>(0, x);
+        let offset = plan.cast_at::<B>(1, offset);
+        let weight = plan.cast_at::<B>(2, weight);
         let mask = plan.cast_opt::<B>(mask);
         let bias = plan.cast_opt::<B>(bias);
         B::deform_conv2d(x, offset, weight, mask, bias, options)
@@ -191,8 +191,8 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
                 CastInput::Maybe(&bias),
             ],
         );
-        let x = plan.cast::<B>(x);
-        let weight = plan.cast::<B>(weight);
+        let x = plan.cast_at::<B>(0, x);
+        let weight = plan.cast_at::<B>(1, weight);
         let bias = plan.cast_opt::<B>(bias);
         B::conv3d(x, weight, bias, options)
     }
@@ -233,8 +233,8 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
                 CastInput::Maybe(&bias),
             ],
         );
-        let x = plan.cast::<B>(x);
-        let weight = plan.cast::<B>(weight);
+        let x = plan.cast_at::<B>(0, x);
+        let weight = plan.cast_at::<B>(1, weight);
         let bias = plan.cast_opt::<B>(bias);
         B::conv_transpose1d(x, weight, bias, options)
     }
@@ -274,8 +274,8 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
                 CastInput::Maybe(&bias),
             ],
         );
-        let x = plan.cast::<B>(x);
-        let weight = plan.cast::<B>(weight);
+        let x = plan.cast_at::<B>(0, x);
+        let weight = plan.cast_at::<B>(1, weight);
         let bias = plan.cast_opt::<B>(bias);
         B::conv_transpose2d(x, weight, bias, options)
     }
@@ -315,8 +315,8 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
                 CastInput::Maybe(&bias),
             ],
         );
-        let x = plan.cast::<B>(x);
-        let weight = plan.cast::<B>(weight);
+        let x = plan.cast_at::<B>(0, x);
+        let weight = plan.cast_at::<B>(1, weight);
         let bias = plan.cast_opt::<B>(bias);
         B::conv_transpose3d(x, weight, bias, options)
     }
@@ -529,7 +529,7 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         options: InterpolateOptions,
     ) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::Interpolate, &[CastInput::One(&x)]);
-        let x = plan.cast::<B>(x);
+        let x = plan.cast_at::<B>(0, x);
         B::interpolate(x, output_size, options)
     }
     fn interpolate_backward(
@@ -557,9 +557,9 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
                 CastInput::Maybe(&attn_bias),
             ],
         );
-        let query = plan.cast::<B>(query);
-        let key = plan.cast::<B>(key);
-        let value = plan.cast::<B>(value);
+        let query = plan.cast_at::<B>(0, query);
+        let key = plan.cast_at::<B>(1, key);
+        let value = plan.cast_at::<B>(2, value);
         let attn_bias = plan.cast_opt::<B>(attn_bias);
         B::attention(query, key, value, mask, attn_bias, options)
     }
@@ -577,8 +577,8 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
                 CastInput::Maybe(&beta),
             ],
         );
-        let tensor = plan.cast::<B>(tensor);
-        let gamma = plan.cast::<B>(gamma);
+        let tensor = plan.cast_at::<B>(0, tensor);
+        let gamma = plan.cast_at::<B>(1, gamma);
         let beta = plan.cast_opt::<B>(beta);
         B::layer_norm(tensor, gamma, beta, epsilon)
     }
@@ -590,7 +590,7 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         blank: usize,
     ) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::CtcLoss, &[CastInput::One(&log_probs)]);
-        let log_probs = plan.cast::<B>(log_probs);
+        let log_probs = plan.cast_at::<B>(0, log_probs);
         B::ctc_loss(log_probs, targets, input_lengths, target_lengths, blank)
     }
     fn has_ctc_loss_backward() -> bool {
@@ -619,7 +619,7 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         n: Option<usize>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let plan = CastPlan::new::<B>(Op::Rfft, &[CastInput::One(&signal)]);
-        let signal = plan.cast::<B>(signal);
+        let signal = plan.cast_at::<B>(0, signal);
         B::rfft(signal, dim, n)
     }
     fn irfft(
@@ -632,8 +632,8 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
             Op::Irfft,
             &[CastInput::One(&spectrum_re), CastInput::One(&spectrum_im)],
         );
-        let spectrum_re = plan.cast::<B>(spectrum_re);
-        let spectrum_im = plan.cast::<B>(spectrum_im);
+        let spectrum_re = plan.cast_at::<B>(0, spectrum_re);
+        let spectrum_im = plan.cast_at::<B>(1, spectrum_im);
         B::irfft(spectrum_re, spectrum_im, dim, n)
     }
 }

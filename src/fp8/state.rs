@@ -1,0 +1,345 @@
+//! Per-tensor scaling state: what each fp8 tensor's scale and amax history are, which tensor
+//! an autocast call is, and the process-wide registry they live in.
+
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard, OnceLock};
+
+use serde::{Deserialize, Serialize};
+
+use super::format::Fp8Format;
+use super::recipe::{DelayedScaling, ScalingState};
+use crate::AccelerateError;
+use crate::autocast::Op;
+
+/// The pass a scaled tensor belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Pass {
+    /// An input of a lower-class op, rounded to E4M3.
+    #[serde(rename = "forward")]
+    Forward,
+    /// The gradient of such an input under [`Fp8Mode::Hybrid`](super::Fp8Mode::Hybrid),
+    /// rounded to E5M2.
+    #[serde(rename = "backward")]
+    Backward,
+}
+
+impl Pass {
+    /// The format tensors of this pass are rounded to.
+    pub const fn format(self) -> Fp8Format {
+        match self {
+            Pass::Forward => Fp8Format::E4M3,
+            Pass::Backward => Fp8Format::E5M2,
+        }
+    }
+}
+
+/// Which "tensor" a scale belongs to.
+///
+/// Burn's tensor primitives have no stable identity, so a tensor is named by where it is used:
+/// the `call`-th call of `op` on its thread since the last [`step`](super::step), its `input`-th
+/// required float input (0 for `x`, 1 for `weight` in `linear`), and the pass. A model that
+/// runs the same ops in the same order every step (any model without data-dependent control
+/// flow) gives every layer input the same key every step, which is what Transformer Engine's
+/// per-module scaling state amounts to. Worker threads running the same model share keys, so
+/// their amaxes meet in one history, as Transformer Engine's amax reduction across
+/// data-parallel ranks does.
+///
+/// ```
+/// use burn_accelerate::autocast::Op;
+/// use burn_accelerate::fp8::{Pass, TensorKey};
+///
+/// // The weight of the second linear layer a forward pass runs.
+/// let key = TensorKey { op: Op::Linear, call: 1, input: 1, pass: Pass::Forward };
+/// assert_eq!(key.to_string(), "linear#1.1/forward");
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct TensorKey {
+    /// The op the tensor is an input of.
+    pub op: Op,
+    /// Which call of `op` since the step began (0-based, per thread).
+    pub call: u32,
+    /// Which of the op's required float inputs (0-based).
+    pub input: u32,
+    /// Forward input, or its gradient.
+    pub pass: Pass,
+}
+
+impl core::fmt::Display for TensorKey {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        let pass = match self.pass {
+            Pass::Forward => "forward",
+            Pass::Backward => "backward",
+        };
+        write!(
+            f,
+            "{}#{}.{}/{pass}",
+            self.op.method(),
+            self.call,
+            self.input
+        )
+    }
+}
+
+/// The delayed-scaling state of every fp8 tensor: the recipe, and a [`ScalingState`] per
+/// [`TensorKey`]. Checkpoint it with serde (see [`state`](super::state) and
+/// [`load_state`](super::load_state)).
+///
+/// ```
+/// use burn_accelerate::autocast::Op;
+/// use burn_accelerate::fp8::{DelayedScaling, Fp8State, Pass, TensorKey};
+///
+/// let mut state = Fp8State::new(DelayedScaling::default())?;
+/// let key = TensorKey { op: Op::Matmul, call: 0, input: 0, pass: Pass::Forward };
+/// assert_eq!(state.scale(&key), 1.0);
+/// state.observe(key, 3.5);
+/// state.step();
+/// assert_eq!(state.scale(&key), 128.0); // 448 / 3.5
+/// # Ok::<(), burn_accelerate::AccelerateError>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct Fp8State {
+    recipe: DelayedScaling,
+    steps: u64,
+    #[serde(with = "entries")]
+    tensors: BTreeMap<TensorKey, ScalingState>,
+}
+
+impl Fp8State {
+    /// An empty state under `recipe`.
+    ///
+    /// # Errors
+    /// [`AccelerateError::InvalidFp8Recipe`] when the recipe does not validate.
+    pub fn new(recipe: DelayedScaling) -> Result<Self, AccelerateError> {
+        recipe.validate()?;
+        Ok(Fp8State {
+            recipe,
+            ..Fp8State::default()
+        })
+    }
+
+    /// The recipe the scales follow.
+    pub fn recipe(&self) -> DelayedScaling {
+        self.recipe
+    }
+
+    /// Changes the recipe for the steps to come; the histories are kept (a shorter window
+    /// drops their oldest amaxes at the next step).
+    ///
+    /// # Errors
+    /// [`AccelerateError::InvalidFp8Recipe`] when the recipe does not validate.
+    pub fn set_recipe(&mut self, recipe: DelayedScaling) -> Result<(), AccelerateError> {
+        recipe.validate()?;
+        self.recipe = recipe;
+        Ok(())
+    }
+
+    /// Steps ended with [`step`](Self::step).
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// The scale `key` is quantized with in the current step (1 for a tensor not seen yet).
+    pub fn scale(&self, key: &TensorKey) -> f32 {
+        self.tensors.get(key).map_or(1.0, ScalingState::scale)
+    }
+
+    /// The state of one tensor, if it has been seen.
+    pub fn tensor(&self, key: &TensorKey) -> Option<&ScalingState> {
+        self.tensors.get(key)
+    }
+
+    /// Every tensor seen, in key order.
+    pub fn tensors(&self) -> impl Iterator<Item = (&TensorKey, &ScalingState)> {
+        self.tensors.iter()
+    }
+
+    /// Records an amax of `key` in the current step.
+    pub fn observe(&mut self, key: TensorKey, amax: f32) {
+        self.tensors.entry(key).or_default().observe(amax);
+    }
+
+    /// Ends the step for every tensor: new scales, rolled histories.
+    pub fn step(&mut self) {
+        let recipe = self.recipe;
+        for (key, tensor) in &mut self.tensors {
+            tensor.update(&recipe, key.pass.format());
+        }
+        self.steps += 1;
+    }
+}
+
+// JSON maps want string keys; the state is saved as a list of (key, state) pairs instead.
+mod entries {
+    use super::{BTreeMap, ScalingState, TensorKey};
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(
+        map: &BTreeMap<TensorKey, ScalingState>,
+        serializer: S,
+    ) -> Result<S::Ok, S::Error> {
+        serializer.collect_seq(map.iter())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(
+        deserializer: D,
+    ) -> Result<BTreeMap<TensorKey, ScalingState>, D::Error> {
+        Ok(Vec::<(TensorKey, ScalingState)>::deserialize(deserializer)?
+            .into_iter()
+            .collect())
+    }
+}
+
+// An amax still on the device: reading it waits for the device, so it is read when the step
+// ends (or when too many wait), not in the op that produced it.
+pub(crate) type PendingAmax = Box<dyn FnOnce() -> f32 + Send>;
+
+// Reading them early costs a device sync; letting them pile up forever costs memory when
+// nobody calls `step`.
+const MAX_PENDING: usize = 4096;
+
+#[derive(Default)]
+struct Registry {
+    state: Fp8State,
+    pending: Vec<(TensorKey, PendingAmax)>,
+}
+
+fn registry() -> MutexGuard<'static, Registry> {
+    static REGISTRY: OnceLock<Mutex<Registry>> = OnceLock::new();
+    REGISTRY
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+// Bumped by every `step`: a thread whose call counters belong to an older epoch restarts them.
+static EPOCH: AtomicU64 = AtomicU64::new(0);
+
+thread_local! {
+    static CALLS: RefCell<(u64, [u32; 64])> = const { RefCell::new((0, [0; 64])) };
+}
+
+/// The next call number of `op` on this thread in the current step.
+pub(crate) fn next_call(op: Op) -> u32 {
+    let epoch = EPOCH.load(Ordering::Acquire);
+    CALLS.with(|calls| {
+        let mut calls = calls.borrow_mut();
+        if calls.0 != epoch {
+            *calls = (epoch, [0; 64]);
+        }
+        let slot = &mut calls.1[op as usize];
+        let call = *slot;
+        *slot = slot.saturating_add(1);
+        call
+    })
+}
+
+/// The scale `key` has in the current step.
+pub(crate) fn scale_of(key: &TensorKey) -> f32 {
+    registry().state.scale(key)
+}
+
+/// Queues an amax of `key`, read when the step ends.
+pub(crate) fn record(key: TensorKey, amax: PendingAmax) {
+    let overflow = {
+        let mut registry = registry();
+        registry.pending.push((key, amax));
+        (registry.pending.len() >= MAX_PENDING).then(|| std::mem::take(&mut registry.pending))
+    };
+    if let Some(pending) = overflow {
+        resolve(pending);
+    }
+}
+
+// Reads queued amaxes (outside the lock: reading waits for the device) into the state.
+fn resolve(pending: Vec<(TensorKey, PendingAmax)>) {
+    let amaxes: Vec<(TensorKey, f32)> = pending.into_iter().map(|(k, read)| (k, read())).collect();
+    let mut registry = registry();
+    for (key, amax) in amaxes {
+        registry.state.observe(key, amax);
+    }
+}
+
+fn take_pending() -> Vec<(TensorKey, PendingAmax)> {
+    std::mem::take(&mut registry().pending)
+}
+
+/// Ends an fp8 training step: reads the amaxes the step recorded, sets every tensor's scale
+/// for the next step from its history, and restarts the call numbering that names tensors.
+///
+/// Call it once per training step, after the backward pass (next to the optimizer step), on
+/// any thread. Without it no scale ever changes from 1. Evaluation passes in between also
+/// record amaxes and number calls: run them after a `step` so their keys match the model's.
+///
+/// ```
+/// use burn_accelerate::fp8;
+///
+/// fp8::step();
+/// assert!(fp8::state().steps() >= 1);
+/// ```
+pub fn step() {
+    resolve(take_pending());
+    registry().state.step();
+    EPOCH.fetch_add(1, Ordering::AcqRel);
+}
+
+/// A copy of the process-wide fp8 state (amaxes still on the device are read first), for
+/// inspection or a checkpoint.
+///
+/// ```
+/// use burn_accelerate::fp8;
+///
+/// let json = serde_json::to_string(&fp8::state()).unwrap();
+/// let restored: fp8::Fp8State = serde_json::from_str(&json).unwrap();
+/// fp8::load_state(restored);
+/// ```
+pub fn state() -> Fp8State {
+    resolve(take_pending());
+    registry().state.clone()
+}
+
+/// Replaces the process-wide fp8 state (a checkpoint's), dropping amaxes not yet read, and
+/// restarts call numbering.
+pub fn load_state(state: Fp8State) {
+    let dropped = {
+        let mut registry = registry();
+        registry.state = state;
+        std::mem::take(&mut registry.pending)
+    };
+    drop(dropped);
+    EPOCH.fetch_add(1, Ordering::AcqRel);
+}
+
+/// Forgets every tensor's scale and history, keeping the recipe.
+pub fn reset() {
+    let recipe = recipe();
+    load_state(Fp8State {
+        recipe,
+        ..Fp8State::default()
+    });
+}
+
+/// The recipe the process-wide scales follow.
+pub fn recipe() -> DelayedScaling {
+    registry().state.recipe()
+}
+
+/// Sets the recipe the process-wide scales follow from the next step on.
+///
+/// [`AutocastConfig::init`](crate::AutocastConfig::init) calls this with its `fp8_recipe`
+/// when its precision is fp8.
+///
+/// # Errors
+/// [`AccelerateError::InvalidFp8Recipe`] when the recipe does not validate; the recipe in
+/// force is then unchanged.
+///
+/// ```
+/// use burn_accelerate::fp8::{self, DelayedScaling};
+///
+/// let err = fp8::set_recipe(DelayedScaling::default().with_margin(-1)).unwrap_err();
+/// assert!(err.to_string().contains("margin"));
+/// ```
+pub fn set_recipe(recipe: DelayedScaling) -> Result<(), AccelerateError> {
+    registry().state.set_recipe(recipe)
+}
