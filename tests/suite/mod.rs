@@ -14,6 +14,17 @@ use burn::tensor::{DType, Distribution, ElementConversion, Tensor, TensorData};
 use burn_accelerate::{Accelerated, Precision, autocast};
 use models::{ConvNet, Mlp};
 
+/// Seeds `B` and holds a lock until the guard drops.
+///
+/// Backends' random generators are process-wide and tests run in parallel: without the lock
+/// another test's draws interleave with this one's and its data changes from run to run.
+pub fn seeded<B: Backend>(device: &B::Device, seed: u64) -> std::sync::MutexGuard<'static, ()> {
+    static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let guard = RNG.lock().unwrap_or_else(|e| e.into_inner());
+    B::seed(device, seed);
+    guard
+}
+
 /// The relative error allowed for `precision`, in the 2-norm.
 pub fn tolerance(precision: Precision) -> f32 {
     match precision {
@@ -65,7 +76,7 @@ pub fn lowered(precision: Precision, runs: bool) -> DType {
 
 /// MLP forward: op-class dtypes as the table says, values close to f32.
 pub fn mlp_forward<B: Backend>(device: &B::Device, precision: Precision) {
-    B::seed(device, 1);
+    let _seeded = seeded::<B>(device, 1);
     let runs = burn_accelerate::capability::probe::<B>(device).runs(precision);
     let (reference, model) = twins(
         Mlp::<B>::new(16, 32, 4, device),
@@ -100,7 +111,7 @@ pub fn mlp_forward<B: Backend>(device: &B::Device, precision: Precision) {
 
 /// Conv net forward: conv2d is lower-class, the pooled features and the head follow.
 pub fn conv_forward<B: Backend>(device: &B::Device, precision: Precision) {
-    B::seed(device, 2);
+    let _seeded = seeded::<B>(device, 2);
     let runs = burn_accelerate::capability::probe::<B>(device).runs(precision);
     let (reference, model) = twins(
         ConvNet::<B>::new(device),
@@ -128,7 +139,7 @@ pub fn mlp_gradients<B: AutodiffBackend>(device: &B::Device, precision: Precisio
     // A relu whose input rounds across zero flips one sample's contribution to a gradient
     // column; a batch of 64 keeps that within tolerance, as it is in real training.
     const BATCH: usize = 64;
-    B::seed(device, 3);
+    let _seeded = seeded::<B>(device, 3);
     let runs = burn_accelerate::capability::probe::<B>(device).runs(precision);
     let (reference, model) = twins(
         Mlp::<B>::new(16, 32, 4, device),
@@ -175,7 +186,7 @@ pub fn mlp_gradients<B: AutodiffBackend>(device: &B::Device, precision: Precisio
 
 /// With autocast off the decorator is invisible: bit-identical results, forward and backward.
 pub fn off_is_bit_identical<B: AutodiffBackend>(device: &B::Device) {
-    B::seed(device, 4);
+    let _seeded = seeded::<B>(device, 4);
     let (reference, model) = twins(
         Mlp::<B>::new(16, 32, 4, device),
         Mlp::<Accelerated<B>>::new(16, 32, 4, device),
