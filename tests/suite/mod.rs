@@ -136,8 +136,6 @@ pub fn conv_forward<B: Backend>(device: &B::Device, precision: Precision) {
 
 /// Under `Accelerated<Autodiff<B>>` every parameter gets an f32 gradient close to f32's.
 pub fn mlp_gradients<B: AutodiffBackend>(device: &B::Device, precision: Precision) {
-    // A relu whose input rounds across zero flips one sample's contribution to a gradient
-    // column; a batch of 64 keeps that within tolerance, as it is in real training.
     const BATCH: usize = 64;
     let _seeded = seeded::<B>(device, 3);
     let runs = burn_accelerate::capability::probe::<B>(device).runs(precision);

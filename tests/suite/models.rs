@@ -3,7 +3,7 @@
 use burn::module::Module;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::pool::{AdaptiveAvgPool2d, AdaptiveAvgPool2dConfig};
-use burn::nn::{Linear, LinearConfig, Relu};
+use burn::nn::{Linear, LinearConfig, Relu, Tanh};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
 
@@ -13,7 +13,9 @@ use super::ParamGrads;
 pub struct Mlp<B: Backend> {
     pub fc1: Linear<B>,
     pub fc2: Linear<B>,
-    pub act: Relu,
+    // Smooth, so a value rounding across zero in low precision cannot flip a gradient
+    // on or off (a relu would, and the gradient tests would measure that, not autocast).
+    pub act: Tanh,
 }
 
 impl<B: Backend> Mlp<B> {
@@ -21,7 +23,7 @@ impl<B: Backend> Mlp<B> {
         Self {
             fc1: LinearConfig::new(input, hidden).init(device),
             fc2: LinearConfig::new(hidden, output).init(device),
-            act: Relu::new(),
+            act: Tanh::new(),
         }
     }
 
