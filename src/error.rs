@@ -46,7 +46,8 @@ pub enum AccelerateError {
     #[error(
         "{backend} cannot run {precision} on device {device}: the capability probe found no \
          working {precision} matmul there. Use a precision the device supports ({supported}), \
-         or allow the f32 fallback (`AutocastConfig::with_allow_fallback(true)`)"
+         or allow the f32 fallback (`with_allow_fallback(true)` on the `AutocastConfig` or \
+         `AccelerateConfig`)"
     )]
     UnsupportedPrecision {
         /// The requested precision.
@@ -57,5 +58,32 @@ pub enum AccelerateError {
         device: String,
         /// What the probe found usable, comma-separated.
         supported: String,
+    },
+
+    /// A setting outside the range it is meaningful in (a configuration field, or an argument
+    /// such as a clipping threshold).
+    #[error("invalid {field} = {value}: {fix}")]
+    InvalidConfig {
+        /// The setting, named as in the config (`gradient_accumulation_steps`,
+        /// `grad_scaler.backoff_factor`, ...) or the argument.
+        field: &'static str,
+        /// The value given, as text.
+        value: String,
+        /// What to set instead.
+        fix: &'static str,
+    },
+
+    /// Saved state that does not fit the object it is loaded into.
+    #[error(
+        "cannot restore {what}: the checkpoint was saved with {saved}, this accelerator has \
+         {current}. Build the accelerator with the checkpoint's settings"
+    )]
+    StateMismatch {
+        /// Which setting differs.
+        what: &'static str,
+        /// The checkpoint's value.
+        saved: String,
+        /// The current value.
+        current: String,
     },
 }

@@ -16,6 +16,8 @@
 //! - [`capability`]: which low precisions a device really runs, found by running them.
 //! - [`fp8`]: fp8 autocast's rounding, Transformer Engine's delayed scaling and its per-tensor
 //!   state.
+//! - [`scaler`]: loss scales as values (none, static, torch's dynamic one) and the
+//!   process-wide armed scale the decorator's `backward` applies.
 //!
 //! ```
 //! # #[cfg(feature = "flex")] {
@@ -45,8 +47,10 @@ pub mod data;
 mod error;
 pub mod fp8;
 mod precision;
+pub mod scaler;
 
 pub use autocast::{Autocast, AutocastConfig};
 pub use backend::Accelerated;
 pub use error::AccelerateError;
 pub use precision::Precision;
+pub use scaler::{ArmedLossScale, DynamicLossScale, GradScalerConfig, LossScale};

@@ -113,7 +113,14 @@ impl<B: AutodiffBackend> AutodiffBackend for Accelerated<B> {
     type InnerBackend = Accelerated<B::InnerBackend>;
     type Gradients = B::Gradients;
 
+    /// Differentiates `tensor`, first multiplied by the armed loss scale if one is armed
+    /// ([`ArmedLossScale`](crate::scaler::ArmedLossScale)), so that an unmodified
+    /// `loss.backward()` in a training step yields scaled gradients.
     fn backward(tensor: FloatTensor<Self>) -> Self::Gradients {
+        let tensor = match crate::scaler::armed() {
+            Some(scale) => B::float_mul_scalar(tensor, scale.into()),
+            None => tensor,
+        };
         B::backward(tensor)
     }
 
