@@ -18,6 +18,8 @@
 //!   state.
 //! - [`scaler`]: loss scales as values (none, static, torch's dynamic one) and the
 //!   process-wide armed scale the decorator's `backward` applies.
+//! - [`grads`]: unscale-and-check, accumulation and clipping over a model's gradients, on the
+//!   device with one host read per optimizer step.
 //!
 //! ```
 //! # #[cfg(feature = "flex")] {
@@ -46,6 +48,7 @@ pub mod capability;
 pub mod data;
 mod error;
 pub mod fp8;
+pub mod grads;
 mod precision;
 pub mod scaler;
 
