@@ -20,6 +20,7 @@
 //!   process-wide armed scale the decorator's `backward` applies.
 //! - [`grads`]: unscale-and-check, accumulation and clipping over a model's gradients, on the
 //!   device with one host read per optimizer step.
+//! - [`gradient_state`]: Accelerate's `GradientState` (`sync_gradients`, end of data loader).
 //!
 //! ```
 //! # #[cfg(feature = "flex")] {
@@ -48,6 +49,7 @@ pub mod capability;
 pub mod data;
 mod error;
 pub mod fp8;
+pub mod gradient_state;
 pub mod grads;
 mod precision;
 pub mod scaler;
@@ -55,5 +57,6 @@ pub mod scaler;
 pub use autocast::{Autocast, AutocastConfig};
 pub use backend::Accelerated;
 pub use error::AccelerateError;
+pub use gradient_state::{Accumulate, ActiveDataLoader, GradientState, GradientStateSnapshot};
 pub use precision::Precision;
 pub use scaler::{ArmedLossScale, DynamicLossScale, GradScalerConfig, LossScale};
