@@ -16,6 +16,9 @@
 //! - [`capability`]: which low precisions a device really runs, found by running them.
 //! - [`fp8`]: fp8 autocast's rounding, Transformer Engine's delayed scaling and its per-tensor
 //!   state.
+//! - [`Accelerator`] (built from an [`AccelerateConfig`]): loss scaling, gradient accumulation
+//!   and clipping for hand-written loops, conformant with torch's `GradScaler` and
+//!   accelerate's accumulation.
 //! - [`scaler`]: loss scales as values (none, static, torch's dynamic one) and the
 //!   process-wide armed scale the decorator's `backward` applies.
 //! - [`grads`]: unscale-and-check, accumulation and clipping over a model's gradients, on the
@@ -43,6 +46,7 @@
 //! # Ok::<(), burn_accelerate::AccelerateError>(())
 //! ```
 
+mod accelerator;
 pub mod autocast;
 mod backend;
 pub mod capability;
@@ -54,6 +58,7 @@ pub mod grads;
 mod precision;
 pub mod scaler;
 
+pub use accelerator::{AccelerateConfig, Accelerator, AcceleratorState, StepOutcome};
 pub use autocast::{Autocast, AutocastConfig};
 pub use backend::Accelerated;
 pub use error::AccelerateError;
