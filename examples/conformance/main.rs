@@ -4,12 +4,32 @@
 //!     cargo run --release --example conformance -- SUITE CASES.json > results.jsonl
 //!     python3 ../shared/golden/check.py SUITE CASES.json results.jsonl
 
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+mod accumulation;
 #[cfg(feature = "flex")]
 mod fp8;
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+mod scaler;
 mod shards;
 
 use std::io::{BufWriter, Write};
 use std::process::ExitCode;
+
+use serde_json::Value;
+
+type Runner = fn(&str, &Value) -> Value;
+
+/// Every suite module: the suites it answers and its runner. The tensor suites need a
+/// backend feature: `flex` (the default) for fp8, `flex` or `ndarray` for the others.
+const MODULES: &[(&[&str], Runner)] = &[
+    (&shards::SUITES, shards::run_case),
+    #[cfg(feature = "flex")]
+    (&fp8::SUITES, fp8::run_case),
+    #[cfg(any(feature = "flex", feature = "ndarray"))]
+    (&scaler::SUITES, scaler::run_case),
+    #[cfg(any(feature = "flex", feature = "ndarray"))]
+    (&accumulation::SUITES, accumulation::run_case),
+];
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -24,25 +44,24 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let golden: serde_json::Value = match serde_json::from_str(&text) {
+    let golden: Value = match serde_json::from_str(&text) {
         Ok(v) => v,
         Err(err) => {
             eprintln!("{path} is not JSON: {err}");
             return ExitCode::from(2);
         }
     };
-    let run: fn(&str, &serde_json::Value) -> serde_json::Value =
-        if shards::SUITES.contains(&suite.as_str()) {
-            shards::run_case
-        } else if let Some(run) = fp8_suite(suite) {
-            run
-        } else {
-            let mut known = shards::SUITES.to_vec();
-            #[cfg(feature = "flex")]
-            known.extend(fp8::SUITES);
-            eprintln!("unknown suite {suite:?}; known: {}", known.join(", "));
-            return ExitCode::from(2);
-        };
+    let Some(&(_, run)) = MODULES
+        .iter()
+        .find(|(suites, _)| suites.contains(&suite.as_str()))
+    else {
+        let known: Vec<&str> = MODULES
+            .iter()
+            .flat_map(|(s, _)| s.iter().copied())
+            .collect();
+        eprintln!("unknown suite {suite:?}; known: {}", known.join(", "));
+        return ExitCode::from(2);
+    };
     let mut out = BufWriter::new(std::io::stdout().lock());
     for case in golden["cases"].as_array().into_iter().flatten() {
         if writeln!(out, "{}", run(suite, case)).is_err() {
@@ -50,14 +69,4 @@ fn main() -> ExitCode {
         }
     }
     ExitCode::SUCCESS
-}
-
-// fp8 runs on the default backend, Flex: without it the suite is unknown.
-fn fp8_suite(suite: &str) -> Option<fn(&str, &serde_json::Value) -> serde_json::Value> {
-    #[cfg(feature = "flex")]
-    if fp8::SUITES.contains(&suite) {
-        return Some(fp8::run_case);
-    }
-    let _ = suite;
-    None
 }
