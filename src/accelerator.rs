@@ -22,7 +22,7 @@
 //! let mut outcomes = Vec::new();
 //! for _batch in 0..4 {
 //!     let _step = accelerator.accumulate(&model); // `with accelerator.accumulate(model):`
-//!     let loss = model.forward(Tensor::ones([8, 4], &device)).mean();
+//!     let loss = model.forward(Tensor::<B, 2>::ones([8, 4], &device)).mean();
 //!     accelerator.backward(loss, &model);
 //!     let (next, outcome) = accelerator.optimizer_step(&mut optim, model, &mut lr);
 //!     model = next;

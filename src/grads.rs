@@ -32,9 +32,17 @@ pub fn host_reads() -> u64 {
 
 /// Whether some checked gradient held an inf or a NaN, still on the device.
 ///
-/// The indicator is a one-element f32 tensor that is 0 when every checked value was finite and
-/// NaN otherwise (each gradient contributes `sum(g * 0)`, NaN exactly when `g` has an inf or a
-/// NaN, and never a false alarm from a large finite sum).
+/// The indicator is a one-element f32 tensor, 0 when every checked value was finite and NaN
+/// otherwise: each gradient contributes `sum(g) * 0`, which is NaN when `g` holds an inf or a
+/// NaN (an inf or NaN term makes the sum non-finite, and `inf * 0` is NaN).
+///
+/// One deliberate difference from torch, for speed: the sum is one pass with no temporary,
+/// where the exact `sum(g * 0)` costs a second pass and a gradient-sized allocation (measured
+/// on the benchmark MLP: 2.2% of a training step against 3.6%). It can raise a false alarm
+/// only when one f32 gradient tensor's *finite* scaled values sum past `f32::MAX` (their mean
+/// magnitude above `f32::MAX / len`): then that step is skipped and the scale backs off, where
+/// torch would apply it. Half-precision gradients, whose sums could realistically pass f16's
+/// 65504, get the exact check.
 #[derive(Debug, Clone)]
 #[must_use = "an overflow check is only useful once read with found_inf"]
 pub struct OverflowCheck<B: Backend> {
@@ -95,7 +103,7 @@ impl<B: Backend> OverflowCheck<B> {
 /// type B = Autodiff<Flex>;
 /// let device = Default::default();
 /// let model = LinearConfig::new(3, 1).init::<B>(&device);
-/// let loss = model.forward(Tensor::ones([2, 3], &device)).sum() * 1024.0;
+/// let loss = model.forward(Tensor::<B, 2>::ones([2, 3], &device)).sum() * 1024.0;
 /// let mut g = GradientsParams::from_grads(loss.backward(), &model);
 /// let check = grads::unscale_and_check::<B, _>(&model, &mut g, 1.0 / 1024.0);
 /// assert!(!check.found_inf()); // the one host read
@@ -239,8 +247,12 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for UnscaleAndCheck<'_, B> {
         let Some(grad) = self.grads.remove::<B::InnerBackend, D>(param.id) else {
             return;
         };
-        self.check
-            .add(grad.clone().mul_scalar(0.0).sum().reshape([1]));
+        let indicator = if grad.dtype() == DType::F32 || grad.dtype() == DType::F64 {
+            grad.clone().sum()
+        } else {
+            grad.clone().mul_scalar(0.0).sum()
+        };
+        self.check.add(indicator.reshape([1]).mul_scalar(0.0));
         let grad = if self.factor == 1.0 {
             grad
         } else {
