@@ -43,6 +43,7 @@ use burn::tensor::backend::AutodiffBackend;
 use serde::{Deserialize, Serialize};
 
 use crate::autocast::{Autocast, AutocastConfig, AutocastGuard};
+use crate::fp8::DelayedScaling;
 use crate::gradient_state::{Accumulate, GradientState, GradientStateSnapshot};
 use crate::grads::{self, OverflowCheck};
 use crate::scaler::{GradScalerConfig, LossScale};
@@ -83,6 +84,10 @@ pub struct AccelerateConfig {
     /// `mixed_precision`.
     #[config(default = false)]
     pub allow_fallback: bool,
+    /// How fp8 tensors are scaled when `mixed_precision` is fp8 (Accelerate's
+    /// `FP8RecipeKwargs`; Transformer Engine's defaults). fp8 needs no loss scaling.
+    #[config(default = "DelayedScaling::default()")]
+    pub fp8_recipe: DelayedScaling,
 }
 
 impl AccelerateConfig {
@@ -184,7 +189,8 @@ impl<B: AutodiffBackend> Accelerator<B> {
     /// # Errors
     /// [`AccelerateError::InvalidConfig`] for zero accumulation steps or an invalid scaler
     /// setting; [`AccelerateError::UnsupportedPrecision`] when `device` cannot run
-    /// `mixed_precision` and `allow_fallback` is off.
+    /// `mixed_precision` and `allow_fallback` is off; the fp8 errors of
+    /// [`AutocastConfig::init`] for an fp8 precision.
     pub fn with_gradient_state(
         config: AccelerateConfig,
         device: &B::Device,
@@ -202,6 +208,7 @@ impl<B: AutodiffBackend> Accelerator<B> {
         config.grad_scaler.init(config.mixed_precision)?;
         let autocast = AutocastConfig::new(config.mixed_precision)
             .with_allow_fallback(config.allow_fallback)
+            .with_fp8_recipe(config.fp8_recipe)
             .init::<B>(device)?;
         let loss_scale = config.grad_scaler.init(autocast.precision())?;
         state.configure(

@@ -413,6 +413,34 @@ fn loss_scaling_defaults_follow_the_precision() {
 }
 
 #[test]
+fn fp8_needs_no_loss_scaling_and_its_recipe_is_checked_by_the_constructor() {
+    use burn_accelerate::fp8::{DelayedScaling, Fp8Mode};
+    let device = Default::default();
+    let fp8 = AccelerateConfig::new().with_mixed_precision(Precision::Fp8(Fp8Mode::Hybrid));
+    let bad = fp8
+        .clone()
+        .with_fp8_recipe(DelayedScaling::default().with_interval(0));
+    let err = bad
+        .init_with_state::<B>(&device, GradientState::new())
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            AccelerateError::InvalidFp8Recipe {
+                parameter: "interval",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let acc = fp8
+        .init_with_state::<B>(&device, GradientState::new())
+        .unwrap();
+    assert_eq!(acc.precision(), Precision::Fp8(Fp8Mode::Hybrid));
+    assert_eq!(*acc.loss_scale(), LossScale::None);
+}
+
+#[test]
 fn load_state_refuses_a_checkpoint_from_other_settings() {
     let saved = accelerator(AccelerateConfig::new().with_gradient_accumulation_steps(2)).state();
     let mut other = accelerator(AccelerateConfig::new().with_gradient_accumulation_steps(3));
