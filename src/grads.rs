@@ -37,12 +37,12 @@ pub fn host_reads() -> u64 {
 /// NaN (an inf or NaN term makes the sum non-finite, and `inf * 0` is NaN).
 ///
 /// One deliberate difference from torch, for speed: the sum is one pass with no temporary,
-/// where the exact `sum(g * 0)` costs a second pass and a gradient-sized allocation (measured
-/// on the benchmark MLP: 2.2% of a training step against 3.6%). It can raise a false alarm
-/// only when one f32 gradient tensor's *finite* scaled values sum past `f32::MAX` (their mean
-/// magnitude above `f32::MAX / len`): then that step is skipped and the scale backs off, where
-/// torch would apply it. Half-precision gradients, whose sums could realistically pass f16's
-/// 65504, get the exact check.
+/// where the exact `sum(g * 0)` costs a second pass and a gradient-sized allocation (on the
+/// benchmark MLP, 1.2-2.7% of a training step against 3.6-4.7%; see `BENCHMARKS.md`). It can
+/// raise a false alarm only when one f32 gradient tensor's *finite* scaled values sum past
+/// `f32::MAX` (their mean magnitude above `f32::MAX / len`): that step is then skipped and the
+/// scale backs off, where torch would apply it. Half-precision gradients, whose sums could
+/// realistically pass f16's 65504, get the exact check.
 #[derive(Debug, Clone)]
 #[must_use = "an overflow check is only useful once read with found_inf"]
 pub struct OverflowCheck<B: Backend> {
