@@ -318,7 +318,8 @@ impl<B: AutodiffBackend> Accelerator<B> {
     ///
     /// [`optimizer_step`](Self::optimizer_step) and the clipping functions call it; call it
     /// yourself to look at unscaled gradients before the step (Accelerate's
-    /// `unscale_gradients`).
+    /// `unscale_gradients`). Call it after the window's last [`backward`](Self::backward):
+    /// gradients added afterwards would stay scaled, as with torch's `unscale_`.
     pub fn unscale_gradients<M: AutodiffModule<B>>(&mut self, model: &M) {
         if self.unscaled.is_some() || !self.state.sync_gradients() {
             return;
