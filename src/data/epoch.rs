@@ -117,10 +117,15 @@ impl Epoch {
 
     /// Reads batch `index` straight from `dataset`.
     pub(crate) fn read<I>(&self, dataset: &dyn Dataset<I>, index: usize) -> Vec<I> {
-        self.positions(index)
-            .into_iter()
-            .filter_map(|position| get(dataset, self.index(position)))
-            .collect()
+        let positions = self.positions(index);
+        // Sized up front: `filter_map` would otherwise grow the batch several times.
+        let mut items = Vec::with_capacity(positions.len());
+        items.extend(
+            positions
+                .into_iter()
+                .filter_map(|position| get(dataset, self.index(position))),
+        );
+        items
     }
 }
 
