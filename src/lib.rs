@@ -14,6 +14,8 @@
 //! - [`autocast`]: the precision in force (process default, thread-scoped guards), the op table
 //!   and its classes, user overrides.
 //! - [`capability`]: which low precisions a device really runs, found by running them.
+//! - [`data`]: Accelerate's data sharding as Burn data loaders, one per process
+//!   ([`data::DataLoaderConfig`], [`data::ShardLoaderBuilder`]).
 //!
 //! ```
 //! # #[cfg(feature = "flex")] {

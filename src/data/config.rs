@@ -36,7 +36,9 @@ pub struct DataLoaderConfig {
     #[config(default = false)]
     pub split_batches: bool,
     /// One reader pulls each global batch and hands every shard its slice, with the tail of
-    /// Accelerate's `DataLoaderDispatcher` (see [`Sharding::Dispatch`]).
+    /// Accelerate's `DataLoaderDispatcher` (see [`Sharding::Dispatch`]). The last batches
+    /// are then shorter, and empty on some processes when there are fewer items than
+    /// processes, so the batcher is called with an empty `Vec` there.
     #[config(default = false)]
     pub dispatch_batches: bool,
     /// Pad the tail by cycling from the start of the data so every process gets the same
@@ -181,6 +183,16 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(msg.contains("prefetch depth of at least 1"), "{msg}");
+    }
+
+    #[test]
+    fn loader_errors_convert_into_the_crate_error() {
+        let err: crate::AccelerateError = DataLoaderError::ZeroPrefetch {
+            num_workers: 1,
+            non_blocking: false,
+        }
+        .into();
+        assert!(err.to_string().starts_with("prefetch is 0"));
     }
 
     #[test]

@@ -105,8 +105,9 @@ where
     /// The loader of process `process_index` alone, out of `num_processes`: what each rank
     /// builds under data-parallel training across OS processes.
     ///
-    /// Under `dispatch_batches` this loader's own reader reads every global batch and keeps
-    /// its slice (there is no transport between processes here to send slices over).
+    /// Under `dispatch_batches` this loader reads its own slice of each global batch (the
+    /// items a dispatcher would send it, tail included): there is no transport between
+    /// processes here to send slices over, so each process is its own reader.
     ///
     /// # Errors
     ///
