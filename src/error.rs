@@ -3,6 +3,7 @@
 use thiserror::Error;
 
 use crate::Precision;
+use crate::data::DataLoaderError;
 
 /// Everything in this crate that can go wrong because of user input or the device.
 #[derive(Debug, Clone, PartialEq, Error)]
@@ -86,4 +87,9 @@ pub enum AccelerateError {
         /// The current value.
         current: String,
     },
+
+    /// A data loader configuration that cannot be built, or a loader state that cannot be
+    /// restored.
+    #[error(transparent)]
+    DataLoader(#[from] DataLoaderError),
 }

@@ -24,6 +24,8 @@
 //! - [`grads`]: unscale-and-check, accumulation and clipping over a model's gradients, on the
 //!   device with one host read per optimizer step.
 //! - [`gradient_state`]: Accelerate's `GradientState` (`sync_gradients`, end of data loader).
+//! - [`data`]: Accelerate's data sharding as Burn data loaders, one per process
+//!   ([`data::DataLoaderConfig`], [`data::ShardLoaderBuilder`]).
 //!
 //! ```
 //! # #[cfg(feature = "flex")] {

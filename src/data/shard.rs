@@ -835,6 +835,17 @@ pub fn seeded_permutation(len: usize, seed: u64) -> Vec<usize> {
     order
 }
 
+/// Advances a `SplitMix64` stream whose whole state is `state` and returns its next output.
+///
+/// The loader's non-seedable sampler draws one seed per epoch from such a stream; keeping the
+/// state a plain `u64` is what lets it go into a checkpoint.
+pub(crate) fn splitmix_next(state: &mut u64) -> u64 {
+    let mut rng = SplitMix64(*state);
+    let out = rng.next_u64();
+    *state = rng.0;
+    out
+}
+
 /// `SplitMix64` (Steele, Lea, Flood 2014): tiny, full-period, and good enough for shuffling;
 /// chosen so the permutation needs no dependency and is trivial to reimplement elsewhere.
 struct SplitMix64(u64);
