@@ -15,7 +15,6 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Distribution, FloatDType, Tensor};
 use burn_accelerate::{Accelerated, Precision, autocast};
 
-
 #[derive(Module, Debug)]
 struct Mlp<B: Backend> {
     fc1: Linear<B>,
@@ -51,7 +50,10 @@ fn steps<B: AutodiffBackend>(hand_cast: bool, count: usize) {
 
 fn main() {
     // `cargo bench` passes `--bench`; the variant and the step count are the other arguments.
-    let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
+    let args: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with("--"))
+        .collect();
     let count = args.get(1).and_then(|n| n.parse().ok()).unwrap_or(20);
     match args.first().map(String::as_str) {
         Some("autodiff") => steps::<Autodiff<Flex>>(false, count),

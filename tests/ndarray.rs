@@ -122,5 +122,8 @@ fn training_under_an_autocast_request_matches_f32_training() {
     let want = train(plain);
     let _bf16 = autocast::enable(Precision::Bf16);
     let got = train(accelerated);
-    assert_eq!(got, want, "NdArray runs the bf16 request in f32: the same losses");
+    assert_eq!(
+        got, want,
+        "NdArray runs the bf16 request in f32: the same losses"
+    );
 }
