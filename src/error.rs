@@ -3,6 +3,7 @@
 use thiserror::Error;
 
 use crate::Precision;
+use crate::placement::PlacementError;
 
 /// Everything in this crate that can go wrong because of user input or the device.
 #[derive(Debug, Clone, PartialEq, Error)]
@@ -28,4 +29,8 @@ pub enum AccelerateError {
         /// What the probe found usable, comma-separated.
         supported: String,
     },
+
+    /// A device map or placement that cannot be honoured (see [`PlacementError`]).
+    #[error(transparent)]
+    Placement(#[from] PlacementError),
 }

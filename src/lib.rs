@@ -14,6 +14,8 @@
 //! - [`autocast`]: the precision in force (process default, thread-scoped guards), the op table
 //!   and its classes, user overrides.
 //! - [`capability`]: which low precisions a device really runs, found by running them.
+//! - [`placement`]: where a model's parameters live, device maps under memory budgets, running
+//!   a model placed over several devices, and refusing data-parallel training of one.
 //!
 //! ```
 //! # #[cfg(feature = "flex")] {
@@ -41,6 +43,7 @@ mod backend;
 pub mod capability;
 pub mod data;
 mod error;
+pub mod placement;
 mod precision;
 
 pub use autocast::{Autocast, AutocastConfig};
