@@ -5,6 +5,8 @@ use thiserror::Error;
 use crate::Precision;
 use crate::data::DataLoaderError;
 
+use crate::placement::PlacementError;
+
 /// Everything in this crate that can go wrong because of user input or the device.
 #[derive(Debug, Clone, PartialEq, Error)]
 #[non_exhaustive]
@@ -92,4 +94,8 @@ pub enum AccelerateError {
     /// restored.
     #[error(transparent)]
     DataLoader(#[from] DataLoaderError),
+
+    /// A device map or placement that cannot be honoured (see [`PlacementError`]).
+    #[error(transparent)]
+    Placement(#[from] PlacementError),
 }

@@ -26,6 +26,8 @@
 //! - [`gradient_state`]: Accelerate's `GradientState` (`sync_gradients`, end of data loader).
 //! - [`data`]: Accelerate's data sharding as Burn data loaders, one per process
 //!   ([`data::DataLoaderConfig`], [`data::ShardLoaderBuilder`]).
+//! - [`placement`]: where a model's parameters live, device maps under memory budgets, running
+//!   a model placed over several devices, and refusing data-parallel training of one.
 //!
 //! ```
 //! # #[cfg(feature = "flex")] {
@@ -57,6 +59,7 @@ mod error;
 pub mod fp8;
 pub mod gradient_state;
 pub mod grads;
+pub mod placement;
 mod precision;
 pub mod scaler;
 

@@ -1,6 +1,7 @@
 //! The backend decorator: `Accelerated<B>` is `B` with autocast in front of its ops.
 
 mod forward;
+mod placement;
 mod rewrap;
 
 use burn_backend::tensor::{BoolTensor, FloatTensor, IntTensor, QuantizedTensor};

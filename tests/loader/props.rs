@@ -180,8 +180,10 @@ proptest! {
         } else {
             prop_assert_eq!(&b.iter().map(epoch).collect::<Vec<_>>(), &a1);
         }
-        // Two permutations agreeing on 20 or more places would be a broken shuffle.
-        if a0.concat().concat().len() >= 20 {
+        // Two permutations of 20 or more distinct items agreeing everywhere would be a broken
+        // shuffle. (Counting yielded items instead would also count padding: one item
+        // repeated on 16 processes is the same in every order.)
+        if case.n >= 20 && a0.concat().concat().len() >= 20 {
             prop_assert_ne!(a0, a1);
         }
     }

@@ -88,3 +88,70 @@ impl<B: Backend> ConvNet<B> {
         self.head.forward(pooled.flatten(1, 3))
     }
 }
+
+/// Two linear layers kept together: the unit `no_split` names.
+#[derive(Module, Debug)]
+pub struct Block<B: Backend> {
+    pub fc1: Linear<B>,
+    pub fc2: Linear<B>,
+    pub act: Relu,
+}
+
+impl<B: Backend> Block<B> {
+    pub fn new(width: usize, device: &B::Device) -> Self {
+        Self {
+            fc1: LinearConfig::new(width, width).init(device),
+            fc2: LinearConfig::new(width, width).init(device),
+            act: Relu::new(),
+        }
+    }
+
+    pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        self.act
+            .forward(self.fc2.forward(self.act.forward(self.fc1.forward(x))))
+    }
+}
+
+/// A small multi-layer model to place over devices: `embed`, `blocks.{i}`, `head`.
+///
+/// With `input` 4, `width` 8, `output` 2 (f32): embed 160 bytes, each block 576, head 72.
+#[derive(Module, Debug)]
+pub struct Stack<B: Backend> {
+    pub embed: Linear<B>,
+    pub blocks: Vec<Block<B>>,
+    pub head: Linear<B>,
+}
+
+impl<B: Backend> Stack<B> {
+    pub fn new(
+        input: usize,
+        width: usize,
+        output: usize,
+        depth: usize,
+        device: &B::Device,
+    ) -> Self {
+        Self {
+            embed: LinearConfig::new(input, width).init(device),
+            blocks: (0..depth).map(|_| Block::new(width, device)).collect(),
+            head: LinearConfig::new(width, output).init(device),
+        }
+    }
+
+    /// The plain forward pass: runs placed only under `Accelerated<B>`'s co-locate rule.
+    pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        let h = self.embed.forward(x);
+        let h = self.blocks.iter().fold(h, |h, block| block.forward(h));
+        self.head.forward(h)
+    }
+
+    /// The forward pass of a placed model: each submodule's input brought to its device.
+    pub fn forward_placed(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        use burn_accelerate::placement::to_device_of;
+        let h = self.embed.forward(to_device_of(x, &self.embed));
+        let h = self
+            .blocks
+            .iter()
+            .fold(h, |h, block| block.forward(to_device_of(h, block)));
+        self.head.forward(to_device_of(h, &self.head))
+    }
+}

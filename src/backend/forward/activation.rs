@@ -4,6 +4,7 @@
 
 use crate::autocast::{CastInput, CastPlan, Op};
 use crate::backend::Accelerated;
+use crate::backend::placement::{self, Colocate};
 use crate::backend::rewrap::Rewrap;
 use burn_backend::ops::*;
 use burn_backend::quantization::*;
@@ -27,6 +28,9 @@ impl<B: Backend> ActivationOps<Self> for Accelerated<B> {
         B::gelu(tensor)
     }
     fn prelu(tensor: FloatTensor<Self>, alpha: FloatTensor<Self>) -> FloatTensor<Self> {
+        let colocate = Colocate::<B>::new(&[CastInput::One(&tensor), CastInput::One(&alpha)]);
+        let tensor = colocate.float(tensor);
+        let alpha = colocate.float(alpha);
         let plan = CastPlan::new::<B>(
             Op::Prelu,
             &[CastInput::One(&tensor), CastInput::One(&alpha)],

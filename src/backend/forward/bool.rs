@@ -4,6 +4,7 @@
 
 use crate::autocast::{CastInput, CastPlan, Op};
 use crate::backend::Accelerated;
+use crate::backend::placement::{self, Colocate};
 use crate::backend::rewrap::Rewrap;
 use burn_backend::ops::*;
 use burn_backend::quantization::*;
@@ -41,7 +42,7 @@ impl<B: Backend> BoolTensorOps<Self> for Accelerated<B> {
         B::bool_device(tensor)
     }
     fn bool_to_device(tensor: BoolTensor<Self>, device: &Device<Self>) -> BoolTensor<Self> {
-        B::bool_to_device(tensor, device)
+        placement::bool_to_device::<B>(tensor, device)
     }
     fn bool_reshape(tensor: BoolTensor<Self>, shape: Shape) -> BoolTensor<Self> {
         B::bool_reshape(tensor, shape)

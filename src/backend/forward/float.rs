@@ -4,6 +4,7 @@
 
 use crate::autocast::{CastInput, CastPlan, Op};
 use crate::backend::Accelerated;
+use crate::backend::placement::{self, Colocate};
 use crate::backend::rewrap::Rewrap;
 use burn_backend::ops::*;
 use burn_backend::quantization::*;
@@ -48,7 +49,7 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         B::float_device(tensor)
     }
     fn float_to_device(tensor: FloatTensor<Self>, device: &Device<Self>) -> FloatTensor<Self> {
-        B::float_to_device(tensor, device)
+        placement::float_to_device::<B>(tensor, device)
     }
     fn float_into_int(tensor: FloatTensor<Self>, out_dtype: IntDType) -> IntTensor<Self> {
         B::float_into_int(tensor, out_dtype)
@@ -60,6 +61,9 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         B::float_repeat_dim(tensor, dim, times)
     }
     fn float_add(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        let colocate = Colocate::<B>::new(&[CastInput::One(&lhs), CastInput::One(&rhs)]);
+        let lhs = colocate.float(lhs);
+        let rhs = colocate.float(rhs);
         let plan = CastPlan::new::<B>(Op::Add, &[CastInput::One(&lhs), CastInput::One(&rhs)]);
         let lhs = plan.cast_at::<B>(0, lhs);
         let rhs = plan.cast_at::<B>(1, rhs);
@@ -78,6 +82,9 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         B::float_clamp(tensor, min, max)
     }
     fn float_sub(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        let colocate = Colocate::<B>::new(&[CastInput::One(&lhs), CastInput::One(&rhs)]);
+        let lhs = colocate.float(lhs);
+        let rhs = colocate.float(rhs);
         let plan = CastPlan::new::<B>(Op::Sub, &[CastInput::One(&lhs), CastInput::One(&rhs)]);
         let lhs = plan.cast_at::<B>(0, lhs);
         let rhs = plan.cast_at::<B>(1, rhs);
@@ -87,6 +94,9 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         B::float_sub_scalar(lhs, rhs)
     }
     fn float_mul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        let colocate = Colocate::<B>::new(&[CastInput::One(&lhs), CastInput::One(&rhs)]);
+        let lhs = colocate.float(lhs);
+        let rhs = colocate.float(rhs);
         let plan = CastPlan::new::<B>(Op::Mul, &[CastInput::One(&lhs), CastInput::One(&rhs)]);
         let lhs = plan.cast_at::<B>(0, lhs);
         let rhs = plan.cast_at::<B>(1, rhs);
@@ -96,6 +106,9 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         B::float_mul_scalar(lhs, rhs)
     }
     fn float_div(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        let colocate = Colocate::<B>::new(&[CastInput::One(&lhs), CastInput::One(&rhs)]);
+        let lhs = colocate.float(lhs);
+        let rhs = colocate.float(rhs);
         let plan = CastPlan::new::<B>(Op::Div, &[CastInput::One(&lhs), CastInput::One(&rhs)]);
         let lhs = plan.cast_at::<B>(0, lhs);
         let rhs = plan.cast_at::<B>(1, rhs);
@@ -105,6 +118,9 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         B::float_div_scalar(lhs, rhs)
     }
     fn float_remainder(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        let colocate = Colocate::<B>::new(&[CastInput::One(&lhs), CastInput::One(&rhs)]);
+        let lhs = colocate.float(lhs);
+        let rhs = colocate.float(rhs);
         let plan = CastPlan::new::<B>(Op::Remainder, &[CastInput::One(&lhs), CastInput::One(&rhs)]);
         let lhs = plan.cast_at::<B>(0, lhs);
         let rhs = plan.cast_at::<B>(1, rhs);
@@ -114,6 +130,9 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         B::float_remainder_scalar(lhs, rhs)
     }
     fn float_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        let colocate = Colocate::<B>::new(&[CastInput::One(&lhs), CastInput::One(&rhs)]);
+        let lhs = colocate.float(lhs);
+        let rhs = colocate.float(rhs);
         let plan = CastPlan::new::<B>(Op::Matmul, &[CastInput::One(&lhs), CastInput::One(&rhs)]);
         let lhs = plan.cast_at::<B>(0, lhs);
         let rhs = plan.cast_at::<B>(1, rhs);
@@ -124,6 +143,9 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         rhs: FloatTensor<Self>,
         dim: usize,
     ) -> FloatTensor<Self> {
+        let colocate = Colocate::<B>::new(&[CastInput::One(&lhs), CastInput::One(&rhs)]);
+        let lhs = colocate.float(lhs);
+        let rhs = colocate.float(rhs);
         let plan = CastPlan::new::<B>(Op::Cross, &[CastInput::One(&lhs), CastInput::One(&rhs)]);
         let lhs = plan.cast_at::<B>(0, lhs);
         let rhs = plan.cast_at::<B>(1, rhs);
@@ -165,6 +187,10 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         indices: IntTensor<Self>,
         value: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        let colocate = Colocate::<B>::new(&[CastInput::One(&tensor), CastInput::One(&value)]);
+        let tensor = colocate.float(tensor);
+        let indices = colocate.int(indices);
+        let value = colocate.float(value);
         let plan = CastPlan::new::<B>(
             Op::ScatterAdd,
             &[CastInput::One(&tensor), CastInput::One(&value)],
@@ -197,6 +223,10 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         indices: IntTensor<Self>,
         value: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        let colocate = Colocate::<B>::new(&[CastInput::One(&tensor), CastInput::One(&value)]);
+        let tensor = colocate.float(tensor);
+        let indices = colocate.int(indices);
+        let value = colocate.float(value);
         let plan = CastPlan::new::<B>(
             Op::SelectAdd,
             &[CastInput::One(&tensor), CastInput::One(&value)],
@@ -213,6 +243,9 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         slices: &[Slice],
         value: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        let colocate = Colocate::<B>::new(&[CastInput::One(&tensor), CastInput::One(&value)]);
+        let tensor = colocate.float(tensor);
+        let value = colocate.float(value);
         let plan = CastPlan::new::<B>(
             Op::SliceAssign,
             &[CastInput::One(&tensor), CastInput::One(&value)],
@@ -226,6 +259,10 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         mask: BoolTensor<Self>,
         value: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        let colocate = Colocate::<B>::new(&[CastInput::One(&tensor), CastInput::One(&value)]);
+        let tensor = colocate.float(tensor);
+        let mask = colocate.bool(mask);
+        let value = colocate.float(value);
         let plan = CastPlan::new::<B>(
             Op::MaskWhere,
             &[CastInput::One(&tensor), CastInput::One(&value)],
@@ -246,6 +283,9 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         rhs: FloatTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        let colocate = Colocate::<B>::new(&[CastInput::One(&lhs), CastInput::One(&rhs)]);
+        let lhs = colocate.float(lhs);
+        let rhs = colocate.float(rhs);
         let plan = CastPlan::new::<B>(Op::Equal, &[CastInput::One(&lhs), CastInput::One(&rhs)]);
         let lhs = plan.cast_at::<B>(0, lhs);
         let rhs = plan.cast_at::<B>(1, rhs);
@@ -256,6 +296,9 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         rhs: FloatTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        let colocate = Colocate::<B>::new(&[CastInput::One(&lhs), CastInput::One(&rhs)]);
+        let lhs = colocate.float(lhs);
+        let rhs = colocate.float(rhs);
         let plan = CastPlan::new::<B>(Op::NotEqual, &[CastInput::One(&lhs), CastInput::One(&rhs)]);
         let lhs = plan.cast_at::<B>(0, lhs);
         let rhs = plan.cast_at::<B>(1, rhs);
@@ -280,6 +323,9 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         rhs: FloatTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        let colocate = Colocate::<B>::new(&[CastInput::One(&lhs), CastInput::One(&rhs)]);
+        let lhs = colocate.float(lhs);
+        let rhs = colocate.float(rhs);
         let plan = CastPlan::new::<B>(Op::Greater, &[CastInput::One(&lhs), CastInput::One(&rhs)]);
         let lhs = plan.cast_at::<B>(0, lhs);
         let rhs = plan.cast_at::<B>(1, rhs);
@@ -297,6 +343,9 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         rhs: FloatTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        let colocate = Colocate::<B>::new(&[CastInput::One(&lhs), CastInput::One(&rhs)]);
+        let lhs = colocate.float(lhs);
+        let rhs = colocate.float(rhs);
         let plan = CastPlan::new::<B>(
             Op::GreaterEqual,
             &[CastInput::One(&lhs), CastInput::One(&rhs)],
@@ -317,6 +366,9 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         rhs: FloatTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        let colocate = Colocate::<B>::new(&[CastInput::One(&lhs), CastInput::One(&rhs)]);
+        let lhs = colocate.float(lhs);
+        let rhs = colocate.float(rhs);
         let plan = CastPlan::new::<B>(Op::Less, &[CastInput::One(&lhs), CastInput::One(&rhs)]);
         let lhs = plan.cast_at::<B>(0, lhs);
         let rhs = plan.cast_at::<B>(1, rhs);
@@ -334,6 +386,9 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         rhs: FloatTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        let colocate = Colocate::<B>::new(&[CastInput::One(&lhs), CastInput::One(&rhs)]);
+        let lhs = colocate.float(lhs);
+        let rhs = colocate.float(rhs);
         let plan = CastPlan::new::<B>(Op::LessEqual, &[CastInput::One(&lhs), CastInput::One(&rhs)]);
         let lhs = plan.cast_at::<B>(0, lhs);
         let rhs = plan.cast_at::<B>(1, rhs);
@@ -420,6 +475,9 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         B::float_log1p(tensor)
     }
     fn float_powf(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        let colocate = Colocate::<B>::new(&[CastInput::One(&lhs), CastInput::One(&rhs)]);
+        let lhs = colocate.float(lhs);
+        let rhs = colocate.float(rhs);
         let plan = CastPlan::new::<B>(Op::Powf, &[CastInput::One(&lhs), CastInput::One(&rhs)]);
         let lhs = plan.cast_at::<B>(0, lhs);
         let rhs = plan.cast_at::<B>(1, rhs);
@@ -499,6 +557,9 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         B::float_atanh(tensor)
     }
     fn float_atan2(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        let colocate = Colocate::<B>::new(&[CastInput::One(&lhs), CastInput::One(&rhs)]);
+        let lhs = colocate.float(lhs);
+        let rhs = colocate.float(rhs);
         let plan = CastPlan::new::<B>(Op::Atan2, &[CastInput::One(&lhs), CastInput::One(&rhs)]);
         let lhs = plan.cast_at::<B>(0, lhs);
         let rhs = plan.cast_at::<B>(1, rhs);
@@ -522,6 +583,8 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         B::float_erf(tensor)
     }
     fn float_cat(tensors: Vec<FloatTensor<Self>>, dim: usize) -> FloatTensor<Self> {
+        let colocate = Colocate::<B>::new(&[CastInput::Many(&tensors)]);
+        let tensors = colocate.float_vec(tensors);
         let plan = CastPlan::new::<B>(Op::Cat, &[CastInput::Many(&tensors)]);
         let tensors = plan.cast_vec::<B>(tensors);
         B::float_cat(tensors, dim)
@@ -625,6 +688,9 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         grid: FloatTensor<Self>,
         options: GridSampleOptions,
     ) -> FloatTensor<Self> {
+        let colocate = Colocate::<B>::new(&[CastInput::One(&tensor), CastInput::One(&grid)]);
+        let tensor = colocate.float(tensor);
+        let grid = colocate.float(grid);
         let plan = CastPlan::new::<B>(
             Op::GridSample2d,
             &[CastInput::One(&tensor), CastInput::One(&grid)],

@@ -4,6 +4,7 @@
 
 use crate::autocast::{CastInput, CastPlan, Op};
 use crate::backend::Accelerated;
+use crate::backend::placement::{self, Colocate};
 use crate::backend::rewrap::Rewrap;
 use burn_backend::ops::*;
 use burn_backend::quantization::*;
@@ -29,7 +30,7 @@ impl<B: Backend> IntTensorOps<Self> for Accelerated<B> {
         B::int_device(tensor)
     }
     fn int_to_device(tensor: IntTensor<Self>, device: &Device<Self>) -> IntTensor<Self> {
-        B::int_to_device(tensor, device)
+        placement::int_to_device::<B>(tensor, device)
     }
     fn int_reshape(tensor: IntTensor<Self>, shape: Shape) -> IntTensor<Self> {
         B::int_reshape(tensor, shape)

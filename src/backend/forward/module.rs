@@ -4,6 +4,7 @@
 
 use crate::autocast::{CastInput, CastPlan, Op};
 use crate::backend::Accelerated;
+use crate::backend::placement::{self, Colocate};
 use crate::backend::rewrap::Rewrap;
 use burn_backend::ops::*;
 use burn_backend::quantization::*;
@@ -29,6 +30,14 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         weight: FloatTensor<Self>,
         bias: Option<FloatTensor<Self>>,
     ) -> FloatTensor<Self> {
+        let colocate = Colocate::<B>::new(&[
+            CastInput::One(&x),
+            CastInput::One(&weight),
+            CastInput::Maybe(&bias),
+        ]);
+        let x = colocate.float(x);
+        let weight = colocate.float(weight);
+        let bias = colocate.float_opt(bias);
         let plan = CastPlan::new::<B>(
             Op::Linear,
             &[
@@ -63,6 +72,14 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         bias: Option<FloatTensor<Self>>,
         options: ConvOptions<1>,
     ) -> FloatTensor<Self> {
+        let colocate = Colocate::<B>::new(&[
+            CastInput::One(&x),
+            CastInput::One(&weight),
+            CastInput::Maybe(&bias),
+        ]);
+        let x = colocate.float(x);
+        let weight = colocate.float(weight);
+        let bias = colocate.float_opt(bias);
         let plan = CastPlan::new::<B>(
             Op::Conv1d,
             &[
@@ -105,6 +122,14 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         bias: Option<FloatTensor<Self>>,
         options: ConvOptions<2>,
     ) -> FloatTensor<Self> {
+        let colocate = Colocate::<B>::new(&[
+            CastInput::One(&x),
+            CastInput::One(&weight),
+            CastInput::Maybe(&bias),
+        ]);
+        let x = colocate.float(x);
+        let weight = colocate.float(weight);
+        let bias = colocate.float_opt(bias);
         let plan = CastPlan::new::<B>(
             Op::Conv2d,
             &[
@@ -149,6 +174,18 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         bias: Option<FloatTensor<Self>>,
         options: DeformConvOptions<2>,
     ) -> FloatTensor<Self> {
+        let colocate = Colocate::<B>::new(&[
+            CastInput::One(&x),
+            CastInput::One(&offset),
+            CastInput::One(&weight),
+            CastInput::Maybe(&mask),
+            CastInput::Maybe(&bias),
+        ]);
+        let x = colocate.float(x);
+        let offset = colocate.float(offset);
+        let weight = colocate.float(weight);
+        let mask = colocate.float_opt(mask);
+        let bias = colocate.float_opt(bias);
         let plan = CastPlan::new::<B>(
             Op::DeformConv2d,
             &[
@@ -183,6 +220,14 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         bias: Option<FloatTensor<Self>>,
         options: ConvOptions<3>,
     ) -> FloatTensor<Self> {
+        let colocate = Colocate::<B>::new(&[
+            CastInput::One(&x),
+            CastInput::One(&weight),
+            CastInput::Maybe(&bias),
+        ]);
+        let x = colocate.float(x);
+        let weight = colocate.float(weight);
+        let bias = colocate.float_opt(bias);
         let plan = CastPlan::new::<B>(
             Op::Conv3d,
             &[
@@ -225,6 +270,14 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         bias: Option<FloatTensor<Self>>,
         options: ConvTransposeOptions<1>,
     ) -> FloatTensor<Self> {
+        let colocate = Colocate::<B>::new(&[
+            CastInput::One(&x),
+            CastInput::One(&weight),
+            CastInput::Maybe(&bias),
+        ]);
+        let x = colocate.float(x);
+        let weight = colocate.float(weight);
+        let bias = colocate.float_opt(bias);
         let plan = CastPlan::new::<B>(
             Op::ConvTranspose1d,
             &[
@@ -266,6 +319,14 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         bias: Option<FloatTensor<Self>>,
         options: ConvTransposeOptions<2>,
     ) -> FloatTensor<Self> {
+        let colocate = Colocate::<B>::new(&[
+            CastInput::One(&x),
+            CastInput::One(&weight),
+            CastInput::Maybe(&bias),
+        ]);
+        let x = colocate.float(x);
+        let weight = colocate.float(weight);
+        let bias = colocate.float_opt(bias);
         let plan = CastPlan::new::<B>(
             Op::ConvTranspose2d,
             &[
@@ -307,6 +368,14 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         bias: Option<FloatTensor<Self>>,
         options: ConvTransposeOptions<3>,
     ) -> FloatTensor<Self> {
+        let colocate = Colocate::<B>::new(&[
+            CastInput::One(&x),
+            CastInput::One(&weight),
+            CastInput::Maybe(&bias),
+        ]);
+        let x = colocate.float(x);
+        let weight = colocate.float(weight);
+        let bias = colocate.float_opt(bias);
         let plan = CastPlan::new::<B>(
             Op::ConvTranspose3d,
             &[
@@ -548,6 +617,17 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         attn_bias: Option<FloatTensor<Self>>,
         options: AttentionModuleOptions,
     ) -> FloatTensor<Self> {
+        let colocate = Colocate::<B>::new(&[
+            CastInput::One(&query),
+            CastInput::One(&key),
+            CastInput::One(&value),
+            CastInput::Maybe(&attn_bias),
+        ]);
+        let query = colocate.float(query);
+        let key = colocate.float(key);
+        let value = colocate.float(value);
+        let mask = colocate.bool_opt(mask);
+        let attn_bias = colocate.float_opt(attn_bias);
         let plan = CastPlan::new::<B>(
             Op::Attention,
             &[
@@ -569,6 +649,14 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         beta: Option<FloatTensor<Self>>,
         epsilon: f64,
     ) -> FloatTensor<Self> {
+        let colocate = Colocate::<B>::new(&[
+            CastInput::One(&tensor),
+            CastInput::One(&gamma),
+            CastInput::Maybe(&beta),
+        ]);
+        let tensor = colocate.float(tensor);
+        let gamma = colocate.float(gamma);
+        let beta = colocate.float_opt(beta);
         let plan = CastPlan::new::<B>(
             Op::LayerNorm,
             &[
@@ -589,6 +677,11 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         target_lengths: IntTensor<Self>,
         blank: usize,
     ) -> FloatTensor<Self> {
+        let colocate = Colocate::<B>::new(&[CastInput::One(&log_probs)]);
+        let log_probs = colocate.float(log_probs);
+        let targets = colocate.int(targets);
+        let input_lengths = colocate.int(input_lengths);
+        let target_lengths = colocate.int(target_lengths);
         let plan = CastPlan::new::<B>(Op::CtcLoss, &[CastInput::One(&log_probs)]);
         let log_probs = plan.cast_at::<B>(0, log_probs);
         B::ctc_loss(log_probs, targets, input_lengths, target_lengths, blank)
@@ -628,6 +721,10 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         dim: usize,
         n: Option<usize>,
     ) -> FloatTensor<Self> {
+        let colocate =
+            Colocate::<B>::new(&[CastInput::One(&spectrum_re), CastInput::One(&spectrum_im)]);
+        let spectrum_re = colocate.float(spectrum_re);
+        let spectrum_im = colocate.float(spectrum_im);
         let plan = CastPlan::new::<B>(
             Op::Irfft,
             &[CastInput::One(&spectrum_re), CastInput::One(&spectrum_im)],

@@ -4,6 +4,7 @@
 
 use crate::autocast::{CastInput, CastPlan, Op};
 use crate::backend::Accelerated;
+use crate::backend::placement::{self, Colocate};
 use crate::backend::rewrap::Rewrap;
 use burn_backend::ops::*;
 use burn_backend::quantization::*;

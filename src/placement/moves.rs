@@ -1,0 +1,248 @@
+//! Moving tensors between devices: the policy, and the helper a placed model's `forward` uses.
+
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::tensor::backend::Backend;
+use burn::tensor::{BasicOps, Bool, Int, Tensor, TensorKind};
+
+/// How tensors cross from one device to another, in [`Placement::apply`](super::Placement),
+/// [`move_tensor`] and the `Accelerated<B>` decorator's `to_device`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum DeviceMoves {
+    /// Through the host where the backend is known to lack a device-to-device copy, directly
+    /// elsewhere. In cubecl 0.10 only the CUDA runtime has one (`SERVER_COMM_ENABLED`); on the
+    /// others (wgpu with Vulkan, Metal or WebGPU, HIP, cubecl's CPU) Burn's direct move panics
+    /// (measured on wgpu), so moves there are staged.
+    #[default]
+    Auto,
+    /// Always the backend's own move.
+    Direct,
+    /// Always through the host when the devices differ: a read back to host memory (which
+    /// waits for the source device) and an upload to the target device.
+    HostStaged,
+}
+
+static MOVES: AtomicU8 = AtomicU8::new(0);
+static COLOCATE: AtomicBool = AtomicBool::new(false);
+
+impl DeviceMoves {
+    fn code(self) -> u8 {
+        match self {
+            DeviceMoves::Auto => 0,
+            DeviceMoves::Direct => 1,
+            DeviceMoves::HostStaged => 2,
+        }
+    }
+
+    fn from_code(code: u8) -> Self {
+        match code {
+            1 => DeviceMoves::Direct,
+            2 => DeviceMoves::HostStaged,
+            _ => DeviceMoves::Auto,
+        }
+    }
+}
+
+/// Sets, process-wide, how tensors cross devices; returns the previous setting.
+///
+/// ```
+/// use burn_accelerate::placement::{self, DeviceMoves};
+///
+/// let before = placement::set_device_moves(DeviceMoves::HostStaged);
+/// assert_eq!(placement::device_moves(), DeviceMoves::HostStaged);
+/// placement::set_device_moves(before);
+/// ```
+pub fn set_device_moves(moves: DeviceMoves) -> DeviceMoves {
+    DeviceMoves::from_code(MOVES.swap(moves.code(), Ordering::Relaxed))
+}
+
+/// How tensors cross devices now (see [`set_device_moves`]).
+pub fn device_moves() -> DeviceMoves {
+    DeviceMoves::from_code(MOVES.load(Ordering::Relaxed))
+}
+
+/// Whether a move onto `device` goes through the host under the current [`DeviceMoves`].
+///
+/// ```
+/// # #[cfg(feature = "flex")] {
+/// use burn::backend::Flex;
+/// use burn_accelerate::placement;
+///
+/// assert!(!placement::stages_through_host::<Flex>(&Default::default()));
+/// # }
+/// ```
+pub fn stages_through_host<B: Backend>(device: &B::Device) -> bool {
+    match device_moves() {
+        DeviceMoves::Direct => false,
+        DeviceMoves::HostStaged => true,
+        // Only asked when the devices differ, so the name lookup is dwarfed by the move.
+        DeviceMoves::Auto => {
+            let name = B::name(device);
+            name.contains("cubecl<") && !name.contains("cuda")
+        }
+    }
+}
+
+/// Turns the decorator's co-locate rule on or off, process-wide; returns the previous setting.
+///
+/// With the rule on, an op of the autocast table (matmul, linear, conv, add, cat, …) whose
+/// tensor inputs arrive on different devices first moves them all to the device of its last
+/// float input: in Burn's ops that is the weight or bias of `linear`/`conv*` and the
+/// right-hand side of `matmul`, so activations follow the weights and a placed model runs
+/// with an unchanged `forward`. Ops outside the table are not covered; bring their inputs
+/// together with [`to_device_of`].
+///
+/// Cost: off (the default), one relaxed atomic load per table op that takes several tensors;
+/// on, a device comparison per tensor input, plus the moves themselves (each a read back to
+/// the host and an upload where the move is [staged](DeviceMoves)). Only
+/// `Accelerated<B>` can apply the rule: a plain backend never sees it.
+///
+/// ```
+/// use burn_accelerate::placement;
+///
+/// let before = placement::set_colocate_inputs(true);
+/// assert!(placement::colocate_inputs());
+/// placement::set_colocate_inputs(before);
+/// ```
+pub fn set_colocate_inputs(enabled: bool) -> bool {
+    COLOCATE.swap(enabled, Ordering::Relaxed)
+}
+
+/// Whether the co-locate rule is on (see [`set_colocate_inputs`]).
+#[inline]
+pub fn colocate_inputs() -> bool {
+    COLOCATE.load(Ordering::Relaxed)
+}
+
+/// `tensor` on `device`, moved the way [`DeviceMoves`] says.
+///
+/// A float tensor on an autodiff backend always takes the backend's own move, which records
+/// the step that brings its gradient back; a trip through the host would silently cut the
+/// graph. Burn 0.21's wgpu has no device-to-device copy, so a model placed over two wgpu
+/// devices runs its forward pass on the inner backend (`model.valid()`), not under autodiff.
+///
+/// ```
+/// # #[cfg(feature = "flex")] {
+/// use burn::backend::Flex;
+/// use burn::tensor::Tensor;
+/// use burn_accelerate::placement;
+///
+/// let device = Default::default();
+/// let x = Tensor::<Flex, 1>::from_floats([1.0, 2.0], &device);
+/// let y = placement::move_tensor(x.clone(), &device);
+/// y.into_data().assert_eq(&x.into_data(), true);
+/// # }
+/// ```
+pub fn move_tensor<B: Backend, const D: usize, K>(
+    tensor: Tensor<B, D, K>,
+    device: &B::Device,
+) -> Tensor<B, D, K>
+where
+    K: TensorKind<B> + BasicOps<B>,
+{
+    if tensor.device() == *device {
+        return tensor;
+    }
+    let tracked = tensor.dtype().is_float() && B::ad_enabled(device);
+    if !tracked && stages_through_host::<B>(device) {
+        staged(tensor, device)
+    } else {
+        tensor.to_device(device)
+    }
+}
+
+/// `tensor` rebuilt on `device` from a host copy, keeping its dtype.
+pub(crate) fn staged<B: Backend, const D: usize, K>(
+    tensor: Tensor<B, D, K>,
+    device: &B::Device,
+) -> Tensor<B, D, K>
+where
+    K: TensorKind<B> + BasicOps<B>,
+{
+    let dtype = tensor.dtype();
+    Tensor::from_data(tensor.into_data(), (device, dtype))
+}
+
+/// The device holding `module`'s first parameter; `None` for a module without parameters.
+///
+/// Lazy parameters are not created: their device is the one they will be created on.
+pub fn device_of<B: Backend, M: Module<B>>(module: &M) -> Option<B::Device> {
+    let mut first = FirstDevice::<B> { device: None };
+    module.visit(&mut first);
+    first.device
+}
+
+/// `tensor` moved to the device of `module`'s first parameter, for the `forward` of a model
+/// whose submodules live on different devices (Burn has no forward hooks to do it for you).
+///
+/// A module without parameters leaves the tensor where it is. The move is [`move_tensor`]'s:
+/// free when the tensor is already there, otherwise one device-to-device copy, or a read back
+/// to the host (waiting for the source device) and an upload where the backend has no direct
+/// copy. Costs also a walk over `module`'s parameters to find its device: call it on the
+/// submodule about to run, not on the whole model.
+///
+/// ```
+/// # #[cfg(feature = "flex")] {
+/// use burn::backend::Flex;
+/// use burn::nn::{Linear, LinearConfig};
+/// use burn::tensor::{Tensor, backend::Backend};
+/// use burn_accelerate::placement::to_device_of;
+///
+/// struct TwoStage<B: Backend> {
+///     first: Linear<B>,
+///     second: Linear<B>,
+/// }
+///
+/// impl<B: Backend> TwoStage<B> {
+///     fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+///         let h = self.first.forward(to_device_of(x, &self.first));
+///         self.second.forward(to_device_of(h, &self.second))
+///     }
+/// }
+///
+/// let device = Default::default();
+/// let model = TwoStage::<Flex> {
+///     first: LinearConfig::new(4, 8).init(&device),
+///     second: LinearConfig::new(8, 2).init(&device),
+/// };
+/// assert_eq!(model.forward(Tensor::ones([3, 4], &device)).dims(), [3, 2]);
+/// # }
+/// ```
+pub fn to_device_of<B: Backend, const D: usize, K, M: Module<B>>(
+    tensor: Tensor<B, D, K>,
+    module: &M,
+) -> Tensor<B, D, K>
+where
+    K: TensorKind<B> + BasicOps<B>,
+{
+    match device_of(module) {
+        Some(device) => move_tensor(tensor, &device),
+        None => tensor,
+    }
+}
+
+struct FirstDevice<B: Backend> {
+    device: Option<B::Device>,
+}
+
+impl<B: Backend> ModuleVisitor<B> for FirstDevice<B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if self.device.is_none() {
+            self.device = Some(param.lazy_device());
+        }
+    }
+
+    fn visit_int<const D: usize>(&mut self, param: &Param<Tensor<B, D, Int>>) {
+        if self.device.is_none() {
+            self.device = Some(param.lazy_device());
+        }
+    }
+
+    fn visit_bool<const D: usize>(&mut self, param: &Param<Tensor<B, D, Bool>>) {
+        if self.device.is_none() {
+            self.device = Some(param.lazy_device());
+        }
+    }
+}
