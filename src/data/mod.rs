@@ -29,5 +29,5 @@ pub use config::DataLoaderConfig;
 pub use error::DataLoaderError;
 pub use loader::{ShardIter, ShardLoader, ShardLoaderBuilder};
 pub use metrics::{drop_padding, drop_padding_tensor, gather_for_metrics};
-pub use observer::LoaderObserver;
+pub use observer::{GradientStateObserver, LoaderObserver};
 pub use state::LoaderState;

@@ -54,3 +54,61 @@ pub trait LoaderObserver: Send + Sync {
     /// The epoch's iterator is finished or gone: this loader is no longer active.
     fn end(&self);
 }
+
+/// Reports a loader's epochs to a [`GradientState`](crate::GradientState), as Accelerate's
+/// `DataLoaderShard` does: the loader is active while its epoch runs, and the state's
+/// `end_of_dataloader` and `remainder` are set just before the last batch is handed out, so
+/// the accumulation decision for that batch already forces the sync.
+///
+/// ```
+/// use std::sync::Arc;
+/// use burn_accelerate::GradientState;
+/// use burn_accelerate::data::{GradientStateObserver, LoaderObserver};
+///
+/// let state = GradientState::new();
+/// let observer = GradientStateObserver::new(state.clone());
+/// observer.begin();
+/// assert!(state.in_dataloader() && !state.end_of_dataloader());
+/// observer.end_of_dataloader(Some(3));
+/// assert!(state.end_of_dataloader());
+/// assert_eq!(state.remainder(), Some(3));
+/// observer.end();
+/// assert!(!state.in_dataloader());
+/// ```
+pub struct GradientStateObserver {
+    state: crate::GradientState,
+    // One entry per epoch in flight (an evaluation loop may run inside a training epoch):
+    // each holds the loader's registration and ends it when popped.
+    active: std::sync::Mutex<Vec<crate::ActiveDataLoader>>,
+}
+
+impl GradientStateObserver {
+    /// An observer reporting to `state` (usually [`GradientState::global`](crate::GradientState::global)).
+    pub fn new(state: crate::GradientState) -> Self {
+        Self {
+            state,
+            active: std::sync::Mutex::new(Vec::new()),
+        }
+    }
+
+    fn active(&self) -> std::sync::MutexGuard<'_, Vec<crate::ActiveDataLoader>> {
+        self.active.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl LoaderObserver for GradientStateObserver {
+    fn begin(&self) {
+        let loader = self.state.begin_dataloader();
+        self.active().push(loader);
+    }
+
+    fn end_of_dataloader(&self, remainder: Option<usize>) {
+        if let Some(loader) = self.active().last() {
+            loader.set_end_of_dataloader(remainder);
+        }
+    }
+
+    fn end(&self) {
+        self.active().pop();
+    }
+}

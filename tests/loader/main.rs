@@ -524,3 +524,31 @@ fn loaders_are_burn_data_loaders() {
     fn takes(_: Arc<dyn DataLoader<B, Vec<usize>>>) {}
     takes(Arc::new(shards(DataLoaderConfig::new(2), 4, 1).remove(0)));
 }
+
+#[test]
+fn a_gradient_state_observer_forces_the_sync_on_each_epochs_last_batch() {
+    use burn_accelerate::GradientState;
+    use burn_accelerate::data::GradientStateObserver;
+
+    // 7 batches of 1 with accumulation over 3: windows [0,1,2] [3,4,5] [6], the last one
+    // closed by the end of the data loader, as accelerate's sync_with_dataloader does.
+    let state = GradientState::new();
+    state.configure(3, true).unwrap();
+    let loader = builder(DataLoaderConfig::new(1), 7)
+        .observer(Arc::new(GradientStateObserver::new(state.clone())))
+        .build(&[Default::default()])
+        .unwrap()
+        .remove(0);
+    for _epoch in 0..2 {
+        let mut syncs = Vec::new();
+        for _batch in loader.iter() {
+            assert!(state.in_dataloader());
+            syncs.push(state.accumulate().sync_gradients());
+        }
+        assert_eq!(syncs, [false, false, true, false, false, true, true]);
+        assert!(
+            !state.in_dataloader(),
+            "the epoch's end unregisters the loader"
+        );
+    }
+}
