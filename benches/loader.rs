@@ -94,6 +94,46 @@ fn bench(c: &mut Criterion) {
         }
     }
     group.finish();
+
+    // The same epochs with a consumer that works on each batch, a stand-in for a model step
+    // (two matmuls through a 256-wide hidden layer): when the step is the slow side, the
+    // loader only has to stay ahead, which the default depth does.
+    let w1 = Tensor::<Flex, 2>::ones([FEATURES, 256], &device);
+    let w2 = Tensor::<Flex, 2>::ones([256, FEATURES], &device);
+    let step = |batch: Tensor<Flex, 2>| -> f32 {
+        batch
+            .matmul(w1.clone())
+            .matmul(w2.clone())
+            .sum()
+            .into_scalar()
+    };
+    let mut group = c.benchmark_group("loader_with_step");
+    group
+        .sample_size(20)
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(4))
+        .throughput(Throughput::Elements(ITEMS.div_ceil(BATCH) as u64));
+    for workers in [1, 2] {
+        let burn_loader = DataLoaderBuilder::new(Rows)
+            .batch_size(BATCH)
+            .num_workers(workers)
+            .set_device(device)
+            .build(Arc::clone(&data));
+        group.bench_function(format!("burn/{workers}_workers"), |b| {
+            b.iter(|| burn_loader.iter().map(step).sum::<f32>());
+        });
+        let config = DataLoaderConfig::new(BATCH)
+            .with_num_workers(workers)
+            .with_non_blocking(true);
+        let shard = ShardLoaderBuilder::new(config, Arc::clone(&data), Rows)
+            .build(&[device])
+            .expect("valid configuration")
+            .remove(0);
+        group.bench_function(format!("shard_prefetch2/{workers}_workers"), |b| {
+            b.iter(|| shard.iter().map(step).sum::<f32>());
+        });
+    }
+    group.finish();
 }
 
 criterion_group!(benches, bench);

@@ -72,7 +72,9 @@ pub struct DataLoaderConfig {
     #[config(default = 0)]
     pub num_workers: usize,
     /// How many batches each background thread may have ready ahead of the consumer (torch's
-    /// `prefetch_factor`). Must be at least 1 when any background thread is used.
+    /// `prefetch_factor`). Must be at least 1 when any background thread is used. Raise it
+    /// when batches are cheap to make and the loader is the bottleneck: a deeper queue rides
+    /// out scheduling delays on a busy CPU, at the cost of memory (BENCHMARKS.md).
     #[config(default = 2)]
     pub prefetch: usize,
 }

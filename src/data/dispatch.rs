@@ -119,20 +119,29 @@ impl<I: Clone + Send> Dispatcher<I> {
             .filter(|&q| self.registered[q] && !session.left[q])
             .map(|q| (q, self.plans[q].batch(step).unwrap_or_default()))
             .collect();
-        // Positions are read once each, in order; only the padded tail repeats one.
-        let mut read: BTreeMap<usize, Option<I>> = BTreeMap::new();
+        // Positions are read once each, in order; only the padded tail repeats one. Each
+        // item is cloned only for its repeats and moved into its last slice.
+        let mut read: BTreeMap<usize, (Option<I>, usize)> = BTreeMap::new();
         for (_, positions) in &wanted {
             for &position in positions {
-                read.entry(position).or_insert(None);
+                read.entry(position).or_insert((None, 0)).1 += 1;
             }
         }
-        for (position, item) in &mut read {
+        for (position, (item, _)) in &mut read {
             *item = get(self.dataset.as_ref(), epoch.index(*position));
         }
         for (q, positions) in wanted {
             let slice = positions
                 .iter()
-                .filter_map(|p| read.get(p).and_then(Clone::clone))
+                .filter_map(|p| {
+                    let (item, uses) = read.get_mut(p)?;
+                    *uses -= 1;
+                    if *uses == 0 {
+                        item.take()
+                    } else {
+                        item.clone()
+                    }
+                })
                 .collect();
             session.slots[q].insert(step, slice);
         }

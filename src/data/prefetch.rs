@@ -2,18 +2,22 @@
 //! `non_blocking`, `prefetch`).
 //!
 //! Worker `w` of `n` prepares batches `start + w`, `start + w + n`, ... and hands them over
-//! through its own bounded channel; the consumer takes batch `b` from worker `(b - start) % n`.
-//! Batches therefore arrive in order with no reordering buffer, and each worker is at most
-//! `depth` batches ahead: a rendezvous channel of capacity `depth - 1` plus the one batch a
-//! worker holds while it waits to hand it over.
+//! through its own bounded [`Handoff`]; the consumer takes batch `b` from worker
+//! `(b - start) % n`. Batches therefore arrive in order with no reordering buffer, and each
+//! worker is at most `depth` batches ahead (it waits for room *before* preparing the next).
 //!
-//! Dropping the pipeline (an epoch broken off early) raises a stop flag, drops the receivers
-//! (which wakes any worker blocked on a full channel) and joins every worker, so no thread
-//! outlives the iterator.
+//! A full worker is woken only once its queue has drained to half (not after every batch
+//! taken): on a busy machine every wake can cost a scheduler slice, and with this hysteresis
+//! a worker prepares batches in bursts instead of one wake per batch. The consumer spins
+//! briefly before it parks, since the next batch is often microseconds away.
+//!
+//! Dropping the pipeline (an epoch broken off early) raises a stop flag, closes the queues
+//! (which wakes any worker waiting for room) and joins every worker, so no thread outlives
+//! the iterator.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 
 /// The two halves of making a batch, so the pipeline can run either half on a worker.
@@ -44,8 +48,156 @@ enum Prepared<P: Produce> {
     Batch(P::Batch),
 }
 
+struct Queue<T> {
+    items: VecDeque<T>,
+    /// The worker has nothing more to hand over (finished, stopped or panicked).
+    done: bool,
+    /// The consumer is gone; the worker should stop.
+    closed: bool,
+    consumer_waiting: bool,
+    producer_waiting: bool,
+}
+
+/// A bounded single-producer, single-consumer queue with a low watermark for the producer.
+pub(crate) struct Handoff<T> {
+    queue: Mutex<Queue<T>>,
+    ready: Condvar,
+    room: Condvar,
+    depth: usize,
+    /// A waiting producer is woken once the queue is down to this many.
+    low: usize,
+    /// Items in the queue, readable without the lock (for spinning).
+    pending: AtomicUsize,
+    /// `done`, readable without the lock.
+    finished: AtomicBool,
+}
+
+/// Spin rounds (1, 2, 4, ... 32 spins) then yields before a consumer parks.
+const SPIN_STEPS: usize = 10;
+
+impl<T> Handoff<T> {
+    pub(crate) fn new(depth: usize) -> Self {
+        let depth = depth.max(1);
+        Self {
+            queue: Mutex::new(Queue {
+                items: VecDeque::with_capacity(depth),
+                done: false,
+                closed: false,
+                consumer_waiting: false,
+                producer_waiting: false,
+            }),
+            ready: Condvar::new(),
+            room: Condvar::new(),
+            depth,
+            low: depth / 2,
+            pending: AtomicUsize::new(0),
+            finished: AtomicBool::new(false),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Queue<T>> {
+        // Nothing panics while holding the lock; a poisoned queue is still consistent.
+        self.queue.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Producer: waits until there is room for one more. `false` once the consumer is gone.
+    pub(crate) fn wait_for_room(&self) -> bool {
+        let mut queue = self.lock();
+        if queue.items.len() >= self.depth && !queue.closed {
+            queue.producer_waiting = true;
+            while queue.items.len() > self.low && !queue.closed {
+                queue = self
+                    .room
+                    .wait(queue)
+                    .unwrap_or_else(PoisonError::into_inner);
+            }
+            queue.producer_waiting = false;
+        }
+        !queue.closed
+    }
+
+    /// Producer: hands one over (after [`wait_for_room`](Self::wait_for_room)).
+    pub(crate) fn push(&self, item: T) {
+        let mut queue = self.lock();
+        if queue.closed {
+            return;
+        }
+        queue.items.push_back(item);
+        self.pending.fetch_add(1, Ordering::Release);
+        if queue.consumer_waiting {
+            self.ready.notify_one();
+        }
+    }
+
+    /// Producer: nothing more will come.
+    pub(crate) fn finish(&self) {
+        self.lock().done = true;
+        self.finished.store(true, Ordering::Release);
+        self.ready.notify_one();
+    }
+
+    /// Consumer: the next item, or `None` once the producer finished and all were taken.
+    pub(crate) fn pop(&self) -> Option<T> {
+        // A batch is often only microseconds away: spin, then yield, before parking, as
+        // std's channels do, so a fast hand-over costs no wake-up.
+        for step in 0..SPIN_STEPS {
+            if self.pending.load(Ordering::Acquire) > 0 || self.finished.load(Ordering::Acquire) {
+                break;
+            }
+            if step < 6 {
+                for _ in 0..1 << step {
+                    std::hint::spin_loop();
+                }
+            } else {
+                std::thread::yield_now();
+            }
+        }
+        let mut queue = self.lock();
+        loop {
+            if let Some(item) = queue.items.pop_front() {
+                self.pending.fetch_sub(1, Ordering::Release);
+                if queue.producer_waiting && queue.items.len() <= self.low {
+                    self.room.notify_one();
+                }
+                return Some(item);
+            }
+            if queue.done {
+                return None;
+            }
+            queue.consumer_waiting = true;
+            queue = self
+                .ready
+                .wait(queue)
+                .unwrap_or_else(PoisonError::into_inner);
+            queue.consumer_waiting = false;
+        }
+    }
+
+    /// Consumer: gone; drops what is queued and releases a waiting producer.
+    pub(crate) fn close(&self) {
+        let items = {
+            let mut queue = self.lock();
+            queue.closed = true;
+            self.pending.store(0, Ordering::Release);
+            std::mem::take(&mut queue.items)
+        };
+        self.room.notify_one();
+        drop(items); // Outside the lock: dropping batches may take a while.
+    }
+}
+
+/// Marks the queue finished however the worker ends, unwinding included, so the consumer
+/// never waits for a batch that will not come.
+struct FinishOnDrop<T>(Arc<Handoff<T>>);
+
+impl<T> Drop for FinishOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.finish();
+    }
+}
+
 struct Lane<P: Produce> {
-    receiver: Receiver<Prepared<P>>,
+    queue: Arc<Handoff<Prepared<P>>>,
     handle: Option<JoinHandle<()>>,
 }
 
@@ -72,10 +224,10 @@ impl<P: Produce> Pipeline<P> {
         // No thread is worth starting for an epoch with nothing left to prepare.
         let workers = threading.workers.min(end.saturating_sub(start));
         for w in 0..workers {
-            let (sender, receiver) = sync_channel(threading.depth.saturating_sub(1));
-            match pipeline.spawn(w, workers, sender, threading.batch_in_worker) {
+            let queue = Arc::new(Handoff::new(threading.depth));
+            match pipeline.spawn(w, workers, Arc::clone(&queue), threading.batch_in_worker) {
                 Ok(handle) => pipeline.lanes.push(Lane {
-                    receiver,
+                    queue,
                     handle: Some(handle),
                 }),
                 Err(err) => {
@@ -96,7 +248,7 @@ impl<P: Produce> Pipeline<P> {
         &self,
         worker: usize,
         workers: usize,
-        sender: SyncSender<Prepared<P>>,
+        queue: Arc<Handoff<Prepared<P>>>,
         batch_in_worker: bool,
     ) -> std::io::Result<JoinHandle<()>> {
         let producer = Arc::clone(&self.producer);
@@ -105,19 +257,17 @@ impl<P: Produce> Pipeline<P> {
         std::thread::Builder::new()
             .name(format!("shard-loader-{worker}"))
             .spawn(move || {
+                let _finish = FinishOnDrop(Arc::clone(&queue));
                 for index in (first..end).step_by(workers) {
-                    if stop.load(Ordering::Relaxed) {
-                        return;
+                    if stop.load(Ordering::Relaxed) || !queue.wait_for_room() {
+                        return; // The iterator is gone.
                     }
                     let items = producer.read(index);
-                    let prepared = if batch_in_worker {
+                    queue.push(if batch_in_worker {
                         Prepared::Batch(producer.batch(items))
                     } else {
                         Prepared::Items(items)
-                    };
-                    if sender.send(prepared).is_err() {
-                        return; // The iterator is gone.
-                    }
+                    });
                 }
             })
     }
@@ -131,14 +281,10 @@ impl<P: Produce> Pipeline<P> {
     pub(crate) fn shutdown(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
         let lanes = std::mem::take(&mut self.lanes);
-        let handles: Vec<_> = lanes
-            .into_iter()
-            .filter_map(|lane| {
-                drop(lane.receiver); // Wakes a worker blocked on a full channel.
-                lane.handle
-            })
-            .collect();
-        for handle in handles {
+        for lane in &lanes {
+            lane.queue.close(); // Wakes a worker waiting for room.
+        }
+        for handle in lanes.into_iter().filter_map(|lane| lane.handle) {
             if handle.join().is_err() {
                 log::error!("burn-accelerate: a data loader thread panicked while shutting down");
             }
@@ -161,27 +307,23 @@ impl<P: Produce> Iterator for Pipeline<P> {
             return Some(self.producer.batch(items));
         }
         let lane = (index - self.start) % self.lanes.len();
-        match self.lanes[lane].receiver.recv() {
-            Ok(prepared) => {
-                self.next += 1;
-                Some(match prepared {
-                    Prepared::Batch(batch) => batch,
-                    Prepared::Items(items) => self.producer.batch(items),
-                })
-            }
-            Err(_) => {
-                // The worker ended without this batch: it panicked (in the dataset or the
-                // batcher, i.e. user code). Surface that panic here, where it would have
-                // happened without a worker.
-                let handle = self.lanes[lane].handle.take();
-                self.shutdown();
-                if let Some(Err(payload)) = handle.map(JoinHandle::join) {
-                    std::panic::resume_unwind(payload);
-                }
-                self.next = self.end;
-                None
-            }
+        if let Some(prepared) = self.lanes[lane].queue.pop() {
+            self.next += 1;
+            return Some(match prepared {
+                Prepared::Batch(batch) => batch,
+                Prepared::Items(items) => self.producer.batch(items),
+            });
         }
+        // The worker ended without this batch: it panicked (in the dataset or the batcher,
+        // i.e. user code). Surface that panic here, where it would have happened without a
+        // worker.
+        let handle = self.lanes[lane].handle.take();
+        self.shutdown();
+        if let Some(Err(payload)) = handle.map(JoinHandle::join) {
+            std::panic::resume_unwind(payload);
+        }
+        self.next = self.end;
+        None
     }
 }
 
@@ -193,7 +335,6 @@ impl<P: Produce> Drop for Pipeline<P> {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::AtomicUsize;
 
     use super::*;
 
@@ -261,19 +402,42 @@ mod tests {
         assert!(on_consumer);
     }
 
-    #[test]
-    fn workers_stay_within_the_prefetch_depth() {
-        // Waits (without timing) until the worker has filled its window, then checks it
-        // went no further: it cannot read a fifth batch before the consumer takes one.
-        let probe = Arc::new(Probe::default());
-        let mut pipeline = Pipeline::new(probe.clone(), 0, 100, threading(1, 3, true));
-        assert_eq!(pipeline.next().map(|b| b.0), Some(0));
-        while probe.read.load(Ordering::SeqCst) < 4 {
+    /// Yields until `probe` has read `n` batches, then returns how many it has read. The
+    /// bound only turns a hang into a failure; it is a count, not a time.
+    fn reads_reach(probe: &Probe, n: usize) -> usize {
+        for _ in 0..5_000_000 {
+            if probe.read.load(Ordering::SeqCst) >= n {
+                std::thread::yield_now();
+                return probe.read.load(Ordering::SeqCst);
+            }
             std::thread::yield_now();
         }
-        // One taken, three ready (two queued, one in hand): never more.
-        std::thread::yield_now();
+        panic!("the worker never read {n} batches");
+    }
+
+    #[test]
+    fn workers_stay_within_the_prefetch_depth() {
+        // A worker waits for room before reading, so with nothing taken it stops at `depth`.
+        let probe = Arc::new(Probe::default());
+        let pipeline = Pipeline::new(probe.clone(), 0, 100, threading(1, 3, true));
+        assert_eq!(reads_reach(&probe, 3), 3);
+        drop(pipeline);
+    }
+
+    #[test]
+    fn a_full_worker_refills_only_once_drained_to_half() {
+        // Depth 4: the worker waits once 4 are ready and resumes at 2 left.
+        let probe = Arc::new(Probe::default());
+        let mut pipeline = Pipeline::new(probe.clone(), 0, 100, threading(1, 4, true));
+        assert_eq!(reads_reach(&probe, 4), 4);
+        pipeline.next();
+        // Three left (above the watermark): still waiting, nothing more read.
         assert_eq!(probe.read.load(Ordering::SeqCst), 4);
+        pipeline.next();
+        // Two left: woken, it fills up to 4 ready again (2 more), and no further.
+        assert_eq!(reads_reach(&probe, 6), 6);
+        let got: Vec<usize> = pipeline.map(|(i, _)| i).collect();
+        assert_eq!(got, (2..100).collect::<Vec<_>>());
     }
 
     #[test]
