@@ -11,17 +11,13 @@
 #[path = "../examples/conformance/accumulation.rs"]
 mod accumulation;
 
-use serde_json::Value;
+#[allow(dead_code)] // the accumulation runner reads no plain numbers
+#[path = "../examples/conformance/case.rs"]
+mod case;
 
-fn load(name: &str) -> Vec<Value> {
-    let path = format!("{}/tests/golden/{name}", env!("CARGO_MANIFEST_DIR"));
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("cannot read {path}: {e}"));
-    let mut file: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}"));
-    match file.get_mut("cases").map(Value::take) {
-        Some(Value::Array(cases)) => cases,
-        _ => panic!("{path} has no `cases` array"),
-    }
-}
+mod golden_harness;
+
+use serde_json::Value;
 
 /// `check.py`'s `close`: relative to `max(1, |want|)`, NaN only equal to NaN.
 fn close(got: &Value, want: &Value, tol: f64) -> bool {
@@ -70,22 +66,5 @@ fn check(want: &Value, got: &Value) -> Option<String> {
 
 #[test]
 fn accumulation_matches_accelerate() {
-    let cases = load("accumulation.json");
-    assert_eq!(cases.len(), 335);
-    let failures: Vec<String> = cases
-        .iter()
-        .filter_map(|case| {
-            let got = accumulation::run_case("accumulation", case);
-            check(case, &got).map(|why| format!("{}: {why}", case["id"]))
-        })
-        .collect();
-    for failure in failures.iter().take(10) {
-        eprintln!("FAIL {failure}");
-    }
-    assert!(
-        failures.is_empty(),
-        "{} of {} accumulation cases failed",
-        failures.len(),
-        cases.len()
-    );
+    golden_harness::assert_every_case("accumulation", 335, accumulation::run_case, check);
 }

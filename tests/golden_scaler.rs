@@ -10,17 +10,12 @@
 #[path = "../examples/conformance/scaler.rs"]
 mod scaler;
 
-use serde_json::Value;
+#[path = "../examples/conformance/case.rs"]
+mod case;
 
-fn load(name: &str) -> Vec<Value> {
-    let path = format!("{}/tests/golden/{name}", env!("CARGO_MANIFEST_DIR"));
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("cannot read {path}: {e}"));
-    let mut file: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}"));
-    match file.get_mut("cases").map(Value::take) {
-        Some(Value::Array(cases)) => cases,
-        _ => panic!("{path} has no `cases` array"),
-    }
-}
+mod golden_harness;
+
+use serde_json::Value;
 
 /// A golden number (or "inf"/"-inf"/"nan") as f32, the way `check.py` compares scales.
 fn as_f32(value: &Value) -> Option<f32> {
@@ -63,22 +58,5 @@ fn check(want: &Value, got: &Value) -> Option<String> {
 
 #[test]
 fn grad_scaler_matches_torch() {
-    let cases = load("grad_scaler.json");
-    assert_eq!(cases.len(), 32);
-    let failures: Vec<String> = cases
-        .iter()
-        .filter_map(|case| {
-            let got = scaler::run_case("grad_scaler", case);
-            check(case, &got).map(|why| format!("{}: {why}", case["id"]))
-        })
-        .collect();
-    for failure in failures.iter().take(10) {
-        eprintln!("FAIL {failure}");
-    }
-    assert!(
-        failures.is_empty(),
-        "{} of {} grad_scaler cases failed",
-        failures.len(),
-        cases.len()
-    );
+    golden_harness::assert_every_case("grad_scaler", 32, scaler::run_case, check);
 }

@@ -18,6 +18,8 @@ use burn::tensor::{ElementConversion, Tensor, TensorData};
 use burn_accelerate::{AccelerateConfig, Accelerator, GradientState};
 use serde_json::{Value, json};
 
+use crate::case::{count, flag};
+
 #[cfg(feature = "flex")]
 type Inner = burn::backend::Flex;
 #[cfg(all(not(feature = "flex"), feature = "ndarray"))]
@@ -161,17 +163,4 @@ fn bias_grad(accelerator: &Accelerator<B>, id: burn::module::ParamId) -> f32 {
 
 fn scalar<const D: usize>(tensor: Tensor<B, D>) -> f32 {
     tensor.into_scalar().elem()
-}
-
-fn count(case: &Value, key: &str) -> usize {
-    case[key]
-        .as_u64()
-        .and_then(|v| usize::try_from(v).ok())
-        .unwrap_or_else(|| panic!("case {} has no non-negative integer `{key}`", case["id"]))
-}
-
-fn flag(case: &Value, key: &str) -> bool {
-    case[key]
-        .as_bool()
-        .unwrap_or_else(|| panic!("case {} has no boolean `{key}`", case["id"]))
 }

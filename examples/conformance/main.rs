@@ -6,6 +6,8 @@
 
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 mod accumulation;
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+mod case;
 #[cfg(feature = "flex")]
 mod fp8;
 #[cfg(any(feature = "flex", feature = "ndarray"))]

@@ -23,6 +23,8 @@ use burn_accelerate::{
 };
 use serde_json::{Value, json};
 
+use crate::case::{count, flag, number};
+
 #[cfg(feature = "flex")]
 type Inner = burn::backend::Flex;
 #[cfg(all(not(feature = "flex"), feature = "ndarray"))]
@@ -151,23 +153,4 @@ fn bad_value(value: &Value) -> Option<f32> {
         "nan" => Some(f32::NAN),
         other => panic!("unknown bad_value {other:?}"),
     }
-}
-
-fn number(case: &Value, key: &str) -> f64 {
-    case[key]
-        .as_f64()
-        .unwrap_or_else(|| panic!("case {} has no number `{key}`", case["id"]))
-}
-
-fn count(case: &Value, key: &str) -> usize {
-    case[key]
-        .as_u64()
-        .and_then(|v| usize::try_from(v).ok())
-        .unwrap_or_else(|| panic!("case {} has no non-negative integer `{key}`", case["id"]))
-}
-
-fn flag(case: &Value, key: &str) -> bool {
-    case[key]
-        .as_bool()
-        .unwrap_or_else(|| panic!("case {} has no boolean `{key}`", case["id"]))
 }
