@@ -1,0 +1,129 @@
+//! `with_accelerate` on Burn's `SupervisedTraining`, through the `train_mlp` example's model.
+//!
+//! Autocast and the armed loss scale are process-wide, so the trainings here take a lock and
+//! run one at a time.
+
+use std::sync::Mutex;
+
+use burn::backend::Autodiff;
+use burn_accelerate::train::demo::{self, DemoConfig, DemoOutcome};
+use burn_accelerate::{AccelerateError, Accelerated, Precision};
+
+static ONE_TRAINING: Mutex<()> = Mutex::new(());
+
+fn train<B: burn::tensor::backend::AutodiffBackend>(
+    config: &DemoConfig,
+) -> Result<DemoOutcome, AccelerateError> {
+    let _one = ONE_TRAINING.lock().unwrap_or_else(|e| e.into_inner());
+    demo::run::<B>(config, &Default::default())
+}
+
+#[cfg(feature = "flex")]
+mod flex {
+    use super::*;
+    use burn::backend::Flex;
+
+    type Train = Accelerated<Autodiff<Flex>>;
+
+    fn small(precision: Precision) -> DemoConfig {
+        DemoConfig::new()
+            .with_precision(precision)
+            .with_epochs(3)
+            .with_train_items(2048)
+            .with_valid_items(512)
+            .with_allow_fallback(false)
+    }
+
+    #[test]
+    fn half_precisions_end_within_two_percent_of_f32() {
+        let f32_run = train::<Train>(&small(Precision::F32)).unwrap();
+        assert!(f32_run.loss.is_finite());
+        // The model learned something: 4 classes, chance is 0.25.
+        assert!(f32_run.accuracy > 0.5, "{}", f32_run.summary_line());
+        for precision in [Precision::Bf16, Precision::F16] {
+            let run = train::<Train>(&small(precision)).unwrap();
+            assert_eq!(run.stats.precision, precision);
+            assert!(!run.stats.fell_back);
+            let rel = (run.loss - f32_run.loss).abs() / f32_run.loss;
+            assert!(
+                rel < 0.02,
+                "{precision:?}: {} vs f32 {} ({:.2}%)",
+                run.summary_line(),
+                f32_run.summary_line(),
+                rel * 100.0
+            );
+        }
+    }
+
+    #[test]
+    fn partial_last_window_steps_optimizer_and_scheduler_at_epoch_end() {
+        // 10 batches of 16 with K = 4: windows of 4, 4 and 2 batches, so 3 optimizer steps an
+        // epoch (Burn 0.21's own loop drops the window of 2 and steps the scheduler 10 times).
+        let config = DemoConfig::new()
+            .with_grad_accum(4)
+            .with_epochs(2)
+            .with_train_items(160)
+            .with_valid_items(32)
+            .with_batch_size(16);
+        let run = train::<Train>(&config).unwrap();
+        assert_eq!(run.stats.epochs.len(), 2);
+        for epoch in &run.stats.epochs {
+            assert_eq!(epoch.batches, 10, "{epoch:?}");
+            assert_eq!(epoch.optimizer_steps, 3, "{epoch:?}");
+            assert_eq!(epoch.scheduler_steps, 3, "{epoch:?}");
+            assert_eq!(epoch.skipped_steps, 0, "{epoch:?}");
+        }
+        // Counted by the scheduler itself, not by the loop.
+        assert_eq!(run.scheduler_steps, 6);
+    }
+
+    #[test]
+    fn mixed_precision_on_a_plain_autodiff_backend_is_a_typed_error() {
+        let err = train::<Autodiff<Flex>>(&small(Precision::Bf16)).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                AccelerateError::NotAccelerated {
+                    precision: Precision::Bf16,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
+}
+
+#[cfg(feature = "ndarray")]
+mod ndarray {
+    use super::*;
+    use burn::backend::NdArray;
+
+    type Train = Accelerated<Autodiff<NdArray>>;
+
+    fn tiny(precision: Precision) -> DemoConfig {
+        DemoConfig::new()
+            .with_precision(precision)
+            .with_epochs(1)
+            .with_train_items(256)
+            .with_valid_items(64)
+    }
+
+    #[test]
+    fn autocast_request_runs_in_f32_with_the_fallback_reported() {
+        let run = train::<Train>(&tiny(Precision::Bf16)).unwrap();
+        assert!(run.stats.fell_back);
+        assert_eq!(run.stats.requested, Precision::Bf16);
+        assert_eq!(run.stats.precision, Precision::F32);
+        assert!(run.loss.is_finite());
+        assert!(run.summary_line().ends_with("precision=f32"));
+    }
+
+    #[test]
+    fn without_fallback_the_request_is_refused() {
+        let err = train::<Train>(&tiny(Precision::F16).with_allow_fallback(false)).unwrap_err();
+        assert!(
+            matches!(err, AccelerateError::UnsupportedPrecision { .. }),
+            "{err}"
+        );
+    }
+}
