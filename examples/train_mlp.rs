@@ -2,7 +2,7 @@
 //! Gaussian blobs this crate makes (nothing is downloaded).
 //!
 //! ```text
-//! cargo run --release --example train_mlp -- --precision bf16 --grad-accum 2 --epochs 8 --seed 42
+//! cargo run --example train_mlp -- --precision bf16 --grad-accum 2 --epochs 8 --seed 42
 //! ```
 //!
 //! Flags: `--precision f32|bf16|f16|fp8`, `--grad-accum K`, `--epochs N`, `--seed S`,

@@ -78,6 +78,35 @@ mod flex {
     }
 
     #[test]
+    fn f16_run_that_overflows_early_recovers() {
+        // 2^40 times the loss overflows f16 in the backward pass: the first steps are skipped
+        // while the scale backs off by half each time, then training proceeds.
+        let config = small(Precision::F16).with_init_scale(Some(2f64.powi(40)));
+        let run = train::<Train>(&config).unwrap();
+        let skipped = run.stats.skipped_steps();
+        assert!(skipped > 0, "{}", run.summary_line());
+        // Each skip halved the scale (no growth within 2000 clean steps).
+        assert_eq!(
+            run.stats.loss_scale.loss_scale(),
+            (2f64.powi(40) * 0.5f64.powi(skipped as i32)) as f32
+        );
+        let epoch1 = run.stats.epochs[0];
+        assert_eq!(
+            epoch1.optimizer_steps + epoch1.skipped_steps,
+            epoch1.batches
+        );
+        assert_eq!(run.scheduler_steps, run.stats.optimizer_steps());
+        // Finite parameters (a NaN anywhere would make the loss NaN) and a falling loss:
+        // an untrained model sits near ln 4 ≈ 1.39.
+        assert!(
+            run.loss.is_finite() && run.loss < 0.6,
+            "{}",
+            run.summary_line()
+        );
+        assert!(run.accuracy > 0.7, "{}", run.summary_line());
+    }
+
+    #[test]
     fn mixed_precision_on_a_plain_autodiff_backend_is_a_typed_error() {
         let err = train::<Autodiff<Flex>>(&small(Precision::Bf16)).unwrap_err();
         assert!(

@@ -27,6 +27,7 @@ use burn::train::{
 };
 
 use super::{AccelerateStrategy, TrainingStats, WithAccelerate};
+use crate::scaler::GradScalerConfig;
 use crate::{AccelerateConfig, AccelerateError, Precision};
 
 /// Input features of a sample.
@@ -264,6 +265,9 @@ pub struct DemoConfig {
     /// Run in f32 when the device cannot run `precision`, instead of failing.
     #[config(default = true)]
     pub allow_fallback: bool,
+    /// The loss scale to start from (f16), instead of torch's 2^16; a huge one makes the
+    /// first steps overflow, to watch the scaler back off.
+    pub init_scale: Option<f64>,
 }
 
 /// What a demo run ended with.
@@ -315,6 +319,10 @@ pub fn run<B: AutodiffBackend>(
         .with_mixed_precision(config.precision)
         .with_gradient_accumulation_steps(config.grad_accum)
         .with_allow_fallback(config.allow_fallback);
+    let accelerate = match config.init_scale {
+        Some(scale) => accelerate.with_grad_scaler(GradScalerConfig::new().with_init_scale(scale)),
+        None => accelerate,
+    };
     let strategy = AccelerateStrategy::new(accelerate, device)?;
     let report = strategy.report();
 

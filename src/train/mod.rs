@@ -57,7 +57,7 @@ use crate::{AccelerateConfig, AccelerateError, Precision};
 
 /// Adds [`with_accelerate`](WithAccelerate::with_accelerate) to Burn's training builder.
 pub trait WithAccelerate<LC: LearningComponentsTypes>: Sized {
-    /// Trains with `strategy`'s Accelerate semantics (see the [module docs](self)), replacing
+    /// Trains with `strategy`'s Accelerate semantics (see the [module docs](crate::train)), replacing
     /// the training strategy set so far.
     fn with_accelerate(self, strategy: AccelerateStrategy<LC>) -> Self;
 }
