@@ -156,3 +156,120 @@ mod ndarray {
         );
     }
 }
+
+/// Burn's own machinery under the strategy: file checkpoints, resuming with `.checkpoint(n)`,
+/// and the interrupter.
+#[cfg(feature = "flex")]
+mod burn_machinery {
+    use std::path::Path;
+
+    use burn::backend::Flex;
+    use burn::data::dataloader::DataLoaderBuilder;
+    use burn::data::dataset::InMemDataset;
+    use burn::optim::AdamConfig;
+    use burn::record::CompactRecorder;
+    use burn::tensor::backend::Backend;
+    use burn::train::metric::LossMetric;
+    use burn::train::{Learner, SupervisedTraining};
+    use burn_accelerate::AccelerateConfig;
+    use burn_accelerate::train::demo::{BlobBatcher, Mlp, QuietRenderer, blobs};
+    use burn_accelerate::train::{AccelerateStrategy, TrainingStats, WithAccelerate};
+
+    use super::*;
+
+    type Train = Accelerated<Autodiff<Flex>>;
+    type Components = burn::train::LearningComponentsMarker<
+        Train,
+        f64,
+        Mlp<Train>,
+        burn::optim::adaptor::OptimizerAdaptor<burn::optim::Adam, Mlp<Train>, Train>,
+    >;
+    type Training = SupervisedTraining<Components>;
+
+    // 4 batches of 32 an epoch, in bf16 with windows of 3 (3 + 1).
+    fn training(dir: &Path) -> (Training, AccelerateStrategy<Components>) {
+        let device = Default::default();
+        let strategy = AccelerateStrategy::new(
+            AccelerateConfig::new()
+                .with_mixed_precision(Precision::Bf16)
+                .with_gradient_accumulation_steps(3),
+            &device,
+        )
+        .unwrap();
+        let train = DataLoaderBuilder::<Train, _, _>::new(BlobBatcher)
+            .batch_size(32)
+            .build(InMemDataset::new(blobs(128, 1)));
+        let valid = DataLoaderBuilder::<Accelerated<Flex>, _, _>::new(BlobBatcher)
+            .batch_size(32)
+            .build(InMemDataset::new(blobs(64, 2)));
+        let builder = SupervisedTraining::new(dir, train, valid)
+            .metric_train_numeric(LossMetric::new())
+            .metric_valid_numeric(LossMetric::new())
+            .renderer(QuietRenderer)
+            .with_application_logger(None);
+        (builder, strategy)
+    }
+
+    fn learner() -> Learner<Components> {
+        let device = Default::default();
+        Train::seed(&device, 5);
+        Learner::new(Mlp::new(16, &device), AdamConfig::new().init(), 1e-3)
+    }
+
+    fn launch(builder: Training, strategy: AccelerateStrategy<Components>) -> TrainingStats {
+        let _one = ONE_TRAINING.lock().unwrap_or_else(|e| e.into_inner());
+        let report = strategy.report();
+        let _ = builder.with_accelerate(strategy).launch(learner());
+        report.stats()
+    }
+
+    #[test]
+    fn file_checkpoints_are_written_and_resumed_from() {
+        let dir = std::env::temp_dir().join(format!(
+            "burn-accelerate-train-checkpoints-{}",
+            std::process::id()
+        ));
+        let (builder, strategy) = training(&dir);
+        let stats = launch(
+            builder
+                .num_epochs(2)
+                .with_file_checkpointer(CompactRecorder::new()),
+            strategy,
+        );
+        assert_eq!(stats.epochs.len(), 2);
+        assert!(stats.epochs.iter().all(|e| e.optimizer_steps == 2));
+        for name in ["model-2.mpk", "optim-2.mpk", "scheduler-2.mpk"] {
+            let path = dir.join("checkpoint").join(name);
+            assert!(path.exists(), "{} missing", path.display());
+        }
+
+        // Resumed from epoch 2's checkpoint: only epoch 3 runs.
+        let (builder, strategy) = training(&dir);
+        let stats = launch(
+            builder
+                .num_epochs(3)
+                .checkpoint(2)
+                .with_file_checkpointer(CompactRecorder::new()),
+            strategy,
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+        let epochs: Vec<usize> = stats.epochs.iter().map(|e| e.epoch).collect();
+        assert_eq!(epochs, [3]);
+    }
+
+    #[test]
+    fn the_interrupter_stops_training_after_the_current_batch() {
+        let dir = std::env::temp_dir().join(format!(
+            "burn-accelerate-train-interrupt-{}",
+            std::process::id()
+        ));
+        let (builder, strategy) = training(&dir);
+        let builder = builder.num_epochs(3);
+        builder.interrupter().stop(Some("test"));
+        let stats = launch(builder, strategy);
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(stats.epochs.len(), 1);
+        assert_eq!(stats.epochs[0].batches, 1);
+        assert_eq!(stats.epochs[0].optimizer_steps, 0);
+    }
+}
