@@ -103,6 +103,15 @@ pub enum AccelerateError {
         backend: String,
     },
 
+    /// The training state saved beside a checkpoint could not be written or read back.
+    #[error("accelerate checkpoint state {path}: {reason}")]
+    Checkpoint {
+        /// The file.
+        path: String,
+        /// What went wrong.
+        reason: String,
+    },
+
     /// A data loader configuration that cannot be built, or a loader state that cannot be
     /// restored.
     #[error(transparent)]

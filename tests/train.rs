@@ -172,6 +172,7 @@ mod burn_machinery {
     use burn::train::metric::LossMetric;
     use burn::train::{Learner, SupervisedTraining};
     use burn_accelerate::AccelerateConfig;
+    use burn_accelerate::scaler::GradScalerConfig;
     use burn_accelerate::train::demo::{BlobBatcher, Mlp, QuietRenderer, blobs};
     use burn_accelerate::train::{AccelerateStrategy, TrainingStats, WithAccelerate};
 
@@ -255,6 +256,47 @@ mod burn_machinery {
         let _ = std::fs::remove_dir_all(&dir);
         let epochs: Vec<usize> = stats.epochs.iter().map(|e| e.epoch).collect();
         assert_eq!(epochs, [3]);
+    }
+
+    // f16 from a scale of 2^22: epoch 1 overflows and backs off; epoch 2 runs at the scale
+    // reached.
+    fn f16_training(dir: &Path) -> (Training, AccelerateStrategy<Components>) {
+        let (builder, _) = training(dir);
+        let strategy = AccelerateStrategy::new(
+            AccelerateConfig::new()
+                .with_mixed_precision(Precision::F16)
+                .with_grad_scaler(GradScalerConfig::new().with_init_scale(2f64.powi(22))),
+            &Default::default(),
+        )
+        .unwrap()
+        .with_checkpoint_dir(dir.join("checkpoint"));
+        (
+            builder.with_file_checkpointer(CompactRecorder::new()),
+            strategy,
+        )
+    }
+
+    #[test]
+    fn a_resumed_run_goes_on_with_the_saved_loss_scale() {
+        let dir = std::env::temp_dir().join(format!(
+            "burn-accelerate-train-resume-{}",
+            std::process::id()
+        ));
+        let (builder, strategy) = f16_training(&dir);
+        let whole = launch(builder.num_epochs(2), strategy);
+        assert!(whole.epochs[0].skipped_steps > 0, "{whole:?}");
+        assert!(
+            whole.epochs[1].skipped_steps < whole.epochs[0].skipped_steps,
+            "{whole:?}"
+        );
+
+        let (builder, strategy) = f16_training(&dir);
+        let resumed = launch(builder.num_epochs(2).checkpoint(1), strategy);
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(resumed.epochs.len(), 1);
+        // Without the saved scale, epoch 2 would start over at 2^40 and skip again.
+        assert_eq!(resumed.epochs[0], whole.epochs[1]);
+        assert_eq!(resumed.loss_scale, whole.loss_scale);
     }
 
     #[test]

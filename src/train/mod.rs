@@ -28,14 +28,20 @@
 //! Autocast and the armed loss scale are process-wide: run one accelerated training per
 //! process at a time (tests that train must not run in parallel with each other).
 //!
+//! With [`AccelerateStrategy::with_checkpoint_dir`], the loss scale and gradient state are
+//! saved beside each of Burn's checkpoints and restored by `.checkpoint(epoch)`.
+//!
 //! Not yet here: Burn's multi-device and DDP execution (the strategy trains on one device),
-//! the loss scale and gradient state in Burn's checkpoints (a resumed run restarts the loss
-//! scale from its initial value), and the loss scale / skipped steps as Burn metrics (they are
-//! in the [`TrainingReport`]).
+//! the data loader's position in the checkpoints (a resumed run sees another shuffle than the
+//! interrupted one would have), and the loss scale / skipped steps as Burn metrics (they are in
+//! the [`TrainingReport`]).
 
 pub mod demo;
 
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
+
+use burn::config::Config;
 
 use burn::data::dataloader::Progress;
 use burn::module::AutodiffModule;
@@ -53,7 +59,7 @@ use crate::autocast::{self, Autocast, AutocastConfig};
 use crate::gradient_state::GradientState;
 use crate::grads;
 use crate::scaler::{ArmedLossScale, LossScale};
-use crate::{AccelerateConfig, AccelerateError, Precision};
+use crate::{AccelerateConfig, AccelerateError, AcceleratorState, Precision};
 
 /// Adds [`with_accelerate`](WithAccelerate::with_accelerate) to Burn's training builder.
 pub trait WithAccelerate<LC: LearningComponentsTypes>: Sized {
@@ -69,7 +75,7 @@ impl<LC: LearningComponentsTypes + 'static> WithAccelerate<LC> for SupervisedTra
 }
 
 /// What an accelerated training did, per epoch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct EpochReport {
     /// The epoch (1-based, as Burn counts).
     pub epoch: usize,
@@ -81,6 +87,8 @@ pub struct EpochReport {
     pub scheduler_steps: usize,
     /// Optimizer steps skipped because the scaled gradients overflowed.
     pub skipped_steps: usize,
+    /// The loss scale at the end of the epoch (1 without loss scaling).
+    pub loss_scale: f32,
 }
 
 /// What an accelerated training did so far: precision, loss scale and step counts.
@@ -138,6 +146,54 @@ pub struct AccelerateStrategy<LC: LearningComponentsTypes> {
     initial_scale: LossScale,
     state: GradientState,
     report: TrainingReport,
+    checkpoint_dir: Option<PathBuf>,
+}
+
+/// The loss scale and gradient-state position saved beside Burn's checkpoint of an epoch
+/// (`accelerate-<epoch>.json`), so that a run resumed with `.checkpoint(epoch)` goes on with
+/// the scale the interrupted run had reached instead of overflowing again from the initial one.
+#[derive(Config, Debug)]
+pub struct AccelerateCheckpoint {
+    /// The saved state.
+    pub state: AcceleratorState,
+}
+
+impl AccelerateCheckpoint {
+    /// The file that holds epoch `epoch`'s state in `dir`.
+    pub fn path(dir: &Path, epoch: usize) -> PathBuf {
+        dir.join(format!("accelerate-{epoch}.json"))
+    }
+
+    /// Writes it for `epoch` into `dir`.
+    ///
+    /// # Errors
+    /// [`AccelerateError::Checkpoint`] when the file cannot be written.
+    pub fn save_epoch(&self, dir: &Path, epoch: usize) -> Result<(), AccelerateError> {
+        let path = Self::path(dir, epoch);
+        std::fs::create_dir_all(dir)
+            .and_then(|()| self.save(&path))
+            .map_err(|e| AccelerateError::Checkpoint {
+                path: path.display().to_string(),
+                reason: e.to_string(),
+            })
+    }
+
+    /// Reads epoch `epoch`'s state from `dir`; `None` when there is no such file.
+    ///
+    /// # Errors
+    /// [`AccelerateError::Checkpoint`] when the file exists but cannot be read or parsed.
+    pub fn load_epoch(dir: &Path, epoch: usize) -> Result<Option<Self>, AccelerateError> {
+        let path = Self::path(dir, epoch);
+        if !path.exists() {
+            return Ok(None);
+        }
+        Self::load(&path)
+            .map(Some)
+            .map_err(|e| AccelerateError::Checkpoint {
+                path: path.display().to_string(),
+                reason: e.to_string(),
+            })
+    }
 }
 
 impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
@@ -190,7 +246,42 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
             initial_scale,
             state,
             report,
+            checkpoint_dir: None,
         })
+    }
+
+    /// Saves the loss scale and gradient state of every epoch Burn checkpoints into `dir`
+    /// (an [`AccelerateCheckpoint`]; Burn's own checkpoint directory, `<dir>/checkpoint`, is a
+    /// good place), and restores them when the training resumes with `.checkpoint(epoch)`.
+    ///
+    /// Old files are not deleted when Burn's checkpointing strategy deletes its own.
+    pub fn with_checkpoint_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.checkpoint_dir = Some(dir.into());
+        self
+    }
+
+    // The state Burn's checkpoint of `epoch` was saved with, if any was.
+    fn restore(&self, epoch: usize) -> Result<Option<LossScale>, AccelerateError> {
+        let Some(dir) = &self.checkpoint_dir else {
+            return Ok(None);
+        };
+        let Some(saved) = AccelerateCheckpoint::load_epoch(dir, epoch)? else {
+            log::warn!(
+                "burn-accelerate: no {} to resume from: the loss scale restarts",
+                AccelerateCheckpoint::path(dir, epoch).display()
+            );
+            return Ok(None);
+        };
+        let kind = |s: &LossScale| core::mem::discriminant(s);
+        if kind(&saved.state.loss_scale) != kind(&self.initial_scale) {
+            return Err(AccelerateError::StateMismatch {
+                what: "loss scaling",
+                saved: format!("{:?}", saved.state.loss_scale),
+                current: format!("{:?}", self.initial_scale),
+            });
+        }
+        self.state.restore(&saved.state.gradient_state)?;
+        Ok(Some(saved.state.loss_scale))
     }
 
     /// The handle to read what the training did.
@@ -325,6 +416,7 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
             }
         }
         drop(loader);
+        report.loss_scale = scaling.loss_scale.loss_scale();
         processor.process_train(LearnerEvent::EndEpoch(epoch));
         report
     }
@@ -383,7 +475,16 @@ impl<LC: LearningComponentsTypes> SupervisedLearningStrategy<LC> for AccelerateS
         // would miss them); the previous default comes back when the fit ends.
         let _restore = DefaultAutocast(autocast::default_precision());
         self.autocast.set_default();
-        let loss_scale = self.initial_scale;
+        let loss_scale = if starting_epoch > 1 {
+            // Burn's `fit` has no error channel, and it panics itself on a checkpoint it
+            // cannot load: a resumed run must not silently go on from the wrong state.
+            match self.restore(starting_epoch - 1) {
+                Ok(saved) => saved.unwrap_or(self.initial_scale),
+                Err(err) => panic!("burn-accelerate: cannot resume: {err}"),
+            }
+        } else {
+            self.initial_scale
+        };
         let mut scaling = Scaling {
             armed: (loss_scale != LossScale::None)
                 .then(|| ArmedLossScale::arm(loss_scale.loss_scale())),
@@ -425,6 +526,17 @@ impl<LC: LearningComponentsTypes> SupervisedLearningStrategy<LC> for AccelerateS
             );
             if let Some(checkpointer) = &mut checkpointer {
                 checkpointer.checkpoint(&learner, epoch, &training_components.event_store);
+                if let Some(dir) = &self.checkpoint_dir {
+                    let saved = AccelerateCheckpoint {
+                        state: AcceleratorState {
+                            loss_scale: scaling.loss_scale,
+                            gradient_state: self.state.snapshot(),
+                        },
+                    };
+                    if let Err(err) = saved.save_epoch(dir, epoch) {
+                        log::warn!("burn-accelerate: {err}");
+                    }
+                }
             }
             if let Some(early_stopping) = &mut early_stopping
                 && early_stopping.should_stop(epoch, &training_components.event_store)
