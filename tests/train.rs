@@ -174,7 +174,10 @@ mod burn_machinery {
     use burn_accelerate::AccelerateConfig;
     use burn_accelerate::scaler::GradScalerConfig;
     use burn_accelerate::train::demo::{BlobBatcher, Mlp, QuietRenderer, blobs};
-    use burn_accelerate::train::{AccelerateStrategy, TrainingStats, WithAccelerate};
+    use burn_accelerate::train::metrics::AccelerateMetric;
+    use burn_accelerate::train::{
+        AccelerateStrategy, TrainingReport, TrainingStats, WithAccelerate,
+    };
 
     use super::*;
 
@@ -189,26 +192,31 @@ mod burn_machinery {
 
     // 4 batches of 32 an epoch, in bf16 with windows of 3 (3 + 1).
     fn training(dir: &Path) -> (Training, AccelerateStrategy<Components>) {
-        let device = Default::default();
         let strategy = AccelerateStrategy::new(
             AccelerateConfig::new()
                 .with_mixed_precision(Precision::Bf16)
                 .with_gradient_accumulation_steps(3),
-            &device,
+            &Default::default(),
         )
         .unwrap();
+        let builder = training_with(dir, strategy.report());
+        (builder, strategy)
+    }
+
+    fn training_with(dir: &Path, report: TrainingReport) -> Training {
         let train = DataLoaderBuilder::<Train, _, _>::new(BlobBatcher)
             .batch_size(32)
             .build(InMemDataset::new(blobs(128, 1)));
         let valid = DataLoaderBuilder::<Accelerated<Flex>, _, _>::new(BlobBatcher)
             .batch_size(32)
             .build(InMemDataset::new(blobs(64, 2)));
-        let builder = SupervisedTraining::new(dir, train, valid)
+        SupervisedTraining::new(dir, train, valid)
+            .metric_train_numeric(AccelerateMetric::loss_scale(&report))
+            .metric_train_numeric(AccelerateMetric::skipped_steps(&report))
             .metric_train_numeric(LossMetric::new())
             .metric_valid_numeric(LossMetric::new())
             .renderer(QuietRenderer)
-            .with_application_logger(None);
-        (builder, strategy)
+            .with_application_logger(None)
     }
 
     fn learner() -> Learner<Components> {
@@ -261,7 +269,6 @@ mod burn_machinery {
     // f16 from a scale of 2^22: epoch 1 overflows and backs off; epoch 2 runs at the scale
     // reached.
     fn f16_training(dir: &Path) -> (Training, AccelerateStrategy<Components>) {
-        let (builder, _) = training(dir);
         let strategy = AccelerateStrategy::new(
             AccelerateConfig::new()
                 .with_mixed_precision(Precision::F16)
@@ -270,6 +277,7 @@ mod burn_machinery {
         )
         .unwrap()
         .with_checkpoint_dir(dir.join("checkpoint"));
+        let builder = training_with(dir, strategy.report());
         (
             builder.with_file_checkpointer(CompactRecorder::new()),
             strategy,
@@ -297,6 +305,47 @@ mod burn_machinery {
         // Without the saved scale, epoch 2 would start over at 2^40 and skip again.
         assert_eq!(resumed.epochs[0], whole.epochs[1]);
         assert_eq!(resumed.loss_scale, whole.loss_scale);
+    }
+
+    fn list(dir: &Path) -> Vec<String> {
+        let mut out = Vec::new();
+        for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                out.extend(list(&path));
+            } else {
+                out.push(path.display().to_string());
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn loss_scale_and_skipped_steps_reach_burns_metric_logs() {
+        let dir = std::env::temp_dir().join(format!(
+            "burn-accelerate-train-metrics-{}",
+            std::process::id()
+        ));
+        let (builder, strategy) = f16_training(&dir);
+        let stats = launch(builder.num_epochs(1), strategy);
+        let epoch1 = dir.join("train").join("epoch-1");
+        let read = |name: &str| {
+            std::fs::read_to_string(epoch1.join(format!("{name}.log")))
+                .unwrap_or_else(|e| panic!("{name} in {}: {e}; {:?}", epoch1.display(), list(&dir)))
+        };
+        // Burn's file logger spells the names' spaces as underscores.
+        let scales = read("Loss_Scale_[f16]");
+        let skipped = read("Skipped_Steps_[f16]");
+        let _ = std::fs::remove_dir_all(&dir);
+        // One line a batch; the last skip count logged is the run's.
+        assert_eq!(scales.lines().count(), stats.epochs[0].batches, "{scales}");
+        let last: f64 = skipped
+            .lines()
+            .last()
+            .and_then(|l| l.split(',').next())
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{skipped}"));
+        assert_eq!(last as usize, stats.skipped_steps(), "{skipped}");
     }
 
     #[test]

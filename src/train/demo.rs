@@ -26,6 +26,7 @@ use burn::train::{
     ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainOutput, TrainStep,
 };
 
+use super::metrics::AccelerateMetric;
 use super::{AccelerateStrategy, TrainingStats, WithAccelerate};
 use crate::scaler::GradScalerConfig;
 use crate::{AccelerateConfig, AccelerateError, Precision};
@@ -347,6 +348,8 @@ pub fn run<B: AutodiffBackend>(
     ));
     let result = SupervisedTraining::new(&dir, train, valid)
         .num_epochs(config.epochs)
+        .metric_train_numeric(AccelerateMetric::loss_scale(&report))
+        .metric_train_numeric(AccelerateMetric::skipped_steps(&report))
         .metric_train_numeric(LossMetric::new())
         .metric_valid_numeric(LossMetric::new())
         .renderer(QuietRenderer)

@@ -31,12 +31,14 @@
 //! With [`AccelerateStrategy::with_checkpoint_dir`], the loss scale and gradient state are
 //! saved beside each of Burn's checkpoints and restored by `.checkpoint(epoch)`.
 //!
+//! The loss scale and skipped steps show in Burn's dashboard and logs as [`metrics`].
+//!
 //! Not yet here: Burn's multi-device and DDP execution (the strategy trains on one device),
-//! the data loader's position in the checkpoints (a resumed run sees another shuffle than the
-//! interrupted one would have), and the loss scale / skipped steps as Burn metrics (they are in
-//! the [`TrainingReport`]).
+//! and the data loader's position in the checkpoints (a resumed run sees another shuffle than
+//! the interrupted one would have).
 
 pub mod demo;
+pub mod metrics;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -104,6 +106,8 @@ pub struct TrainingStats {
     pub loss_scale: LossScale,
     /// Every epoch trained, in order.
     pub epochs: Vec<EpochReport>,
+    // Skipped steps so far, the current epoch included (for the live metric).
+    skipped_live: usize,
 }
 
 impl TrainingStats {
@@ -237,6 +241,7 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
                 fell_back: autocast.fell_back(),
                 loss_scale: initial_scale,
                 epochs: Vec::new(),
+                skipped_live: 0,
             })),
         };
         Ok(Self {
@@ -392,6 +397,12 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
                     armed.set(scaling.loss_scale.loss_scale());
                 }
                 let grads = core::mem::take(&mut scaling.window);
+                {
+                    // Live values for the metrics; the epoch's report lands at its end.
+                    let mut stats = self.report.lock();
+                    stats.loss_scale = scaling.loss_scale;
+                    stats.skipped_live += usize::from(found_inf);
+                }
                 if found_inf {
                     report.skipped_steps += 1;
                 } else {
