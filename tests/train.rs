@@ -226,10 +226,24 @@ mod burn_machinery {
     }
 
     fn launch(builder: Training, strategy: AccelerateStrategy<Components>) -> TrainingStats {
+        launch_model(builder, strategy).0
+    }
+
+    // The stats and the trained model's logits on a fixed batch.
+    fn launch_model(
+        builder: Training,
+        strategy: AccelerateStrategy<Components>,
+    ) -> (TrainingStats, Vec<f32>) {
         let _one = ONE_TRAINING.lock().unwrap_or_else(|e| e.into_inner());
         let report = strategy.report();
-        let _ = builder.with_accelerate(strategy).launch(learner());
-        report.stats()
+        let model = builder.with_accelerate(strategy).launch(learner()).model;
+        let batch = burn::data::dataloader::batcher::Batcher::<Accelerated<Flex>, _, _>::batch(
+            &BlobBatcher,
+            blobs(16, 9),
+            &Default::default(),
+        );
+        let logits = model.forward(batch.x).into_data().to_vec::<f32>().unwrap();
+        (report.stats(), logits)
     }
 
     #[test]
@@ -318,6 +332,40 @@ mod burn_machinery {
             }
         }
         out
+    }
+
+    #[test]
+    fn a_resumed_run_ends_with_the_parameters_of_the_uninterrupted_one() {
+        // Full-precision records (Burn's `CompactRecorder` stores f16) and an unshuffled
+        // loader, so that the resumed epoch sees the same batches.
+        let dir = std::env::temp_dir().join(format!(
+            "burn-accelerate-train-resume-exact-{}",
+            std::process::id()
+        ));
+        let f16 = |dir: &Path| {
+            let strategy = AccelerateStrategy::new(
+                AccelerateConfig::new()
+                    .with_mixed_precision(Precision::F16)
+                    .with_gradient_accumulation_steps(3)
+                    .with_grad_scaler(GradScalerConfig::new().with_init_scale(2f64.powi(22))),
+                &Default::default(),
+            )
+            .unwrap()
+            .with_checkpoint_dir(dir.join("checkpoint"));
+            let builder =
+                training_with(dir, strategy.report())
+                    .with_file_checkpointer(burn::record::NamedMpkFileRecorder::<
+                        burn::record::FullPrecisionSettings,
+                    >::new());
+            (builder, strategy)
+        };
+        let (builder, strategy) = f16(&dir);
+        let (whole, whole_logits) = launch_model(builder.num_epochs(2), strategy);
+        let (builder, strategy) = f16(&dir);
+        let (resumed, resumed_logits) = launch_model(builder.num_epochs(2).checkpoint(1), strategy);
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(resumed.epochs[..], whole.epochs[1..]);
+        assert_eq!(resumed_logits, whole_logits);
     }
 
     #[test]
