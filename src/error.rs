@@ -90,6 +90,28 @@ pub enum AccelerateError {
         current: String,
     },
 
+    /// Mixed precision asked of a training backend that is not wrapped in
+    /// [`Accelerated`](crate::Accelerated): its ops would silently run in f32, and a user's
+    /// `loss.backward()` would not be loss-scaled.
+    #[error(
+        "{precision} training on {backend}: autocast and loss scaling need the backend wrapped          as `Accelerated<Autodiff<B>>` (change the training backend's type alias), or train in          f32"
+    )]
+    NotAccelerated {
+        /// The requested precision.
+        precision: Precision,
+        /// The backend's name.
+        backend: String,
+    },
+
+    /// The training state saved beside a checkpoint could not be written or read back.
+    #[error("accelerate checkpoint state {path}: {reason}")]
+    Checkpoint {
+        /// The file.
+        path: String,
+        /// What went wrong.
+        reason: String,
+    },
+
     /// A data loader configuration that cannot be built, or a loader state that cannot be
     /// restored.
     #[error(transparent)]

@@ -26,6 +26,8 @@
 //! - [`gradient_state`]: Accelerate's `GradientState` (`sync_gradients`, end of data loader).
 //! - [`data`]: Accelerate's data sharding as Burn data loaders, one per process
 //!   ([`data::DataLoaderConfig`], [`data::ShardLoaderBuilder`]).
+//! - [`train`]: `with_accelerate` on Burn's `SupervisedTraining`: the same semantics inside
+//!   Burn's own training loop, with its metrics, checkpoints and early stopping.
 //! - [`placement`]: where a model's parameters live, device maps under memory budgets, running
 //!   a model placed over several devices, and refusing data-parallel training of one.
 //!
@@ -62,6 +64,7 @@ pub mod grads;
 pub mod placement;
 mod precision;
 pub mod scaler;
+pub mod train;
 
 pub use accelerator::{AccelerateConfig, Accelerator, AcceleratorState, StepOutcome};
 pub use autocast::{Autocast, AutocastConfig};

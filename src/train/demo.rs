@@ -1,0 +1,382 @@
+//! The model, data and run of `examples/train_mlp.rs`, shared with the tests: an MLP
+//! classifier trained through Burn's `SupervisedTraining` and
+//! [`with_accelerate`](super::WithAccelerate::with_accelerate) on a dataset this crate makes
+//! (overlapping Gaussian blobs; nothing is downloaded).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use burn::config::Config;
+use burn::data::dataloader::DataLoaderBuilder;
+use burn::data::dataloader::batcher::Batcher;
+use burn::data::dataset::InMemDataset;
+use burn::lr_scheduler::LrScheduler;
+use burn::module::Module;
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::{Linear, LinearConfig, Relu};
+use burn::optim::AdamConfig;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
+use burn::train::metric::{LossMetric, MetricDefinition};
+use burn::train::renderer::{
+    EvaluationName, EvaluationProgress, MetricState, MetricsRenderer, MetricsRendererEvaluation,
+    MetricsRendererTraining, ProgressType, TrainingProgress,
+};
+use burn::train::{
+    ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainOutput, TrainStep,
+};
+
+use super::metrics::AccelerateMetric;
+use super::{AccelerateStrategy, TrainingStats, WithAccelerate};
+use crate::scaler::GradScalerConfig;
+use crate::{AccelerateConfig, AccelerateError, Precision};
+
+/// Input features of a sample.
+pub const FEATURES: usize = 8;
+/// Classes to tell apart.
+pub const CLASSES: usize = 4;
+
+/// One labelled sample of the blobs dataset.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sample {
+    /// The features.
+    pub x: [f32; FEATURES],
+    /// The class, below [`CLASSES`].
+    pub label: usize,
+}
+
+// splitmix64: a dependency-free generator, so the dataset is the same everywhere.
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    // Uniform in (0, 1].
+    fn uniform(&mut self) -> f64 {
+        ((self.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64
+    }
+
+    // Box-Muller.
+    fn normal(&mut self) -> f64 {
+        let (u, v) = (self.uniform(), self.uniform());
+        (-2.0 * u.ln()).sqrt() * (2.0 * core::f64::consts::PI * v).cos()
+    }
+}
+
+/// `n` samples of [`CLASSES`] Gaussian blobs in [`FEATURES`] dimensions whose centres (fixed
+/// by `seed`) lie close enough for the classes to overlap: the loss plateaus well above zero,
+/// so runs in different precisions can be compared by their final loss.
+pub fn blobs(n: usize, seed: u64) -> Vec<Sample> {
+    let mut centres = SplitMix(0xB10B5);
+    let centres: Vec<[f64; FEATURES]> = (0..CLASSES)
+        .map(|_| core::array::from_fn(|_| centres.normal()))
+        .collect();
+    let mut rng = SplitMix(seed);
+    (0..n)
+        .map(|i| {
+            let label = i % CLASSES;
+            let x = core::array::from_fn(|f| (centres[label][f] + 1.2 * rng.normal()) as f32);
+            Sample { x, label }
+        })
+        .collect()
+}
+
+/// A batch of [`Sample`]s as tensors.
+#[derive(Debug, Clone)]
+pub struct BlobBatch<B: Backend> {
+    /// `[batch, FEATURES]`.
+    pub x: Tensor<B, 2>,
+    /// `[batch]` class indices.
+    pub labels: Tensor<B, 1, Int>,
+}
+
+/// Turns [`Sample`]s into a [`BlobBatch`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct BlobBatcher;
+
+impl<B: Backend> Batcher<B, Sample, BlobBatch<B>> for BlobBatcher {
+    fn batch(&self, items: Vec<Sample>, device: &B::Device) -> BlobBatch<B> {
+        let n = items.len();
+        let x: Vec<f32> = items.iter().flat_map(|s| s.x).collect();
+        let labels: Vec<i64> = items.iter().map(|s| s.label as i64).collect();
+        BlobBatch {
+            x: Tensor::from_data(TensorData::new(x, [n, FEATURES]), device),
+            labels: Tensor::from_data(TensorData::new(labels, [n]), device),
+        }
+    }
+}
+
+/// The classifier: two hidden ReLU layers.
+#[derive(Module, Debug)]
+pub struct Mlp<B: Backend> {
+    fc1: Linear<B>,
+    fc2: Linear<B>,
+    out: Linear<B>,
+    relu: Relu,
+}
+
+impl<B: Backend> Mlp<B> {
+    /// A new model on `device` (seed the backend first for a reproducible one).
+    pub fn new(hidden: usize, device: &B::Device) -> Self {
+        Self {
+            fc1: LinearConfig::new(FEATURES, hidden).init(device),
+            fc2: LinearConfig::new(hidden, hidden).init(device),
+            out: LinearConfig::new(hidden, CLASSES).init(device),
+            relu: Relu::new(),
+        }
+    }
+
+    /// Logits, `[batch, CLASSES]`.
+    pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        let x = self.relu.forward(self.fc1.forward(x));
+        let x = self.relu.forward(self.fc2.forward(x));
+        self.out.forward(x)
+    }
+
+    /// The cross-entropy loss and outputs of a batch.
+    pub fn classify(&self, batch: BlobBatch<B>) -> ClassificationOutput<B> {
+        let output = self.forward(batch.x);
+        let loss = CrossEntropyLossConfig::new()
+            .init(&output.device())
+            .forward(output.clone(), batch.labels.clone());
+        ClassificationOutput::new(loss, output, batch.labels)
+    }
+}
+
+impl<B: AutodiffBackend> TrainStep for Mlp<B> {
+    type Input = BlobBatch<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn step(&self, batch: BlobBatch<B>) -> TrainOutput<ClassificationOutput<B>> {
+        let item = self.classify(batch);
+        // Unmodified: the strategy's armed scale reaches this backward.
+        TrainOutput::new(self, item.loss.backward(), item)
+    }
+}
+
+impl<B: Backend> InferenceStep for Mlp<B> {
+    type Input = BlobBatch<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn step(&self, batch: BlobBatch<B>) -> ClassificationOutput<B> {
+        self.classify(batch)
+    }
+}
+
+/// A learning-rate scheduler that counts its steps (on a shared counter) and delegates to
+/// another: how the tests see that the scheduler steps once per optimizer step.
+#[derive(Debug, Clone)]
+pub struct CountedScheduler<S> {
+    inner: S,
+    steps: Arc<AtomicUsize>,
+}
+
+impl<S> CountedScheduler<S> {
+    /// Counts `inner`'s steps.
+    pub fn new(inner: S) -> Self {
+        Self {
+            inner,
+            steps: Arc::new(AtomicUsize::new(0)),
+        }
+    }
+
+    /// The counter, shared by every clone.
+    pub fn counter(&self) -> Arc<AtomicUsize> {
+        self.steps.clone()
+    }
+}
+
+impl<S: LrScheduler> LrScheduler for CountedScheduler<S> {
+    type Record<B: Backend> = S::Record<B>;
+
+    fn step(&mut self) -> f64 {
+        self.steps.fetch_add(1, Ordering::SeqCst);
+        self.inner.step()
+    }
+
+    fn to_record<B: Backend>(&self) -> Self::Record<B> {
+        self.inner.to_record::<B>()
+    }
+
+    fn load_record<B: Backend>(self, record: Self::Record<B>) -> Self {
+        Self {
+            inner: self.inner.load_record::<B>(record),
+            steps: self.steps,
+        }
+    }
+}
+
+/// A renderer that shows nothing: the example prints its own summary.
+#[derive(Debug, Default)]
+pub struct QuietRenderer;
+
+impl MetricsRendererTraining for QuietRenderer {
+    fn update_train(&mut self, _state: MetricState) {}
+    fn update_valid(&mut self, _state: MetricState) {}
+    fn render_train(&mut self, _item: TrainingProgress, _progress: Vec<ProgressType>) {}
+    fn render_valid(&mut self, _item: TrainingProgress, _progress: Vec<ProgressType>) {}
+}
+
+impl MetricsRendererEvaluation for QuietRenderer {
+    fn render_test(&mut self, _item: EvaluationProgress, _progress: Vec<ProgressType>) {}
+    fn update_test(&mut self, _name: EvaluationName, _state: MetricState) {}
+}
+
+impl MetricsRenderer for QuietRenderer {
+    fn manual_close(&mut self) {}
+    fn register_metric(&mut self, _definition: MetricDefinition) {}
+}
+
+/// The settings of one demo run.
+#[derive(Config, Debug)]
+pub struct DemoConfig {
+    /// Autocast precision.
+    #[config(default = "Precision::F32")]
+    pub precision: Precision,
+    /// Batches per optimizer step.
+    #[config(default = 1)]
+    pub grad_accum: usize,
+    /// Epochs to train.
+    #[config(default = 8)]
+    pub epochs: usize,
+    /// Seeds the model's initialisation and the loader's shuffle.
+    #[config(default = 42)]
+    pub seed: u64,
+    /// Training samples.
+    #[config(default = 4096)]
+    pub train_items: usize,
+    /// Validation samples (the final loss and accuracy are measured on them).
+    #[config(default = 1024)]
+    pub valid_items: usize,
+    /// Samples per batch.
+    #[config(default = 64)]
+    pub batch_size: usize,
+    /// Hidden width.
+    #[config(default = 64)]
+    pub hidden: usize,
+    /// Adam's learning rate (constant).
+    #[config(default = 3e-3)]
+    pub lr: f64,
+    /// Run in f32 when the device cannot run `precision`, instead of failing.
+    #[config(default = true)]
+    pub allow_fallback: bool,
+    /// The loss scale to start from (f16), instead of torch's 2^16; a huge one makes the
+    /// first steps overflow, to watch the scaler back off.
+    pub init_scale: Option<f64>,
+}
+
+/// What a demo run ended with.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DemoOutcome {
+    /// Mean cross-entropy on the validation samples, evaluated in f32 after training.
+    pub loss: f32,
+    /// Fraction of validation samples classified right.
+    pub accuracy: f32,
+    /// Learning-rate scheduler steps counted over the run.
+    pub scheduler_steps: usize,
+    /// What the strategy reported.
+    pub stats: TrainingStats,
+}
+
+impl DemoOutcome {
+    /// The example's last line: `final loss=<f> accuracy=<f> skipped_steps=<n> precision=<p>`.
+    pub fn summary_line(&self) -> String {
+        format!(
+            "final loss={:.6} accuracy={:.4} skipped_steps={} precision={}",
+            self.loss,
+            self.accuracy,
+            self.stats.skipped_steps(),
+            flag_name(self.stats.precision)
+        )
+    }
+}
+
+/// The precision as the example's `--precision` flag spells it.
+pub fn flag_name(precision: Precision) -> &'static str {
+    match precision {
+        Precision::F32 => "f32",
+        Precision::Bf16 => "bf16",
+        Precision::F16 => "f16",
+        Precision::Fp8(_) => "fp8",
+    }
+}
+
+/// Trains the [`Mlp`] on [`blobs`] through `SupervisedTraining` + `with_accelerate` on
+/// `device`; `B` should be `Accelerated<Autodiff<_>>` for a mixed precision.
+///
+/// # Errors
+/// What [`AccelerateStrategy::new`] returns for the config.
+pub fn run<B: AutodiffBackend>(
+    config: &DemoConfig,
+    device: &B::Device,
+) -> Result<DemoOutcome, AccelerateError> {
+    let accelerate = AccelerateConfig::new()
+        .with_mixed_precision(config.precision)
+        .with_gradient_accumulation_steps(config.grad_accum)
+        .with_allow_fallback(config.allow_fallback);
+    let accelerate = match config.init_scale {
+        Some(scale) => accelerate.with_grad_scaler(GradScalerConfig::new().with_init_scale(scale)),
+        None => accelerate,
+    };
+    let strategy = AccelerateStrategy::new(accelerate, device)?;
+    let report = strategy.report();
+
+    let train = DataLoaderBuilder::<B, _, _>::new(BlobBatcher)
+        .batch_size(config.batch_size)
+        .shuffle(config.seed)
+        .build(InMemDataset::new(blobs(config.train_items, 1)));
+    let valid_data = blobs(config.valid_items, 2);
+    let valid = DataLoaderBuilder::<B::InnerBackend, _, _>::new(BlobBatcher)
+        .batch_size(config.batch_size)
+        .build(InMemDataset::new(valid_data.clone()));
+
+    B::seed(device, config.seed);
+    let model = Mlp::<B>::new(config.hidden, device);
+    let scheduler = CountedScheduler::new(config.lr);
+    let scheduler_steps = scheduler.counter();
+    let learner = Learner::new(model, AdamConfig::new().init(), scheduler);
+    let dir = std::env::temp_dir().join(format!(
+        "burn-accelerate-train-mlp-{}-{}",
+        std::process::id(),
+        config.precision.accelerate_name()
+    ));
+    let result = SupervisedTraining::new(&dir, train, valid)
+        .num_epochs(config.epochs)
+        .metric_train_numeric(AccelerateMetric::loss_scale(&report))
+        .metric_train_numeric(AccelerateMetric::skipped_steps(&report))
+        .metric_train_numeric(LossMetric::new())
+        .metric_valid_numeric(LossMetric::new())
+        .renderer(QuietRenderer)
+        .with_application_logger(None)
+        .with_accelerate(strategy)
+        .launch(learner);
+    let _ = std::fs::remove_dir_all(&dir);
+
+    // Evaluated after the fit, so in f32 (the fit restored the autocast default).
+    let model = result.model;
+    let batch = Batcher::<B::InnerBackend, _, _>::batch(&BlobBatcher, valid_data, device);
+    let labels = batch.labels.clone();
+    let output = model.classify(batch);
+    let n = labels.dims()[0];
+    let correct: i64 = output
+        .output
+        .argmax(1)
+        .flatten::<1>(0, 1)
+        .equal(labels)
+        .int()
+        .sum()
+        .into_scalar()
+        .elem();
+    Ok(DemoOutcome {
+        loss: output.loss.into_scalar().elem(),
+        accuracy: correct as f32 / n as f32,
+        scheduler_steps: scheduler_steps.load(Ordering::SeqCst),
+        stats: report.stats(),
+    })
+}

@@ -1,0 +1,414 @@
+//! `with_accelerate` on Burn's `SupervisedTraining`, through the `train_mlp` example's model.
+//!
+//! Autocast and the armed loss scale are process-wide, so the trainings here take a lock and
+//! run one at a time.
+
+use std::sync::Mutex;
+
+use burn::backend::Autodiff;
+use burn_accelerate::train::demo::{self, DemoConfig, DemoOutcome};
+use burn_accelerate::{AccelerateError, Accelerated, Precision};
+
+static ONE_TRAINING: Mutex<()> = Mutex::new(());
+
+fn train<B: burn::tensor::backend::AutodiffBackend>(
+    config: &DemoConfig,
+) -> Result<DemoOutcome, AccelerateError> {
+    let _one = ONE_TRAINING.lock().unwrap_or_else(|e| e.into_inner());
+    demo::run::<B>(config, &Default::default())
+}
+
+#[cfg(feature = "flex")]
+mod flex {
+    use super::*;
+    use burn::backend::Flex;
+
+    type Train = Accelerated<Autodiff<Flex>>;
+
+    fn small(precision: Precision) -> DemoConfig {
+        DemoConfig::new()
+            .with_precision(precision)
+            .with_epochs(3)
+            .with_train_items(2048)
+            .with_valid_items(512)
+            .with_allow_fallback(false)
+    }
+
+    #[test]
+    fn half_precisions_end_within_two_percent_of_f32() {
+        let f32_run = train::<Train>(&small(Precision::F32)).unwrap();
+        assert!(f32_run.loss.is_finite());
+        // The model learned something: 4 classes, chance is 0.25.
+        assert!(f32_run.accuracy > 0.5, "{}", f32_run.summary_line());
+        for precision in [Precision::Bf16, Precision::F16] {
+            let run = train::<Train>(&small(precision)).unwrap();
+            assert_eq!(run.stats.precision, precision);
+            assert!(!run.stats.fell_back);
+            let rel = (run.loss - f32_run.loss).abs() / f32_run.loss;
+            assert!(
+                rel < 0.02,
+                "{precision:?}: {} vs f32 {} ({:.2}%)",
+                run.summary_line(),
+                f32_run.summary_line(),
+                rel * 100.0
+            );
+        }
+    }
+
+    #[test]
+    fn partial_last_window_steps_optimizer_and_scheduler_at_epoch_end() {
+        // 10 batches of 16 with K = 4: windows of 4, 4 and 2 batches, so 3 optimizer steps an
+        // epoch (Burn 0.21's own loop drops the window of 2 and steps the scheduler 10 times).
+        let config = DemoConfig::new()
+            .with_grad_accum(4)
+            .with_epochs(2)
+            .with_train_items(160)
+            .with_valid_items(32)
+            .with_batch_size(16);
+        let run = train::<Train>(&config).unwrap();
+        assert_eq!(run.stats.epochs.len(), 2);
+        for epoch in &run.stats.epochs {
+            assert_eq!(epoch.batches, 10, "{epoch:?}");
+            assert_eq!(epoch.optimizer_steps, 3, "{epoch:?}");
+            assert_eq!(epoch.scheduler_steps, 3, "{epoch:?}");
+            assert_eq!(epoch.skipped_steps, 0, "{epoch:?}");
+        }
+        // Counted by the scheduler itself, not by the loop.
+        assert_eq!(run.scheduler_steps, 6);
+    }
+
+    #[test]
+    fn f16_run_that_overflows_early_recovers() {
+        // 2^40 times the loss overflows f16 in the backward pass: the first steps are skipped
+        // while the scale backs off by half each time, then training proceeds.
+        let config = small(Precision::F16).with_init_scale(Some(2f64.powi(40)));
+        let run = train::<Train>(&config).unwrap();
+        let skipped = run.stats.skipped_steps();
+        assert!(skipped > 0, "{}", run.summary_line());
+        // Each skip halved the scale (no growth within 2000 clean steps).
+        assert_eq!(
+            run.stats.loss_scale.loss_scale(),
+            (2f64.powi(40) * 0.5f64.powi(skipped as i32)) as f32
+        );
+        let epoch1 = run.stats.epochs[0];
+        assert_eq!(
+            epoch1.optimizer_steps + epoch1.skipped_steps,
+            epoch1.batches
+        );
+        assert_eq!(run.scheduler_steps, run.stats.optimizer_steps());
+        // Finite parameters (a NaN anywhere would make the loss NaN) and a falling loss:
+        // an untrained model sits near ln 4 ≈ 1.39.
+        assert!(
+            run.loss.is_finite() && run.loss < 0.6,
+            "{}",
+            run.summary_line()
+        );
+        assert!(run.accuracy > 0.7, "{}", run.summary_line());
+    }
+
+    #[test]
+    fn mixed_precision_on_a_plain_autodiff_backend_is_a_typed_error() {
+        let err = train::<Autodiff<Flex>>(&small(Precision::Bf16)).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                AccelerateError::NotAccelerated {
+                    precision: Precision::Bf16,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
+}
+
+#[cfg(feature = "ndarray")]
+mod ndarray {
+    use super::*;
+    use burn::backend::NdArray;
+
+    type Train = Accelerated<Autodiff<NdArray>>;
+
+    fn tiny(precision: Precision) -> DemoConfig {
+        DemoConfig::new()
+            .with_precision(precision)
+            .with_epochs(1)
+            .with_train_items(256)
+            .with_valid_items(64)
+    }
+
+    #[test]
+    fn autocast_request_runs_in_f32_with_the_fallback_reported() {
+        let run = train::<Train>(&tiny(Precision::Bf16)).unwrap();
+        assert!(run.stats.fell_back);
+        assert_eq!(run.stats.requested, Precision::Bf16);
+        assert_eq!(run.stats.precision, Precision::F32);
+        assert!(run.loss.is_finite());
+        assert!(run.summary_line().ends_with("precision=f32"));
+    }
+
+    #[test]
+    fn without_fallback_the_request_is_refused() {
+        let err = train::<Train>(&tiny(Precision::F16).with_allow_fallback(false)).unwrap_err();
+        assert!(
+            matches!(err, AccelerateError::UnsupportedPrecision { .. }),
+            "{err}"
+        );
+    }
+}
+
+/// Burn's own machinery under the strategy: file checkpoints, resuming with `.checkpoint(n)`,
+/// and the interrupter.
+#[cfg(feature = "flex")]
+mod burn_machinery {
+    use std::path::Path;
+
+    use burn::backend::Flex;
+    use burn::data::dataloader::DataLoaderBuilder;
+    use burn::data::dataset::InMemDataset;
+    use burn::optim::AdamConfig;
+    use burn::record::CompactRecorder;
+    use burn::tensor::backend::Backend;
+    use burn::train::metric::LossMetric;
+    use burn::train::{Learner, SupervisedTraining};
+    use burn_accelerate::AccelerateConfig;
+    use burn_accelerate::scaler::GradScalerConfig;
+    use burn_accelerate::train::demo::{BlobBatcher, Mlp, QuietRenderer, blobs};
+    use burn_accelerate::train::metrics::AccelerateMetric;
+    use burn_accelerate::train::{
+        AccelerateStrategy, TrainingReport, TrainingStats, WithAccelerate,
+    };
+
+    use super::*;
+
+    type Train = Accelerated<Autodiff<Flex>>;
+    type Components = burn::train::LearningComponentsMarker<
+        Train,
+        f64,
+        Mlp<Train>,
+        burn::optim::adaptor::OptimizerAdaptor<burn::optim::Adam, Mlp<Train>, Train>,
+    >;
+    type Training = SupervisedTraining<Components>;
+
+    // 4 batches of 32 an epoch, in bf16 with windows of 3 (3 + 1).
+    fn training(dir: &Path) -> (Training, AccelerateStrategy<Components>) {
+        let strategy = AccelerateStrategy::new(
+            AccelerateConfig::new()
+                .with_mixed_precision(Precision::Bf16)
+                .with_gradient_accumulation_steps(3),
+            &Default::default(),
+        )
+        .unwrap();
+        let builder = training_with(dir, strategy.report());
+        (builder, strategy)
+    }
+
+    fn training_with(dir: &Path, report: TrainingReport) -> Training {
+        let train = DataLoaderBuilder::<Train, _, _>::new(BlobBatcher)
+            .batch_size(32)
+            .build(InMemDataset::new(blobs(128, 1)));
+        let valid = DataLoaderBuilder::<Accelerated<Flex>, _, _>::new(BlobBatcher)
+            .batch_size(32)
+            .build(InMemDataset::new(blobs(64, 2)));
+        SupervisedTraining::new(dir, train, valid)
+            .metric_train_numeric(AccelerateMetric::loss_scale(&report))
+            .metric_train_numeric(AccelerateMetric::skipped_steps(&report))
+            .metric_train_numeric(LossMetric::new())
+            .metric_valid_numeric(LossMetric::new())
+            .renderer(QuietRenderer)
+            .with_application_logger(None)
+    }
+
+    fn learner() -> Learner<Components> {
+        let device = Default::default();
+        Train::seed(&device, 5);
+        Learner::new(Mlp::new(16, &device), AdamConfig::new().init(), 1e-3)
+    }
+
+    fn launch(builder: Training, strategy: AccelerateStrategy<Components>) -> TrainingStats {
+        launch_model(builder, strategy).0
+    }
+
+    // The stats and the trained model's logits on a fixed batch.
+    fn launch_model(
+        builder: Training,
+        strategy: AccelerateStrategy<Components>,
+    ) -> (TrainingStats, Vec<f32>) {
+        let _one = ONE_TRAINING.lock().unwrap_or_else(|e| e.into_inner());
+        let report = strategy.report();
+        let model = builder.with_accelerate(strategy).launch(learner()).model;
+        let batch = burn::data::dataloader::batcher::Batcher::<Accelerated<Flex>, _, _>::batch(
+            &BlobBatcher,
+            blobs(16, 9),
+            &Default::default(),
+        );
+        let logits = model.forward(batch.x).into_data().to_vec::<f32>().unwrap();
+        (report.stats(), logits)
+    }
+
+    #[test]
+    fn file_checkpoints_are_written_and_resumed_from() {
+        let dir = std::env::temp_dir().join(format!(
+            "burn-accelerate-train-checkpoints-{}",
+            std::process::id()
+        ));
+        let (builder, strategy) = training(&dir);
+        let stats = launch(
+            builder
+                .num_epochs(2)
+                .with_file_checkpointer(CompactRecorder::new()),
+            strategy,
+        );
+        assert_eq!(stats.epochs.len(), 2);
+        assert!(stats.epochs.iter().all(|e| e.optimizer_steps == 2));
+        for name in ["model-2.mpk", "optim-2.mpk", "scheduler-2.mpk"] {
+            let path = dir.join("checkpoint").join(name);
+            assert!(path.exists(), "{} missing", path.display());
+        }
+
+        // Resumed from epoch 2's checkpoint: only epoch 3 runs.
+        let (builder, strategy) = training(&dir);
+        let stats = launch(
+            builder
+                .num_epochs(3)
+                .checkpoint(2)
+                .with_file_checkpointer(CompactRecorder::new()),
+            strategy,
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+        let epochs: Vec<usize> = stats.epochs.iter().map(|e| e.epoch).collect();
+        assert_eq!(epochs, [3]);
+    }
+
+    // f16 from a scale of 2^22: epoch 1 overflows and backs off; epoch 2 runs at the scale
+    // reached.
+    fn f16_training(dir: &Path) -> (Training, AccelerateStrategy<Components>) {
+        let strategy = AccelerateStrategy::new(
+            AccelerateConfig::new()
+                .with_mixed_precision(Precision::F16)
+                .with_grad_scaler(GradScalerConfig::new().with_init_scale(2f64.powi(22))),
+            &Default::default(),
+        )
+        .unwrap()
+        .with_checkpoint_dir(dir.join("checkpoint"));
+        let builder = training_with(dir, strategy.report());
+        (
+            builder.with_file_checkpointer(CompactRecorder::new()),
+            strategy,
+        )
+    }
+
+    #[test]
+    fn a_resumed_run_goes_on_with_the_saved_loss_scale() {
+        let dir = std::env::temp_dir().join(format!(
+            "burn-accelerate-train-resume-{}",
+            std::process::id()
+        ));
+        let (builder, strategy) = f16_training(&dir);
+        let whole = launch(builder.num_epochs(2), strategy);
+        assert!(whole.epochs[0].skipped_steps > 0, "{whole:?}");
+        assert!(
+            whole.epochs[1].skipped_steps < whole.epochs[0].skipped_steps,
+            "{whole:?}"
+        );
+
+        let (builder, strategy) = f16_training(&dir);
+        let resumed = launch(builder.num_epochs(2).checkpoint(1), strategy);
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(resumed.epochs.len(), 1);
+        // Without the saved scale, epoch 2 would start over at 2^40 and skip again.
+        assert_eq!(resumed.epochs[0], whole.epochs[1]);
+        assert_eq!(resumed.loss_scale, whole.loss_scale);
+    }
+
+    fn list(dir: &Path) -> Vec<String> {
+        let mut out = Vec::new();
+        for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                out.extend(list(&path));
+            } else {
+                out.push(path.display().to_string());
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn a_resumed_run_ends_with_the_parameters_of_the_uninterrupted_one() {
+        // Full-precision records (Burn's `CompactRecorder` stores f16) and an unshuffled
+        // loader, so that the resumed epoch sees the same batches.
+        let dir = std::env::temp_dir().join(format!(
+            "burn-accelerate-train-resume-exact-{}",
+            std::process::id()
+        ));
+        let f16 = |dir: &Path| {
+            let strategy = AccelerateStrategy::new(
+                AccelerateConfig::new()
+                    .with_mixed_precision(Precision::F16)
+                    .with_gradient_accumulation_steps(3)
+                    .with_grad_scaler(GradScalerConfig::new().with_init_scale(2f64.powi(22))),
+                &Default::default(),
+            )
+            .unwrap()
+            .with_checkpoint_dir(dir.join("checkpoint"));
+            let builder =
+                training_with(dir, strategy.report())
+                    .with_file_checkpointer(burn::record::NamedMpkFileRecorder::<
+                        burn::record::FullPrecisionSettings,
+                    >::new());
+            (builder, strategy)
+        };
+        let (builder, strategy) = f16(&dir);
+        let (whole, whole_logits) = launch_model(builder.num_epochs(2), strategy);
+        let (builder, strategy) = f16(&dir);
+        let (resumed, resumed_logits) = launch_model(builder.num_epochs(2).checkpoint(1), strategy);
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(resumed.epochs[..], whole.epochs[1..]);
+        assert_eq!(resumed_logits, whole_logits);
+    }
+
+    #[test]
+    fn loss_scale_and_skipped_steps_reach_burns_metric_logs() {
+        let dir = std::env::temp_dir().join(format!(
+            "burn-accelerate-train-metrics-{}",
+            std::process::id()
+        ));
+        let (builder, strategy) = f16_training(&dir);
+        let stats = launch(builder.num_epochs(1), strategy);
+        let epoch1 = dir.join("train").join("epoch-1");
+        let read = |name: &str| {
+            std::fs::read_to_string(epoch1.join(format!("{name}.log")))
+                .unwrap_or_else(|e| panic!("{name} in {}: {e}; {:?}", epoch1.display(), list(&dir)))
+        };
+        // Burn's file logger spells the names' spaces as underscores.
+        let scales = read("Loss_Scale_[f16]");
+        let skipped = read("Skipped_Steps_[f16]");
+        let _ = std::fs::remove_dir_all(&dir);
+        // One line a batch; the last skip count logged is the run's.
+        assert_eq!(scales.lines().count(), stats.epochs[0].batches, "{scales}");
+        let last: f64 = skipped
+            .lines()
+            .last()
+            .and_then(|l| l.split(',').next())
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{skipped}"));
+        assert_eq!(last as usize, stats.skipped_steps(), "{skipped}");
+    }
+
+    #[test]
+    fn the_interrupter_stops_training_after_the_current_batch() {
+        let dir = std::env::temp_dir().join(format!(
+            "burn-accelerate-train-interrupt-{}",
+            std::process::id()
+        ));
+        let (builder, strategy) = training(&dir);
+        let builder = builder.num_epochs(3);
+        builder.interrupter().stop(Some("test"));
+        let stats = launch(builder, strategy);
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(stats.epochs.len(), 1);
+        assert_eq!(stats.epochs[0].batches, 1);
+        assert_eq!(stats.epochs[0].optimizer_steps, 0);
+    }
+}
