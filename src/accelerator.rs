@@ -300,6 +300,11 @@ impl<B: AutodiffBackend> Accelerator<B> {
         let loss = self.loss_scale.scale(loss);
         let grads = GradientsParams::from_grads(loss.backward(), model);
         grads::accumulate::<B, M>(model, &mut self.grads, grads);
+        // fp8 keys its per-tensor scales by call order since the last step: one forward and
+        // backward pass is one step of the delayed-scaling recipe.
+        if matches!(self.config.mixed_precision, Precision::Fp8(_)) {
+            crate::fp8::step();
+        }
     }
 
     /// The window's gradients so far (scaled, unless already unscaled this step).

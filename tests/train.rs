@@ -56,6 +56,23 @@ mod flex {
     }
 
     #[test]
+    fn fp8_ends_within_five_percent_of_f32() {
+        use burn_accelerate::fp8::Fp8Mode;
+        let f32_run = train::<Train>(&small(Precision::F32)).unwrap();
+        for mode in [Fp8Mode::E4M3, Fp8Mode::Hybrid] {
+            let run = train::<Train>(&small(Precision::Fp8(mode))).unwrap();
+            let rel = (run.loss - f32_run.loss).abs() / f32_run.loss;
+            assert!(
+                rel < 0.05,
+                "{mode:?}: {} vs f32 {} ({:.2}%)",
+                run.summary_line(),
+                f32_run.summary_line(),
+                rel * 100.0
+            );
+        }
+    }
+
+    #[test]
     fn partial_last_window_steps_optimizer_and_scheduler_at_epoch_end() {
         // 10 batches of 16 with K = 4: windows of 4, 4 and 2 batches, so 3 optimizer steps an
         // epoch (Burn 0.21's own loop drops the window of 2 and steps the scheduler 10 times).

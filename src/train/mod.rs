@@ -370,6 +370,11 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
             }
             let batch = self.state.accumulate();
             let output = learner.train_step(item);
+            // One forward and backward pass is one step of fp8's delayed-scaling recipe (its
+            // per-tensor scales are keyed by call order since the last step).
+            if matches!(self.config.mixed_precision, Precision::Fp8(_)) {
+                crate::fp8::step();
+            }
             let model: TrainingModel<LC> = learner.model();
             grads::accumulate::<TrainingBackend<LC>, _>(&model, &mut scaling.window, output.grads);
 
