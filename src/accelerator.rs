@@ -39,7 +39,7 @@ use burn::lr_scheduler::LrScheduler;
 use burn::module::AutodiffModule;
 use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::Tensor;
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use serde::{Deserialize, Serialize};
 
 use crate::autocast::{Autocast, AutocastConfig, AutocastGuard};
@@ -91,6 +91,32 @@ pub struct AccelerateConfig {
 }
 
 impl AccelerateConfig {
+    /// Checks the settings, probes `device` for the precision and returns the autocast and
+    /// the initial loss scale: the part of building an [`Accelerator`] that the training
+    /// strategy shares.
+    ///
+    /// Everything is checked before the device probe, so that a wrong config costs nothing
+    /// and changes no shared state.
+    pub(crate) fn init_mixed_precision<B: Backend>(
+        &self,
+        device: &B::Device,
+    ) -> Result<(Autocast, LossScale), AccelerateError> {
+        if self.gradient_accumulation_steps == 0 {
+            return Err(AccelerateError::InvalidConfig {
+                field: "gradient_accumulation_steps",
+                value: "0".into(),
+                fix: "set at least 1 (1 means no accumulation: the optimizer steps every batch)",
+            });
+        }
+        self.grad_scaler.init(self.mixed_precision)?;
+        let autocast = AutocastConfig::new(self.mixed_precision)
+            .with_allow_fallback(self.allow_fallback)
+            .with_fp8_recipe(self.fp8_recipe)
+            .init::<B>(device)?;
+        let loss_scale = self.grad_scaler.init(autocast.precision())?;
+        Ok((autocast, loss_scale))
+    }
+
     /// Builds an [`Accelerator`] on `device`, sharing the process-wide
     /// [`GradientState::global`] (as Accelerate's singleton is shared).
     ///
@@ -196,21 +222,8 @@ impl<B: AutodiffBackend> Accelerator<B> {
         device: &B::Device,
         state: GradientState,
     ) -> Result<Self, AccelerateError> {
-        if config.gradient_accumulation_steps == 0 {
-            return Err(AccelerateError::InvalidConfig {
-                field: "gradient_accumulation_steps",
-                value: "0".into(),
-                fix: "set at least 1 (1 means no accumulation: the optimizer steps every batch)",
-            });
-        }
-        // Checked before the device probe and before touching the (maybe shared) state, so
-        // that a wrong config changes nothing.
-        config.grad_scaler.init(config.mixed_precision)?;
-        let autocast = AutocastConfig::new(config.mixed_precision)
-            .with_allow_fallback(config.allow_fallback)
-            .with_fp8_recipe(config.fp8_recipe)
-            .init::<B>(device)?;
-        let loss_scale = config.grad_scaler.init(autocast.precision())?;
+        // Before touching the (maybe shared) state, so that a wrong config changes nothing.
+        let (autocast, loss_scale) = config.init_mixed_precision::<B>(device)?;
         state.configure(
             config.gradient_accumulation_steps,
             config.sync_with_dataloader,

@@ -57,7 +57,7 @@ use burn::train::{
     TrainingItem, TrainingModel, TrainingStrategy, ValidLoader,
 };
 
-use crate::autocast::{self, Autocast, AutocastConfig};
+use crate::autocast::{self, Autocast};
 use crate::gradient_state::GradientState;
 use crate::grads;
 use crate::scaler::{ArmedLossScale, LossScale};
@@ -213,20 +213,9 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
         config: AccelerateConfig,
         device: &Device<TrainingBackend<LC>>,
     ) -> Result<Self, AccelerateError> {
-        if config.gradient_accumulation_steps == 0 {
-            return Err(AccelerateError::InvalidConfig {
-                field: "gradient_accumulation_steps",
-                value: "0".into(),
-                fix: "set at least 1 (1 means no accumulation: the optimizer steps every batch)",
-            });
-        }
-        config.grad_scaler.init(config.mixed_precision)?;
-        let autocast = AutocastConfig::new(config.mixed_precision)
-            .with_allow_fallback(config.allow_fallback)
-            .with_fp8_recipe(config.fp8_recipe)
-            .init::<TrainingBackend<LC>>(device)?;
+        let (autocast, initial_scale) =
+            config.init_mixed_precision::<TrainingBackend<LC>>(device)?;
         ensure_accelerated::<TrainingBackend<LC>>(&autocast, device)?;
-        let initial_scale = config.grad_scaler.init(autocast.precision())?;
         // A gradient state of its own: the process-wide one may be configured by a
         // hand-written loop's `Accelerator` with other settings.
         let state = GradientState::new();
