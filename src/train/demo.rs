@@ -45,16 +45,12 @@ pub struct Sample {
     pub label: usize,
 }
 
-// splitmix64: a dependency-free generator, so the dataset is the same everywhere.
+// The loader's splitmix64 stream: dependency-free, so the dataset is the same everywhere.
 struct SplitMix(u64);
 
 impl SplitMix {
     fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        crate::data::shard::splitmix_next(&mut self.0)
     }
 
     // Uniform in (0, 1].
