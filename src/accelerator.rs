@@ -84,6 +84,10 @@ pub struct AccelerateConfig {
     /// `mixed_precision`.
     #[config(default = false)]
     pub allow_fallback: bool,
+    /// Run `mixed_precision` even where the device runs it far slower than f32 (see
+    /// [`AutocastConfig::allow_slow`](crate::AutocastConfig)).
+    #[config(default = false)]
+    pub allow_slow: bool,
     /// How fp8 tensors are scaled when `mixed_precision` is fp8 (Accelerate's
     /// `FP8RecipeKwargs`; Transformer Engine's defaults). fp8 needs no loss scaling.
     #[config(default = "DelayedScaling::default()")]
@@ -111,6 +115,7 @@ impl AccelerateConfig {
         self.grad_scaler.init(self.mixed_precision)?;
         let autocast = AutocastConfig::new(self.mixed_precision)
             .with_allow_fallback(self.allow_fallback)
+            .with_allow_slow(self.allow_slow)
             .with_fp8_recipe(self.fp8_recipe)
             .init::<B>(device)?;
         let loss_scale = self.grad_scaler.init(autocast.precision())?;
@@ -215,7 +220,9 @@ impl<B: AutodiffBackend> Accelerator<B> {
     /// # Errors
     /// [`AccelerateError::InvalidConfig`] for zero accumulation steps or an invalid scaler
     /// setting; [`AccelerateError::UnsupportedPrecision`] when `device` cannot run
-    /// `mixed_precision` and `allow_fallback` is off; the fp8 errors of
+    /// `mixed_precision` and `allow_fallback` is off; [`AccelerateError::SlowPrecision`] when
+    /// it runs far slower than f32 and neither `allow_slow` nor `allow_fallback` is on; the
+    /// fp8 errors of
     /// [`AutocastConfig::init`] for an fp8 precision.
     pub fn with_gradient_state(
         config: AccelerateConfig,

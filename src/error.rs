@@ -63,6 +63,27 @@ pub enum AccelerateError {
         supported: String,
     },
 
+    /// The device runs the requested low precision, but so much slower than f32 that
+    /// autocast would slow training down (LibTorch's f16 on a CPU, say).
+    #[error(
+        "{precision} runs on {backend} (device {device}) but about {slowdown}× slower than f32 \
+         there, so autocasting to it would slow training down. Use a precision the device runs \
+         fast ({fast}), allow the f32 fallback (`with_allow_fallback(true)`), or accept the \
+         slowdown (`with_allow_slow(true)`) on the `AutocastConfig` or `AccelerateConfig`"
+    )]
+    SlowPrecision {
+        /// The requested precision.
+        precision: Precision,
+        /// The backend's name.
+        backend: String,
+        /// The device, as Burn prints it.
+        device: String,
+        /// How many times slower than f32 the probe's matmul ran.
+        slowdown: u32,
+        /// The precisions the device runs without a slowdown, comma-separated.
+        fast: String,
+    },
+
     /// A setting outside the range it is meaningful in (a configuration field, or an argument
     /// such as a clipping threshold).
     #[error("invalid {field} = {value}: {fix}")]

@@ -27,6 +27,11 @@ pub struct AutocastConfig {
     /// Run in f32 (and report it) instead of failing when the device cannot run `precision`.
     #[config(default = false)]
     pub allow_fallback: bool,
+    /// Run `precision` even where the probe found it [`SLOW_FACTOR`](capability::SLOW_FACTOR)
+    /// times slower than f32 or worse (otherwise that is an error, or a fallback to f32 when
+    /// `allow_fallback` is on).
+    #[config(default = false)]
+    pub allow_slow: bool,
     /// How fp8 tensors are scaled, when `precision` is fp8 (Transformer Engine's defaults).
     #[config(default = "DelayedScaling::default()")]
     pub fp8_recipe: DelayedScaling,
@@ -42,6 +47,8 @@ impl AutocastConfig {
     /// # Errors
     /// - [`AccelerateError::UnsupportedPrecision`] when the device cannot run the precision
     ///   and `allow_fallback` is off;
+    /// - [`AccelerateError::SlowPrecision`] when it runs, but too slowly to be worth it, and
+    ///   neither `allow_slow` nor `allow_fallback` is on;
     /// - [`AccelerateError::InvalidFp8Recipe`] for an fp8 precision with an invalid recipe;
     /// - [`AccelerateError::Fp8NotRegistered`] for an fp8 precision on an autodiff backend
     ///   without a registered fp8 cast.
@@ -73,6 +80,7 @@ impl AutocastConfig {
         let capabilities = capability::probe::<B>(device);
         let effective = match capability::ensure::<B>(device, self.precision) {
             Ok(()) => self.precision,
+            Err(AccelerateError::SlowPrecision { .. }) if self.allow_slow => self.precision,
             Err(err) if !self.allow_fallback => return Err(err),
             Err(err) => {
                 log::warn!("burn-accelerate: {err}; running in f32 as allowed");
@@ -106,7 +114,8 @@ impl Autocast {
         self.requested
     }
 
-    /// Whether the device could not run the request and f32 is used instead.
+    /// Whether the device could not run the request (or not fast enough) and f32 is used
+    /// instead.
     pub fn fell_back(&self) -> bool {
         self.requested != self.effective
     }
