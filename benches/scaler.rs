@@ -10,15 +10,15 @@
 //!
 //!     cargo bench --bench scaler
 
+mod common;
+
 use burn::backend::{Autodiff, Flex};
-use burn::module::Module;
-use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::{GradientsParams, Optimizer, SgdConfig};
-use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Tensor};
 use burn_accelerate::{
     AccelerateConfig, Accelerator, GradScalerConfig, GradientState, LossScale, grads,
 };
+use common::Mlp;
 use criterion::{Criterion, criterion_group, criterion_main};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -28,28 +28,6 @@ type B = Autodiff<Flex>;
 const BATCH: usize = 64;
 const DIMS: [usize; 3] = [256, 512, 256];
 const LR: f64 = 1e-3;
-
-#[derive(Module, Debug)]
-struct Mlp<B: Backend> {
-    fc1: Linear<B>,
-    fc2: Linear<B>,
-    act: Relu,
-}
-
-impl<B: Backend> Mlp<B> {
-    fn new(device: &B::Device) -> Self {
-        B::seed(device, 7);
-        Self {
-            fc1: LinearConfig::new(DIMS[0], DIMS[1]).init(device),
-            fc2: LinearConfig::new(DIMS[1], DIMS[2]).init(device),
-            act: Relu::new(),
-        }
-    }
-
-    fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
-        self.fc2.forward(self.act.forward(self.fc1.forward(x)))
-    }
-}
 
 fn loss(model: &Mlp<B>, x: Tensor<B, 2>) -> Tensor<B, 1> {
     model.forward(x).powi_scalar(2).mean()
@@ -67,7 +45,7 @@ fn training_steps(c: &mut Criterion) {
     let x = Tensor::<B, 2>::random([BATCH, DIMS[0]], Distribution::Normal(0., 1.), &device);
     let mut group = c.benchmark_group("step");
 
-    let mut model = Some(Mlp::<B>::new(&device));
+    let mut model = Some(Mlp::<B>::new(DIMS, &device));
     let mut optim = SgdConfig::new().init::<B, Mlp<B>>();
     group.bench_function("plain", |b| {
         b.iter(|| {
@@ -82,7 +60,7 @@ fn training_steps(c: &mut Criterion) {
         ("accelerator_scaled", true),
     ] {
         let mut acc = accelerator(scaled);
-        let mut model = Some(Mlp::<B>::new(&device));
+        let mut model = Some(Mlp::<B>::new(DIMS, &device));
         let mut optim = SgdConfig::new().init::<B, Mlp<B>>();
         let mut lr = LR;
         group.bench_function(name, |b| {
@@ -99,7 +77,7 @@ fn training_steps(c: &mut Criterion) {
 
     // The host synchronisations of one scaled step, counted where the crate reads.
     let mut acc = accelerator(true);
-    let model = Mlp::<B>::new(&device);
+    let model = Mlp::<B>::new(DIMS, &device);
     let mut optim = SgdConfig::new().init::<B, Mlp<B>>();
     let before = grads::host_reads();
     acc.backward(loss(&model, x.clone()), &model);
@@ -115,7 +93,7 @@ fn training_steps(c: &mut Criterion) {
 fn unscale_check_update(c: &mut Criterion) {
     let device = Default::default();
     let x = Tensor::<B, 2>::random([BATCH, DIMS[0]], Distribution::Normal(0., 1.), &device);
-    let model = Mlp::<B>::new(&device);
+    let model = Mlp::<B>::new(DIMS, &device);
     let mut scale = GradScalerConfig::new()
         .with_enabled(Some(true))
         .init(Default::default())
@@ -146,7 +124,7 @@ fn overhead_fraction(_c: &mut Criterion) {
     const ITERS: usize = 400;
     let device = Default::default();
     let x = Tensor::<B, 2>::random([BATCH, DIMS[0]], Distribution::Normal(0., 1.), &device);
-    let mut model = Mlp::<B>::new(&device);
+    let mut model = Mlp::<B>::new(DIMS, &device);
     let mut optim = SgdConfig::new().init::<B, Mlp<B>>();
     let mut scale = GradScalerConfig::new()
         .with_enabled(Some(true))

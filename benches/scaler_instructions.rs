@@ -10,31 +10,19 @@
 //! excess over the unscaled one is what scaling the loss, unscaling, checking, reading the
 //! check and updating the scale cost.
 
+mod common;
+
 use burn::backend::{Autodiff, Flex};
-use burn::module::Module;
-use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::SgdConfig;
-use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Tensor};
 use burn_accelerate::{AccelerateConfig, GradScalerConfig, GradientState};
+use common::Mlp;
 
 type B = Autodiff<Flex>;
 
-#[derive(Module, Debug)]
-struct Mlp<B: Backend> {
-    fc1: Linear<B>,
-    fc2: Linear<B>,
-    act: Relu,
-}
-
 fn steps(scaled: bool, count: usize) {
     let device = Default::default();
-    B::seed(&device, 7);
-    let mut model = Mlp::<B> {
-        fc1: LinearConfig::new(256, 512).init(&device),
-        fc2: LinearConfig::new(512, 256).init(&device),
-        act: Relu::new(),
-    };
+    let mut model = Mlp::<B>::new([256, 512, 256], &device);
     let x = Tensor::<B, 2>::random([64, 256], Distribution::Normal(0., 1.), &device);
     let mut acc = AccelerateConfig::new()
         .with_grad_scaler(GradScalerConfig::new().with_enabled(Some(scaled)))
@@ -43,10 +31,7 @@ fn steps(scaled: bool, count: usize) {
     let mut optim = SgdConfig::new().init::<B, Mlp<B>>();
     let mut lr = 1e-3;
     for _ in 0..count {
-        let out = model
-            .fc2
-            .forward(model.act.forward(model.fc1.forward(x.clone())));
-        acc.backward(out.powi_scalar(2).mean(), &model);
+        acc.backward(model.forward(x.clone()).powi_scalar(2).mean(), &model);
         let (next, outcome) = acc.optimizer_step(&mut optim, model, &mut lr);
         assert!(outcome.applied());
         model = next;

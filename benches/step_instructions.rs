@@ -7,44 +7,21 @@
 //!
 //! `Collected` in callgrind's summary is the instruction count; compare the variants' counts.
 
+mod common;
+
 use burn::backend::{Autodiff, Flex};
-use burn::module::Module;
-use burn::nn::{Linear, LinearConfig, Relu};
-use burn::optim::GradientsParams;
-use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Distribution, FloatDType, Tensor};
 use burn_accelerate::{Accelerated, Precision, autocast};
-
-#[derive(Module, Debug)]
-struct Mlp<B: Backend> {
-    fc1: Linear<B>,
-    fc2: Linear<B>,
-    act: Relu,
-}
+use common::{Mlp, mlp_step};
 
 fn steps<B: AutodiffBackend>(hand_cast: bool, count: usize) {
     let device = B::Device::default();
-    B::seed(&device, 7);
-    let model = Mlp::<B> {
-        fc1: LinearConfig::new(64, 128).init(&device),
-        fc2: LinearConfig::new(128, 64).init(&device),
-        act: Relu::new(),
-    };
+    let model = Mlp::<B>::new([64, 128, 64], &device);
     let x = Tensor::<B, 2>::random([32, 64], Distribution::Normal(0., 1.), &device);
-    let linear = |l: &Linear<B>, x: Tensor<B, 2>| {
-        if hand_cast {
-            let low = FloatDType::BF16;
-            let b = l.bias.as_ref().map(|b| b.val().cast(low));
-            burn::tensor::module::linear(x.cast(low), l.weight.val().cast(low), b)
-        } else {
-            l.forward(x)
-        }
-    };
+    let hand_cast = hand_cast.then_some(FloatDType::BF16);
     for _ in 0..count {
-        let out = linear(&model.fc2, model.act.forward(linear(&model.fc1, x.clone())));
-        let loss = out.cast(FloatDType::F32).powf_scalar(2.0).mean();
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
-        std::hint::black_box(grads);
+        std::hint::black_box(mlp_step(&model, x.clone(), hand_cast));
     }
 }
 

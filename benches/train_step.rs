@@ -7,13 +7,14 @@
 //!
 //!     cargo bench --bench train_step
 
+mod common;
+
 use burn::backend::{Autodiff, Flex};
-use burn::module::{Module, Param};
-use burn::nn::{Linear, LinearConfig, Relu};
-use burn::optim::GradientsParams;
-use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::module::Param;
+use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Distribution, FloatDType, Tensor};
 use burn_accelerate::{Accelerated, Precision, autocast};
+use common::{Mlp, mlp_step};
 use criterion::{Criterion, criterion_group, criterion_main};
 use std::hint::black_box;
 use std::time::Duration;
@@ -21,56 +22,13 @@ use std::time::Duration;
 const BATCH: usize = 64;
 const DIMS: [usize; 3] = [256, 512, 256];
 
-#[derive(Module, Debug)]
-struct Mlp<B: Backend> {
-    fc1: Linear<B>,
-    fc2: Linear<B>,
-    act: Relu,
-}
-
-impl<B: Backend> Mlp<B> {
-    fn new(device: &B::Device) -> Self {
-        B::seed(device, 7);
-        Self {
-            fc1: LinearConfig::new(DIMS[0], DIMS[1]).init(device),
-            fc2: LinearConfig::new(DIMS[1], DIMS[2]).init(device),
-            act: Relu::new(),
-        }
-    }
-
-    fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
-        self.fc2.forward(self.act.forward(self.fc1.forward(x)))
-    }
-
-    /// The forward pass with bf16 casts written out by hand, as a user would without autocast.
-    fn forward_hand_cast(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
-        let low = FloatDType::BF16;
-        let linear = |l: &Linear<B>, x: Tensor<B, 2>| {
-            let w = l.weight.val().cast(low);
-            let b = l.bias.as_ref().map(|b| b.val().cast(low));
-            burn::tensor::module::linear(x.cast(low), w, b)
-        };
-        let h = self.act.forward(linear(&self.fc1, x));
-        linear(&self.fc2, h)
-    }
-}
-
-fn step<B: AutodiffBackend>(model: &Mlp<B>, x: Tensor<B, 2>, hand_cast: bool) -> GradientsParams {
-    let out = if hand_cast {
-        model.forward_hand_cast(x)
-    } else {
-        model.forward(x)
-    };
-    let loss = out.cast(FloatDType::F32).powf_scalar(2.0).mean();
-    GradientsParams::from_grads(loss.backward(), model)
-}
-
 fn bench_step<B: AutodiffBackend>(c: &mut Criterion, group: &str, name: &str, hand_cast: bool) {
     let device = B::Device::default();
-    let model = Mlp::<B>::new(&device);
+    let model = Mlp::<B>::new(DIMS, &device);
     let x = Tensor::<B, 2>::random([BATCH, DIMS[0]], Distribution::Normal(0., 1.), &device);
+    let hand_cast = hand_cast.then_some(FloatDType::BF16);
     c.benchmark_group(group).bench_function(name, |b| {
-        b.iter(|| black_box(step(&model, x.clone(), hand_cast)))
+        b.iter(|| black_box(mlp_step(&model, x.clone(), hand_cast)))
     });
 }
 
