@@ -3,7 +3,10 @@
 //! both see the same load on a shared machine, and reporting the median of each. The ratio
 //! (Burn's epoch time over the shard loader's) is the figure that survives a noisy machine.
 //!
-//!     cargo run --release --example loader_ab [EPOCHS]
+//!     cargo run --release --example loader_ab [EPOCHS [PREFETCH ...]]
+//!
+//! Without a list of prefetch depths it compares Burn's buffering (`100 / workers` batches
+//! per worker) and the default depth.
 
 use std::hint::black_box;
 use std::sync::Arc;
@@ -72,6 +75,10 @@ fn main() {
             .sum()
             .into_scalar()
     };
+    let depths: Vec<usize> = std::env::args()
+        .skip(2)
+        .filter_map(|a| a.parse().ok())
+        .collect();
     println!(
         "{epochs} interleaved epochs of {} batches; median ms per epoch",
         ITEMS / BATCH
@@ -86,7 +93,13 @@ fn main() {
                 .num_workers(workers)
                 .set_device(device)
                 .build(Arc::clone(&data));
-            for prefetch in [BURN_QUEUE / workers, 2] {
+            let default = DataLoaderConfig::new(BATCH).prefetch;
+            let scan = if depths.is_empty() {
+                vec![BURN_QUEUE / workers, default]
+            } else {
+                depths.clone()
+            };
+            for prefetch in scan {
                 let config = DataLoaderConfig::new(BATCH)
                     .with_num_workers(workers)
                     .with_non_blocking(true)

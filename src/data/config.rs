@@ -24,7 +24,7 @@ use super::shard::{ShardOptions, ShardSpec, Sharding};
 ///     .with_data_seed(Some(1234))
 ///     .with_num_workers(2);
 /// assert!(config.even_batches);
-/// assert_eq!(config.prefetch, 2);
+/// assert_eq!(config.prefetch, 8);
 /// ```
 #[derive(Config, Debug, PartialEq, Eq)]
 pub struct DataLoaderConfig {
@@ -72,10 +72,12 @@ pub struct DataLoaderConfig {
     #[config(default = 0)]
     pub num_workers: usize,
     /// How many batches each background thread may have ready ahead of the consumer (torch's
-    /// `prefetch_factor`). Must be at least 1 when any background thread is used. Raise it
-    /// when batches are cheap to make and the loader is the bottleneck: a deeper queue rides
-    /// out scheduling delays on a busy CPU, at the cost of memory (BENCHMARKS.md).
-    #[config(default = 2)]
+    /// `prefetch_factor`). Must be at least 1 when any background thread is used. The
+    /// default is 8, not torch's 2: a full worker is woken again once its queue has drained
+    /// to half, so at depth 2 it is woken after every batch taken, and that wake-up per batch
+    /// made the loader up to 2x slower than Burn's on cheap batches (BENCHMARKS.md, "loader");
+    /// from 8 on it refills in bursts. Lower it for very large batches to bound memory.
+    #[config(default = 8)]
     pub prefetch: usize,
 }
 
@@ -202,7 +204,7 @@ mod tests {
         let c = DataLoaderConfig::new(8);
         assert!(!c.split_batches && !c.dispatch_batches && c.even_batches);
         assert!(!c.use_seedable_sampler && !c.non_blocking && !c.drop_last && !c.shuffle);
-        assert_eq!((c.data_seed, c.num_workers, c.prefetch), (None, 0, 2));
+        assert_eq!((c.data_seed, c.num_workers, c.prefetch), (None, 0, 8));
         assert_eq!(c.sharding(), Sharding::BatchSampler);
     }
 

@@ -7,9 +7,13 @@
 //! one sequential reader better than many (a network mount, a decoder with a cache).
 //!
 //! Slices are the [`Sharding::Dispatch`](super::shard::Sharding::Dispatch) batches of
-//! [`ShardPlan`]; the dispatcher only decides who reads, not what. Shards consume at their
-//! own pace: a shard that runs ahead makes the reader read ahead, and the slices of the
-//! others wait for them (so iterate all shards of a builder, in lockstep or not).
+//! [`ShardPlan`]; the dispatcher only decides who reads, not what: a [`StepSource`] reads a
+//! step, from an indexed dataset ([`IndexedSource`]) or from a stream
+//! ([`StreamSource`](super::stream::StreamSource), which also serves a stream's
+//! non-dispatch shards, one dispatcher per shard). Shards consume at their own pace: a shard
+//! that runs ahead makes the reader read ahead, and the slices of the others wait for them
+//! (so iterate all shards of a builder, in lockstep or not). A shard that comes back for a
+//! step the reader has passed reads on its own from there.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -23,63 +27,98 @@ use super::shard::ShardPlan;
 /// what a shard that is never iterated can hold up.
 const MAX_SESSIONS: usize = 3;
 
-/// The shared reader of one builder's shards.
-pub(crate) struct Dispatcher<I> {
-    dataset: Arc<dyn Dataset<I>>,
-    /// Every process's plan (same dataset and flags, its own index).
-    plans: Vec<ShardPlan>,
+/// Where a [`Dispatcher`] reads global steps from: an indexed dataset ([`IndexedSource`]) or
+/// a stream ([`StreamSource`](super::stream::StreamSource)). The dispatcher decides who reads
+/// and keeps the slices; the source decides what a step holds.
+pub(crate) trait StepSource: Send + Sync {
+    /// What one process gets of one step.
+    type Slice: Send;
+    /// The epoch being read, as the shards see it.
+    type Epoch;
+    /// A reading position in one epoch.
+    type Cursor: Send;
+
+    /// Which epoch `epoch` is (shards asking with the same key share a reading).
+    fn key(epoch: &Self::Epoch) -> EpochKey;
+
+    /// A cursor whose next step is `first_step`.
+    fn open(&self, epoch: &Self::Epoch, first_step: usize) -> Self::Cursor;
+
+    /// Reads `step` (the cursor's next step, or later: steps in between are passed over)
+    /// once, and returns the slice of each process in `processes`, in that order.
+    fn read_step(
+        &self,
+        cursor: &mut Self::Cursor,
+        epoch: &Self::Epoch,
+        step: usize,
+        processes: &[usize],
+    ) -> Vec<Self::Slice>;
+
+    /// Whether `cursor` can still reach `step` (it is not past it).
+    fn can_reach(cursor: &Self::Cursor, step: usize) -> bool;
+}
+
+/// The shared reader of one builder's shards, reading from `S` with cursors `C` into slices
+/// `T` (`S`'s [`StepSource`] types, spelled out so that holding a dispatcher needs no bounds).
+pub(crate) struct Dispatcher<S, C, T> {
+    source: S,
     /// Processes that have a loader here; only they get slices.
     registered: Vec<bool>,
-    sessions: Mutex<VecDeque<Session<I>>>,
+    sessions: Mutex<VecDeque<Session<C, T>>>,
 }
+
+/// The dispatcher of an indexed dataset.
+pub(crate) type IndexedDispatcher<I> = Dispatcher<IndexedSource<I>, (), Vec<I>>;
 
 /// The reading of one epoch.
-struct Session<I> {
+struct Session<C, T> {
     key: EpochKey,
-    /// The first step not read yet.
+    /// The shared cursor.
+    cursor: C,
+    /// The first step the shared cursor has not read.
     next_step: usize,
     /// Per process: step -> its slice, read but not taken.
-    slots: Vec<BTreeMap<usize, Vec<I>>>,
+    slots: Vec<BTreeMap<usize, T>>,
     /// Per process: its iterator is gone, so nothing more is kept for it.
     left: Vec<bool>,
+    /// Per process: its own cursor, once it asked for a step the shared one had passed; the
+    /// shared reading then keeps nothing for it.
+    alone: Vec<Option<C>>,
 }
 
-impl<I: Clone + Send> Dispatcher<I> {
-    pub(crate) fn new(
-        dataset: Arc<dyn Dataset<I>>,
-        plans: Vec<ShardPlan>,
-        registered: Vec<bool>,
-    ) -> Self {
+impl<S: StepSource> Dispatcher<S, S::Cursor, S::Slice> {
+    pub(crate) fn new(source: S, registered: Vec<bool>) -> Self {
         Self {
-            dataset,
-            plans,
+            source,
             registered,
             sessions: Mutex::new(VecDeque::new()),
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, VecDeque<Session<I>>> {
+    fn lock(&self) -> MutexGuard<'_, VecDeque<Session<S::Cursor, S::Slice>>> {
         // A panic while reading leaves at worst a step unread; it is read again on demand.
         self.sessions.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Process `process`'s batch `step` of `epoch`, reading the global steps up to it if no
-    /// shard has yet.
-    pub(crate) fn take(&self, process: usize, epoch: &Epoch, step: usize) -> Vec<I> {
+    /// Process `process`'s slice of step `step` of `epoch`, reading the global steps up to
+    /// it if no shard has yet.
+    pub(crate) fn take(&self, process: usize, epoch: &S::Epoch, step: usize) -> S::Slice {
         let mut sessions = self.lock();
-        let key = epoch.key();
+        let key = S::key(epoch);
         let index = match sessions.iter().position(|s| s.key == key) {
             Some(index) => index,
             None => {
                 if sessions.len() == MAX_SESSIONS {
                     sessions.pop_front();
                 }
-                let np = self.plans.len();
+                let np = self.registered.len();
                 sessions.push_back(Session {
                     key,
+                    cursor: self.source.open(epoch, step),
                     next_step: step,
                     slots: (0..np).map(|_| BTreeMap::new()).collect(),
                     left: vec![false; np],
+                    alone: (0..np).map(|_| None).collect(),
                 });
                 sessions.len() - 1
             }
@@ -88,63 +127,49 @@ impl<I: Clone + Send> Dispatcher<I> {
         if let Some(left) = session.left.get_mut(process) {
             *left = false;
         }
-        if let Some(items) = session.slots.get_mut(process).and_then(|s| s.remove(&step)) {
-            return items;
+        if let Some(slice) = session.slots.get_mut(process).and_then(|s| s.remove(&step)) {
+            return slice;
         }
-        if step >= session.next_step {
+        let shared = session.alone.get(process).is_some_and(Option::is_none);
+        if shared && step >= session.next_step {
+            let mut wanted: Vec<usize> = (0..self.registered.len())
+                .filter(|&q| self.registered[q] && !session.left[q] && session.alone[q].is_none())
+                .collect();
+            if !wanted.contains(&process) {
+                wanted.push(process);
+            }
             for k in session.next_step..=step {
-                self.read_step(session, epoch, k);
+                let slices = self
+                    .source
+                    .read_step(&mut session.cursor, epoch, k, &wanted);
+                for (&q, slice) in wanted.iter().zip(slices) {
+                    session.slots[q].insert(k, slice);
+                }
             }
             session.next_step = step + 1;
-            return session
-                .slots
-                .get_mut(process)
-                .and_then(|s| s.remove(&step))
-                .unwrap_or_default();
-        }
-        // A step read before this shard (re)joined the epoch: read its slice alone.
-        drop(sessions);
-        self.plans
-            .get(process)
-            .and_then(|plan| plan.batch(step))
-            .unwrap_or_default()
-            .into_iter()
-            .filter_map(|position| get(self.dataset.as_ref(), epoch.index(position)))
-            .collect()
-    }
-
-    /// Reads global step `step` once and files every waiting shard's slice.
-    fn read_step(&self, session: &mut Session<I>, epoch: &Epoch, step: usize) {
-        let wanted: Vec<(usize, Vec<usize>)> = (0..self.plans.len())
-            .filter(|&q| self.registered[q] && !session.left[q])
-            .map(|q| (q, self.plans[q].batch(step).unwrap_or_default()))
-            .collect();
-        // Positions are read once each, in order; only the padded tail repeats one. Each
-        // item is cloned only for its repeats and moved into its last slice.
-        let mut read: BTreeMap<usize, (Option<I>, usize)> = BTreeMap::new();
-        for (_, positions) in &wanted {
-            for &position in positions {
-                read.entry(position).or_insert((None, 0)).1 += 1;
+            if let Some(slice) = session.slots.get_mut(process).and_then(|s| s.remove(&step)) {
+                return slice;
             }
         }
-        for (position, (item, _)) in &mut read {
-            *item = get(self.dataset.as_ref(), epoch.index(*position));
+        // A step read before this shard (re)joined the epoch: from now on it reads alone,
+        // and nothing more is kept for it in the shared reading.
+        if let Some(slots) = session.slots.get_mut(process) {
+            slots.clear();
         }
-        for (q, positions) in wanted {
-            let slice = positions
-                .iter()
-                .filter_map(|p| {
-                    let (item, uses) = read.get_mut(p)?;
-                    *uses -= 1;
-                    if *uses == 0 {
-                        item.take()
-                    } else {
-                        item.clone()
-                    }
-                })
-                .collect();
-            session.slots[q].insert(step, slice);
+        let own = session
+            .alone
+            .get_mut(process)
+            .and_then(Option::take)
+            .filter(|cursor| S::can_reach(cursor, step));
+        let mut cursor = own.unwrap_or_else(|| self.source.open(epoch, step));
+        let slice = self
+            .source
+            .read_step(&mut cursor, epoch, step, &[process])
+            .pop();
+        if let Some(alone) = session.alone.get_mut(process) {
+            *alone = Some(cursor);
         }
+        slice.unwrap_or_else(|| unreachable!("read_step returns one slice per process asked"))
     }
 
     /// Process `process` is done with `key`'s epoch (finished or dropped its iterator).
@@ -154,14 +179,16 @@ impl<I: Clone + Send> Dispatcher<I> {
             return;
         };
         let session = &mut sessions[index];
-        if let (Some(left), Some(slots)) = (
+        if let (Some(left), Some(slots), Some(alone)) = (
             session.left.get_mut(process),
             session.slots.get_mut(process),
+            session.alone.get_mut(process),
         ) {
             *left = true;
             slots.clear();
+            *alone = None;
         }
-        let done = (0..self.plans.len()).all(|q| !self.registered[q] || session.left[q]);
+        let done = (0..self.registered.len()).all(|q| !self.registered[q] || session.left[q]);
         if done {
             sessions.remove(index);
         }
@@ -175,6 +202,82 @@ impl<I: Clone + Send> Dispatcher<I> {
             .flat_map(|s| s.slots.iter())
             .map(BTreeMap::len)
             .sum()
+    }
+}
+
+/// Steps of an indexed dataset: any step can be read directly, so a cursor is only a
+/// position.
+pub(crate) struct IndexedSource<I> {
+    dataset: Arc<dyn Dataset<I>>,
+    /// Every process's plan (same dataset and flags, its own index).
+    plans: Vec<ShardPlan>,
+}
+
+impl<I> IndexedSource<I> {
+    pub(crate) fn new(dataset: Arc<dyn Dataset<I>>, plans: Vec<ShardPlan>) -> Self {
+        Self { dataset, plans }
+    }
+}
+
+impl<I: Clone + Send> StepSource for IndexedSource<I> {
+    type Slice = Vec<I>;
+    type Epoch = Epoch;
+    type Cursor = ();
+
+    fn key(epoch: &Epoch) -> EpochKey {
+        epoch.key()
+    }
+
+    fn open(&self, _epoch: &Epoch, _first_step: usize) {}
+
+    fn read_step(
+        &self,
+        _cursor: &mut (),
+        epoch: &Epoch,
+        step: usize,
+        processes: &[usize],
+    ) -> Vec<Vec<I>> {
+        let wanted: Vec<Vec<usize>> = processes
+            .iter()
+            .map(|&q| {
+                self.plans
+                    .get(q)
+                    .and_then(|p| p.batch(step))
+                    .unwrap_or_default()
+            })
+            .collect();
+        // Positions are read once each, in order; only the padded tail repeats one. Each
+        // item is cloned only for its repeats and moved into its last slice.
+        let mut read: BTreeMap<usize, (Option<I>, usize)> = BTreeMap::new();
+        for positions in &wanted {
+            for &position in positions {
+                read.entry(position).or_insert((None, 0)).1 += 1;
+            }
+        }
+        for (position, (item, _)) in &mut read {
+            *item = get(self.dataset.as_ref(), epoch.index(*position));
+        }
+        wanted
+            .into_iter()
+            .map(|positions| {
+                positions
+                    .iter()
+                    .filter_map(|p| {
+                        let (item, uses) = read.get_mut(p)?;
+                        *uses -= 1;
+                        if *uses == 0 {
+                            item.take()
+                        } else {
+                            item.clone()
+                        }
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    fn can_reach(_cursor: &(), _step: usize) -> bool {
+        true
     }
 }
 
@@ -200,7 +303,9 @@ mod tests {
         }
     }
 
-    fn setup(n: usize, np: usize, bs: usize) -> (Arc<Counting>, Dispatcher<usize>, Vec<Epoch>) {
+    type Hub = IndexedDispatcher<usize>;
+
+    fn setup(n: usize, np: usize, bs: usize) -> (Arc<Counting>, Hub, Vec<Epoch>) {
         let data = Arc::new(Counting {
             len: n,
             reads: AtomicUsize::new(0),
@@ -221,7 +326,7 @@ mod tests {
             .iter()
             .map(|&plan| Epoch::new(plan, None, None, (0, None)))
             .collect();
-        let hub = Dispatcher::new(data.clone(), plans, vec![true; np]);
+        let hub = Dispatcher::new(IndexedSource::new(data.clone(), plans), vec![true; np]);
         (data, hub, epochs)
     }
 

@@ -41,6 +41,14 @@ pub enum DataLoaderError {
         num_processes: usize,
     },
 
+    /// A stream has no indices to permute, so the loader cannot shuffle it.
+    #[error(
+        "shuffle is on, but a stream has no indices to shuffle: set shuffle = false and \
+         shuffle inside the stream (for example with a shuffle buffer seeded from the epoch \
+         the stream factory is called with), or load an indexable Dataset instead"
+    )]
+    ShuffledStream,
+
     /// A restored position lies beyond the end of the epoch, so the state cannot belong to
     /// this loader.
     #[error(

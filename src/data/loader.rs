@@ -10,7 +10,7 @@ use burn::data::dataset::Dataset;
 use burn::tensor::backend::Backend;
 
 use super::config::DataLoaderConfig;
-use super::dispatch::Dispatcher;
+use super::dispatch::{Dispatcher, IndexedDispatcher, IndexedSource};
 use super::epoch::{Epoch, stream_len};
 use super::error::DataLoaderError;
 use super::observer::LoaderObserver;
@@ -150,8 +150,7 @@ where
                 registered[*p] = true;
             }
             Arc::new(Dispatcher::new(
-                Arc::clone(&self.dataset),
-                plans.clone(),
+                IndexedSource::new(Arc::clone(&self.dataset), plans.clone()),
                 registered,
             ))
         });
@@ -223,7 +222,7 @@ impl OrderCache {
 pub struct ShardLoader<B: Backend, I, O> {
     dataset: Arc<dyn Dataset<I>>,
     batcher: Arc<dyn Batcher<B, I, O>>,
-    dispatcher: Option<Arc<Dispatcher<I>>>,
+    dispatcher: Option<Arc<IndexedDispatcher<I>>>,
     plan: ShardPlan,
     shuffle: bool,
     seedable: bool,
@@ -433,7 +432,7 @@ where
 struct Producer<B: Backend, I, O> {
     epoch: Epoch,
     dataset: Arc<dyn Dataset<I>>,
-    dispatcher: Option<(Arc<Dispatcher<I>>, usize)>,
+    dispatcher: Option<(Arc<IndexedDispatcher<I>>, usize)>,
     batcher: Arc<dyn Batcher<B, I, O>>,
     device: B::Device,
 }
@@ -475,7 +474,7 @@ where
     tracker: Tracker,
     generation: u64,
     observer: Option<Arc<dyn LoaderObserver>>,
-    dispatcher: Option<(Arc<Dispatcher<I>>, usize)>,
+    dispatcher: Option<(Arc<IndexedDispatcher<I>>, usize)>,
     num_batches: usize,
     /// Index of the batch handed out last.
     last: Option<usize>,

@@ -9,6 +9,9 @@
 //!   `non_blocking`) as one Burn [`DataLoader`](burn::data::dataloader::DataLoader) per
 //!   process, a [`ShardLoader`], usable wherever Burn takes a loader (e.g. as the training
 //!   loader of `SupervisedTraining`).
+//! - [`StreamLoaderBuilder`] and [`StreamLoader`]: the same for a stream that cannot be
+//!   indexed, made anew each epoch by a [`StreamFactory`] (accelerate's `IterableDataset`
+//!   path: `IterableDatasetShard`, or `DataLoaderDispatcher` under `dispatch_batches`).
 //! - [`LoaderState`]: the epoch and position to checkpoint and resume from.
 //! - [`LoaderObserver`]: the hook through which a loader reports `end_of_dataloader` and the
 //!   `remainder` (for gradient accumulation and evaluation).
@@ -24,6 +27,8 @@ mod observer;
 mod prefetch;
 pub mod shard;
 mod state;
+mod stream;
+mod stream_loader;
 
 pub use config::DataLoaderConfig;
 pub use error::DataLoaderError;
@@ -31,3 +36,5 @@ pub use loader::{ShardIter, ShardLoader, ShardLoaderBuilder};
 pub use metrics::{drop_padding, drop_padding_tensor, gather_for_metrics};
 pub use observer::{GradientStateObserver, LoaderObserver};
 pub use state::LoaderState;
+pub use stream::StreamFactory;
+pub use stream_loader::{StreamIter, StreamLoader, StreamLoaderBuilder};

@@ -30,6 +30,11 @@ pub(crate) trait Produce: Send + Sync + 'static {
     fn read(&self, index: usize) -> Self::Items;
     /// Turns items into the batch, on the target device.
     fn batch(&self, items: Self::Items) -> Self::Batch;
+    /// Whether nothing comes after `items` (a stream's last step, or its end): a worker
+    /// stops there instead of asking for batches that do not exist.
+    fn ends(&self, _items: &Self::Items) -> bool {
+        false
+    }
 }
 
 /// Where each half of a batch is made.
@@ -263,11 +268,15 @@ impl<P: Produce> Pipeline<P> {
                         return; // The iterator is gone.
                     }
                     let items = producer.read(index);
+                    let ends = producer.ends(&items);
                     queue.push(if batch_in_worker {
                         Prepared::Batch(producer.batch(items))
                     } else {
                         Prepared::Items(items)
                     });
+                    if ends {
+                        return;
+                    }
                 }
             })
     }

@@ -5,6 +5,7 @@
 mod common;
 mod golden;
 mod props;
+mod stream;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
