@@ -33,19 +33,37 @@
 //!
 //! The loss scale and skipped steps show in Burn's dashboard and logs as [`metrics`].
 //!
-//! Not yet here: Burn's multi-device and DDP execution (the strategy trains on one device),
-//! and the data loader's position in the checkpoints (a resumed run sees another shuffle than
-//! the interrupted one would have).
+//! On several devices ([`AccelerateStrategy::data_parallel`]), each device trains a replica
+//! of the model on a worker thread over its Accelerate shard (the crate's
+//! [`ShardLoader`]), and the gradients are averaged, checked and applied once on the main
+//! device, as Burn's multi-device loop with its main-device optimizer does. A model spread
+//! over several devices is refused there (see [`check_data_parallel`]).
+//!
+//! Not yet here:
+//! - the data loader's position in the checkpoints (a resumed run sees another shuffle than
+//!   the interrupted one would have);
+//! - Burn's DDP (`ExecutionStrategy::DistributedDataParallel`, burn-train's `ddp` feature),
+//!   where each rank would have to agree on overflow through the collective. It cannot run,
+//!   let alone be tested, with Burn 0.21 outside CUDA: its gradient all-reduce is
+//!   `DistributedBackend::all_reduce`, whose cubecl implementation calls the runtime's
+//!   `comm_init`/`all_reduce`/`sync_collective`, which only cubecl-cuda provides (NCCL;
+//!   cubecl-runtime's defaults are `unimplemented!()`/`todo!()`, so wgpu panics), burn-wgpu
+//!   has no `distributed` feature to enable it with, and Flex and NdArray do not implement
+//!   `DistributedBackend` at all. The decorator would also have to forward the
+//!   `distributed`-feature methods of `Backend` (`set_distributed_params`, ...) to the
+//!   autodiff layer that runs the all-reduce. Within one process, `data_parallel` gives the
+//!   same numbers without a collective.
 
 pub mod demo;
 pub mod metrics;
+mod replicas;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use burn::config::Config;
 
-use burn::data::dataloader::Progress;
+use burn::data::dataloader::{DataLoaderIterator, Progress};
 use burn::module::AutodiffModule;
 use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
@@ -58,10 +76,13 @@ use burn::train::{
 };
 
 use crate::autocast::{self, Autocast};
+use crate::data::ShardLoader;
 use crate::gradient_state::GradientState;
 use crate::grads;
+use crate::placement::check_data_parallel;
 use crate::scaler::{ArmedLossScale, LossScale};
 use crate::{AccelerateConfig, AccelerateError, AcceleratorState, Precision};
+use replicas::{DeviceWorkers, StepInput};
 
 /// Adds [`with_accelerate`](WithAccelerate::with_accelerate) to Burn's training builder.
 pub trait WithAccelerate<LC: LearningComponentsTypes>: Sized {
@@ -81,7 +102,7 @@ impl<LC: LearningComponentsTypes + 'static> WithAccelerate<LC> for SupervisedTra
 pub struct EpochReport {
     /// The epoch (1-based, as Burn counts).
     pub epoch: usize,
-    /// Training batches processed.
+    /// Training steps taken: one batch on every device (whose shard still had one).
     pub batches: usize,
     /// Optimizer steps applied.
     pub optimizer_steps: usize,
@@ -141,16 +162,27 @@ impl TrainingReport {
     }
 }
 
-/// Burn's single-device training strategy with Accelerate's semantics; install it with
-/// [`WithAccelerate::with_accelerate`].
+/// Burn's training strategy with Accelerate's semantics, on one device
+/// ([`new`](Self::new)) or data-parallel over several ([`data_parallel`](Self::data_parallel));
+/// install it with [`WithAccelerate::with_accelerate`].
 pub struct AccelerateStrategy<LC: LearningComponentsTypes> {
+    /// The main device: the model, the optimizer and validation live here.
     device: Device<TrainingBackend<LC>>,
+    /// Data-parallel: one shard per device, the main device's first; `None` trains on the main
+    /// device alone, from the loader given to Burn's builder.
+    shards: Option<Vec<Shard<LC>>>,
     config: AccelerateConfig,
     autocast: Autocast,
     initial_scale: LossScale,
     state: GradientState,
     report: TrainingReport,
     checkpoint_dir: Option<PathBuf>,
+}
+
+// One device of a data-parallel training and the loader of its Accelerate shard.
+struct Shard<LC: LearningComponentsTypes> {
+    device: Device<TrainingBackend<LC>>,
+    loader: TrainLoader<LC>,
 }
 
 /// The loss scale and gradient-state position saved beside Burn's checkpoint of an epoch
@@ -235,6 +267,7 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
         };
         Ok(Self {
             device: device.clone(),
+            shards: None,
             config,
             autocast,
             initial_scale,
@@ -242,6 +275,117 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
             report,
             checkpoint_dir: None,
         })
+    }
+
+    /// A strategy training data-parallel on the devices of `shards`, one model replica per
+    /// device, as Burn's multi-device loop does and with Accelerate's semantics: each step,
+    /// every device runs the user's `TrainStep` on a worker thread over the next batch of its
+    /// shard, their gradients are averaged on the main device (the first shard's, as DDP's
+    /// all-reduce averages them), unscaled and checked for overflow once, and the optimizer
+    /// steps once there; the next step's replicas are forked from the updated model.
+    ///
+    /// `shards` are the loaders of [`ShardLoaderBuilder::build`](crate::data::ShardLoaderBuilder::build)
+    /// for the devices, in process order, so every device sees the batches Accelerate would
+    /// give its process; they replace the training loader given to `SupervisedTraining::new`,
+    /// which is not read (pass one of the shards there). `model` is the model the learner
+    /// will train: one spread over several devices cannot be replicated whole and is refused.
+    /// The numbers of a run equal the single-device run's over the combined batches (the
+    /// same items with `split_batches`, or a batch size `devices × batch_size` without it),
+    /// up to the rounding of summing in another order.
+    ///
+    /// With loss scaling, all devices' gradients are in the one overflow check: when any
+    /// device overflows, the step is skipped for all of them, and the loss scale backs off
+    /// once.
+    ///
+    /// # Errors
+    /// What [`new`](Self::new) returns, for any of the devices (they must all run the same
+    /// precision: autocast is process-wide); [`AccelerateError::InvalidConfig`] when `shards`
+    /// is empty or is not one complete set of shards in process order;
+    /// [`AccelerateError::Placement`] ([`SpreadForDataParallel`](crate::placement::PlacementError::SpreadForDataParallel))
+    /// when `model`'s parameters live on several devices.
+    pub fn data_parallel<I>(
+        config: AccelerateConfig,
+        shards: Vec<ShardLoader<TrainingBackend<LC>, I, StepInput<LC>>>,
+        model: &TrainingModel<LC>,
+    ) -> Result<Self, AccelerateError>
+    where
+        I: Send + Sync + Clone + 'static,
+    {
+        let Some(first) = shards.first() else {
+            return Err(AccelerateError::InvalidConfig {
+                field: "shards",
+                value: "none".into(),
+                fix: "pass one shard per device, from `ShardLoaderBuilder::build(&devices)`",
+            });
+        };
+        let main = first.device().clone();
+        for (index, shard) in shards.iter().enumerate() {
+            let spec = shard.spec();
+            if spec.num_processes() != shards.len() || spec.process_index() != index {
+                return Err(AccelerateError::InvalidConfig {
+                    field: "shards",
+                    value: format!(
+                        "shard {index} of {} is process {} of {}",
+                        shards.len(),
+                        spec.process_index(),
+                        spec.num_processes()
+                    ),
+                    fix: "pass all the loaders of one `ShardLoaderBuilder::build(&devices)`, \
+                          in its order",
+                });
+            }
+        }
+        let devices: Vec<_> = shards.iter().map(|s| s.device().clone()).collect();
+        check_data_parallel(model, &devices)?;
+        let mut strategy = Self::new(config, &main)?;
+        for device in &devices[1..] {
+            strategy.ensure_same_precision(device)?;
+        }
+        strategy.shards = Some(
+            shards
+                .into_iter()
+                .map(|shard| Shard {
+                    device: shard.device().clone(),
+                    loader: Arc::new(shard) as TrainLoader<LC>,
+                })
+                .collect(),
+        );
+        Ok(strategy)
+    }
+
+    // Autocast is process-wide: every device must run what the main device runs.
+    fn ensure_same_precision(
+        &self,
+        device: &Device<TrainingBackend<LC>>,
+    ) -> Result<(), AccelerateError> {
+        let (autocast, _) = self
+            .config
+            .init_mixed_precision::<TrainingBackend<LC>>(device)?;
+        if autocast.precision() == self.autocast.precision() {
+            return Ok(());
+        }
+        // The probe without the fallback names what this device cannot run.
+        self.config
+            .clone()
+            .with_allow_fallback(false)
+            .init_mixed_precision::<TrainingBackend<LC>>(device)?;
+        Err(AccelerateError::InvalidConfig {
+            field: "mixed_precision",
+            value: format!(
+                "{} on {device:?}, {} on the main device",
+                autocast.precision(),
+                self.autocast.precision()
+            ),
+            fix: "train on devices that run the same precision, or in a precision all can run",
+        })
+    }
+
+    /// The devices training runs on; the first is the main device.
+    pub fn devices(&self) -> Vec<Device<TrainingBackend<LC>>> {
+        match &self.shards {
+            Some(shards) => shards.iter().map(|s| s.device.clone()).collect(),
+            None => vec![self.device.clone()],
+        }
     }
 
     /// Saves the loss scale and gradient state of every epoch Burn checkpoints into `dir`
@@ -328,12 +472,37 @@ struct Scaling {
     window: GradientsParams,
 }
 
+// The batches of one training step: one per device whose shard still has one (index into the
+// loaders), and the loaders' combined progress after handing them out.
+struct Step<LC: LearningComponentsTypes> {
+    inputs: Vec<(usize, StepInput<LC>)>,
+    progress: Progress,
+}
+
+// Draws the next step's batches; `None` when every loader's epoch is over.
+fn next_step<LC: LearningComponentsTypes>(
+    iterators: &mut [Box<dyn DataLoaderIterator<StepInput<LC>> + '_>],
+) -> Option<Step<LC>> {
+    let mut inputs = Vec::with_capacity(iterators.len());
+    let mut progress = Progress::new(0, 0);
+    for (index, iterator) in iterators.iter_mut().enumerate() {
+        if let Some(input) = iterator.next() {
+            inputs.push((index, input));
+        }
+        let p = iterator.progress();
+        progress.items_processed += p.items_processed;
+        progress.items_total += p.items_total;
+    }
+    (!inputs.is_empty()).then_some(Step { inputs, progress })
+}
+
 impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
     #[allow(clippy::too_many_arguments)] // the pieces of Burn's loop, as its own epoch takes
     fn train_epoch(
         &self,
         learner: &mut Learner<LC>,
-        dataloader: &TrainLoader<LC>,
+        loaders: &[TrainLoader<LC>],
+        workers: Option<&DeviceWorkers<LC>>,
         global_progress: &Progress,
         processor: &mut SupervisedTrainingEventProcessor<LC>,
         interrupter: &Interrupter,
@@ -345,27 +514,49 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
             ..EpochReport::default()
         };
         let steps = self.state.num_steps();
-        let mut iterator = dataloader.iter();
+        // DDP's all-reduce averages the devices' gradients (it divides by the world size, also
+        // for a device whose shard ran out, as under `Join`): the combined gradient of a step
+        // is the gradient of the mean loss over all the devices' batches.
+        let replicas = loaders.len();
+        let mut iterators: Vec<_> = loaders.iter().map(|loader| loader.iter()).collect();
         let loader = self.state.begin_dataloader();
-        let mut next = iterator.next();
-        while let Some(item) = next.take() {
+        let mut iteration = 0;
+        let mut next = next_step::<LC>(&mut iterators);
+        while let Some(step) = next.take() {
             report.batches += 1;
-            let progress = iterator.progress();
-            // One batch of look-ahead, as Accelerate's loader: the last batch must be known
+            // One step of look-ahead, as Accelerate's loader: the last step must be known
             // before its accumulate decision, so that it completes the window.
-            next = iterator.next();
+            next = next_step::<LC>(&mut iterators);
             if next.is_none() {
                 loader.set_end_of_dataloader(None);
             }
             let batch = self.state.accumulate();
-            let output = learner.train_step(item);
-            // One forward and backward pass is one step of fp8's delayed-scaling recipe (its
-            // per-tensor scales are keyed by call order since the last step).
+            let outputs = match workers {
+                Some(workers) => workers.step(&learner.model(), step.inputs),
+                None => step
+                    .inputs
+                    .into_iter()
+                    .map(|(_, input)| learner.train_step(input))
+                    .collect(),
+            };
+            // One forward and backward pass (on every device) is one step of fp8's
+            // delayed-scaling recipe (its per-tensor scales are keyed by call order since the
+            // last step; replicas record their amaxes under the same keys, and the history
+            // keeps the largest, as Transformer Engine reduces amaxes over the data-parallel
+            // group).
             if matches!(self.config.mixed_precision, Precision::Fp8(_)) {
                 crate::fp8::step();
             }
             let model: TrainingModel<LC> = learner.model();
-            grads::accumulate::<TrainingBackend<LC>, _>(&model, &mut scaling.window, output.grads);
+            let mut items = Vec::with_capacity(outputs.len());
+            for output in outputs {
+                grads::accumulate::<TrainingBackend<LC>, _>(
+                    &model,
+                    &mut scaling.window,
+                    output.grads,
+                );
+                items.push(output.item);
+            }
 
             if batch.sync_gradients() {
                 let window = batch.window_batches();
@@ -374,7 +565,11 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
                 } else {
                     steps
                 };
+                let divisor = divisor * replicas;
                 let factor = (f64::from(scaling.loss_scale.inv_scale()) / divisor as f64) as f32;
+                // Every device's gradients are in the window, on the main device: this one
+                // check sees all of them, so one device's overflow skips the step for all (the
+                // replicas are forked from the same model at the next step).
                 let found_inf = if scaling.loss_scale.checks_overflow() {
                     grads::unscale_and_check::<TrainingBackend<LC>, _>(
                         &model,
@@ -408,14 +603,17 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
             }
             drop(batch);
 
-            let item = TrainingItem::new(
-                output.item,
-                progress,
-                global_progress.clone(),
-                Some(report.batches),
-                Some(learner.lr_current()),
-            );
-            processor.process_train(LearnerEvent::ProcessedItem(item));
+            for item in items {
+                iteration += 1;
+                let item = TrainingItem::new(
+                    item,
+                    step.progress.clone(),
+                    global_progress.clone(),
+                    Some(iteration),
+                    Some(learner.lr_current()),
+                );
+                processor.process_train(LearnerEvent::ProcessedItem(item));
+            }
             if interrupter.should_stop() {
                 break;
             }
@@ -468,7 +666,23 @@ impl<LC: LearningComponentsTypes> SupervisedLearningStrategy<LC> for AccelerateS
     ) -> (TrainingModel<LC>, SupervisedTrainingEventProcessor<LC>) {
         use burn::tensor::backend::DeviceOps;
 
-        let dataloader_train = dataloader_train.to_device(&self.device);
+        let devices = self.devices();
+        // Before the fork below would gather a spread model onto the main device. Burn's `fit`
+        // has no error channel: `data_parallel` checked the model it was given; this catches a
+        // learner built around another one.
+        if let Err(err) = check_data_parallel(&learner.model(), &devices) {
+            panic!("burn-accelerate: cannot train data-parallel: {err}");
+        }
+        let loaders: Vec<TrainLoader<LC>> = match &self.shards {
+            Some(shards) => {
+                log::info!(
+                    "burn-accelerate: training data-parallel on {devices:?}, from the \
+                     strategy's shards (the builder's training loader is not read)"
+                );
+                shards.iter().map(|s| s.loader.clone()).collect()
+            }
+            None => vec![dataloader_train.to_device(&self.device)],
+        };
         let dataloader_valid = dataloader_valid.to_device(self.device.inner());
         learner.fork(&self.device);
         let mut event_processor = training_components.event_processor;
@@ -490,6 +704,9 @@ impl<LC: LearningComponentsTypes> SupervisedLearningStrategy<LC> for AccelerateS
         } else {
             self.initial_scale
         };
+        // After the default is set, so the workers start in the fit's precision too.
+        let workers =
+            (devices.len() > 1).then(|| DeviceWorkers::<LC>::start(&devices, self.autocast));
         let mut scaling = Scaling {
             armed: (loss_scale != LossScale::None)
                 .then(|| ArmedLossScale::arm(loss_scale.loss_scale())),
@@ -504,7 +721,8 @@ impl<LC: LearningComponentsTypes> SupervisedLearningStrategy<LC> for AccelerateS
             };
             let report = self.train_epoch(
                 &mut learner,
-                &dataloader_train,
+                &loaders,
+                workers.as_ref(),
                 &progress,
                 &mut event_processor,
                 interrupter,

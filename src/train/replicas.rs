@@ -1,0 +1,130 @@
+//! Data-parallel training steps: one model replica per device, each stepping on a worker
+//! thread of its own, as Burn 0.21's multi-device loop (`MultiDevicesTrainStep`) does.
+//!
+//! For each step, the calling thread hands every worker the current model (on the main
+//! device) and that device's batch; the worker forks the model onto its device (the
+//! "broadcast" of the updated parameters), runs the user's `TrainStep`, and brings the
+//! gradients back to the main device before answering, so that the moves run in parallel.
+//! The answers are returned in device order, so that summing them is deterministic.
+//!
+//! Each worker enters the strategy's [`Autocast`] for its steps: the process default already
+//! reaches these threads, and the guard makes the precision theirs whatever else changes it.
+//!
+//! Moves between two wgpu devices have no direct path in Burn 0.21 (its `to_device` panics);
+//! with the training backend wrapped in [`Accelerated`](crate::Accelerated) they go through
+//! the host (see [`placement`](crate::placement)).
+
+use std::any::Any;
+use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::thread::JoinHandle;
+
+use burn::module::Module;
+use burn::tensor::Device;
+use burn::train::{
+    LearningComponentsTypes, TrainOutput, TrainStep, TrainingBackend, TrainingModel,
+};
+
+use crate::autocast::Autocast;
+
+/// The input of one training step.
+pub(crate) type StepInput<LC> = <TrainingModel<LC> as TrainStep>::Input;
+/// The output of one training step, gradients included.
+pub(crate) type StepOutput<LC> = TrainOutput<<TrainingModel<LC> as TrainStep>::Output>;
+
+type Job<LC> = (TrainingModel<LC>, StepInput<LC>);
+type Answer<LC> = (usize, Result<StepOutput<LC>, Box<dyn Any + Send>>);
+
+/// The worker threads of a data-parallel training, one per device; the first device is the
+/// main one, where gradients are combined and the optimizer steps.
+pub(crate) struct DeviceWorkers<LC: LearningComponentsTypes> {
+    inboxes: Vec<Sender<Job<LC>>>,
+    answers: Receiver<Answer<LC>>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl<LC: LearningComponentsTypes> DeviceWorkers<LC> {
+    /// Starts one worker per device of `devices` (the first is the main device).
+    pub(crate) fn start(devices: &[Device<TrainingBackend<LC>>], autocast: Autocast) -> Self {
+        let main = devices[0].clone();
+        let (reply, answers) = channel();
+        let mut inboxes = Vec::with_capacity(devices.len());
+        let mut threads = Vec::with_capacity(devices.len());
+        for (index, device) in devices.iter().cloned().enumerate() {
+            let (inbox, jobs) = channel::<Job<LC>>();
+            let reply: Sender<Answer<LC>> = reply.clone();
+            let main = main.clone();
+            let thread = std::thread::Builder::new()
+                .name(format!("burn-accelerate-device-{index}"))
+                .spawn(move || {
+                    let _autocast = autocast.enter();
+                    for (model, input) in jobs {
+                        let output = catch_unwind(AssertUnwindSafe(|| {
+                            let replica = model.fork(&device);
+                            let mut output = replica.step(input);
+                            if index != 0 {
+                                output.grads = output.grads.to_device(&main, &replica);
+                            }
+                            output
+                        }));
+                        if reply.send((index, output)).is_err() {
+                            break;
+                        }
+                    }
+                })
+                .expect("burn-accelerate: cannot start a device worker thread");
+            inboxes.push(inbox);
+            threads.push(thread);
+        }
+        Self {
+            inboxes,
+            answers,
+            threads,
+        }
+    }
+
+    /// Runs one step: `inputs[i]` (if any) on device `i`, each on a replica of `model`.
+    /// Returns the outputs in device order, their gradients on the main device.
+    ///
+    /// A panic in a step (the user's `TrainStep`, or the backend) is raised again here, on the
+    /// calling thread, with its own message.
+    pub(crate) fn step(
+        &self,
+        model: &TrainingModel<LC>,
+        inputs: Vec<(usize, StepInput<LC>)>,
+    ) -> Vec<StepOutput<LC>> {
+        let sent = inputs.len();
+        for (index, input) in inputs {
+            self.inboxes[index]
+                .send((model.clone(), input))
+                .expect("burn-accelerate: a device worker stopped");
+        }
+        let mut outputs: Vec<(usize, StepOutput<LC>)> = Vec::with_capacity(sent);
+        let mut panic = None;
+        for _ in 0..sent {
+            let (index, output) = self
+                .answers
+                .recv()
+                .expect("burn-accelerate: a device worker stopped");
+            match output {
+                Ok(output) => outputs.push((index, output)),
+                Err(payload) => panic = panic.or(Some(payload)),
+            }
+        }
+        if let Some(payload) = panic {
+            resume_unwind(payload);
+        }
+        outputs.sort_by_key(|(index, _)| *index);
+        outputs.into_iter().map(|(_, output)| output).collect()
+    }
+}
+
+impl<LC: LearningComponentsTypes> Drop for DeviceWorkers<LC> {
+    fn drop(&mut self) {
+        // Closing the inboxes ends the workers' loops.
+        self.inboxes.clear();
+        for thread in self.threads.drain(..) {
+            let _ = thread.join();
+        }
+    }
+}
