@@ -35,7 +35,9 @@ pub(crate) fn float_to_device<B: Backend>(
     B::float_to_device(tensor, device)
 }
 
-// The backend's own move is about to fail deep inside it: say why, once, where it can be read.
+// The backend's own move is about to fail deep inside it (on wgpu, cubecl's collective copy
+// fails on the device's server thread, so the caller's tensor is never written and nothing
+// panics where it could be caught): say why, once, where it can be read.
 #[cold]
 fn warn_tracked_move<B: Backend>(device: &B::Device) {
     static ONCE: Once = Once::new();
@@ -43,8 +45,9 @@ fn warn_tracked_move<B: Backend>(device: &B::Device) {
         log::error!(
             "moving a float tensor to {device:?} under autodiff on {}, which has no \
              device-to-device copy: autodiff needs one to send the gradient back, so the move \
-             is left to the backend. Run a model placed over several devices of this backend \
-             on the inner backend (`model.valid()`)",
+             is left to the backend, whose copy may never be written. Run a model placed over \
+             several devices of this backend on the inner backend (`model.valid()`), and \
+             fork replicas with `placement::fork`",
             B::name(device)
         )
     });

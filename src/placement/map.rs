@@ -4,13 +4,13 @@ use core::fmt;
 
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::backend::Backend;
-use burn::tensor::{BasicOps, Bool, Int, Tensor, TensorKind};
+use burn::tensor::{Bool, Int, Tensor};
 use serde::de::{MapAccess, Visitor};
 use serde::ser::SerializeMap;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::key::describe;
-use super::moves::{staged, stages_through_host};
+use super::moves::relocate;
 use super::report::DeviceTotal;
 use super::walk::{Walk, walk};
 use super::{DeviceKey, PlacementError};
@@ -408,22 +408,6 @@ struct Mover<'a, B: Backend> {
 impl<B: Backend> Mover<'_, B> {
     fn target(&self) -> Option<B::Device> {
         self.placement.device_for(&self.path.join(".")).cloned()
-    }
-}
-
-/// `tensor` on `device`: staged or direct per the move policy. Parameters are leaves, so
-/// staging them cuts no graph even under autodiff.
-fn relocate<B: Backend, const D: usize, K>(
-    tensor: Tensor<B, D, K>,
-    device: &B::Device,
-) -> Tensor<B, D, K>
-where
-    K: TensorKind<B> + BasicOps<B>,
-{
-    if stages_through_host::<B>(device) {
-        staged(tensor, device)
-    } else {
-        tensor.to_device(device)
     }
 }
 

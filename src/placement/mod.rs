@@ -83,7 +83,7 @@ pub use infer::infer_device_map;
 pub use key::DeviceKey;
 pub use map::{DeviceMap, Placement};
 pub use moves::{
-    DeviceMoves, colocate_inputs, device_moves, device_of, move_tensor, set_colocate_inputs,
+    DeviceMoves, colocate_inputs, device_moves, device_of, fork, move_tensor, set_colocate_inputs,
     set_device_moves, stages_through_host, to_device_of,
 };
 pub use report::{

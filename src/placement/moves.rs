@@ -2,7 +2,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::{BasicOps, Bool, Int, Tensor, TensorKind};
 
@@ -244,5 +244,78 @@ impl<B: Backend> ModuleVisitor<B> for FirstDevice<B> {
         if self.device.is_none() {
             self.device = Some(param.lazy_device());
         }
+    }
+}
+
+/// `module` copied onto `device` as Burn's `Module::fork` does (every float parameter a fresh
+/// autodiff leaf keeping its `require_grad`), with the copies staged through the host where
+/// the backend has no device-to-device copy (see [`DeviceMoves`]).
+///
+/// Burn 0.21's own `fork` moves parameters with the backend's `to_device`, which on wgpu goes
+/// through cubecl's collective copy; wgpu's server has none, so the copy fails on the device's
+/// own thread and the caller gets a tensor whose contents were never written. A fork detaches
+/// every parameter anyway, so going through the host cuts no graph.
+///
+/// ```
+/// # #[cfg(feature = "flex")] {
+/// use burn::backend::{Autodiff, Flex};
+/// use burn::nn::LinearConfig;
+/// use burn_accelerate::placement;
+///
+/// let device = Default::default();
+/// let layer = LinearConfig::new(4, 2).init::<Autodiff<Flex>>(&device);
+/// let copy = placement::fork(layer.clone(), &device);
+/// assert_eq!(copy.weight.val().into_data(), layer.weight.val().into_data());
+/// assert!(copy.weight.val().is_require_grad());
+/// # }
+/// ```
+pub fn fork<B: Backend, M: Module<B>>(module: M, device: &B::Device) -> M {
+    module.map(&mut Fork { device })
+}
+
+struct Fork<'a, B: Backend> {
+    device: &'a B::Device,
+}
+
+impl<B: Backend> ModuleMapper<B> for Fork<'_, B> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        param.map(|tensor| {
+            let require_grad = tensor.is_require_grad();
+            relocate(tensor, self.device)
+                .detach()
+                .set_require_grad(require_grad)
+        })
+    }
+
+    fn map_int<const D: usize>(
+        &mut self,
+        param: Param<Tensor<B, D, Int>>,
+    ) -> Param<Tensor<B, D, Int>> {
+        param.map(|tensor| relocate(tensor, self.device))
+    }
+
+    fn map_bool<const D: usize>(
+        &mut self,
+        param: Param<Tensor<B, D, Bool>>,
+    ) -> Param<Tensor<B, D, Bool>> {
+        param.map(|tensor| relocate(tensor, self.device))
+    }
+}
+
+/// `tensor` on `device`: staged or direct per the move policy. For parameters, which are
+/// leaves: staging them cuts no graph even under autodiff.
+pub(crate) fn relocate<B: Backend, const D: usize, K>(
+    tensor: Tensor<B, D, K>,
+    device: &B::Device,
+) -> Tensor<B, D, K>
+where
+    K: TensorKind<B> + BasicOps<B>,
+{
+    if tensor.device() == *device {
+        tensor
+    } else if stages_through_host::<B>(device) {
+        staged(tensor, device)
+    } else {
+        tensor.to_device(device)
     }
 }

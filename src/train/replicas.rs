@@ -10,22 +10,22 @@
 //! Each worker enters the strategy's [`Autocast`] for its steps: the process default already
 //! reaches these threads, and the guard makes the precision theirs whatever else changes it.
 //!
-//! Moves between two wgpu devices have no direct path in Burn 0.21 (its `to_device` panics);
-//! with the training backend wrapped in [`Accelerated`](crate::Accelerated) they go through
-//! the host (see [`placement`](crate::placement)).
+//! Moves between two wgpu devices have no direct path in Burn 0.21: the replicas are forked
+//! with [`placement::fork`], which stages the parameters through the host, and the gradients
+//! (inner-backend tensors) come back through the decorator's host-staged moves.
 
 use std::any::Any;
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::thread::JoinHandle;
 
-use burn::module::Module;
 use burn::tensor::Device;
 use burn::train::{
     LearningComponentsTypes, TrainOutput, TrainStep, TrainingBackend, TrainingModel,
 };
 
 use crate::autocast::Autocast;
+use crate::placement;
 
 /// The input of one training step.
 pub(crate) type StepInput<LC> = <TrainingModel<LC> as TrainStep>::Input;
@@ -60,7 +60,7 @@ impl<LC: LearningComponentsTypes> DeviceWorkers<LC> {
                     let _autocast = autocast.enter();
                     for (model, input) in jobs {
                         let output = catch_unwind(AssertUnwindSafe(|| {
-                            let replica = model.fork(&device);
+                            let replica = placement::fork(model, &device);
                             let mut output = replica.step(input);
                             if index != 0 {
                                 output.grads = output.grads.to_device(&main, &replica);
