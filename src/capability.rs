@@ -404,13 +404,22 @@ fn warn_slow_once<B: Backend>(
 /// How many devices of `device`'s kind backend `B` sees, 0 where asking panics.
 ///
 /// `Backend::device_count` for CUDA panics on a machine without a driver; this asks with the
-/// panic caught (and kept quiet), so a program or test can skip instead of crashing.
+/// panic caught, so a program or test can skip instead of crashing. The answer is kept for
+/// the process: CUDA's runtime panics on its own server thread, where the panic cannot be
+/// kept quiet, so asking once prints its message once.
 pub fn device_count<B: Backend>(device: &B::Device) -> usize {
+    static COUNTS: Mutex<Vec<(TypeId, u16, usize)>> = Mutex::new(Vec::new());
     let type_id = device.id().type_id;
+    let key = (TypeId::of::<B>(), type_id);
+    let mut counts = COUNTS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(&(_, _, count)) = counts.iter().find(|(b, t, _)| (*b, *t) == key) {
+        return count;
+    }
     silence_probe_panics();
     PROBING.with(|p| p.set(true));
     let count = panic::catch_unwind(|| B::device_count(type_id)).unwrap_or(0);
     PROBING.with(|p| p.set(false));
+    counts.push((key.0, key.1, count));
     count
 }
 

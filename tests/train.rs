@@ -179,6 +179,7 @@ mod ndarray {
 #[cfg(feature = "flex")]
 mod burn_machinery {
     use std::path::Path;
+    use std::sync::Arc;
 
     use burn::backend::Flex;
     use burn::data::dataloader::DataLoaderBuilder;
@@ -383,6 +384,101 @@ mod burn_machinery {
         let _ = std::fs::remove_dir_all(&dir);
         assert_eq!(resumed.epochs[..], whole.epochs[1..]);
         assert_eq!(resumed_logits, whole_logits);
+    }
+
+    // A shuffled, seeded `ShardLoader` as Burn's training loader, 2 epochs of 4 batches (Burn
+    // keeps the last 2 checkpoints); with `tracked`, the strategy saves and restores the
+    // loader's position with the checkpoints.
+    fn shuffled_run(
+        dir: &Path,
+        tracked: bool,
+        checkpoint: Option<usize>,
+    ) -> Result<(TrainingStats, Vec<f32>), String> {
+        use burn_accelerate::data::{DataLoaderConfig, ShardLoaderBuilder};
+
+        let loader = ShardLoaderBuilder::new(
+            DataLoaderConfig::new(32)
+                .with_shuffle(true)
+                .with_data_seed(Some(11)),
+            InMemDataset::new(blobs(128, 1)),
+            BlobBatcher,
+        )
+        .build(&[Default::default()])
+        .unwrap()
+        .remove(0);
+        let mut strategy = AccelerateStrategy::new(AccelerateConfig::new(), &Default::default())
+            .unwrap()
+            .with_checkpoint_dir(dir.join("checkpoint"));
+        if tracked {
+            strategy = strategy.with_checkpointed_loader(&loader);
+        }
+        let valid = DataLoaderBuilder::<Accelerated<Flex>, _, _>::new(BlobBatcher)
+            .batch_size(32)
+            .build(InMemDataset::new(blobs(64, 2)));
+        let mut builder = SupervisedTraining::new(dir, Arc::new(loader), valid)
+            .num_epochs(2)
+            .renderer(QuietRenderer)
+            .with_application_logger(None)
+            .with_file_checkpointer(burn::record::NamedMpkFileRecorder::<
+                burn::record::FullPrecisionSettings,
+            >::new());
+        if let Some(epoch) = checkpoint {
+            builder = builder.checkpoint(epoch);
+        }
+        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            launch_model(builder, strategy)
+        }));
+        caught.map_err(|payload| {
+            payload
+                .downcast_ref::<String>()
+                .cloned()
+                .unwrap_or_default()
+        })
+    }
+
+    #[test]
+    fn a_resumed_run_sees_the_shuffled_order_of_the_uninterrupted_one() {
+        let dir = std::env::temp_dir().join(format!(
+            "burn-accelerate-train-resume-shuffled-{}",
+            std::process::id()
+        ));
+        let (whole, whole_logits) = shuffled_run(&dir, true, None).unwrap();
+        let saved =
+            burn_accelerate::train::AccelerateCheckpoint::load_epoch(&dir.join("checkpoint"), 1)
+                .unwrap()
+                .unwrap();
+        // After epoch 1 (the loader's epoch 0) the next iterator starts the loader's epoch 1.
+        assert_eq!(saved.loaders.len(), 1);
+        assert_eq!((saved.loaders[0].epoch, saved.loaders[0].position), (1, 0));
+        assert_eq!(saved.loaders[0].seed, 11);
+
+        let (resumed, resumed_logits) = shuffled_run(&dir, true, Some(1)).unwrap();
+        assert_eq!(resumed.epochs[..], whole.epochs[1..]);
+        assert_eq!(resumed_logits, whole_logits);
+
+        // Without the loader's position the resumed epochs replay epoch 1's order: another
+        // run, which is what the position is for.
+        let (_, untracked_logits) = shuffled_run(&dir, false, Some(1)).unwrap();
+        assert_ne!(untracked_logits, whole_logits);
+
+        // A checkpoint written with the loader tracked cannot be resumed by a strategy that
+        // tracks a different number of loaders without saying so.
+        std::fs::write(
+            burn_accelerate::train::AccelerateCheckpoint::path(&dir.join("checkpoint"), 1),
+            serde_json::to_string(&{
+                let mut two = saved.clone();
+                two.loaders.push(two.loaders[0]);
+                two
+            })
+            .unwrap(),
+        )
+        .unwrap();
+        let err = shuffled_run(&dir, true, Some(1)).unwrap_err();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(
+            err.contains("cannot resume") && err.contains("checkpointed loaders"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -28,8 +28,10 @@
 //! Autocast and the armed loss scale are process-wide: run one accelerated training per
 //! process at a time (tests that train must not run in parallel with each other).
 //!
-//! With [`AccelerateStrategy::with_checkpoint_dir`], the loss scale and gradient state are
-//! saved beside each of Burn's checkpoints and restored by `.checkpoint(epoch)`.
+//! With [`AccelerateStrategy::with_checkpoint_dir`], the loss scale, the gradient state and
+//! the positions of the crate's loaders (the data-parallel shards, or the one given to
+//! [`AccelerateStrategy::with_checkpointed_loader`]) are saved beside each of Burn's
+//! checkpoints and restored by `.checkpoint(epoch)`.
 //!
 //! The loss scale and skipped steps show in Burn's dashboard and logs as [`metrics`].
 //!
@@ -40,8 +42,6 @@
 //! over several devices is refused there (see [`check_data_parallel`]).
 //!
 //! Not yet here:
-//! - the data loader's position in the checkpoints (a resumed run sees another shuffle than
-//!   the interrupted one would have);
 //! - Burn's DDP (`ExecutionStrategy::DistributedDataParallel`, burn-train's `ddp` feature),
 //!   where each rank would have to agree on overflow through the collective. It cannot run,
 //!   let alone be tested, with Burn 0.21 outside CUDA: its gradient all-reduce is
@@ -76,7 +76,7 @@ use burn::train::{
 };
 
 use crate::autocast::{self, Autocast};
-use crate::data::ShardLoader;
+use crate::data::{DataLoaderError, LoaderState, ShardLoader};
 use crate::gradient_state::GradientState;
 use crate::grads;
 use crate::placement::check_data_parallel;
@@ -177,6 +177,9 @@ pub struct AccelerateStrategy<LC: LearningComponentsTypes> {
     state: GradientState,
     report: TrainingReport,
     checkpoint_dir: Option<PathBuf>,
+    /// The loaders whose epoch and position the checkpoints hold, in device order: the shards
+    /// of a data-parallel training, or the one given to [`with_checkpointed_loader`](Self::with_checkpointed_loader).
+    positions: Vec<Arc<dyn LoaderPosition>>,
 }
 
 // One device of a data-parallel training and the loader of its Accelerate shard.
@@ -185,13 +188,40 @@ struct Shard<LC: LearningComponentsTypes> {
     loader: TrainLoader<LC>,
 }
 
-/// The loss scale and gradient-state position saved beside Burn's checkpoint of an epoch
-/// (`accelerate-<epoch>.json`), so that a run resumed with `.checkpoint(epoch)` goes on with
-/// the scale the interrupted run had reached instead of overflowing again from the initial one.
+// A loader whose epoch and position a checkpoint holds, whatever its item types. Copies of a
+// `ShardLoader` share its position, so the strategy's copy sees what Burn's copy iterates.
+trait LoaderPosition: Send + Sync {
+    fn state(&self) -> LoaderState;
+    fn load_state(&self, state: LoaderState) -> Result<(), DataLoaderError>;
+}
+
+impl<B, I, O> LoaderPosition for ShardLoader<B, I, O>
+where
+    B: Backend,
+    I: Send + Sync + Clone + 'static,
+    O: Send + 'static,
+{
+    fn state(&self) -> LoaderState {
+        ShardLoader::state(self)
+    }
+
+    fn load_state(&self, state: LoaderState) -> Result<(), DataLoaderError> {
+        ShardLoader::load_state(self, state)
+    }
+}
+
+/// The loss scale, gradient-state position and loader positions saved beside Burn's
+/// checkpoint of an epoch (`accelerate-<epoch>.json`), so that a run resumed with
+/// `.checkpoint(epoch)` goes on with the scale the interrupted run had reached (instead of
+/// overflowing again from the initial one) and with the shuffled order it would have seen.
 #[derive(Config, Debug)]
 pub struct AccelerateCheckpoint {
     /// The saved state.
     pub state: AcceleratorState,
+    /// Where each checkpointed loader was (epoch, position, seeds), in device order; empty
+    /// when the strategy tracked none, or in a file written before loaders were saved.
+    #[config(default = "Vec::new()")]
+    pub loaders: Vec<LoaderState>,
 }
 
 impl AccelerateCheckpoint {
@@ -274,6 +304,7 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
             state,
             report,
             checkpoint_dir: None,
+            positions: Vec::new(),
         })
     }
 
@@ -341,6 +372,10 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
         for device in &devices[1..] {
             strategy.ensure_same_precision(device)?;
         }
+        strategy.positions = shards
+            .iter()
+            .map(|shard| Arc::new(shard.clone()) as Arc<dyn LoaderPosition>)
+            .collect();
         strategy.shards = Some(
             shards
                 .into_iter()
@@ -398,6 +433,95 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
         self
     }
 
+    /// Saves `loader`'s epoch and position (and its seeds) with every checkpoint, and restores
+    /// them when the training resumes with `.checkpoint(epoch)`, so that the resumed epochs
+    /// see the shuffled order an uninterrupted run would have (the seedable sampler's order
+    /// depends on the loader's epoch, which starts at 0 in a new process). Pass the
+    /// [`ShardLoader`] given to `SupervisedTraining::new` (its copies share the position); a
+    /// [`data_parallel`](Self::data_parallel) strategy saves its shards' without being asked.
+    /// Needs [`with_checkpoint_dir`](Self::with_checkpoint_dir).
+    ///
+    /// ```no_run
+    /// # #[cfg(feature = "flex")] {
+    /// # use burn::backend::{Autodiff, Flex};
+    /// # use burn::data::dataset::InMemDataset;
+    /// # use burn_accelerate::{AccelerateConfig, Accelerated};
+    /// # use burn_accelerate::data::{DataLoaderConfig, ShardLoaderBuilder};
+    /// # use burn_accelerate::train::AccelerateStrategy;
+    /// # use burn_accelerate::train::demo::{BlobBatcher, Mlp, blobs};
+    /// # type Train = Accelerated<Autodiff<Flex>>;
+    /// # type Components = burn::train::LearningComponentsMarker<Train, f64, Mlp<Train>,
+    /// #     burn::optim::adaptor::OptimizerAdaptor<burn::optim::Adam, Mlp<Train>, Train>>;
+    /// let device = Default::default();
+    /// let loader = ShardLoaderBuilder::new(
+    ///     DataLoaderConfig::new(32).with_shuffle(true).with_data_seed(Some(7)),
+    ///     InMemDataset::new(blobs(256, 1)),
+    ///     BlobBatcher,
+    /// )
+    /// .build(&[device])?
+    /// .remove(0);
+    /// let strategy = AccelerateStrategy::<Components>::new(AccelerateConfig::new(), &device)?
+    ///     .with_checkpoint_dir("/tmp/run/checkpoint")
+    ///     .with_checkpointed_loader(&loader);
+    /// // SupervisedTraining::new("/tmp/run", loader, valid).with_accelerate(strategy)...
+    /// # }
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn with_checkpointed_loader<I>(
+        mut self,
+        loader: &ShardLoader<TrainingBackend<LC>, I, StepInput<LC>>,
+    ) -> Self
+    where
+        I: Send + Sync + Clone + 'static,
+    {
+        self.positions = vec![Arc::new(loader.clone())];
+        self
+    }
+
+    // What goes beside Burn's checkpoint.
+    fn checkpoint(&self, scaling: &Scaling) -> AccelerateCheckpoint {
+        AccelerateCheckpoint {
+            state: AcceleratorState {
+                loss_scale: scaling.loss_scale,
+                gradient_state: self.state.snapshot(),
+            },
+            loaders: self.positions.iter().map(|p| p.state()).collect(),
+        }
+    }
+
+    // The saved loaders' positions restored into the tracked ones.
+    fn restore_loaders(&self, saved: &[LoaderState]) -> Result<(), AccelerateError> {
+        if self.positions.is_empty() {
+            if !saved.is_empty() {
+                log::warn!(
+                    "burn-accelerate: the checkpoint holds {} loader positions but the strategy \
+                     tracks no loader: the training loader starts its own first epoch's order \
+                     (pass it to `with_checkpointed_loader` to resume where it was)",
+                    saved.len()
+                );
+            }
+            return Ok(());
+        }
+        if saved.is_empty() {
+            log::warn!(
+                "burn-accelerate: the checkpoint holds no loader position: the loaders restart \
+                 at their first epoch's order"
+            );
+            return Ok(());
+        }
+        if saved.len() != self.positions.len() {
+            return Err(AccelerateError::StateMismatch {
+                what: "checkpointed loaders",
+                saved: format!("{} loader positions", saved.len()),
+                current: format!("{} loaders", self.positions.len()),
+            });
+        }
+        for (position, state) in self.positions.iter().zip(saved) {
+            position.load_state(*state)?;
+        }
+        Ok(())
+    }
+
     // The state Burn's checkpoint of `epoch` was saved with, if any was.
     fn restore(&self, epoch: usize) -> Result<Option<LossScale>, AccelerateError> {
         let Some(dir) = &self.checkpoint_dir else {
@@ -419,6 +543,7 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
             });
         }
         self.state.restore(&saved.state.gradient_state)?;
+        self.restore_loaders(&saved.loaders)?;
         Ok(Some(saved.state.loss_scale))
     }
 
@@ -749,16 +874,10 @@ impl<LC: LearningComponentsTypes> SupervisedLearningStrategy<LC> for AccelerateS
             );
             if let Some(checkpointer) = &mut checkpointer {
                 checkpointer.checkpoint(&learner, epoch, &training_components.event_store);
-                if let Some(dir) = &self.checkpoint_dir {
-                    let saved = AccelerateCheckpoint {
-                        state: AcceleratorState {
-                            loss_scale: scaling.loss_scale,
-                            gradient_state: self.state.snapshot(),
-                        },
-                    };
-                    if let Err(err) = saved.save_epoch(dir, epoch) {
-                        log::warn!("burn-accelerate: {err}");
-                    }
+                if let Some(dir) = &self.checkpoint_dir
+                    && let Err(err) = self.checkpoint(&scaling).save_epoch(dir, epoch)
+                {
+                    log::warn!("burn-accelerate: {err}");
                 }
             }
             if let Some(early_stopping) = &mut early_stopping
