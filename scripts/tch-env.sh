@@ -7,6 +7,11 @@ venv="${TORCH_VENV:-$HOME/.cache/burn-accelerate/torch-venv}"
 
 if ! "$venv/bin/python" -c \
   'import sys, torch; sys.exit(torch.__version__.split("+")[0] != "2.9.0")' 2>/dev/null; then
+  # Debian's python3 ships venv's pip bootstrap separately.
+  if ! python3 -c 'import ensurepip' 2>/dev/null; then
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null \
+      || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null; }
+  fi
   python3 -m venv "$venv"
   "$venv/bin/pip" install --quiet torch==2.9.0
 fi

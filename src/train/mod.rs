@@ -244,6 +244,39 @@ impl AccelerateCheckpoint {
             })
     }
 
+    /// Deletes the files in `dir` of the epochs before `latest` whose model checkpoint Burn's
+    /// checkpointing strategy has deleted from `dir`. Does nothing unless `dir` holds Burn's
+    /// model checkpoint of `latest` (`model-<latest>.*`): in any other directory there is no
+    /// way to tell which epochs Burn kept.
+    pub fn prune(dir: &Path, latest: usize) {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        let names: Vec<String> = entries
+            .flatten()
+            .filter_map(|e| e.file_name().into_string().ok())
+            .collect();
+        let has_model = |epoch: usize| {
+            let prefix = format!("model-{epoch}.");
+            names.iter().any(|n| n.starts_with(&prefix))
+        };
+        if !has_model(latest) {
+            return;
+        }
+        for name in &names {
+            let epoch = name
+                .strip_prefix("accelerate-")
+                .and_then(|rest| rest.strip_suffix(".json"))
+                .and_then(|n| n.parse::<usize>().ok());
+            if let Some(epoch) = epoch
+                && epoch < latest
+                && !has_model(epoch)
+            {
+                let _ = std::fs::remove_file(dir.join(name));
+            }
+        }
+    }
+
     /// Reads epoch `epoch`'s state from `dir`; `None` when there is no such file.
     ///
     /// # Errors
@@ -427,7 +460,8 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
     /// (an [`AccelerateCheckpoint`]; Burn's own checkpoint directory, `<dir>/checkpoint`, is a
     /// good place), and restores them when the training resumes with `.checkpoint(epoch)`.
     ///
-    /// Old files are not deleted when Burn's checkpointing strategy deletes its own.
+    /// In Burn's own checkpoint directory, a file goes when Burn's checkpointing strategy
+    /// deletes that epoch's model; elsewhere old files are kept.
     pub fn with_checkpoint_dir(mut self, dir: impl Into<PathBuf>) -> Self {
         self.checkpoint_dir = Some(dir.into());
         self
@@ -879,6 +913,9 @@ impl<LC: LearningComponentsTypes> SupervisedLearningStrategy<LC> for AccelerateS
                 {
                     log::warn!("burn-accelerate: {err}");
                 }
+                if let Some(dir) = &self.checkpoint_dir {
+                    AccelerateCheckpoint::prune(dir, epoch);
+                }
             }
             if let Some(early_stopping) = &mut early_stopping
                 && early_stopping.should_stop(epoch, &training_components.event_store)
@@ -887,5 +924,39 @@ impl<LC: LearningComponentsTypes> SupervisedLearningStrategy<LC> for AccelerateS
             }
         }
         (learner.model(), event_processor)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sidecars_go_with_burns_model_checkpoints_and_only_in_burns_directory() {
+        let dir =
+            std::env::temp_dir().join(format!("burn-accelerate-prune-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let touch = |name: &str| std::fs::write(dir.join(name), b"{}").unwrap();
+        let present = |name: &str| dir.join(name).exists();
+        for epoch in 1..=4 {
+            touch(&format!("accelerate-{epoch}.json"));
+        }
+        touch("notes.json");
+
+        // No model checkpoint of the latest epoch here: not Burn's directory, nothing goes.
+        AccelerateCheckpoint::prune(&dir, 4);
+        assert!((1..=4).all(|e| present(&format!("accelerate-{e}.json"))));
+
+        // Burn kept epochs 3 and 4 (its default keeps the last two).
+        touch("model-3.mpk");
+        touch("model-4.mpk");
+        AccelerateCheckpoint::prune(&dir, 4);
+        let kept: Vec<bool> = (1..=4)
+            .map(|e| present(&format!("accelerate-{e}.json")))
+            .collect();
+        assert_eq!(kept, [false, false, true, true]);
+        assert!(present("notes.json"));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
