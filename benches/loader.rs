@@ -76,9 +76,9 @@ fn bench(c: &mut Criterion) {
         });
 
         // `shard` buffers as much as Burn's loader does (its channel holds 100 batches
-        // whatever the number of workers); `shard_prefetch2` runs the default depth, 2
-        // batches per worker (torch's `prefetch_factor`), which bounds memory instead.
-        for (name, prefetch) in [("shard", BURN_QUEUE / workers), ("shard_prefetch2", 2)] {
+        // whatever the number of workers); `shard_default` runs the default depth per worker.
+        let default = DataLoaderConfig::new(BATCH).prefetch;
+        for (name, prefetch) in [("shard", BURN_QUEUE / workers), ("shard_default", default)] {
             let config = DataLoaderConfig::new(BATCH)
                 .with_num_workers(workers)
                 .with_non_blocking(true)
@@ -129,7 +129,7 @@ fn bench(c: &mut Criterion) {
             .build(&[device])
             .expect("valid configuration")
             .remove(0);
-        group.bench_function(format!("shard_prefetch2/{workers}_workers"), |b| {
+        group.bench_function(format!("shard_default/{workers}_workers"), |b| {
             b.iter(|| shard.iter().map(step).sum::<f32>());
         });
     }

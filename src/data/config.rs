@@ -73,11 +73,13 @@ pub struct DataLoaderConfig {
     pub num_workers: usize,
     /// How many batches each background thread may have ready ahead of the consumer (torch's
     /// `prefetch_factor`). Must be at least 1 when any background thread is used. The
-    /// default is 8, not torch's 2: a full worker is woken again once its queue has drained
+    /// default is 16, not torch's 2: a full worker is woken again once its queue has drained
     /// to half, so at depth 2 it is woken after every batch taken, and that wake-up per batch
-    /// made the loader up to 2x slower than Burn's on cheap batches (BENCHMARKS.md, "loader");
-    /// from 8 on it refills in bursts. Lower it for very large batches to bound memory.
-    #[config(default = 8)]
+    /// made the loader up to 2x slower than Burn's on cheap batches; at 8 one wake per 4
+    /// batches still left it 10–15% behind Burn's with 2 workers in some runs, at 16 it was
+    /// ahead in every run (BENCHMARKS.md, "loader"). Up to 6 workers that holds fewer batches
+    /// than Burn's own loader (100). Lower it for very large batches to bound memory.
+    #[config(default = 16)]
     pub prefetch: usize,
 }
 
