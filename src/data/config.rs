@@ -206,7 +206,7 @@ mod tests {
         let c = DataLoaderConfig::new(8);
         assert!(!c.split_batches && !c.dispatch_batches && c.even_batches);
         assert!(!c.use_seedable_sampler && !c.non_blocking && !c.drop_last && !c.shuffle);
-        assert_eq!((c.data_seed, c.num_workers, c.prefetch), (None, 0, 8));
+        assert_eq!((c.data_seed, c.num_workers, c.prefetch), (None, 0, 16));
         assert_eq!(c.sharding(), Sharding::BatchSampler);
     }
 
