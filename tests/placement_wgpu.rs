@@ -328,3 +328,64 @@ fn autodiff_model_places_with_fresh_trainable_leaves() {
     assert!(placed.head.weight.val().is_require_grad());
     assert!(check_data_parallel(&placed, &[CPU, GPU]).is_err());
 }
+
+// A model placed over two devices trains under autodiff: `Accelerated<Autodiff<B>>` stages
+// each move through the host as a recorded op, so every gradient comes back on its
+// parameter's device and equals the one of the same model on one device.
+#[test]
+fn a_placed_model_backpropagates_through_staged_moves() {
+    type Train = Accelerated<Autodiff<Wgpu>>;
+    let (reference, placed) = twins(stack::<Autodiff<Wgpu>>(), stack::<Train>(), &GPU);
+    let placed = placed_map()
+        .placement(&placed, &[CPU, GPU])
+        .unwrap()
+        .apply(placed);
+    assert_eq!(placed.embed.weight.val().device(), CPU);
+    assert_eq!(placed.head.weight.val().device(), GPU);
+    let x = normal_input::<Wgpu, 2>([3, 4], &CPU).into_data();
+
+    let want = reference
+        .forward(Tensor::from_data(x.clone(), &GPU))
+        .powi_scalar(2)
+        .mean()
+        .backward();
+    let got = placed
+        .forward_placed(Tensor::from_data(x, &CPU))
+        .powi_scalar(2)
+        .mean()
+        .backward();
+
+    let pairs = [
+        (
+            "embed.weight",
+            placed.embed.weight.grad(&got),
+            reference.embed.weight.grad(&want),
+        ),
+        (
+            "blocks.0.fc1.weight",
+            placed.blocks[0].fc1.weight.grad(&got),
+            reference.blocks[0].fc1.weight.grad(&want),
+        ),
+        (
+            "blocks.1.fc2.weight",
+            placed.blocks[1].fc2.weight.grad(&got),
+            reference.blocks[1].fc2.weight.grad(&want),
+        ),
+        (
+            "head.weight",
+            placed.head.weight.grad(&got),
+            reference.head.weight.grad(&want),
+        ),
+    ];
+    let devices = [CPU, CPU, GPU, GPU];
+    for ((name, got, want), device) in pairs.into_iter().zip(devices) {
+        let (got, want) = (got.expect(name), want.expect(name));
+        assert_eq!(got.device(), device, "{name}");
+        let err = rel_err(got.into_data(), want.into_data());
+        assert!(err <= 1e-5, "{name}: relative error {err}");
+    }
+    let bias = placed.embed.bias.as_ref().unwrap().grad(&got).unwrap();
+    let want_bias = reference.embed.bias.as_ref().unwrap().grad(&want).unwrap();
+    assert_eq!(bias.device(), CPU);
+    assert!(rel_err(bias.into_data(), want_bias.into_data()) <= 1e-5);
+}

@@ -357,3 +357,75 @@ fn shards_must_be_one_complete_set_in_process_order() {
         "{err}"
     );
 }
+
+// Each shard's epoch and position go into the checkpoints of a data-parallel run: resumed from
+// epoch 1, the shuffled shards go on with epoch 2's order, and the run ends where the
+// uninterrupted one did.
+#[test]
+fn a_resumed_data_parallel_run_ends_where_the_uninterrupted_one_did() {
+    use burn_accelerate::train::AccelerateCheckpoint;
+
+    let dir = temp_dir("resume");
+    let run = |checkpoint: Option<usize>| -> Vec<f32> {
+        let _one = ONE_TRAINING.lock().unwrap_or_else(|e| e.into_inner());
+        let model = model();
+        let shards = ShardLoaderBuilder::new(
+            DataLoaderConfig::new(GLOBAL_BATCH)
+                .with_split_batches(true)
+                .with_shuffle(true)
+                .with_data_seed(Some(3)),
+            InMemDataset::new(blobs(40, 1)),
+            BlobBatcher,
+        )
+        .build(&[CPU, GPU])
+        .unwrap();
+        let loader = Arc::new(shards[0].clone());
+        let strategy = AccelerateStrategy::<Components>::data_parallel(
+            AccelerateConfig::new(),
+            shards,
+            &model,
+        )
+        .unwrap()
+        .with_checkpoint_dir(dir.join("checkpoint"));
+        let valid = DataLoaderBuilder::<Valid, _, _>::new(BlobBatcher)
+            .batch_size(GLOBAL_BATCH)
+            .build(InMemDataset::new(blobs(8, 2)));
+        let mut builder = SupervisedTraining::new(&dir, loader, valid)
+            .num_epochs(2)
+            .renderer(QuietRenderer)
+            .with_application_logger(None)
+            .with_file_checkpointer(burn::record::NamedMpkFileRecorder::<
+                burn::record::FullPrecisionSettings,
+            >::new());
+        if let Some(epoch) = checkpoint {
+            builder = builder.checkpoint(epoch);
+        }
+        let trained = builder
+            .with_accelerate(strategy)
+            .launch(Learner::new(
+                model,
+                SgdConfig::new().init(),
+                CountedScheduler::new(1e-1),
+            ))
+            .model;
+        let batch = Batcher::<Valid, _, _>::batch(&BlobBatcher, blobs(16, 9), &CPU);
+        trained
+            .forward(batch.x)
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap()
+    };
+    let whole = run(None);
+    let saved = AccelerateCheckpoint::load_epoch(&dir.join("checkpoint"), 1)
+        .unwrap()
+        .unwrap();
+    let positions: Vec<(u64, usize)> = saved
+        .loaders
+        .iter()
+        .map(|l| (l.epoch, l.position))
+        .collect();
+    assert_eq!(positions, [(1, 0), (1, 0)]);
+    let resumed = run(Some(1));
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(resumed, whole);
+}

@@ -3,6 +3,7 @@
 mod forward;
 mod placement;
 mod rewrap;
+pub(crate) mod tracked_move;
 
 use burn_backend::tensor::{BoolTensor, FloatTensor, IntTensor, QuantizedTensor};
 use burn_backend::{

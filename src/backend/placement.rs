@@ -15,10 +15,10 @@ use crate::placement::{colocate_inputs, stages_through_host};
 
 /// A float tensor moved onto `device`.
 ///
-/// On an autodiff backend a float tensor always takes the inner backend's own move: that is
-/// what records the backward step bringing its gradient back, and a trip through the host
-/// would cut the graph without a word. Ints and bools carry no gradient and are staged there
-/// too.
+/// Where the move is staged, a tensor of an autodiff backend goes through the host as a
+/// recorded op of its own (see [`tracked_move`](super::tracked_move)), so its gradient comes
+/// back the same way; a plain copy through the host would cut the graph without a word. Ints
+/// and bools carry no gradient and are simply staged.
 pub(crate) fn float_to_device<B: Backend>(
     tensor: FloatTensor<B>,
     device: &B::Device,
@@ -29,25 +29,31 @@ pub(crate) fn float_to_device<B: Backend>(
                 return B::float_from_data(data, device);
             }
         } else {
-            warn_tracked_move::<B>(device);
+            match super::tracked_move::staged::<B>(tensor, device) {
+                Ok(moved) => return moved,
+                Err(tensor) => {
+                    warn_tracked_move::<B>(device);
+                    return B::float_to_device(tensor, device);
+                }
+            }
         }
     }
     B::float_to_device(tensor, device)
 }
 
-// The backend's own move is about to fail deep inside it (on wgpu, cubecl's collective copy
-// fails on the device's server thread, so the caller's tensor is never written and nothing
-// panics where it could be caught): say why, once, where it can be read.
+// An autodiff backend the decorator has no staged move for (not registered with
+// `placement::register_tracked_moves`): the backend's own move is about to fail deep inside it
+// (on wgpu, cubecl's collective copy fails on the device's server thread, so the caller's
+// tensor is never written and nothing panics where it could be caught): say why, once.
 #[cold]
 fn warn_tracked_move<B: Backend>(device: &B::Device) {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
         log::error!(
             "moving a float tensor to {device:?} under autodiff on {}, which has no \
-             device-to-device copy: autodiff needs one to send the gradient back, so the move \
-             is left to the backend, whose copy may never be written. Run a model placed over \
-             several devices of this backend on the inner backend (`model.valid()`), and \
-             fork replicas with `placement::fork`",
+             device-to-device copy, and no staged move is registered for this autodiff backend: \
+             the move is left to the backend, whose copy may never be written. Register it \
+             with `placement::register_tracked_moves::<B, C>()`",
             B::name(device)
         )
     });

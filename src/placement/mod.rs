@@ -30,9 +30,11 @@
 //! backend has one, otherwise (Burn 0.21's wgpu, and every cubecl runtime but CUDA) a read
 //! back to the host, which waits for the source device to finish, and an upload
 //! ([`DeviceMoves`]). Inference crosses once per device boundary, so [`infer_device_map`]
-//! fills devices in module order. Under autodiff a float tensor only ever takes the
-//! backend's own move (so its gradient finds the way back): with wgpu, run a model placed
-//! over two devices with `model.valid()`.
+//! fills devices in module order. Under autodiff a staged move is a recorded op of its own
+//! (its gradient goes back through the host too), so a placed model trains under
+//! `Accelerated<Autodiff<B>>` for the autodiff backends the crate knows; register others
+//! with [`register_tracked_moves`]. Burn's bare `Autodiff<Wgpu>` takes wgpu's own move, which
+//! leaves the copy unwritten.
 //!
 //! ```
 //! # #[cfg(feature = "flex")] {
@@ -78,6 +80,7 @@ mod report;
 mod strategy;
 mod walk;
 
+pub use crate::backend::tracked_move::register as register_tracked_moves;
 pub use error::PlacementError;
 pub use infer::infer_device_map;
 pub use key::DeviceKey;

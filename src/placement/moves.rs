@@ -119,9 +119,11 @@ pub fn colocate_inputs() -> bool {
 /// `tensor` on `device`, moved the way [`DeviceMoves`] says.
 ///
 /// A float tensor on an autodiff backend always takes the backend's own move, which records
-/// the step that brings its gradient back; a trip through the host would silently cut the
-/// graph. Burn 0.21's wgpu has no device-to-device copy, so a model placed over two wgpu
-/// devices runs its forward pass on the inner backend (`model.valid()`), not under autodiff.
+/// the step that brings its gradient back; a plain trip through the host would silently cut
+/// the graph. Under `Accelerated<Autodiff<B>>` that move is the decorator's, which stages it
+/// through the host as a recorded op where `B` has no device-to-device copy (Burn 0.21's
+/// wgpu), so a model placed over two wgpu devices trains; on a bare `Autodiff<Wgpu>`, Burn's
+/// own move leaves the copy unwritten.
 ///
 /// ```
 /// # #[cfg(feature = "flex")] {

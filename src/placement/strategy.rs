@@ -10,14 +10,17 @@ use super::report::report;
 /// How many parameter paths an error names per device.
 const EXAMPLES_PER_DEVICE: usize = 3;
 
-/// Checks that `module` can be trained data-parallel over `devices`, as the `Accelerator`
-/// and the training hook do before they start: with more than one device, each worker needs a
-/// whole replica of the model on its own device, so a model spread over several devices (see
+/// Checks that `module` can be trained data-parallel over `devices`, as the training hook
+/// does before it starts ([`AccelerateStrategy::data_parallel`](crate::train::AccelerateStrategy::data_parallel),
+/// and again when Burn's `fit` starts): with more than one device, each worker needs a whole
+/// replica of the model on its own device, so a model spread over several devices (see
 /// [`verify_device_map`](super::verify_device_map)) is refused with
 /// [`SpreadForDataParallel`](PlacementError::SpreadForDataParallel), which names the model's
 /// devices and a few parameter paths on each.
 ///
-/// One device (or none) is not data-parallel, and anything goes.
+/// One device (or none) is not data-parallel, and anything goes: a spread model under the
+/// single-device `Accelerator` is model-parallel, as under Accelerate without a distributed
+/// type.
 ///
 /// ```
 /// # #[cfg(feature = "flex")] {

@@ -20,6 +20,7 @@ use std::sync::mpsc::{Receiver, Sender, channel};
 use std::thread::JoinHandle;
 
 use burn::tensor::Device;
+use burn::tensor::backend::Backend;
 use burn::train::{
     LearningComponentsTypes, TrainOutput, TrainStep, TrainingBackend, TrainingModel,
 };
@@ -64,6 +65,14 @@ impl<LC: LearningComponentsTypes> DeviceWorkers<LC> {
                             let mut output = replica.step(input);
                             if index != 0 {
                                 output.grads = output.grads.to_device(&main, &replica);
+                            }
+                            // The step's work ran on this thread's stream, reading tensors the
+                            // calling thread wrote and writing some it will read and free:
+                            // finish it here, so nothing is still queued when they change hands
+                            // (without this, runs on two wgpu devices differed now and then).
+                            sync::<TrainingBackend<LC>>(&device);
+                            if index != 0 {
+                                sync::<TrainingBackend<LC>>(&main);
                             }
                             output
                         }));
@@ -116,6 +125,14 @@ impl<LC: LearningComponentsTypes> DeviceWorkers<LC> {
         }
         outputs.sort_by_key(|(index, _)| *index);
         outputs.into_iter().map(|(_, output)| output).collect()
+    }
+}
+
+/// Waits for this thread's queued work on `device`; a backend error surfaces as a panic, as
+/// the backend's own would at the next read.
+fn sync<B: Backend>(device: &B::Device) {
+    if let Err(err) = B::sync(device) {
+        panic!("burn-accelerate: a device worker's step failed on {device:?}: {err:?}");
     }
 }
 
