@@ -24,7 +24,7 @@ use super::shard::{ShardOptions, ShardSpec, Sharding};
 ///     .with_data_seed(Some(1234))
 ///     .with_num_workers(2);
 /// assert!(config.even_batches);
-/// assert_eq!(config.prefetch, 8);
+/// assert_eq!(config.prefetch, 16);
 /// ```
 #[derive(Config, Debug, PartialEq, Eq)]
 pub struct DataLoaderConfig {

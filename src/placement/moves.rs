@@ -266,8 +266,11 @@ impl<B: Backend> ModuleVisitor<B> for FirstDevice<B> {
 ///
 /// let device = Default::default();
 /// let layer = LinearConfig::new(4, 2).init::<Autodiff<Flex>>(&device);
-/// let copy = placement::fork(layer.clone(), &device);
-/// assert_eq!(copy.weight.val().into_data(), layer.weight.val().into_data());
+/// // Burn creates parameters lazily, and a clone of one never read draws its own values:
+/// // read the original before comparing.
+/// let weight = layer.weight.val();
+/// let copy = placement::fork(layer, &device);
+/// assert_eq!(copy.weight.val().into_data(), weight.into_data());
 /// assert!(copy.weight.val().is_require_grad());
 /// # }
 /// ```
