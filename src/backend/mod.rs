@@ -1,6 +1,7 @@
 //! The backend decorator: `Accelerated<B>` is `B` with autocast in front of its ops.
 
 mod forward;
+pub(crate) mod hooks;
 mod placement;
 mod rewrap;
 pub(crate) mod tracked_move;

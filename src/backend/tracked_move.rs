@@ -9,9 +9,7 @@
 //! concrete `Autodiff<B, C>` in hand, so, as for fp8's node, the decorator looks up by `TypeId`
 //! a function registered for its inner backend by code that had the concrete type.
 
-use std::any::{Any, TypeId};
-use std::collections::HashMap;
-use std::sync::{Once, OnceLock, RwLock};
+use std::sync::Once;
 
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
@@ -20,6 +18,8 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
 use burn_backend::tensor::{Device, FloatTensor};
 use burn_backend::{Backend, try_read_sync};
+
+use super::hooks::Hooks;
 
 /// A float tensor of the inner backend rebuilt on `device` from a host copy (same dtype);
 /// `None` when the read fails.
@@ -71,29 +71,19 @@ fn autodiff_move<B: Backend, C: CheckpointStrategy>(
 
 type Hook<B> = fn(FloatTensor<B>, &Device<B>) -> Option<FloatTensor<B>>;
 
-fn hooks() -> &'static RwLock<HashMap<TypeId, Box<dyn Any + Send + Sync>>> {
-    static HOOKS: OnceLock<RwLock<HashMap<TypeId, Box<dyn Any + Send + Sync>>>> = OnceLock::new();
-    HOOKS.get_or_init(Default::default)
-}
+static HOOKS: Hooks = Hooks::new();
 
 /// Lets the decorator stage tracked moves on `Autodiff<B, C>` (Burn's autodiff over the
 /// backends this crate has features for, with default checkpointing, is registered without
 /// asking).
 pub fn register<B: Backend, C: CheckpointStrategy>() {
     let hook: Hook<Autodiff<B, C>> = autodiff_move::<B, C>;
-    hooks()
-        .write()
-        .unwrap_or_else(|e| e.into_inner())
-        .insert(TypeId::of::<Autodiff<B, C>>(), Box::new(hook));
+    HOOKS.insert::<Autodiff<B, C>, _>(hook);
 }
 
 fn hook<B: Backend>() -> Option<Hook<B>> {
     register_known();
-    hooks()
-        .read()
-        .unwrap_or_else(|e| e.into_inner())
-        .get(&TypeId::of::<B>())
-        .and_then(|hook| hook.downcast_ref::<Hook<B>>().copied())
+    HOOKS.get::<B, Hook<B>>()
 }
 
 fn register_known() {

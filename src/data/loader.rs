@@ -155,14 +155,7 @@ where
             ))
         });
         let orders = OrderCache::default();
-        let threading = Threading {
-            workers: match (self.config.num_workers, self.config.non_blocking) {
-                (0, true) => 1,
-                (n, _) => n,
-            },
-            depth: self.config.prefetch,
-            batch_in_worker: self.config.non_blocking,
-        };
+        let threading = Threading::of(&self.config);
         Ok(processes
             .into_iter()
             .map(|(p, device)| ShardLoader {

@@ -48,6 +48,21 @@ pub(crate) struct Threading {
     pub(crate) batch_in_worker: bool,
 }
 
+impl Threading {
+    /// The threads a loader configured by `config` uses: `non_blocking` without workers gets
+    /// one, which also batches on the device, so the move happens ahead of the consumer.
+    pub(crate) fn of(config: &super::config::DataLoaderConfig) -> Self {
+        Self {
+            workers: match (config.num_workers, config.non_blocking) {
+                (0, true) => 1,
+                (n, _) => n,
+            },
+            depth: config.prefetch,
+            batch_in_worker: config.non_blocking,
+        }
+    }
+}
+
 enum Prepared<P: Produce> {
     Items(P::Items),
     Batch(P::Batch),

@@ -179,14 +179,7 @@ where
         };
         let all: Vec<usize> = processes.iter().map(|(p, _)| *p).collect();
         let shared = (sharding == Sharding::Dispatch).then(|| reader(&all));
-        let threading = Threading {
-            workers: match (self.config.num_workers, self.config.non_blocking) {
-                (0, true) => 1,
-                (n, _) => n,
-            },
-            depth: self.config.prefetch,
-            batch_in_worker: self.config.non_blocking,
-        };
+        let threading = Threading::of(&self.config);
         Ok(processes
             .into_iter()
             .map(|(p, device)| StreamLoader {

@@ -8,9 +8,7 @@
 //! autodiff backends automatically. The lookup happens only under fp8 autocast; the bound is
 //! added nowhere else, so `Accelerated<B>` stays a decorator for every `B: Backend`.
 
-use std::any::{Any, TypeId};
-use std::collections::HashMap;
-use std::sync::{Once, OnceLock, RwLock};
+use std::sync::Once;
 
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
@@ -22,6 +20,7 @@ use burn_backend::{Backend, get_device_settings};
 
 use super::cast::{Fp8Cast, Quantizer};
 use crate::Accelerated;
+use crate::backend::hooks::Hooks;
 
 /// A backend whose autodiff graph an fp8 cast can add its own node to: the forward pass
 /// rounds, the backward pass passes the gradient straight through (E4M3) or rounds it to E5M2
@@ -122,26 +121,16 @@ pub fn needs_registration<B: Backend>(device: &B::Device) -> bool {
 
 type Hook<B> = fn(FloatTensor<B>, Fp8Cast) -> FloatTensor<B>;
 
-fn hooks() -> &'static RwLock<HashMap<TypeId, Box<dyn Any + Send + Sync>>> {
-    static HOOKS: OnceLock<RwLock<HashMap<TypeId, Box<dyn Any + Send + Sync>>>> = OnceLock::new();
-    HOOKS.get_or_init(Default::default)
-}
+static HOOKS: Hooks = Hooks::new();
 
 fn insert<B: Fp8Differentiable>() {
     let hook: Hook<B> = B::fp8_cast;
-    hooks()
-        .write()
-        .unwrap_or_else(|e| e.into_inner())
-        .insert(TypeId::of::<B>(), Box::new(hook));
+    HOOKS.insert::<B, _>(hook);
 }
 
 fn hook<B: Backend>() -> Option<Hook<B>> {
     register_known();
-    hooks()
-        .read()
-        .unwrap_or_else(|e| e.into_inner())
-        .get(&TypeId::of::<B>())
-        .and_then(|hook| hook.downcast_ref::<Hook<B>>().copied())
+    HOOKS.get::<B, Hook<B>>()
 }
 
 // Burn's own autodiff backends, for every backend feature this crate was built with.
