@@ -102,7 +102,19 @@ impl<S: StepSource> Dispatcher<S, S::Cursor, S::Slice> {
 
     /// Process `process`'s slice of step `step` of `epoch`, reading the global steps up to
     /// it if no shard has yet.
-    pub(crate) fn take(&self, process: usize, epoch: &S::Epoch, step: usize) -> S::Slice {
+    ///
+    /// `first_step` is where the asking shard's epoch began (0, or the batches it skipped):
+    /// a request that opens the epoch's reading opens it there, not at `step`, because a
+    /// shard's prefetch workers ask concurrently and the first to get here may want a later
+    /// step than its neighbour does; opened at `step`, the earlier steps would count as
+    /// passed and be read a second time, alone.
+    pub(crate) fn take(
+        &self,
+        process: usize,
+        epoch: &S::Epoch,
+        step: usize,
+        first_step: usize,
+    ) -> S::Slice {
         let mut sessions = self.lock();
         let key = S::key(epoch);
         let index = match sessions.iter().position(|s| s.key == key) {
@@ -112,10 +124,11 @@ impl<S: StepSource> Dispatcher<S, S::Cursor, S::Slice> {
                     sessions.pop_front();
                 }
                 let np = self.registered.len();
+                let first_step = first_step.min(step);
                 sessions.push_back(Session {
                     key,
-                    cursor: self.source.open(epoch, step),
-                    next_step: step,
+                    cursor: self.source.open(epoch, first_step),
+                    next_step: first_step,
                     slots: (0..np).map(|_| BTreeMap::new()).collect(),
                     left: vec![false; np],
                     alone: (0..np).map(|_| None).collect(),
@@ -337,7 +350,7 @@ mod tests {
         let mut got = vec![vec![], vec![]];
         for step in 0..2 {
             for p in [1, 0] {
-                got[p].push(hub.take(p, &epochs[p], step));
+                got[p].push(hub.take(p, &epochs[p], step, 0));
             }
         }
         assert_eq!(
@@ -351,16 +364,36 @@ mod tests {
         assert!(hub.lock().is_empty());
     }
 
+    // Two prefetch workers of one shard: the one with step 1 gets the lock first.
+    #[test]
+    fn steps_asked_out_of_order_from_the_epochs_start_are_read_once() {
+        let (data, hub, epochs) = setup(12, 3, 2);
+        assert_eq!(hub.take(0, &epochs[0], 1, 0), vec![6, 7]);
+        assert_eq!(hub.take(0, &epochs[0], 0, 0), vec![0, 1]);
+        for (p, epoch) in epochs.iter().enumerate().skip(1) {
+            for step in 0..2 {
+                hub.take(p, epoch, step, 0);
+            }
+        }
+        assert_eq!(data.reads.load(Ordering::Relaxed), 12);
+        assert_eq!(hub.buffered(), 0);
+
+        // A resumed shard opens the reading where it resumes: nothing before is read.
+        let (data, hub, epochs) = setup(12, 3, 2);
+        assert_eq!(hub.take(1, &epochs[1], 1, 1), vec![8, 9]);
+        assert_eq!(data.reads.load(Ordering::Relaxed), 6);
+    }
+
     #[test]
     fn a_shard_that_left_gets_nothing_kept_and_can_rejoin() {
         let (data, hub, epochs) = setup(12, 3, 2);
-        assert_eq!(hub.take(0, &epochs[0], 0), vec![0, 1]);
+        assert_eq!(hub.take(0, &epochs[0], 0, 0), vec![0, 1]);
         hub.leave(2, (0, None));
-        assert_eq!(hub.take(0, &epochs[0], 1), vec![6, 7]);
+        assert_eq!(hub.take(0, &epochs[0], 1, 0), vec![6, 7]);
         // Process 1 still has two slices waiting; process 2 none.
         assert_eq!(hub.buffered(), 2);
         // Process 2 comes back for a step already read: read alone.
-        assert_eq!(hub.take(2, &epochs[2], 0), vec![4, 5]);
+        assert_eq!(hub.take(2, &epochs[2], 0, 0), vec![4, 5]);
         // Step 0 whole (6), step 1 without process 2's part (4), its step 0 again (2).
         assert_eq!(data.reads.load(Ordering::Relaxed), 6 + 4 + 2);
     }
@@ -370,7 +403,7 @@ mod tests {
         let (_, hub, epochs) = setup(8, 2, 2);
         for e in 0..10 {
             let epoch = Epoch::new(*epochs[0].plan(), None, None, (e, None));
-            hub.take(0, &epoch, 0);
+            hub.take(0, &epoch, 0, 0);
         }
         assert_eq!(hub.lock().len(), MAX_SESSIONS);
         assert_eq!(

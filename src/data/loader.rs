@@ -273,6 +273,7 @@ where
             epoch: epoch.clone(),
             dataset: Arc::clone(&self.dataset),
             dispatcher: dispatcher.clone(),
+            first_step: start.start,
             batcher: Arc::clone(&self.batcher),
             device: self.device.clone(),
         });
@@ -426,6 +427,8 @@ struct Producer<B: Backend, I, O> {
     epoch: Epoch,
     dataset: Arc<dyn Dataset<I>>,
     dispatcher: Option<(Arc<IndexedDispatcher<I>>, usize)>,
+    /// The step this epoch's iterator began at.
+    first_step: usize,
     batcher: Arc<dyn Batcher<B, I, O>>,
     device: B::Device,
 }
@@ -441,7 +444,7 @@ where
 
     fn read(&self, index: usize) -> Vec<I> {
         match &self.dispatcher {
-            Some((hub, process)) => hub.take(*process, &self.epoch, index),
+            Some((hub, process)) => hub.take(*process, &self.epoch, index, self.first_step),
             None => self.epoch.read(self.dataset.as_ref(), index),
         }
     }

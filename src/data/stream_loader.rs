@@ -281,6 +281,7 @@ where
             reader,
             process: self.process,
             epoch: start.epoch,
+            first_step: start.start,
             batcher: Arc::clone(&self.batcher),
             device: self.device.clone(),
         });
@@ -530,6 +531,8 @@ struct StreamProducer<B: Backend, I, O> {
     reader: Reader<I>,
     process: usize,
     epoch: u64,
+    /// The step this epoch's iterator began at.
+    first_step: usize,
     batcher: Arc<dyn Batcher<B, I, O>>,
     device: B::Device,
 }
@@ -551,7 +554,7 @@ where
 
     fn read(&self, index: usize) -> Option<StreamSlice<I>> {
         match &self.reader {
-            Reader::Shard(hub) => hub.take(self.process, &self.epoch, index),
+            Reader::Shard(hub) => hub.take(self.process, &self.epoch, index, self.first_step),
             Reader::Window(window) => window
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
