@@ -39,6 +39,7 @@ type Answer<LC> = (usize, Result<StepOutput<LC>, Box<dyn Any + Send>>);
 /// The worker threads of a data-parallel training, one per device; the first device is the
 /// main one, where gradients are combined and the optimizer steps.
 pub(crate) struct DeviceWorkers<LC: LearningComponentsTypes> {
+    main: Device<TrainingBackend<LC>>,
     inboxes: Vec<Sender<Job<LC>>>,
     answers: Receiver<Answer<LC>>,
     threads: Vec<JoinHandle<()>>,
@@ -86,6 +87,7 @@ impl<LC: LearningComponentsTypes> DeviceWorkers<LC> {
             threads.push(thread);
         }
         Self {
+            main,
             inboxes,
             answers,
             threads,
@@ -102,6 +104,10 @@ impl<LC: LearningComponentsTypes> DeviceWorkers<LC> {
         model: &TrainingModel<LC>,
         inputs: Vec<(usize, StepInput<LC>)>,
     ) -> Vec<StepOutput<LC>> {
+        // The optimizer's last writes to the model are queued on this thread's stream, and
+        // may have gone in place into buffers that a worker's stream allocated: a worker
+        // reading them would wait for that stream, not this one. Finish them first.
+        sync::<TrainingBackend<LC>>(&self.main);
         let sent = inputs.len();
         for (index, input) in inputs {
             self.inboxes[index]
