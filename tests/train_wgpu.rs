@@ -429,3 +429,54 @@ fn a_resumed_data_parallel_run_ends_where_the_uninterrupted_one_did() {
     let _ = std::fs::remove_dir_all(&dir);
     assert_eq!(resumed, whole);
 }
+
+// With `non_blocking`, batches are made on a prefetch thread, as tensors of that thread's
+// stream on the device; training on them ends exactly where training on batches made in the
+// loop does.
+#[test]
+fn batches_made_on_a_prefetch_thread_train_as_those_made_in_the_loop() {
+    let run = |non_blocking: bool| -> Vec<f32> {
+        let _one = ONE_TRAINING.lock().unwrap_or_else(|e| e.into_inner());
+        let model = model();
+        let loader = ShardLoaderBuilder::new(
+            DataLoaderConfig::new(GLOBAL_BATCH)
+                .with_non_blocking(non_blocking)
+                .with_prefetch(4),
+            InMemDataset::new(blobs(40, 1)),
+            BlobBatcher,
+        )
+        .build(&[CPU])
+        .unwrap()
+        .remove(0);
+        let strategy = AccelerateStrategy::new(
+            AccelerateConfig::new().with_gradient_accumulation_steps(2),
+            &CPU,
+        )
+        .unwrap();
+        let valid = DataLoaderBuilder::<Valid, _, _>::new(BlobBatcher)
+            .batch_size(GLOBAL_BATCH)
+            .build(InMemDataset::new(blobs(8, 2)));
+        let dir = temp_dir(if non_blocking { "ahead" } else { "inline" });
+        let trained = SupervisedTraining::new(&dir, Arc::new(loader), valid)
+            .num_epochs(2)
+            .renderer(QuietRenderer)
+            .with_application_logger(None)
+            .with_accelerate(strategy)
+            .launch(Learner::new(
+                model,
+                SgdConfig::new().init(),
+                CountedScheduler::new(1e-1),
+            ))
+            .model;
+        let _ = std::fs::remove_dir_all(&dir);
+        let batch = Batcher::<Valid, _, _>::batch(&BlobBatcher, blobs(16, 9), &CPU);
+        trained
+            .forward(batch.x)
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap()
+    };
+    let inline = run(false);
+    let ahead = run(true);
+    assert_eq!(ahead, inline);
+}

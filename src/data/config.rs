@@ -54,7 +54,10 @@ pub struct DataLoaderConfig {
     #[config(default = false)]
     pub use_seedable_sampler: bool,
     /// Prepare batches (and create them on the target device) on a background thread,
-    /// `prefetch` steps ahead, instead of in the thread that iterates.
+    /// `prefetch` steps ahead, instead of in the thread that iterates. On cubecl's backends
+    /// (wgpu, CUDA), whose per-thread streams cannot hand device buffers between threads
+    /// safely, the background threads read the items and the iterating thread makes the
+    /// batches.
     #[config(default = false)]
     pub non_blocking: bool,
     /// Drop the incomplete tail instead of padding it.

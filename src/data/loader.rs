@@ -282,7 +282,12 @@ where
             observer.begin();
         }
         ShardIter {
-            pipeline: Pipeline::new(producer, start.start, num_batches, self.threading),
+            pipeline: Pipeline::new(
+                producer,
+                start.start,
+                num_batches,
+                self.threading.on_device::<B>(&self.device),
+            ),
             epoch,
             epoch_number: start.epoch,
             tracker: self.tracker.clone(),

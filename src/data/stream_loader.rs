@@ -290,7 +290,12 @@ where
             observer.begin();
         }
         StreamIter {
-            pipeline: Pipeline::new(producer, start.start, usize::MAX, self.threading),
+            pipeline: Pipeline::new(
+                producer,
+                start.start,
+                usize::MAX,
+                self.threading.on_device::<B>(&self.device),
+            ),
             leave: self
                 .window
                 .is_none()
