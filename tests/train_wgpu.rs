@@ -15,8 +15,8 @@ use std::sync::{Arc, Mutex};
 
 use burn::backend::wgpu::WgpuDevice;
 use burn::backend::{Autodiff, Wgpu};
-use burn::data::dataloader::DataLoaderBuilder;
 use burn::data::dataloader::batcher::Batcher;
+use burn::data::dataloader::{DataLoader, DataLoaderBuilder};
 use burn::data::dataset::InMemDataset;
 use burn::optim::SgdConfig;
 use burn::tensor::backend::Backend;
@@ -101,9 +101,7 @@ fn train(
         (AccelerateStrategy::new(config, &CPU).unwrap(), loader)
     };
     let report = strategy.report();
-    let valid = DataLoaderBuilder::<Valid, _, _>::new(BlobBatcher)
-        .batch_size(GLOBAL_BATCH)
-        .build(InMemDataset::new(blobs(16, 2)));
+    let valid = valid_loader(16);
     let scheduler = CountedScheduler::new(1e-1);
     let counter = scheduler.counter();
     let learner = Learner::new(model, SgdConfig::new().init(), scheduler);
@@ -116,16 +114,24 @@ fn train(
         .launch(learner)
         .model;
     let _ = std::fs::remove_dir_all(&dir);
-    let batch = Batcher::<Valid, _, _>::batch(&BlobBatcher, blobs(16, 9), &CPU);
     Outcome {
         stats: report.stats(),
         scheduler_steps: counter.load(Ordering::SeqCst),
-        logits: trained
-            .forward(batch.x)
-            .into_data()
-            .to_vec::<f32>()
-            .unwrap(),
+        logits: logits(&trained),
     }
+}
+
+/// Burn's validation loader over `len` samples.
+fn valid_loader(len: usize) -> Arc<dyn DataLoader<Valid, BlobBatch<Valid>>> {
+    DataLoaderBuilder::<Valid, _, _>::new(BlobBatcher)
+        .batch_size(GLOBAL_BATCH)
+        .build(InMemDataset::new(blobs(len, 2)))
+}
+
+/// A trained model's logits on a fixed batch, in f32.
+fn logits(model: &Mlp<Valid>) -> Vec<f32> {
+    let batch = Batcher::<Valid, _, _>::batch(&BlobBatcher, blobs(16, 9), &CPU);
+    model.forward(batch.x).into_data().to_vec::<f32>().unwrap()
 }
 
 /// max |a - b| / max |b|.
@@ -292,9 +298,7 @@ fn a_learner_with_a_spread_model_stops_the_fit() {
         .placement(&model, &[CPU, GPU])
         .unwrap()
         .apply(model);
-    let valid = DataLoaderBuilder::<Valid, _, _>::new(BlobBatcher)
-        .batch_size(GLOBAL_BATCH)
-        .build(InMemDataset::new(blobs(8, 2)));
+    let valid = valid_loader(8);
     let dir = temp_dir("spread");
     SupervisedTraining::new(&dir, loader, valid)
         .renderer(QuietRenderer)
@@ -387,9 +391,7 @@ fn a_resumed_data_parallel_run_ends_where_the_uninterrupted_one_did() {
         )
         .unwrap()
         .with_checkpoint_dir(dir.join("checkpoint"));
-        let valid = DataLoaderBuilder::<Valid, _, _>::new(BlobBatcher)
-            .batch_size(GLOBAL_BATCH)
-            .build(InMemDataset::new(blobs(8, 2)));
+        let valid = valid_loader(8);
         let mut builder = SupervisedTraining::new(&dir, loader, valid)
             .num_epochs(2)
             .renderer(QuietRenderer)
@@ -408,12 +410,7 @@ fn a_resumed_data_parallel_run_ends_where_the_uninterrupted_one_did() {
                 CountedScheduler::new(1e-1),
             ))
             .model;
-        let batch = Batcher::<Valid, _, _>::batch(&BlobBatcher, blobs(16, 9), &CPU);
-        trained
-            .forward(batch.x)
-            .into_data()
-            .to_vec::<f32>()
-            .unwrap()
+        logits(&trained)
     };
     let whole = run(None);
     let saved = AccelerateCheckpoint::load_epoch(&dir.join("checkpoint"), 1)
@@ -453,9 +450,7 @@ fn batches_made_on_a_prefetch_thread_train_as_those_made_in_the_loop() {
             &CPU,
         )
         .unwrap();
-        let valid = DataLoaderBuilder::<Valid, _, _>::new(BlobBatcher)
-            .batch_size(GLOBAL_BATCH)
-            .build(InMemDataset::new(blobs(8, 2)));
+        let valid = valid_loader(8);
         let dir = temp_dir(if non_blocking { "ahead" } else { "inline" });
         let trained = SupervisedTraining::new(&dir, Arc::new(loader), valid)
             .num_epochs(2)
@@ -469,12 +464,7 @@ fn batches_made_on_a_prefetch_thread_train_as_those_made_in_the_loop() {
             ))
             .model;
         let _ = std::fs::remove_dir_all(&dir);
-        let batch = Batcher::<Valid, _, _>::batch(&BlobBatcher, blobs(16, 9), &CPU);
-        trained
-            .forward(batch.x)
-            .into_data()
-            .to_vec::<f32>()
-            .unwrap()
+        logits(&trained)
     };
     let inline = run(false);
     let ahead = run(true);
