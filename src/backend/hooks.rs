@@ -5,18 +5,28 @@
 
 use std::any::{Any, TypeId};
 use std::collections::HashMap;
-use std::sync::{OnceLock, PoisonError, RwLock};
+use std::sync::{Once, OnceLock, PoisonError, RwLock};
 
-/// A table of hooks of one kind, keyed by backend type.
-pub(crate) struct Hooks(OnceLock<RwLock<HashMap<TypeId, Box<dyn Any + Send + Sync>>>>);
+/// A table of hooks of one kind, keyed by backend type, with the hooks of the backends the
+/// crate knows (Burn's autodiff over each backend feature) registered on the first lookup.
+pub(crate) struct Hooks {
+    table: OnceLock<RwLock<HashMap<TypeId, Box<dyn Any + Send + Sync>>>>,
+    known: Once,
+    register_known: fn(),
+}
 
 impl Hooks {
-    pub(crate) const fn new() -> Self {
-        Self(OnceLock::new())
+    /// A table whose first lookup runs `register_known` once.
+    pub(crate) const fn new(register_known: fn()) -> Self {
+        Self {
+            table: OnceLock::new(),
+            known: Once::new(),
+            register_known,
+        }
     }
 
     fn table(&self) -> &RwLock<HashMap<TypeId, Box<dyn Any + Send + Sync>>> {
-        self.0.get_or_init(Default::default)
+        self.table.get_or_init(Default::default)
     }
 
     /// Registers `hook` for backend `B`, replacing any earlier one.
@@ -29,6 +39,7 @@ impl Hooks {
 
     /// The hook registered for backend `B`, if it has the type `H`.
     pub(crate) fn get<B: 'static, H: Any + Copy>(&self) -> Option<H> {
+        self.known.call_once(self.register_known);
         self.table()
             .read()
             .unwrap_or_else(PoisonError::into_inner)
@@ -43,12 +54,14 @@ mod tests {
 
     #[test]
     fn hooks_are_found_by_backend_type_and_hook_type() {
-        static HOOKS: Hooks = Hooks::new();
+        static HOOKS: Hooks = Hooks::new(|| HOOKS.insert::<i8, fn() -> u32>(|| 7));
         HOOKS.insert::<u8, fn() -> u32>(|| 1);
         assert_eq!(HOOKS.get::<u8, fn() -> u32>().map(|f| f()), Some(1));
         assert!(HOOKS.get::<u16, fn() -> u32>().is_none());
         assert!(HOOKS.get::<u8, fn() -> u64>().is_none());
         HOOKS.insert::<u8, fn() -> u32>(|| 2);
         assert_eq!(HOOKS.get::<u8, fn() -> u32>().map(|f| f()), Some(2));
+        // The known backends were registered by the first lookup.
+        assert_eq!(HOOKS.get::<i8, fn() -> u32>().map(|f| f()), Some(7));
     }
 }

@@ -9,8 +9,6 @@
 //! concrete `Autodiff<B, C>` in hand, so, as for fp8's node, the decorator looks up by `TypeId`
 //! a function registered for its inner backend by code that had the concrete type.
 
-use std::sync::Once;
-
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -71,7 +69,7 @@ fn autodiff_move<B: Backend, C: CheckpointStrategy>(
 
 type Hook<B> = fn(FloatTensor<B>, &Device<B>) -> Option<FloatTensor<B>>;
 
-static HOOKS: Hooks = Hooks::new();
+static HOOKS: Hooks = Hooks::new(register_known);
 
 /// Lets the decorator stage tracked moves on `Autodiff<B, C>` (Burn's autodiff over the
 /// backends this crate has features for, with default checkpointing, is registered without
@@ -81,26 +79,18 @@ pub fn register<B: Backend, C: CheckpointStrategy>() {
     HOOKS.insert::<Autodiff<B, C>, _>(hook);
 }
 
-fn hook<B: Backend>() -> Option<Hook<B>> {
-    register_known();
-    HOOKS.get::<B, Hook<B>>()
-}
-
 fn register_known() {
-    static KNOWN: Once = Once::new();
-    KNOWN.call_once(|| {
-        use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
-        #[cfg(feature = "flex")]
-        register::<burn::backend::Flex, NoCheckpointing>();
-        #[cfg(feature = "ndarray")]
-        register::<burn::backend::NdArray, NoCheckpointing>();
-        #[cfg(feature = "wgpu")]
-        register::<burn::backend::Wgpu, NoCheckpointing>();
-        #[cfg(feature = "cuda")]
-        register::<burn::backend::Cuda, NoCheckpointing>();
-        #[cfg(feature = "tch")]
-        register::<burn::backend::LibTorch, NoCheckpointing>();
-    });
+    use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
+    #[cfg(feature = "flex")]
+    register::<burn::backend::Flex, NoCheckpointing>();
+    #[cfg(feature = "ndarray")]
+    register::<burn::backend::NdArray, NoCheckpointing>();
+    #[cfg(feature = "wgpu")]
+    register::<burn::backend::Wgpu, NoCheckpointing>();
+    #[cfg(feature = "cuda")]
+    register::<burn::backend::Cuda, NoCheckpointing>();
+    #[cfg(feature = "tch")]
+    register::<burn::backend::LibTorch, NoCheckpointing>();
 }
 
 /// `tensor` moved to `device` through the host as a recorded autodiff op, where `B` is a
@@ -109,7 +99,7 @@ pub(crate) fn staged<B: Backend>(
     tensor: FloatTensor<B>,
     device: &B::Device,
 ) -> Result<FloatTensor<B>, FloatTensor<B>> {
-    match hook::<B>() {
+    match HOOKS.get::<B, Hook<B>>() {
         Some(hook) => hook(tensor.clone(), device).ok_or(tensor),
         None => Err(tensor),
     }

@@ -63,9 +63,7 @@ impl Threading {
             batch_in_worker: config.non_blocking,
         }
     }
-}
 
-impl Threading {
     /// These settings for a loader whose batches are made on `device`: on a backend that
     /// queues each thread's device work on a stream of its own (cubecl's runtimes: wgpu,
     /// CUDA, ROCm, also under fusion), batches are made by the consumer's thread, and the

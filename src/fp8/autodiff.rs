@@ -121,7 +121,7 @@ pub fn needs_registration<B: Backend>(device: &B::Device) -> bool {
 
 type Hook<B> = fn(FloatTensor<B>, Fp8Cast) -> FloatTensor<B>;
 
-static HOOKS: Hooks = Hooks::new();
+static HOOKS: Hooks = Hooks::new(register_known);
 
 fn insert<B: Fp8Differentiable>() {
     let hook: Hook<B> = B::fp8_cast;
@@ -129,25 +129,21 @@ fn insert<B: Fp8Differentiable>() {
 }
 
 fn hook<B: Backend>() -> Option<Hook<B>> {
-    register_known();
     HOOKS.get::<B, Hook<B>>()
 }
 
 // Burn's own autodiff backends, for every backend feature this crate was built with.
 fn register_known() {
-    static KNOWN: Once = Once::new();
-    KNOWN.call_once(|| {
-        #[cfg(feature = "flex")]
-        register::<Accelerated<Autodiff<burn::backend::Flex>>>();
-        #[cfg(feature = "ndarray")]
-        register::<Accelerated<Autodiff<burn::backend::NdArray>>>();
-        #[cfg(feature = "wgpu")]
-        register::<Accelerated<Autodiff<burn::backend::Wgpu>>>();
-        #[cfg(feature = "cuda")]
-        register::<Accelerated<Autodiff<burn::backend::Cuda>>>();
-        #[cfg(feature = "tch")]
-        register::<Accelerated<Autodiff<burn::backend::LibTorch>>>();
-    });
+    #[cfg(feature = "flex")]
+    register::<Accelerated<Autodiff<burn::backend::Flex>>>();
+    #[cfg(feature = "ndarray")]
+    register::<Accelerated<Autodiff<burn::backend::NdArray>>>();
+    #[cfg(feature = "wgpu")]
+    register::<Accelerated<Autodiff<burn::backend::Wgpu>>>();
+    #[cfg(feature = "cuda")]
+    register::<Accelerated<Autodiff<burn::backend::Cuda>>>();
+    #[cfg(feature = "tch")]
+    register::<Accelerated<Autodiff<burn::backend::LibTorch>>>();
 }
 
 /// Applies an fp8 cast on any backend: through the registered node where there is one,
