@@ -9,7 +9,7 @@
 //! gives the whole batch's, up to the order of float sums.
 #![cfg(feature = "wgpu")]
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
@@ -106,10 +106,8 @@ fn train(
     let counter = scheduler.counter();
     let learner = Learner::new(model, SgdConfig::new().init(), scheduler);
     let dir = temp_dir(if two_devices { "two" } else { "one" });
-    let trained = SupervisedTraining::new(&dir, loader, valid)
+    let trained = supervised(&dir, loader, valid)
         .num_epochs(epochs)
-        .renderer(QuietRenderer)
-        .with_application_logger(None)
         .with_accelerate(strategy)
         .launch(learner)
         .model;
@@ -126,6 +124,22 @@ fn valid_loader(len: usize) -> Arc<dyn DataLoader<Valid, BlobBatch<Valid>>> {
     DataLoaderBuilder::<Valid, _, _>::new(BlobBatcher)
         .batch_size(GLOBAL_BATCH)
         .build(InMemDataset::new(blobs(len, 2)))
+}
+
+/// Burn's training builder for these runs: no dashboard, no application logger.
+fn supervised(
+    dir: &Path,
+    train: Arc<dyn DataLoader<Train, BlobBatch<Train>>>,
+    valid: Arc<dyn DataLoader<Valid, BlobBatch<Valid>>>,
+) -> SupervisedTraining<Components> {
+    SupervisedTraining::new(dir, train, valid)
+        .renderer(QuietRenderer)
+        .with_application_logger(None)
+}
+
+/// A learner for `model`: SGD, a constant learning rate of 0.1 whose steps are counted.
+fn learner(model: Mlp<Train>) -> Learner<Components> {
+    Learner::new(model, SgdConfig::new().init(), CountedScheduler::new(1e-1))
 }
 
 /// A trained model's logits on a fixed batch, in f32.
@@ -300,15 +314,9 @@ fn a_learner_with_a_spread_model_stops_the_fit() {
         .apply(model);
     let valid = valid_loader(8);
     let dir = temp_dir("spread");
-    SupervisedTraining::new(&dir, loader, valid)
-        .renderer(QuietRenderer)
-        .with_application_logger(None)
+    supervised(&dir, loader, valid)
         .with_accelerate(strategy)
-        .launch(Learner::new(
-            spread,
-            SgdConfig::new().init(),
-            CountedScheduler::new(1e-1),
-        ));
+        .launch(learner(spread));
 }
 
 #[test]
@@ -392,10 +400,8 @@ fn a_resumed_data_parallel_run_ends_where_the_uninterrupted_one_did() {
         .unwrap()
         .with_checkpoint_dir(dir.join("checkpoint"));
         let valid = valid_loader(8);
-        let mut builder = SupervisedTraining::new(&dir, loader, valid)
+        let mut builder = supervised(&dir, loader, valid)
             .num_epochs(2)
-            .renderer(QuietRenderer)
-            .with_application_logger(None)
             .with_file_checkpointer(burn::record::NamedMpkFileRecorder::<
                 burn::record::FullPrecisionSettings,
             >::new());
@@ -404,11 +410,7 @@ fn a_resumed_data_parallel_run_ends_where_the_uninterrupted_one_did() {
         }
         let trained = builder
             .with_accelerate(strategy)
-            .launch(Learner::new(
-                model,
-                SgdConfig::new().init(),
-                CountedScheduler::new(1e-1),
-            ))
+            .launch(learner(model))
             .model;
         logits(&trained)
     };
@@ -452,16 +454,10 @@ fn batches_made_on_a_prefetch_thread_train_as_those_made_in_the_loop() {
         .unwrap();
         let valid = valid_loader(8);
         let dir = temp_dir(if non_blocking { "ahead" } else { "inline" });
-        let trained = SupervisedTraining::new(&dir, Arc::new(loader), valid)
+        let trained = supervised(&dir, Arc::new(loader), valid)
             .num_epochs(2)
-            .renderer(QuietRenderer)
-            .with_application_logger(None)
             .with_accelerate(strategy)
-            .launch(Learner::new(
-                model,
-                SgdConfig::new().init(),
-                CountedScheduler::new(1e-1),
-            ))
+            .launch(learner(model))
             .model;
         let _ = std::fs::remove_dir_all(&dir);
         logits(&trained)
