@@ -143,8 +143,9 @@ pub enum PlacementError {
     #[error(
         "the model's parameters live on {} devices ({}), so it cannot be trained data-parallel \
          over {workers}: every worker needs a whole replica on its own device. Gather the model \
-         on one device first (apply `DeviceMap::single(key)`, or `Module::fork`), or train it \
-         with a single-device strategy",
+         on one device first (apply `DeviceMap::single(key)`, or `placement::fork`, which also \
+         works where Burn's `Module::fork` leaves a wgpu copy unwritten), or train it with a \
+         single-device strategy",
         devices.len(),
         devices.join("; ")
     )]
