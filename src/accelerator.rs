@@ -24,7 +24,7 @@
 //!     let _step = accelerator.accumulate(&model); // `with accelerator.accumulate(model):`
 //!     let loss = model.forward(Tensor::<B, 2>::ones([8, 4], &device)).mean();
 //!     accelerator.backward(loss, &model);
-//!     let (next, outcome) = accelerator.optimizer_step(&mut optim, model, &mut lr);
+//!     let (next, outcome) = accelerator.optimizer_step(&mut optim, model, &mut lr)?;
 //!     model = next;
 //!     outcomes.push(outcome);
 //! }
@@ -43,6 +43,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use serde::{Deserialize, Serialize};
 
 use crate::autocast::{Autocast, AutocastConfig, AutocastGuard};
+use crate::distributed::{self, ProcessGroup, ProcessState};
 use crate::fp8::DelayedScaling;
 use crate::gradient_state::{Accumulate, GradientState, GradientStateSnapshot};
 use crate::grads::{self, OverflowCheck};
@@ -190,6 +191,11 @@ pub struct AcceleratorState {
 /// only when the window is complete and reports what it did. Works with any
 /// `B: AutodiffBackend`, [`Accelerated`](crate::Accelerated) or not.
 ///
+/// Started by `burn-accelerate launch` (see [`distributed`](crate::distributed)), every
+/// process runs the same loop on its own shard: the window's gradients are averaged over the
+/// processes once, when it completes (never while accumulating), before they are unscaled and
+/// checked, so every process takes the same step, or skips the same overflowing one.
+///
 /// The accelerator scales the loss it is given itself and never arms the decorator's
 /// process-wide scale ([`ArmedLossScale`](crate::scaler::ArmedLossScale)): with both, the loss
 /// would be scaled twice. Do not arm one while an accelerator drives the loop.
@@ -203,6 +209,9 @@ pub struct Accelerator<B: AutodiffBackend> {
     // Some once this window's gradients are unscaled (by a clip, or `unscale_gradients`):
     // they must not be unscaled twice, and the step reads this check instead of a new one.
     unscaled: Option<OverflowCheck<B::InnerBackend>>,
+    process: ProcessState,
+    // The process group when there are several processes.
+    group: Option<ProcessGroup>,
 }
 
 impl<B: AutodiffBackend> Accelerator<B> {
@@ -223,7 +232,8 @@ impl<B: AutodiffBackend> Accelerator<B> {
     /// `mixed_precision` and `allow_fallback` is off; [`AccelerateError::SlowPrecision`] when
     /// it runs far slower than f32 and neither `allow_slow` nor `allow_fallback` is on; the
     /// fp8 errors of
-    /// [`AutocastConfig::init`] for an fp8 precision.
+    /// [`AutocastConfig::init`] for an fp8 precision; [`AccelerateError::Distributed`] for a
+    /// bad launch environment or a process group that cannot be joined.
     pub fn with_gradient_state(
         config: AccelerateConfig,
         device: &B::Device,
@@ -231,6 +241,11 @@ impl<B: AutodiffBackend> Accelerator<B> {
     ) -> Result<Self, AccelerateError> {
         // Before touching the (maybe shared) state, so that a wrong config changes nothing.
         let (autocast, loss_scale) = config.init_mixed_precision::<B>(device)?;
+        let process = ProcessState::from_env()?;
+        let group = process
+            .is_distributed()
+            .then(|| process.group())
+            .transpose()?;
         state.configure(
             config.gradient_accumulation_steps,
             config.sync_with_dataloader,
@@ -242,7 +257,28 @@ impl<B: AutodiffBackend> Accelerator<B> {
             state,
             grads: GradientsParams::new(),
             unscaled: None,
+            process,
+            group,
         })
+    }
+
+    /// Which process of the run this is (one process when not launched by
+    /// `burn-accelerate launch` or torchrun).
+    pub fn process(&self) -> &ProcessState {
+        &self.process
+    }
+
+    /// Whether this is the main process (the one that prints and writes checkpoints).
+    pub fn is_main_process(&self) -> bool {
+        self.process.is_main_process()
+    }
+
+    /// Waits until every process reaches this point (Accelerate's `wait_for_everyone`).
+    ///
+    /// # Errors
+    /// [`AccelerateError::Distributed`] when a process left or the wait timed out.
+    pub fn wait_for_everyone(&self) -> Result<(), AccelerateError> {
+        Ok(self.process.wait_for_everyone()?)
     }
 
     /// The configuration this accelerator was built from.
@@ -294,8 +330,8 @@ impl<B: AutodiffBackend> Accelerator<B> {
     /// (`with accelerator.accumulate(model):`).
     ///
     /// The model is taken for parity with Accelerate, where it names the modules whose
-    /// gradient all-reduce is held back while accumulating; on one device nothing else
-    /// happens to it.
+    /// gradient all-reduce is held back while accumulating; here the gradients of every
+    /// process are averaged only when a window completes, so nothing happens to it.
     #[must_use = "the accumulate guard marks the batch; keep it for the batch's backward and step"]
     pub fn accumulate<M: AutodiffModule<B>>(&self, _model: &M) -> Accumulate {
         self.state.accumulate()
@@ -339,15 +375,27 @@ impl<B: AutodiffBackend> Accelerator<B> {
 
     /// Unscales the window's gradients in place and records (on the device) whether they
     /// overflowed; at most once per optimizer step, and only on a batch that syncs (on the
-    /// others the window is still being summed at the current scale).
+    /// others the window is still being summed at the current scale). With several
+    /// processes, the gradients are first averaged over them (every process must call it at
+    /// the same batch, as every process runs the same loop).
     ///
     /// [`optimizer_step`](Self::optimizer_step) and the clipping functions call it; call it
     /// yourself to look at unscaled gradients before the step (Accelerate's
     /// `unscale_gradients`). Call it after the window's last [`backward`](Self::backward):
     /// gradients added afterwards would stay scaled, as with torch's `unscale_`.
-    pub fn unscale_gradients<M: AutodiffModule<B>>(&mut self, model: &M) {
+    ///
+    /// # Errors
+    /// [`AccelerateError::Distributed`] when the processes' gradients cannot be averaged (a
+    /// process left, or did not come in time).
+    pub fn unscale_gradients<M: AutodiffModule<B>>(
+        &mut self,
+        model: &M,
+    ) -> Result<(), AccelerateError> {
         if self.unscaled.is_some() || !self.state.sync_gradients() {
-            return;
+            return Ok(());
+        }
+        if let Some(group) = &self.group {
+            distributed::all_reduce_gradients::<B, M>(group, model, &mut self.grads)?;
         }
         let factor = self.unscale_factor();
         let check = if self.loss_scale.checks_overflow() {
@@ -357,6 +405,7 @@ impl<B: AutodiffBackend> Accelerator<B> {
             OverflowCheck::clean()
         };
         self.unscaled = Some(check);
+        Ok(())
     }
 
     // The inverse loss scale, times k / n for a partial last window when asked to.
@@ -379,7 +428,8 @@ impl<B: AutodiffBackend> Accelerator<B> {
     /// when there are no gradients, so it can be called on every batch.
     ///
     /// # Errors
-    /// [`AccelerateError::InvalidConfig`] unless `max_norm` is positive and finite.
+    /// [`AccelerateError::InvalidConfig`] unless `max_norm` is positive and finite; what
+    /// [`unscale_gradients`](Self::unscale_gradients) returns.
     pub fn clip_grad_norm<M: AutodiffModule<B>>(
         &mut self,
         model: &M,
@@ -395,7 +445,7 @@ impl<B: AutodiffBackend> Accelerator<B> {
         if !self.state.sync_gradients() {
             return Ok(None);
         }
-        self.unscale_gradients(model);
+        self.unscale_gradients(model)?;
         Ok(grads::clip_grad_norm::<B, M>(
             model,
             &mut self.grads,
@@ -407,7 +457,8 @@ impl<B: AutodiffBackend> Accelerator<B> {
     /// Accelerate's `clip_grad_value_` does). Does nothing on a batch that does not sync.
     ///
     /// # Errors
-    /// [`AccelerateError::InvalidConfig`] unless `clip_value` is positive and finite.
+    /// [`AccelerateError::InvalidConfig`] unless `clip_value` is positive and finite; what
+    /// [`unscale_gradients`](Self::unscale_gradients) returns.
     pub fn clip_grad_value<M: AutodiffModule<B>>(
         &mut self,
         model: &M,
@@ -421,7 +472,7 @@ impl<B: AutodiffBackend> Accelerator<B> {
             });
         }
         if self.state.sync_gradients() {
-            self.unscale_gradients(model);
+            self.unscale_gradients(model)?;
             grads::clip_grad_value::<B, M>(model, &mut self.grads, clip_value);
         }
         Ok(())
@@ -444,32 +495,36 @@ impl<B: AutodiffBackend> Accelerator<B> {
     /// drops the window's gradients. On the other batches it does nothing.
     ///
     /// Returns the model (Burn optimizers take it by value) and what happened.
+    ///
+    /// # Errors
+    /// What [`unscale_gradients`](Self::unscale_gradients) returns (with several processes
+    /// only).
     pub fn optimizer_step<M, O, S>(
         &mut self,
         optimizer: &mut O,
         model: M,
         scheduler: &mut S,
-    ) -> (M, StepOutcome)
+    ) -> Result<(M, StepOutcome), AccelerateError>
     where
         M: AutodiffModule<B>,
         O: Optimizer<M, B>,
         S: LrScheduler,
     {
         if !self.state.sync_gradients() {
-            return (model, StepOutcome::Accumulating);
+            return Ok((model, StepOutcome::Accumulating));
         }
-        self.unscale_gradients(&model);
+        self.unscale_gradients(&model)?;
         let found_inf = self.unscaled.take().is_some_and(OverflowCheck::found_inf);
         let grads = core::mem::take(&mut self.grads);
         self.loss_scale = self.loss_scale.adjust(found_inf);
         if found_inf {
-            return (model, StepOutcome::SkippedOverflow);
+            return Ok((model, StepOutcome::SkippedOverflow));
         }
         let lr = scheduler.step();
-        (
+        Ok((
             optimizer.step(lr, model, grads),
             StepOutcome::Applied { lr },
-        )
+        ))
     }
 
     /// The loss scale and gradient-state position, for a checkpoint.

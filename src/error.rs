@@ -4,6 +4,7 @@ use thiserror::Error;
 
 use crate::Precision;
 use crate::data::DataLoaderError;
+use crate::distributed::DistributedError;
 
 use crate::placement::PlacementError;
 
@@ -137,6 +138,10 @@ pub enum AccelerateError {
     /// restored.
     #[error(transparent)]
     DataLoader(#[from] DataLoaderError),
+
+    /// A bad launch environment, or a collective between the processes that failed.
+    #[error(transparent)]
+    Distributed(#[from] DistributedError),
 
     /// A device map or placement that cannot be honoured (see [`PlacementError`]).
     #[error(transparent)]

@@ -28,6 +28,8 @@
 //!   ([`data::DataLoaderConfig`], [`data::ShardLoaderBuilder`]).
 //! - [`train`]: `with_accelerate` on Burn's `SupervisedTraining`: the same semantics inside
 //!   Burn's own training loop, with its metrics, checkpoints and early stopping.
+//! - [`distributed`]: the same script on several processes or machines (`burn-accelerate
+//!   launch`): the process state, the process group, gradients averaged at synchronising steps.
 //! - [`placement`]: where a model's parameters live, device maps under memory budgets, running
 //!   a model placed over several devices, and refusing data-parallel training of one.
 //!
@@ -57,6 +59,7 @@ pub mod autocast;
 mod backend;
 pub mod capability;
 pub mod data;
+pub mod distributed;
 mod error;
 pub mod fp8;
 pub mod gradient_state;

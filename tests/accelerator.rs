@@ -139,14 +139,14 @@ fn overflow_skips_optimizer_and_scheduler_and_leaves_params_bit_identical() {
 
     // One clean step, so the optimizer has momentum state to (not) disturb.
     acc.backward(model.forward(column(&[2.0], &device)).sum(), &model);
-    let (m, outcome) = acc.optimizer_step(&mut optim, model, &mut sched);
+    let (m, outcome) = acc.optimizer_step(&mut optim, model, &mut sched).unwrap();
     model = m;
     assert_eq!(outcome, StepOutcome::Applied { lr: 0.1 });
     let before = params::<B, _>(&model);
 
     // A loss that overflows f32 once scaled.
     acc.backward(model.forward(column(&[1e38], &device)).sum() * 1e3, &model);
-    let (model, outcome) = acc.optimizer_step(&mut optim, model, &mut sched);
+    let (model, outcome) = acc.optimizer_step(&mut optim, model, &mut sched).unwrap();
     assert_eq!(outcome, StepOutcome::SkippedOverflow);
     assert_eq!(
         params::<B, _>(&model),
@@ -180,7 +180,7 @@ fn one_host_read_per_optimizer_step_and_none_while_accumulating() {
             // Clipping unscales and checks, but reads nothing itself.
             let _norm = acc.clip_grad_norm(&model, 1.0).unwrap();
         }
-        let (m, outcome) = acc.optimizer_step(&mut optim, model, &mut lr);
+        let (m, outcome) = acc.optimizer_step(&mut optim, model, &mut lr).unwrap();
         model = m;
         let reads = grads::host_reads() - before;
         if batch % 2 == 1 {
@@ -203,7 +203,7 @@ fn without_loss_scaling_nothing_is_read() {
     let before = grads::host_reads();
     let x = Tensor::<B, 2>::ones([1, 2], &device);
     acc.backward(model.forward(x).sum(), &model);
-    let (_model, outcome) = acc.optimizer_step(&mut optim, model, &mut 0.1);
+    let (_model, outcome) = acc.optimizer_step(&mut optim, model, &mut 0.1).unwrap();
     assert!(outcome.applied());
     assert_eq!(grads::host_reads(), before);
 }
@@ -234,8 +234,8 @@ fn clipping_unscales_first_and_only_once() {
                 assert!((norm - 10f32.sqrt()).abs() < 1e-5, "unscaled norm {norm}");
             }
         }
-        acc.unscale_gradients(&model); // a second unscale is a no-op
-        let (model, outcome) = acc.optimizer_step(&mut optim, model, &mut 0.1);
+        acc.unscale_gradients(&model).unwrap(); // a second unscale is a no-op
+        let (model, outcome) = acc.optimizer_step(&mut optim, model, &mut 0.1).unwrap();
         assert!(outcome.applied());
         let w = scalar(model.weight.val());
         let b = scalar(model.bias.unwrap().val());
@@ -316,7 +316,7 @@ fn partial_last_window_is_divided_by_its_length_only_when_asked() {
             }
             let _step = acc.accumulate(&model);
             acc.backward(model.forward(column(&[1.0], &device)).sum(), &model);
-            let (m, outcome) = acc.optimizer_step(&mut optim, model, &mut 1.0);
+            let (m, outcome) = acc.optimizer_step(&mut optim, model, &mut 1.0).unwrap();
             model = m;
             assert_eq!(outcome.applied(), batch >= 2, "batch {batch}");
         }
@@ -528,9 +528,10 @@ impl Run {
                 let loss = self.model.forward(x).powi_scalar(2).mean();
                 self.acc.backward(loss, &self.model);
                 let model = self.model.clone();
-                let (model, outcome) =
-                    self.acc
-                        .optimizer_step(&mut self.optim, model, &mut self.sched);
+                let (model, outcome) = self
+                    .acc
+                    .optimizer_step(&mut self.optim, model, &mut self.sched)
+                    .unwrap();
                 self.model = model;
                 self.outcomes.push(outcome);
                 done += 1;
@@ -660,7 +661,7 @@ fn train_f16(scaler: GradScalerConfig, steps: usize) -> F16Run {
         let mse = (out - y.clone()).powi_scalar(2).mean();
         losses.push(mse.clone().into_scalar().elem());
         acc.backward(mse * LOSS_MULT, &model);
-        let (m, outcome) = acc.optimizer_step(&mut optim, model, &mut lr);
+        let (m, outcome) = acc.optimizer_step(&mut optim, model, &mut lr).unwrap();
         model = m;
         outcomes.push(outcome);
     }

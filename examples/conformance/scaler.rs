@@ -91,9 +91,13 @@ pub fn run_case(suite: &str, case: &Value) -> Value {
             inject(accelerator.gradients_mut(), model.weight.id, i % 3, bad);
         }
         if unscale_first {
-            accelerator.unscale_gradients(&model);
+            accelerator
+                .unscale_gradients(&model)
+                .expect("one process: no collective to fail");
         }
-        let (next, outcome) = accelerator.optimizer_step(&mut optim, model, &mut lr);
+        let (next, outcome) = accelerator
+            .optimizer_step(&mut optim, model, &mut lr)
+            .expect("one process: no collective to fail");
         model = next;
         let (scale, tracker) = scale_and_tracker(&accelerator);
         scale_after.push(scale);

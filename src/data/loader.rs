@@ -131,6 +131,22 @@ where
         ))
     }
 
+    /// The loader of this process in the run `state` describes (see
+    /// [`ProcessState::from_env`](crate::distributed::ProcessState::from_env)): what each
+    /// process of a `burn-accelerate launch` builds; [`build_process`](Self::build_process)
+    /// with the state's process count and index.
+    ///
+    /// # Errors
+    ///
+    /// As [`build_process`](Self::build_process).
+    pub fn build_for(
+        &self,
+        state: &crate::distributed::ProcessState,
+        device: B::Device,
+    ) -> Result<ShardLoader<B, I, O>, DataLoaderError> {
+        self.build_process(state.num_processes(), state.process_index(), device)
+    }
+
     fn build_processes(
         &self,
         num_processes: usize,

@@ -41,18 +41,18 @@
 //! device, as Burn's multi-device loop with its main-device optimizer does. A model spread
 //! over several devices is refused there (see [`check_data_parallel`]).
 //!
-//! Not yet here:
-//! - Burn's DDP (`ExecutionStrategy::DistributedDataParallel`, burn-train's `ddp` feature),
-//!   where each rank would have to agree on overflow through the collective. It cannot run,
-//!   let alone be tested, with Burn 0.21 outside CUDA: its gradient all-reduce is
-//!   `DistributedBackend::all_reduce`, whose cubecl implementation calls the runtime's
-//!   `comm_init`/`all_reduce`/`sync_collective`, which only cubecl-cuda provides (NCCL;
-//!   cubecl-runtime's defaults are `unimplemented!()`/`todo!()`, so wgpu panics), burn-wgpu
-//!   has no `distributed` feature to enable it with, and Flex and NdArray do not implement
-//!   `DistributedBackend` at all. The decorator would also have to forward the
-//!   `distributed`-feature methods of `Backend` (`set_distributed_params`, ...) to the
-//!   autodiff layer that runs the all-reduce. Within one process, `data_parallel` gives the
-//!   same numbers without a collective.
+//! On several processes (started by `burn-accelerate launch`, see
+//! [`distributed`](crate::distributed)), every process runs the same training over its own
+//! shard (a [`ShardLoader`] built with
+//! [`ShardLoaderBuilder::build_for`](crate::data::ShardLoaderBuilder::build_for)); at each
+//! synchronising step the window's gradients are averaged over the processes (never while
+//! accumulating), then unscaled and checked, so every process applies the same step or skips
+//! the same overflowing one, on any backend. Only the main process writes checkpoints (give
+//! every process the same directory); every process restores them.
+//!
+//! Burn's own DDP (`ExecutionStrategy::DistributedDataParallel`) is not used: its gradient
+//! all-reduce is `DistributedBackend::all_reduce`, which only cubecl's CUDA runtime
+//! implements (NCCL), and which Flex and NdArray do not implement at all.
 
 pub mod demo;
 pub mod metrics;
@@ -77,6 +77,7 @@ use burn::train::{
 
 use crate::autocast::{self, Autocast};
 use crate::data::{DataLoaderError, LoaderState, ShardLoader};
+use crate::distributed::{self, ProcessGroup, ProcessState};
 use crate::gradient_state::GradientState;
 use crate::grads;
 use crate::placement::check_data_parallel;
@@ -180,6 +181,10 @@ pub struct AccelerateStrategy<LC: LearningComponentsTypes> {
     /// The loaders whose epoch and position the checkpoints hold, in device order: the shards
     /// of a data-parallel training, or the one given to [`with_checkpointed_loader`](Self::with_checkpointed_loader).
     positions: Vec<Arc<dyn LoaderPosition>>,
+    /// Which process of the run this is.
+    process: ProcessState,
+    /// The process group, when there are several processes.
+    group: Option<ProcessGroup>,
 }
 
 // One device of a data-parallel training and the loader of its Accelerate shard.
@@ -219,9 +224,13 @@ pub struct AccelerateCheckpoint {
     /// The saved state.
     pub state: AcceleratorState,
     /// Where each checkpointed loader was (epoch, position, seeds), in device order; empty
-    /// when the strategy tracked none, or in a file written before loaders were saved.
+    /// when the strategy tracked none, or in a file written before loaders were saved. With
+    /// several processes, the main process's (the others are at the same epoch and position).
     #[config(default = "Vec::new()")]
     pub loaders: Vec<LoaderState>,
+    /// The number of processes of the run that wrote it.
+    #[config(default = 1)]
+    pub num_processes: usize,
 }
 
 impl AccelerateCheckpoint {
@@ -303,7 +312,9 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
     /// setting; [`AccelerateError::UnsupportedPrecision`] when the device cannot run
     /// `mixed_precision` and `allow_fallback` is off;
     /// [`AccelerateError::NotAccelerated`] for bf16 or f16 on a training backend that is not
-    /// [`Accelerated`](crate::Accelerated) (autocast would do nothing there).
+    /// [`Accelerated`](crate::Accelerated) (autocast would do nothing there);
+    /// [`AccelerateError::Distributed`] for a bad launch environment or a process group that
+    /// cannot be joined.
     pub fn new(
         config: AccelerateConfig,
         device: &Device<TrainingBackend<LC>>,
@@ -311,6 +322,11 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
         let (autocast, initial_scale) =
             config.init_mixed_precision::<TrainingBackend<LC>>(device)?;
         ensure_accelerated::<TrainingBackend<LC>>(&autocast, device)?;
+        let process = ProcessState::from_env()?;
+        let group = process
+            .is_distributed()
+            .then(|| process.group())
+            .transpose()?;
         // A gradient state of its own: the process-wide one may be configured by a
         // hand-written loop's `Accelerator` with other settings.
         let state = GradientState::new();
@@ -338,6 +354,8 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
             report,
             checkpoint_dir: None,
             positions: Vec::new(),
+            process,
+            group,
         })
     }
 
@@ -366,7 +384,8 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
     /// precision: autocast is process-wide); [`AccelerateError::InvalidConfig`] when `shards`
     /// is empty or is not one complete set of shards in process order;
     /// [`AccelerateError::Placement`] ([`SpreadForDataParallel`](crate::placement::PlacementError::SpreadForDataParallel))
-    /// when `model`'s parameters live on several devices.
+    /// when `model`'s parameters live on several devices; [`AccelerateError::InvalidConfig`]
+    /// when the process was launched as one of several (run one process per device instead).
     pub fn data_parallel<I>(
         config: AccelerateConfig,
         shards: Vec<ShardLoader<TrainingBackend<LC>, I, StepInput<LC>>>,
@@ -402,6 +421,19 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
         let devices: Vec<_> = shards.iter().map(|s| s.device().clone()).collect();
         check_data_parallel(model, &devices)?;
         let mut strategy = Self::new(config, &main)?;
+        if strategy.process.is_distributed() {
+            return Err(AccelerateError::InvalidConfig {
+                field: "shards",
+                value: format!(
+                    "{} devices in process {} of {}",
+                    shards.len(),
+                    strategy.process.process_index(),
+                    strategy.process.num_processes()
+                ),
+                fix: "with several processes, give each process one device: build its loader \
+                      with `ShardLoaderBuilder::build_for` and use `AccelerateStrategy::new`",
+            });
+        }
         for device in &devices[1..] {
             strategy.ensure_same_precision(device)?;
         }
@@ -520,6 +552,7 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
                 gradient_state: self.state.snapshot(),
             },
             loaders: self.positions.iter().map(|p| p.state()).collect(),
+            num_processes: self.process.num_processes(),
         }
     }
 
@@ -575,6 +608,27 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
                 saved: format!("{:?}", saved.state.loss_scale),
                 current: format!("{:?}", self.initial_scale),
             });
+        }
+        let processes = self.process.num_processes();
+        if saved.num_processes != processes {
+            // Burn checkpoints at the end of an epoch, where every shard's position is 0: the
+            // next epoch's order depends on the seed and the epoch only, and the loaders built
+            // for this run shard it anew. A position inside an epoch has no such mapping.
+            if let Some(inside) = saved.loaders.iter().find(|l| l.position != 0) {
+                return Err(AccelerateError::StateMismatch {
+                    what: "number of processes",
+                    saved: format!(
+                        "{} processes, {} batches into epoch {}",
+                        saved.num_processes, inside.position, inside.epoch
+                    ),
+                    current: format!("{processes} processes"),
+                });
+            }
+            log::info!(
+                "burn-accelerate: resuming a run of {} processes on {processes}: the data is \
+                 sharded anew from the next epoch",
+                saved.num_processes
+            );
         }
         self.state.restore(&saved.state.gradient_state)?;
         self.restore_loaders(&saved.loaders)?;
@@ -718,6 +772,17 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
             }
 
             if batch.sync_gradients() {
+                if let Some(group) = &self.group {
+                    // Burn's `fit` has no error channel; a process that left ends this one
+                    // too, with the reason.
+                    if let Err(err) = distributed::all_reduce_gradients::<TrainingBackend<LC>, _>(
+                        group,
+                        &model,
+                        &mut scaling.window,
+                    ) {
+                        panic!("burn-accelerate: cannot average the gradients: {err}");
+                    }
+                }
                 let window = batch.window_batches();
                 let divisor = if self.config.divide_partial_window_by_length && window < steps {
                     window
@@ -906,7 +971,12 @@ impl<LC: LearningComponentsTypes> SupervisedLearningStrategy<LC> for AccelerateS
                 &mut event_processor,
                 interrupter,
             );
-            if let Some(checkpointer) = &mut checkpointer {
+            // Only the main process writes: every process holds the same model, and they
+            // share the directory.
+            if let Some(checkpointer) = checkpointer
+                .as_mut()
+                .filter(|_| self.process.is_main_process())
+            {
                 checkpointer.checkpoint(&learner, epoch, &training_components.event_store);
                 if let Some(dir) = &self.checkpoint_dir
                     && let Err(err) = self.checkpoint(&scaling).save_epoch(dir, epoch)

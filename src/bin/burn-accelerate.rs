@@ -1,0 +1,531 @@
+//! `burn-accelerate`: `launch` runs one training program on several processes (and machines),
+//! as `accelerate launch` does; `env` reports what this machine and build can run, as
+//! `accelerate env` does.
+//!
+//! ```text
+//! burn-accelerate launch --num-processes 2 -- target/release/examples/train_mlp --batch-size 32
+//! burn-accelerate env
+//! ```
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::process::{Child, Command, ExitCode, ExitStatus, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use burn_accelerate::distributed::{self, DistributedError, ProcessState, env};
+use clap::{Args, Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "burn-accelerate",
+    version,
+    about = "Run Burn training programs on several \
+    processes and machines, like `accelerate launch`"
+)]
+struct Cli {
+    #[command(subcommand)]
+    task: Task,
+}
+
+#[derive(Subcommand)]
+enum Task {
+    /// Start PROGRAM on this machine's share of the processes, with the environment each
+    /// process reads its rank from (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+    /// MASTER_ADDR, MASTER_PORT, ...). Output lines are prefixed with the rank; when any
+    /// process fails, the others are stopped and the launcher exits non-zero.
+    Launch(Launch),
+    /// Report the versions, the process layout in this environment, and the precisions each
+    /// compiled-in backend really runs (like `accelerate env`).
+    Env,
+}
+
+#[derive(Args, Debug)]
+struct Launch {
+    /// Processes in the whole run, over all machines (as `accelerate launch`'s
+    /// --num_processes); each machine starts NUM_PROCESSES / NUM_MACHINES of them.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    num_processes: u32,
+    /// Machines taking part.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    num_machines: u32,
+    /// This machine's rank, 0..NUM_MACHINES; machine 0 hosts the rendezvous.
+    #[arg(long, default_value_t = 0)]
+    machine_rank: u32,
+    /// Address of machine 0, reachable from every machine (required with several machines).
+    #[arg(long)]
+    main_process_ip: Option<String>,
+    /// Port of the rendezvous on machine 0.
+    #[arg(long, default_value_t = env::DEFAULT_MAIN_PORT,
+        value_parser = clap::value_parser!(u16).range(1..))]
+    main_process_port: u16,
+    /// Seconds any wait between processes (the rendezvous, a collective) may last before the
+    /// run fails.
+    #[arg(long, default_value_t = env::DEFAULT_TIMEOUT_SECS as f64)]
+    timeout: f64,
+    /// Seconds the other processes get to exit after one failed (or after Ctrl-C) before
+    /// they are killed.
+    #[arg(long, default_value_t = 5.0)]
+    grace: f64,
+    /// The program to run, and its arguments (after `--`).
+    #[arg(
+        required = true,
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "PROGRAM"
+    )]
+    command: Vec<String>,
+}
+
+fn main() -> ExitCode {
+    match Cli::parse().task {
+        Task::Launch(launch) => match run(&launch) {
+            Ok(code) => code,
+            Err(err) => {
+                eprintln!("burn-accelerate launch: {err}");
+                ExitCode::from(2)
+            }
+        },
+        Task::Env => {
+            report_env();
+            ExitCode::SUCCESS
+        }
+    }
+}
+
+/// The processes this machine starts, and the environment they share.
+#[derive(Debug)]
+struct Plan {
+    local: u32,
+    world: u32,
+    first_rank: u32,
+    main_addr: String,
+}
+
+impl Launch {
+    fn plan(&self) -> Result<Plan, DistributedError> {
+        let bad = |msg: String| Err(DistributedError::InvalidLaunch(msg));
+        if self.machine_rank >= self.num_machines {
+            return bad(format!(
+                "--machine-rank {} is not below --num-machines {}",
+                self.machine_rank, self.num_machines
+            ));
+        }
+        if !self.num_processes.is_multiple_of(self.num_machines) {
+            return bad(format!(
+                "--num-processes {} (processes in the whole run) is not a multiple of \
+                 --num-machines {}: every machine runs the same number",
+                self.num_processes, self.num_machines
+            ));
+        }
+        if !(self.timeout.is_finite() && self.timeout > 0.0) {
+            return bad(format!(
+                "--timeout {} is not a positive number of seconds",
+                self.timeout
+            ));
+        }
+        if !(self.grace.is_finite() && self.grace >= 0.0) {
+            return bad(format!("--grace {} is not a number of seconds", self.grace));
+        }
+        let main_addr = match (&self.main_process_ip, self.num_machines) {
+            (Some(ip), _) => ip.clone(),
+            (None, 1) => "127.0.0.1".into(),
+            (None, _) => {
+                return bad(format!(
+                    "--main-process-ip is required with --num-machines {}: the address of \
+                     machine 0 that every machine can reach",
+                    self.num_machines
+                ));
+            }
+        };
+        let local = self.num_processes / self.num_machines;
+        Ok(Plan {
+            local,
+            world: self.num_processes,
+            first_rank: self.machine_rank * local,
+            main_addr,
+        })
+    }
+}
+
+// The signal that asked the launcher to stop (0: none yet).
+static STOP_SIGNAL: AtomicI32 = AtomicI32::new(0);
+
+fn run(launch: &Launch) -> Result<ExitCode, DistributedError> {
+    let plan = launch.plan()?;
+    let io = |what: &str| {
+        let what = what.to_string();
+        move |e: std::io::Error| DistributedError::Io {
+            what,
+            reason: e.to_string(),
+        }
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .map_err(io("starting the launcher's runtime"))?;
+    let timeout = Duration::from_secs_f64(launch.timeout);
+    if launch.machine_rank == 0 && plan.world > 1 {
+        distributed::serve_rendezvous(launch.main_process_port, timeout, runtime.handle())?;
+    }
+    runtime.spawn(forward_stop_signals());
+
+    let ports = free_ports(plan.local as usize).map_err(io("choosing the processes' ports"))?;
+    let threads = threads_per_process(plan.local);
+    let mut children = Vec::new();
+    for (local_rank, port) in (0..plan.local).zip(ports) {
+        let rank = plan.first_rank + local_rank;
+        let mut command = Command::new(&launch.command[0]);
+        command
+            .args(&launch.command[1..])
+            .env(env::RANK, rank.to_string())
+            .env(env::WORLD_SIZE, plan.world.to_string())
+            .env(env::LOCAL_RANK, local_rank.to_string())
+            .env(env::LOCAL_WORLD_SIZE, plan.local.to_string())
+            .env(env::GROUP_RANK, launch.machine_rank.to_string())
+            .env(env::MASTER_ADDR, &plan.main_addr)
+            .env(env::MASTER_PORT, launch.main_process_port.to_string())
+            .env(env::DATA_PORT, port.to_string())
+            .env(env::TIMEOUT, launch.timeout.to_string())
+            .env(env::ORCHESTRATOR, env::ORCHESTRATOR_LAUNCHER)
+            .env("PYTHONUNBUFFERED", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if let Some(threads) = threads {
+            for var in ["RAYON_NUM_THREADS", "OMP_NUM_THREADS"] {
+                if std::env::var_os(var).is_none() {
+                    command.env(var, threads.to_string());
+                }
+            }
+        }
+        let child = match command.spawn() {
+            Ok(child) => child,
+            Err(err) => {
+                stop(&mut children, Duration::ZERO);
+                return Err(DistributedError::Io {
+                    what: format!("cannot start {:?}", launch.command[0]),
+                    reason: err.to_string(),
+                });
+            }
+        };
+        children.push(Rank::start(rank, child));
+    }
+    let grace = Duration::from_secs_f64(launch.grace);
+    let outcome = supervise(&mut children, grace);
+    for child in &mut children {
+        child.finish_output();
+    }
+    Ok(match outcome {
+        Outcome::AllSucceeded => ExitCode::SUCCESS,
+        Outcome::Failed { rank, status } => {
+            eprintln!(
+                "burn-accelerate launch: process {rank} {}; the other processes were stopped",
+                describe(status)
+            );
+            ExitCode::FAILURE
+        }
+        Outcome::Stopped(signal) => {
+            eprintln!("burn-accelerate launch: stopped by signal {signal}; so were the processes");
+            ExitCode::from((128 + signal).clamp(0, 255) as u8)
+        }
+    })
+}
+
+// With several processes on a machine, each gets its share of the cores (torchrun sets
+// OMP_NUM_THREADS=1 for the same reason): otherwise every process starts a thread per core.
+fn threads_per_process(local: u32) -> Option<usize> {
+    if local < 2 {
+        return None;
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = (cores / local as usize).max(1);
+    if ["RAYON_NUM_THREADS", "OMP_NUM_THREADS"]
+        .iter()
+        .any(|v| std::env::var_os(v).is_none())
+    {
+        eprintln!(
+            "burn-accelerate launch: {local} processes on {cores} cores: each gets \
+             RAYON_NUM_THREADS / OMP_NUM_THREADS = {threads} (set them to choose)"
+        );
+    }
+    Some(threads)
+}
+
+// Ports the OS says are free now; held together so that no two are the same.
+fn free_ports(n: usize) -> std::io::Result<Vec<u16>> {
+    let listeners = (0..n)
+        .map(|_| std::net::TcpListener::bind(("0.0.0.0", 0)))
+        .collect::<std::io::Result<Vec<_>>>()?;
+    listeners
+        .iter()
+        .map(|l| l.local_addr().map(|a| a.port()))
+        .collect()
+}
+
+async fn forward_stop_signals() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let (Ok(mut int), Ok(mut term)) = (
+            signal(SignalKind::interrupt()),
+            signal(SignalKind::terminate()),
+        ) else {
+            return;
+        };
+        let signal = tokio::select! {
+            _ = int.recv() => nix::sys::signal::Signal::SIGINT,
+            _ = term.recv() => nix::sys::signal::Signal::SIGTERM,
+        };
+        STOP_SIGNAL.store(signal as i32, Ordering::SeqCst);
+    }
+    #[cfg(not(unix))]
+    if tokio::signal::ctrl_c().await.is_ok() {
+        STOP_SIGNAL.store(2, Ordering::SeqCst);
+    }
+}
+
+/// One started process and the threads copying its output.
+struct Rank {
+    rank: u32,
+    child: Child,
+    status: Option<ExitStatus>,
+    output: Vec<JoinHandle<()>>,
+}
+
+impl Rank {
+    fn start(rank: u32, mut child: Child) -> Self {
+        let prefix: Arc<str> = format!("[rank {rank}] ").into();
+        let mut output = Vec::new();
+        if let Some(out) = child.stdout.take() {
+            output.push(copy_lines(out, prefix.clone(), || {
+                Box::new(std::io::stdout())
+            }));
+        }
+        if let Some(err) = child.stderr.take() {
+            output.push(copy_lines(err, prefix, || Box::new(std::io::stderr())));
+        }
+        Self {
+            rank,
+            child,
+            status: None,
+            output,
+        }
+    }
+
+    fn poll(&mut self) -> Option<ExitStatus> {
+        if self.status.is_none() {
+            self.status = self.child.try_wait().ok().flatten();
+        }
+        self.status
+    }
+
+    fn signal(&mut self, #[allow(unused)] signal: i32) {
+        if self.poll().is_some() {
+            return;
+        }
+        #[cfg(unix)]
+        {
+            use nix::sys::signal::{Signal, kill};
+            use nix::unistd::Pid;
+            if let Ok(signal) = Signal::try_from(signal) {
+                let _ = kill(Pid::from_raw(self.child.id() as i32), signal);
+                return;
+            }
+        }
+        let _ = self.child.kill();
+    }
+
+    fn finish_output(&mut self) {
+        // The copies end when the process's pipes close; a grandchild that kept them open
+        // must not hold the launcher, so they get a moment, not forever.
+        let deadline = Instant::now() + Duration::from_secs(2);
+        for handle in self.output.drain(..) {
+            while !handle.is_finished() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            if handle.is_finished() {
+                let _ = handle.join();
+            }
+        }
+    }
+}
+
+fn copy_lines(
+    from: impl Read + Send + 'static,
+    prefix: Arc<str>,
+    to: fn() -> Box<dyn Write>,
+) -> JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut reader = BufReader::new(from);
+        let mut line = Vec::new();
+        loop {
+            line.clear();
+            match reader.read_until(b'\n', &mut line) {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {
+                    if !line.ends_with(b"\n") {
+                        line.push(b'\n');
+                    }
+                    let mut out = to();
+                    let _ = out.write_all(prefix.as_bytes());
+                    let _ = out.write_all(&line);
+                    let _ = out.flush();
+                }
+            }
+        }
+    })
+}
+
+enum Outcome {
+    AllSucceeded,
+    Failed { rank: u32, status: ExitStatus },
+    Stopped(i32),
+}
+
+fn supervise(children: &mut [Rank], grace: Duration) -> Outcome {
+    loop {
+        let signal = STOP_SIGNAL.load(Ordering::SeqCst);
+        if signal != 0 {
+            for child in children.iter_mut() {
+                child.signal(signal);
+            }
+            stop(children, grace);
+            return Outcome::Stopped(signal);
+        }
+        let mut running = false;
+        for child in children.iter_mut() {
+            match child.poll() {
+                None => running = true,
+                Some(status) if !status.success() => {
+                    let rank = child.rank;
+                    stop(children, grace);
+                    return Outcome::Failed { rank, status };
+                }
+                Some(_) => {}
+            }
+        }
+        if !running {
+            return Outcome::AllSucceeded;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+// Asks every running process to end (SIGTERM), and kills those still running after `grace`.
+fn stop(children: &mut [Rank], grace: Duration) {
+    #[cfg(unix)]
+    const TERM: i32 = nix::sys::signal::Signal::SIGTERM as i32;
+    #[cfg(not(unix))]
+    const TERM: i32 = 15;
+    for child in children.iter_mut() {
+        child.signal(TERM);
+    }
+    let deadline = Instant::now() + grace;
+    while children.iter_mut().any(|c| c.poll().is_none()) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for child in children.iter_mut() {
+        if child.poll().is_none() {
+            let _ = child.child.kill();
+            let _ = child.child.wait();
+        }
+    }
+}
+
+fn describe(status: ExitStatus) -> String {
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::ExitStatusExt;
+        if let Some(signal) = status.signal() {
+            let name = nix::sys::signal::Signal::try_from(signal)
+                .map_or_else(|_| signal.to_string(), |s| s.as_str().to_string());
+            return format!("was killed by signal {name}");
+        }
+    }
+    match status.code() {
+        Some(101) => "exited with status 101 (a Rust panic)".into(),
+        Some(code) => format!("exited with status {code}"),
+        None => format!("ended with {status}"),
+    }
+}
+
+fn report_env() {
+    println!(
+        "burn-accelerate {} on Burn 0.21.0 ({} {})",
+        env!("CARGO_PKG_VERSION"),
+        std::env::consts::OS,
+        std::env::consts::ARCH
+    );
+    println!(
+        "cores: {}",
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    );
+    match ProcessState::from_env() {
+        Ok(state) => println!(
+            "process: {} of {} (local {} of {}, machine {} of {})",
+            state.process_index(),
+            state.num_processes(),
+            state.local_process_index(),
+            state.local_num_processes(),
+            state.machine_rank(),
+            state.num_machines()
+        ),
+        Err(err) => println!("process: the environment is not a valid launch: {err}"),
+    }
+    for name in env::ALL {
+        if let Ok(value) = std::env::var(name) {
+            println!("  {name}={value}");
+        }
+    }
+    backends::report_all();
+}
+
+mod backends {
+    use burn::tensor::backend::Backend;
+    use burn_accelerate::capability;
+
+    fn report<B: Backend>(device: B::Device) {
+        let caps = capability::probe::<B>(&device);
+        let flags = |dtype: burn::tensor::DType| {
+            if B::supports_dtype(&device, dtype) {
+                "yes"
+            } else {
+                "no"
+            }
+        };
+        println!(
+            "{:<28} {:<24} usable: {:<40} (backend flags: f16 {}, bf16 {})",
+            B::name(&device),
+            format!("{device:?}"),
+            caps.to_string(),
+            flags(burn::tensor::DType::F16),
+            flags(burn::tensor::DType::BF16),
+        );
+    }
+
+    pub(super) fn report_all() {
+        #[cfg(feature = "flex")]
+        report::<burn::backend::Flex>(Default::default());
+        #[cfg(feature = "ndarray")]
+        report::<burn::backend::NdArray>(Default::default());
+        #[cfg(feature = "wgpu")]
+        {
+            report::<burn::backend::Wgpu>(burn::backend::wgpu::WgpuDevice::DefaultDevice);
+            report::<burn::backend::Wgpu>(burn::backend::wgpu::WgpuDevice::Cpu);
+        }
+        #[cfg(feature = "tch")]
+        report::<burn::backend::LibTorch>(Default::default());
+        #[cfg(feature = "cuda")]
+        match capability::device_count::<burn::backend::Cuda>(&Default::default()) {
+            0 => println!("cuda: no CUDA device found (no driver or no GPU); skipped"),
+            n => {
+                for i in 0..n {
+                    report::<burn::backend::Cuda>(burn::backend::cuda::CudaDevice::new(i));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,53 @@
+//! The environment a launcher gives each process: torchrun's and Accelerate's variable names,
+//! plus the few this crate's transport needs. The launcher writes them and
+//! [`ProcessState::from_env`](super::ProcessState::from_env) reads them, both from here.
+
+/// Global rank of the process, `0..WORLD_SIZE`.
+pub const RANK: &str = "RANK";
+/// Number of processes in the run, over all machines.
+pub const WORLD_SIZE: &str = "WORLD_SIZE";
+/// Rank of the process on its machine, `0..LOCAL_WORLD_SIZE`.
+pub const LOCAL_RANK: &str = "LOCAL_RANK";
+/// Number of processes on this machine (the same on every machine).
+pub const LOCAL_WORLD_SIZE: &str = "LOCAL_WORLD_SIZE";
+/// Rank of this machine (torchrun's name for it), `0..num_machines`.
+pub const GROUP_RANK: &str = "GROUP_RANK";
+/// Host of the main machine, where the rendezvous (orchestrator) listens.
+pub const MASTER_ADDR: &str = "MASTER_ADDR";
+/// Port of the rendezvous on the main machine.
+pub const MASTER_PORT: &str = "MASTER_PORT";
+
+/// Port on which this process accepts its peers' tensors (default: `MASTER_PORT + 1 +
+/// LOCAL_RANK`).
+pub const DATA_PORT: &str = "BURN_ACCELERATE_DATA_PORT";
+/// Host the other processes reach this one at (default: the address this machine uses to
+/// reach `MASTER_ADDR`).
+pub const NODE_HOST: &str = "BURN_ACCELERATE_NODE_HOST";
+/// Seconds any wait on the other processes may last before it fails (default 1800, torch's).
+pub const TIMEOUT: &str = "BURN_ACCELERATE_TIMEOUT";
+/// Set to `launcher` by `burn-accelerate launch`, which hosts the rendezvous itself;
+/// otherwise (torchrun, or variables set by hand) rank 0 hosts it, as torch's TCP store does.
+pub const ORCHESTRATOR: &str = "BURN_ACCELERATE_ORCHESTRATOR";
+/// The value of [`ORCHESTRATOR`] that says the launcher hosts the rendezvous.
+pub const ORCHESTRATOR_LAUNCHER: &str = "launcher";
+
+/// Every variable above, for `burn-accelerate env` and for tests that must clear them.
+pub const ALL: [&str; 11] = [
+    RANK,
+    WORLD_SIZE,
+    LOCAL_RANK,
+    LOCAL_WORLD_SIZE,
+    GROUP_RANK,
+    MASTER_ADDR,
+    MASTER_PORT,
+    DATA_PORT,
+    NODE_HOST,
+    TIMEOUT,
+    ORCHESTRATOR,
+];
+
+/// The rendezvous port when none is given (Accelerate's and torchrun's default).
+pub const DEFAULT_MAIN_PORT: u16 = 29500;
+/// Seconds a collective or the rendezvous may wait by default (torch's process-group
+/// default: a slow rank, e.g. one writing a checkpoint, must not fail the others).
+pub const DEFAULT_TIMEOUT_SECS: u64 = 1800;

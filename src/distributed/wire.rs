@@ -1,0 +1,103 @@
+//! How values travel between processes: little-endian f32 payloads behind a short header
+//! that names the collective and its step, so that processes calling collectives in different
+//! orders are caught instead of mixing buffers.
+
+use bytes::{BufMut, Bytes, BytesMut};
+
+/// The first message on a connection between two processes: who is calling, in which run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Hello {
+    pub(crate) rank: u32,
+    pub(crate) run: u64,
+}
+
+const HELLO: &[u8; 4] = b"BAH1";
+
+impl Hello {
+    pub(crate) fn encode(self) -> Bytes {
+        let mut b = BytesMut::with_capacity(16);
+        b.put_slice(HELLO);
+        b.put_u32_le(self.rank);
+        b.put_u64_le(self.run);
+        b.freeze()
+    }
+
+    pub(crate) fn decode(bytes: &[u8]) -> Option<Self> {
+        let rest = bytes.strip_prefix(HELLO)?;
+        let rank = u32::from_le_bytes(rest.get(..4)?.try_into().ok()?);
+        let run = u64::from_le_bytes(rest.get(4..12)?.try_into().ok()?);
+        Some(Self { rank, run })
+    }
+}
+
+/// The header of a chunk: the collective's number in this process's sequence, the step
+/// within it, and the number of values that follow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Header {
+    pub(crate) seq: u64,
+    pub(crate) step: u32,
+    pub(crate) len: u32,
+}
+
+const HEADER: usize = 16;
+
+/// A chunk of values with its header.
+pub(crate) fn encode(seq: u64, step: u32, values: &[f32]) -> Bytes {
+    let mut b = BytesMut::with_capacity(HEADER + 4 * values.len());
+    b.put_u64_le(seq);
+    b.put_u32_le(step);
+    b.put_u32_le(values.len() as u32);
+    for v in values {
+        b.put_f32_le(*v);
+    }
+    b.freeze()
+}
+
+/// The header and the values of a chunk; `None` when the bytes are not one.
+pub(crate) fn decode(bytes: &[u8]) -> Option<(Header, impl Iterator<Item = f32> + '_)> {
+    let header = Header {
+        seq: u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?),
+        step: u32::from_le_bytes(bytes.get(8..12)?.try_into().ok()?),
+        len: u32::from_le_bytes(bytes.get(12..16)?.try_into().ok()?),
+    };
+    let payload = &bytes[HEADER..];
+    if payload.len() != 4 * header.len as usize {
+        return None;
+    }
+    let values = payload
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+    Some((header, values))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_and_hellos_round_trip() {
+        let values = [1.5, -0.0, f32::INFINITY, f32::MIN_POSITIVE];
+        let bytes = encode(7, 2, &values);
+        let (header, got) = decode(&bytes).unwrap();
+        assert_eq!(
+            header,
+            Header {
+                seq: 7,
+                step: 2,
+                len: 4
+            }
+        );
+        let got: Vec<u32> = got.map(f32::to_bits).collect();
+        assert_eq!(got, values.map(f32::to_bits));
+        assert!(decode(&bytes[..bytes.len() - 1]).is_none());
+        let nan = encode(0, 0, &[f32::NAN]);
+        assert!(decode(&nan).unwrap().1.next().unwrap().is_nan());
+
+        let hello = Hello {
+            rank: 3,
+            run: u64::MAX - 1,
+        };
+        assert_eq!(Hello::decode(&hello.encode()), Some(hello));
+        assert_eq!(Hello::decode(&bytes), None);
+    }
+}
