@@ -2,85 +2,112 @@
 //! Gaussian blobs this crate makes (nothing is downloaded).
 //!
 //! ```text
-//! cargo run --example train_mlp -- --precision bf16 --grad-accum 2 --epochs 8 --seed 42
+//! cargo run --release --example train_mlp -- --precision bf16 --grad-accum 2 --epochs 8 --seed 42
+//! burn-accelerate launch --num-processes 2 -- target/release/examples/train_mlp --batch-size 32
 //! ```
 //!
-//! Flags: `--precision f32|bf16|f16|fp8`, `--grad-accum K`, `--epochs N`, `--seed S`,
-//! `--backend flex|ndarray` (those compiled in; flex by default). The last line printed is
+//! The last line printed (by the main process only, under the launcher) is
 //! `final loss=<f> accuracy=<f> skipped_steps=<n> precision=<p>`, where `precision` is the one
 //! the ops really ran in (f32 after a fallback, which is also reported on stderr).
 
 use std::process::ExitCode;
 
 use burn::backend::Autodiff;
-use burn_accelerate::Accelerated;
+use burn_accelerate::distributed::ProcessState;
 use burn_accelerate::train::demo::{self, DemoConfig, DemoOutcome};
+use burn_accelerate::{Accelerated, Precision};
+use clap::{Parser, ValueEnum};
 
-const USAGE: &str = "usage: train_mlp [--precision f32|bf16|f16|fp8] [--grad-accum K] \
-                     [--epochs N] [--seed S] [--backend flex|ndarray]";
-
-fn parse() -> Result<(DemoConfig, String), String> {
-    let mut config = DemoConfig::new();
-    let mut backend = String::from("flex");
-    let mut args = std::env::args().skip(1);
-    while let Some(flag) = args.next() {
-        let value = args
-            .next()
-            .ok_or_else(|| format!("{flag} needs a value\n{USAGE}"))?;
-        let bad = |e: &dyn std::fmt::Display| format!("{flag} {value}: {e}\n{USAGE}");
-        match flag.as_str() {
-            "--precision" => config.precision = value.parse().map_err(|e| bad(&e))?,
-            "--grad-accum" => config.grad_accum = value.parse().map_err(|e| bad(&e))?,
-            "--epochs" => config.epochs = value.parse().map_err(|e| bad(&e))?,
-            "--seed" => config.seed = value.parse().map_err(|e| bad(&e))?,
-            "--backend" => backend = value,
-            _ => return Err(format!("unknown flag {flag}\n{USAGE}")),
-        }
-    }
-    Ok((config, backend))
+/// Train an MLP classifier with Burn's SupervisedTraining and `with_accelerate`.
+#[derive(Parser, Debug)]
+#[command(version)]
+struct Args {
+    /// Autocast precision: f32 (no autocast), bf16, f16 (with dynamic loss scaling) or fp8.
+    #[arg(long, default_value = "f32", value_parser = parse_precision)]
+    precision: Precision,
+    /// Batches whose gradients are summed before each optimizer step.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    grad_accum: u32,
+    /// Epochs to train.
+    #[arg(long, default_value_t = 8)]
+    epochs: usize,
+    /// Seeds the model's initialisation and the data order.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Samples per batch on each process (a step over N processes sees N times as many).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
+    batch_size: u32,
+    /// The backend (among those compiled in).
+    #[arg(long, value_enum, default_value_t = BackendName::Flex)]
+    backend: BackendName,
 }
 
-fn train(config: &DemoConfig, backend: &str) -> Result<DemoOutcome, String> {
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum BackendName {
+    Flex,
+    Ndarray,
+}
+
+fn parse_precision(value: &str) -> Result<Precision, String> {
+    value
+        .parse()
+        .map_err(|e: burn_accelerate::AccelerateError| e.to_string())
+}
+
+fn train(config: &DemoConfig, backend: BackendName) -> Result<DemoOutcome, String> {
     let outcome = match backend {
-        "flex" => {
+        BackendName::Flex => {
             demo::run::<Accelerated<Autodiff<burn::backend::Flex>>>(config, &Default::default())
         }
         #[cfg(feature = "ndarray")]
-        "ndarray" => {
+        BackendName::Ndarray => {
             demo::run::<Accelerated<Autodiff<burn::backend::NdArray>>>(config, &Default::default())
         }
-        other => {
-            return Err(format!(
-                "backend {other} is not compiled in (enable its cargo feature)\n{USAGE}"
-            ));
+        #[cfg(not(feature = "ndarray"))]
+        BackendName::Ndarray => {
+            return Err(
+                "backend ndarray is not compiled in: build with `--features ndarray`".into(),
+            );
         }
     };
     outcome.map_err(|e| e.to_string())
 }
 
 fn main() -> ExitCode {
-    let result = parse().and_then(|(config, backend)| {
-        let outcome = train(&config, &backend)?;
-        if outcome.stats.fell_back {
-            eprintln!(
-                "{backend} cannot run {}: trained in {} instead",
-                demo::flag_name(outcome.stats.requested),
-                demo::flag_name(outcome.stats.precision)
-            );
+    let args = Args::parse();
+    let config = DemoConfig::new()
+        .with_precision(args.precision)
+        .with_grad_accum(args.grad_accum as usize)
+        .with_epochs(args.epochs)
+        .with_seed(args.seed)
+        .with_batch_size(args.batch_size as usize);
+    let main_process = match ProcessState::from_env() {
+        Ok(state) => state.is_main_process(),
+        Err(err) => {
+            eprintln!("{err}");
+            return ExitCode::FAILURE;
         }
-        for epoch in &outcome.stats.epochs {
-            println!(
-                "epoch {}: batches={} optimizer_steps={} skipped_steps={}",
-                epoch.epoch, epoch.batches, epoch.optimizer_steps, epoch.skipped_steps
-            );
-        }
-        Ok(outcome)
-    });
-    match result {
-        Ok(outcome) => {
+    };
+    match train(&config, args.backend) {
+        Ok(outcome) if main_process => {
+            if outcome.stats.fell_back {
+                eprintln!(
+                    "{:?} cannot run {}: trained in {} instead",
+                    args.backend,
+                    demo::flag_name(outcome.stats.requested),
+                    demo::flag_name(outcome.stats.precision)
+                );
+            }
+            for epoch in &outcome.stats.epochs {
+                println!(
+                    "epoch {}: batches={} optimizer_steps={} skipped_steps={}",
+                    epoch.epoch, epoch.batches, epoch.optimizer_steps, epoch.skipped_steps
+                );
+            }
             println!("{}", outcome.summary_line());
             ExitCode::SUCCESS
         }
+        Ok(_) => ExitCode::SUCCESS,
         Err(message) => {
             eprintln!("{message}");
             ExitCode::FAILURE

@@ -1,0 +1,186 @@
+//! Runs a test's body in several real processes on localhost, started by the
+//! `burn-accelerate launch` binary.
+//!
+//! The test binary starts the launcher on itself, with `--exact <test>`: in the child
+//! processes [`worker`] returns the arguments the parent gave, the test function runs its
+//! worker body and writes what it found with [`report`]; in the parent the same function reads
+//! the reports and asserts. One launch at a time (a lock), and every launch has a deadline, so a
+//! hang fails the test instead of the run.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitStatus, Stdio};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+const WORKER_DIR: &str = "BURN_ACCELERATE_TEST_WORKER_DIR";
+const WORKER_ARGS: &str = "BURN_ACCELERATE_TEST_WORKER_ARGS";
+
+/// A launch must end within this, or the test fails (and the processes are killed).
+pub const DEADLINE: Duration = Duration::from_secs(240);
+
+static ONE_LAUNCH: Mutex<()> = Mutex::new(());
+
+/// In a worker process, the arguments its parent test gave; `None` in the test itself.
+pub fn worker<T: DeserializeOwned>() -> Option<T> {
+    let args = std::env::var(WORKER_ARGS).ok()?;
+    Some(serde_json::from_str(&args).expect("the parent test's arguments"))
+}
+
+/// Writes this worker's findings for the parent test.
+pub fn report<T: Serialize>(value: &T) {
+    let dir = PathBuf::from(std::env::var(WORKER_DIR).expect("run by the harness"));
+    let rank = std::env::var("RANK").unwrap_or_else(|_| "single".into());
+    let path = dir.join(format!("rank-{rank}.json"));
+    std::fs::write(&path, serde_json::to_vec(value).unwrap()).unwrap();
+}
+
+/// What a launch did.
+pub struct Launched {
+    pub status: ExitStatus,
+    pub stdout: String,
+    pub stderr: String,
+    pub elapsed: Duration,
+    dir: PathBuf,
+}
+
+impl Launched {
+    /// Each rank's report, in rank order; fails the test (with the output) if one is missing.
+    pub fn reports<T: DeserializeOwned>(&self, processes: usize) -> Vec<T> {
+        (0..processes)
+            .map(|rank| {
+                let path = self.dir.join(format!("rank-{rank}.json"));
+                let bytes = std::fs::read(&path).unwrap_or_else(|_| {
+                    panic!(
+                        "rank {rank} wrote no report ({}):\n--- stdout\n{}\n--- stderr\n{}",
+                        self.status, self.stdout, self.stderr
+                    )
+                });
+                serde_json::from_slice(&bytes).unwrap()
+            })
+            .collect()
+    }
+
+    /// Fails the test with the output unless every process succeeded.
+    pub fn assert_success(&self) -> &Self {
+        assert!(
+            self.status.success(),
+            "launch failed ({}):\n--- stdout\n{}\n--- stderr\n{}",
+            self.status,
+            self.stdout,
+            self.stderr
+        );
+        self
+    }
+}
+
+/// A port nothing listens on now.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind(("127.0.0.1", 0))
+        .and_then(|l| l.local_addr())
+        .unwrap()
+        .port()
+}
+
+/// The launcher binary.
+pub fn launcher() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_burn-accelerate"))
+}
+
+/// Runs test `test`'s worker body in `processes` processes under the launcher (with
+/// `launch_args` before `--`), giving each `args`.
+pub fn launch<T: Serialize>(
+    test: &str,
+    processes: usize,
+    args: &T,
+    launch_args: &[&str],
+) -> Launched {
+    let _one = ONE_LAUNCH.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = scratch_dir(test);
+    let mut command = launcher();
+    command
+        .arg("launch")
+        .arg("--num-processes")
+        .arg(processes.to_string())
+        .arg("--main-process-port")
+        .arg(free_port().to_string())
+        .args(launch_args)
+        .arg("--")
+        .arg(std::env::current_exe().unwrap())
+        .args([test, "--exact", "--nocapture", "--test-threads=1", "-q"])
+        .env(WORKER_DIR, &dir)
+        .env(WORKER_ARGS, serde_json::to_string(args).unwrap());
+    run(command, dir)
+}
+
+/// A fresh directory for one launch's reports (and anything else it writes).
+pub fn scratch_dir(test: &str) -> PathBuf {
+    static LAUNCHES: AtomicUsize = AtomicUsize::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "burn-accelerate-processes-{}-{test}-{}",
+        std::process::id(),
+        LAUNCHES.fetch_add(1, Ordering::SeqCst)
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Runs `command` to its end (or the deadline), capturing its output.
+pub fn run(mut command: Command, dir: PathBuf) -> Launched {
+    let start = Instant::now();
+    let mut child = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the launcher starts");
+    let capture = |mut pipe: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut text = String::new();
+            let _ = pipe.read_to_string(&mut text);
+            text
+        })
+    };
+    let stdout = capture(Box::new(child.stdout.take().unwrap()));
+    let stderr = capture(Box::new(child.stderr.take().unwrap()));
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if start.elapsed() > DEADLINE {
+            let _ = child.kill();
+            panic!(
+                "the launch did not end within {DEADLINE:?} (killed):\n{}",
+                stderr.join().unwrap()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    Launched {
+        status,
+        elapsed: start.elapsed(),
+        stdout: stdout.join().unwrap(),
+        stderr: stderr.join().unwrap(),
+        dir,
+    }
+}
+
+/// The largest difference between `a` and `b`, relative to the largest magnitude in `b`.
+pub fn max_relative_difference(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let scale = b
+        .iter()
+        .fold(0f32, |m, x| m.max(x.abs()))
+        .max(f32::MIN_POSITIVE);
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
+/// Removes the launch's directory (reports included).
+pub fn clean(dir: &Path) {
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -1,0 +1,791 @@
+//! Training on several real processes of this machine, started by `burn-accelerate launch`
+//! (see `harness.rs`): the hand-written loop's `Accelerator` and Burn's `SupervisedTraining`
+//! with `with_accelerate` against one process on the same global batches, an overflow on one
+//! rank, checkpoints resumed on as many and on fewer processes, the shard loaders against the
+//! golden vectors, seeds, and what a dead rank or a bad launch does.
+#![cfg(feature = "flex")]
+
+mod harness;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use burn::backend::{Autodiff, Flex};
+use burn::data::dataloader::DataLoader;
+use burn::data::dataloader::batcher::Batcher;
+use burn::data::dataset::InMemDataset;
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::{Linear, LinearConfig, Relu};
+use burn::optim::SgdConfig;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Int, Tensor, TensorData};
+use burn_accelerate::data::{DataLoaderConfig, ShardLoaderBuilder, StreamLoaderBuilder};
+use burn_accelerate::distributed::{DistributedError, ProcessState, seed_for, set_seed};
+use burn_accelerate::{AccelerateConfig, Accelerated, Precision};
+use harness::{launch, max_relative_difference, report, worker};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// Every float parameter of `module`, in visiting order.
+fn parameters<B: Backend, M: Module<B>>(module: &M) -> Vec<f32> {
+    struct Collect(Vec<f32>);
+    impl<B: Backend> ModuleVisitor<B> for Collect {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let values = param.val().into_data().convert::<f32>();
+            self.0.extend(values.to_vec::<f32>().unwrap());
+        }
+    }
+    let mut collect = Collect(Vec::new());
+    module.visit(&mut collect);
+    collect.0
+}
+
+fn bits(values: &[f32]) -> Vec<u32> {
+    values.iter().map(|v| v.to_bits()).collect()
+}
+
+// ---------------------------------------------------------------------------------------
+// A hand-written loop with the Accelerator.
+
+const FEATURES: usize = 8;
+const CLASSES: usize = 4;
+const ITEMS: usize = 96;
+
+#[derive(Module, Debug)]
+struct Net<B: Backend> {
+    hidden: Linear<B>,
+    out: Linear<B>,
+    relu: Relu,
+}
+
+impl<B: Backend> Net<B> {
+    fn new(device: &B::Device) -> Self {
+        B::seed(device, 7);
+        Self {
+            hidden: LinearConfig::new(FEATURES, 16).init(device),
+            out: LinearConfig::new(16, CLASSES).init(device),
+            relu: Relu::new(),
+        }
+    }
+
+    fn loss(&self, batch: Batch<B>) -> Tensor<B, 1> {
+        let logits = self
+            .out
+            .forward(self.relu.forward(self.hidden.forward(batch.x)));
+        CrossEntropyLossConfig::new()
+            .init(&logits.device())
+            .forward(logits, batch.y)
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Batch<B: Backend> {
+    x: Tensor<B, 2>,
+    y: Tensor<B, 1, Int>,
+}
+
+/// Sample `i`: smooth features and a class both drawn from `i`.
+#[derive(Clone, Copy)]
+struct Samples;
+
+impl<B: Backend> Batcher<B, usize, Batch<B>> for Samples {
+    fn batch(&self, items: Vec<usize>, device: &B::Device) -> Batch<B> {
+        let n = items.len();
+        let x: Vec<f32> = items
+            .iter()
+            .flat_map(|&i| (0..FEATURES).map(move |f| ((i * 7 + f * 3) as f32 * 0.37).sin()))
+            .collect();
+        let y: Vec<i64> = items.iter().map(|&i| ((i * 5) % CLASSES) as i64).collect();
+        Batch {
+            x: Tensor::from_data(TensorData::new(x, [n, FEATURES]), device),
+            y: Tensor::from_data(TensorData::new(y, [n]), device),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct HandLoop {
+    /// Per process.
+    batch_size: usize,
+    grad_accum: usize,
+    epochs: usize,
+    precision: Precision,
+    /// A rank whose loss is multiplied by 1e10 at batch `overflow_batch` (f16 overflows).
+    overflow_rank: Option<usize>,
+    overflow_batch: usize,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct HandLoopReport {
+    parameters: Vec<f32>,
+    outcomes: Vec<String>,
+    loss_scale: f32,
+}
+
+fn hand_loop<B: AutodiffBackend>(args: &HandLoop) -> HandLoopReport {
+    let state = ProcessState::from_env().unwrap();
+    let device = Default::default();
+    let mut model = Net::<B>::new(&device);
+    let loader = ShardLoaderBuilder::new(
+        DataLoaderConfig::new(args.batch_size)
+            .with_shuffle(true)
+            .with_data_seed(Some(3)),
+        InMemDataset::new((0..ITEMS).collect()),
+        Samples,
+    )
+    .build_for(&state, device)
+    .unwrap();
+    let mut accelerator = AccelerateConfig::new()
+        .with_mixed_precision(args.precision)
+        .with_gradient_accumulation_steps(args.grad_accum)
+        .init::<B>(&Default::default())
+        .unwrap();
+    let mut optim = SgdConfig::new().init();
+    let mut outcomes = Vec::new();
+    let mut batch_index = 0;
+    for _ in 0..args.epochs {
+        for batch in loader.iter() {
+            let _step = accelerator.accumulate(&model);
+            let _autocast = accelerator.autocast();
+            let mut loss = model.loss(batch);
+            if args.overflow_rank == Some(state.process_index())
+                && batch_index == args.overflow_batch
+            {
+                loss = loss * 1e10;
+            }
+            accelerator.backward(loss, &model);
+            let (next, outcome) = accelerator
+                .optimizer_step(&mut optim, model, &mut 0.5)
+                .unwrap();
+            model = next;
+            outcomes.push(format!("{outcome:?}"));
+            batch_index += 1;
+        }
+    }
+    HandLoopReport {
+        parameters: parameters(&model),
+        outcomes,
+        loss_scale: accelerator.loss_scale().loss_scale(),
+    }
+}
+
+#[test]
+fn processes_train_like_one_process_on_the_same_global_batches() {
+    const TEST: &str = "processes_train_like_one_process_on_the_same_global_batches";
+    if let Some(args) = worker::<HandLoop>() {
+        return report(&hand_loop::<Autodiff<Flex>>(&args));
+    }
+    // A global batch of 16: one process of 16, two of 8, four of 4.
+    for grad_accum in [1, 2] {
+        let args = |processes: usize| HandLoop {
+            batch_size: 16 / processes,
+            grad_accum,
+            epochs: 2,
+            precision: Precision::F32,
+            overflow_rank: None,
+            overflow_batch: 0,
+        };
+        let single: Vec<HandLoopReport> =
+            launch(TEST, 1, &args(1), &[]).assert_success().reports(1);
+        let single = &single[0];
+        let applied = single
+            .outcomes
+            .iter()
+            .filter(|o| o.starts_with("Applied"))
+            .count();
+        assert_eq!(applied, 12 / grad_accum, "{:?}", single.outcomes);
+        for processes in [2, 4] {
+            let reports: Vec<HandLoopReport> = launch(TEST, processes, &args(processes), &[])
+                .assert_success()
+                .reports(processes);
+            for (rank, r) in reports.iter().enumerate() {
+                // Every process holds the same model, to the bit.
+                assert_eq!(
+                    bits(&r.parameters),
+                    bits(&reports[0].parameters),
+                    "rank {rank}"
+                );
+                assert_eq!(r.outcomes, single.outcomes);
+            }
+            let difference = max_relative_difference(&reports[0].parameters, &single.parameters);
+            assert!(
+                difference < 1e-5,
+                "{processes} processes, grad_accum {grad_accum}: {difference:e} from one process"
+            );
+            // And training moved the parameters far more than that.
+            let initial = parameters(&Net::<Flex>::new(&Default::default()));
+            assert!(max_relative_difference(&single.parameters, &initial) > 1e-2);
+        }
+    }
+}
+
+#[test]
+fn an_overflow_on_one_rank_skips_the_step_on_every_rank() {
+    const TEST: &str = "an_overflow_on_one_rank_skips_the_step_on_every_rank";
+    if let Some(args) = worker::<HandLoop>() {
+        return report(&hand_loop::<Accelerated<Autodiff<Flex>>>(&args));
+    }
+    let args = HandLoop {
+        batch_size: 8,
+        grad_accum: 1,
+        epochs: 1,
+        precision: Precision::F16,
+        overflow_rank: Some(1),
+        overflow_batch: 2,
+    };
+    let reports: Vec<HandLoopReport> = launch(TEST, 2, &args, &[]).assert_success().reports(2);
+    for r in &reports {
+        assert_eq!(r.outcomes[2], "SkippedOverflow", "{:?}", r.outcomes);
+        let skipped = r
+            .outcomes
+            .iter()
+            .filter(|o| *o == "SkippedOverflow")
+            .count();
+        assert_eq!(skipped, 1, "{:?}", r.outcomes);
+        // torch's default scale, backed off once.
+        assert_eq!(r.loss_scale, 32768.0);
+    }
+    assert_eq!(bits(&reports[0].parameters), bits(&reports[1].parameters));
+    assert!(reports[0].parameters.iter().all(|p| p.is_finite()));
+}
+
+// ---------------------------------------------------------------------------------------
+// Burn's SupervisedTraining with `with_accelerate`.
+
+mod supervised {
+    use std::sync::Arc;
+
+    use burn::data::dataloader::DataLoaderBuilder;
+    use burn::optim::AdamConfig;
+    use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
+    use burn::train::{Learner, SupervisedTraining};
+    use burn_accelerate::train::demo::{BlobBatcher, Mlp, QuietRenderer, blobs};
+    use burn_accelerate::train::{AccelerateStrategy, WithAccelerate};
+
+    use super::*;
+
+    type Train = Accelerated<Autodiff<Flex>>;
+    type Components = burn::train::LearningComponentsMarker<
+        Train,
+        f64,
+        Mlp<Train>,
+        burn::optim::adaptor::OptimizerAdaptor<burn::optim::Adam, Mlp<Train>, Train>,
+    >;
+
+    #[derive(Debug, Clone, Serialize, Deserialize)]
+    pub struct Run {
+        pub batch_size: usize,
+        pub grad_accum: usize,
+        pub epochs: usize,
+        /// Shared by every process: checkpoints are written there and resumed from.
+        pub dir: Option<PathBuf>,
+        pub resume_from: Option<usize>,
+    }
+
+    #[derive(Debug, Serialize, Deserialize)]
+    pub struct RunReport {
+        pub parameters: Vec<f32>,
+        pub optimizer_steps: usize,
+        pub epochs: Vec<usize>,
+    }
+
+    pub fn train(args: &Run) -> RunReport {
+        let state = ProcessState::from_env().unwrap();
+        let device = Default::default();
+        let loader = ShardLoaderBuilder::new(
+            DataLoaderConfig::new(args.batch_size)
+                .with_shuffle(true)
+                .with_data_seed(Some(11)),
+            InMemDataset::new(blobs(256, 1)),
+            BlobBatcher,
+        )
+        .build_for(&state, device)
+        .unwrap();
+        let valid = DataLoaderBuilder::<Accelerated<Flex>, _, _>::new(BlobBatcher)
+            .batch_size(64)
+            .build(InMemDataset::new(blobs(64, 2)));
+        let mut strategy = AccelerateStrategy::<Components>::new(
+            AccelerateConfig::new().with_gradient_accumulation_steps(args.grad_accum),
+            &device,
+        )
+        .unwrap();
+        let dir = match &args.dir {
+            Some(dir) => {
+                strategy = strategy
+                    .with_checkpoint_dir(dir.join("checkpoint"))
+                    .with_checkpointed_loader(&loader);
+                dir.clone()
+            }
+            None => std::env::temp_dir().join(format!(
+                "burn-accelerate-processes-supervised-{}",
+                std::process::id()
+            )),
+        };
+        let report = strategy.report();
+        let mut builder = SupervisedTraining::new(&dir, Arc::new(loader), valid)
+            .num_epochs(args.epochs)
+            .renderer(QuietRenderer)
+            .with_application_logger(None)
+            // Full precision: Burn's `CompactRecorder` stores f16, and a resumed run must end
+            // bit for bit where the uninterrupted one did.
+            .with_file_checkpointer(NamedMpkFileRecorder::<FullPrecisionSettings>::new());
+        if let Some(epoch) = args.resume_from {
+            builder = builder.checkpoint(epoch);
+        }
+        Train::seed(&device, 5);
+        let learner = Learner::new(Mlp::new(16, &device), AdamConfig::new().init(), 1e-2);
+        let model = builder.with_accelerate(strategy).launch(learner).model;
+        if args.dir.is_none() {
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        let stats = report.stats();
+        RunReport {
+            parameters: parameters(&model),
+            optimizer_steps: stats.optimizer_steps(),
+            epochs: stats.epochs.iter().map(|e| e.epoch).collect(),
+        }
+    }
+}
+
+#[test]
+fn supervised_training_on_processes_matches_one_process() {
+    const TEST: &str = "supervised_training_on_processes_matches_one_process";
+    if let Some(args) = worker::<supervised::Run>() {
+        return report(&supervised::train(&args));
+    }
+    for grad_accum in [1, 2] {
+        let run = |processes: usize| supervised::Run {
+            batch_size: 32 / processes,
+            grad_accum,
+            epochs: 2,
+            dir: None,
+            resume_from: None,
+        };
+        let single: Vec<supervised::RunReport> =
+            launch(TEST, 1, &run(1), &[]).assert_success().reports(1);
+        assert_eq!(single[0].optimizer_steps, 2 * 8 / grad_accum);
+        let reports: Vec<supervised::RunReport> =
+            launch(TEST, 2, &run(2), &[]).assert_success().reports(2);
+        assert_eq!(bits(&reports[0].parameters), bits(&reports[1].parameters));
+        assert_eq!(reports[0].optimizer_steps, single[0].optimizer_steps);
+        let difference = max_relative_difference(&reports[0].parameters, &single[0].parameters);
+        assert!(difference < 1e-5, "grad_accum {grad_accum}: {difference:e}");
+    }
+}
+
+#[test]
+fn a_resumed_run_of_processes_ends_where_the_uninterrupted_one_did() {
+    const TEST: &str = "a_resumed_run_of_processes_ends_where_the_uninterrupted_one_did";
+    if let Some(args) = worker::<supervised::Run>() {
+        return report(&supervised::train(&args));
+    }
+    let dir = |name: &str| harness::scratch_dir(&format!("resume-{name}"));
+    let run = |processes: usize, epochs: usize, dir: &PathBuf, resume_from| supervised::Run {
+        batch_size: 32 / processes,
+        grad_accum: 1,
+        epochs,
+        dir: Some(dir.clone()),
+        resume_from,
+    };
+    let whole_dir = dir("whole");
+    let whole: Vec<supervised::RunReport> = launch(TEST, 2, &run(2, 3, &whole_dir, None), &[])
+        .assert_success()
+        .reports(2);
+
+    // Two epochs, then the third resumed from epoch 2's checkpoint, on two processes.
+    let parts_dir = dir("parts");
+    launch(TEST, 2, &run(2, 2, &parts_dir, None), &[]).assert_success();
+    let written: Vec<String> = std::fs::read_dir(parts_dir.join("checkpoint"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert!(
+        written.contains(&"accelerate-2.json".to_string()),
+        "{written:?}"
+    );
+    let resumed: Vec<supervised::RunReport> = launch(TEST, 2, &run(2, 3, &parts_dir, Some(2)), &[])
+        .assert_success()
+        .reports(2);
+    assert_eq!(resumed[0].epochs, [3]);
+    for r in &resumed {
+        assert_eq!(bits(&r.parameters), bits(&whole[0].parameters));
+    }
+
+    // The third epoch on one process with the same global batch: the data is sharded anew
+    // from the checkpoint's epoch, and the run ends where the two processes did.
+    let one: Vec<supervised::RunReport> = launch(TEST, 1, &run(1, 3, &parts_dir, Some(2)), &[])
+        .assert_success()
+        .reports(1);
+    assert_eq!(one[0].epochs, [3]);
+    let difference = max_relative_difference(&one[0].parameters, &whole[0].parameters);
+    assert!(difference < 1e-5, "{difference:e}");
+    harness::clean(&whole_dir);
+    harness::clean(&parts_dir);
+}
+
+// ---------------------------------------------------------------------------------------
+// The shard loaders, built from each process's state, against accelerate's own processes.
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Golden {
+    file: String,
+    processes: usize,
+}
+
+fn golden_cases(file: &str, processes: usize) -> Vec<Value> {
+    let path: PathBuf = [env!("CARGO_MANIFEST_DIR"), "tests", "golden", file]
+        .iter()
+        .collect();
+    let mut golden: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let Value::Array(cases) = golden["cases"].take() else {
+        panic!("{file} has no cases")
+    };
+    let num = |case: &Value, key: &str| case[key].as_u64().unwrap() as usize;
+    cases
+        .into_iter()
+        // Errors, and split_batches with batch size 1 (refused by the crate's contract), are
+        // checked in one process by the golden suites.
+        .filter(|c| {
+            num(c, "num_processes") == processes
+                && c.get("error").is_none()
+                && !(c["split_batches"] == true && num(c, "batch_size") == 1)
+        })
+        .collect()
+}
+
+#[derive(Clone)]
+struct Ids;
+
+impl<B: Backend> Batcher<B, usize, Vec<usize>> for Ids {
+    fn batch(&self, items: Vec<usize>, _device: &B::Device) -> Vec<usize> {
+        items
+    }
+}
+
+// This process's batches (or, for the iterable suite, items) of every case.
+fn golden_worker(args: &Golden) -> BTreeMap<String, Value> {
+    let state = ProcessState::from_env().unwrap();
+    assert_eq!(state.num_processes(), args.processes);
+    golden_cases(&args.file, args.processes)
+        .iter()
+        .map(|case| {
+            let flag = |key: &str, default: bool| case[key].as_bool().unwrap_or(default);
+            let len = case["dataset_len"].as_u64().unwrap() as usize;
+            let config = DataLoaderConfig::new(case["batch_size"].as_u64().unwrap() as usize)
+                .with_split_batches(flag("split_batches", false))
+                .with_even_batches(flag("even_batches", true))
+                .with_drop_last(flag("drop_last", false));
+            let got = if args.file.starts_with("iterable") {
+                let loader = StreamLoaderBuilder::<Flex, usize, Vec<usize>>::new(
+                    config,
+                    move |_epoch: u64| 0..len,
+                    Ids,
+                )
+                .build_for(&state, Default::default())
+                .unwrap();
+                serde_json::json!(loader.iter().collect::<Vec<_>>().concat())
+            } else {
+                let loader = ShardLoaderBuilder::<Flex, usize, Vec<usize>>::new(
+                    config,
+                    InMemDataset::new((0..len).collect()),
+                    Ids,
+                )
+                .build_for(&state, Default::default())
+                .unwrap();
+                serde_json::json!(loader.iter().collect::<Vec<_>>())
+            };
+            (case["id"].as_str().unwrap().to_string(), got)
+        })
+        .collect()
+}
+
+#[test]
+fn shard_loaders_from_the_process_state_give_every_process_its_golden_batches() {
+    const TEST: &str = "shard_loaders_from_the_process_state_give_every_process_its_golden_batches";
+    if let Some(args) = worker::<Golden>() {
+        return report(&golden_worker(&args));
+    }
+    for file in ["batch_sampler_shards.json", "iterable_dataset_shards.json"] {
+        for processes in [2, 3, 4] {
+            let args = Golden {
+                file: file.into(),
+                processes,
+            };
+            let reports: Vec<BTreeMap<String, Value>> = launch(TEST, processes, &args, &[])
+                .assert_success()
+                .reports(processes);
+            let cases = golden_cases(file, processes);
+            assert!(cases.len() > 100, "{file}: {} cases", cases.len());
+            for case in &cases {
+                let id = case["id"].as_str().unwrap();
+                for (rank, got) in reports.iter().enumerate() {
+                    assert_eq!(
+                        got[id], case["per_process"][rank],
+                        "{file} {id}: process {rank} of {processes}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Seeds, guards and collectives seen from the processes.
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Seeds {
+    device_specific: u64,
+    shared: u64,
+    device_specific_draw: Vec<f32>,
+    shared_draw: Vec<f32>,
+    order: Vec<String>,
+}
+
+fn seeds_worker() -> Seeds {
+    let device = Default::default();
+    let draw = || {
+        Tensor::<Flex, 1>::random([4], burn::tensor::Distribution::Default, &device)
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap()
+    };
+    let device_specific = set_seed::<Flex>(42, true, &device).unwrap();
+    let device_specific_draw = draw();
+    let shared = set_seed::<Flex>(42, false, &device).unwrap();
+    let shared_draw = draw();
+    // The main process writes a marker first; the others must find it once past the guard.
+    let state = ProcessState::from_env().unwrap();
+    let dir = PathBuf::from(std::env::var("SEED_TEST_DIR").unwrap());
+    let marker = dir.join("main-was-first");
+    let mut order = Vec::new();
+    {
+        let _first = state.main_process_first().unwrap();
+        if state.is_main_process() {
+            std::thread::sleep(Duration::from_millis(300));
+            std::fs::write(&marker, b"").unwrap();
+        }
+        order.push(format!("marker seen: {}", marker.exists()));
+    }
+    state.wait_for_everyone().unwrap();
+    Seeds {
+        device_specific,
+        shared,
+        device_specific_draw,
+        shared_draw,
+        order,
+    }
+}
+
+#[test]
+fn seeds_and_the_main_process_first_guard_work_across_processes() {
+    const TEST: &str = "seeds_and_the_main_process_first_guard_work_across_processes";
+    if worker::<()>().is_some() {
+        return report(&seeds_worker());
+    }
+    let dir = harness::scratch_dir("seeds");
+    let mut command = harness::launcher();
+    command
+        .args(["launch", "--num-processes", "3", "--main-process-port"])
+        .arg(harness::free_port().to_string())
+        .arg("--")
+        .arg(std::env::current_exe().unwrap())
+        .args([TEST, "--exact", "--nocapture", "--test-threads=1", "-q"])
+        .env("BURN_ACCELERATE_TEST_WORKER_DIR", &dir)
+        .env("BURN_ACCELERATE_TEST_WORKER_ARGS", "null")
+        .env("SEED_TEST_DIR", &dir);
+    let reports: Vec<Seeds> = harness::run(command, dir.clone())
+        .assert_success()
+        .reports(3);
+    for (rank, r) in reports.iter().enumerate() {
+        assert_eq!(r.device_specific, 42 + rank as u64);
+        assert_eq!(r.shared, 42);
+        assert_eq!(bits(&r.shared_draw), bits(&reports[0].shared_draw));
+        if rank > 0 {
+            assert_ne!(
+                bits(&r.device_specific_draw),
+                bits(&reports[0].device_specific_draw)
+            );
+        }
+        assert_eq!(r.order, ["marker seen: true"], "rank {rank}");
+    }
+    assert_eq!(seed_for(7, true, &ProcessState::single()), 7);
+    harness::clean(&dir);
+}
+
+// ---------------------------------------------------------------------------------------
+// Failures: a rank that dies, a peer that never comes, bad launches.
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+enum Death {
+    /// Rank 1 panics after joining, while the others wait for it in a collective.
+    PanicInCollective,
+    /// Rank 1 exits with status 3 before joining, while the others wait at the rendezvous.
+    ExitBeforeJoining,
+}
+
+fn dying_worker(death: Death) {
+    let state = ProcessState::from_env().unwrap();
+    let rank = state.process_index();
+    match death {
+        Death::PanicInCollective => {
+            state.wait_for_everyone().unwrap();
+            if rank == 1 {
+                panic!("rank 1 fails on purpose");
+            }
+            // The others wait in a collective that rank 1 never reaches.
+            state.wait_for_everyone().unwrap();
+        }
+        Death::ExitBeforeJoining => {
+            if rank == 1 {
+                std::process::exit(3);
+            }
+            state.wait_for_everyone().unwrap();
+        }
+    }
+}
+
+#[test]
+fn a_rank_that_panics_or_exits_ends_the_launch_within_seconds() {
+    const TEST: &str = "a_rank_that_panics_or_exits_ends_the_launch_within_seconds";
+    if let Some(death) = worker::<Death>() {
+        return dying_worker(death);
+    }
+    for (death, status) in [
+        (
+            Death::PanicInCollective,
+            "exited with status 101 (a Rust panic)",
+        ),
+        (Death::ExitBeforeJoining, "exited with status 3"),
+    ] {
+        // The timeout is far away: only the launcher can end these runs quickly.
+        let run = launch(TEST, 3, &death, &["--timeout", "600", "--grace", "2"]);
+        assert!(!run.status.success(), "{death:?}: {}", run.stderr);
+        assert!(
+            run.stderr.contains(&format!(
+                "process 1 {status}; the other processes were stopped"
+            )),
+            "{death:?}:\n{}",
+            run.stderr
+        );
+        assert!(
+            run.elapsed < Duration::from_secs(20),
+            "{death:?}: {:?}",
+            run.elapsed
+        );
+    }
+}
+
+#[test]
+fn a_peer_that_never_comes_fails_the_wait_with_the_missing_ranks() {
+    // Rank 0 of 2, hosting the rendezvous itself (no launcher); rank 1 is never started.
+    let port = harness::free_port().to_string();
+    let vars = [
+        ("RANK", "0"),
+        ("WORLD_SIZE", "2"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", port.as_str()),
+        ("BURN_ACCELERATE_TIMEOUT", "1.5"),
+    ];
+    let state = ProcessState::from_vars(|name| {
+        vars.iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, v)| v.to_string())
+    })
+    .unwrap();
+    let start = std::time::Instant::now();
+    let err = state.wait_for_everyone().unwrap_err();
+    assert!(
+        start.elapsed() < Duration::from_secs(15),
+        "{:?}",
+        start.elapsed()
+    );
+    assert!(
+        matches!(&err, DistributedError::Rendezvous { reason, .. } if reason.contains("ranks [1] of 2 never came")),
+        "{err}"
+    );
+}
+
+#[test]
+fn bad_launches_are_refused_with_what_to_change() {
+    let refused = |args: &[&str]| {
+        let out = harness::launcher().args(args).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        String::from_utf8(out.stderr).unwrap()
+    };
+    let msg = refused(&[
+        "launch",
+        "--num-processes",
+        "3",
+        "--num-machines",
+        "2",
+        "--",
+        "true",
+    ]);
+    assert!(msg.contains("not a multiple of --num-machines 2"), "{msg}");
+    let msg = refused(&[
+        "launch",
+        "--num-machines",
+        "2",
+        "--num-processes",
+        "2",
+        "--",
+        "true",
+    ]);
+    assert!(msg.contains("--main-process-ip is required"), "{msg}");
+    let msg = refused(&["launch", "--machine-rank", "1", "--", "true"]);
+    assert!(
+        msg.contains("--machine-rank 1 is not below --num-machines 1"),
+        "{msg}"
+    );
+    let msg = refused(&["launch", "--num-processes", "0", "--", "true"]);
+    assert!(msg.contains("--num-processes"), "{msg}");
+    let msg = refused(&["launch", "--timeout", "0", "--", "true"]);
+    assert!(msg.contains("--timeout 0"), "{msg}");
+    let msg = refused(&["launch"]);
+    assert!(msg.contains("<PROGRAM>"), "{msg}");
+    let msg = refused(&["launch", "--", "/nonexistent/program"]);
+    assert!(
+        msg.contains("cannot start \"/nonexistent/program\""),
+        "{msg}"
+    );
+    // A port in use for the rendezvous.
+    let taken = std::net::TcpListener::bind(("0.0.0.0", 0)).unwrap();
+    let port = taken.local_addr().unwrap().port().to_string();
+    let msg = refused(&[
+        "launch",
+        "--num-processes",
+        "2",
+        "--main-process-port",
+        &port,
+        "--",
+        "true",
+    ]);
+    assert!(
+        msg.contains(&format!("cannot listen on port {port}")),
+        "{msg}"
+    );
+
+    let ok = harness::launcher()
+        .args(["launch", "--", "true"])
+        .output()
+        .unwrap();
+    assert!(ok.status.success());
+}
+
+#[test]
+fn a_bad_environment_is_an_error_naming_the_variable() {
+    // What a program sees when started by hand with an inconsistent layout.
+    let env = harness::launcher()
+        .arg("env")
+        .env("RANK", "2")
+        .env("WORLD_SIZE", "2")
+        .output()
+        .unwrap();
+    let out = String::from_utf8(env.stdout).unwrap();
+    assert!(
+        out.contains("environment variable RANK=\"2\" is invalid: below WORLD_SIZE=2"),
+        "{out}"
+    );
+}
