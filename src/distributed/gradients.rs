@@ -76,6 +76,7 @@ pub fn all_reduce_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
             })
             .collect();
         let mut values = to_f32(Tensor::cat(flats, 0).into_data());
+        values.reserve_exact(bucket.len());
         values.extend(bucket.iter().map(|s| f32::from(u8::from(s.grad.is_some()))));
         group.all_reduce(&mut values, ReduceOp::Mean)?;
         let grads_len = values.len() - bucket.len();

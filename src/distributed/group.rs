@@ -28,7 +28,7 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{DType, Tensor, TensorData};
 use tokio::runtime::Runtime;
 
 use super::error::DistributedError;
@@ -330,13 +330,12 @@ impl ProcessGroup {
 
 /// A tensor's values as f32, whatever its float dtype.
 pub(crate) fn to_f32(data: TensorData) -> Vec<f32> {
-    match data.clone().into_vec::<f32>() {
-        Ok(values) => values,
-        Err(_) => data
-            .convert::<f32>()
-            .into_vec::<f32>()
-            .expect("converted to f32"),
-    }
+    let data = if data.dtype == DType::F32 {
+        data
+    } else {
+        data.convert::<f32>()
+    };
+    data.into_vec::<f32>().expect("f32 data")
 }
 
 /// `host:port`, with IPv6 hosts bracketed.

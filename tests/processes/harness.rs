@@ -33,7 +33,7 @@ pub fn worker<T: DeserializeOwned>() -> Option<T> {
 
 /// Writes this worker's findings for the parent test.
 pub fn report<T: Serialize>(value: &T) {
-    let dir = PathBuf::from(std::env::var(WORKER_DIR).expect("run by the harness"));
+    let dir = worker_dir();
     let rank = std::env::var("RANK").unwrap_or_else(|_| "single".into());
     let path = dir.join(format!("rank-{rank}.json"));
     std::fs::write(&path, serde_json::to_vec(value).unwrap()).unwrap();
@@ -100,6 +100,17 @@ pub fn launch<T: Serialize>(
     launch_args: &[&str],
 ) -> Launched {
     let _one = ONE_LAUNCH.lock().unwrap_or_else(|e| e.into_inner());
+    let (command, dir) = launch_command(test, processes, args, launch_args);
+    run(command, dir)
+}
+
+/// The launcher's command for [`launch`], and the directory the reports go to.
+pub fn launch_command<T: Serialize>(
+    test: &str,
+    processes: usize,
+    args: &T,
+    launch_args: &[&str],
+) -> (Command, PathBuf) {
     let dir = scratch_dir(test);
     let mut command = launcher();
     command
@@ -114,7 +125,12 @@ pub fn launch<T: Serialize>(
         .args([test, "--exact", "--nocapture", "--test-threads=1", "-q"])
         .env(WORKER_DIR, &dir)
         .env(WORKER_ARGS, serde_json::to_string(args).unwrap());
-    run(command, dir)
+    (command, dir)
+}
+
+/// The directory this worker reports to.
+pub fn worker_dir() -> PathBuf {
+    PathBuf::from(std::env::var(WORKER_DIR).expect("run by the harness"))
 }
 
 /// A fresh directory for one launch's reports (and anything else it writes).

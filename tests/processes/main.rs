@@ -23,6 +23,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_accelerate::data::{DataLoaderConfig, ShardLoaderBuilder, StreamLoaderBuilder};
 use burn_accelerate::distributed::{DistributedError, ProcessState, seed_for, set_seed};
+use burn_accelerate::train::AccelerateCheckpoint;
 use burn_accelerate::{AccelerateConfig, Accelerated, Precision};
 use harness::{launch, max_relative_difference, report, worker};
 use serde::{Deserialize, Serialize};
@@ -219,6 +220,29 @@ fn processes_train_like_one_process_on_the_same_global_batches() {
             assert!(max_relative_difference(&single.parameters, &initial) > 1e-2);
         }
     }
+}
+
+#[cfg(feature = "ndarray")]
+#[test]
+fn ndarray_processes_train_like_one_process() {
+    const TEST: &str = "ndarray_processes_train_like_one_process";
+    type Nd = Autodiff<burn::backend::NdArray>;
+    if let Some(args) = worker::<HandLoop>() {
+        return report(&hand_loop::<Nd>(&args));
+    }
+    let args = |processes: usize| HandLoop {
+        batch_size: 16 / processes,
+        grad_accum: 2,
+        epochs: 2,
+        precision: Precision::F32,
+        overflow_rank: None,
+        overflow_batch: 0,
+    };
+    let single: Vec<HandLoopReport> = launch(TEST, 1, &args(1), &[]).assert_success().reports(1);
+    let reports: Vec<HandLoopReport> = launch(TEST, 2, &args(2), &[]).assert_success().reports(2);
+    assert_eq!(bits(&reports[0].parameters), bits(&reports[1].parameters));
+    let difference = max_relative_difference(&reports[0].parameters, &single[0].parameters);
+    assert!(difference < 1e-5, "{difference:e}");
 }
 
 #[test]
@@ -421,6 +445,24 @@ fn a_resumed_run_of_processes_ends_where_the_uninterrupted_one_did() {
     assert_eq!(one[0].epochs, [3]);
     let difference = max_relative_difference(&one[0].parameters, &whole[0].parameters);
     assert!(difference < 1e-5, "{difference:e}");
+
+    // A position inside an epoch has no mapping onto another number of processes: refused.
+    let checkpoints = parts_dir.join("checkpoint");
+    let mut saved = AccelerateCheckpoint::load_epoch(&checkpoints, 2)
+        .unwrap()
+        .unwrap();
+    saved.loaders[0].position = 3;
+    saved.save_epoch(&checkpoints, 2).unwrap();
+    let refused = launch(TEST, 1, &run(1, 3, &parts_dir, Some(2)), &[]);
+    assert!(!refused.status.success());
+    assert!(
+        refused.stderr.contains(
+            "cannot resume: cannot restore number of processes: the checkpoint was saved with 2 \
+             processes, 3 batches into epoch 2, this accelerator has 1 processes"
+        ),
+        "{}",
+        refused.stderr
+    );
     harness::clean(&whole_dir);
     harness::clean(&parts_dir);
 }
@@ -557,8 +599,7 @@ fn seeds_worker() -> Seeds {
     let shared_draw = draw();
     // The main process writes a marker first; the others must find it once past the guard.
     let state = ProcessState::from_env().unwrap();
-    let dir = PathBuf::from(std::env::var("SEED_TEST_DIR").unwrap());
-    let marker = dir.join("main-was-first");
+    let marker = harness::worker_dir().join("main-was-first");
     let mut order = Vec::new();
     {
         let _first = state.main_process_first().unwrap();
@@ -584,20 +625,7 @@ fn seeds_and_the_main_process_first_guard_work_across_processes() {
     if worker::<()>().is_some() {
         return report(&seeds_worker());
     }
-    let dir = harness::scratch_dir("seeds");
-    let mut command = harness::launcher();
-    command
-        .args(["launch", "--num-processes", "3", "--main-process-port"])
-        .arg(harness::free_port().to_string())
-        .arg("--")
-        .arg(std::env::current_exe().unwrap())
-        .args([TEST, "--exact", "--nocapture", "--test-threads=1", "-q"])
-        .env("BURN_ACCELERATE_TEST_WORKER_DIR", &dir)
-        .env("BURN_ACCELERATE_TEST_WORKER_ARGS", "null")
-        .env("SEED_TEST_DIR", &dir);
-    let reports: Vec<Seeds> = harness::run(command, dir.clone())
-        .assert_success()
-        .reports(3);
+    let reports: Vec<Seeds> = launch(TEST, 3, &(), &[]).assert_success().reports(3);
     for (rank, r) in reports.iter().enumerate() {
         assert_eq!(r.device_specific, 42 + rank as u64);
         assert_eq!(r.shared, 42);
@@ -611,7 +639,6 @@ fn seeds_and_the_main_process_first_guard_work_across_processes() {
         assert_eq!(r.order, ["marker seen: true"], "rank {rank}");
     }
     assert_eq!(seed_for(7, true, &ProcessState::single()), 7);
-    harness::clean(&dir);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -788,4 +815,154 @@ fn a_bad_environment_is_an_error_naming_the_variable() {
         out.contains("environment variable RANK=\"2\" is invalid: below WORLD_SIZE=2"),
         "{out}"
     );
+}
+
+fn sleeping_worker() {
+    let state = ProcessState::from_env().unwrap();
+    state.wait_for_everyone().unwrap();
+    let ready = harness::worker_dir().join(format!("ready-{}", state.process_index()));
+    std::fs::write(ready, b"").unwrap();
+    std::thread::sleep(Duration::from_secs(120));
+}
+
+#[cfg(unix)]
+#[test]
+fn ctrl_c_on_the_launcher_reaches_every_process() {
+    const TEST: &str = "ctrl_c_on_the_launcher_reaches_every_process";
+    if worker::<()>().is_some() {
+        return sleeping_worker();
+    }
+    use nix::sys::signal::{Signal, kill};
+    use nix::unistd::Pid;
+    // A grace far longer than the test waits: the processes must end from the forwarded
+    // SIGINT itself, not from the launcher killing them afterwards.
+    let (command, dir) = harness::launch_command(TEST, 2, &(), &["--grace", "60"]);
+    let mut command = command;
+    let mut launcher = command
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    while !(dir.join("ready-0").exists() && dir.join("ready-1").exists()) {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the workers never got ready"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let interrupted = std::time::Instant::now();
+    kill(Pid::from_raw(launcher.id() as i32), Signal::SIGINT).unwrap();
+    let status = loop {
+        if let Some(status) = launcher.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            interrupted.elapsed() < Duration::from_secs(20),
+            "the launcher did not stop on Ctrl-C"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut launcher.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert_eq!(status.code(), Some(130), "{stderr}");
+    assert!(stderr.contains("stopped by signal 2"), "{stderr}");
+    assert!(
+        interrupted.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        interrupted.elapsed()
+    );
+    harness::clean(&dir);
+}
+
+// ---------------------------------------------------------------------------------------
+// Why the process group does not use burn-collective's global all-reduce (see
+// `distributed::ProcessGroup`): at the pinned 0.21 a registration completes one global
+// all-reduce, and the second never returns. When this test fails, upstream has fixed it and
+// the process group can move onto burn-collective.
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Collective {
+    orchestrator_port: u16,
+    data_ports: Vec<u16>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct CollectiveReport {
+    first: Option<Vec<f32>>,
+    second_returned: bool,
+}
+
+fn burn_collective_worker(args: &Collective) -> CollectiveReport {
+    use burn_collective::{CollectiveConfig, PeerId, ReduceOperation, all_reduce, register};
+    let state = ProcessState::from_env().unwrap();
+    let rank = state.process_index();
+    if rank == 0 {
+        let port = args.orchestrator_port;
+        std::thread::spawn(move || {
+            tokio::runtime::Runtime::new()
+                .unwrap()
+                .block_on(burn_collective::start_global_orchestrator(port));
+        });
+    }
+    let address = |port: u16| format!("ws://127.0.0.1:{port}").parse().unwrap();
+    let config = CollectiveConfig::default()
+        .with_num_devices(1)
+        .with_num_nodes(state.num_processes() as u32)
+        .with_global_address(address(args.orchestrator_port))
+        .with_node_address(address(args.data_ports[rank]))
+        .with_data_service_port(args.data_ports[rank]);
+    // Each call on a thread of its own, so that one that never returns can be left behind.
+    let (results, done) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        register::<Flex>(PeerId(rank as u32), Default::default(), config).unwrap();
+        for _ in 0..2 {
+            let tensor =
+                Tensor::<Flex, 1>::from_floats([rank as f32, 1.0, 2.0], &Default::default());
+            let reduced = all_reduce::<Flex>(
+                PeerId(rank as u32),
+                tensor.into_primitive().tensor(),
+                ReduceOperation::Sum,
+            )
+            .unwrap();
+            let reduced =
+                Tensor::<Flex, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(reduced));
+            if results
+                .send(reduced.into_data().to_vec::<f32>().unwrap())
+                .is_err()
+            {
+                break;
+            }
+        }
+    });
+    let first = done.recv_timeout(Duration::from_secs(60)).ok();
+    let second_returned = first.is_some() && done.recv_timeout(Duration::from_secs(5)).is_ok();
+    CollectiveReport {
+        first,
+        second_returned,
+    }
+}
+
+#[test]
+fn burn_collective_0_21_global_all_reduce_completes_once_per_registration() {
+    const TEST: &str = "burn_collective_0_21_global_all_reduce_completes_once_per_registration";
+    if let Some(args) = worker::<Collective>() {
+        let found = burn_collective_worker(&args);
+        report(&found);
+        // Its runtime and the call left waiting would keep the process alive.
+        std::process::exit(0);
+    }
+    let args = Collective {
+        orchestrator_port: harness::free_port(),
+        data_ports: vec![harness::free_port(), harness::free_port()],
+    };
+    let reports: Vec<CollectiveReport> = launch(TEST, 2, &args, &[]).assert_success().reports(2);
+    for r in &reports {
+        assert_eq!(r.first.as_deref(), Some(&[1.0, 2.0, 4.0][..]));
+        assert!(
+            !r.second_returned,
+            "burn-collective's second global all-reduce returned: upstream fixed \
+             `SyncService::sync`, and `distributed::ProcessGroup` can use burn-collective"
+        );
+    }
 }
