@@ -17,7 +17,8 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-const WORKER_DIR: &str = "BURN_ACCELERATE_TEST_WORKER_DIR";
+/// Where a worker writes its report.
+pub const WORKER_DIR: &str = "BURN_ACCELERATE_TEST_WORKER_DIR";
 const WORKER_ARGS: &str = "BURN_ACCELERATE_TEST_WORKER_ARGS";
 
 /// A launch must end within this, or the test fails (and the processes are killed).
@@ -116,9 +117,13 @@ pub fn launch_command<T: Serialize>(
     command
         .arg("launch")
         .arg("--num-processes")
-        .arg(processes.to_string())
-        .arg("--main-process-port")
-        .arg(free_port().to_string())
+        .arg(processes.to_string());
+    if !launch_args.contains(&"--main-process-port") {
+        command
+            .arg("--main-process-port")
+            .arg(free_port().to_string());
+    }
+    command
         .args(launch_args)
         .arg("--")
         .arg(std::env::current_exe().unwrap())

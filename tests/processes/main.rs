@@ -222,6 +222,59 @@ fn processes_train_like_one_process_on_the_same_global_batches() {
     }
 }
 
+#[test]
+fn two_machines_of_two_processes_train_like_one_process() {
+    const TEST: &str = "two_machines_of_two_processes_train_like_one_process";
+    if let Some(args) = worker::<HandLoop>() {
+        return report(&hand_loop::<Autodiff<Flex>>(&args));
+    }
+    let args = |processes: usize| HandLoop {
+        batch_size: 16 / processes,
+        grad_accum: 1,
+        epochs: 1,
+        precision: Precision::F32,
+        overflow_rank: None,
+        overflow_batch: 0,
+    };
+    let single: Vec<HandLoopReport> = launch(TEST, 1, &args(1), &[]).assert_success().reports(1);
+    // Two launchers on this host stand for two machines; machine 0 hosts the rendezvous.
+    let port = harness::free_port().to_string();
+    let machine = |rank: &str| {
+        let flags = [
+            "--num-machines",
+            "2",
+            "--machine-rank",
+            rank,
+            "--main-process-ip",
+            "127.0.0.1",
+            "--main-process-port",
+            &port,
+        ];
+        harness::launch_command(TEST, 4, &args(4), &flags)
+    };
+    let (first, dir) = machine("0");
+    let (mut second, unused) = machine("1");
+    harness::clean(&unused);
+    // Both machines report into one directory.
+    second.env(harness::WORKER_DIR, &dir);
+    let other = {
+        let dir = dir.clone();
+        std::thread::spawn(move || harness::run(second, dir))
+    };
+    let launched = harness::run(first, dir);
+    let second = other.join().unwrap();
+    second.assert_success();
+    // Machine 1 ran ranks 2 and 3, machine 0 ranks 0 and 1.
+    assert!(second.stdout.contains("[rank 2] ") && second.stdout.contains("[rank 3] "));
+    assert!(!second.stdout.contains("[rank 0] "));
+    let reports: Vec<HandLoopReport> = launched.assert_success().reports(4);
+    for r in &reports {
+        assert_eq!(bits(&r.parameters), bits(&reports[0].parameters));
+    }
+    let difference = max_relative_difference(&reports[0].parameters, &single[0].parameters);
+    assert!(difference < 1e-5, "{difference:e}");
+}
+
 #[cfg(feature = "ndarray")]
 #[test]
 fn ndarray_processes_train_like_one_process() {
