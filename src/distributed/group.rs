@@ -319,8 +319,10 @@ impl ProcessGroup {
                     )));
                 }
                 match phase {
-                    Phase::ReduceScatter => target.iter_mut().zip(got).for_each(|(v, g)| *v += g),
-                    Phase::AllGather => target.iter_mut().zip(got).for_each(|(v, g)| *v = g),
+                    Phase::ReduceScatter => {
+                        target.iter_mut().zip(got.iter()).for_each(|(v, g)| *v += g)
+                    }
+                    Phase::AllGather => target.copy_from_slice(&got),
                 }
             }
         }
