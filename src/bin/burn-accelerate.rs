@@ -31,13 +31,18 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Task {
-    /// Start PROGRAM on this machine's share of the processes, with the environment each
-    /// process reads its rank from (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-    /// MASTER_ADDR, MASTER_PORT, ...). Output lines are prefixed with the rank; when any
-    /// process fails, the others are stopped and the launcher exits non-zero.
+    /// Run PROGRAM on this machine's share of the run's processes
+    ///
+    /// Each process gets the environment it reads its place from (RANK, WORLD_SIZE,
+    /// LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT,
+    /// BURN_ACCELERATE_DATA_PORT, BURN_ACCELERATE_TIMEOUT); machine 0 hosts the rendezvous.
+    /// Output lines are prefixed with the rank; Ctrl-C is forwarded; when any process fails,
+    /// the others are stopped and the launcher exits non-zero, naming the rank.
     Launch(Launch),
-    /// Report the versions, the process layout in this environment, and the precisions each
-    /// compiled-in backend really runs (like `accelerate env`).
+    /// Print the versions, the process layout and what each backend runs
+    ///
+    /// Like `accelerate env`: the process layout this environment describes, and the
+    /// precisions each compiled-in backend really runs (found by running them).
     Env,
 }
 
