@@ -191,7 +191,7 @@ mod burn_machinery {
     use burn::train::{Learner, SupervisedTraining};
     use burn_accelerate::AccelerateConfig;
     use burn_accelerate::scaler::GradScalerConfig;
-    use burn_accelerate::train::demo::{BlobBatcher, Mlp, QuietRenderer, blobs};
+    use burn_accelerate::train::demo::{BlobBatcher, Mlp, MlpComponents, QuietRenderer, blobs};
     use burn_accelerate::train::metrics::AccelerateMetric;
     use burn_accelerate::train::{
         AccelerateStrategy, TrainingReport, TrainingStats, WithAccelerate,
@@ -200,12 +200,7 @@ mod burn_machinery {
     use super::*;
 
     type Train = Accelerated<Autodiff<Flex>>;
-    type Components = burn::train::LearningComponentsMarker<
-        Train,
-        f64,
-        Mlp<Train>,
-        burn::optim::adaptor::OptimizerAdaptor<burn::optim::Adam, Mlp<Train>, Train>,
-    >;
+    type Components = MlpComponents<Train>;
     type Training = SupervisedTraining<Components>;
 
     // 4 batches of 32 an epoch, in bf16 with windows of 3 (3 + 1).

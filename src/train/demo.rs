@@ -167,6 +167,16 @@ impl<B: Backend> InferenceStep for Mlp<B> {
     }
 }
 
+/// The learning components of an [`Mlp`] trained by Adam at a constant learning rate, in
+/// Burn's terms: what a strategy for it is built over (`AccelerateStrategy::<MlpComponents<B>>`)
+/// outside [`run`].
+pub type MlpComponents<B> = burn::train::LearningComponentsMarker<
+    B,
+    f64,
+    Mlp<B>,
+    burn::optim::adaptor::OptimizerAdaptor<burn::optim::Adam, Mlp<B>, B>,
+>;
+
 /// A learning-rate scheduler that counts its steps (on a shared counter) and delegates to
 /// another: how the tests see that the scheduler steps once per optimizer step.
 #[derive(Debug, Clone)]

@@ -514,10 +514,9 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
     /// # use burn_accelerate::{AccelerateConfig, Accelerated};
     /// # use burn_accelerate::data::{DataLoaderConfig, ShardLoaderBuilder};
     /// # use burn_accelerate::train::AccelerateStrategy;
-    /// # use burn_accelerate::train::demo::{BlobBatcher, Mlp, blobs};
+    /// # use burn_accelerate::train::demo::{BlobBatcher, MlpComponents, blobs};
     /// # type Train = Accelerated<Autodiff<Flex>>;
-    /// # type Components = burn::train::LearningComponentsMarker<Train, f64, Mlp<Train>,
-    /// #     burn::optim::adaptor::OptimizerAdaptor<burn::optim::Adam, Mlp<Train>, Train>>;
+    /// # type Components = MlpComponents<Train>;
     /// let device = Default::default();
     /// let loader = ShardLoaderBuilder::new(
     ///     DataLoaderConfig::new(32).with_shuffle(true).with_data_seed(Some(7)),

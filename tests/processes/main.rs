@@ -338,18 +338,13 @@ mod supervised {
     use burn::optim::AdamConfig;
     use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
     use burn::train::{Learner, SupervisedTraining};
-    use burn_accelerate::train::demo::{BlobBatcher, Mlp, QuietRenderer, blobs};
+    use burn_accelerate::train::demo::{BlobBatcher, Mlp, MlpComponents, QuietRenderer, blobs};
     use burn_accelerate::train::{AccelerateStrategy, WithAccelerate};
 
     use super::*;
 
     type Train = Accelerated<Autodiff<Flex>>;
-    type Components = burn::train::LearningComponentsMarker<
-        Train,
-        f64,
-        Mlp<Train>,
-        burn::optim::adaptor::OptimizerAdaptor<burn::optim::Adam, Mlp<Train>, Train>,
-    >;
+    type Components = MlpComponents<Train>;
 
     #[derive(Debug, Clone, Serialize, Deserialize)]
     pub struct Run {
