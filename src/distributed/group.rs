@@ -196,22 +196,12 @@ impl ProcessGroup {
     /// one did not come in time, [`DistributedError::Mismatch`] for processes calling
     /// different collectives, [`DistributedError::Broken`] after any earlier failure.
     pub fn all_reduce(&self, values: &mut [f32], op: ReduceOp) -> Result<(), DistributedError> {
-        let Some(network) = &self.inner.network else {
-            return Ok(());
-        };
-        self.collective(|seq| {
-            network.runtime.block_on(async {
-                tokio::time::timeout(self.inner.timeout, self.ring(network, seq, values))
-                    .await
-                    .map_err(|_| DistributedError::Timeout {
-                        what: format!("all-reduce #{seq} ({} values)", values.len()),
-                        after: self.inner.timeout,
-                        hint: "another process did not reach the same collective: is one stuck, \
-                               or making other collective calls?",
-                    })?
-            })
-        })?;
-        if op == ReduceOp::Mean {
+        let len = values.len();
+        self.collective(
+            |seq| format!("all-reduce #{seq} ({len} values)"),
+            |network, seq| self.ring(network, seq, values),
+        )?;
+        if op == ReduceOp::Mean && self.inner.network.is_some() {
             let n = self.inner.world_size as f32;
             values.iter_mut().for_each(|v| *v /= n);
         }
@@ -248,11 +238,90 @@ impl ProcessGroup {
         self.all_reduce(&mut [], ReduceOp::Sum)
     }
 
-    // Runs collective number `seq`, or reports the failure that broke the group.
-    fn collective(
+    /// Every process's `bytes`, in rank order (a ring all-gather of messages of any sizes).
+    pub(crate) fn all_gather_bytes(
         &self,
-        run: impl FnOnce(u64) -> Result<(), DistributedError>,
-    ) -> Result<(), DistributedError> {
+        bytes: Vec<u8>,
+    ) -> Result<Vec<Vec<u8>>, DistributedError> {
+        let (rank, n) = (self.inner.rank, self.inner.world_size);
+        let mut gathered: Vec<Vec<u8>> = vec![Vec::new(); n];
+        gathered[rank] = bytes;
+        let slots = &mut gathered;
+        self.collective(
+            |seq| format!("all-gather #{seq}"),
+            |network, seq| async move {
+                let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
+                let during = format!("all-gather #{seq}");
+                // At step s, pass on the bytes of rank r - s and take those of rank r - s - 1.
+                for step in 0..n - 1 {
+                    let (send, receive) = ((rank + n - step) % n, (rank + 2 * n - step - 1) % n);
+                    let message = wire::encode_bytes(seq, step as u32, &slots[send]);
+                    let (sent, received) = tokio::join!(
+                        network
+                            .mesh
+                            .send(next, message, &during, self.inner.timeout),
+                        network.mesh.recv(prev, &during),
+                    );
+                    sent?;
+                    let received = received?;
+                    slots[receive] = expect(&received, prev, seq, step as u32)?.to_vec();
+                }
+                Ok(())
+            },
+        )?;
+        Ok(gathered)
+    }
+
+    /// Process `root`'s `bytes` on every process (the others' are not sent).
+    pub(crate) fn broadcast_bytes(
+        &self,
+        root: usize,
+        bytes: Vec<u8>,
+    ) -> Result<Vec<u8>, DistributedError> {
+        let (rank, n) = (self.inner.rank, self.inner.world_size);
+        if root >= n {
+            return Err(DistributedError::Mismatch {
+                rank,
+                detail: format!("broadcast from process {root}, but there are {n}"),
+            });
+        }
+        let mut result = bytes;
+        let value = &mut result;
+        self.collective(
+            |seq| format!("broadcast #{seq} from process {root}"),
+            |network, seq| async move {
+                let during = format!("broadcast #{seq}");
+                if rank == root {
+                    let message = wire::encode_bytes(seq, 0, value);
+                    for peer in (0..n).filter(|p| *p != root) {
+                        network
+                            .mesh
+                            .send(peer, message.clone(), &during, self.inner.timeout)
+                            .await?;
+                    }
+                } else {
+                    let received = network.mesh.recv(root, &during).await?;
+                    *value = expect(&received, root, seq, 0)?.to_vec();
+                }
+                Ok(())
+            },
+        )?;
+        Ok(result)
+    }
+
+    // Runs collective number `seq` with the run's timeout (nothing to do for one process), or
+    // reports the failure that broke the group; a failure breaks it.
+    fn collective<'a, F>(
+        &'a self,
+        what: impl FnOnce(u64) -> String,
+        run: impl FnOnce(&'a Network, u64) -> F,
+    ) -> Result<(), DistributedError>
+    where
+        F: std::future::Future<Output = Result<(), DistributedError>>,
+    {
+        let Some(network) = &self.inner.network else {
+            return Ok(());
+        };
         let mut sequence = self
             .inner
             .sequence
@@ -262,16 +331,22 @@ impl ProcessGroup {
             Ok(seq) => *seq,
             Err(err) => return Err(DistributedError::Broken(err.to_string())),
         };
-        match run(seq) {
-            Ok(()) => {
-                *sequence = Ok(seq + 1);
-                Ok(())
-            }
-            Err(err) => {
-                *sequence = Err(err.clone());
-                Err(err)
-            }
-        }
+        let timeout = self.inner.timeout;
+        let outcome = network.runtime.block_on(async {
+            tokio::time::timeout(timeout, run(network, seq))
+                .await
+                .map_err(|_| DistributedError::Timeout {
+                    what: what(seq),
+                    after: timeout,
+                    hint: "another process did not reach the same collective: is one stuck, \
+                           or making other collective calls?",
+                })?
+        });
+        *sequence = match &outcome {
+            Ok(()) => Ok(seq + 1),
+            Err(err) => Err(err.clone()),
+        };
+        outcome
     }
 
     async fn ring(
@@ -301,23 +376,18 @@ impl ProcessGroup {
                 sent?;
                 let received = received?;
                 let target = &mut values[ring::chunk(len, n, receive)];
-                let mismatch = |detail: String| DistributedError::Mismatch { rank: prev, detail };
-                let (header, got) = wire::decode(&received)
-                    .ok_or_else(|| mismatch("it sent something that is not a chunk".into()))?;
-                if (header.seq, header.step) != (seq, wire_step) {
-                    return Err(mismatch(format!(
-                        "it is at collective #{} step {}, this process at #{seq} step {wire_step}",
-                        header.seq, header.step
-                    )));
-                }
-                if header.len as usize != target.len() {
-                    return Err(mismatch(format!(
-                        "its chunk has {} values where this process expects {} (buffers of \
-                         different lengths)",
-                        header.len,
-                        target.len()
-                    )));
-                }
+                let payload = expect(&received, prev, seq, wire_step)?;
+                let got = wire::values(payload)
+                    .filter(|got| got.len() == target.len())
+                    .ok_or_else(|| DistributedError::Mismatch {
+                        rank: prev,
+                        detail: format!(
+                            "its chunk has {} bytes where this process expects {} values \
+                             (buffers of different lengths)",
+                            payload.len(),
+                            target.len()
+                        ),
+                    })?;
                 match phase {
                     Phase::ReduceScatter => {
                         target.iter_mut().zip(got.iter()).for_each(|(v, g)| *v += g)
@@ -328,6 +398,20 @@ impl ProcessGroup {
         }
         Ok(())
     }
+}
+
+/// The payload of `received`, checked to be step `step` of collective `seq` from `peer`.
+fn expect(received: &[u8], peer: usize, seq: u64, step: u32) -> Result<&[u8], DistributedError> {
+    let mismatch = |detail: String| DistributedError::Mismatch { rank: peer, detail };
+    let (header, payload) =
+        wire::decode(received).ok_or_else(|| mismatch("it sent something unreadable".into()))?;
+    if (header.seq, header.step) != (seq, step) {
+        return Err(mismatch(format!(
+            "it is at collective #{} step {}, this process at #{seq} step {step}",
+            header.seq, header.step
+        )));
+    }
+    Ok(payload)
 }
 
 /// A tensor's values as f32, whatever its float dtype.

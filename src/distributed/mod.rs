@@ -11,6 +11,9 @@
 //! - [`all_reduce_gradients`]: the mean of a model's gradients over the processes, in a few
 //!   flat buckets; the [`Accelerator`](crate::Accelerator) and the training strategy call it
 //!   at every synchronising step, and never while accumulating (Accelerate's `no_sync`).
+//! - Accelerate's collectives on tensors, as methods of [`ProcessGroup`]: `gather`,
+//!   `gather_for_metrics`, `reduce`, `broadcast`, `broadcast_object`, `pad_across_processes`
+//!   (any dtype, exactly).
 //! - [`set_seed`]: Accelerate's `set_seed(seed, device_specific)`.
 //!
 //! The transport is burn-communication's WebSocket layer (see [`ProcessGroup`] for why not
@@ -20,6 +23,7 @@
 //! burn-accelerate launch --num-processes 2 -- target/release/examples/train_mlp --batch-size 32
 //! ```
 
+mod collectives;
 pub mod env;
 mod error;
 mod gradients;

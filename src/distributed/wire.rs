@@ -32,8 +32,8 @@ impl Hello {
     }
 }
 
-/// The header of a chunk: the collective's number in this process's sequence, the step
-/// within it, and the number of values that follow.
+/// The header of a message: the collective's number in this process's sequence, the step
+/// within it, and the number of payload bytes that follow.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Header {
     pub(crate) seq: u64,
@@ -43,38 +43,48 @@ pub(crate) struct Header {
 
 const HEADER: usize = 16;
 
-/// A chunk of values with its header.
-pub(crate) fn encode(seq: u64, step: u32, values: &[f32]) -> Bytes {
-    let mut b = BytesMut::with_capacity(HEADER + 4 * values.len());
+/// A message of raw bytes with its header.
+pub(crate) fn encode_bytes(seq: u64, step: u32, payload: &[u8]) -> Bytes {
+    let mut b = BytesMut::with_capacity(HEADER + payload.len());
     b.put_u64_le(seq);
     b.put_u32_le(step);
-    b.put_u32_le(values.len() as u32);
-    // On little-endian machines the values are already their wire bytes: one copy, not a
-    // loop over values (a gradient bucket is megabytes).
-    if cfg!(target_endian = "little") {
-        b.put_slice(bytemuck::cast_slice(values));
-    } else {
-        values.iter().for_each(|v| b.put_f32_le(*v));
-    }
+    b.put_u32_le(payload.len() as u32);
+    b.put_slice(payload);
     b.freeze()
 }
 
-/// The header and the values of a chunk; `None` when the bytes are not one. The values are
-/// borrowed from the message where its alignment and the machine allow.
-pub(crate) fn decode(bytes: &[u8]) -> Option<(Header, Cow<'_, [f32]>)> {
+/// A chunk of values with its header.
+pub(crate) fn encode(seq: u64, step: u32, values: &[f32]) -> Bytes {
+    // On little-endian machines the values are already their wire bytes: one copy, not a
+    // loop over values (a gradient bucket is megabytes).
+    if cfg!(target_endian = "little") {
+        return encode_bytes(seq, step, bytemuck::cast_slice(values));
+    }
+    let le: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    encode_bytes(seq, step, &le)
+}
+
+/// The header and the payload of a message; `None` when the bytes are not one.
+pub(crate) fn decode(bytes: &[u8]) -> Option<(Header, &[u8])> {
     let header = Header {
         seq: u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?),
         step: u32::from_le_bytes(bytes.get(8..12)?.try_into().ok()?),
         len: u32::from_le_bytes(bytes.get(12..16)?.try_into().ok()?),
     };
     let payload = &bytes[HEADER..];
-    if payload.len() != 4 * header.len as usize {
+    (payload.len() == header.len as usize).then_some((header, payload))
+}
+
+/// The values of a chunk's payload; `None` when it is not a whole number of them. Borrowed
+/// from the message where its alignment and the machine allow.
+pub(crate) fn values(payload: &[u8]) -> Option<Cow<'_, [f32]>> {
+    if !payload.len().is_multiple_of(4) {
         return None;
     }
     let borrowed = cfg!(target_endian = "little")
         .then(|| bytemuck::try_cast_slice::<u8, f32>(payload).ok())
         .flatten();
-    let values = match borrowed {
+    Some(match borrowed {
         Some(values) => Cow::Borrowed(values),
         None => Cow::Owned(
             payload
@@ -82,8 +92,7 @@ pub(crate) fn decode(bytes: &[u8]) -> Option<(Header, Cow<'_, [f32]>)> {
                 .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
                 .collect(),
         ),
-    };
-    Some((header, values))
+    })
 }
 
 #[cfg(test)]
@@ -94,28 +103,36 @@ mod tests {
     fn chunks_and_hellos_round_trip() {
         let values = [1.5, -0.0, f32::INFINITY, f32::MIN_POSITIVE];
         let bytes = encode(7, 2, &values);
-        let (header, got) = decode(&bytes).unwrap();
+        let (header, payload) = decode(&bytes).unwrap();
         assert_eq!(
             header,
             Header {
                 seq: 7,
                 step: 2,
-                len: 4
+                len: 16
             }
         );
-        let got: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
+        let got: Vec<u32> = self::values(payload)
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect();
         assert_eq!(got, values.map(f32::to_bits));
         assert!(decode(&bytes[..bytes.len() - 1]).is_none());
         let nan = encode(0, 0, &[f32::NAN]);
-        assert!(decode(&nan).unwrap().1[0].is_nan());
+        assert!(self::values(decode(&nan).unwrap().1).unwrap()[0].is_nan());
         // A payload that is not 4-byte aligned in memory is read all the same.
         let mut shifted = vec![0u8];
         shifted.extend_from_slice(&bytes);
-        let (_, got) = decode(&shifted[1..]).unwrap();
+        let got = self::values(decode(&shifted[1..]).unwrap().1).unwrap();
         assert_eq!(
             got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
             values.map(f32::to_bits)
         );
+
+        assert!(self::values(&[0; 3]).is_none());
+        let raw = encode_bytes(1, 0, b"any bytes");
+        assert_eq!(decode(&raw).unwrap().1, b"any bytes");
 
         let hello = Hello {
             rank: 3,

@@ -43,6 +43,11 @@ fn parameters<B: Backend, M: Module<B>>(module: &M) -> Vec<f32> {
     collect.0
 }
 
+/// An int tensor's values, whatever the backend's int dtype.
+fn ints<B: Backend, const D: usize>(tensor: Tensor<B, D, Int>) -> Vec<i64> {
+    tensor.into_data().convert::<i64>().to_vec().unwrap()
+}
+
 fn bits(values: &[f32]) -> Vec<u32> {
     values.iter().map(|v| v.to_bits()).collect()
 }
@@ -1012,5 +1017,200 @@ fn burn_collective_0_21_global_all_reduce_completes_once_per_registration() {
             "burn-collective's second global all-reduce returned: upstream fixed \
              `SyncService::sync`, and `distributed::ProcessGroup` can use burn-collective"
         );
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Accelerate's collectives on tensors, and gather_for_metrics over a sharded epoch.
+
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
+struct Collected {
+    gathered_floats: Vec<f32>,
+    gathered_shape: Vec<usize>,
+    gathered_labels: Vec<i64>,
+    gathered_mask: Vec<bool>,
+    sum: Vec<f32>,
+    mean: Vec<f32>,
+    int_sum: Vec<i64>,
+    broadcast: Vec<f32>,
+    broadcast_object: String,
+    padded: Vec<f32>,
+    errors: Vec<String>,
+}
+
+fn collectives_worker() -> Collected {
+    use burn::tensor::Bool;
+    use burn_accelerate::distributed::ReduceOp;
+    let state = ProcessState::from_env().unwrap();
+    let group = state.group().unwrap();
+    let r = state.process_index();
+    let device = Default::default();
+    // Rank r contributes r + 1 rows of the value r.
+    let floats = Tensor::<Flex, 2>::full([r + 1, 2], r as f32, &device);
+    let gathered = group.gather(floats).unwrap();
+    // Labels beyond f32's exact integers (2^24), and a mask: they must arrive bit for bit.
+    let labels = Tensor::<Flex, 1, Int>::from_data(
+        TensorData::new(vec![(1i64 << 30) + r as i64, -(r as i64)], [2]),
+        &device,
+    );
+    let mask = Tensor::<Flex, 1, Bool>::from_data(
+        TensorData::new(vec![r.is_multiple_of(2), true], [2]),
+        &device,
+    );
+    let pair = Tensor::<Flex, 1>::from_floats([r as f32, 1.0], &device);
+    let int = Tensor::<Flex, 1, Int>::from_ints([r as i64 * 10], &device);
+    let own = Tensor::<Flex, 1>::from_floats([r as f32 * 100.0], &device);
+    let ones = Tensor::<Flex, 1>::ones([r + 1], &device);
+    // Calls that cannot be served: every process finds the same error, and the group stays
+    // usable (the last call below still works).
+    let ragged = || Tensor::<Flex, 2>::zeros([1, r + 1], &device);
+    let errors = vec![
+        group.gather(ragged()).unwrap_err().to_string(),
+        group
+            .reduce(ragged(), ReduceOp::Sum)
+            .unwrap_err()
+            .to_string(),
+        group.broadcast(ragged(), 5).unwrap_err().to_string(),
+        // Process 0 sends text where the others expect a number.
+        if r == 0 {
+            group.broadcast_object(&"text".to_string(), 0).unwrap();
+            "process 0 sent it".into()
+        } else {
+            group.broadcast_object(&0u64, 0).unwrap_err().to_string()
+        },
+    ];
+    Collected {
+        errors,
+        gathered_shape: gathered.dims().to_vec(),
+        gathered_floats: gathered.into_data().to_vec().unwrap(),
+        gathered_labels: ints(group.gather(labels).unwrap()),
+        gathered_mask: group.gather(mask).unwrap().into_data().to_vec().unwrap(),
+        sum: group
+            .reduce(pair.clone(), ReduceOp::Sum)
+            .unwrap()
+            .into_data()
+            .to_vec()
+            .unwrap(),
+        mean: group
+            .reduce(pair, ReduceOp::Mean)
+            .unwrap()
+            .into_data()
+            .to_vec()
+            .unwrap(),
+        int_sum: ints(group.reduce(int, ReduceOp::Sum).unwrap()),
+        broadcast: group
+            .broadcast(own, 1)
+            .unwrap()
+            .into_data()
+            .to_vec()
+            .unwrap(),
+        broadcast_object: group.broadcast_object(&format!("seed-{r}"), 2).unwrap(),
+        padded: group
+            .pad_across_processes(ones, 0, 0.0, false)
+            .unwrap()
+            .into_data()
+            .to_vec()
+            .unwrap(),
+    }
+}
+
+#[test]
+fn tensor_collectives_give_every_process_the_same_exact_answer() {
+    const TEST: &str = "tensor_collectives_give_every_process_the_same_exact_answer";
+    if worker::<()>().is_some() {
+        return report(&collectives_worker());
+    }
+    let reports: Vec<Collected> = launch(TEST, 3, &(), &[]).assert_success().reports(3);
+    for (rank, r) in reports.iter().enumerate() {
+        assert_eq!(r.gathered_shape, [6, 2]);
+        assert_eq!(
+            r.gathered_floats,
+            [0., 0., 1., 1., 1., 1., 2., 2., 2., 2., 2., 2.]
+        );
+        let big = 1i64 << 30;
+        assert_eq!(r.gathered_labels, [big, 0, big + 1, -1, big + 2, -2]);
+        assert_eq!(r.gathered_mask, [true, true, false, true, true, true]);
+        assert_eq!(r.sum, [3.0, 3.0]);
+        assert_eq!(r.mean, [1.0, 1.0]);
+        assert_eq!(r.int_sum, [30]);
+        assert_eq!(r.broadcast, [100.0]);
+        assert_eq!(r.broadcast_object, "seed-2");
+        let mut padded = vec![1.0; rank + 1];
+        padded.resize(3, 0.0);
+        assert_eq!(r.padded, padded, "rank {rank}");
+        let expected = [
+            "same shape beyond the first dimension",
+            "reduce needs the same shape everywhere",
+            "broadcast from process 5, but there are 3",
+            if rank == 0 {
+                "process 0 sent it"
+            } else {
+                "not of the type this process expects"
+            },
+        ];
+        assert_eq!(r.errors.len(), expected.len());
+        for (error, expected) in r.errors.iter().zip(expected) {
+            assert!(error.contains(expected), "rank {rank}: {error}");
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Metrics {
+    len: usize,
+    batch_size: usize,
+    split_batches: bool,
+}
+
+// The items one epoch gathers for metrics, as every process sees them.
+fn gather_for_metrics_worker(args: &Metrics) -> Vec<i64> {
+    let state = ProcessState::from_env().unwrap();
+    let group = state.group().unwrap();
+    let device: burn::backend::flex::FlexDevice = Default::default();
+    let loader = ShardLoaderBuilder::<Flex, usize, Vec<usize>>::new(
+        DataLoaderConfig::new(args.batch_size).with_split_batches(args.split_batches),
+        InMemDataset::new((0..args.len).collect()),
+        Ids,
+    )
+    .build_for(&state, device)
+    .unwrap();
+    let mut seen = Vec::new();
+    let mut iter = loader.shard_iter();
+    while let Some(batch) = iter.next() {
+        let ids: Vec<i64> = batch.iter().map(|&i| i as i64).collect();
+        let n = ids.len();
+        let ids = Tensor::<Flex, 1, Int>::from_data(TensorData::new(ids, [n]), &device);
+        let gathered = group
+            .gather_for_metrics(ids, iter.metrics_padding())
+            .unwrap();
+        seen.extend(ints(gathered));
+    }
+    seen
+}
+
+#[test]
+fn gather_for_metrics_sees_the_dataset_once_in_order() {
+    const TEST: &str = "gather_for_metrics_sees_the_dataset_once_in_order";
+    if let Some(args) = worker::<Metrics>() {
+        return report(&gather_for_metrics_worker(&args));
+    }
+    for (processes, len, batch_size, split_batches) in [
+        (2, 12, 3, false),
+        (2, 13, 3, false),
+        (3, 10, 2, false),
+        (3, 11, 6, true),
+    ] {
+        let args = Metrics {
+            len,
+            batch_size,
+            split_batches,
+        };
+        let reports: Vec<Vec<i64>> = launch(TEST, processes, &args, &[])
+            .assert_success()
+            .reports(processes);
+        let dataset: Vec<i64> = (0..len as i64).collect();
+        for seen in &reports {
+            assert_eq!(seen, &dataset, "{processes} processes, {args:?}");
+        }
     }
 }
