@@ -29,6 +29,7 @@ use std::time::Duration;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorData};
+use bytes::Bytes;
 use tokio::runtime::Runtime;
 
 use super::error::DistributedError;
@@ -250,21 +251,15 @@ impl ProcessGroup {
         self.collective(
             |seq| format!("all-gather #{seq}"),
             |network, seq| async move {
-                let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
                 let during = format!("all-gather #{seq}");
                 // At step s, pass on the bytes of rank r - s and take those of rank r - s - 1.
                 for step in 0..n - 1 {
                     let (send, receive) = ((rank + n - step) % n, (rank + 2 * n - step - 1) % n);
                     let message = wire::encode_bytes(seq, step as u32, &slots[send]);
-                    let (sent, received) = tokio::join!(
-                        network
-                            .mesh
-                            .send(next, message, &during, self.inner.timeout),
-                        network.mesh.recv(prev, &during),
-                    );
-                    sent?;
-                    let received = received?;
-                    slots[receive] = expect(&received, prev, seq, step as u32)?.to_vec();
+                    let payload = self
+                        .ring_step(network, seq, step as u32, message, &during)
+                        .await?;
+                    slots[receive] = payload.to_vec();
                 }
                 Ok(())
             },
@@ -301,7 +296,7 @@ impl ProcessGroup {
                     }
                 } else {
                     let received = network.mesh.recv(root, &during).await?;
-                    *value = expect(&received, root, seq, 0)?.to_vec();
+                    *value = expect(received, root, seq, 0)?.to_vec();
                 }
                 Ok(())
             },
@@ -349,6 +344,26 @@ impl ProcessGroup {
         outcome
     }
 
+    // One step of a ring: sends `message` to the next process while taking the previous
+    // one's message of step `step` of collective `seq`; returns its payload.
+    async fn ring_step(
+        &self,
+        network: &Network,
+        seq: u64,
+        step: u32,
+        message: Bytes,
+        during: &str,
+    ) -> Result<Bytes, DistributedError> {
+        let (rank, n) = (self.inner.rank, self.inner.world_size);
+        let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
+        let (sent, received) = tokio::join!(
+            network.mesh.send(next, message, during, self.inner.timeout),
+            network.mesh.recv(prev, during),
+        );
+        sent?;
+        expect(received?, prev, seq, step)
+    }
+
     async fn ring(
         &self,
         network: &Network,
@@ -356,7 +371,7 @@ impl ProcessGroup {
         values: &mut [f32],
     ) -> Result<(), DistributedError> {
         let (rank, n) = (self.inner.rank, self.inner.world_size);
-        let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
+        let prev = (rank + n - 1) % n;
         let during = format!("all-reduce #{seq}");
         let len = values.len();
         for (p, phase) in [Phase::ReduceScatter, Phase::AllGather]
@@ -367,17 +382,11 @@ impl ProcessGroup {
                 let (send, receive) = ring::exchange(phase, rank, n, step);
                 let wire_step = (p * n + step) as u32;
                 let message = wire::encode(seq, wire_step, &values[ring::chunk(len, n, send)]);
-                let (sent, received) = tokio::join!(
-                    network
-                        .mesh
-                        .send(next, message, &during, self.inner.timeout),
-                    network.mesh.recv(prev, &during),
-                );
-                sent?;
-                let received = received?;
+                let payload = self
+                    .ring_step(network, seq, wire_step, message, &during)
+                    .await?;
                 let target = &mut values[ring::chunk(len, n, receive)];
-                let payload = expect(&received, prev, seq, wire_step)?;
-                let got = wire::values(payload)
+                let got = wire::values(&payload)
                     .filter(|got| got.len() == target.len())
                     .ok_or_else(|| DistributedError::Mismatch {
                         rank: prev,
@@ -401,17 +410,18 @@ impl ProcessGroup {
 }
 
 /// The payload of `received`, checked to be step `step` of collective `seq` from `peer`.
-fn expect(received: &[u8], peer: usize, seq: u64, step: u32) -> Result<&[u8], DistributedError> {
+fn expect(received: Bytes, peer: usize, seq: u64, step: u32) -> Result<Bytes, DistributedError> {
     let mismatch = |detail: String| DistributedError::Mismatch { rank: peer, detail };
     let (header, payload) =
-        wire::decode(received).ok_or_else(|| mismatch("it sent something unreadable".into()))?;
+        wire::decode(&received).ok_or_else(|| mismatch("it sent something unreadable".into()))?;
     if (header.seq, header.step) != (seq, step) {
         return Err(mismatch(format!(
             "it is at collective #{} step {}, this process at #{seq} step {step}",
             header.seq, header.step
         )));
     }
-    Ok(payload)
+    let start = received.len() - payload.len();
+    Ok(received.slice(start..))
 }
 
 /// A tensor's values as f32, whatever its float dtype.
