@@ -38,7 +38,10 @@ pub struct DataLoaderConfig {
     /// One reader pulls each global batch and hands every shard its slice, with the tail of
     /// Accelerate's `DataLoaderDispatcher` (see [`Sharding::Dispatch`]). The last batches
     /// are then shorter, and empty on some processes when there are fewer items than
-    /// processes, so the batcher is called with an empty `Vec` there.
+    /// processes, so the batcher is called with an empty `Vec` there. Across processes
+    /// (`burn-accelerate launch`), build each process's loader with
+    /// [`ShardLoaderBuilder::build_dispatching`](super::ShardLoaderBuilder::build_dispatching)
+    /// for process 0 alone to read and send the others their slices.
     #[config(default = false)]
     pub dispatch_batches: bool,
     /// Pad the tail by cycling from the start of the data so every process gets the same

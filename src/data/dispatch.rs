@@ -218,6 +218,27 @@ impl<S: StepSource> Dispatcher<S, S::Cursor, S::Slice> {
     }
 }
 
+/// Where a dispatched shard's slices come from: the shards of one process share a
+/// [`Dispatcher`]; across processes, [`ProcessDispatch`](super::process_dispatch::ProcessDispatch)
+/// has process 0 read and send.
+pub(crate) trait Dispatch<I>: Send + Sync {
+    /// Process `process`'s slice of step `step` of `epoch` (see [`Dispatcher::take`]).
+    fn take(&self, process: usize, epoch: &Epoch, step: usize, first_step: usize) -> Vec<I>;
+
+    /// Process `process` is done with `key`'s epoch.
+    fn leave(&self, process: usize, key: EpochKey);
+}
+
+impl<I: Clone + Send + Sync> Dispatch<I> for IndexedDispatcher<I> {
+    fn take(&self, process: usize, epoch: &Epoch, step: usize, first_step: usize) -> Vec<I> {
+        Dispatcher::take(self, process, epoch, step, first_step)
+    }
+
+    fn leave(&self, process: usize, key: EpochKey) {
+        Dispatcher::leave(self, process, key);
+    }
+}
+
 /// Steps of an indexed dataset: any step can be read directly, so a cursor is only a
 /// position.
 pub(crate) struct IndexedSource<I> {
@@ -229,6 +250,11 @@ pub(crate) struct IndexedSource<I> {
 impl<I> IndexedSource<I> {
     pub(crate) fn new(dataset: Arc<dyn Dataset<I>>, plans: Vec<ShardPlan>) -> Self {
         Self { dataset, plans }
+    }
+
+    /// Every process's plan.
+    pub(crate) fn plans(&self) -> &[ShardPlan] {
+        &self.plans
     }
 }
 

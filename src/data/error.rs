@@ -17,6 +17,11 @@ pub enum DataLoaderError {
     #[error(transparent)]
     Shard(#[from] ShardError),
 
+    /// A loader that needs the other processes (`dispatch_batches` across processes) could
+    /// not reach them.
+    #[error(transparent)]
+    Distributed(#[from] crate::distributed::DistributedError),
+
     /// Background preparation was asked for with no room to prepare anything in.
     #[error(
         "prefetch is 0 while batches are prepared in the background (num_workers = \

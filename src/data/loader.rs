@@ -10,11 +10,12 @@ use burn::data::dataset::Dataset;
 use burn::tensor::backend::Backend;
 
 use super::config::DataLoaderConfig;
-use super::dispatch::{Dispatcher, IndexedDispatcher, IndexedSource};
+use super::dispatch::{Dispatch, Dispatcher, IndexedSource};
 use super::epoch::{Epoch, stream_len};
 use super::error::DataLoaderError;
 use super::observer::LoaderObserver;
 use super::prefetch::{Pipeline, Produce, Threading};
+use super::process_dispatch::ProcessDispatch;
 use super::shard::{ShardPlan, ShardSpec, Sharding, seeded_permutation};
 use super::state::{LoaderState, Tracker};
 
@@ -106,8 +107,8 @@ where
     /// builds under data-parallel training across OS processes.
     ///
     /// Under `dispatch_batches` this loader reads its own slice of each global batch (the
-    /// items a dispatcher would send it, tail included): there is no transport between
-    /// processes here to send slices over, so each process is its own reader.
+    /// items a dispatcher would send it, tail included): for process 0 to read alone and send
+    /// the others theirs, use [`build_dispatching`](Self::build_dispatching).
     ///
     /// # Errors
     ///
@@ -147,10 +148,63 @@ where
         self.build_process(state.num_processes(), state.process_index(), device)
     }
 
+    /// [`build_for`](Self::build_for), and under `dispatch_batches` in a run of several
+    /// processes, only process 0 reads the dataset: it sends every other process its slice of
+    /// each global batch (Accelerate's `DataLoaderDispatcher`), so items must be serde
+    /// values; int and bool fields arrive exactly. Without `dispatch_batches`, or on one
+    /// process, the same as `build_for`.
+    ///
+    /// Every process must build its dispatching loaders in the same order (each gets a stream
+    /// of its own between the processes), and iterate the same epochs: process 0 reads a
+    /// step when its own iterator (or its prefetch) gets there.
+    ///
+    /// # Errors
+    ///
+    /// As [`build_process`](Self::build_process); [`DataLoaderError::Distributed`] when the
+    /// process group cannot be joined.
+    pub fn build_dispatching(
+        &self,
+        state: &crate::distributed::ProcessState,
+        device: B::Device,
+    ) -> Result<ShardLoader<B, I, O>, DataLoaderError>
+    where
+        I: serde::Serialize + serde::de::DeserializeOwned,
+    {
+        if !(self.config.dispatch_batches && state.is_distributed()) {
+            return self.build_for(state, device);
+        }
+        let (num_processes, process) = (state.num_processes(), state.process_index());
+        if self.config.shuffle && self.config.data_seed.is_none() {
+            self.config.shard_spec(num_processes, process)?;
+            return Err(DataLoaderError::MissingDataSeed { num_processes });
+        }
+        let stream = state.group()?.stream();
+        let mut loaders =
+            self.build_with(num_processes, vec![(process, device)], |source, _| {
+                Arc::new(ProcessDispatch::new(stream, process, source)) as Arc<dyn Dispatch<I>>
+            })?;
+        loaders.pop().ok_or(DataLoaderError::Shard(
+            super::shard::ShardError::ZeroProcesses,
+        ))
+    }
+
     fn build_processes(
         &self,
         num_processes: usize,
         processes: Vec<(usize, B::Device)>,
+    ) -> Result<Vec<ShardLoader<B, I, O>>, DataLoaderError> {
+        self.build_with(num_processes, processes, |source, registered| {
+            Arc::new(Dispatcher::new(source, registered)) as Arc<dyn Dispatch<I>>
+        })
+    }
+
+    // The loaders of `processes`, their dispatch (under `dispatch_batches`) made by `dispatch`
+    // from the source of every process's steps and which processes are built here.
+    fn build_with(
+        &self,
+        num_processes: usize,
+        processes: Vec<(usize, B::Device)>,
+        dispatch: impl FnOnce(IndexedSource<I>, Vec<bool>) -> Arc<dyn Dispatch<I>>,
     ) -> Result<Vec<ShardLoader<B, I, O>>, DataLoaderError> {
         let first = processes.first().map_or(0, |(p, _)| *p);
         let spec = self.config.shard_spec(num_processes, first)?;
@@ -165,10 +219,10 @@ where
             for (p, _) in &processes {
                 registered[*p] = true;
             }
-            Arc::new(Dispatcher::new(
+            dispatch(
                 IndexedSource::new(Arc::clone(&self.dataset), plans.clone()),
                 registered,
-            ))
+            )
         });
         let orders = OrderCache::default();
         let threading = Threading::of(&self.config);
@@ -231,7 +285,7 @@ impl OrderCache {
 pub struct ShardLoader<B: Backend, I, O> {
     dataset: Arc<dyn Dataset<I>>,
     batcher: Arc<dyn Batcher<B, I, O>>,
-    dispatcher: Option<Arc<IndexedDispatcher<I>>>,
+    dispatcher: Option<Arc<dyn Dispatch<I>>>,
     plan: ShardPlan,
     shuffle: bool,
     seedable: bool,
@@ -447,7 +501,7 @@ where
 struct Producer<B: Backend, I, O> {
     epoch: Epoch,
     dataset: Arc<dyn Dataset<I>>,
-    dispatcher: Option<(Arc<IndexedDispatcher<I>>, usize)>,
+    dispatcher: Option<(Arc<dyn Dispatch<I>>, usize)>,
     /// The step this epoch's iterator began at.
     first_step: usize,
     batcher: Arc<dyn Batcher<B, I, O>>,
@@ -491,7 +545,7 @@ where
     tracker: Tracker,
     generation: u64,
     observer: Option<Arc<dyn LoaderObserver>>,
-    dispatcher: Option<(Arc<IndexedDispatcher<I>>, usize)>,
+    dispatcher: Option<(Arc<dyn Dispatch<I>>, usize)>,
     num_batches: usize,
     /// Index of the batch handed out last.
     last: Option<usize>,

@@ -25,6 +25,7 @@ mod loader;
 mod metrics;
 mod observer;
 mod prefetch;
+mod process_dispatch;
 pub mod shard;
 mod state;
 mod stream;

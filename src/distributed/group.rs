@@ -37,7 +37,7 @@ use super::mesh::Mesh;
 use super::rendezvous;
 use super::ring::{self, Phase};
 use super::state::ProcessState;
-use super::wire;
+use super::wire::{self, COLLECTIVES, Lane};
 
 /// How an all-reduce combines the processes' values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -73,6 +73,8 @@ struct Inner {
     network: Option<Network>,
     // Serialises this process's collectives and numbers them; set once one fails.
     sequence: Mutex<Result<u64, DistributedError>>,
+    // The lane the next stream gets (lane 0 is the collectives').
+    next_lane: std::sync::atomic::AtomicU32,
 }
 
 struct Network {
@@ -149,11 +151,16 @@ impl ProcessGroup {
             // Every connection is opened now: the first step pays nothing for it, and a peer
             // that dies later closes its connection, which fails a collective at once.
             for peer in (0..world).filter(|p| *p != rank) {
-                mesh.send(peer, wire::encode(0, 0, &[]), "joining", timeout)
-                    .await?;
+                mesh.send(
+                    peer,
+                    wire::encode(COLLECTIVES, 0, 0, &[]),
+                    "joining",
+                    timeout,
+                )
+                .await?;
             }
             for peer in (0..world).filter(|p| *p != rank) {
-                mesh.recv(peer, "joining").await?;
+                mesh.recv(peer, COLLECTIVES, "joining").await?;
             }
             Ok::<_, DistributedError>(mesh)
         })?;
@@ -174,6 +181,7 @@ impl ProcessGroup {
                 timeout,
                 network,
                 sequence: Mutex::new(Ok(1)),
+                next_lane: std::sync::atomic::AtomicU32::new(COLLECTIVES + 1),
             }),
         }
     }
@@ -255,7 +263,7 @@ impl ProcessGroup {
                 // At step s, pass on the bytes of rank r - s and take those of rank r - s - 1.
                 for step in 0..n - 1 {
                     let (send, receive) = ((rank + n - step) % n, (rank + 2 * n - step - 1) % n);
-                    let message = wire::encode_bytes(seq, step as u32, &slots[send]);
+                    let message = wire::encode_bytes(COLLECTIVES, seq, step as u32, &slots[send]);
                     let payload = self
                         .ring_step(network, seq, step as u32, message, &during)
                         .await?;
@@ -287,7 +295,7 @@ impl ProcessGroup {
             |network, seq| async move {
                 let during = format!("broadcast #{seq}");
                 if rank == root {
-                    let message = wire::encode_bytes(seq, 0, value);
+                    let message = wire::encode_bytes(COLLECTIVES, seq, 0, value);
                     for peer in (0..n).filter(|p| *p != root) {
                         network
                             .mesh
@@ -295,13 +303,26 @@ impl ProcessGroup {
                             .await?;
                     }
                 } else {
-                    let received = network.mesh.recv(root, &during).await?;
+                    let received = network.mesh.recv(root, COLLECTIVES, &during).await?;
                     *value = expect(received, root, seq, 0)?.to_vec();
                 }
                 Ok(())
             },
         )?;
         Ok(result)
+    }
+
+    /// A new stream of point-to-point messages, ordered apart from the collectives (whose
+    /// order every process shares) and from other streams. Every process must open its streams
+    /// in the same order: the n-th stream of each process talks to the n-th of the others.
+    pub(crate) fn stream(&self) -> Stream {
+        Stream {
+            group: self.clone(),
+            lane: self
+                .inner
+                .next_lane
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst),
+        }
     }
 
     // Runs collective number `seq` with the run's timeout (nothing to do for one process), or
@@ -358,7 +379,7 @@ impl ProcessGroup {
         let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
         let (sent, received) = tokio::join!(
             network.mesh.send(next, message, during, self.inner.timeout),
-            network.mesh.recv(prev, during),
+            network.mesh.recv(prev, COLLECTIVES, during),
         );
         sent?;
         expect(received?, prev, seq, step)
@@ -381,7 +402,12 @@ impl ProcessGroup {
             for step in 0..n - 1 {
                 let (send, receive) = ring::exchange(phase, rank, n, step);
                 let wire_step = (p * n + step) as u32;
-                let message = wire::encode(seq, wire_step, &values[ring::chunk(len, n, send)]);
+                let message = wire::encode(
+                    COLLECTIVES,
+                    seq,
+                    wire_step,
+                    &values[ring::chunk(len, n, send)],
+                );
                 let payload = self
                     .ring_step(network, seq, wire_step, message, &during)
                     .await?;
@@ -458,4 +484,63 @@ fn route_to(main: &str, port: u16) -> Result<String, DistributedError> {
             ),
         })?;
     Ok(socket.ip().to_string())
+}
+
+/// Point-to-point messages between processes on a lane of their own (see
+/// [`ProcessGroup::stream`]): each carries a tag (`seq`, `step`) the receiver checks, in the
+/// order it was sent. Every wait has the run's timeout.
+pub(crate) struct Stream {
+    group: ProcessGroup,
+    lane: Lane,
+}
+
+impl Stream {
+    /// The group this stream belongs to.
+    pub(crate) fn group(&self) -> &ProcessGroup {
+        &self.group
+    }
+
+    /// Sends `payload` to process `to`, tagged `(seq, step)`.
+    pub(crate) fn send(
+        &self,
+        to: usize,
+        seq: u64,
+        step: u32,
+        payload: &[u8],
+    ) -> Result<(), DistributedError> {
+        let Some(network) = &self.group.inner.network else {
+            return Ok(());
+        };
+        let message = wire::encode_bytes(self.lane, seq, step, payload);
+        let timeout = self.group.inner.timeout;
+        network
+            .runtime
+            .block_on(async { network.mesh.send(to, message, "a stream", timeout).await })
+    }
+
+    /// The next message from process `from`, with its tag `(seq, step)`.
+    pub(crate) fn recv(&self, from: usize) -> Result<(u64, u32, Bytes), DistributedError> {
+        let Some(network) = &self.group.inner.network else {
+            return Err(DistributedError::PeerLost {
+                rank: from,
+                during: "a stream of a single process".into(),
+            });
+        };
+        let timeout = self.group.inner.timeout;
+        let received = network.runtime.block_on(async {
+            tokio::time::timeout(timeout, network.mesh.recv(from, self.lane, "a stream"))
+                .await
+                .map_err(|_| DistributedError::Timeout {
+                    what: format!("process {from}'s next message on stream {}", self.lane),
+                    after: timeout,
+                    hint: "it stopped sending: is it stuck, or did it stop iterating?",
+                })?
+        })?;
+        let (header, payload) = wire::decode(&received).ok_or(DistributedError::Mismatch {
+            rank: from,
+            detail: "it sent something unreadable on a stream".into(),
+        })?;
+        let start = received.len() - payload.len();
+        Ok((header.seq, header.step, received.slice(start..)))
+    }
 }

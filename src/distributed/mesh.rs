@@ -1,12 +1,15 @@
 //! The connections between the processes of a run: each process serves one WebSocket route
-//! (burn-communication's server) where its peers open a connection each, and opens one to a
-//! peer the first time it sends it something. Messages from each peer queue up in an inbox of
-//! their own, drained by the collectives in order.
+//! (burn-communication's server) where its peers open a connection each, and opens one to
+//! every peer when it joins. Messages travel in lanes (the first bytes of each, see
+//! [`wire`](super::wire)): lane 0 carries the group's collectives, other lanes streams that
+//! must not be ordered with them (a dispatching loader's slices, read ahead on its own
+//! threads). Messages from each peer on each lane queue up in an inbox of their own.
 //!
-//! A peer that exits or crashes drops its connection; its inbox then closes and the
-//! collective waiting on it fails with [`DistributedError::PeerLost`] at once, instead of
-//! waiting for the timeout.
+//! A peer that exits or crashes drops its connection; its inboxes then close and whatever
+//! waits on them fails with [`DistributedError::PeerLost`] at once, instead of waiting for
+//! the timeout.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -17,7 +20,7 @@ use tokio::runtime::Handle;
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
 use super::error::DistributedError;
-use super::wire::Hello;
+use super::wire::{self, Hello, Lane};
 
 const ROUTE: &str = "peer";
 
@@ -27,18 +30,52 @@ pub(crate) struct Mesh {
     run: u64,
     addresses: Vec<String>,
     outgoing: Vec<tokio::sync::Mutex<Option<WsClientChannel>>>,
-    inboxes: Vec<tokio::sync::Mutex<UnboundedReceiver<Bytes>>>,
+    inboxes: Arc<Mutex<Inboxes>>,
 }
 
-/// The inboxes' sending ends, waiting for their peer's connection: each is handed to the
-/// connection of its peer, so that the inbox closes when that connection ends.
-type Mailboxes = Arc<Mutex<Vec<Option<UnboundedSender<Bytes>>>>>;
+type Inbox = Arc<tokio::sync::Mutex<UnboundedReceiver<Bytes>>>;
+
+/// An inbox's two ends: the sending one for the peer's connection (`None` once it is gone),
+/// the receiving one for whoever reads the lane.
+type Ends = (Option<UnboundedSender<Bytes>>, Inbox);
+
+/// Every (peer, lane) inbox, made on first use by either end: the receiving end for whoever
+/// reads the lane, the sending end for the peer's connection, held only while it lives.
+struct Inboxes {
+    boxes: HashMap<(usize, Lane), Ends>,
+    /// Peers whose connection ended: their inboxes are closed, and so are new ones.
+    gone: Vec<bool>,
+    /// Peers connected now (a second connection from one is refused).
+    connected: Vec<bool>,
+}
+
+impl Inboxes {
+    fn entry(&mut self, peer: usize, lane: Lane) -> &mut Ends {
+        let gone = self.gone[peer];
+        self.boxes.entry((peer, lane)).or_insert_with(|| {
+            let (sender, receiver) = unbounded_channel();
+            // A closed inbox: its sending end is dropped at once.
+            let sender = (!gone).then_some(sender);
+            (sender, Arc::new(tokio::sync::Mutex::new(receiver)))
+        })
+    }
+
+    // The peer's connection ended: close its inboxes.
+    fn lose(&mut self, peer: usize) {
+        self.gone[peer] = true;
+        self.connected[peer] = false;
+        for ((p, _), (sender, _)) in self.boxes.iter_mut() {
+            if *p == peer {
+                *sender = None;
+            }
+        }
+    }
+}
 
 /// The server half, started before the rendezvous so that every address in the table already
 /// answers.
 pub(crate) struct Listening {
-    mailboxes: Mailboxes,
-    inboxes: Vec<UnboundedReceiver<Bytes>>,
+    inboxes: Arc<Mutex<Inboxes>>,
     run: Arc<Mutex<Option<u64>>>,
 }
 
@@ -51,16 +88,14 @@ pub(crate) fn listen(
     world_size: usize,
     runtime: &Handle,
 ) -> Result<Listening, DistributedError> {
-    super::rendezvous::check_port_free(port, "peer connections", super::env::DATA_PORT)?;
-    super::quiet_transport_logs();
-    let (senders, inboxes): (Vec<_>, Vec<_>) = (0..world_size)
-        .map(|_| unbounded_channel())
-        .map(|(s, r)| (Some(s), r))
-        .unzip();
-    let mailboxes: Mailboxes = Arc::new(Mutex::new(senders));
+    let inboxes = Arc::new(Mutex::new(Inboxes {
+        boxes: HashMap::new(),
+        gone: vec![false; world_size],
+        connected: vec![false; world_size],
+    }));
     let run = Arc::new(Mutex::new(None));
     let server = WsServer::new(port).route(ROUTE, {
-        let mailboxes = Arc::clone(&mailboxes);
+        let inboxes = Arc::clone(&inboxes);
         let run = Arc::clone(&run);
         move |mut channel| async move {
             let Ok(Some(first)) = channel.recv().await else {
@@ -78,52 +113,56 @@ pub(crate) fn listen(
                 );
                 return;
             }
-            let inbox = mailboxes
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .get_mut(hello.rank as usize)
-                .and_then(Option::take);
-            let Some(inbox) = inbox else {
-                log::warn!(
-                    "burn-accelerate: rank {} connected twice, or is out of range; ignored",
-                    hello.rank
-                );
-                return;
-            };
-            // Forwards until the peer goes; a connection that ends without a close frame
-            // panics inside burn-communication's channel, which ends this task all the same,
-            // and dropping `inbox` closes the peer's inbox either way.
+            let peer = hello.rank as usize;
+            {
+                let mut boxes = inboxes.lock().unwrap_or_else(PoisonError::into_inner);
+                if peer >= boxes.connected.len() || boxes.connected[peer] || boxes.gone[peer] {
+                    log::warn!(
+                        "burn-accelerate: rank {peer} connected twice, or is out of range; ignored"
+                    );
+                    return;
+                }
+                boxes.connected[peer] = true;
+            }
+            // Closes the peer's inboxes however this task ends: a connection that ends
+            // without a close frame panics inside burn-communication's channel.
+            struct Lose(Arc<Mutex<Inboxes>>, usize);
+            impl Drop for Lose {
+                fn drop(&mut self) {
+                    self.0
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .lose(self.1);
+                }
+            }
+            let _lose = Lose(Arc::clone(&inboxes), peer);
             while let Ok(Some(message)) = channel.recv().await {
-                if inbox.send(message.data).is_err() {
+                let Some(lane) = wire::lane(&message.data) else {
+                    log::warn!("burn-accelerate: rank {peer} sent a message without a lane");
                     break;
+                };
+                let mut boxes = inboxes.lock().unwrap_or_else(PoisonError::into_inner);
+                if let Some(sender) = &boxes.entry(peer, lane).0 {
+                    // Nobody reads a lane whose reader is gone: dropping is right.
+                    let _ = sender.send(message.data);
                 }
             }
         }
     });
-    runtime.spawn(async move {
-        if let Err(err) = server.serve(std::future::pending()).await {
-            log::error!("burn-accelerate: the peer server on port {port} stopped: {err:?}");
-        }
-    });
-    Ok(Listening {
-        mailboxes,
-        inboxes,
-        run,
-    })
+    super::rendezvous::serve_on(
+        server,
+        port,
+        "peer connections",
+        super::env::DATA_PORT,
+        runtime,
+    )?;
+    Ok(Listening { inboxes, run })
 }
 
 impl Listening {
     /// The mesh of `rank`, once the rendezvous gave the run's number and addresses.
     pub(crate) fn connect(self, rank: usize, run: u64, addresses: Vec<String>) -> Mesh {
         *self.run.lock().unwrap_or_else(PoisonError::into_inner) = Some(run);
-        // Our own inbox is never connected.
-        drop(
-            self.mailboxes
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .get_mut(rank)
-                .and_then(Option::take),
-        );
         Mesh {
             rank,
             run,
@@ -131,11 +170,7 @@ impl Listening {
                 .iter()
                 .map(|_| tokio::sync::Mutex::new(None))
                 .collect(),
-            inboxes: self
-                .inboxes
-                .into_iter()
-                .map(tokio::sync::Mutex::new)
-                .collect(),
+            inboxes: self.inboxes,
             addresses,
         }
     }
@@ -194,11 +229,23 @@ impl Mesh {
         }
     }
 
-    /// The next message from `peer`.
-    pub(crate) async fn recv(&self, peer: usize, during: &str) -> Result<Bytes, DistributedError> {
-        self.inboxes[peer]
-            .lock()
-            .await
+    /// The next message from `peer` on `lane`.
+    pub(crate) async fn recv(
+        &self,
+        peer: usize,
+        lane: Lane,
+        during: &str,
+    ) -> Result<Bytes, DistributedError> {
+        let inbox = Arc::clone(
+            &self
+                .inboxes
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .entry(peer, lane)
+                .1,
+        );
+        let mut inbox = inbox.lock().await;
+        inbox
             .recv()
             .await
             .ok_or_else(|| DistributedError::PeerLost {

@@ -37,6 +37,7 @@ mod wire;
 
 pub use error::DistributedError;
 pub use gradients::{BUCKET_VALUES, all_reduce_gradients};
+pub(crate) use group::Stream;
 pub use group::{ProcessGroup, ReduceOp};
 pub use seed::{seed_for, set_seed};
 pub use state::{FirstGuard, ProcessState, Rendezvous};

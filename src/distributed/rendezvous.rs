@@ -73,8 +73,6 @@ pub(crate) fn serve(
     timeout: Duration,
     runtime: &Handle,
 ) -> Result<(), DistributedError> {
-    check_port_free(port, "the rendezvous", super::env::MASTER_PORT)?;
-    super::quiet_transport_logs();
     let round = Arc::new(Mutex::new(Round::default()));
     let handle = runtime.clone();
     let server = WsServer::new(port).route(ROUTE, move |mut channel| {
@@ -92,12 +90,13 @@ pub(crate) fn serve(
             let _ = channel.send(Message::new(bytes.into())).await;
         }
     });
-    runtime.spawn(async move {
-        if let Err(err) = server.serve(std::future::pending()).await {
-            log::error!("burn-accelerate: the rendezvous on port {port} stopped: {err:?}");
-        }
-    });
-    Ok(())
+    serve_on(
+        server,
+        port,
+        "the rendezvous",
+        super::env::MASTER_PORT,
+        runtime,
+    )
 }
 
 async fn arrive(
@@ -218,18 +217,40 @@ pub(crate) async fn join(
     }
 }
 
-/// Fails early, with the setting to change, where a server could not listen.
-pub(crate) fn check_port_free(
+/// Starts `server` on `port` (all interfaces) on `runtime`, until the process ends.
+///
+/// # Errors
+/// [`DistributedError::PortUnavailable`], naming `variable`, when the port is taken: checked
+/// before starting, and again by waiting a moment for the server's own bind to fail (another
+/// process may take the port in between; a server that never listened would leave the others
+/// waiting for the whole timeout).
+pub(crate) fn serve_on(
+    server: WsServer,
     port: u16,
     purpose: &'static str,
     variable: &'static str,
+    runtime: &Handle,
 ) -> Result<(), DistributedError> {
+    let unavailable = |reason: String| DistributedError::PortUnavailable {
+        port,
+        purpose,
+        variable,
+        reason,
+    };
     std::net::TcpListener::bind(("0.0.0.0", port))
         .map(drop)
-        .map_err(|e| DistributedError::PortUnavailable {
-            port,
-            purpose,
-            variable,
-            reason: e.to_string(),
-        })
+        .map_err(|e| unavailable(e.to_string()))?;
+    super::quiet_transport_logs();
+    let (failed, failure) = std::sync::mpsc::channel();
+    runtime.spawn(async move {
+        let outcome = server.serve(std::future::pending()).await;
+        if let Err(err) = &outcome {
+            log::error!("burn-accelerate: {purpose} on port {port} stopped: {err:?}");
+        }
+        let _ = failed.send(outcome.map_err(|err| format!("{err:?}")));
+    });
+    match failure.recv_timeout(Duration::from_millis(100)) {
+        Ok(Err(reason)) => Err(unavailable(reason)),
+        _ => Ok(()),
+    }
 }

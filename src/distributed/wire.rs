@@ -1,6 +1,6 @@
-//! How values travel between processes: little-endian f32 payloads behind a short header
-//! that names the collective and its step, so that processes calling collectives in different
-//! orders are caught instead of mixing buffers.
+//! How values travel between processes: payloads (little-endian f32 values, or any bytes)
+//! behind a short header that names the lane, the collective and its step, so that processes
+//! calling collectives in different orders are caught instead of mixing buffers.
 
 use std::borrow::Cow;
 
@@ -32,20 +32,34 @@ impl Hello {
     }
 }
 
-/// The header of a message: the collective's number in this process's sequence, the step
-/// within it, and the number of payload bytes that follow.
+/// A stream of messages between two processes, ordered apart from the others'.
+pub(crate) type Lane = u32;
+
+/// The lane of the process group's collectives.
+pub(crate) const COLLECTIVES: Lane = 0;
+
+/// The header of a message: its lane, the collective's (or stream message's) number in this
+/// process's sequence on that lane, the step within it, and the number of payload bytes that
+/// follow.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Header {
+    pub(crate) lane: Lane,
     pub(crate) seq: u64,
     pub(crate) step: u32,
     pub(crate) len: u32,
 }
 
-const HEADER: usize = 16;
+const HEADER: usize = 20;
+
+/// The lane of a message, read without decoding the rest.
+pub(crate) fn lane(bytes: &[u8]) -> Option<Lane> {
+    Some(u32::from_le_bytes(bytes.get(..4)?.try_into().ok()?))
+}
 
 /// A message of raw bytes with its header.
-pub(crate) fn encode_bytes(seq: u64, step: u32, payload: &[u8]) -> Bytes {
+pub(crate) fn encode_bytes(lane: Lane, seq: u64, step: u32, payload: &[u8]) -> Bytes {
     let mut b = BytesMut::with_capacity(HEADER + payload.len());
+    b.put_u32_le(lane);
     b.put_u64_le(seq);
     b.put_u32_le(step);
     b.put_u32_le(payload.len() as u32);
@@ -54,22 +68,23 @@ pub(crate) fn encode_bytes(seq: u64, step: u32, payload: &[u8]) -> Bytes {
 }
 
 /// A chunk of values with its header.
-pub(crate) fn encode(seq: u64, step: u32, values: &[f32]) -> Bytes {
+pub(crate) fn encode(lane: Lane, seq: u64, step: u32, values: &[f32]) -> Bytes {
     // On little-endian machines the values are already their wire bytes: one copy, not a
     // loop over values (a gradient bucket is megabytes).
     if cfg!(target_endian = "little") {
-        return encode_bytes(seq, step, bytemuck::cast_slice(values));
+        return encode_bytes(lane, seq, step, bytemuck::cast_slice(values));
     }
     let le: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-    encode_bytes(seq, step, &le)
+    encode_bytes(lane, seq, step, &le)
 }
 
 /// The header and the payload of a message; `None` when the bytes are not one.
 pub(crate) fn decode(bytes: &[u8]) -> Option<(Header, &[u8])> {
     let header = Header {
-        seq: u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?),
-        step: u32::from_le_bytes(bytes.get(8..12)?.try_into().ok()?),
-        len: u32::from_le_bytes(bytes.get(12..16)?.try_into().ok()?),
+        lane: lane(bytes)?,
+        seq: u64::from_le_bytes(bytes.get(4..12)?.try_into().ok()?),
+        step: u32::from_le_bytes(bytes.get(12..16)?.try_into().ok()?),
+        len: u32::from_le_bytes(bytes.get(16..20)?.try_into().ok()?),
     };
     let payload = &bytes[HEADER..];
     (payload.len() == header.len as usize).then_some((header, payload))
@@ -102,11 +117,12 @@ mod tests {
     #[test]
     fn chunks_and_hellos_round_trip() {
         let values = [1.5, -0.0, f32::INFINITY, f32::MIN_POSITIVE];
-        let bytes = encode(7, 2, &values);
+        let bytes = encode(3, 7, 2, &values);
         let (header, payload) = decode(&bytes).unwrap();
         assert_eq!(
             header,
             Header {
+                lane: 3,
                 seq: 7,
                 step: 2,
                 len: 16
@@ -119,7 +135,7 @@ mod tests {
             .collect();
         assert_eq!(got, values.map(f32::to_bits));
         assert!(decode(&bytes[..bytes.len() - 1]).is_none());
-        let nan = encode(0, 0, &[f32::NAN]);
+        let nan = encode(COLLECTIVES, 0, 0, &[f32::NAN]);
         assert!(self::values(decode(&nan).unwrap().1).unwrap()[0].is_nan());
         // A payload that is not 4-byte aligned in memory is read all the same.
         let mut shifted = vec![0u8];
@@ -131,7 +147,8 @@ mod tests {
         );
 
         assert!(self::values(&[0; 3]).is_none());
-        let raw = encode_bytes(1, 0, b"any bytes");
+        let raw = encode_bytes(9, 1, 0, b"any bytes");
+        assert_eq!(lane(&raw), Some(9));
         assert_eq!(decode(&raw).unwrap().1, b"any bytes");
 
         let hello = Hello {

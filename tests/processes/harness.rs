@@ -26,6 +26,12 @@ pub const DEADLINE: Duration = Duration::from_secs(240);
 
 static ONE_LAUNCH: Mutex<()> = Mutex::new(());
 
+/// Holds the other tests' launches off (they pick free ports, and two runs at once could pick
+/// the same one); [`launch`] takes it itself.
+pub fn exclusive() -> std::sync::MutexGuard<'static, ()> {
+    ONE_LAUNCH.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// In a worker process, the arguments its parent test gave; `None` in the test itself.
 pub fn worker<T: DeserializeOwned>() -> Option<T> {
     let args = std::env::var(WORKER_ARGS).ok()?;
@@ -100,7 +106,7 @@ pub fn launch<T: Serialize>(
     args: &T,
     launch_args: &[&str],
 ) -> Launched {
-    let _one = ONE_LAUNCH.lock().unwrap_or_else(|e| e.into_inner());
+    let _one = exclusive();
     let (command, dir) = launch_command(test, processes, args, launch_args);
     run(command, dir)
 }

@@ -9,6 +9,8 @@ mod harness;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use burn::backend::{Autodiff, Flex};
@@ -243,6 +245,7 @@ fn two_machines_of_two_processes_train_like_one_process() {
     };
     let single: Vec<HandLoopReport> = launch(TEST, 1, &args(1), &[]).assert_success().reports(1);
     // Two launchers on this host stand for two machines; machine 0 hosts the rendezvous.
+    let _exclusive = harness::exclusive();
     let port = harness::free_port().to_string();
     let machine = |rank: &str| {
         let flags = [
@@ -559,11 +562,37 @@ impl<B: Backend> Batcher<B, usize, Vec<usize>> for Ids {
     }
 }
 
-// This process's batches (or, for the iterable suite, items) of every case.
-fn golden_worker(args: &Golden) -> BTreeMap<String, Value> {
+/// `0..len`, counting the items read.
+struct Counted {
+    len: usize,
+    reads: Arc<AtomicUsize>,
+}
+
+impl burn::data::dataset::Dataset<usize> for Counted {
+    fn get(&self, index: usize) -> Option<usize> {
+        self.reads.fetch_add(1, Ordering::SeqCst);
+        (index < self.len).then_some(index)
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct GoldenReport {
+    /// Per case: this process's batches (or, for the iterable suite, items).
+    got: BTreeMap<String, Value>,
+    /// Items this process read from the dataset, over all cases.
+    reads: usize,
+}
+
+fn golden_worker(args: &Golden) -> GoldenReport {
     let state = ProcessState::from_env().unwrap();
     assert_eq!(state.num_processes(), args.processes);
-    golden_cases(&args.file, args.processes)
+    let reads = Arc::new(AtomicUsize::new(0));
+    let dispatch = args.file.starts_with("dispatch");
+    let got = golden_cases(&args.file, args.processes)
         .iter()
         .map(|case| {
             let flag = |key: &str, default: bool| case[key].as_bool().unwrap_or(default);
@@ -571,7 +600,8 @@ fn golden_worker(args: &Golden) -> BTreeMap<String, Value> {
             let config = DataLoaderConfig::new(case["batch_size"].as_u64().unwrap() as usize)
                 .with_split_batches(flag("split_batches", false))
                 .with_even_batches(flag("even_batches", true))
-                .with_drop_last(flag("drop_last", false));
+                .with_drop_last(flag("drop_last", false))
+                .with_dispatch_batches(dispatch);
             let got = if args.file.starts_with("iterable") {
                 let loader = StreamLoaderBuilder::<Flex, usize, Vec<usize>>::new(
                     config,
@@ -582,18 +612,27 @@ fn golden_worker(args: &Golden) -> BTreeMap<String, Value> {
                 .unwrap();
                 serde_json::json!(loader.iter().collect::<Vec<_>>().concat())
             } else {
-                let loader = ShardLoaderBuilder::<Flex, usize, Vec<usize>>::new(
-                    config,
-                    InMemDataset::new((0..len).collect()),
-                    Ids,
-                )
-                .build_for(&state, Default::default())
+                let dataset = Counted {
+                    len,
+                    reads: reads.clone(),
+                };
+                let builder =
+                    ShardLoaderBuilder::<Flex, usize, Vec<usize>>::new(config, dataset, Ids);
+                let loader = if dispatch {
+                    builder.build_dispatching(&state, Default::default())
+                } else {
+                    builder.build_for(&state, Default::default())
+                }
                 .unwrap();
                 serde_json::json!(loader.iter().collect::<Vec<_>>())
             };
             (case["id"].as_str().unwrap().to_string(), got)
         })
-        .collect()
+        .collect();
+    GoldenReport {
+        got,
+        reads: reads.load(Ordering::SeqCst),
+    }
 }
 
 #[test]
@@ -602,25 +641,37 @@ fn shard_loaders_from_the_process_state_give_every_process_its_golden_batches() 
     if let Some(args) = worker::<Golden>() {
         return report(&golden_worker(&args));
     }
-    for file in ["batch_sampler_shards.json", "iterable_dataset_shards.json"] {
+    for file in [
+        "batch_sampler_shards.json",
+        "iterable_dataset_shards.json",
+        "dispatch_batches.json",
+    ] {
         for processes in [2, 3, 4] {
             let args = Golden {
                 file: file.into(),
                 processes,
             };
-            let reports: Vec<BTreeMap<String, Value>> = launch(TEST, processes, &args, &[])
+            let reports: Vec<GoldenReport> = launch(TEST, processes, &args, &[])
                 .assert_success()
                 .reports(processes);
             let cases = golden_cases(file, processes);
             assert!(cases.len() > 100, "{file}: {} cases", cases.len());
             for case in &cases {
                 let id = case["id"].as_str().unwrap();
-                for (rank, got) in reports.iter().enumerate() {
+                for (rank, report) in reports.iter().enumerate() {
                     assert_eq!(
-                        got[id], case["per_process"][rank],
+                        report.got[id], case["per_process"][rank],
                         "{file} {id}: process {rank} of {processes}"
                     );
                 }
+            }
+            if file.starts_with("dispatch") {
+                // Only process 0 read the data; the others were sent their slices.
+                assert!(reports[0].reads > 0);
+                assert!(
+                    reports[1..].iter().all(|r| r.reads == 0),
+                    "{file} {processes}"
+                );
             }
         }
     }
@@ -760,6 +811,7 @@ fn a_rank_that_panics_or_exits_ends_the_launch_within_seconds() {
 #[test]
 fn a_peer_that_never_comes_fails_the_wait_with_the_missing_ranks() {
     // Rank 0 of 2, hosting the rendezvous itself (no launcher); rank 1 is never started.
+    let _exclusive = harness::exclusive();
     let port = harness::free_port().to_string();
     let vars = [
         ("RANK", "0"),
@@ -789,6 +841,7 @@ fn a_peer_that_never_comes_fails_the_wait_with_the_missing_ranks() {
 
 #[test]
 fn bad_launches_are_refused_with_what_to_change() {
+    let _exclusive = harness::exclusive();
     let refused = |args: &[&str]| {
         let out = harness::launcher().args(args).output().unwrap();
         assert_eq!(out.status.code(), Some(2), "{args:?}");
@@ -889,6 +942,7 @@ fn ctrl_c_on_the_launcher_reaches_every_process() {
     use nix::unistd::Pid;
     // A grace far longer than the test waits: the processes must end from the forwarded
     // SIGINT itself, not from the launcher killing them afterwards.
+    let _exclusive = harness::exclusive();
     let (command, dir) = harness::launch_command(TEST, 2, &(), &["--grace", "60"]);
     let mut command = command;
     let mut launcher = command
@@ -1213,4 +1267,232 @@ fn gather_for_metrics_sees_the_dataset_once_in_order() {
             assert_eq!(seen, &dataset, "{processes} processes, {args:?}");
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// dispatch_batches across processes: process 0 reads, the others receive.
+
+/// An item with the kinds of fields a batch carries besides floats.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Row {
+    features: Vec<f32>,
+    label: i64,
+    mask: bool,
+}
+
+fn rows(len: usize) -> Vec<Row> {
+    (0..len)
+        .map(|i| Row {
+            features: vec![i as f32 * 0.5, -(i as f32)],
+            label: (1 << 30) + i as i64,
+            mask: i % 3 == 0,
+        })
+        .collect()
+}
+
+/// A batch's tensors, read back: features, labels (an int tensor), masks (a bool tensor).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct RowBatch {
+    features: Vec<f32>,
+    labels: Vec<i64>,
+    masks: Vec<bool>,
+}
+
+#[derive(Clone)]
+struct RowBatcher;
+
+impl Batcher<Flex, Row, RowBatch> for RowBatcher {
+    fn batch(&self, items: Vec<Row>, device: &burn::backend::flex::FlexDevice) -> RowBatch {
+        use burn::tensor::Bool;
+        let n = items.len();
+        let features: Vec<f32> = items.iter().flat_map(|r| r.features.clone()).collect();
+        let labels: Vec<i64> = items.iter().map(|r| r.label).collect();
+        let masks: Vec<bool> = items.iter().map(|r| r.mask).collect();
+        let features = Tensor::<Flex, 2>::from_data(TensorData::new(features, [n, 2]), device);
+        let labels = Tensor::<Flex, 1, Int>::from_data(TensorData::new(labels, [n]), device);
+        let masks = Tensor::<Flex, 1, Bool>::from_data(TensorData::new(masks, [n]), device);
+        RowBatch {
+            features: features.into_data().to_vec().unwrap(),
+            labels: ints(labels),
+            masks: masks.into_data().to_vec().unwrap(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Dispatched {
+    len: usize,
+    batch_size: usize,
+    split_batches: bool,
+    even_batches: bool,
+    num_workers: usize,
+    epochs: usize,
+    /// Process 0 exits after this many batches.
+    main_exits_after: Option<usize>,
+}
+
+impl Dispatched {
+    fn config(&self) -> DataLoaderConfig {
+        DataLoaderConfig::new(self.batch_size)
+            .with_dispatch_batches(true)
+            .with_split_batches(self.split_batches)
+            .with_even_batches(self.even_batches)
+            .with_shuffle(true)
+            .with_data_seed(Some(5))
+            .with_num_workers(self.num_workers)
+    }
+}
+
+// Every epoch's batches on this process.
+fn dispatched_worker(args: &Dispatched) -> Vec<Vec<RowBatch>> {
+    let state = ProcessState::from_env().unwrap();
+    let loader =
+        ShardLoaderBuilder::new(args.config(), InMemDataset::new(rows(args.len)), RowBatcher)
+            .build_dispatching(&state, Default::default())
+            .unwrap();
+    let mut taken = 0;
+    (0..args.epochs)
+        .map(|_| {
+            loader
+                .iter()
+                .inspect(|_| {
+                    taken += 1;
+                    if state.is_main_process() && Some(taken) == args.main_exits_after {
+                        std::process::exit(7);
+                    }
+                })
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn dispatched_batches_across_processes_are_the_in_process_dispatchers_exactly() {
+    const TEST: &str = "dispatched_batches_across_processes_are_the_in_process_dispatchers_exactly";
+    if let Some(args) = worker::<Dispatched>() {
+        return report(&dispatched_worker(&args));
+    }
+    for (processes, len, batch_size, split_batches, even_batches, num_workers) in [
+        (2, 37, 4, false, true, 0),
+        (2, 37, 4, false, false, 2),
+        (3, 41, 6, true, true, 2),
+        (4, 30, 2, false, true, 1),
+    ] {
+        let args = Dispatched {
+            len,
+            batch_size,
+            split_batches,
+            even_batches,
+            num_workers,
+            epochs: 2,
+            main_exits_after: None,
+        };
+        // The reference: every process's shard built in this one process, sharing one reader.
+        let shards =
+            ShardLoaderBuilder::new(args.config(), InMemDataset::new(rows(len)), RowBatcher)
+                .build(&vec![Default::default(); processes])
+                .unwrap();
+        let expected: Vec<Vec<Vec<RowBatch>>> = {
+            let mut per_process = vec![Vec::new(); processes];
+            for _ in 0..2 {
+                let mut iters: Vec<_> = shards.iter().map(|s| s.iter()).collect();
+                let mut epochs = vec![Vec::new(); processes];
+                loop {
+                    let mut any = false;
+                    for (p, it) in iters.iter_mut().enumerate() {
+                        if let Some(batch) = it.next() {
+                            epochs[p].push(batch);
+                            any = true;
+                        }
+                    }
+                    if !any {
+                        break;
+                    }
+                }
+                for (p, epoch) in epochs.into_iter().enumerate() {
+                    per_process[p].push(epoch);
+                }
+            }
+            per_process
+        };
+        let reports: Vec<Vec<Vec<RowBatch>>> = launch(TEST, processes, &args, &[])
+            .assert_success()
+            .reports(processes);
+        for (rank, got) in reports.iter().enumerate() {
+            assert_eq!(
+                got, &expected[rank],
+                "process {rank} of {processes}, {args:?}"
+            );
+            assert!(!got[0].is_empty());
+        }
+        // The two epochs are shuffled differently.
+        assert_ne!(reports[0][0], reports[0][1]);
+    }
+}
+
+#[test]
+fn a_reader_that_dies_mid_dispatch_ends_the_others_with_the_reason() {
+    const TEST: &str = "a_reader_that_dies_mid_dispatch_ends_the_others_with_the_reason";
+    if let Some(args) = worker::<Dispatched>() {
+        return report(&dispatched_worker(&args));
+    }
+    let args = Dispatched {
+        len: 64,
+        batch_size: 4,
+        split_batches: false,
+        even_batches: true,
+        num_workers: 0,
+        epochs: 1,
+        main_exits_after: Some(3),
+    };
+    // Without the launcher (which would stop the others itself): rank 0 hosts the rendezvous.
+    let _exclusive = harness::exclusive();
+    let port = harness::free_port().to_string();
+    let dir = harness::scratch_dir("dispatch-death");
+    let spawn = |rank: &str| {
+        let mut command = std::process::Command::new(std::env::current_exe().unwrap());
+        command
+            .args([TEST, "--exact", "--nocapture", "--test-threads=1", "-q"])
+            .env(harness::WORKER_DIR, &dir)
+            .env(
+                "BURN_ACCELERATE_TEST_WORKER_ARGS",
+                serde_json::to_string(&args).unwrap(),
+            )
+            .env("RANK", rank)
+            .env("WORLD_SIZE", "2")
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", &port)
+            .env(
+                "BURN_ACCELERATE_DATA_PORT",
+                harness::free_port().to_string(),
+            )
+            .env("BURN_ACCELERATE_TIMEOUT", "600");
+        command
+    };
+    let main = std::thread::spawn({
+        let command = spawn("0");
+        let dir = dir.clone();
+        move || harness::run(command, dir)
+    });
+    let other = harness::run(spawn("1"), dir.clone());
+    let main = main.join().unwrap();
+    assert_eq!(main.status.code(), Some(7));
+    assert!(!other.status.success());
+    assert!(
+        other
+            .stdout
+            .contains("dispatch_batches across processes: process 0 left the run")
+            || other
+                .stderr
+                .contains("dispatch_batches across processes: process 0 left the run"),
+        "{}\n{}",
+        other.stdout,
+        other.stderr
+    );
+    assert!(
+        other.elapsed < Duration::from_secs(30),
+        "{:?}",
+        other.elapsed
+    );
+    harness::clean(&dir);
 }
