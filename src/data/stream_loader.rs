@@ -33,8 +33,10 @@ use super::stream::{StepReader, StreamEnd, StreamFactory, StreamSlice, StreamSou
 /// - with `dispatch_batches` (accelerate's `DataLoaderDispatcher`), the shards built together
 ///   share one reader, which pulls each global batch once and hands out the slices, with the
 ///   dispatcher's tail. (Shards built one per OS process with
-///   [`build_process`](Self::build_process) each read the stream themselves: sending slices
-///   between processes needs a collective, which this crate does not have.)
+///   [`build_process`](Self::build_process) or [`build_for`](Self::build_for) each read the
+///   stream themselves; sending slices between processes is the indexed loader's
+///   [`ShardLoaderBuilder::build_dispatching`](super::ShardLoaderBuilder::build_dispatching),
+///   not yet a stream's.)
 ///
 /// The batches are those of an indexed [`ShardLoader`](super::ShardLoader) over the same
 /// items with `even_batches` on (or under `dispatch_batches`, any `even_batches`).
