@@ -2,7 +2,7 @@
 //! machines, as Accelerate's `accelerate launch` gives PyTorch scripts.
 //!
 //! - [`ProcessState`]: Accelerate's `PartialState`, read from the environment that
-//!   `burn-accelerate launch` (or torchrun) sets ([`env`] names the variables); with none
+//!   `burn-accelerate launch` (or torchrun) sets ([`mod@env`] names the variables); with none
 //!   set, a single process. `wait_for_everyone`, `main_process_first`,
 //!   `local_main_process_first`.
 //! - [`ProcessGroup`]: the run's collectives (all-reduce, barrier), joined on first use; every

@@ -42,7 +42,7 @@
 //! over several devices is refused there (see [`check_data_parallel`]).
 //!
 //! On several processes (started by `burn-accelerate launch`, see
-//! [`distributed`](crate::distributed)), every process runs the same training over its own
+//! [`crate::distributed`]), every process runs the same training over its own
 //! shard (a [`ShardLoader`] built with
 //! [`ShardLoaderBuilder::build_for`](crate::data::ShardLoaderBuilder::build_for)); at each
 //! synchronising step the window's gradients are averaged over the processes (never while
