@@ -47,8 +47,10 @@
 //! [`ShardLoaderBuilder::build_for`](crate::data::ShardLoaderBuilder::build_for)); at each
 //! synchronising step the window's gradients are averaged over the processes (never while
 //! accumulating), then unscaled and checked, so every process applies the same step or skips
-//! the same overflowing one, on any backend. Only the main process writes checkpoints (give
-//! every process the same directory); every process restores them.
+//! the same overflowing one, on any backend. Only the main process validates (its metrics are
+//! the single-process run's: the processes hold the same model) and writes checkpoints (give
+//! every process the same directory); every process restores them, and stops when the main
+//! process's early stopping says so.
 //!
 //! Burn's own DDP (`ExecutionStrategy::DistributedDataParallel`) is not used: its gradient
 //! all-reduce is `DistributedBackend::all_reduce`, which only cubecl's CUDA runtime
@@ -963,13 +965,19 @@ impl<LC: LearningComponentsTypes> SupervisedLearningStrategy<LC> for AccelerateS
                 log::info!("Training interrupted: {reason}");
                 break;
             }
-            self.valid_epoch(
-                &learner,
-                &dataloader_valid,
-                &progress,
-                &mut event_processor,
-                interrupter,
-            );
+            // With several processes, the main one validates (on the loader it was given) and
+            // the others go on: they hold the same model, so the main process's metrics are
+            // the single-process run's, and no process repeats its work.
+            let validates = self.process.is_main_process();
+            if validates {
+                self.valid_epoch(
+                    &learner,
+                    &dataloader_valid,
+                    &progress,
+                    &mut event_processor,
+                    interrupter,
+                );
+            }
             // Only the main process writes: every process holds the same model, and they
             // share the directory.
             if let Some(checkpointer) = checkpointer
@@ -986,10 +994,20 @@ impl<LC: LearningComponentsTypes> SupervisedLearningStrategy<LC> for AccelerateS
                     AccelerateCheckpoint::prune(dir, epoch);
                 }
             }
-            if let Some(early_stopping) = &mut early_stopping
-                && early_stopping.should_stop(epoch, &training_components.event_store)
-            {
-                break;
+            if let Some(early_stopping) = &mut early_stopping {
+                let stop = validates
+                    && early_stopping.should_stop(epoch, &training_components.event_store);
+                // The main process decides (it alone has the validation metrics), and every
+                // process stops with it: one going on alone would wait for the others forever.
+                let stop = match &self.group {
+                    Some(group) => group.broadcast_object(&stop, 0).unwrap_or_else(|err| {
+                        panic!("burn-accelerate: cannot agree on early stopping: {err}")
+                    }),
+                    None => stop,
+                };
+                if stop {
+                    break;
+                }
             }
         }
         (learner.model(), event_processor)

@@ -345,7 +345,11 @@ mod supervised {
     use burn::data::dataloader::DataLoaderBuilder;
     use burn::optim::AdamConfig;
     use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
-    use burn::train::{Learner, SupervisedTraining};
+    use burn::train::metric::LossMetric;
+    use burn::train::metric::store::{Aggregate, Direction, Split};
+    use burn::train::{
+        Learner, MetricEarlyStoppingStrategy, StoppingCondition, SupervisedTraining,
+    };
     use burn_accelerate::train::demo::{BlobBatcher, Mlp, MlpComponents, QuietRenderer, blobs};
     use burn_accelerate::train::{AccelerateStrategy, WithAccelerate};
 
@@ -362,6 +366,9 @@ mod supervised {
         /// Shared by every process: checkpoints are written there and resumed from.
         pub dir: Option<PathBuf>,
         pub resume_from: Option<usize>,
+        /// Stop once the validation loss has not risen for an epoch (it falls: after epoch 2).
+        #[serde(default)]
+        pub early_stopping: bool,
     }
 
     #[derive(Debug, Serialize, Deserialize)]
@@ -369,6 +376,9 @@ mod supervised {
         pub parameters: Vec<f32>,
         pub optimizer_steps: usize,
         pub epochs: Vec<usize>,
+        /// Burn's logged validation losses, per epoch (none where the process did not
+        /// validate).
+        pub valid_losses: Vec<Vec<f64>>,
     }
 
     pub fn train(args: &Run) -> RunReport {
@@ -406,6 +416,7 @@ mod supervised {
         let report = strategy.report();
         let mut builder = SupervisedTraining::new(&dir, Arc::new(loader), valid)
             .num_epochs(args.epochs)
+            .metric_valid_numeric(LossMetric::new())
             .renderer(QuietRenderer)
             .with_application_logger(None)
             // Full precision: Burn's `CompactRecorder` stores f16, and a resumed run must end
@@ -414,17 +425,43 @@ mod supervised {
         if let Some(epoch) = args.resume_from {
             builder = builder.checkpoint(epoch);
         }
+        if args.early_stopping {
+            builder = builder.early_stopping(MetricEarlyStoppingStrategy::new(
+                &LossMetric::<Train>::new(),
+                Aggregate::Mean,
+                Direction::Highest,
+                Split::Valid,
+                StoppingCondition::NoImprovementSince { n_epochs: 1 },
+            ));
+        }
         Train::seed(&device, 5);
         let learner = Learner::new(Mlp::new(16, &device), AdamConfig::new().init(), 1e-2);
         let model = builder.with_accelerate(strategy).launch(learner).model;
+        let stats = report.stats();
+        // One line per batch, the value first.
+        let valid_losses = stats
+            .epochs
+            .iter()
+            .map(|e| {
+                let log = dir
+                    .join("valid")
+                    .join(format!("epoch-{}", e.epoch))
+                    .join("Loss.log");
+                std::fs::read_to_string(log)
+                    .unwrap_or_default()
+                    .lines()
+                    .filter_map(|l| l.split(',').next()?.trim().parse().ok())
+                    .collect()
+            })
+            .collect();
         if args.dir.is_none() {
             let _ = std::fs::remove_dir_all(&dir);
         }
-        let stats = report.stats();
         RunReport {
             parameters: parameters(&model),
             optimizer_steps: stats.optimizer_steps(),
             epochs: stats.epochs.iter().map(|e| e.epoch).collect(),
+            valid_losses,
         }
     }
 }
@@ -442,6 +479,7 @@ fn supervised_training_on_processes_matches_one_process() {
             epochs: 2,
             dir: None,
             resume_from: None,
+            early_stopping: false,
         };
         let single: Vec<supervised::RunReport> =
             launch(TEST, 1, &run(1), &[]).assert_success().reports(1);
@@ -452,6 +490,47 @@ fn supervised_training_on_processes_matches_one_process() {
         assert_eq!(reports[0].optimizer_steps, single[0].optimizer_steps);
         let difference = max_relative_difference(&reports[0].parameters, &single[0].parameters);
         assert!(difference < 1e-5, "grad_accum {grad_accum}: {difference:e}");
+    }
+}
+
+#[test]
+fn the_main_process_validates_as_one_process_would_and_decides_early_stopping() {
+    const TEST: &str = "the_main_process_validates_as_one_process_would_and_decides_early_stopping";
+    if let Some(args) = worker::<supervised::Run>() {
+        return report(&supervised::train(&args));
+    }
+    let run = |processes: usize| supervised::Run {
+        batch_size: 32 / processes,
+        grad_accum: 1,
+        epochs: 4,
+        dir: None,
+        resume_from: None,
+        early_stopping: true,
+    };
+    let single: Vec<supervised::RunReport> =
+        launch(TEST, 1, &run(1), &[]).assert_success().reports(1);
+    let reports: Vec<supervised::RunReport> =
+        launch(TEST, 2, &run(2), &[]).assert_success().reports(2);
+    // The validation loss falls, so "no rise for an epoch" stops after epoch 2, on every
+    // process, though only the main one saw the metric.
+    assert_eq!(single[0].epochs, [1, 2]);
+    for r in &reports {
+        assert_eq!(r.epochs, [1, 2]);
+    }
+    // The main process logged what one process logs; the other did not validate.
+    let (main, other) = (&reports[0].valid_losses, &reports[1].valid_losses);
+    assert_eq!(main.len(), 2);
+    assert!(other.iter().all(Vec::is_empty), "{other:?}");
+    for (epoch, (got, want)) in main.iter().zip(&single[0].valid_losses).enumerate() {
+        assert!(!want.is_empty());
+        assert_eq!(got.len(), want.len(), "epoch {}", epoch + 1);
+        for (g, w) in got.iter().zip(want) {
+            assert!(
+                (g - w).abs() <= 1e-5 * w.abs(),
+                "epoch {}: {g} vs {w}",
+                epoch + 1
+            );
+        }
     }
 }
 
@@ -468,6 +547,7 @@ fn a_resumed_run_of_processes_ends_where_the_uninterrupted_one_did() {
         epochs,
         dir: Some(dir.clone()),
         resume_from,
+        early_stopping: false,
     };
     let whole_dir = dir("whole");
     let whole: Vec<supervised::RunReport> = launch(TEST, 2, &run(2, 3, &whole_dir, None), &[])
