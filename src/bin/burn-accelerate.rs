@@ -177,7 +177,12 @@ fn run(launch: &Launch) -> Result<ExitCode, DistributedError> {
     }
     runtime.spawn(forward_stop_signals());
 
-    let ports = free_ports(plan.local as usize).map_err(io("choosing the processes' ports"))?;
+    // Each machine starts at its first rank's place, so that machines sharing a host (a test)
+    // do not pick the same ports.
+    let first_port = u16::try_from(u32::from(launch.main_process_port) + 1 + plan.first_rank)
+        .unwrap_or(u16::MAX);
+    let ports =
+        free_ports(first_port, plan.local as usize).map_err(io("choosing the processes' ports"))?;
     let threads = threads_per_process(plan.local);
     let mut children = Vec::new();
     for (local_rank, port) in (0..plan.local).zip(ports) {
@@ -259,15 +264,26 @@ fn threads_per_process(local: u32) -> Option<usize> {
     Some(threads)
 }
 
-// Ports the OS says are free now; held together so that no two are the same.
-fn free_ports(n: usize) -> std::io::Result<Vec<u16>> {
-    let listeners = (0..n)
-        .map(|_| std::net::TcpListener::bind(("0.0.0.0", 0)))
-        .collect::<std::io::Result<Vec<_>>>()?;
-    listeners
-        .iter()
-        .map(|l| l.local_addr().map(|a| a.port()))
-        .collect()
+// The first `n` ports from `first` on that are free now: the ports after the main one, as
+// torchrun's processes take them (a range a firewall can open, and below the ephemeral ports
+// outgoing connections take: an ephemeral port free now may be a connection's a moment later).
+fn free_ports(first: u16, n: usize) -> std::io::Result<Vec<u16>> {
+    let mut ports = Vec::with_capacity(n);
+    for port in first..=u16::MAX {
+        if ports.len() == n {
+            break;
+        }
+        if std::net::TcpListener::bind(("0.0.0.0", port)).is_ok() {
+            ports.push(port);
+        }
+    }
+    if ports.len() < n {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::AddrInUse,
+            format!("fewer than {n} free ports from {first} on"),
+        ));
+    }
+    Ok(ports)
 }
 
 async fn forward_stop_signals() {

@@ -56,6 +56,13 @@ pub(crate) trait StepSource: Send + Sync {
 
     /// Whether `cursor` can still reach `step` (it is not past it).
     fn can_reach(cursor: &Self::Cursor, step: usize) -> bool;
+
+    /// The last step to read when process 0 asks for `step`: further than `step` where other
+    /// processes have steps after process 0's last (so that, when process 0 reads for
+    /// everyone, no process waits for a step nobody reads).
+    fn read_to(&self, _epoch: &Self::Epoch, step: usize) -> usize {
+        step
+    }
 }
 
 /// The shared reader of one builder's shards, reading from `S` with cursors `C` into slices
@@ -68,6 +75,7 @@ pub(crate) struct Dispatcher<S, C, T> {
 }
 
 /// The dispatcher of an indexed dataset.
+#[cfg(test)]
 pub(crate) type IndexedDispatcher<I> = Dispatcher<IndexedSource<I>, (), Vec<I>>;
 
 /// The reading of one epoch.
@@ -220,17 +228,21 @@ impl<S: StepSource> Dispatcher<S, S::Cursor, S::Slice> {
 
 /// Where a dispatched shard's slices come from: the shards of one process share a
 /// [`Dispatcher`]; across processes, [`ProcessDispatch`](super::process_dispatch::ProcessDispatch)
-/// has process 0 read and send.
-pub(crate) trait Dispatch<I>: Send + Sync {
+/// has process 0 read and send. `E` is the epoch as the source sees it, `T` a slice.
+pub(crate) trait Dispatch<E, T>: Send + Sync {
     /// Process `process`'s slice of step `step` of `epoch` (see [`Dispatcher::take`]).
-    fn take(&self, process: usize, epoch: &Epoch, step: usize, first_step: usize) -> Vec<I>;
+    fn take(&self, process: usize, epoch: &E, step: usize, first_step: usize) -> T;
 
     /// Process `process` is done with `key`'s epoch.
     fn leave(&self, process: usize, key: EpochKey);
 }
 
-impl<I: Clone + Send + Sync> Dispatch<I> for IndexedDispatcher<I> {
-    fn take(&self, process: usize, epoch: &Epoch, step: usize, first_step: usize) -> Vec<I> {
+impl<S: StepSource> Dispatch<S::Epoch, S::Slice> for Dispatcher<S, S::Cursor, S::Slice>
+where
+    S::Cursor: Send,
+    S::Slice: Send,
+{
+    fn take(&self, process: usize, epoch: &S::Epoch, step: usize, first_step: usize) -> S::Slice {
         Dispatcher::take(self, process, epoch, step, first_step)
     }
 
@@ -250,11 +262,6 @@ pub(crate) struct IndexedSource<I> {
 impl<I> IndexedSource<I> {
     pub(crate) fn new(dataset: Arc<dyn Dataset<I>>, plans: Vec<ShardPlan>) -> Self {
         Self { dataset, plans }
-    }
-
-    /// Every process's plan.
-    pub(crate) fn plans(&self) -> &[ShardPlan] {
-        &self.plans
     }
 }
 
@@ -317,6 +324,16 @@ impl<I: Clone + Send> StepSource for IndexedSource<I> {
 
     fn can_reach(_cursor: &(), _step: usize) -> bool {
         true
+    }
+
+    fn read_to(&self, _epoch: &Epoch, step: usize) -> usize {
+        let batches = |p: usize| self.plans.get(p).map_or(0, ShardPlan::num_batches);
+        if step + 1 >= batches(0) {
+            let most = (0..self.plans.len()).map(batches).max().unwrap_or(0);
+            step.max(most.saturating_sub(1))
+        } else {
+            step
+        }
     }
 }
 

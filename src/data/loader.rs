@@ -16,6 +16,9 @@ use super::error::DataLoaderError;
 use super::observer::LoaderObserver;
 use super::prefetch::{Pipeline, Produce, Threading};
 use super::process_dispatch::ProcessDispatch;
+
+/// Where a dispatched shard of an indexed dataset gets its slices.
+type ShardDispatch<I> = Arc<dyn Dispatch<Epoch, Vec<I>>>;
 use super::shard::{ShardPlan, ShardSpec, Sharding, seeded_permutation};
 use super::state::{LoaderState, Tracker};
 
@@ -181,7 +184,7 @@ where
         let stream = state.group()?.stream();
         let mut loaders =
             self.build_with(num_processes, vec![(process, device)], |source, _| {
-                Arc::new(ProcessDispatch::new(stream, process, source)) as Arc<dyn Dispatch<I>>
+                Arc::new(ProcessDispatch::new(stream, process, source)) as ShardDispatch<I>
             })?;
         loaders.pop().ok_or(DataLoaderError::Shard(
             super::shard::ShardError::ZeroProcesses,
@@ -194,7 +197,7 @@ where
         processes: Vec<(usize, B::Device)>,
     ) -> Result<Vec<ShardLoader<B, I, O>>, DataLoaderError> {
         self.build_with(num_processes, processes, |source, registered| {
-            Arc::new(Dispatcher::new(source, registered)) as Arc<dyn Dispatch<I>>
+            Arc::new(Dispatcher::new(source, registered)) as ShardDispatch<I>
         })
     }
 
@@ -204,7 +207,7 @@ where
         &self,
         num_processes: usize,
         processes: Vec<(usize, B::Device)>,
-        dispatch: impl FnOnce(IndexedSource<I>, Vec<bool>) -> Arc<dyn Dispatch<I>>,
+        dispatch: impl FnOnce(IndexedSource<I>, Vec<bool>) -> ShardDispatch<I>,
     ) -> Result<Vec<ShardLoader<B, I, O>>, DataLoaderError> {
         let first = processes.first().map_or(0, |(p, _)| *p);
         let spec = self.config.shard_spec(num_processes, first)?;
@@ -285,7 +288,7 @@ impl OrderCache {
 pub struct ShardLoader<B: Backend, I, O> {
     dataset: Arc<dyn Dataset<I>>,
     batcher: Arc<dyn Batcher<B, I, O>>,
-    dispatcher: Option<Arc<dyn Dispatch<I>>>,
+    dispatcher: Option<ShardDispatch<I>>,
     plan: ShardPlan,
     shuffle: bool,
     seedable: bool,
@@ -501,7 +504,7 @@ where
 struct Producer<B: Backend, I, O> {
     epoch: Epoch,
     dataset: Arc<dyn Dataset<I>>,
-    dispatcher: Option<(Arc<dyn Dispatch<I>>, usize)>,
+    dispatcher: Option<(ShardDispatch<I>, usize)>,
     /// The step this epoch's iterator began at.
     first_step: usize,
     batcher: Arc<dyn Batcher<B, I, O>>,
@@ -545,7 +548,7 @@ where
     tracker: Tracker,
     generation: u64,
     observer: Option<Arc<dyn LoaderObserver>>,
-    dispatcher: Option<(Arc<dyn Dispatch<I>>, usize)>,
+    dispatcher: Option<(ShardDispatch<I>, usize)>,
     num_batches: usize,
     /// Index of the batch handed out last.
     last: Option<usize>,

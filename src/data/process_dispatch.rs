@@ -20,37 +20,37 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::dispatch::{Dispatch, IndexedSource, StepSource};
-use super::epoch::{Epoch, EpochKey};
+use super::dispatch::{Dispatch, StepSource};
+use super::epoch::EpochKey;
 use crate::distributed::{DistributedError, Stream};
 
-/// A dispatched shard of one process of a run.
-pub(crate) struct ProcessDispatch<I> {
+/// A dispatched shard of one process of a run, over the steps of `S`.
+pub(crate) struct ProcessDispatch<S: StepSource> {
     stream: Stream,
-    role: Role<I>,
+    role: Role<S>,
 }
 
-enum Role<I> {
+enum Role<S: StepSource> {
     /// Process 0: reads every step and sends the others their slices.
     Reader {
-        source: IndexedSource<I>,
-        /// The most steps any process's plan has.
-        steps: usize,
-        reading: Mutex<Reading<I>>,
+        source: S,
+        reading: Mutex<Option<Reading<S>>>,
     },
-    /// Every other process: receives.
+    /// Every other process: receives, keeping the steps that arrive before they are asked
+    /// for (by epoch number and step).
     Receiver {
-        kept: Mutex<BTreeMap<(u64, usize), Vec<I>>>,
+        kept: Mutex<BTreeMap<(u64, usize), S::Slice>>,
     },
 }
 
 /// Process 0's reading of one epoch.
-struct Reading<I> {
-    key: Option<EpochKey>,
+struct Reading<S: StepSource> {
+    key: EpochKey,
+    cursor: S::Cursor,
     /// The first step not read yet.
     next_step: usize,
     /// Its own slices, read (and sent) ahead of its asking for them.
-    kept: BTreeMap<usize, Vec<I>>,
+    kept: BTreeMap<usize, S::Slice>,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -63,26 +63,17 @@ fn fail(err: DistributedError) -> ! {
     panic!("burn-accelerate: dispatch_batches across processes: {err}")
 }
 
-impl<I> ProcessDispatch<I>
+impl<S> ProcessDispatch<S>
 where
-    I: Serialize + DeserializeOwned + Clone + Send + Sync,
+    S: StepSource,
+    S::Slice: Serialize + DeserializeOwned,
 {
     /// The dispatch of process `process` over `stream`, reading from `source` on process 0.
-    pub(crate) fn new(stream: Stream, process: usize, source: IndexedSource<I>) -> Self {
+    pub(crate) fn new(stream: Stream, process: usize, source: S) -> Self {
         let role = if process == 0 {
             Role::Reader {
-                steps: source
-                    .plans()
-                    .iter()
-                    .map(|p| p.num_batches())
-                    .max()
-                    .unwrap_or(0),
                 source,
-                reading: Mutex::new(Reading {
-                    key: None,
-                    next_step: 0,
-                    kept: BTreeMap::new(),
-                }),
+                reading: Mutex::new(None),
             }
         } else {
             Role::Receiver {
@@ -92,20 +83,22 @@ where
         Self { stream, role }
     }
 
-    // Process 0: reads steps `from..=to`, sends the others their slices, keeps its own.
-    fn read(&self, source: &IndexedSource<I>, reading: &mut Reading<I>, epoch: &Epoch, to: usize) {
+    // Process 0: reads steps up to `to`, sends the others their slices, keeps its own.
+    fn read(&self, source: &S, reading: &mut Reading<S>, epoch: &S::Epoch, to: usize) {
         let processes: Vec<usize> = (0..self.stream.group().world_size()).collect();
         for step in reading.next_step..=to {
             let mut slices = source
-                .read_step(&mut (), epoch, step, &processes)
+                .read_step(&mut reading.cursor, epoch, step, &processes)
                 .into_iter();
-            let own = slices.next().unwrap_or_default();
+            let own = slices
+                .next()
+                .expect("read_step returns a slice per process");
             for (process, slice) in slices.enumerate() {
                 let bytes = rmp_serde::to_vec(&slice).unwrap_or_else(|e| {
                     panic!("burn-accelerate: dispatch_batches: an item cannot be sent: {e}")
                 });
                 self.stream
-                    .send(process + 1, epoch.key().0, step as u32, &bytes)
+                    .send(process + 1, reading.key.0, step as u32, &bytes)
                     .unwrap_or_else(|err| fail(err));
             }
             reading.kept.insert(step, own);
@@ -114,54 +107,53 @@ where
     }
 }
 
-impl<I> Dispatch<I> for ProcessDispatch<I>
+impl<S> Dispatch<S::Epoch, S::Slice> for ProcessDispatch<S>
 where
-    I: Serialize + DeserializeOwned + Clone + Send + Sync,
+    S: StepSource,
+    S::Slice: Serialize + DeserializeOwned,
 {
-    fn take(&self, _process: usize, epoch: &Epoch, step: usize, first_step: usize) -> Vec<I> {
+    fn take(&self, _process: usize, epoch: &S::Epoch, step: usize, first_step: usize) -> S::Slice {
         match &self.role {
-            Role::Reader {
-                source,
-                steps,
-                reading,
-            } => {
+            Role::Reader { source, reading } => {
                 let mut reading = lock(reading);
-                if reading.key != Some(epoch.key()) {
-                    *reading = Reading {
-                        key: Some(epoch.key()),
-                        next_step: first_step.min(step),
-                        kept: BTreeMap::new(),
+                let key = S::key(epoch);
+                // A new epoch, or the epoch started again at an earlier step (a new iterator):
+                // the others start again too, and need the steps again.
+                let restart = match &*reading {
+                    None => true,
+                    Some(r) => r.key != key || (step < r.next_step && !r.kept.contains_key(&step)),
+                };
+                if restart {
+                    let from = if reading.as_ref().is_some_and(|r| r.key == key) {
+                        step
+                    } else {
+                        first_step.min(step)
                     };
+                    *reading = Some(Reading {
+                        key,
+                        cursor: source.open(epoch, from),
+                        next_step: from,
+                        kept: BTreeMap::new(),
+                    });
                 }
+                let reading = reading.as_mut().expect("set above");
                 if let Some(slice) = reading.kept.remove(&step) {
                     return slice;
                 }
-                if step < reading.next_step {
-                    // The epoch started again (a new iterator at an earlier step): so do the
-                    // others, and they need the steps again.
-                    reading.kept.clear();
-                    reading.next_step = step;
-                }
-                // Process 0's last batch reads to the end of the longest plan, so that no
-                // process waits for a step nobody reads.
-                let to = if step + 1 >= epoch.num_batches() {
-                    step.max(steps.saturating_sub(1))
-                } else {
-                    step
-                };
-                self.read(source, &mut reading, epoch, to);
-                reading.kept.remove(&step).unwrap_or_default()
+                let to = source.read_to(epoch, step);
+                self.read(source, reading, epoch, to);
+                reading.kept.remove(&step).expect("the step was just read")
             }
             Role::Receiver { kept } => {
                 let mut kept = lock(kept);
-                let wanted = (epoch.key().0, step);
+                let wanted = (S::key(epoch).0, step);
                 loop {
                     if let Some(slice) = kept.remove(&wanted) {
                         return slice;
                     }
                     let (epoch_number, got_step, bytes) =
                         self.stream.recv(0).unwrap_or_else(|err| fail(err));
-                    let slice: Vec<I> = rmp_serde::from_slice(&bytes).unwrap_or_else(|e| {
+                    let slice: S::Slice = rmp_serde::from_slice(&bytes).unwrap_or_else(|e| {
                         fail(DistributedError::Mismatch {
                             rank: 0,
                             detail: format!("its items are not this loader's: {e}"),
@@ -178,14 +170,11 @@ where
     }
 
     fn leave(&self, _process: usize, key: EpochKey) {
-        match &self.role {
-            Role::Reader { reading, .. } => {
-                let mut reading = lock(reading);
-                if reading.key == Some(key) {
-                    reading.kept.clear();
-                }
+        if let Role::Reader { reading, .. } = &self.role {
+            let mut reading = lock(reading);
+            if let Some(r) = reading.as_mut().filter(|r| r.key == key) {
+                r.kept.clear();
             }
-            Role::Receiver { .. } => {}
         }
     }
 }

@@ -148,11 +148,8 @@ impl<I: Clone> StepReader<I> {
     }
 }
 
-/// The dispatcher of a stream.
-pub(crate) type StreamDispatcher<I> =
-    super::dispatch::Dispatcher<StreamSource<I>, StepReader<I>, Option<StreamSlice<I>>>;
-
 /// What one process gets of one step.
+#[derive(serde::Serialize, serde::Deserialize)]
 pub(crate) struct StreamSlice<I> {
     pub(crate) items: Vec<I>,
     /// Set on the process's last batch of the epoch.
@@ -160,7 +157,7 @@ pub(crate) struct StreamSlice<I> {
 }
 
 /// What is known once the stream has ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub(crate) struct StreamEnd {
     /// Items in the stream.
     pub(crate) stream_len: usize,

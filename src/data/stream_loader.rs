@@ -10,13 +10,16 @@ use burn::data::dataloader::{DataLoader, DataLoaderIterator, Progress};
 use burn::tensor::backend::Backend;
 
 use super::config::DataLoaderConfig;
-use super::dispatch::{Dispatcher, StepSource};
+use super::dispatch::{Dispatch, Dispatcher, StepSource};
 use super::error::DataLoaderError;
 use super::observer::LoaderObserver;
 use super::prefetch::{Pipeline, Produce, Threading};
+use super::process_dispatch::ProcessDispatch;
 use super::shard::{ShardError, ShardSpec, Sharding};
 use super::state::{LoaderState, Tracker};
-use super::stream::StreamDispatcher;
+
+/// Where a shard of a stream gets its slices (its own reading, or a shared one).
+type StreamDispatch<I> = Arc<dyn Dispatch<u64, Option<StreamSlice<I>>>>;
 use super::stream::{StepReader, StreamEnd, StreamFactory, StreamSlice, StreamSource, stream_spec};
 
 /// Builds the [`StreamLoader`]s of a [`DataLoaderConfig`] over a stream and a Burn
@@ -173,10 +176,64 @@ where
         self.build_process(state.num_processes(), state.process_index(), device)
     }
 
+    /// [`build_for`](Self::build_for), and under `dispatch_batches` in a run of several
+    /// processes, only process 0 reads the stream: it sends every other process its slice of
+    /// each global batch, the end of the stream with the last (items must be serde values;
+    /// int and bool fields arrive exactly). Without `dispatch_batches`, or on one process,
+    /// the same as `build_for`. As with
+    /// [`ShardLoaderBuilder::build_dispatching`](super::ShardLoaderBuilder::build_dispatching),
+    /// every process must build its dispatching loaders in the same order.
+    ///
+    /// # Errors
+    ///
+    /// As [`build`](Self::build); [`DataLoaderError::Distributed`] when the process group
+    /// cannot be joined.
+    pub fn build_dispatching(
+        &self,
+        state: &crate::distributed::ProcessState,
+        device: B::Device,
+    ) -> Result<StreamLoader<B, I, O>, DataLoaderError>
+    where
+        I: serde::Serialize + serde::de::DeserializeOwned,
+    {
+        if !(self.config.dispatch_batches && state.is_distributed()) {
+            return self.build_for(state, device);
+        }
+        let process = state.process_index();
+        // Checked before joining: a wrong config costs nothing.
+        self.config.shard_spec(state.num_processes(), process)?;
+        let stream = state.group()?.stream();
+        let mut loaders =
+            self.build_with(state.num_processes(), vec![(process, device)], |source| {
+                Arc::new(ProcessDispatch::new(stream, process, source)) as StreamDispatch<I>
+            })?;
+        loaders
+            .pop()
+            .ok_or(DataLoaderError::Shard(ShardError::ZeroProcesses))
+    }
+
     fn build_processes(
         &self,
         num_processes: usize,
         processes: Vec<(usize, B::Device)>,
+    ) -> Result<Vec<StreamLoader<B, I, O>>, DataLoaderError> {
+        let registered: Vec<usize> = processes.iter().map(|(p, _)| *p).collect();
+        self.build_with(num_processes, processes, |source| {
+            let mut flags = vec![false; num_processes];
+            for p in registered {
+                flags[p] = true;
+            }
+            Arc::new(Dispatcher::new(source, flags)) as StreamDispatch<I>
+        })
+    }
+
+    // The loaders of `processes`; under `dispatch_batches` their shared reader is made by
+    // `dispatch` from the source of every process's steps.
+    fn build_with(
+        &self,
+        num_processes: usize,
+        processes: Vec<(usize, B::Device)>,
+        dispatch: impl FnOnce(StreamSource<I>) -> StreamDispatch<I>,
     ) -> Result<Vec<StreamLoader<B, I, O>>, DataLoaderError> {
         let first = processes.first().map_or(0, |(p, _)| *p);
         let spec = self.config.shard_spec(num_processes, first)?;
@@ -193,10 +250,9 @@ where
             for &p in registered {
                 flags[p] = true;
             }
-            Arc::new(Dispatcher::new(source.clone(), flags))
+            Arc::new(Dispatcher::new(source.clone(), flags)) as StreamDispatch<I>
         };
-        let all: Vec<usize> = processes.iter().map(|(p, _)| *p).collect();
-        let shared = (sharding == Sharding::Dispatch).then(|| reader(&all));
+        let shared = (sharding == Sharding::Dispatch).then(|| dispatch(source.clone()));
         let threading = Threading::of(&self.config);
         Ok(processes
             .into_iter()
@@ -240,7 +296,7 @@ where
 ///   reads and discards the skipped batches, as accelerate does on a stream, and a position
 ///   past the end yields an empty epoch rather than an error.
 pub struct StreamLoader<B: Backend, I, O> {
-    hub: Arc<StreamDispatcher<I>>,
+    hub: StreamDispatch<I>,
     source: StreamSource<I>,
     process: usize,
     /// Items in every batch of this process but the last.
@@ -439,7 +495,7 @@ where
 /// Where a producer gets its slices.
 enum Reader<I> {
     /// The shard's reader (shared by all shards under dispatch).
-    Shard(Arc<StreamDispatcher<I>>),
+    Shard(StreamDispatch<I>),
     /// A slice's own reading of the shard's items.
     Window(Box<Mutex<Window<I>>>),
 }
@@ -610,7 +666,7 @@ where
 {
     pipeline: Pipeline<StreamProducer<B, I, O>>,
     /// The shared reader to leave when done, for a shard (not a slice).
-    leave: Option<(Arc<StreamDispatcher<I>>, usize)>,
+    leave: Option<(StreamDispatch<I>, usize)>,
     source: StreamSource<I>,
     process: usize,
     /// The length of a slice's window; `None` for a shard.

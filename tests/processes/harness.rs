@@ -85,12 +85,18 @@ impl Launched {
     }
 }
 
-/// A port nothing listens on now.
+/// A port nothing listens on now, drawn at random below the ephemeral range (from 32768 on
+/// Linux): an ephemeral port free now may be an outgoing connection's a moment later, and the
+/// launcher takes the ports after the main one for its processes.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind(("127.0.0.1", 0))
-        .and_then(|l| l.local_addr())
-        .unwrap()
-        .port()
+    use std::hash::{BuildHasher, RandomState};
+    loop {
+        let port = 20_000 + (RandomState::new().hash_one(0u8) % 12_000) as u16;
+        let free = |p: u16| std::net::TcpListener::bind(("0.0.0.0", p)).is_ok();
+        if (port..port + 8).all(free) {
+            return port;
+        }
+    }
 }
 
 /// The launcher binary.
