@@ -37,9 +37,8 @@ use super::stream::{StepReader, StreamEnd, StreamFactory, StreamSlice, StreamSou
 ///   share one reader, which pulls each global batch once and hands out the slices, with the
 ///   dispatcher's tail. (Shards built one per OS process with
 ///   [`build_process`](Self::build_process) or [`build_for`](Self::build_for) each read the
-///   stream themselves; sending slices between processes is the indexed loader's
-///   [`ShardLoaderBuilder::build_dispatching`](super::ShardLoaderBuilder::build_dispatching),
-///   not yet a stream's.)
+///   stream themselves; with [`build_dispatching`](Self::build_dispatching) process 0 reads
+///   it alone and sends the others their slices.)
 ///
 /// The batches are those of an indexed [`ShardLoader`](super::ShardLoader) over the same
 /// items with `even_batches` on (or under `dispatch_batches`, any `even_batches`).
