@@ -10,17 +10,17 @@ use burn::data::dataset::Dataset;
 use burn::tensor::backend::Backend;
 
 use super::config::DataLoaderConfig;
-use super::dispatch::{Dispatch, Dispatcher, IndexedSource};
+use super::dispatch::{Dispatch, IndexedSource};
 use super::epoch::{Epoch, stream_len};
 use super::error::DataLoaderError;
 use super::observer::LoaderObserver;
 use super::prefetch::{Pipeline, Produce, Threading};
-use super::process_dispatch::ProcessDispatch;
+use super::processes::{self, Build, MakeReader};
+use super::shard::{ShardPlan, ShardSpec, Sharding, seeded_permutation};
+use super::state::{LoaderState, Tracker};
 
 /// Where a dispatched shard of an indexed dataset gets its slices.
 type ShardDispatch<I> = Arc<dyn Dispatch<Epoch, Vec<I>>>;
-use super::shard::{ShardPlan, ShardSpec, Sharding, seeded_permutation};
-use super::state::{LoaderState, Tracker};
 
 /// Builds the [`ShardLoader`]s of a [`DataLoaderConfig`] over a Burn [`Dataset`] and
 /// [`Batcher`]: one per process, process `i` creating its batches on device `i`.
@@ -102,8 +102,7 @@ where
         &self,
         devices: &[B::Device],
     ) -> Result<Vec<ShardLoader<B, I, O>>, DataLoaderError> {
-        let processes: Vec<_> = devices.iter().cloned().enumerate().collect();
-        self.build_processes(devices.len(), processes)
+        processes::build(self, devices)
     }
 
     /// The loader of process `process_index` alone, out of `num_processes`: what each rank
@@ -124,15 +123,7 @@ where
         process_index: usize,
         device: B::Device,
     ) -> Result<ShardLoader<B, I, O>, DataLoaderError> {
-        if self.config.shuffle && self.config.data_seed.is_none() && num_processes > 1 {
-            // Checked after the configuration itself, whose errors say more.
-            self.config.shard_spec(num_processes, process_index)?;
-            return Err(DataLoaderError::MissingDataSeed { num_processes });
-        }
-        let mut loaders = self.build_processes(num_processes, vec![(process_index, device)])?;
-        loaders.pop().ok_or(DataLoaderError::Shard(
-            super::shard::ShardError::ZeroProcesses,
-        ))
+        processes::build_process(self, num_processes, process_index, device)
     }
 
     /// The loader of this process in the run `state` describes (see
@@ -148,7 +139,7 @@ where
         state: &crate::distributed::ProcessState,
         device: B::Device,
     ) -> Result<ShardLoader<B, I, O>, DataLoaderError> {
-        self.build_process(state.num_processes(), state.process_index(), device)
+        processes::build_for(self, state, device)
     }
 
     /// [`build_for`](Self::build_for), and under `dispatch_batches` in a run of several
@@ -173,41 +164,33 @@ where
     where
         I: serde::Serialize + serde::de::DeserializeOwned,
     {
-        if !(self.config.dispatch_batches && state.is_distributed()) {
-            return self.build_for(state, device);
-        }
-        let (num_processes, process) = (state.num_processes(), state.process_index());
-        if self.config.shuffle && self.config.data_seed.is_none() {
-            self.config.shard_spec(num_processes, process)?;
-            return Err(DataLoaderError::MissingDataSeed { num_processes });
-        }
-        let stream = state.group()?.stream();
-        let mut loaders =
-            self.build_with(num_processes, vec![(process, device)], |source, _| {
-                Arc::new(ProcessDispatch::new(stream, process, source)) as ShardDispatch<I>
-            })?;
-        loaders.pop().ok_or(DataLoaderError::Shard(
-            super::shard::ShardError::ZeroProcesses,
-        ))
+        processes::build_dispatching(self, state, device)
+    }
+}
+
+impl<B, I, O> Build for ShardLoaderBuilder<B, I, O>
+where
+    B: Backend,
+    I: Send + Sync + Clone + 'static,
+    O: Send + 'static,
+{
+    type Loader = ShardLoader<B, I, O>;
+    type Device = B::Device;
+    type Source = IndexedSource<I>;
+
+    fn config(&self) -> &DataLoaderConfig {
+        &self.config
     }
 
-    fn build_processes(
-        &self,
-        num_processes: usize,
-        processes: Vec<(usize, B::Device)>,
-    ) -> Result<Vec<ShardLoader<B, I, O>>, DataLoaderError> {
-        self.build_with(num_processes, processes, |source, registered| {
-            Arc::new(Dispatcher::new(source, registered)) as ShardDispatch<I>
-        })
+    fn shuffles(&self) -> bool {
+        self.config.shuffle
     }
 
-    // The loaders of `processes`, their dispatch (under `dispatch_batches`) made by `dispatch`
-    // from the source of every process's steps and which processes are built here.
     fn build_with(
         &self,
         num_processes: usize,
         processes: Vec<(usize, B::Device)>,
-        dispatch: impl FnOnce(IndexedSource<I>, Vec<bool>) -> ShardDispatch<I>,
+        reader: MakeReader<'_, IndexedSource<I>>,
     ) -> Result<Vec<ShardLoader<B, I, O>>, DataLoaderError> {
         let first = processes.first().map_or(0, |(p, _)| *p);
         let spec = self.config.shard_spec(num_processes, first)?;
@@ -222,7 +205,7 @@ where
             for (p, _) in &processes {
                 registered[*p] = true;
             }
-            dispatch(
+            reader(
                 IndexedSource::new(Arc::clone(&self.dataset), plans.clone()),
                 registered,
             )

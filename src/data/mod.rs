@@ -26,6 +26,7 @@ mod metrics;
 mod observer;
 mod prefetch;
 mod process_dispatch;
+mod processes;
 pub mod shard;
 mod state;
 mod stream;

@@ -14,7 +14,7 @@ use super::dispatch::{Dispatch, Dispatcher, StepSource};
 use super::error::DataLoaderError;
 use super::observer::LoaderObserver;
 use super::prefetch::{Pipeline, Produce, Threading};
-use super::process_dispatch::ProcessDispatch;
+use super::processes::{self, Build, MakeReader};
 use super::shard::{ShardError, ShardSpec, Sharding};
 use super::state::{LoaderState, Tracker};
 
@@ -136,8 +136,7 @@ where
         &self,
         devices: &[B::Device],
     ) -> Result<Vec<StreamLoader<B, I, O>>, DataLoaderError> {
-        let processes: Vec<_> = devices.iter().cloned().enumerate().collect();
-        self.build_processes(devices.len(), processes)
+        processes::build(self, devices)
     }
 
     /// The loader of process `process_index` alone, out of `num_processes`: what each rank
@@ -153,10 +152,7 @@ where
         process_index: usize,
         device: B::Device,
     ) -> Result<StreamLoader<B, I, O>, DataLoaderError> {
-        let mut loaders = self.build_processes(num_processes, vec![(process_index, device)])?;
-        loaders
-            .pop()
-            .ok_or(DataLoaderError::Shard(ShardError::ZeroProcesses))
+        processes::build_process(self, num_processes, process_index, device)
     }
 
     /// The loader of this process in the run `state` describes (see
@@ -172,7 +168,7 @@ where
         state: &crate::distributed::ProcessState,
         device: B::Device,
     ) -> Result<StreamLoader<B, I, O>, DataLoaderError> {
-        self.build_process(state.num_processes(), state.process_index(), device)
+        processes::build_for(self, state, device)
     }
 
     /// [`build_for`](Self::build_for), and under `dispatch_batches` in a run of several
@@ -195,44 +191,34 @@ where
     where
         I: serde::Serialize + serde::de::DeserializeOwned,
     {
-        if !(self.config.dispatch_batches && state.is_distributed()) {
-            return self.build_for(state, device);
-        }
-        let process = state.process_index();
-        // Checked before joining: a wrong config costs nothing.
-        self.config.shard_spec(state.num_processes(), process)?;
-        let stream = state.group()?.stream();
-        let mut loaders =
-            self.build_with(state.num_processes(), vec![(process, device)], |source| {
-                Arc::new(ProcessDispatch::new(stream, process, source)) as StreamDispatch<I>
-            })?;
-        loaders
-            .pop()
-            .ok_or(DataLoaderError::Shard(ShardError::ZeroProcesses))
+        processes::build_dispatching(self, state, device)
+    }
+}
+
+impl<B, I, O> Build for StreamLoaderBuilder<B, I, O>
+where
+    B: Backend,
+    I: Send + Sync + Clone + 'static,
+    O: Send + 'static,
+{
+    type Loader = StreamLoader<B, I, O>;
+    type Device = B::Device;
+    type Source = StreamSource<I>;
+
+    fn config(&self) -> &DataLoaderConfig {
+        &self.config
     }
 
-    fn build_processes(
-        &self,
-        num_processes: usize,
-        processes: Vec<(usize, B::Device)>,
-    ) -> Result<Vec<StreamLoader<B, I, O>>, DataLoaderError> {
-        let registered: Vec<usize> = processes.iter().map(|(p, _)| *p).collect();
-        self.build_with(num_processes, processes, |source| {
-            let mut flags = vec![false; num_processes];
-            for p in registered {
-                flags[p] = true;
-            }
-            Arc::new(Dispatcher::new(source, flags)) as StreamDispatch<I>
-        })
+    // A stream cannot be shuffled at all (refused when built).
+    fn shuffles(&self) -> bool {
+        false
     }
 
-    // The loaders of `processes`; under `dispatch_batches` their shared reader is made by
-    // `dispatch` from the source of every process's steps.
     fn build_with(
         &self,
         num_processes: usize,
         processes: Vec<(usize, B::Device)>,
-        dispatch: impl FnOnce(StreamSource<I>) -> StreamDispatch<I>,
+        shared_reader: MakeReader<'_, StreamSource<I>>,
     ) -> Result<Vec<StreamLoader<B, I, O>>, DataLoaderError> {
         let first = processes.first().map_or(0, |(p, _)| *p);
         let spec = self.config.shard_spec(num_processes, first)?;
@@ -244,20 +230,24 @@ where
             .map(|p| Ok(stream_spec(spec.with_process_index(p)?)))
             .collect::<Result<Vec<ShardSpec>, ShardError>>()?;
         let source = StreamSource::new(Arc::clone(&self.factory), specs, sharding);
-        let reader = |registered: &[usize]| {
+        let flags = |registered: &[usize]| {
             let mut flags = vec![false; num_processes];
             for &p in registered {
                 flags[p] = true;
             }
-            Arc::new(Dispatcher::new(source.clone(), flags)) as StreamDispatch<I>
+            flags
         };
-        let shared = (sharding == Sharding::Dispatch).then(|| dispatch(source.clone()));
+        let all: Vec<usize> = processes.iter().map(|(p, _)| *p).collect();
+        let shared =
+            (sharding == Sharding::Dispatch).then(|| shared_reader(source.clone(), flags(&all)));
+        // Without dispatch every process reads the stream itself.
+        let own =
+            |p: usize| Arc::new(Dispatcher::new(source.clone(), flags(&[p]))) as StreamDispatch<I>;
         let threading = Threading::of(&self.config);
         Ok(processes
             .into_iter()
             .map(|(p, device)| StreamLoader {
-                // Without dispatch every process reads the stream itself.
-                hub: shared.clone().unwrap_or_else(|| reader(&[p])),
+                hub: shared.clone().unwrap_or_else(|| own(p)),
                 source: source.clone(),
                 process: p,
                 part: spec.process_batch_size(),
