@@ -16,6 +16,7 @@ use super::error::DataLoaderError;
 use super::observer::LoaderObserver;
 use super::prefetch::{Pipeline, Produce, Threading};
 use super::processes::{self, Build, MakeReader};
+use super::run::EpochRun;
 use super::shard::{ShardPlan, ShardSpec, Sharding, seeded_permutation};
 use super::state::{LoaderState, Tracker};
 
@@ -333,10 +334,15 @@ where
             batcher: Arc::clone(&self.batcher),
             device: self.device.clone(),
         });
-        let observer = self.observer.clone().filter(|_| full);
-        if let Some(observer) = &observer {
-            observer.begin();
-        }
+        let key = epoch.key();
+        let leave = dispatcher
+            .map(|(hub, process)| Box::new(move || hub.leave(process, key)) as super::run::Leave);
+        let run = EpochRun::begin(
+            self.tracker.clone(),
+            &start,
+            self.observer.clone().filter(|_| full),
+            leave,
+        );
         ShardIter {
             pipeline: Pipeline::new(
                 producer,
@@ -346,14 +352,9 @@ where
             ),
             epoch,
             epoch_number: start.epoch,
-            tracker: self.tracker.clone(),
-            generation: start.generation,
-            observer,
-            dispatcher,
+            run,
             num_batches,
             last: None,
-            completed: false,
-            closed: false,
         }
     }
 }
@@ -528,15 +529,10 @@ where
     pipeline: Pipeline<Producer<B, I, O>>,
     epoch: Epoch,
     epoch_number: u64,
-    tracker: Tracker,
-    generation: u64,
-    observer: Option<Arc<dyn LoaderObserver>>,
-    dispatcher: Option<(ShardDispatch<I>, usize)>,
+    run: EpochRun,
     num_batches: usize,
     /// Index of the batch handed out last.
     last: Option<usize>,
-    completed: bool,
-    closed: bool,
 }
 
 impl<B, I, O> ShardIter<B, I, O>
@@ -587,18 +583,8 @@ where
     }
 
     fn close(&mut self) {
-        if self.closed {
-            return;
-        }
-        self.closed = true;
-        // Workers first, so none asks the dispatcher for more after this shard left it.
-        self.pipeline.shutdown();
-        if let Some((hub, process)) = &self.dispatcher {
-            hub.leave(*process, self.epoch.key());
-        }
-        if let Some(observer) = &self.observer {
-            observer.end();
-        }
+        let pipeline = &mut self.pipeline;
+        self.run.close(|| pipeline.shutdown());
     }
 }
 
@@ -611,14 +597,13 @@ where
     type Item = O;
 
     fn next(&mut self) -> Option<O> {
-        if self.closed {
+        if self.run.is_closed() {
             return None;
         }
         let Some(batch) = self.pipeline.next() else {
-            if !self.completed && self.pipeline.position() >= self.num_batches {
+            if self.pipeline.position() >= self.num_batches {
                 // An epoch with nothing (left) to yield is complete as soon as it starts.
-                self.completed = true;
-                self.tracker.complete(self.generation);
+                self.run.complete();
             }
             self.close();
             return None;
@@ -626,19 +611,16 @@ where
         let index = self.pipeline.position() - 1;
         self.last = Some(index);
         if index + 1 == self.num_batches {
-            if let Some(observer) = &self.observer {
-                observer.end_of_dataloader(self.remainder());
-            }
-            self.completed = true;
-            self.tracker.complete(self.generation);
+            let remainder = self.remainder();
+            self.run.last_batch(remainder);
         } else {
-            self.tracker.yielded(self.generation, index + 1);
+            self.run.yielded(index + 1);
         }
         Some(batch)
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {
-        let left = if self.closed {
+        let left = if self.run.is_closed() {
             0
         } else {
             self.num_batches - self.pipeline.position()

@@ -27,6 +27,7 @@ mod observer;
 mod prefetch;
 mod process_dispatch;
 mod processes;
+mod run;
 pub mod shard;
 mod state;
 mod stream;

@@ -15,6 +15,7 @@ use super::error::DataLoaderError;
 use super::observer::LoaderObserver;
 use super::prefetch::{Pipeline, Produce, Threading};
 use super::processes::{self, Build, MakeReader};
+use super::run::EpochRun;
 use super::shard::{ShardError, ShardSpec, Sharding};
 use super::state::{LoaderState, Tracker};
 
@@ -348,10 +349,16 @@ where
             batcher: Arc::clone(&self.batcher),
             device: self.device.clone(),
         });
-        let observer = self.observer.clone().filter(|_| self.window.is_none());
-        if let Some(observer) = &observer {
-            observer.begin();
-        }
+        let leave = self.window.is_none().then(|| {
+            let (hub, process, epoch) = (Arc::clone(&self.hub), self.process, start.epoch);
+            Box::new(move || hub.leave(process, (epoch, None))) as super::run::Leave
+        });
+        let run = EpochRun::begin(
+            self.tracker.clone(),
+            &start,
+            self.observer.clone().filter(|_| self.window.is_none()),
+            leave,
+        );
         StreamIter {
             pipeline: Pipeline::new(
                 producer,
@@ -359,24 +366,16 @@ where
                 usize::MAX,
                 self.threading.on_device::<B>(&self.device),
             ),
-            leave: self
-                .window
-                .is_none()
-                .then(|| (Arc::clone(&self.hub), self.process)),
             source: self.source.clone(),
             process: self.process,
             window_len: self.window.as_ref().map(ExactSizeIterator::len),
             epoch: start.epoch,
-            tracker: self.tracker.clone(),
-            generation: start.generation,
-            observer,
+            run,
             stream_len: Arc::clone(&self.stream_len),
             expected_items: self.num_items(),
             part: self.part,
             items: start.start.saturating_mul(self.part),
             end: None,
-            completed: false,
-            closed: false,
         }
     }
 }
@@ -654,16 +653,12 @@ where
     O: Send + 'static,
 {
     pipeline: Pipeline<StreamProducer<B, I, O>>,
-    /// The shared reader to leave when done, for a shard (not a slice).
-    leave: Option<(StreamDispatch<I>, usize)>,
     source: StreamSource<I>,
     process: usize,
     /// The length of a slice's window; `None` for a shard.
     window_len: Option<usize>,
     epoch: u64,
-    tracker: Tracker,
-    generation: u64,
-    observer: Option<Arc<dyn LoaderObserver>>,
+    run: EpochRun,
     stream_len: Arc<Mutex<Option<usize>>>,
     /// `num_items` when the epoch started, for progress.
     expected_items: usize,
@@ -672,8 +667,6 @@ where
     items: usize,
     /// Set once the last batch has been handed out.
     end: Option<StreamEnd>,
-    completed: bool,
-    closed: bool,
 }
 
 impl<B, I, O> StreamIter<B, I, O>
@@ -711,26 +704,9 @@ where
         self.end.map_or(0, |end| end.padding)
     }
 
-    fn finish(&mut self) {
-        if !self.completed {
-            self.completed = true;
-            self.tracker.complete(self.generation);
-        }
-    }
-
     fn close(&mut self) {
-        if self.closed {
-            return;
-        }
-        self.closed = true;
-        // Workers first, so none asks the reader for more after this shard left it.
-        self.pipeline.shutdown();
-        if let Some((hub, process)) = &self.leave {
-            hub.leave(*process, (self.epoch, None));
-        }
-        if let Some(observer) = &self.observer {
-            observer.end();
-        }
+        let pipeline = &mut self.pipeline;
+        self.run.close(|| pipeline.shutdown());
     }
 }
 
@@ -743,15 +719,15 @@ where
     type Item = O;
 
     fn next(&mut self) -> Option<O> {
-        if self.completed {
+        if self.run.is_complete() {
             self.close();
         }
-        if self.closed {
+        if self.run.is_closed() {
             return None;
         }
         let Some(Some(batch)) = self.pipeline.next() else {
             // The stream ended before this batch (an empty stream, or a skip past its end).
-            self.finish();
+            self.run.complete();
             self.close();
             return None;
         };
@@ -770,12 +746,9 @@ where
                     Some(len) => self.items.min(len),
                 };
                 self.end = Some(end);
-                if let Some(observer) = &self.observer {
-                    observer.end_of_dataloader(end.remainder);
-                }
-                self.finish();
+                self.run.last_batch(end.remainder);
             }
-            None => self.tracker.yielded(self.generation, position),
+            None => self.run.yielded(position),
         }
         Some(batch.batch)
     }
