@@ -1464,36 +1464,30 @@ impl Dispatched {
 
     // Every process's loader, built in this one process (`None`), or this process's alone.
     fn loaders(&self, state: Option<&ProcessState>) -> Vec<Box<dyn DataLoader<Flex, RowBatch>>> {
+        fn boxed<L: DataLoader<Flex, RowBatch> + 'static>(
+            loaders: Vec<L>,
+        ) -> Vec<Box<dyn DataLoader<Flex, RowBatch>>> {
+            loaders
+                .into_iter()
+                .map(|l| Box::new(l) as Box<dyn DataLoader<Flex, RowBatch>>)
+                .collect()
+        }
         let len = self.len;
         let devices = vec![Default::default(); self.processes_in(state)];
         if self.stream {
             let builder =
                 StreamLoaderBuilder::new(self.config(), move |_: u64| rows(len), RowBatcher);
-            match state {
-                Some(state) => vec![Box::new(
-                    builder.build_dispatching(state, devices[0]).unwrap(),
-                )],
-                None => builder
-                    .build(&devices)
-                    .unwrap()
-                    .into_iter()
-                    .map(|l| Box::new(l) as Box<dyn DataLoader<Flex, RowBatch>>)
-                    .collect(),
-            }
+            boxed(match state {
+                Some(state) => vec![builder.build_dispatching(state, devices[0]).unwrap()],
+                None => builder.build(&devices).unwrap(),
+            })
         } else {
             let builder =
                 ShardLoaderBuilder::new(self.config(), InMemDataset::new(rows(len)), RowBatcher);
-            match state {
-                Some(state) => vec![Box::new(
-                    builder.build_dispatching(state, devices[0]).unwrap(),
-                )],
-                None => builder
-                    .build(&devices)
-                    .unwrap()
-                    .into_iter()
-                    .map(|l| Box::new(l) as Box<dyn DataLoader<Flex, RowBatch>>)
-                    .collect(),
-            }
+            boxed(match state {
+                Some(state) => vec![builder.build_dispatching(state, devices[0]).unwrap()],
+                None => builder.build(&devices).unwrap(),
+            })
         }
     }
 
