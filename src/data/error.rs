@@ -54,6 +54,20 @@ pub enum DataLoaderError {
     )]
     ShuffledStream,
 
+    /// Several devices' loaders asked of one process of a run of several processes.
+    #[error(
+        "this is process {process} of a run of {num_processes} (burn-accelerate launch): it \
+         gets one loader, for one device, not {devices}; run one process per device"
+    )]
+    DevicesPerProcess {
+        /// The devices asked for.
+        devices: usize,
+        /// This process's index.
+        process: usize,
+        /// The processes of the run.
+        num_processes: usize,
+    },
+
     /// A restored position lies beyond the end of the epoch, so the state cannot belong to
     /// this loader.
     #[error(

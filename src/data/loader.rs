@@ -93,10 +93,17 @@ where
     /// One loader per device: `devices.len()` processes, process `i` on `devices[i]`. Under
     /// `dispatch_batches` they share one reader; with `shuffle` they share one seed.
     ///
+    /// In a run of several processes (`burn-accelerate launch`, see
+    /// [`ProcessState`](crate::distributed::ProcessState)), this process's loader for its one
+    /// device instead, as [`build_for`](Self::build_for) gives it: a script written for one
+    /// process shards its data unchanged.
+    ///
     /// # Errors
     ///
     /// A [`DataLoaderError`] for an invalid configuration, [`ShardError::ZeroProcesses`]
-    /// (wrapped) for no devices.
+    /// (wrapped) for no devices; [`DataLoaderError::DevicesPerProcess`] for several devices in
+    /// a run of several processes; [`DataLoaderError::Distributed`] for a bad launch
+    /// environment.
     ///
     /// [`ShardError::ZeroProcesses`]: super::shard::ShardError::ZeroProcesses
     pub fn build(

@@ -66,7 +66,9 @@ where
     Box::new(|source, registered| Arc::new(Dispatcher::new(source, registered)))
 }
 
-/// One loader per device: `devices.len()` processes, process `i` on `devices[i]`.
+/// One loader per device: `devices.len()` processes, process `i` on `devices[i]`; in a run
+/// of several processes (`burn-accelerate launch`), this process's loader, for its one
+/// device, as [`build_for`] gives it: the same script shards its data unchanged.
 pub(crate) fn build<L>(
     builder: &L,
     devices: &[L::Device],
@@ -77,6 +79,17 @@ where
     <L::Source as StepSource>::Cursor: Send + 'static,
     <L::Source as StepSource>::Slice: Send + 'static,
 {
+    let state = ProcessState::from_env()?;
+    if state.is_distributed() {
+        let [device] = devices else {
+            return Err(DataLoaderError::DevicesPerProcess {
+                devices: devices.len(),
+                process: state.process_index(),
+                num_processes: state.num_processes(),
+            });
+        };
+        return Ok(vec![build_for(builder, &state, device.clone())?]);
+    }
     let processes = devices.iter().cloned().enumerate().collect();
     builder.build_with(devices.len(), processes, in_process())
 }

@@ -127,12 +127,15 @@ where
     }
 
     /// One loader per device: `devices.len()` processes, process `i` on `devices[i]`. Under
-    /// `dispatch_batches` they share one reader.
+    /// `dispatch_batches` they share one reader. In a run of several processes, this
+    /// process's loader for its one device, as [`build_for`](Self::build_for) gives it.
     ///
     /// # Errors
     ///
     /// A [`DataLoaderError`] for an invalid configuration (as for an indexed loader),
-    /// [`DataLoaderError::ShuffledStream`] for `shuffle`.
+    /// [`DataLoaderError::ShuffledStream`] for `shuffle`;
+    /// [`DataLoaderError::DevicesPerProcess`] for several devices in a run of several
+    /// processes.
     pub fn build(
         &self,
         devices: &[B::Device],

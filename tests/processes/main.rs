@@ -1651,3 +1651,92 @@ fn a_reader_that_dies_mid_dispatch_ends_the_others_with_the_reason() {
     );
     harness::clean(&dir);
 }
+
+// ---------------------------------------------------------------------------------------
+// A script written for one process, run unchanged under the launcher.
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Unchanged {
+    /// `build(&[device])`'s batches are `build_for(state)`'s.
+    same_batches: bool,
+    batches: usize,
+    /// What asking for two devices' loaders says.
+    two_devices: String,
+}
+
+fn unchanged_worker() -> Unchanged {
+    let state = ProcessState::from_env().unwrap();
+    let builder = ShardLoaderBuilder::<Flex, usize, Vec<usize>>::new(
+        DataLoaderConfig::new(4),
+        InMemDataset::new((0..40).collect()),
+        Ids,
+    );
+    let device = Default::default();
+    let plain: Vec<Vec<usize>> = builder.build(&[device]).unwrap()[0].iter().collect();
+    let explicit: Vec<Vec<usize>> = builder.build_for(&state, device).unwrap().iter().collect();
+    Unchanged {
+        same_batches: plain == explicit,
+        batches: plain.len(),
+        two_devices: builder
+            .build(&[device, device])
+            .map(|_| ())
+            .unwrap_err()
+            .to_string(),
+    }
+}
+
+#[test]
+fn loaders_built_for_one_process_shard_themselves_under_the_launcher() {
+    const TEST: &str = "loaders_built_for_one_process_shard_themselves_under_the_launcher";
+    if worker::<()>().is_some() {
+        return report(&unchanged_worker());
+    }
+    let reports: Vec<Unchanged> = launch(TEST, 2, &(), &[]).assert_success().reports(2);
+    for r in &reports {
+        assert!(r.same_batches);
+        // 40 items in batches of 4 over 2 processes: 5 each, not the whole 10.
+        assert_eq!(r.batches, 5);
+        assert!(
+            r.two_devices
+                .contains("it gets one loader, for one device, not 2"),
+            "{}",
+            r.two_devices
+        );
+    }
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct MlpRun {
+    loss: f32,
+    accuracy: f32,
+}
+
+#[test]
+fn train_mlp_on_two_processes_ends_with_one_process_accuracy() {
+    const TEST: &str = "train_mlp_on_two_processes_ends_with_one_process_accuracy";
+    type Train = Accelerated<Autodiff<Flex>>;
+    if let Some(batch_size) = worker::<usize>() {
+        let config = burn_accelerate::train::demo::DemoConfig::new()
+            .with_epochs(2)
+            .with_train_items(1024)
+            .with_valid_items(256)
+            .with_batch_size(batch_size);
+        let outcome =
+            burn_accelerate::train::demo::run::<Train>(&config, &Default::default()).unwrap();
+        return report(&MlpRun {
+            loss: outcome.loss,
+            accuracy: outcome.accuracy,
+        });
+    }
+    let single: Vec<MlpRun> = launch(TEST, 1, &64usize, &[]).assert_success().reports(1);
+    let two: Vec<MlpRun> = launch(TEST, 2, &32usize, &[]).assert_success().reports(2);
+    assert!(single[0].accuracy > 0.5, "{:?}", single[0]);
+    for r in &two {
+        assert_eq!(r.accuracy, single[0].accuracy, "{r:?} vs {:?}", single[0]);
+        assert!(
+            (r.loss - single[0].loss).abs() <= 1e-5 * single[0].loss,
+            "{r:?} vs {:?}",
+            single[0]
+        );
+    }
+}
