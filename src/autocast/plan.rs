@@ -139,7 +139,7 @@ impl CastPlan {
             None => false,
         };
         if castable && dtype != DType::from(target) {
-            B::float_cast(tensor, target)
+            crate::backend::fast_cast::cast::<B>(tensor, target)
         } else {
             tensor
         }

@@ -1,5 +1,6 @@
 //! The backend decorator: `Accelerated<B>` is `B` with autocast in front of its ops.
 
+pub(crate) mod fast_cast;
 mod forward;
 pub(crate) mod hooks;
 mod placement;

@@ -1,0 +1,181 @@
+//! Autocast's casts between f32 and the half types, on backends whose own cast is slow.
+//!
+//! Flex 0.21 casts through an f64 copy of every value (`float_cast` in
+//! `burn-flex-0.21.0/src/ops/float.rs`), about 2 ns per element: on the benchmark MLP the casts
+//! autocast inserts cost a third of a bf16 step. `half`'s slice conversions do the same
+//! rounding (round to nearest even, from the exact value) in one vectorisable pass. Casting
+//! through f64 first changes nothing: an f32 is exact in f64, so both round the same value.
+//!
+//! Like fp8's cast, a replacement under autodiff needs a backward node, built with the
+//! concrete `Autodiff<B, C>` in hand: the hooks table holds one function per backend type,
+//! registered here for Flex and `Autodiff<Flex>`. Every other backend keeps its own cast.
+
+use burn_backend::tensor::FloatTensor;
+use burn_backend::{Backend, FloatDType};
+
+use crate::backend::hooks::Hooks;
+
+type Hook<B> = fn(FloatTensor<B>, FloatDType) -> FloatTensor<B>;
+
+static HOOKS: Hooks = Hooks::new(register_known);
+
+/// Casts `tensor` to `dtype`: through the registered fast cast for `B` where there is one,
+/// else with `B`'s own.
+#[inline]
+pub(crate) fn cast<B: Backend>(tensor: FloatTensor<B>, dtype: FloatDType) -> FloatTensor<B> {
+    match HOOKS.get::<B, Hook<B>>() {
+        Some(hook) => hook(tensor, dtype),
+        None => B::float_cast(tensor, dtype),
+    }
+}
+
+fn register_known() {
+    #[cfg(feature = "flex")]
+    flex::register();
+}
+
+#[cfg(feature = "flex")]
+pub(crate) mod flex {
+    use burn::backend::autodiff::checkpoint::base::Checkpointer;
+    use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
+    use burn::backend::autodiff::grads::Gradients;
+    use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
+    use burn::backend::flex::{FlexTensor, Layout};
+    use burn::backend::{Autodiff, Flex};
+    use burn::tensor::{Bytes, DType};
+    use burn_backend::FloatDType;
+    use burn_backend::ops::FloatTensorOps;
+    use burn_backend::tensor::FloatTensor;
+    use half::slice::HalfFloatSliceExt;
+    use half::{bf16, f16};
+
+    use super::{HOOKS, Hook};
+
+    pub(super) fn register() {
+        let plain: Hook<Flex> = convert;
+        HOOKS.insert::<Flex, _>(plain);
+        let tracked: Hook<Autodiff<Flex>> = convert_tracked;
+        HOOKS.insert::<Autodiff<Flex>, _>(tracked);
+    }
+
+    /// The cast, with `half`'s slice conversions between f32 and the half types, and Flex's
+    /// own for everything else.
+    pub(crate) fn convert(tensor: FlexTensor, dtype: FloatDType) -> FlexTensor {
+        let (from, to) = (tensor.dtype(), DType::from(dtype));
+        if from == to {
+            return tensor;
+        }
+        let tensor = tensor.to_contiguous();
+        let shape = tensor.layout().shape().clone();
+        let bytes = match (from, to) {
+            (DType::F32, DType::BF16) => {
+                let mut out = vec![bf16::ZERO; shape.num_elements()];
+                out.convert_from_f32_slice(tensor.storage::<f32>());
+                Bytes::from_elems(out)
+            }
+            (DType::F32, DType::F16) => {
+                let mut out = vec![f16::ZERO; shape.num_elements()];
+                out.convert_from_f32_slice(tensor.storage::<f32>());
+                Bytes::from_elems(out)
+            }
+            (DType::BF16, DType::F32) => {
+                let mut out = vec![0f32; shape.num_elements()];
+                tensor.storage::<bf16>().convert_to_f32_slice(&mut out);
+                Bytes::from_elems(out)
+            }
+            (DType::F16, DType::F32) => {
+                let mut out = vec![0f32; shape.num_elements()];
+                tensor.storage::<f16>().convert_to_f32_slice(&mut out);
+                Bytes::from_elems(out)
+            }
+            _ => return Flex::float_cast(tensor, dtype),
+        };
+        FlexTensor::new(bytes, Layout::contiguous(shape), to)
+    }
+
+    // The cast as a node of Burn's autodiff: the gradient comes back cast to the input's
+    // dtype, as Burn's own `float_cast` node does.
+    fn convert_tracked(
+        tensor: FloatTensor<Autodiff<Flex>>,
+        dtype: FloatDType,
+    ) -> FloatTensor<Autodiff<Flex>> {
+        #[derive(Debug)]
+        struct Cast;
+
+        impl Backward<Flex, 1> for Cast {
+            type State = FloatDType;
+
+            fn backward(
+                self,
+                ops: Ops<Self::State, 1>,
+                grads: &mut Gradients,
+                _checkpointer: &mut Checkpointer,
+            ) {
+                let input_dtype = ops.state;
+                unary::<Flex, _>(ops.parents, ops.node, grads, |grad| {
+                    convert(grad, input_dtype)
+                });
+            }
+        }
+
+        let input_dtype = FloatDType::from(tensor.primitive.dtype());
+        if input_dtype == dtype {
+            return tensor;
+        }
+        let node = tensor.node.clone();
+        let output = convert(tensor.primitive, dtype);
+        match Cast
+            .prepare::<NoCheckpointing>([node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(input_dtype, output),
+            OpsKind::UnTracked(prep) => prep.finish(output),
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        // Every f32 bit pattern class: normals, subnormals, ties, overflow to inf, NaN.
+        fn values() -> Vec<f32> {
+            let mut v: Vec<f32> = (0..20_000u32)
+                .map(|i| f32::from_bits(i.wrapping_mul(2_654_435_761)))
+                .collect();
+            v.extend([
+                0.0,
+                -0.0,
+                1.0 + f32::EPSILON,
+                65504.0,
+                65520.0,
+                f32::MAX,
+                f32::MIN_POSITIVE,
+                1e-40,
+                f32::INFINITY,
+                f32::NEG_INFINITY,
+            ]);
+            v
+        }
+
+        fn bits(t: FlexTensor) -> Vec<u8> {
+            t.into_data().bytes.to_vec()
+        }
+
+        #[test]
+        fn the_fast_cast_gives_flexs_own_bits() {
+            let v = values();
+            let n = v.len();
+            let t = FlexTensor::from_data(burn::tensor::TensorData::new(v, [n]));
+            for dtype in [FloatDType::BF16, FloatDType::F16] {
+                let fast = convert(t.clone(), dtype);
+                let own = Flex::float_cast(t.clone(), dtype);
+                assert_eq!(fast.dtype(), own.dtype());
+                assert_eq!(bits(fast.clone()), bits(own.clone()), "f32 -> {dtype:?}");
+                let back = convert(fast, FloatDType::F32);
+                let own_back = Flex::float_cast(own, FloatDType::F32);
+                assert_eq!(bits(back), bits(own_back), "{dtype:?} -> f32");
+            }
+        }
+    }
+}
