@@ -147,6 +147,10 @@ REWRAP = re.compile(r"^(TransactionPrimitive|QuantizationParametersPrimitive|Def
 # Device moves routed through hand-written functions of `crate::backend::placement`.
 MOVE_HOOKS = {"float_to_device", "int_to_device", "bool_to_device"}
 
+# Lower-class ops whose autocast call goes through `crate::backend::low_gemm` (a faster
+# half-precision path where the backend registered one).
+LOW_GEMM = {"float_matmul": "matmul", "linear": "linear"}
+
 # How the co-locate rule moves each kind of tensor argument of a table op.
 COLOCATE = {
     "FloatTensor<B>": "colocate.float(%s)",
@@ -211,6 +215,8 @@ def emit(name, generics, params, ret, where, op):
         else:
             method = {"Option<FloatTensor<B>>": "cast_opt", "Vec<FloatTensor<B>>": "cast_vec"}[t]
             lines.append("        let %s = plan.%s::<B>(%s);\n" % (p, method, p))
+    if name in LOW_GEMM:
+        call = "crate::backend::low_gemm::%s::<B>(&plan, %s)" % (LOW_GEMM[name], args)
     return head + "".join(lines) + "        %s\n    }\n" % call
 
 
@@ -256,6 +262,8 @@ def main():
     # Format like the rest of the crate, so a rerun on an unchanged table changes nothing.
     subprocess.run(["rustfmt", "--edition", "2024"] + [os.path.join(OUT_DIR, out) for _, _, out in TRAITS], check=True)
     missing = set(table) - seen
+    if set(LOW_GEMM) - seen:
+        sys.exit("low-gemm ops are not in the op table: %s" % sorted(set(LOW_GEMM) - seen))
     missing_hooks = MOVE_HOOKS - hooked
     if missing_hooks:
         sys.exit("move hooks name methods Burn does not have: %s" % sorted(missing_hooks))

@@ -3,6 +3,7 @@
 pub(crate) mod fast_cast;
 mod forward;
 pub(crate) mod hooks;
+pub(crate) mod low_gemm;
 mod placement;
 mod rewrap;
 pub(crate) mod tracked_move;

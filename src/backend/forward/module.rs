@@ -49,7 +49,7 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         let x = plan.cast_at::<B>(0, x);
         let weight = plan.cast_at::<B>(1, weight);
         let bias = plan.cast_opt::<B>(bias);
-        B::linear(x, weight, bias)
+        crate::backend::low_gemm::linear::<B>(&plan, x, weight, bias)
     }
     fn linear_x_backward(
         weight: FloatTensor<Self>,
