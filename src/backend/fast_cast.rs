@@ -2,8 +2,9 @@
 //!
 //! Flex 0.21 casts through an f64 copy of every value (`float_cast` in
 //! `burn-flex-0.21.0/src/ops/float.rs`), about 2 ns per element: on the benchmark MLP the casts
-//! autocast inserts cost a third of a bf16 step. `half`'s slice conversions do the same
-//! rounding (round to nearest even, from the exact value) in one vectorisable pass. Casting
+//! autocast inserts cost a third of a bf16 step. The [`Half`](crate::backend::half_kernels::Half)
+//! conversions do the same rounding (round to nearest even, from the exact value) in one
+//! vectorised pass. Casting
 //! through f64 first changes nothing: an f32 is exact in f64, so both round the same value.
 //!
 //! Like fp8's cast, a replacement under autodiff needs a backward node, built with the
@@ -46,10 +47,10 @@ pub(crate) mod flex {
     use burn_backend::FloatDType;
     use burn_backend::ops::FloatTensorOps;
     use burn_backend::tensor::FloatTensor;
-    use half::slice::HalfFloatSliceExt;
     use half::{bf16, f16};
 
     use super::{HOOKS, Hook};
+    use crate::backend::half_kernels::Half;
 
     pub(super) fn register() {
         let plain: Hook<Flex> = convert;
@@ -68,29 +69,25 @@ pub(crate) mod flex {
         let tensor = tensor.to_contiguous();
         let shape = tensor.layout().shape().clone();
         let bytes = match (from, to) {
-            (DType::F32, DType::BF16) => {
-                let mut out = vec![bf16::ZERO; shape.num_elements()];
-                out.convert_from_f32_slice(tensor.storage::<f32>());
-                Bytes::from_elems(out)
-            }
-            (DType::F32, DType::F16) => {
-                let mut out = vec![f16::ZERO; shape.num_elements()];
-                out.convert_from_f32_slice(tensor.storage::<f32>());
-                Bytes::from_elems(out)
-            }
-            (DType::BF16, DType::F32) => {
-                let mut out = vec![0f32; shape.num_elements()];
-                tensor.storage::<bf16>().convert_to_f32_slice(&mut out);
-                Bytes::from_elems(out)
-            }
-            (DType::F16, DType::F32) => {
-                let mut out = vec![0f32; shape.num_elements()];
-                tensor.storage::<f16>().convert_to_f32_slice(&mut out);
-                Bytes::from_elems(out)
-            }
+            (DType::F32, DType::BF16) => Bytes::from_elems(narrow::<bf16>(tensor.storage())),
+            (DType::F32, DType::F16) => Bytes::from_elems(narrow::<f16>(tensor.storage())),
+            (DType::BF16, DType::F32) => Bytes::from_elems(wide::<bf16>(tensor.storage())),
+            (DType::F16, DType::F32) => Bytes::from_elems(wide::<f16>(tensor.storage())),
             _ => return Flex::float_cast(tensor, dtype),
         };
         FlexTensor::new(bytes, Layout::contiguous(shape), to)
+    }
+
+    fn narrow<H: Half>(values: &[f32]) -> Vec<H> {
+        let mut out = vec![H::default(); values.len()];
+        H::round(values, &mut out);
+        out
+    }
+
+    fn wide<H: Half>(values: &[H]) -> Vec<f32> {
+        let mut out = vec![0f32; values.len()];
+        H::widen(values, &mut out);
+        out
     }
 
     // The cast as a node of Burn's autodiff: the gradient comes back cast to the input's

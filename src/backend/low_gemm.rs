@@ -78,17 +78,16 @@ mod flex {
     use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
     use burn::backend::autodiff::grads::Gradients;
     use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, binary};
-    use burn::backend::flex::FlexTensor;
+    use std::cell::RefCell;
+
+    use burn::backend::flex::{FlexTensor, Layout};
     use burn::backend::{Autodiff, Flex};
-    use burn::tensor::{Bytes, DType};
-    use burn_backend::FloatDType;
+    use burn::tensor::Bytes;
     use burn_backend::ops::{FloatTensorOps, ModuleOps};
     use burn_backend::tensor::FloatTensor;
-    use half::slice::HalfFloatSliceExt;
-    use half::{bf16, f16};
 
     use super::{LINEAR, LinearHook, MATMUL, MatmulHook};
-    use crate::backend::fast_cast::flex::convert;
+    use crate::backend::half_kernels::{Half, add_row, round_add_row, sum_rows, with_half};
 
     pub(super) fn register() {
         let plain: MatmulHook<Flex> = gemm;
@@ -101,44 +100,115 @@ mod flex {
         LINEAR.insert::<Autodiff<Flex>, _>(tracked);
     }
 
-    // A half matrix as f32, keeping a transposed (or otherwise permuted) view as it is: the
-    // f32 GEMM reads strides, where a contiguous copy would cost a strided pass.
-    fn widen(t: FlexTensor) -> FlexTensor {
-        let layout = t.layout().clone();
-        let n = layout.num_elements();
-        let stored = match t.dtype() {
-            DType::BF16 => t.storage::<bf16>().len(),
-            _ => t.storage::<f16>().len(),
-        };
-        let dense = layout.start_offset() == 0 && stored == n;
-        if !dense {
-            return convert(t, FloatDType::F32);
+    // Scratch for the f32 operands and product of one GEMM, kept per thread: a fresh buffer of
+    // this size is mapped and page-faulted in on every call, which costs as much again as
+    // filling it.
+    thread_local! {
+        static SCRATCH: RefCell<[Vec<f32>; 3]> = RefCell::default();
+    }
+
+    // The half matrix `t` widened into `buf`, keeping a transposed (or otherwise permuted) view
+    // as it is, since the GEMM reads strides: its (row, column) strides in `buf`.
+    fn widen_into(t: &FlexTensor, buf: &mut Vec<f32>) -> (isize, isize) {
+        let n = t.layout().num_elements();
+        let stored = with_half!(t.dtype(), H => t.storage::<H>().len(), _ => unreachable!());
+        let dense = t.layout().start_offset() == 0 && stored == n;
+        let t = if dense { t.clone() } else { t.to_contiguous() };
+        buf.clear();
+        buf.resize(n, 0.0);
+        with_half!(t.dtype(), H => H::widen(t.storage::<H>(), buf), _ => unreachable!());
+        let strides = t.layout().strides();
+        (strides[0], strides[1])
+    }
+
+    // Flex's rule: threads for products of at least 192³ multiply-adds.
+    fn parallelism(m: usize, n: usize, k: usize) -> gemm::Parallelism {
+        match m.saturating_mul(n).saturating_mul(k) >= 192 * 192 * 192 {
+            true => gemm::Parallelism::Rayon(0),
+            false => gemm::Parallelism::None,
         }
-        let mut out = vec![0f32; n];
-        match t.dtype() {
-            DType::BF16 => t.storage::<bf16>().convert_to_f32_slice(&mut out),
-            _ => t.storage::<f16>().convert_to_f32_slice(&mut out),
-        }
-        FlexTensor::new(Bytes::from_elems(out), layout, DType::F32)
+    }
+
+    /// `a @ b + bias` of half matrices: f32 products and sums, rounded once to the half type,
+    /// the bias (if any) added to the rounded product in the half type.
+    fn half_gemm(a: &FlexTensor, b: &FlexTensor, bias: Option<&FlexTensor>) -> FlexTensor {
+        let dtype = a.dtype();
+        let (m, k, n) = (
+            a.layout().shape()[0],
+            a.layout().shape()[1],
+            b.layout().shape()[1],
+        );
+        let bias = bias.map(|b| b.to_contiguous());
+        let values = SCRATCH.with_borrow_mut(|[wa, wb, product]| {
+            let (a_rs, a_cs) = widen_into(a, wa);
+            let (b_rs, b_cs) = widen_into(b, wb);
+            product.clear();
+            product.resize(m * n, 0.0);
+            // SAFETY: `wa` holds the `m×k` matrix at strides (a_rs, a_cs) from its start,
+            // `wb` the `k×n` one likewise, and `product` `m×n` row-major values; none overlap.
+            unsafe {
+                gemm::gemm(
+                    m,
+                    n,
+                    k,
+                    product.as_mut_ptr(),
+                    1,
+                    n as isize,
+                    false,
+                    wa.as_ptr(),
+                    a_cs,
+                    a_rs,
+                    wb.as_ptr(),
+                    b_cs,
+                    b_rs,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    parallelism(m, n, k),
+                );
+            }
+            with_half!(dtype, H => {
+                let bias = bias.as_ref().map(|b| b.storage::<H>());
+                Bytes::from_elems(round_add_row::<H>(product, bias))
+            }, _ => unreachable!("eligible() admits half operands only"))
+        });
+        FlexTensor::new(values, Layout::contiguous([m, n].into()), dtype)
     }
 
     /// `a @ b` of two half matrices: f32 products and sums, rounded once to the half type.
     pub(super) fn gemm(a: FlexTensor, b: FlexTensor) -> FlexTensor {
-        let dtype = FloatDType::from(a.dtype());
-        let product = Flex::float_matmul(widen(a), widen(b));
-        convert(product, dtype)
+        half_gemm(&a, &b, None)
     }
 
     // `x @ w + b` as Burn's default linear computes it on half tensors: the product rounded,
-    // then the bias added in the half type.
+    // then the bias added in the half type; in one pass over the f32 product.
     fn linear(x: FlexTensor, weight: FlexTensor, bias: Option<FlexTensor>) -> FlexTensor {
-        let output = gemm(x, weight);
-        match bias {
-            Some(bias) => {
-                let n = bias.layout().shape()[0];
-                Flex::float_add(output, Flex::float_reshape(bias, [1, n].into()))
-            }
-            None => output,
+        half_gemm(&x, &weight, bias.as_ref())
+    }
+
+    // `product + bias` of a half `[m, n]` product and an `[n]` bias, in the product's buffer
+    // where nothing else holds it.
+    fn add_bias(product: FlexTensor, bias: FlexTensor) -> FlexTensor {
+        let mut sum = product.to_contiguous();
+        let bias = bias.to_contiguous();
+        with_half!(sum.dtype(), H => {
+            add_row::<H>(sum.storage_mut::<H>(), bias.storage::<H>());
+        }, _ => unreachable!("eligible() admits half operands only"));
+        sum
+    }
+
+    // The bias's gradient: the output's summed over the batch, as Burn's
+    // `linear_bias_backward`, in one vectorised pass where the gradient is contiguous.
+    fn bias_grad(grad: FlexTensor) -> FlexTensor {
+        let n = grad.layout().shape()[1];
+        let sums = with_half!(grad.dtype(), H => {
+            sum_rows::<H>(&grad).map(Bytes::from_elems)
+        }, _ => None);
+        match sums {
+            Some(values) => FlexTensor::new(values, Layout::contiguous([n].into()), grad.dtype()),
+            None => Flex::linear_bias_backward(grad),
         }
     }
 
@@ -213,20 +283,13 @@ mod flex {
                 grads: &mut Gradients,
                 _checkpointer: &mut Checkpointer,
             ) {
-                binary::<Flex, _, _>(
-                    ops.parents,
-                    ops.node,
-                    grads,
-                    |grad| grad,
-                    Flex::linear_bias_backward,
-                );
+                binary::<Flex, _, _>(ops.parents, ops.node, grads, |grad| grad, bias_grad);
             }
         }
 
         let product = gemm_tracked(x, weight);
-        let n = bias.primitive.layout().shape()[0];
-        let row = Flex::float_reshape(bias.primitive, [1, n].into());
-        let output = Flex::float_add(product.primitive, row);
+        // The product's own node keeps no reference to it: the sum can take its place.
+        let output = add_bias(product.primitive.clone(), bias.primitive);
         Bias.prepare::<NoCheckpointing>([product.node.clone(), bias.node.clone()])
             .compute_bound()
             .stateless(output)
@@ -235,6 +298,7 @@ mod flex {
     #[cfg(test)]
     mod tests {
         use burn::tensor::TensorData;
+        use burn_backend::FloatDType;
 
         use super::*;
 
@@ -271,7 +335,8 @@ mod flex {
             let (av, bv) = (values(8 * 16, 5), values(16 * 3, 6));
             let a = half(av.clone(), [8, 16], FloatDType::F16);
             let b = half(bv.clone(), [16, 3], FloatDType::F16);
-            let exact = Flex::float_matmul(widen(a.clone()), widen(b.clone()));
+            let wide = |t: &FlexTensor| Flex::float_cast(t.clone(), FloatDType::F32);
+            let exact = Flex::float_matmul(wide(&a), wide(&b));
             let want = Flex::float_cast(exact, FloatDType::F16);
             assert_eq!(
                 gemm(a, b).into_data().bytes.to_vec(),

@@ -2,6 +2,8 @@
 
 pub(crate) mod fast_cast;
 mod forward;
+#[cfg(feature = "flex")]
+pub(crate) mod half_kernels;
 pub(crate) mod hooks;
 pub(crate) mod low_gemm;
 mod placement;
