@@ -151,6 +151,10 @@ MOVE_HOOKS = {"float_to_device", "int_to_device", "bool_to_device"}
 # half-precision path where the backend registered one).
 LOW_GEMM = {"float_matmul": "matmul", "linear": "linear"}
 
+# Ops outside the op table forwarded through a function of `crate::backend` (a faster path
+# for half tensors where the backend registered one), as "module::function".
+HALF_PATHS = {"relu": "half_activation::relu"}
+
 # How the co-locate rule moves each kind of tensor argument of a table op.
 COLOCATE = {
     "FloatTensor<B>": "colocate.float(%s)",
@@ -186,6 +190,8 @@ def emit(name, generics, params, ret, where, op):
         hook = "placement::%s::<B>(%s)" % (name, args)
         return head + "        %s\n    }\n" % hook
     if op is None:
+        if name in HALF_PATHS:
+            call = "crate::backend::%s::<B>(%s)" % (HALF_PATHS[name], args)
         return head + "        %s\n    }\n" % call
     floats = [(p, t) for p, t in params if FLOAT.match(t)]
     if not floats:
@@ -253,7 +259,7 @@ def main():
             op = table.get(name)
             if op:
                 seen.add(name)
-            if name in MOVE_HOOKS:
+            if name in MOVE_HOOKS or name in HALF_PATHS:
                 hooked.add(name)
             text += emit(name, generics, params, ret, where, op)
         text += "}\n"
@@ -262,11 +268,13 @@ def main():
     # Format like the rest of the crate, so a rerun on an unchanged table changes nothing.
     subprocess.run(["rustfmt", "--edition", "2024"] + [os.path.join(OUT_DIR, out) for _, _, out in TRAITS], check=True)
     missing = set(table) - seen
+    if set(HALF_PATHS) & set(table):
+        sys.exit("half paths must name methods outside the op table: %s" % sorted(HALF_PATHS))
     if set(LOW_GEMM) - seen:
         sys.exit("low-gemm ops are not in the op table: %s" % sorted(set(LOW_GEMM) - seen))
-    missing_hooks = MOVE_HOOKS - hooked
+    missing_hooks = (MOVE_HOOKS | set(HALF_PATHS)) - hooked
     if missing_hooks:
-        sys.exit("move hooks name methods Burn does not have: %s" % sorted(missing_hooks))
+        sys.exit("move hooks or half paths name methods Burn does not have: %s" % sorted(missing_hooks))
     if missing:
         sys.exit("op table names methods Burn does not have: %s" % sorted(missing))
 

@@ -2,6 +2,7 @@
 
 pub(crate) mod fast_cast;
 mod forward;
+pub(crate) mod half_activation;
 #[cfg(feature = "flex")]
 pub(crate) mod half_kernels;
 pub(crate) mod hooks;
