@@ -46,7 +46,7 @@ mod flex {
     use burn_backend::tensor::FloatTensor;
 
     use super::{Hook, RELU};
-    use crate::backend::half_kernels::{map, with_half, zip};
+    use crate::backend::half_kernels::{fits, map, with_half, zip};
 
     pub(super) fn register() {
         let plain: Hook<Flex> = relu;
@@ -59,17 +59,24 @@ mod flex {
     // need not; the comparison does so always.
     fn relu(tensor: FlexTensor) -> FlexTensor {
         let positive = |x: f32| if x > 0.0 { x } else { 0.0 };
-        let fast = with_half!(tensor.dtype(), H => map::<H>(&tensor, positive), _ => None);
-        fast.unwrap_or_else(|| Flex::relu(tensor))
+        match fits(&tensor) {
+            true => {
+                with_half!(tensor.dtype(), H => map::<H>(tensor, positive), _ => Flex::relu(tensor))
+            }
+            false => Flex::relu(tensor),
+        }
     }
 
     fn relu_backward(output: FlexTensor, grad: FlexTensor) -> FlexTensor {
         let mask = |out: f32, g: f32| if out > 0.0 { g } else { 0.0 };
-        let fast = match output.dtype() == grad.dtype() {
-            true => with_half!(output.dtype(), H => zip::<H>(&output, &grad, mask), _ => None),
-            false => None,
-        };
-        fast.unwrap_or_else(|| Flex::relu_backward(output, grad))
+        let same =
+            output.dtype() == grad.dtype() && output.layout().shape() == grad.layout().shape();
+        match same && fits(&output) && fits(&grad) {
+            true => {
+                with_half!(output.dtype(), H => zip::<H>(&output, grad, mask), _ => Flex::relu_backward(output, grad))
+            }
+            false => Flex::relu_backward(output, grad),
+        }
     }
 
     fn relu_tracked(tensor: FloatTensor<Autodiff<Flex>>) -> FloatTensor<Autodiff<Flex>> {

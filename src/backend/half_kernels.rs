@@ -94,44 +94,65 @@ fn values<H: Half>(t: &FlexTensor) -> Option<&[H]> {
     t.as_slice::<H>()
 }
 
+// The values of a contiguous tensor whose buffer nothing else holds, for writing in place.
+fn values_mut<H: Half>(t: &mut FlexTensor) -> Option<&mut [H]> {
+    let (start, end) = t.layout().contiguous_offsets()?;
+    t.try_storage_mut::<H>()
+        .map(|storage| &mut storage[start..end])
+}
+
 fn output<H: Half>(values: Vec<H>, layout: Layout) -> FlexTensor {
     FlexTensor::new(Bytes::from_elems(values), layout, H::dtype())
 }
 
-/// `f` of every value of a contiguous half tensor, in its dtype; `None` for a strided view,
-/// which the caller hands to Flex.
-pub(crate) fn map<H: Half>(t: &FlexTensor, f: impl Fn(f32) -> f32) -> Option<FlexTensor> {
-    let src = values::<H>(t)?;
-    let mut out = vec![H::default(); src.len()];
+/// Whether the kernels take `t`: a tensor whose values lie contiguous, in order. The caller
+/// hands any other to Flex.
+pub(crate) fn fits(t: &FlexTensor) -> bool {
+    t.layout().is_contiguous()
+}
+
+/// `f` of every value of a half tensor that [`fits`], in its dtype: in place where nothing
+/// else holds its buffer (as Flex's own unary ops do), else into a new one.
+pub(crate) fn map<H: Half>(mut t: FlexTensor, f: impl Fn(f32) -> f32) -> FlexTensor {
     let mut buf = [0f32; BLOCK];
-    for (src, dst) in src.chunks(BLOCK).zip(out.chunks_mut(BLOCK)) {
+    let mut apply = |src: &[H], dst: &mut [H]| {
         let buf = &mut buf[..src.len()];
         H::widen(src, buf);
         buf.iter_mut().for_each(|x| *x = f(*x));
         H::round(buf, dst);
+    };
+    if let Some(values) = values_mut::<H>(&mut t) {
+        let mut block = [H::default(); BLOCK];
+        for chunk in values.chunks_mut(BLOCK) {
+            let src = &mut block[..chunk.len()];
+            src.copy_from_slice(chunk);
+            apply(src, chunk);
+        }
+        return t;
     }
-    let shape = t.layout().shape().clone();
-    Some(output(out, Layout::contiguous(shape)))
+    let src = values::<H>(&t).expect("map takes tensors that fit");
+    let mut out = vec![H::default(); src.len()];
+    for (src, dst) in src.chunks(BLOCK).zip(out.chunks_mut(BLOCK)) {
+        apply(src, dst);
+    }
+    output(out, Layout::contiguous(t.layout().shape().clone()))
 }
 
-/// `f(a, b)` of two contiguous half tensors of one shape, value by value; `None` for other
-/// operands.
+/// `f(a, b)` of two half tensors of one shape that [`fits`], value by value: in place in `b`'s
+/// buffer where nothing else holds it, else into a new one.
 pub(crate) fn zip<H: Half>(
     a: &FlexTensor,
-    b: &FlexTensor,
+    mut b: FlexTensor,
     f: impl Fn(f32, f32) -> f32,
-) -> Option<FlexTensor> {
-    let same_shape = a.layout().shape() == b.layout().shape();
-    let (Some(xs), Some(ys), true) = (values::<H>(a), values::<H>(b), same_shape) else {
-        return None;
-    };
-    let mut out = vec![H::default(); xs.len()];
+) -> FlexTensor {
+    assert_eq!(
+        a.layout().shape(),
+        b.layout().shape(),
+        "zip takes tensors of one shape"
+    );
+    let xs = values::<H>(a).expect("zip takes tensors that fit");
     let (mut bx, mut by) = ([0f32; BLOCK], [0f32; BLOCK]);
-    for ((xs, ys), dst) in xs
-        .chunks(BLOCK)
-        .zip(ys.chunks(BLOCK))
-        .zip(out.chunks_mut(BLOCK))
-    {
+    let mut apply = |xs: &[H], ys: &[H], dst: &mut [H]| {
         let (bx, by) = (&mut bx[..xs.len()], &mut by[..xs.len()]);
         H::widen(xs, bx);
         H::widen(ys, by);
@@ -139,9 +160,26 @@ pub(crate) fn zip<H: Half>(
             .zip(by.iter())
             .for_each(|(x, y)| *x = f(*x, *y));
         H::round(bx, dst);
+    };
+    if let Some(ys) = values_mut::<H>(&mut b) {
+        let mut block = [H::default(); BLOCK];
+        for (xs, chunk) in xs.chunks(BLOCK).zip(ys.chunks_mut(BLOCK)) {
+            let src = &mut block[..chunk.len()];
+            src.copy_from_slice(chunk);
+            apply(xs, src, chunk);
+        }
+        return b;
     }
-    let shape = a.layout().shape().clone();
-    Some(output(out, Layout::contiguous(shape)))
+    let ys = values::<H>(&b).expect("zip takes tensors that fit");
+    let mut out = vec![H::default(); xs.len()];
+    for ((xs, ys), dst) in xs
+        .chunks(BLOCK)
+        .zip(ys.chunks(BLOCK))
+        .zip(out.chunks_mut(BLOCK))
+    {
+        apply(xs, ys, dst);
+    }
+    output(out, Layout::contiguous(b.layout().shape().clone()))
 }
 
 /// A linear layer's epilogue on the f32 product of a half GEMM: each product rounded to `H`,
@@ -265,30 +303,41 @@ mod tests {
     }
 
     #[test]
-    fn map_and_zip_give_flexs_own_bits() {
+    fn map_and_zip_give_flexs_own_bits_in_place_or_not() {
+        let relu = |x: f32| if x > 0.0 { x } else { 0.0 };
+        let sum = |x: f32, y: f32| x + y;
         for dtype in DTYPES {
             // Not a multiple of the block, so the last block is short.
             let a = half(values(37 * 29, 1), [37, 29], dtype);
             let b = half(values(37 * 29, 2), [37, 29], dtype);
-            let relu = |x: f32| if x > 0.0 { x } else { 0.0 };
-            let fast = with_half!(a.dtype(), H => map::<H>(&a, relu), _ => unreachable!());
+            let (want_relu, want_sum) =
+                (Flex::relu(a.clone()), Flex::float_add(a.clone(), b.clone()));
+            // Shared buffers (the clones held here) get new ones; unshared ones are reused.
+            let shared = with_half!(a.dtype(), H => map::<H>(a.clone(), relu), _ => unreachable!());
+            assert_eq!(bits(shared), bits(want_relu.clone()), "{dtype:?} relu");
+            let sum_shared =
+                with_half!(a.dtype(), H => zip::<H>(&a, b.clone(), sum), _ => unreachable!());
+            assert_eq!(bits(sum_shared), bits(want_sum.clone()), "{dtype:?} add");
+            let (a_bytes, b_bytes) = (a.bytes().as_ptr(), b.bytes().as_ptr());
+            let sum_own = with_half!(a.dtype(), H => zip::<H>(&a, b, sum), _ => unreachable!());
+            assert_eq!(sum_own.bytes().as_ptr(), b_bytes, "zip reuses b's buffer");
+            assert_eq!(bits(sum_own), bits(want_sum), "{dtype:?} add in place");
+            let own = with_half!(a.dtype(), H => map::<H>(a, relu), _ => unreachable!());
             assert_eq!(
-                bits(fast.unwrap()),
-                bits(Flex::relu(a.clone())),
-                "{dtype:?} relu"
+                own.bytes().as_ptr(),
+                a_bytes,
+                "map reuses its input's buffer"
             );
-            let sum = |x: f32, y: f32| x + y;
-            let fast = with_half!(a.dtype(), H => zip::<H>(&a, &b, sum), _ => unreachable!());
-            assert_eq!(
-                bits(fast.unwrap()),
-                bits(Flex::float_add(a.clone(), b.clone()))
-            );
-            // A transposed view is left to Flex.
-            let view = Flex::float_swap_dims(a, 0, 1);
-            assert!(
-                with_half!(view.dtype(), H => map::<H>(&view, relu), _ => unreachable!()).is_none()
-            );
+            assert_eq!(bits(own), bits(want_relu), "{dtype:?} relu in place");
         }
+        // A transposed view does not fit; a slice of rows does.
+        let a = half(values(8 * 6, 3), [8, 6], FloatDType::BF16);
+        assert!(!fits(&Flex::float_swap_dims(a.clone(), 0, 1)));
+        let rows = Flex::float_slice(a, &[burn::tensor::Slice::new(2, Some(5), 1)]);
+        assert!(fits(&rows));
+        let want = Flex::relu(rows.clone());
+        let fast = map::<bf16>(rows, relu);
+        assert_eq!(bits(fast), bits(want), "a slice at an offset");
     }
 
     #[test]

@@ -100,12 +100,17 @@ mod flex {
         LINEAR.insert::<Autodiff<Flex>, _>(tracked);
     }
 
-    // Scratch for the f32 operands and product of one GEMM, kept per thread: a fresh buffer of
-    // this size is mapped and page-faulted in on every call, which costs as much again as
-    // filling it.
+    // Scratch for the f32 operands and product of one GEMM, kept per thread: a fresh buffer is
+    // mapped and page-faulted in on every call, which costs as much again as filling it.
     thread_local! {
         static SCRATCH: RefCell<[Vec<f32>; 3]> = RefCell::default();
     }
+
+    // The largest scratch buffer kept between GEMMs, in values (8 MiB). Larger ones go back
+    // after their GEMM: kept, they would sit beside the activations autocast halves (13 MiB
+    // of a 200 MiB peak on `examples/autocast_memory`), and a GEMM that large costs enough
+    // that mapping its buffers afresh is lost in it.
+    const SCRATCH_KEPT: usize = 2 << 20;
 
     // The half matrix `t` widened into `buf`, keeping a transposed (or otherwise permuted) view
     // as it is, since the GEMM reads strides: its (row, column) strides in `buf`.
@@ -176,10 +181,16 @@ mod flex {
                     parallelism(m, n, k),
                 );
             }
-            with_half!(dtype, H => {
+            let values = with_half!(dtype, H => {
                 let bias = bias.as_ref().map(|b| b.storage::<H>());
                 Bytes::from_elems(round_add_row::<H>(product, bias))
-            }, _ => unreachable!("eligible() admits half operands only"))
+            }, _ => unreachable!("eligible() admits half operands only"));
+            for buf in [wa, wb, product] {
+                if buf.capacity() > SCRATCH_KEPT {
+                    *buf = Vec::new();
+                }
+            }
+            values
         });
         FlexTensor::new(values, Layout::contiguous([m, n].into()), dtype)
     }
@@ -295,9 +306,10 @@ mod flex {
         }
 
         let product = gemm_tracked(x, weight);
+        let parents = [product.node.clone(), bias.node.clone()];
         // The product's own node keeps no reference to it: the sum can take its place.
-        let output = add_bias(product.primitive.clone(), bias.primitive);
-        Bias.prepare::<NoCheckpointing>([product.node.clone(), bias.node.clone()])
+        let output = add_bias(product.primitive, bias.primitive);
+        Bias.prepare::<NoCheckpointing>(parents)
             .compute_bound()
             .stateless(output)
     }
