@@ -147,9 +147,13 @@ REWRAP = re.compile(r"^(TransactionPrimitive|QuantizationParametersPrimitive|Def
 # Device moves routed through hand-written functions of `crate::backend::placement`.
 MOVE_HOOKS = {"float_to_device", "int_to_device", "bool_to_device"}
 
-# Lower-class ops whose autocast call goes through `crate::backend::low_gemm` (a faster
-# half-precision path where the backend registered one).
-LOW_GEMM = {"float_matmul": "matmul", "linear": "linear"}
+# Lower-class ops whose autocast call goes through a function of `crate::backend` (a faster
+# half-precision path where the backend registered one), as "module::function".
+LOW_PATHS = {
+    "float_matmul": "low_gemm::matmul",
+    "linear": "low_gemm::linear",
+    "conv2d": "low_conv::conv2d",
+}
 
 # Ops outside the op table forwarded through a function of `crate::backend` (a faster path
 # for half tensors where the backend registered one), as "module::function".
@@ -221,8 +225,8 @@ def emit(name, generics, params, ret, where, op):
         else:
             method = {"Option<FloatTensor<B>>": "cast_opt", "Vec<FloatTensor<B>>": "cast_vec"}[t]
             lines.append("        let %s = plan.%s::<B>(%s);\n" % (p, method, p))
-    if name in LOW_GEMM:
-        call = "crate::backend::low_gemm::%s::<B>(&plan, %s)" % (LOW_GEMM[name], args)
+    if name in LOW_PATHS:
+        call = "crate::backend::%s::<B>(&plan, %s)" % (LOW_PATHS[name], args)
     return head + "".join(lines) + "        %s\n    }\n" % call
 
 
@@ -270,8 +274,8 @@ def main():
     missing = set(table) - seen
     if set(HALF_PATHS) & set(table):
         sys.exit("half paths must name methods outside the op table: %s" % sorted(HALF_PATHS))
-    if set(LOW_GEMM) - seen:
-        sys.exit("low-gemm ops are not in the op table: %s" % sorted(set(LOW_GEMM) - seen))
+    if set(LOW_PATHS) - seen:
+        sys.exit("low paths name ops outside the op table: %s" % sorted(set(LOW_PATHS) - seen))
     missing_hooks = (MOVE_HOOKS | set(HALF_PATHS)) - hooked
     if missing_hooks:
         sys.exit("move hooks or half paths name methods Burn does not have: %s" % sorted(missing_hooks))

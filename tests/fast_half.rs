@@ -1,10 +1,13 @@
-//! Autocast's fast half-precision paths on Flex (the vectorised casts, and matmul/linear as an
-//! f32 GEMM over half operands with its own backward node) against Burn's own: the same bits
-//! for bf16 (Flex's bf16 matmul is itself an f32 GEMM of the widened operands), forward and
-//! backward, and for f16 the f32 product rounded once, within half an f16 ulp of Burn's.
+//! Autocast's fast half-precision paths on Flex (the vectorised casts; matmul, linear and conv2d
+//! in f32 over half operands with their own backward nodes) against Burn's own: the same bits
+//! for bf16 (Flex's bf16 matmul and convolution are themselves f32 ones over the widened
+//! operands), forward and backward, and for f16 the f32 result rounded once, within an f16
+//! rounding of Burn's (whose f16 kernels sum in f16).
 #![cfg(feature = "flex")]
 
 use burn::backend::{Autodiff, Flex};
+use burn::tensor::module::conv2d;
+use burn::tensor::ops::ConvOptions;
 use burn::tensor::{FloatDType, Tensor, TensorData};
 use burn_accelerate::{Accelerated, Precision, autocast};
 
@@ -12,8 +15,8 @@ type Plain = Autodiff<Flex>;
 type Acc = Accelerated<Autodiff<Flex>>;
 
 /// Deterministic, varied values: Burn's seeded RNG is process-global and tests run in parallel.
-fn data(shape: [usize; 2], seed: u64) -> TensorData {
-    let values = (0..shape[0] * shape[1])
+fn data<const D: usize>(shape: [usize; D], seed: u64) -> TensorData {
+    let values = (0..shape.iter().product::<usize>())
         .map(|i| ((i as f32 + 1.0) * (seed as f32 + 0.37)).sin() * 2.0)
         .collect::<Vec<f32>>();
     TensorData::new(values, shape)
@@ -121,6 +124,106 @@ fn f16_linear_is_within_an_f16_rounding_of_burns() {
                 (g - w).abs() <= 2e-3 * w.abs().max(1.0),
                 "{name}: {g} vs {w}"
             );
+        }
+    }
+}
+
+// A strided, padded convolution with bias, as in a small conv net.
+fn conv_options() -> ConvOptions<2> {
+    ConvOptions::new([2, 1], [1, 1], [1, 1], 1)
+}
+
+// `conv2d(x, w, b)` in `low` through Burn's own ops, casts written out by hand.
+fn burns_conv(low: FloatDType) -> Run {
+    let device = Default::default();
+    let x = Tensor::<Plain, 4>::from_data(data([2, 3, 7, 6], 4), &device).require_grad();
+    let w = Tensor::<Plain, 4>::from_data(data([4, 3, 3, 3], 5), &device).require_grad();
+    let b = Tensor::<Plain, 1>::from_data(data([4], 6), &device).require_grad();
+    let (xl, wl, bl) = (
+        x.clone().cast(low),
+        w.clone().cast(low),
+        b.clone().cast(low),
+    );
+    let out = conv2d(xl, wl, Some(bl), conv_options());
+    let grads = (out.clone().cast(FloatDType::F32) * 0.5).sum().backward();
+    [
+        bits(out.into_data()),
+        bits(x.grad(&grads).unwrap().into_data()),
+        bits(w.grad(&grads).unwrap().into_data()),
+        bits(b.grad(&grads).unwrap().into_data()),
+    ]
+}
+
+fn autocasts_conv(precision: Precision) -> Run {
+    let device = Default::default();
+    let x = Tensor::<Acc, 4>::from_data(data([2, 3, 7, 6], 4), &device).require_grad();
+    let w = Tensor::<Acc, 4>::from_data(data([4, 3, 3, 3], 5), &device).require_grad();
+    let b = Tensor::<Acc, 1>::from_data(data([4], 6), &device).require_grad();
+    let (out, grads) = {
+        let _low = autocast::enable(precision);
+        let out = conv2d(x.clone(), w.clone(), Some(b.clone()), conv_options());
+        let grads = (out.clone().cast(FloatDType::F32) * 0.5).sum().backward();
+        (out, grads)
+    };
+    [
+        bits(out.into_data()),
+        bits(x.grad(&grads).unwrap().into_data()),
+        bits(w.grad(&grads).unwrap().into_data()),
+        bits(b.grad(&grads).unwrap().into_data()),
+    ]
+}
+
+#[test]
+fn bf16_conv2d_gives_burns_bits_forward_and_backward() {
+    let (want, got) = (
+        burns_conv(FloatDType::BF16),
+        autocasts_conv(Precision::Bf16),
+    );
+    for (i, name) in ["output", "x's gradient", "w's gradient", "b's gradient"]
+        .iter()
+        .enumerate()
+    {
+        assert_eq!(got[i], want[i], "{name}");
+    }
+}
+
+// The f32 convolution and its gradients over operands rounded to f16, each result rounded to
+// f16 once: what a half-precision convolution with f32 accumulation gives.
+fn f32_conv_of_f16_operands() -> Run {
+    fn rounded<const D: usize>(shape: [usize; D], seed: u64) -> Tensor<Plain, D> {
+        let device = Default::default();
+        let values = Tensor::<Plain, D>::from_data(data(shape, seed), &device)
+            .cast(FloatDType::F16)
+            .cast(FloatDType::F32);
+        Tensor::from_data(values.into_data(), &device).require_grad()
+    }
+    let (x, w, b) = (
+        rounded([2, 3, 7, 6], 4),
+        rounded([4, 3, 3, 3], 5),
+        rounded([4], 6),
+    );
+    let out = conv2d(x.clone(), w.clone(), Some(b.clone()), conv_options());
+    let grads = (out.clone() * 0.5).sum().backward();
+    let f16 = |t: Tensor<Flex, 4>| bits(t.cast(FloatDType::F16).into_data());
+    [
+        f16(out.inner()),
+        f16(x.grad(&grads).unwrap()),
+        f16(w.grad(&grads).unwrap()),
+        bits(b.grad(&grads).unwrap().cast(FloatDType::F16).into_data()),
+    ]
+}
+
+#[test]
+fn f16_conv2d_sums_in_f32_and_rounds_once() {
+    let (want, got) = (f32_conv_of_f16_operands(), autocasts_conv(Precision::F16));
+    for (i, name) in ["output", "x's gradient", "w's gradient", "b's gradient"]
+        .iter()
+        .enumerate()
+    {
+        for (g, w) in got[i].iter().zip(&want[i]) {
+            let (g, w) = (f32::from_bits(*g), f32::from_bits(*w));
+            // The same f32 sums, perhaps in another order: one f16 rounding apart at most.
+            assert!((g - w).abs() <= w.abs() / 1024.0, "{name}: {g} vs {w}");
         }
     }
 }

@@ -6,6 +6,7 @@ pub(crate) mod half_activation;
 #[cfg(feature = "flex")]
 pub(crate) mod half_kernels;
 pub(crate) mod hooks;
+pub(crate) mod low_conv;
 pub(crate) mod low_gemm;
 mod placement;
 mod rewrap;

@@ -141,7 +141,7 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         let x = plan.cast_at::<B>(0, x);
         let weight = plan.cast_at::<B>(1, weight);
         let bias = plan.cast_opt::<B>(bias);
-        B::conv2d(x, weight, bias, options)
+        crate::backend::low_conv::conv2d::<B>(&plan, x, weight, bias, options)
     }
     fn conv2d_x_backward(
         x: FloatTensor<Self>,

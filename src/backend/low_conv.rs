@@ -1,0 +1,214 @@
+//! Autocast's lower-class 2-D convolution on backends with no fast half-precision one.
+//!
+//! Flex 0.21 convolves bf16 tensors by widening them to f32 one scalar conversion at a time,
+//! convolving in f32 and rounding the result back (`bf16_via_f32!` in
+//! `burn-flex-0.21.0/src/ops/conv_common.rs`), and f16 ones with the `gemm` crate's f16 kernels,
+//! 1.4× the f32 step of a small conv net. Its backward pass does the same through transposed
+//! convolutions and half-precision sums. Here the operands are widened with the vectorised
+//! conversions of [`fast_cast`](crate::backend::fast_cast), the convolution and its gradients run
+//! in f32 (Flex's own kernels), and each result is rounded once: for bf16 the bits Flex gives;
+//! for f16 a convolution with f32 accumulation, as for bf16, in place of f16 sums.
+//!
+//! Under autodiff the node saves the half operands (half the memory of f32 ones) and widens
+//! them again for the backward pass. Registered for Flex and `Autodiff<Flex>`; other backends
+//! keep their own op.
+
+use burn_backend::ops::ConvOptions;
+use burn_backend::tensor::FloatTensor;
+use burn_backend::{Backend, DType, TensorMetadata};
+
+use crate::autocast::CastPlan;
+use crate::backend::hooks::Hooks;
+
+type Conv2dHook<B> =
+    fn(FloatTensor<B>, FloatTensor<B>, Option<FloatTensor<B>>, ConvOptions<2>) -> FloatTensor<B>;
+
+static CONV2D: Hooks = Hooks::new(register_known);
+
+fn register_known() {
+    #[cfg(feature = "flex")]
+    flex::register();
+}
+
+/// `B::conv2d` of an autocast call, through the registered half-precision path where it
+/// applies: under autocast only, so that a run with autocast off is the backend's own.
+#[inline]
+pub(crate) fn conv2d<B: Backend>(
+    plan: &CastPlan,
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    bias: Option<FloatTensor<B>>,
+    options: ConvOptions<2>,
+) -> FloatTensor<B> {
+    let half = matches!(x.dtype(), DType::BF16 | DType::F16);
+    let same = weight.dtype() == x.dtype() && bias.as_ref().is_none_or(|b| b.dtype() == x.dtype());
+    if plan.target().is_some()
+        && half
+        && same
+        && let Some(hook) = CONV2D.get::<B, Conv2dHook<B>>()
+    {
+        return hook(x, weight, bias, options);
+    }
+    B::conv2d(x, weight, bias, options)
+}
+
+#[cfg(feature = "flex")]
+mod flex {
+    use burn::backend::autodiff::NodeId;
+    use burn::backend::autodiff::checkpoint::base::Checkpointer;
+    use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
+    use burn::backend::autodiff::grads::Gradients;
+    use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+    use burn::backend::flex::{FlexTensor, Layout};
+    use burn::backend::{Autodiff, Flex};
+    use burn::tensor::{Bytes, DType};
+    use burn_backend::FloatDType;
+    use burn_backend::ops::{ConvOptions, ModuleOps};
+    use burn_backend::tensor::FloatTensor;
+
+    use super::{CONV2D, Conv2dHook};
+    use crate::backend::fast_cast::flex::convert;
+    use crate::backend::half_kernels::{Half, with_half};
+
+    pub(super) fn register() {
+        let plain: Conv2dHook<Flex> = conv2d;
+        CONV2D.insert::<Flex, _>(plain);
+        let tracked: Conv2dHook<Autodiff<Flex>> = conv2d_tracked;
+        CONV2D.insert::<Autodiff<Flex>, _>(tracked);
+    }
+
+    fn wide(t: &FlexTensor) -> FlexTensor {
+        convert(t.clone(), FloatDType::F32)
+    }
+
+    fn round(t: FlexTensor, dtype: DType) -> FlexTensor {
+        convert(t, FloatDType::from(dtype))
+    }
+
+    /// The convolution of half tensors: f32 sums, bias included, rounded once.
+    fn conv2d(
+        x: FlexTensor,
+        weight: FlexTensor,
+        bias: Option<FlexTensor>,
+        options: ConvOptions<2>,
+    ) -> FlexTensor {
+        let dtype = x.dtype();
+        let out = Flex::conv2d(wide(&x), wide(&weight), bias.as_ref().map(wide), options);
+        round(out, dtype)
+    }
+
+    // The bias's gradient: the output's summed over batch and positions, one f32 sum per
+    // channel taken in Flex's order (batch, then position), rounded once.
+    fn bias_grad(grad: &FlexTensor, dtype: DType) -> FlexTensor {
+        let grad = grad.to_contiguous();
+        let shape = grad.layout().shape();
+        let (batch, channels) = (shape[0], shape[1]);
+        let positions = shape[2] * shape[3];
+        let values: &[f32] = grad.storage();
+        let mut sums = vec![0f32; channels];
+        for image in values.chunks(channels * positions).take(batch) {
+            for (sum, plane) in sums.iter_mut().zip(image.chunks(positions.max(1))) {
+                *sum = plane.iter().fold(*sum, |acc, g| acc + g);
+            }
+        }
+        let bytes = with_half!(dtype, H => {
+            let mut out = vec![H::default(); channels];
+            H::round(&sums, &mut out);
+            Bytes::from_elems(out)
+        }, _ => unreachable!("the hook admits half tensors only"));
+        FlexTensor::new(bytes, Layout::contiguous([channels].into()), dtype)
+    }
+
+    // The node's state: the half operands, and whether each parent wants its gradient.
+    #[derive(Debug, Clone)]
+    struct Saved {
+        x: FlexTensor,
+        weight: FlexTensor,
+        options: ConvOptions<2>,
+    }
+
+    // The gradients of a convolution's parents `[x, weight, bias]` (bias absent without one).
+    fn backward(saved: Saved, parents: &[Option<NodeId>], grad: FlexTensor, grads: &mut Gradients) {
+        let dtype = grad.dtype();
+        let Saved { x, weight, options } = saved;
+        let (x32, w32, g32) = (wide(&x), wide(&weight), wide(&grad));
+        if let Some(id) = parents[0] {
+            let dx =
+                Flex::conv2d_x_backward(x32.clone(), w32.clone(), g32.clone(), options.clone());
+            grads.register::<Flex>(id, round(dx, dtype));
+        }
+        if let Some(id) = parents[1] {
+            let dw = Flex::conv2d_weight_backward(x32, w32, g32.clone(), options);
+            grads.register::<Flex>(id, round(dw, dtype));
+        }
+        if let Some(Some(id)) = parents.get(2) {
+            grads.register::<Flex>(*id, bias_grad(&g32, dtype));
+        }
+    }
+
+    #[derive(Debug)]
+    struct Conv;
+
+    impl Backward<Flex, 2> for Conv {
+        type State = Saved;
+
+        fn backward(self, ops: Ops<Saved, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+            let grad = grads.consume::<Flex>(&ops.node);
+            let parents = ops.parents.map(|p| p.map(|node| node.id));
+            backward(ops.state, &parents, grad, grads);
+        }
+    }
+
+    impl Backward<Flex, 3> for Conv {
+        type State = Saved;
+
+        fn backward(self, ops: Ops<Saved, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+            let grad = grads.consume::<Flex>(&ops.node);
+            let parents = ops.parents.map(|p| p.map(|node| node.id));
+            backward(ops.state, &parents, grad, grads);
+        }
+    }
+
+    fn conv2d_tracked(
+        x: FloatTensor<Autodiff<Flex>>,
+        weight: FloatTensor<Autodiff<Flex>>,
+        bias: Option<FloatTensor<Autodiff<Flex>>>,
+        options: ConvOptions<2>,
+    ) -> FloatTensor<Autodiff<Flex>> {
+        let saved = Saved {
+            x: x.primitive.clone(),
+            weight: weight.primitive.clone(),
+            options: options.clone(),
+        };
+        let output = conv2d(
+            x.primitive,
+            weight.primitive,
+            bias.as_ref().map(|b| b.primitive.clone()),
+            options,
+        );
+        match bias {
+            Some(bias) => {
+                let parents = [x.node, weight.node, bias.node];
+                match Conv
+                    .prepare::<NoCheckpointing>(parents)
+                    .compute_bound()
+                    .stateful()
+                {
+                    OpsKind::Tracked(prep) => prep.finish(saved, output),
+                    OpsKind::UnTracked(prep) => prep.finish(output),
+                }
+            }
+            None => {
+                let parents = [x.node, weight.node];
+                match Conv
+                    .prepare::<NoCheckpointing>(parents)
+                    .compute_bound()
+                    .stateful()
+                {
+                    OpsKind::Tracked(prep) => prep.finish(saved, output),
+                    OpsKind::UnTracked(prep) => prep.finish(output),
+                }
+            }
+        }
+    }
+}
