@@ -9,20 +9,74 @@
 //! kernel there, so f16 is about 50× slower than f32. The probe therefore also times a
 //! square matmul in f32 and in each low dtype that runs, and flags a dtype
 //! [`SLOW_FACTOR`] times slower or worse, so that autocast never picks it silently.
+//!
+//! Where the crate has an f32 path for a backend's half-precision ops (an f32 GEMM over
+//! operands rounded to the half type, rounded once after: Flex's), the probe times that too,
+//! and autocast takes it only where it measured faster than the backend's own kernels. The
+//! time recorded for a dtype is that of the path autocast takes; [`Capabilities::fastest`]
+//! picks a precision from those times.
 
 use std::any::TypeId;
 use std::collections::{HashMap, HashSet};
 use std::panic::{self, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Mutex, Once, OnceLock, RwLock};
 use std::time::{Duration, Instant};
 
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 use burn_backend::{Backend, DeviceId, DeviceOps, FloatDType};
 use core::cell::Cell;
 use core::fmt;
 
 use crate::autocast::Op;
 use crate::{AccelerateError, Precision};
+
+/// Which path autocast takes for a half-precision op where the crate has an f32 one for the
+/// backend (see the [module docs](self)).
+///
+/// For bf16 both give the same bits on Flex; for f16 they do not (Flex's own f16 kernels sum
+/// in f16), so a run that must give the same f16 numbers on every machine, or a test of one
+/// path, fixes it with [`set_half_path`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum HalfPath {
+    /// The faster, as the probe timed them ([`Capabilities::via_f32`]).
+    #[default]
+    Measured,
+    /// Always the f32 path, where the crate has one.
+    ViaF32,
+    /// Always the backend's own kernels.
+    Own,
+}
+
+static HALF_PATH: AtomicU8 = AtomicU8::new(0);
+
+/// Fixes, for the whole process, which path half-precision ops take where the crate has an
+/// f32 one.
+///
+/// ```
+/// use burn_accelerate::capability::{self, HalfPath};
+///
+/// capability::set_half_path(HalfPath::ViaF32);
+/// assert_eq!(capability::half_path(), HalfPath::ViaF32);
+/// capability::set_half_path(HalfPath::Measured);
+/// ```
+pub fn set_half_path(path: HalfPath) {
+    let code = match path {
+        HalfPath::Measured => 0,
+        HalfPath::ViaF32 => 1,
+        HalfPath::Own => 2,
+    };
+    HALF_PATH.store(code, Ordering::Relaxed);
+}
+
+/// The path set by [`set_half_path`] ([`HalfPath::Measured`] unless set).
+pub fn half_path() -> HalfPath {
+    match HALF_PATH.load(Ordering::Relaxed) {
+        1 => HalfPath::ViaF32,
+        2 => HalfPath::Own,
+        _ => HalfPath::Measured,
+    }
+}
 
 /// How many times slower than f32 a low dtype's matmul must be for the probe to flag it.
 ///
@@ -35,6 +89,14 @@ pub const SLOW_FACTOR: f32 = 8.0;
 // do not hide a missing fast path (at 256, LibTorch CPU's slow half types were within 2× of
 // f32), small enough to cost milliseconds where one exists.
 const TIMED_MATMUL_SIZE: usize = 512;
+
+/// The most of f32's matmul time a half precision may take for [`Capabilities::fastest`] to
+/// pick it.
+///
+/// A real half-precision GEMM takes half of f32's time or less; on Flex, where both run the
+/// same f32 GEMM, repeated probes measured 0.71–1.24. The margin keeps such noise from moving
+/// a model to a lower precision for nothing.
+pub const AUTO_MAX_TIME_RATIO: f32 = 0.8;
 
 /// Whether a device ran a low-precision dtype in the probe, and how fast.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -49,6 +111,16 @@ pub struct Capabilities {
     /// bf16 ran, but its matmul took this many times (rounded down) as long as f32's, at least
     /// [`SLOW_FACTOR`].
     pub bf16_slowdown: Option<u32>,
+    /// f16's matmul time as a percentage of f32's, on the path autocast takes; `None` where
+    /// f16 does not run or could not be timed.
+    pub f16_time_pct: Option<u32>,
+    /// bf16's matmul time as a percentage of f32's, as `f16_time_pct`.
+    pub bf16_time_pct: Option<u32>,
+    /// Autocast runs f16's lower-class ops in f32 over operands rounded to f16, rounded once
+    /// after: the probe timed that faster than the backend's own f16 kernels.
+    pub f16_via_f32: bool,
+    /// The same for bf16.
+    pub bf16_via_f32: bool,
 }
 
 impl Capabilities {
@@ -69,6 +141,68 @@ impl Capabilities {
             Some(FloatDType::F16) => self.f16_slowdown,
             Some(FloatDType::BF16) => self.bf16_slowdown,
             _ => None,
+        }
+    }
+
+    /// `precision`'s matmul time over f32's, as the probe measured it on the path autocast
+    /// takes (1.0 for f32; `None` where it does not run or was not timed). Below 1.0 is
+    /// faster. fp8 is emulated in f32, so it is never timed.
+    pub fn time_ratio(&self, precision: Precision) -> Option<f32> {
+        let pct = match precision {
+            Precision::F32 => return Some(1.0),
+            _ => match precision.low_dtype() {
+                Some(FloatDType::F16) => self.f16_time_pct,
+                Some(FloatDType::BF16) => self.bf16_time_pct,
+                _ => None,
+            },
+        };
+        pct.map(|pct| pct as f32 / 100.0)
+    }
+
+    /// Whether autocast runs `precision`'s lower-class ops in f32 over operands rounded to
+    /// its dtype (rounded once after), the probe having timed that faster than the backend's
+    /// own half-precision kernels.
+    pub fn via_f32(&self, precision: Precision) -> bool {
+        match precision.low_dtype() {
+            Some(FloatDType::F16) => self.f16_via_f32,
+            Some(FloatDType::BF16) => self.bf16_via_f32,
+            _ => false,
+        }
+    }
+
+    /// The fastest precision this device runs, by the probe's matmul times.
+    ///
+    /// The rule: a half precision is picked only if it runs, is not flagged slow, and its
+    /// matmul took at most [`AUTO_MAX_TIME_RATIO`] (0.8) of f32's time (a margin, so that
+    /// timing noise on a busy machine never moves a model to low precision for nothing); of bf16 and
+    /// f16, the faster, bf16 on a tie within 10% (f32's range, no loss scaling). Otherwise
+    /// f32. fp8 is emulated in f32 here and never faster, so it is never picked.
+    ///
+    /// ```
+    /// use burn_accelerate::Precision;
+    /// use burn_accelerate::capability::Capabilities;
+    ///
+    /// let gpu = Capabilities {
+    ///     f16: true, bf16: true, f16_slowdown: None, bf16_slowdown: None,
+    ///     f16_time_pct: Some(30), bf16_time_pct: Some(31),
+    ///     f16_via_f32: false, bf16_via_f32: false,
+    /// };
+    /// assert_eq!(gpu.fastest(), Precision::Bf16);
+    /// let cpu = Capabilities { f16_time_pct: Some(97), bf16_time_pct: Some(85), ..gpu };
+    /// assert_eq!(cpu.fastest(), Precision::F32);
+    /// let f16_gpu = Capabilities { f16_time_pct: Some(25), bf16_time_pct: Some(60), ..gpu };
+    /// assert_eq!(f16_gpu.fastest(), Precision::F16);
+    /// ```
+    pub fn fastest(&self) -> Precision {
+        let candidate = |p: Precision| {
+            let ratio = self.time_ratio(p)?;
+            (self.runs_fast(p) && ratio <= AUTO_MAX_TIME_RATIO).then_some(ratio)
+        };
+        match (candidate(Precision::Bf16), candidate(Precision::F16)) {
+            (Some(bf16), Some(f16)) if f16 < bf16 / 1.1 => Precision::F16,
+            (Some(_), _) => Precision::Bf16,
+            (None, Some(_)) => Precision::F16,
+            (None, None) => Precision::F32,
         }
     }
 
@@ -95,14 +229,16 @@ impl Capabilities {
 }
 
 impl fmt::Display for Capabilities {
-    /// The usable precisions, each slow one with its slowdown: `f32, bf16, f16 (50× slower)`.
+    /// The usable precisions, each slow one with its slowdown and each other timed one with
+    /// its time ratio: `f32, bf16 (0.97× f32's time), f16 (50× slower)`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let names: Vec<String> = self
             .usable()
             .iter()
-            .map(|p| match self.slowdown(*p) {
-                Some(x) => format!("{p} ({x}× slower)"),
-                None => p.to_string(),
+            .map(|p| match (self.slowdown(*p), self.time_ratio(*p)) {
+                (Some(x), _) => format!("{p} ({x}× slower)"),
+                (None, Some(r)) if p.is_mixed() => format!("{p} ({r:.2}× f32's time)"),
+                _ => p.to_string(),
             })
             .collect();
         f.write_str(&names.join(", "))
@@ -148,12 +284,16 @@ pub fn probe<B: Backend>(device: &B::Device) -> Capabilities {
     let caps = cached.unwrap_or_else(|| {
         let f16 = runs_dtype::<B>(device, FloatDType::F16);
         let bf16 = runs_dtype::<B>(device, FloatDType::BF16);
-        let (f16_slowdown, bf16_slowdown) = slowdowns::<B>(device, f16, bf16);
+        let timed = timings::<B>(device, f16, bf16);
         let caps = Capabilities {
             f16,
             bf16,
-            f16_slowdown,
-            bf16_slowdown,
+            f16_slowdown: timed.f16.and_then(|t| t.slowdown),
+            bf16_slowdown: timed.bf16.and_then(|t| t.slowdown),
+            f16_time_pct: timed.f16.map(|t| t.time_pct),
+            bf16_time_pct: timed.bf16.map(|t| t.time_pct),
+            f16_via_f32: timed.f16.is_some_and(|t| t.via_f32),
+            bf16_via_f32: timed.bf16.is_some_and(|t| t.via_f32),
         };
         cache()
             .write()
@@ -241,43 +381,96 @@ fn runs_dtype<B: Backend>(device: &B::Device, dtype: FloatDType) -> bool {
     matches!(result, Ok(Ok(v)) if v == [6.0, 13.0, 14.0, 29.0])
 }
 
-// The slowdowns of f16 and bf16 against f32, for those that run and reach SLOW_FACTOR.
-fn slowdowns<B: Backend>(device: &B::Device, f16: bool, bf16: bool) -> (Option<u32>, Option<u32>) {
-    let mut dtypes = vec![FloatDType::F32];
-    dtypes.extend(f16.then_some(FloatDType::F16));
-    dtypes.extend(bf16.then_some(FloatDType::BF16));
-    if dtypes.len() == 1 {
-        return (None, None);
-    }
-    let Some(times) = matmul_times::<B>(device, &dtypes) else {
-        return (None, None);
-    };
-    let of = |dtype| {
-        let i = dtypes.iter().position(|d| *d == dtype)?;
-        slowdown(times[0], times[i])
-    };
-    (of(FloatDType::F16), of(FloatDType::BF16))
+// What the probe timed of one half dtype, on the faster of its paths.
+#[derive(Clone, Copy)]
+struct Timed {
+    time_pct: u32,
+    slowdown: Option<u32>,
+    via_f32: bool,
 }
 
-// The best of four timed N×N matmuls per dtype, each read back to the host (which waits for
-// lazy and asynchronous backends). The dtypes take turns, so that a burst of load elsewhere
+#[derive(Default)]
+struct Timings {
+    f16: Option<Timed>,
+    bf16: Option<Timed>,
+}
+
+// How to run the timed matmul: the backend's own op, or the crate's f32 path.
+#[derive(Clone, Copy, PartialEq)]
+enum Path {
+    Own,
+    ViaF32,
+}
+
+// The times of f16 and bf16 against f32, for those that run.
+fn timings<B: Backend>(device: &B::Device, f16: bool, bf16: bool) -> Timings {
+    let via_f32 = crate::backend::low_gemm::registered_matmul::<B>().is_some();
+    let mut runs = vec![(FloatDType::F32, Path::Own)];
+    for dtype in [(FloatDType::F16, f16), (FloatDType::BF16, bf16)]
+        .into_iter()
+        .filter_map(|(dtype, runs)| runs.then_some(dtype))
+    {
+        runs.push((dtype, Path::Own));
+        if via_f32 {
+            runs.push((dtype, Path::ViaF32));
+        }
+    }
+    if runs.len() == 1 {
+        return Timings::default();
+    }
+    let Some(times) = matmul_times::<B>(device, &runs) else {
+        return Timings::default();
+    };
+    let of = |dtype: FloatDType| {
+        let (best, path) = runs
+            .iter()
+            .zip(&times)
+            .filter(|((d, _), _)| *d == dtype)
+            .map(|((_, path), time)| (*time, *path))
+            .min_by_key(|(time, _)| *time)?;
+        let ratio = best.as_secs_f64() / times[0].as_secs_f64().max(f64::MIN_POSITIVE);
+        Some(Timed {
+            time_pct: (ratio * 100.0).round().min(u32::MAX as f64) as u32,
+            slowdown: slowdown(times[0], best),
+            via_f32: path == Path::ViaF32,
+        })
+    };
+    Timings {
+        f16: of(FloatDType::F16),
+        bf16: of(FloatDType::BF16),
+    }
+}
+
+// The best of six timed N×N matmuls per run, each read back to the host (which waits for
+// lazy and asynchronous backends). The runs take turns, so that a burst of load elsewhere
 // on the machine slows them alike; an untimed first round pays for kernel compilation and
 // allocation. `None` if any panicked.
-fn matmul_times<B: Backend>(device: &B::Device, dtypes: &[FloatDType]) -> Option<Vec<Duration>> {
+fn matmul_times<B: Backend>(
+    device: &B::Device,
+    runs: &[(FloatDType, Path)],
+) -> Option<Vec<Duration>> {
     silence_probe_panics();
     PROBING.with(|p| p.set(true));
+    let via_f32 = crate::backend::low_gemm::registered_matmul::<B>();
     let result = panic::catch_unwind(AssertUnwindSafe(|| {
         let n = TIMED_MATMUL_SIZE;
-        let inputs: Vec<Tensor<B, 2>> = dtypes
+        let inputs: Vec<Tensor<B, 2>> = runs
             .iter()
-            .map(|dtype| Tensor::<B, 2>::ones([n, n], device).cast(*dtype))
+            .map(|(dtype, _)| Tensor::<B, 2>::ones([n, n], device).cast(*dtype))
             .collect();
-        let run = |x: &Tensor<B, 2>| x.clone().matmul(x.clone()).into_data();
-        let mut best = vec![Duration::MAX; dtypes.len()];
-        for round in 0..5 {
-            for (x, best) in inputs.iter().zip(&mut best) {
+        let run = |x: &Tensor<B, 2>, path: Path| match (path, via_f32) {
+            (Path::ViaF32, Some(matmul)) => {
+                let x = x.clone().into_primitive().tensor();
+                let product = matmul(x.clone(), x);
+                Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(product)).into_data()
+            }
+            _ => x.clone().matmul(x.clone()).into_data(),
+        };
+        let mut best = vec![Duration::MAX; runs.len()];
+        for round in 0..7 {
+            for ((x, (_, path)), best) in inputs.iter().zip(runs).zip(&mut best) {
                 let start = Instant::now();
-                run(x);
+                run(x, *path);
                 if round > 0 {
                     *best = (*best).min(start.elapsed());
                 }
@@ -433,7 +626,44 @@ mod tests {
         bf16: true,
         f16_slowdown: Some(50),
         bf16_slowdown: Some(12),
+        f16_time_pct: Some(5000),
+        bf16_time_pct: Some(1200),
+        f16_via_f32: false,
+        bf16_via_f32: false,
     };
+
+    #[test]
+    fn the_fastest_precision_needs_a_clear_margin_and_prefers_bf16() {
+        let timed = |f16: Option<u32>, bf16: Option<u32>| Capabilities {
+            f16_slowdown: None,
+            bf16_slowdown: None,
+            f16_time_pct: f16,
+            bf16_time_pct: bf16,
+            ..SLOW_HALVES
+        };
+        assert_eq!(timed(Some(81), Some(95)).fastest(), Precision::F32);
+        assert_eq!(timed(Some(80), Some(95)).fastest(), Precision::F16);
+        assert_eq!(timed(Some(40), Some(42)).fastest(), Precision::Bf16);
+        assert_eq!(timed(Some(30), Some(42)).fastest(), Precision::F16);
+        assert_eq!(timed(None, None).fastest(), Precision::F32);
+        // Slow or not running: never picked, whatever the time says.
+        assert_eq!(SLOW_HALVES.fastest(), Precision::F32);
+        let no_bf16 = Capabilities {
+            bf16: false,
+            ..timed(Some(90), Some(10))
+        };
+        assert_eq!(no_bf16.fastest(), Precision::F32);
+        assert_eq!(
+            timed(Some(50), Some(97)).time_ratio(Precision::F16),
+            Some(0.5)
+        );
+        assert_eq!(timed(None, None).time_ratio(Precision::F32), Some(1.0));
+        let shown = timed(Some(50), Some(97)).to_string();
+        assert!(
+            shown.starts_with("f32, bf16 (0.97× f32's time), f16 (0.50× f32's time)"),
+            "{shown}"
+        );
+    }
 
     #[test]
     fn slowdown_is_flagged_from_the_factor_up() {

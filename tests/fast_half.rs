@@ -3,12 +3,16 @@
 //! for bf16 (Flex's bf16 matmul and convolution are themselves f32 ones over the widened
 //! operands), forward and backward, and for f16 the f32 result rounded once, within an f16
 //! rounding of Burn's (whose f16 kernels sum in f16).
+//!
+//! The f32 paths are fixed with `capability::set_half_path`: left to the probe's timing, an
+//! unoptimised test build of this crate can find Flex's own kernels faster.
 #![cfg(feature = "flex")]
 
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::module::conv2d;
 use burn::tensor::ops::ConvOptions;
 use burn::tensor::{FloatDType, Tensor, TensorData};
+use burn_accelerate::capability::{self, HalfPath};
 use burn_accelerate::{Accelerated, Precision, autocast};
 
 type Plain = Autodiff<Flex>;
@@ -69,6 +73,7 @@ fn burns(low: FloatDType, with_linear: bool) -> Run {
 
 // The same under autocast, on the decorator: its fast paths.
 fn autocasts(precision: Precision, with_linear: bool) -> Run {
+    capability::set_half_path(HalfPath::ViaF32);
     let device = Default::default();
     let x = Tensor::<Acc, 2>::from_data(data([6, 32], 1), &device).require_grad();
     let w = Tensor::<Acc, 2>::from_data(data([32, 24], 2), &device).require_grad();
@@ -155,6 +160,7 @@ fn burns_conv(low: FloatDType) -> Run {
 }
 
 fn autocasts_conv(precision: Precision) -> Run {
+    capability::set_half_path(HalfPath::ViaF32);
     let device = Default::default();
     let x = Tensor::<Acc, 4>::from_data(data([2, 3, 7, 6], 4), &device).require_grad();
     let w = Tensor::<Acc, 4>::from_data(data([4, 3, 3, 3], 5), &device).require_grad();

@@ -31,7 +31,8 @@ fn register_known() {
 }
 
 /// `B::conv2d` of an autocast call, through the registered half-precision path where it
-/// applies: under autocast only, so that a run with autocast off is the backend's own.
+/// applies: under autocast only, so that a run with autocast off is the backend's own, and
+/// where the capability probe timed the f32 path of matmuls faster than the backend's own.
 #[inline]
 pub(crate) fn conv2d<B: Backend>(
     plan: &CastPlan,
@@ -46,6 +47,7 @@ pub(crate) fn conv2d<B: Backend>(
         && half
         && same
         && let Some(hook) = CONV2D.get::<B, Conv2dHook<B>>()
+        && crate::backend::low_gemm::chosen::<B>(&x)
     {
         return hook(x, weight, bias, options);
     }

@@ -18,6 +18,7 @@ use burn_backend::{Backend, DType, TensorMetadata};
 
 use crate::autocast::CastPlan;
 use crate::backend::hooks::Hooks;
+use crate::capability::{self, HalfPath};
 
 type MatmulHook<B> = fn(FloatTensor<B>, FloatTensor<B>) -> FloatTensor<B>;
 type LinearHook<B> = fn(FloatTensor<B>, FloatTensor<B>, Option<FloatTensor<B>>) -> FloatTensor<B>;
@@ -36,8 +37,32 @@ fn eligible<T: TensorMetadata>(a: &T, b: &T) -> bool {
     half(a) && a.dtype() == b.dtype() && a.shape().num_dims() == 2 && b.shape().num_dims() == 2
 }
 
+/// The half-precision matmul registered for `B`, for the capability probe to time against
+/// the backend's own.
+pub(crate) fn registered_matmul<B: Backend>() -> Option<MatmulHook<B>> {
+    MATMUL.get::<B, MatmulHook<B>>()
+}
+
+// Whether autocast takes the registered path for `tensor`'s dtype on its device: where the
+// capability probe timed it faster than the backend's own kernels, unless the process fixed
+// the path (`capability::set_half_path`).
+pub(crate) fn chosen<B: Backend>(tensor: &FloatTensor<B>) -> bool {
+    match capability::half_path() {
+        HalfPath::ViaF32 => return true,
+        HalfPath::Own => return false,
+        HalfPath::Measured => {}
+    }
+    let caps = capability::probe::<B>(&B::float_device(tensor));
+    match tensor.dtype() {
+        DType::BF16 => caps.bf16_via_f32,
+        DType::F16 => caps.f16_via_f32,
+        _ => false,
+    }
+}
+
 /// `B::float_matmul` of an autocast call, through the registered half-precision path where
-/// it applies: under autocast only, so that a run with autocast off is the backend's own.
+/// it applies: under autocast only, so that a run with autocast off is the backend's own, and
+/// where the capability probe timed it faster than the backend's own kernels.
 #[inline]
 pub(crate) fn matmul<B: Backend>(
     plan: &CastPlan,
@@ -47,6 +72,7 @@ pub(crate) fn matmul<B: Backend>(
     if plan.target().is_some()
         && eligible(&a, &b)
         && let Some(hook) = MATMUL.get::<B, MatmulHook<B>>()
+        && chosen::<B>(&a)
     {
         return hook(a, b);
     }
@@ -66,6 +92,7 @@ pub(crate) fn linear<B: Backend>(
         && bias_fits
         && eligible(&x, &weight)
         && let Some(hook) = LINEAR.get::<B, LinearHook<B>>()
+        && chosen::<B>(&x)
     {
         return hook(x, weight, bias);
     }
