@@ -104,6 +104,32 @@ pub struct Autocast {
 }
 
 impl Autocast {
+    /// Probes `device` and returns the autocast of the fastest precision it runs, by the rule
+    /// of [`Capabilities::fastest`]: a half precision only where its measured matmul time is
+    /// clearly below f32's, else f32. For an `Accelerator` or `with_accelerate`, pass
+    /// `capability::probe::<B>(&device).fastest()` as the mixed precision.
+    ///
+    /// ```
+    /// # #[cfg(feature = "flex")] {
+    /// use burn_accelerate::{Autocast, capability};
+    /// type B = burn::backend::Flex;
+    ///
+    /// let device = Default::default();
+    /// let autocast = Autocast::fastest::<B>(&device);
+    /// assert_eq!(autocast.precision(), capability::probe::<B>(&device).fastest());
+    /// let _guard = autocast.enter();
+    /// # }
+    /// ```
+    pub fn fastest<B: Backend>(device: &B::Device) -> Autocast {
+        let capabilities = capability::probe::<B>(device);
+        let precision = capabilities.fastest();
+        Autocast {
+            requested: precision,
+            effective: precision,
+            capabilities,
+        }
+    }
+
     /// The precision ops will run in (f32 when a fallback was taken).
     pub fn precision(&self) -> Precision {
         self.effective

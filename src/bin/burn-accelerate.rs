@@ -506,7 +506,7 @@ fn report_env() {
 
 mod backends {
     use burn::tensor::backend::Backend;
-    use burn_accelerate::capability;
+    use burn_accelerate::{Precision, capability};
 
     fn report<B: Backend>(device: B::Device) {
         let caps = capability::probe::<B>(&device);
@@ -524,6 +524,20 @@ mod backends {
             caps.to_string(),
             flags(burn::tensor::DType::F16),
             flags(burn::tensor::DType::BF16),
+        );
+        for precision in [Precision::Bf16, Precision::F16] {
+            let Some(ratio) = caps.time_ratio(precision) else {
+                continue;
+            };
+            let path = match caps.via_f32(precision) {
+                true => "as f32 GEMMs over rounded operands (timed faster than the backend's own)",
+                false => "with the backend's own kernels",
+            };
+            println!("    {precision}: matmul in {ratio:.2}× f32's time, {path}");
+        }
+        println!(
+            "    fastest precision (Autocast::fastest): {}",
+            caps.fastest()
         );
     }
 
