@@ -12,7 +12,8 @@
 //!
 //! Where the crate has an f32 path for a backend's half-precision ops (an f32 GEMM over
 //! operands rounded to the half type, rounded once after: Flex's), the probe times that too,
-//! and autocast takes it only where it measured faster than the backend's own kernels. The
+//! and autocast takes it unless the backend's own kernels measured clearly faster (at most
+//! 0.8× its time). The
 //! time recorded for a dtype is that of the path autocast takes; [`Capabilities::fastest`]
 //! picks a precision from those times.
 
@@ -39,7 +40,8 @@ use crate::{AccelerateError, Precision};
 /// path, fixes it with [`set_half_path`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum HalfPath {
-    /// The faster, as the probe timed them ([`Capabilities::via_f32`]).
+    /// The probe's choice ([`Capabilities::via_f32`]): the f32 path unless the backend's own
+    /// kernels timed clearly faster.
     #[default]
     Measured,
     /// Always the f32 path, where the crate has one.
@@ -117,7 +119,7 @@ pub struct Capabilities {
     /// bf16's matmul time as a percentage of f32's, as `f16_time_pct`.
     pub bf16_time_pct: Option<u32>,
     /// Autocast runs f16's lower-class ops in f32 over operands rounded to f16, rounded once
-    /// after: the probe timed that faster than the backend's own f16 kernels.
+    /// after: the probe did not time the backend's own f16 kernels clearly faster.
     pub f16_via_f32: bool,
     /// The same for bf16.
     pub bf16_via_f32: bool,
@@ -160,8 +162,8 @@ impl Capabilities {
     }
 
     /// Whether autocast runs `precision`'s lower-class ops in f32 over operands rounded to
-    /// its dtype (rounded once after), the probe having timed that faster than the backend's
-    /// own half-precision kernels.
+    /// its dtype (rounded once after): where the crate has that path for the backend and the
+    /// probe did not time the backend's own half-precision kernels clearly faster.
     pub fn via_f32(&self, precision: Precision) -> bool {
         match precision.low_dtype() {
             Some(FloatDType::F16) => self.f16_via_f32,
@@ -395,6 +397,10 @@ struct Timings {
     bf16: Option<Timed>,
 }
 
+// How much faster than the f32 path the backend's own half matmul must be for autocast to
+// take it instead.
+const OWN_PATH_MARGIN: f64 = 0.8;
+
 // How to run the timed matmul: the backend's own op, or the crate's f32 path.
 #[derive(Clone, Copy, PartialEq)]
 enum Path {
@@ -422,17 +428,23 @@ fn timings<B: Backend>(device: &B::Device, f16: bool, bf16: bool) -> Timings {
         return Timings::default();
     };
     let of = |dtype: FloatDType| {
-        let (best, path) = runs
-            .iter()
-            .zip(&times)
-            .filter(|((d, _), _)| *d == dtype)
-            .map(|((_, path), time)| (*time, *path))
-            .min_by_key(|(time, _)| *time)?;
+        let time = |path: Path| {
+            let i = runs.iter().position(|run| *run == (dtype, path))?;
+            Some(times[i])
+        };
+        let own = time(Path::Own)?;
+        // The f32 path unless the backend's own is clearly faster: on a tie it sums in f32
+        // (f16's own kernels may not), and a square matmul alone does not see what it saves
+        // around the GEMM (the in-place epilogue, the half-sized saved operands).
+        let (best, via_f32) = match time(Path::ViaF32) {
+            Some(ours) if own.as_secs_f64() >= OWN_PATH_MARGIN * ours.as_secs_f64() => (ours, true),
+            _ => (own, false),
+        };
         let ratio = best.as_secs_f64() / times[0].as_secs_f64().max(f64::MIN_POSITIVE);
         Some(Timed {
             time_pct: (ratio * 100.0).round().min(u32::MAX as f64) as u32,
             slowdown: slowdown(times[0], best),
-            via_f32: path == Path::ViaF32,
+            via_f32,
         })
     };
     Timings {

@@ -32,7 +32,7 @@ fn register_known() {
 
 /// `B::conv2d` of an autocast call, through the registered half-precision path where it
 /// applies: under autocast only, so that a run with autocast off is the backend's own, and
-/// where the capability probe timed the f32 path of matmuls faster than the backend's own.
+/// where the capability probe chose the f32 path for matmuls (`Capabilities::via_f32`).
 #[inline]
 pub(crate) fn conv2d<B: Backend>(
     plan: &CastPlan,

@@ -43,9 +43,8 @@ pub(crate) fn registered_matmul<B: Backend>() -> Option<MatmulHook<B>> {
     MATMUL.get::<B, MatmulHook<B>>()
 }
 
-// Whether autocast takes the registered path for `tensor`'s dtype on its device: where the
-// capability probe timed it faster than the backend's own kernels, unless the process fixed
-// the path (`capability::set_half_path`).
+// Whether autocast takes the registered path for `tensor`'s dtype on its device: the
+// capability probe's choice, unless the process fixed the path (`capability::set_half_path`).
 pub(crate) fn chosen<B: Backend>(tensor: &FloatTensor<B>) -> bool {
     match capability::half_path() {
         HalfPath::ViaF32 => return true,
@@ -62,7 +61,7 @@ pub(crate) fn chosen<B: Backend>(tensor: &FloatTensor<B>) -> bool {
 
 /// `B::float_matmul` of an autocast call, through the registered half-precision path where
 /// it applies: under autocast only, so that a run with autocast off is the backend's own, and
-/// where the capability probe timed it faster than the backend's own kernels.
+/// where the capability probe chose it (`Capabilities::via_f32`).
 #[inline]
 pub(crate) fn matmul<B: Backend>(
     plan: &CastPlan,

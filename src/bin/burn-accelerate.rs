@@ -530,7 +530,7 @@ mod backends {
                 continue;
             };
             let path = match caps.via_f32(precision) {
-                true => "as f32 GEMMs over rounded operands (timed faster than the backend's own)",
+                true => "as f32 GEMMs over rounded operands (the backend's own not clearly faster)",
                 false => "with the backend's own kernels",
             };
             println!("    {precision}: matmul in {ratio:.2}× f32's time, {path}");
