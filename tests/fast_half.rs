@@ -9,6 +9,7 @@
 #![cfg(feature = "flex")]
 
 use burn::backend::{Autodiff, Flex};
+use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::module::conv2d;
 use burn::tensor::ops::ConvOptions;
 use burn::tensor::{FloatDType, Tensor, TensorData};
@@ -43,6 +44,23 @@ fn bits(data: TensorData) -> Vec<u32> {
 /// Output, and the gradients of x, the weight and the bias, as f32 values' bits.
 type Run = [Vec<u32>; 4];
 
+// A run's output and its leaves' gradients (zeros for a bias the op did not use, as `x @ w`).
+fn outcome<B: AutodiffBackend, const D: usize, const W: usize>(
+    out: Tensor<B, D>,
+    grads: &B::Gradients,
+    x: &Tensor<B, D>,
+    w: &Tensor<B, W>,
+    b: &Tensor<B, 1>,
+) -> Run {
+    let unused = || TensorData::zeros::<f32, _>(b.shape());
+    [
+        bits(out.into_data()),
+        bits(x.grad(grads).unwrap().into_data()),
+        bits(w.grad(grads).unwrap().into_data()),
+        bits(b.grad(grads).map_or_else(unused, |g| g.into_data())),
+    ]
+}
+
 // `linear(x, w, b)` (or `x @ w`) in `low` through Burn's own ops on a plain autodiff backend,
 // casts written out by hand.
 fn burns(low: FloatDType, with_linear: bool) -> Run {
@@ -60,15 +78,7 @@ fn burns(low: FloatDType, with_linear: bool) -> Run {
         x.clone().cast(low).matmul(w.clone().cast(low))
     };
     let grads = (out.clone().cast(FloatDType::F32) * 0.5).sum().backward();
-    [
-        bits(out.into_data()),
-        bits(x.grad(&grads).unwrap().into_data()),
-        bits(w.grad(&grads).unwrap().into_data()),
-        bits(
-            b.grad(&grads)
-                .map_or(TensorData::new(vec![0f32; 24], [24]), |g| g.into_data()),
-        ),
-    ]
+    outcome(out, &grads, &x, &w, &b)
 }
 
 // The same under autocast, on the decorator: its fast paths.
@@ -88,15 +98,7 @@ fn autocasts(precision: Precision, with_linear: bool) -> Run {
         let grads = (out.clone().cast(FloatDType::F32) * 0.5).sum().backward();
         (out, grads)
     };
-    [
-        bits(out.into_data()),
-        bits(x.grad(&grads).unwrap().into_data()),
-        bits(w.grad(&grads).unwrap().into_data()),
-        bits(
-            b.grad(&grads)
-                .map_or(TensorData::new(vec![0f32; 24], [24]), |g| g.into_data()),
-        ),
-    ]
+    outcome(out, &grads, &x, &w, &b)
 }
 
 #[test]
@@ -151,12 +153,7 @@ fn burns_conv(low: FloatDType) -> Run {
     );
     let out = conv2d(xl, wl, Some(bl), conv_options());
     let grads = (out.clone().cast(FloatDType::F32) * 0.5).sum().backward();
-    [
-        bits(out.into_data()),
-        bits(x.grad(&grads).unwrap().into_data()),
-        bits(w.grad(&grads).unwrap().into_data()),
-        bits(b.grad(&grads).unwrap().into_data()),
-    ]
+    outcome(out, &grads, &x, &w, &b)
 }
 
 fn autocasts_conv(precision: Precision) -> Run {
@@ -171,12 +168,7 @@ fn autocasts_conv(precision: Precision) -> Run {
         let grads = (out.clone().cast(FloatDType::F32) * 0.5).sum().backward();
         (out, grads)
     };
-    [
-        bits(out.into_data()),
-        bits(x.grad(&grads).unwrap().into_data()),
-        bits(w.grad(&grads).unwrap().into_data()),
-        bits(b.grad(&grads).unwrap().into_data()),
-    ]
+    outcome(out, &grads, &x, &w, &b)
 }
 
 #[test]

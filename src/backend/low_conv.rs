@@ -151,20 +151,11 @@ mod flex {
     #[derive(Debug)]
     struct Conv;
 
-    impl Backward<Flex, 2> for Conv {
+    // One node for both arities: `[x, weight]`, or `[x, weight, bias]`.
+    impl<const N: usize> Backward<Flex, N> for Conv {
         type State = Saved;
 
-        fn backward(self, ops: Ops<Saved, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
-            let grad = grads.consume::<Flex>(&ops.node);
-            let parents = ops.parents.map(|p| p.map(|node| node.id));
-            backward(ops.state, &parents, grad, grads);
-        }
-    }
-
-    impl Backward<Flex, 3> for Conv {
-        type State = Saved;
-
-        fn backward(self, ops: Ops<Saved, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        fn backward(self, ops: Ops<Saved, N>, grads: &mut Gradients, _: &mut Checkpointer) {
             let grad = grads.consume::<Flex>(&ops.node);
             let parents = ops.parents.map(|p| p.map(|node| node.id));
             backward(ops.state, &parents, grad, grads);
