@@ -162,6 +162,23 @@ mod flex {
         }
     }
 
+    // The convolution's node over `parents`, or none where no parent is tracked.
+    fn node<const N: usize>(
+        parents: [&FloatTensor<Autodiff<Flex>>; N],
+        saved: Saved,
+        output: FlexTensor,
+    ) -> FloatTensor<Autodiff<Flex>> {
+        let parents = parents.map(|parent| parent.node.clone());
+        match Conv
+            .prepare::<NoCheckpointing>(parents)
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(saved, output),
+            OpsKind::UnTracked(prep) => prep.finish(output),
+        }
+    }
+
     fn conv2d_tracked(
         x: FloatTensor<Autodiff<Flex>>,
         weight: FloatTensor<Autodiff<Flex>>,
@@ -174,34 +191,14 @@ mod flex {
             options: options.clone(),
         };
         let output = conv2d(
-            x.primitive,
-            weight.primitive,
+            x.primitive.clone(),
+            weight.primitive.clone(),
             bias.as_ref().map(|b| b.primitive.clone()),
             options,
         );
-        match bias {
-            Some(bias) => {
-                let parents = [x.node, weight.node, bias.node];
-                match Conv
-                    .prepare::<NoCheckpointing>(parents)
-                    .compute_bound()
-                    .stateful()
-                {
-                    OpsKind::Tracked(prep) => prep.finish(saved, output),
-                    OpsKind::UnTracked(prep) => prep.finish(output),
-                }
-            }
-            None => {
-                let parents = [x.node, weight.node];
-                match Conv
-                    .prepare::<NoCheckpointing>(parents)
-                    .compute_bound()
-                    .stateful()
-                {
-                    OpsKind::Tracked(prep) => prep.finish(saved, output),
-                    OpsKind::UnTracked(prep) => prep.finish(output),
-                }
-            }
+        match &bias {
+            Some(bias) => node([&x, &weight, bias], saved, output),
+            None => node([&x, &weight], saved, output),
         }
     }
 }
