@@ -50,7 +50,7 @@ pub(crate) mod flex {
     use half::{bf16, f16};
 
     use super::{HOOKS, Hook};
-    use crate::backend::half_kernels::Half;
+    use crate::backend::half_kernels::{Half, as_half, half_buffer};
 
     pub(super) fn register() {
         let plain: Hook<Flex> = convert;
@@ -78,9 +78,9 @@ pub(crate) mod flex {
         FlexTensor::new(bytes, Layout::contiguous(shape), to)
     }
 
-    fn narrow<H: Half>(values: &[f32]) -> Vec<H> {
-        let mut out = vec![H::default(); values.len()];
-        H::round(values, &mut out);
+    fn narrow<H: Half>(values: &[f32]) -> Vec<u16> {
+        let mut out = half_buffer(values.len());
+        H::round(values, as_half::<H>(&mut out));
         out
     }
 
