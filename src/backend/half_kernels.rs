@@ -402,24 +402,55 @@ mod tests {
 
     const DTYPES: [FloatDType; 2] = [FloatDType::BF16, FloatDType::F16];
 
-    #[test]
-    fn bf16_rounding_is_halfs_for_every_f32() {
-        // A million scattered bit patterns, and every pattern below a few high halves: the
-        // ties and near-ties of ordinary numbers, the largest finite values, infinities, NaNs.
+    // A million scattered f32 bit patterns, and every pattern below a few high halves: ties
+    // and near-ties of ordinary numbers, each type's largest finite values and smallest
+    // subnormals, infinities, NaNs.
+    fn rounding_patterns() -> Vec<f32> {
         let scattered = (0..1u32 << 20).map(|i| i.wrapping_mul(0x9E37_79B1));
         let highs = [
-            0x0000u32, 0x8000, 0x3F80, 0x7F7F, 0xFF7F, 0x7F80, 0xFF80, 0x7FC0,
+            0x0000u32, 0x8000, 0x3F80, 0x7F7F, 0xFF7F, 0x7F80, 0xFF80, 0x7FC0, 0x477F, 0x4780,
+            0x3380, 0x3300,
         ];
         let dense = highs
             .into_iter()
             .flat_map(|h| (0..=0xFFFFu32).map(move |l| (h << 16) | l));
-        let values: Vec<f32> = scattered.chain(dense).map(f32::from_bits).collect();
-        // Through the slice conversion, which takes the AVX2 loop where the CPU has it.
-        let mut rounded = vec![bf16::ZERO; values.len()];
-        bf16::round(&values, &mut rounded);
+        scattered.chain(dense).map(f32::from_bits).collect()
+    }
+
+    // `H`'s slice conversions (the vectorised loops where the CPU has them) against `half`'s
+    // scalar ones: every `H` widened, every pattern above rounded.
+    fn conversions_are_halfs<H: Half + PartialEq + core::fmt::Debug>(
+        from_bits: fn(u16) -> H,
+        to_f32: fn(H) -> f32,
+        from_f32: fn(f32) -> H,
+    ) {
+        let all: Vec<H> = (0..=u16::MAX).map(from_bits).collect();
+        let mut wide = vec![0f32; all.len()];
+        H::widen(&all, &mut wide);
+        for (h, w) in all.iter().zip(&wide) {
+            assert_eq!(w.to_bits(), to_f32(*h).to_bits(), "{h:?} widened");
+        }
+        let values = rounding_patterns();
+        let mut rounded = vec![from_bits(0); values.len()];
+        H::round(&values, &mut rounded);
         for (x, r) in values.iter().zip(&rounded) {
-            let want = bf16::from_f32(*x).to_bits();
-            assert_eq!(r.to_bits(), want, "{:#010x}", x.to_bits());
+            let want = from_f32(*x);
+            // Bit patterns, so that NaNs compare too.
+            assert_eq!(
+                bytemuck::bytes_of(r),
+                bytemuck::bytes_of(&want),
+                "{:#010x} rounded",
+                x.to_bits()
+            );
+        }
+    }
+
+    #[test]
+    fn bf16_conversions_are_halfs() {
+        conversions_are_halfs(bf16::from_bits, bf16::to_f32, bf16::from_f32);
+        // The scalar rounding, which CPUs without AVX2 run.
+        for x in rounding_patterns() {
+            let want = bf16::from_f32(x).to_bits();
             assert_eq!(
                 round_to_bf16_bits(x.to_bits()),
                 want,
@@ -431,49 +462,7 @@ mod tests {
 
     #[test]
     fn f16_conversions_are_halfs() {
-        let all: Vec<f16> = (0..=u16::MAX).map(f16::from_bits).collect();
-        let mut wide = vec![0f32; all.len()];
-        f16::widen(&all, &mut wide);
-        for (h, w) in all.iter().zip(&wide) {
-            let want = h.to_f32();
-            // NaN payloads may differ in the quiet bit's neighbours; NaN must stay NaN.
-            assert!(
-                w.to_bits() == want.to_bits() || (w.is_nan() && want.is_nan()),
-                "{h:?}"
-            );
-        }
-        let scattered: Vec<f32> = (0..1u32 << 20)
-            .map(|i| f32::from_bits(i.wrapping_mul(0x9E37_79B1)))
-            .chain([
-                65504.0,
-                65520.0,
-                65519.99,
-                6.0e-8,
-                2.98e-8,
-                -0.0,
-                f32::INFINITY,
-            ])
-            .collect();
-        let mut narrow = vec![f16::ZERO; scattered.len()];
-        f16::round(&scattered, &mut narrow);
-        for (x, h) in scattered.iter().zip(&narrow) {
-            assert_eq!(
-                h.to_bits(),
-                f16::from_f32(*x).to_bits(),
-                "{:#010x}",
-                x.to_bits()
-            );
-        }
-    }
-
-    #[test]
-    fn bf16_widening_is_halfs_for_every_bf16() {
-        let all: Vec<bf16> = (0..=u16::MAX).map(bf16::from_bits).collect();
-        let mut wide = vec![0f32; all.len()];
-        bf16::widen(&all, &mut wide);
-        for (h, w) in all.iter().zip(&wide) {
-            assert_eq!(w.to_bits(), h.to_f32().to_bits(), "{:#06x}", h.to_bits());
-        }
+        conversions_are_halfs(f16::from_bits, f16::to_f32, f16::from_f32);
     }
 
     #[test]
