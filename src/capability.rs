@@ -410,21 +410,21 @@ enum Path {
 
 // The times of f16 and bf16 against f32, for those that run.
 fn timings<B: Backend>(device: &B::Device, f16: bool, bf16: bool) -> Timings {
-    let via_f32 = crate::backend::low_gemm::registered_matmul::<B>().is_some();
+    let via_f32 = crate::backend::low_gemm::registered_matmul::<B>();
     let mut runs = vec![(FloatDType::F32, Path::Own)];
     for dtype in [(FloatDType::F16, f16), (FloatDType::BF16, bf16)]
         .into_iter()
         .filter_map(|(dtype, runs)| runs.then_some(dtype))
     {
         runs.push((dtype, Path::Own));
-        if via_f32 {
+        if via_f32.is_some() {
             runs.push((dtype, Path::ViaF32));
         }
     }
     if runs.len() == 1 {
         return Timings::default();
     }
-    let Some(times) = matmul_times::<B>(device, &runs) else {
+    let Some(times) = matmul_times::<B>(device, &runs, via_f32) else {
         return Timings::default();
     };
     let of = |dtype: FloatDType| {
@@ -456,14 +456,14 @@ fn timings<B: Backend>(device: &B::Device, f16: bool, bf16: bool) -> Timings {
 // The best of six timed N×N matmuls per run, each read back to the host (which waits for
 // lazy and asynchronous backends). The runs take turns, so that a burst of load elsewhere
 // on the machine slows them alike; an untimed first round pays for kernel compilation and
-// allocation. `None` if any panicked.
+// allocation. `via_f32` runs the `Path::ViaF32` runs. `None` if any panicked.
 fn matmul_times<B: Backend>(
     device: &B::Device,
     runs: &[(FloatDType, Path)],
+    via_f32: Option<crate::backend::low_gemm::MatmulHook<B>>,
 ) -> Option<Vec<Duration>> {
     silence_probe_panics();
     PROBING.with(|p| p.set(true));
-    let via_f32 = crate::backend::low_gemm::registered_matmul::<B>();
     let result = panic::catch_unwind(AssertUnwindSafe(|| {
         let n = TIMED_MATMUL_SIZE;
         let inputs: Vec<Tensor<B, 2>> = runs

@@ -13,12 +13,13 @@
 //! them again for the backward pass. Registered for Flex and `Autodiff<Flex>`; other backends
 //! keep their own op.
 
+use burn_backend::Backend;
 use burn_backend::ops::ConvOptions;
 use burn_backend::tensor::FloatTensor;
-use burn_backend::{Backend, DType, TensorMetadata};
 
 use crate::autocast::CastPlan;
 use crate::backend::hooks::Hooks;
+use crate::backend::low_gemm;
 
 type Conv2dHook<B> =
     fn(FloatTensor<B>, FloatTensor<B>, Option<FloatTensor<B>>, ConvOptions<2>) -> FloatTensor<B>;
@@ -41,13 +42,10 @@ pub(crate) fn conv2d<B: Backend>(
     bias: Option<FloatTensor<B>>,
     options: ConvOptions<2>,
 ) -> FloatTensor<B> {
-    let half = matches!(x.dtype(), DType::BF16 | DType::F16);
-    let same = weight.dtype() == x.dtype() && bias.as_ref().is_none_or(|b| b.dtype() == x.dtype());
     if plan.target().is_some()
-        && half
-        && same
+        && low_gemm::half_operands(&x, &weight, bias.as_ref())
         && let Some(hook) = CONV2D.get::<B, Conv2dHook<B>>()
-        && crate::backend::low_gemm::chosen::<B>(&x)
+        && low_gemm::chosen::<B>(&x)
     {
         return hook(x, weight, bias, options);
     }

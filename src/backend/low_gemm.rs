@@ -20,7 +20,7 @@ use crate::autocast::CastPlan;
 use crate::backend::hooks::Hooks;
 use crate::capability::{self, HalfPath};
 
-type MatmulHook<B> = fn(FloatTensor<B>, FloatTensor<B>) -> FloatTensor<B>;
+pub(crate) type MatmulHook<B> = fn(FloatTensor<B>, FloatTensor<B>) -> FloatTensor<B>;
 type LinearHook<B> = fn(FloatTensor<B>, FloatTensor<B>, Option<FloatTensor<B>>) -> FloatTensor<B>;
 
 static MATMUL: Hooks = Hooks::new(register_known);
@@ -31,10 +31,16 @@ fn register_known() {
     flex::register();
 }
 
-// Half operands of two dimensions: what the hooks handle.
-fn eligible<T: TensorMetadata>(a: &T, b: &T) -> bool {
-    let half = |t: &T| matches!(t.dtype(), DType::BF16 | DType::F16);
-    half(a) && a.dtype() == b.dtype() && a.shape().num_dims() == 2 && b.shape().num_dims() == 2
+/// Whether `x`, `weight` and `bias` (if any) are all bf16 or all f16: the operands the f32
+/// paths of lower-class ops take (this module's and `low_conv`'s).
+pub(crate) fn half_operands<T: TensorMetadata>(x: &T, weight: &T, bias: Option<&T>) -> bool {
+    let half = matches!(x.dtype(), DType::BF16 | DType::F16);
+    half && weight.dtype() == x.dtype() && bias.is_none_or(|b| b.dtype() == x.dtype())
+}
+
+// Half operands of two dimensions (and a bias of their dtype): what the GEMM hooks handle.
+fn eligible<T: TensorMetadata>(a: &T, b: &T, bias: Option<&T>) -> bool {
+    half_operands(a, b, bias) && a.shape().num_dims() == 2 && b.shape().num_dims() == 2
 }
 
 /// The half-precision matmul registered for `B`, for the capability probe to time against
@@ -69,7 +75,7 @@ pub(crate) fn matmul<B: Backend>(
     b: FloatTensor<B>,
 ) -> FloatTensor<B> {
     if plan.target().is_some()
-        && eligible(&a, &b)
+        && eligible(&a, &b, None)
         && let Some(hook) = MATMUL.get::<B, MatmulHook<B>>()
         && chosen::<B>(&a)
     {
@@ -86,10 +92,8 @@ pub(crate) fn linear<B: Backend>(
     weight: FloatTensor<B>,
     bias: Option<FloatTensor<B>>,
 ) -> FloatTensor<B> {
-    let bias_fits = bias.as_ref().is_none_or(|b| b.dtype() == x.dtype());
     if plan.target().is_some()
-        && bias_fits
-        && eligible(&x, &weight)
+        && eligible(&x, &weight, bias.as_ref())
         && let Some(hook) = LINEAR.get::<B, LinearHook<B>>()
         && chosen::<B>(&x)
     {
