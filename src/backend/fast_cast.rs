@@ -4,8 +4,8 @@
 //! `burn-flex-0.21.0/src/ops/float.rs`), about 2 ns per element: on the benchmark MLP the casts
 //! autocast inserts cost a third of a bf16 step. The [`Half`](crate::backend::half_kernels::Half)
 //! conversions do the same rounding (round to nearest even, from the exact value) in one
-//! vectorised pass. Casting
-//! through f64 first changes nothing: an f32 is exact in f64, so both round the same value.
+//! vectorised pass. Casting through f64 first changes nothing: an f32 is exact in f64, so both
+//! round the same value.
 //!
 //! Like fp8's cast, a replacement under autodiff needs a backward node, built with the
 //! concrete `Autodiff<B, C>` in hand: the hooks table holds one function per backend type,
@@ -59,8 +59,8 @@ pub(crate) mod flex {
         HOOKS.insert::<Autodiff<Flex>, _>(tracked);
     }
 
-    /// The cast, with `half`'s slice conversions between f32 and the half types, and Flex's
-    /// own for everything else.
+    /// The cast, with the [`Half`] conversions between f32 and the half types, and Flex's own
+    /// for everything else.
     pub(crate) fn convert(tensor: FlexTensor, dtype: FloatDType) -> FlexTensor {
         let (from, to) = (tensor.dtype(), DType::from(dtype));
         if from == to {

@@ -3,15 +3,17 @@
 //! Flex 0.21 multiplies bf16 matrices by copying both to contiguous f32 with a scalar loop,
 //! running its f32 GEMM, and rounding the result back, element by element
 //! (`matmul_bf16` in `burn-flex-0.21.0/src/ops/matmul.rs`; f16 goes through the `gemm` crate's
-//! f16 kernels, slower still). Its f32 GEMM reads transposed operands in place. So here the
-//! half operands are widened to f32 in one vectorised pass that keeps a transposed view
-//! transposed, multiplied by the f32 GEMM, and the product rounded to the half type: the
-//! numbers of a half-precision GEMM with f32 accumulation, the operands kept in the half type
-//! (what autodiff saves for the backward pass stays half the size), at f32 GEMM speed.
+//! f16 kernels, slower still). The `gemm` crate's f32 GEMM reads transposed operands in
+//! place. So here the half operands are widened to f32 in one vectorised pass into per-thread
+//! scratch, a transposed view kept transposed, multiplied by that GEMM (called directly), and
+//! the product rounded to the half type, a linear's bias added in the same pass: the numbers
+//! of a half-precision GEMM with f32 accumulation, the operands kept in the half type (what
+//! autodiff saves for the backward pass stays half the size), at f32 GEMM speed.
 //!
 //! As for the fast cast, the replacement under autodiff is a backward node of its own,
 //! registered per backend type (Flex and `Autodiff<Flex>`); 2-D operands only, other shapes
-//! and other backends keep the backend's own op.
+//! and other backends keep the backend's own op. Autocast takes this path where the
+//! capability probe chose it (see [`capability`](crate::capability)).
 
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, DType, TensorMetadata};
