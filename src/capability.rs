@@ -10,12 +10,12 @@
 //! square matmul in f32 and in each low dtype that runs, and flags a dtype
 //! [`SLOW_FACTOR`] times slower or worse, so that autocast never picks it silently.
 //!
-//! Where the crate has an f32 path for a backend's half-precision ops (an f32 GEMM over
-//! operands rounded to the half type, rounded once after: Flex's), the probe times that too,
-//! and autocast takes it unless the backend's own kernels measured clearly faster (at most
-//! 0.8× its time). The
-//! time recorded for a dtype is that of the path autocast takes; [`Capabilities::fastest`]
-//! picks a precision from those times.
+//! Where the crate has an f32 path for a backend's half-precision ops (Flex's: f32 sums over
+//! operands rounded to the half type, rounded once after; bf16 on the CPU's dot-product
+//! instructions where it has them, see [`HalfPath`]), the probe times that too, and autocast
+//! takes it unless the backend's own kernels measured clearly faster (at most 0.8× its time).
+//! The time recorded for a dtype is that of the path autocast takes;
+//! [`Capabilities::fastest`] picks a precision from those times.
 
 use std::any::TypeId;
 use std::collections::{HashMap, HashSet};
@@ -35,17 +35,24 @@ use crate::{AccelerateError, Precision};
 /// Which path autocast takes for a half-precision op where the crate has an f32 one for the
 /// backend (see the [module docs](self)).
 ///
-/// For bf16 both give the same bits on Flex; for f16 they do not (Flex's own f16 kernels sum
-/// in f16), so a run that must give the same f16 numbers on every machine, or a test of one
-/// path, fixes it with [`set_half_path`].
+/// The crate's path sums in f32 over half operands. Its bf16 GEMMs run on the CPU's
+/// AVX512-BF16 dot-product instructions where it has them (x86-64, e.g. AMD Zen 4, Intel
+/// Cooper Lake and later): about 1.5× as fast as the f32 GEMM, the sums in another order.
+/// Elsewhere they widen the operands and run Flex's f32 GEMM, which gives Flex's own bf16
+/// bits. For f16 neither matches the backend's own kernels (Flex's f16 kernels sum in f16).
+/// A run that must give the same numbers on every machine, or a test of one path, fixes it
+/// with [`set_half_path`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum HalfPath {
-    /// The probe's choice ([`Capabilities::via_f32`]): the f32 path unless the backend's own
-    /// kernels timed clearly faster.
+    /// The probe's choice ([`Capabilities::via_f32`]): the crate's path unless the backend's
+    /// own kernels timed clearly faster.
     #[default]
     Measured,
-    /// Always the f32 path, where the crate has one.
+    /// Always the crate's path, where it has one, bf16 dot products included.
     ViaF32,
+    /// Always the crate's path with operands widened to f32 and Flex's f32 GEMM: the same
+    /// bits on every CPU (for bf16, Flex's own), slower where the CPU has bf16 dot products.
+    Widened,
     /// Always the backend's own kernels.
     Own,
 }
@@ -58,8 +65,8 @@ static HALF_PATH: AtomicU8 = AtomicU8::new(0);
 /// ```
 /// use burn_accelerate::capability::{self, HalfPath};
 ///
-/// capability::set_half_path(HalfPath::ViaF32);
-/// assert_eq!(capability::half_path(), HalfPath::ViaF32);
+/// capability::set_half_path(HalfPath::Widened);
+/// assert_eq!(capability::half_path(), HalfPath::Widened);
 /// capability::set_half_path(HalfPath::Measured);
 /// ```
 pub fn set_half_path(path: HalfPath) {
@@ -67,6 +74,7 @@ pub fn set_half_path(path: HalfPath) {
         HalfPath::Measured => 0,
         HalfPath::ViaF32 => 1,
         HalfPath::Own => 2,
+        HalfPath::Widened => 3,
     };
     HALF_PATH.store(code, Ordering::Relaxed);
 }
@@ -76,8 +84,21 @@ pub fn half_path() -> HalfPath {
     match HALF_PATH.load(Ordering::Relaxed) {
         1 => HalfPath::ViaF32,
         2 => HalfPath::Own,
+        3 => HalfPath::Widened,
         _ => HalfPath::Measured,
     }
+}
+
+/// Whether the crate's path runs bf16 GEMMs on this CPU's AVX512-BF16 dot-product
+/// instructions (see [`HalfPath`]): the CPU has them, Flex is built in, and the process did not
+/// fix [`HalfPath::Widened`].
+pub fn bf16_dot_products() -> bool {
+    #[cfg(feature = "flex")]
+    {
+        half_path() != HalfPath::Widened && crate::backend::bf16_gemm::available()
+    }
+    #[cfg(not(feature = "flex"))]
+    false
 }
 
 /// How many times slower than f32 a low dtype's matmul must be for the probe to flag it.

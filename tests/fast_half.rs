@@ -4,9 +4,15 @@
 //! operands), forward and backward, and for f16 the f32 result rounded once, within an f16
 //! rounding of Burn's (whose f16 kernels sum in f16).
 //!
-//! The f32 paths are fixed with `capability::set_half_path`: left to the probe's timing, an
-//! unoptimised test build of this crate can find Flex's own kernels faster.
+//! The bf16 GEMM on AVX512-BF16 dot products (where the CPU has them) sums in another order:
+//! within a bf16 rounding of Burn's.
+//!
+//! The paths are fixed with `capability::set_half_path`, one test at a time (the setting is
+//! the process's): left to the probe's timing, an unoptimised test build of this crate can
+//! find Flex's own kernels faster.
 #![cfg(feature = "flex")]
+
+use std::sync::Mutex;
 
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::AutodiffBackend;
@@ -81,9 +87,18 @@ fn burns(low: FloatDType, with_linear: bool) -> Run {
     outcome(out, &grads, &x, &w, &b)
 }
 
+// `run` with the half path fixed to `path`, while no other test of this file runs.
+fn on_path<R>(path: HalfPath, run: impl FnOnce() -> R) -> R {
+    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+    let _turn = ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    capability::set_half_path(path);
+    run()
+}
+
 // The same under autocast, on the decorator: its fast paths.
 fn autocasts(precision: Precision, with_linear: bool) -> Run {
-    capability::set_half_path(HalfPath::ViaF32);
     let device = Default::default();
     let x = Tensor::<Acc, 2>::from_data(data([6, 32], 1), &device).require_grad();
     let w = Tensor::<Acc, 2>::from_data(data([32, 24], 2), &device).require_grad();
@@ -105,7 +120,9 @@ fn autocasts(precision: Precision, with_linear: bool) -> Run {
 fn bf16_linear_and_matmul_give_burns_bits_forward_and_backward() {
     for with_linear in [true, false] {
         let want = burns(FloatDType::BF16, with_linear);
-        let got = autocasts(Precision::Bf16, with_linear);
+        let got = on_path(HalfPath::Widened, || {
+            autocasts(Precision::Bf16, with_linear)
+        });
         for (i, name) in ["output", "x's gradient", "w's gradient", "b's gradient"]
             .iter()
             .enumerate()
@@ -116,9 +133,33 @@ fn bf16_linear_and_matmul_give_burns_bits_forward_and_backward() {
 }
 
 #[test]
+fn bf16_dot_products_are_within_a_bf16_rounding_of_burns() {
+    for with_linear in [true, false] {
+        let want = burns(FloatDType::BF16, with_linear);
+        // The bf16 kernel where the CPU has one, the widened path (Burn's bits) elsewhere.
+        let got = on_path(HalfPath::ViaF32, || autocasts(Precision::Bf16, with_linear));
+        for (i, name) in ["output", "x's gradient", "w's gradient", "b's gradient"]
+            .iter()
+            .enumerate()
+        {
+            for (g, w) in got[i].iter().zip(&want[i]) {
+                let (g, w) = (f32::from_bits(*g), f32::from_bits(*w));
+                // f32 sums of 32 (or 6) exact products in two orders, rounded to bf16: one
+                // bf16 step apart at most (2^-7 relative), where the sums do not cancel to
+                // near zero (the absolute room).
+                assert!(
+                    (g - w).abs() <= w.abs() / 128.0 + 1e-4,
+                    "{name}: {g} vs {w}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn f16_linear_is_within_an_f16_rounding_of_burns() {
     let want = burns(FloatDType::F16, true);
-    let got = autocasts(Precision::F16, true);
+    let got = on_path(HalfPath::ViaF32, || autocasts(Precision::F16, true));
     for (i, name) in ["output", "x's gradient", "w's gradient", "b's gradient"]
         .iter()
         .enumerate()
@@ -157,7 +198,6 @@ fn burns_conv(low: FloatDType) -> Run {
 }
 
 fn autocasts_conv(precision: Precision) -> Run {
-    capability::set_half_path(HalfPath::ViaF32);
     let device = Default::default();
     let x = Tensor::<Acc, 4>::from_data(data([2, 3, 7, 6], 4), &device).require_grad();
     let w = Tensor::<Acc, 4>::from_data(data([4, 3, 3, 3], 5), &device).require_grad();
@@ -175,7 +215,7 @@ fn autocasts_conv(precision: Precision) -> Run {
 fn bf16_conv2d_gives_burns_bits_forward_and_backward() {
     let (want, got) = (
         burns_conv(FloatDType::BF16),
-        autocasts_conv(Precision::Bf16),
+        on_path(HalfPath::Widened, || autocasts_conv(Precision::Bf16)),
     );
     for (i, name) in ["output", "x's gradient", "w's gradient", "b's gradient"]
         .iter()
@@ -213,7 +253,8 @@ fn f32_conv_of_f16_operands() -> Run {
 
 #[test]
 fn f16_conv2d_sums_in_f32_and_rounds_once() {
-    let (want, got) = (f32_conv_of_f16_operands(), autocasts_conv(Precision::F16));
+    let got = on_path(HalfPath::ViaF32, || autocasts_conv(Precision::F16));
+    let want = f32_conv_of_f16_operands();
     for (i, name) in ["output", "x's gradient", "w's gradient", "b's gradient"]
         .iter()
         .enumerate()

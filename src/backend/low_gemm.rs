@@ -3,12 +3,18 @@
 //! Flex 0.21 multiplies bf16 matrices by copying both to contiguous f32 with a scalar loop,
 //! running its f32 GEMM, and rounding the result back, element by element
 //! (`matmul_bf16` in `burn-flex-0.21.0/src/ops/matmul.rs`; f16 goes through the `gemm` crate's
-//! f16 kernels, slower still). The `gemm` crate's f32 GEMM reads transposed operands in
-//! place. So here the half operands are widened to f32 in one vectorised pass into per-thread
-//! scratch, a transposed view kept transposed, multiplied by that GEMM (called directly), and
-//! the product rounded to the half type, a linear's bias added in the same pass: the numbers
-//! of a half-precision GEMM with f32 accumulation, the operands kept in the half type (what
-//! autodiff saves for the backward pass stays half the size), at f32 GEMM speed.
+//! f16 kernels, slower still). Here the product is computed one of two ways, into per-thread
+//! scratch, then rounded to the half type, a linear's bias added in the same pass:
+//!
+//! - bf16 on a CPU with AVX512-BF16: the dot-product GEMM of [`bf16_gemm`](super::bf16_gemm),
+//!   which reads the bf16 operands in place (transposed views too) and sums in f32, about
+//!   1.5× as fast as the f32 GEMM;
+//! - otherwise (and under [`HalfPath::Widened`]): the half operands widened to f32 in one
+//!   vectorised pass, a transposed view kept transposed, and multiplied by Flex's f32 GEMM
+//!   (the `gemm` crate, called directly): for bf16, Flex's own bits.
+//!
+//! Either way: the numbers of a half-precision GEMM with f32 accumulation, the operands kept
+//! in the half type (what autodiff saves for the backward pass stays half the size).
 //!
 //! As for the fast cast, the replacement under autodiff is a backward node of its own,
 //! registered per backend type (Flex and `Autodiff<Flex>`); 2-D operands only, other shapes
@@ -55,7 +61,7 @@ pub(crate) fn registered_matmul<B: Backend>() -> Option<MatmulHook<B>> {
 // capability probe's choice, unless the process fixed the path (`capability::set_half_path`).
 pub(crate) fn chosen<B: Backend>(tensor: &FloatTensor<B>) -> bool {
     match capability::half_path() {
-        HalfPath::ViaF32 => return true,
+        HalfPath::ViaF32 | HalfPath::Widened => return true,
         HalfPath::Own => return false,
         HalfPath::Measured => {}
     }
@@ -118,8 +124,12 @@ mod flex {
     use burn_backend::ops::{FloatTensorOps, ModuleOps};
     use burn_backend::tensor::FloatTensor;
 
+    use burn_backend::DType;
+
     use super::{LINEAR, LinearHook, MATMUL, MatmulHook};
+    use crate::backend::bf16_gemm::{self, Bf16Matrix};
     use crate::backend::half_kernels::{Half, add_row, round_add_row, sum_rows, with_half};
+    use crate::capability;
 
     pub(super) fn register() {
         let plain: MatmulHook<Flex> = gemm;
@@ -132,17 +142,57 @@ mod flex {
         LINEAR.insert::<Autodiff<Flex>, _>(tracked);
     }
 
-    // Scratch for the f32 operands and product of one GEMM, kept per thread: a fresh buffer is
-    // mapped and page-faulted in on every call, which costs as much again as filling it.
-    thread_local! {
-        static SCRATCH: RefCell<[Vec<f32>; 3]> = RefCell::default();
+    // Scratch for one GEMM's operands (widened to f32, or packed for the bf16 kernel) and its
+    // f32 product, kept per thread: a fresh buffer is mapped and page-faulted in on every
+    // call, which costs as much again as filling it.
+    #[derive(Default)]
+    struct Scratch {
+        widened: [Vec<f32>; 2],
+        packed: [Vec<u32>; 2],
+        product: Vec<f32>,
     }
 
-    // The largest scratch buffer kept between GEMMs, in values (8 MiB). Larger ones go back
-    // after their GEMM: kept, they would sit beside the activations autocast halves (13 MiB
-    // of a 200 MiB peak on `examples/autocast_memory`), and a GEMM that large costs enough
-    // that mapping its buffers afresh is lost in it.
-    const SCRATCH_KEPT: usize = 2 << 20;
+    impl Scratch {
+        // The largest buffer kept between GEMMs, in bytes (8 MiB). Larger ones go back after
+        // their GEMM: kept, they would sit beside the activations autocast halves (13 MiB of
+        // a 200 MiB peak on `examples/autocast_memory`), and a GEMM that large costs enough
+        // that mapping its buffers afresh is lost in it.
+        const KEPT: usize = 8 << 20;
+
+        fn release_large(&mut self) {
+            fn release<T>(buf: &mut Vec<T>) {
+                if buf.capacity() * size_of::<T>() > Scratch::KEPT {
+                    *buf = Vec::new();
+                }
+            }
+            self.widened.iter_mut().for_each(release);
+            self.packed.iter_mut().for_each(release);
+            release(&mut self.product);
+        }
+    }
+
+    thread_local! {
+        static SCRATCH: RefCell<Scratch> = RefCell::default();
+    }
+
+    // How the product of two half matrices is computed.
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    enum Kernel {
+        // Flex's f32 GEMM over the operands widened to f32: for bf16, Flex's own bits.
+        Widened,
+        // The AVX512-BF16 dot-product GEMM (`bf16_gemm`): bf16 only, about 1.5× as fast.
+        Bf16Dot,
+    }
+
+    impl Kernel {
+        // The bf16 kernel where the CPU has it, unless the process fixed the widened path.
+        fn for_dtype(dtype: DType) -> Self {
+            match dtype == DType::BF16 && capability::bf16_dot_products() {
+                true => Self::Bf16Dot,
+                false => Self::Widened,
+            }
+        }
+    }
 
     // The half matrix `t` widened into `buf`, keeping a transposed (or otherwise permuted) view
     // as it is, since the GEMM reads strides: its (row, column) strides in `buf`.
@@ -167,61 +217,100 @@ mod flex {
     }
 
     // Flex's rule: threads for products of at least 192³ multiply-adds.
-    fn parallelism(m: usize, n: usize, k: usize) -> gemm::Parallelism {
-        match m.saturating_mul(n).saturating_mul(k) >= 192 * 192 * 192 {
-            true => gemm::Parallelism::Rayon(0),
-            false => gemm::Parallelism::None,
-        }
+    fn parallel(m: usize, n: usize, k: usize) -> bool {
+        m.saturating_mul(n).saturating_mul(k) >= 192 * 192 * 192
     }
 
-    /// `a @ b + bias` of half matrices: f32 products and sums, rounded once to the half type,
-    /// the bias (if any) added to the rounded product in the half type.
-    fn half_gemm(a: &FlexTensor, b: &FlexTensor, bias: Option<&FlexTensor>) -> FlexTensor {
-        let dtype = a.dtype();
+    // The bf16 matrix `t` as the dot-product GEMM reads it, in place; `None` for a layout it
+    // does not read (negative strides).
+    fn bf16_matrix(t: &FlexTensor) -> Option<Bf16Matrix<'_>> {
+        let layout = t.layout();
+        let [rows, cols] = [layout.shape()[0], layout.shape()[1]];
+        let [row_stride, col_stride] =
+            [layout.strides()[0], layout.strides()[1]].map(|s| usize::try_from(s).ok());
+        let storage = t.storage::<half::bf16>();
+        let strides = [row_stride?, col_stride?];
+        Bf16Matrix::new(storage, layout.start_offset(), [rows, cols], strides)
+    }
+
+    // `product = a @ b` by the dot-product kernel, false where it does not apply (and
+    // `product` untouched).
+    fn bf16_dot_product(a: &FlexTensor, b: &FlexTensor, scratch: &mut Scratch) -> bool {
+        let (Some(am), Some(bm)) = (bf16_matrix(a), bf16_matrix(b)) else {
+            return false;
+        };
         let (m, k, n) = (
             a.layout().shape()[0],
             a.layout().shape()[1],
             b.layout().shape()[1],
         );
+        let c = &mut scratch.product;
+        bf16_gemm::gemm(am, bm, c, parallel(m, n, k), &mut scratch.packed).is_some()
+    }
+
+    // `product = a @ b` by Flex's f32 GEMM over the operands widened to f32.
+    fn widened_product(a: &FlexTensor, b: &FlexTensor, scratch: &mut Scratch) {
+        let (m, k, n) = (
+            a.layout().shape()[0],
+            a.layout().shape()[1],
+            b.layout().shape()[1],
+        );
+        let [wa, wb] = &mut scratch.widened;
+        let (a_rs, a_cs) = widen_into(a, wa);
+        let (b_rs, b_cs) = widen_into(b, wb);
+        let product = &mut scratch.product;
+        let parallelism = match parallel(m, n, k) {
+            true => gemm::Parallelism::Rayon(0),
+            false => gemm::Parallelism::None,
+        };
+        // SAFETY: `wa` holds the `m×k` matrix at strides (a_rs, a_cs) from its start, `wb`
+        // the `k×n` one likewise, and `product` `m×n` row-major values; none overlap.
+        unsafe {
+            gemm::gemm(
+                m,
+                n,
+                k,
+                product.as_mut_ptr(),
+                1,
+                n as isize,
+                false,
+                wa.as_ptr(),
+                a_cs,
+                a_rs,
+                wb.as_ptr(),
+                b_cs,
+                b_rs,
+                0.0,
+                1.0,
+                false,
+                false,
+                false,
+                parallelism,
+            );
+        }
+    }
+
+    /// `a @ b + bias` of half matrices: f32 sums of the products, rounded once to the half
+    /// type, the bias (if any) added to the rounded product in the half type.
+    fn half_gemm(
+        a: &FlexTensor,
+        b: &FlexTensor,
+        bias: Option<&FlexTensor>,
+        kernel: Kernel,
+    ) -> FlexTensor {
+        let dtype = a.dtype();
+        let (m, n) = (a.layout().shape()[0], b.layout().shape()[1]);
         let bias = bias.map(|b| b.to_contiguous());
-        let values = SCRATCH.with_borrow_mut(|[wa, wb, product]| {
-            let (a_rs, a_cs) = widen_into(a, wa);
-            let (b_rs, b_cs) = widen_into(b, wb);
-            fit(product, m * n);
-            // SAFETY: `wa` holds the `m×k` matrix at strides (a_rs, a_cs) from its start,
-            // `wb` the `k×n` one likewise, and `product` `m×n` row-major values; none overlap.
-            unsafe {
-                gemm::gemm(
-                    m,
-                    n,
-                    k,
-                    product.as_mut_ptr(),
-                    1,
-                    n as isize,
-                    false,
-                    wa.as_ptr(),
-                    a_cs,
-                    a_rs,
-                    wb.as_ptr(),
-                    b_cs,
-                    b_rs,
-                    0.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    parallelism(m, n, k),
-                );
+        let values = SCRATCH.with_borrow_mut(|scratch| {
+            fit(&mut scratch.product, m * n);
+            if kernel != Kernel::Bf16Dot || !bf16_dot_product(a, b, scratch) {
+                widened_product(a, b, scratch);
             }
             let values = with_half!(dtype, H => {
                 let bias = bias.as_ref().map(|b| b.storage::<H>());
-                Bytes::from_elems(round_add_row::<H>(product, bias))
+                Bytes::from_elems(round_add_row::<H>(&scratch.product, bias))
             }, _ => unreachable!("eligible() admits half operands only"));
-            for buf in [wa, wb, product] {
-                if buf.capacity() > SCRATCH_KEPT {
-                    *buf = Vec::new();
-                }
-            }
+            scratch.release_large();
             values
         });
         FlexTensor::new(values, Layout::contiguous([m, n].into()), dtype)
@@ -229,13 +318,15 @@ mod flex {
 
     /// `a @ b` of two half matrices: f32 products and sums, rounded once to the half type.
     pub(super) fn gemm(a: FlexTensor, b: FlexTensor) -> FlexTensor {
-        half_gemm(&a, &b, None)
+        let kernel = Kernel::for_dtype(a.dtype());
+        half_gemm(&a, &b, None, kernel)
     }
 
     // `x @ w + b` as Burn's default linear computes it on half tensors: the product rounded,
     // then the bias added in the half type; in one pass over the f32 product.
     fn linear(x: FlexTensor, weight: FlexTensor, bias: Option<FlexTensor>) -> FlexTensor {
-        half_gemm(&x, &weight, bias.as_ref())
+        let kernel = Kernel::for_dtype(x.dtype());
+        half_gemm(&x, &weight, bias.as_ref(), kernel)
     }
 
     // `product + bias` of a half `[m, n]` product and an `[n]` bias, in the product's buffer
@@ -363,22 +454,53 @@ mod flex {
                 .collect()
         }
 
+        fn bits(t: FlexTensor) -> Vec<u8> {
+            t.into_data().bytes.to_vec()
+        }
+
         #[test]
-        fn bf16_gemm_gives_flexs_own_bits_transposed_or_not() {
+        fn bf16_gemm_widened_gives_flexs_own_bits_transposed_or_not() {
             let a = half(values(6 * 5, 1), [6, 5], FloatDType::BF16);
             let b = half(values(5 * 7, 2), [5, 7], FloatDType::BF16);
-            let bits = |t: FlexTensor| t.into_data().bytes.to_vec();
+            let widened = |a: &FlexTensor, b: &FlexTensor| half_gemm(a, b, None, Kernel::Widened);
             assert_eq!(
-                bits(gemm(a.clone(), b.clone())),
+                bits(widened(&a, &b)),
                 bits(Flex::float_matmul(a.clone(), b.clone()))
             );
             // Transposed views, as the backward pass multiplies them.
             let at = transposed(half(values(5 * 6, 3), [5, 6], FloatDType::BF16));
             let bt = transposed(half(values(7 * 5, 4), [7, 5], FloatDType::BF16));
-            assert_eq!(
-                bits(gemm(at.clone(), bt.clone())),
-                bits(Flex::float_matmul(at, bt))
-            );
+            assert_eq!(bits(widened(&at, &bt)), bits(Flex::float_matmul(at, bt)));
+        }
+
+        #[test]
+        fn bf16_gemm_by_dot_products_is_within_a_bf16_rounding_of_widened() {
+            if !bf16_gemm::available() {
+                eprintln!("skipped: this CPU has no AVX512-BF16");
+                return;
+            }
+            // Positive values: no cancellation, so the two f32 sums (in different orders)
+            // differ far below a bf16 rounding, and their roundings by one bf16 step at most.
+            let positive = |n, seed| values(n, seed).iter().map(|v| v + 3.4).collect();
+            let a = half(positive(9 * 40, 1), [9, 40], FloatDType::BF16);
+            let b = half(positive(40 * 35, 2), [40, 35], FloatDType::BF16);
+            // A row view from the second row: a layout with an offset.
+            let a_rows = Flex::float_slice(a.clone(), &[burn::tensor::Slice::from(1..9)]);
+            let cases = [
+                (a.clone(), b.clone()),
+                (a_rows, b.clone()),
+                // A column-major b, as a transposed weight.
+                (a, transposed(transposed(b).to_contiguous())),
+            ];
+            for (a, b) in cases {
+                let values =
+                    |t: FlexTensor| t.into_data().convert::<f32>().to_vec::<f32>().unwrap();
+                let dot = values(half_gemm(&a, &b, None, Kernel::Bf16Dot));
+                let widened = values(half_gemm(&a, &b, None, Kernel::Widened));
+                for (d, w) in dot.iter().zip(&widened) {
+                    assert!((d - w).abs() <= w / 128.0, "{d} against {w}");
+                }
+            }
         }
 
         #[test]
@@ -389,10 +511,7 @@ mod flex {
             let wide = |t: &FlexTensor| Flex::float_cast(t.clone(), FloatDType::F32);
             let exact = Flex::float_matmul(wide(&a), wide(&b));
             let want = Flex::float_cast(exact, FloatDType::F16);
-            assert_eq!(
-                gemm(a, b).into_data().bytes.to_vec(),
-                want.into_data().bytes.to_vec()
-            );
+            assert_eq!(bits(gemm(a, b)), bits(want));
         }
     }
 }

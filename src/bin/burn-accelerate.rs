@@ -529,9 +529,15 @@ mod backends {
             let Some(ratio) = caps.time_ratio(precision) else {
                 continue;
             };
-            let path = match caps.via_f32(precision) {
-                true => "as f32 GEMMs over rounded operands (the backend's own not clearly faster)",
-                false => "with the backend's own kernels",
+            let dot = precision == Precision::Bf16 && capability::bf16_dot_products();
+            let path = match (caps.via_f32(precision), dot) {
+                (true, true) => {
+                    "on the CPU's bf16 dot products, summed in f32 (the backend's own not clearly faster)"
+                }
+                (true, false) => {
+                    "as f32 GEMMs over rounded operands (the backend's own not clearly faster)"
+                }
+                (false, _) => "with the backend's own kernels",
             };
             println!("    {precision}: matmul in {ratio:.2}× f32's time, {path}");
         }
