@@ -43,6 +43,7 @@ use crate::{AccelerateError, Precision};
 /// A run that must give the same numbers on every machine, or a test of one path, fixes it
 /// with [`set_half_path`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
 pub enum HalfPath {
     /// The probe's choice ([`Capabilities::via_f32`]): the crate's path unless the backend's
     /// own kernels timed clearly faster.
@@ -116,9 +117,10 @@ const TIMED_MATMUL_SIZE: usize = 512;
 /// The most of f32's matmul time a half precision may take for [`Capabilities::fastest`] to
 /// pick it.
 ///
-/// A real half-precision GEMM takes half of f32's time or less; on Flex, where both run the
-/// same f32 GEMM, repeated probes measured 0.71–1.24. The margin keeps such noise from moving
-/// a model to a lower precision for nothing.
+/// A real half-precision GEMM takes half of f32's time or less (Flex's bf16 on AVX512-BF16
+/// dot products: about 0.5); where a half precision runs the same f32 GEMM (Flex's f16, or
+/// bf16 on other CPUs), repeated probes measured 0.71–1.24. The margin keeps such noise from
+/// moving a model to a lower precision for nothing.
 pub const AUTO_MAX_TIME_RATIO: f32 = 0.8;
 
 /// Whether a device ran a low-precision dtype in the probe, and how fast.

@@ -1,0 +1,316 @@
+//! The bf16 GEMM's x86-64 parts: packing the operands, and the `vdpbf16ps` kernel.
+
+use std::arch::x86_64::*;
+
+use half::bf16;
+use rayon::prelude::*;
+
+use super::{Bf16Matrix, scratch_of};
+
+/// Rows of the product one micro-kernel call computes.
+const MR: usize = 12;
+/// Columns of the product one micro-kernel call computes: two vectors of 16 f32 lanes. With
+/// `MR` rows that is 24 accumulators of the 32 vector registers, enough in flight to hide
+/// the instruction's latency (6 cycles) at one issue a cycle.
+const NR: usize = 32;
+/// k-pairs per block: a B panel of `KC × NR` pairs (16 KiB) and an A panel (6 KiB) stay in
+/// L1 while a tile is computed.
+const KC: usize = 128;
+/// Rows of the product per parallel task (4 A panels, 48 KiB of packed A per k block).
+const MC: usize = 4 * MR;
+/// Columns of the product per parallel task (8 B panels).
+const NC: usize = 8 * NR;
+
+/// `c = a @ b`, as [`super::gemm`] (which checked the shapes).
+///
+/// # Safety
+///
+/// The CPU has AVX512-F and AVX512-BF16; `a.cols == b.rows` and `c.len() == a.rows * b.cols`.
+pub(super) unsafe fn gemm(
+    a: Bf16Matrix,
+    b: Bf16Matrix,
+    c: &mut [f32],
+    parallel: bool,
+    packed: &mut [Vec<u32>; 2],
+) {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    if k == 0 {
+        c.fill(0.0);
+        return;
+    }
+    let pairs = k.div_ceil(2);
+    // A is packed by rows and B by columns alike: B's columns are the rows of its transpose.
+    let [packed_a, packed_b] = packed;
+    // SAFETY: the CPU has AVX512-F (the caller's promise).
+    unsafe {
+        pack(a, pairs, MR, packed_a, parallel);
+        pack(b.transposed(), pairs, NR, packed_b, parallel);
+    }
+    let blocks = Blocks {
+        packed_a,
+        packed_b,
+        c: CPtr(c.as_mut_ptr()),
+        m,
+        n,
+        pairs,
+    };
+    let (row_blocks, col_blocks) = (m.div_ceil(MC), n.div_ceil(NC));
+    let task = |t: usize| {
+        // SAFETY: the CPU has the kernel's features (the caller's promise), and tasks own
+        // disjoint blocks of `c`.
+        unsafe { blocks.block(t / col_blocks * MC, t % col_blocks * NC) }
+    };
+    match parallel {
+        true => (0..row_blocks * col_blocks).into_par_iter().for_each(task),
+        false => (0..row_blocks * col_blocks).for_each(task),
+    }
+}
+
+// `m`'s rows (A's rows, or B's columns through its transpose) in panels of `width` rows, into
+// `packed`: panel `q` holds, for each k-pair `p`, `width` words `(m[r][2p] | m[r][2p + 1] << 16)`
+// for its rows `r`, zero past the last row and the last column. One instruction then reads a
+// panel's pair for a row (a broadcast) or for 16 columns (a vector). Every word is written,
+// so `packed` may come with old values.
+//
+// SAFETY: the CPU has AVX512-F.
+unsafe fn pack(m: Bf16Matrix, pairs: usize, width: usize, packed: &mut Vec<u32>, parallel: bool) {
+    let panel_len = pairs * width;
+    let packed = scratch_of(packed, m.rows.div_ceil(width) * panel_len);
+    // SAFETY: as for `pack`.
+    let fill = |(q, panel): (usize, &mut [u32])| unsafe { pack_panel(m, q * width, width, panel) };
+    match parallel {
+        true => packed.par_chunks_mut(panel_len).enumerate().for_each(fill),
+        false => packed.chunks_mut(panel_len).enumerate().for_each(fill),
+    }
+}
+
+// The panel of `width` rows from row `i0`, as `pack` lays it out.
+//
+// SAFETY: the CPU has AVX512-F.
+unsafe fn pack_panel(m: Bf16Matrix, i0: usize, width: usize, panel: &mut [u32]) {
+    // The high halves of a last, odd column's words.
+    const ZEROS: [bf16; NR] = [bf16::ZERO; NR];
+    let rows = width.min(m.rows - i0);
+    if rows < width {
+        panel.fill(0);
+    }
+    let word = |lo: &bf16, hi: &bf16| u32::from(lo.to_bits()) | u32::from(hi.to_bits()) << 16;
+    if m.row_stride == 1 {
+        // The panel's rows lie side by side (B's columns of a row-major B, A's rows of a
+        // transposed A): each pair's words zip two runs of `rows` values, which vectorises.
+        let run = |j: usize| &m.data[m.offset + i0 + j * m.col_stride..][..rows];
+        for (p, words) in panel.chunks_exact_mut(width).enumerate() {
+            let high = if 2 * p + 1 < m.cols {
+                run(2 * p + 1)
+            } else {
+                &ZEROS[..rows]
+            };
+            for (w, (lo, hi)) in words.iter_mut().zip(run(2 * p).iter().zip(high)) {
+                *w = word(lo, hi);
+            }
+        }
+    } else if m.col_stride == 1 {
+        // Each row's pairs lie side by side (A's rows of a row-major A, B's columns of a
+        // transposed B): the panel is their transpose, taken 16 × 16 words at a time with
+        // vector shuffles (scalar stores `width` apart cost 3× as much), the rest one by one.
+        // SAFETY: the CPU has AVX512-F (the caller's promise).
+        let done = unsafe { transpose_pairs(m, i0, rows, width, panel) };
+        for r in 0..rows {
+            let row = &m.data[m.offset + (i0 + r) * m.row_stride..][..m.cols];
+            let words = panel[done * width..].chunks_exact_mut(width);
+            for (pair, words) in row[2 * done..].chunks(2).zip(words) {
+                words[r] = word(&pair[0], pair.get(1).unwrap_or(&ZEROS[0]));
+            }
+        }
+    } else {
+        for r in 0..rows {
+            for (p, w) in panel[r..].iter_mut().step_by(width).enumerate() {
+                *w = m.bits(i0 + r, 2 * p) | m.bits(i0 + r, 2 * p + 1) << 16;
+            }
+        }
+    }
+}
+
+// The first pairs of the panel's rows, where each row's pairs lie side by side, in blocks
+// of 16 pairs of 16 rows: each block one 16 × 16 transpose of 32-bit words. Returns the
+// pairs done (a multiple of 16, all of them whole).
+//
+// SAFETY: the CPU has AVX512-F; `m`'s columns are contiguous (`col_stride == 1`); `panel`
+// holds `width` words for each of `m`'s pairs.
+#[target_feature(enable = "avx512f")]
+unsafe fn transpose_pairs(
+    m: Bf16Matrix,
+    i0: usize,
+    rows: usize,
+    width: usize,
+    panel: &mut [u32],
+) -> usize {
+    let blocks = m.cols / 32;
+    assert!(panel.len() >= blocks * 16 * width);
+    for g in (0..rows).step_by(16) {
+        // The panel's words for rows `g..g + 16` of each pair, fewer in a narrower panel.
+        let lanes: __mmask16 = match width - g {
+            16.. => 0xFFFF,
+            n => (1 << n) - 1,
+        };
+        for block in 0..blocks {
+            let mut words = [_mm512_setzero_si512(); 16];
+            for (i, words) in words.iter_mut().enumerate().take(rows - g) {
+                let at = m.offset + (i0 + g + i) * m.row_stride + 32 * block;
+                // SAFETY: the row's columns `32 * block..32 * block + 32` lie in `data`
+                // (`Bf16Matrix::new` checked its last element, and `block < cols / 32`).
+                *words = unsafe { _mm512_loadu_si512(m.data.as_ptr().add(at).cast()) };
+            }
+            transpose16(&mut words);
+            for (p, words) in words.iter().enumerate() {
+                let at = (block * 16 + p) * width + g;
+                // SAFETY: pair `block * 16 + p` has `width` words in `panel` (asserted), of
+                // which `lanes` from `g`.
+                unsafe {
+                    _mm512_mask_storeu_epi32(panel.as_mut_ptr().add(at).cast(), lanes, *words)
+                };
+            }
+        }
+    }
+    blocks * 16
+}
+
+// The transpose of 16 rows of 16 32-bit words, in three rounds of shuffles: words, then
+// pairs of words within each 128-bit lane, then lanes.
+#[target_feature(enable = "avx512f")]
+fn transpose16(rows: &mut [__m512i; 16]) {
+    let mut t = [_mm512_setzero_si512(); 16];
+    for i in 0..8 {
+        t[2 * i] = _mm512_unpacklo_epi32(rows[2 * i], rows[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(rows[2 * i], rows[2 * i + 1]);
+    }
+    // `u[4j + c]` now holds, in lane `l`, column `4l + c` of rows `4j..4j + 4`.
+    let mut u = [_mm512_setzero_si512(); 16];
+    for j in 0..4 {
+        u[4 * j] = _mm512_unpacklo_epi64(t[4 * j], t[4 * j + 2]);
+        u[4 * j + 1] = _mm512_unpackhi_epi64(t[4 * j], t[4 * j + 2]);
+        u[4 * j + 2] = _mm512_unpacklo_epi64(t[4 * j + 1], t[4 * j + 3]);
+        u[4 * j + 3] = _mm512_unpackhi_epi64(t[4 * j + 1], t[4 * j + 3]);
+    }
+    for c in 0..4 {
+        // Lanes 0 and 2, then 1 and 3, of rows 0..8 and of rows 8..16.
+        let even_top = _mm512_shuffle_i32x4::<0b10_00_10_00>(u[c], u[4 + c]);
+        let even_bottom = _mm512_shuffle_i32x4::<0b10_00_10_00>(u[8 + c], u[12 + c]);
+        let odd_top = _mm512_shuffle_i32x4::<0b11_01_11_01>(u[c], u[4 + c]);
+        let odd_bottom = _mm512_shuffle_i32x4::<0b11_01_11_01>(u[8 + c], u[12 + c]);
+        rows[c] = _mm512_shuffle_i32x4::<0b10_00_10_00>(even_top, even_bottom);
+        rows[8 + c] = _mm512_shuffle_i32x4::<0b11_01_11_01>(even_top, even_bottom);
+        rows[4 + c] = _mm512_shuffle_i32x4::<0b10_00_10_00>(odd_top, odd_bottom);
+        rows[12 + c] = _mm512_shuffle_i32x4::<0b11_01_11_01>(odd_top, odd_bottom);
+    }
+}
+
+// The product's buffer, shared by tasks that each write a block of their own.
+#[derive(Clone, Copy)]
+struct CPtr(*mut f32);
+// SAFETY: tasks write disjoint blocks (see `Blocks::block`).
+unsafe impl Send for CPtr {}
+// SAFETY: as above.
+unsafe impl Sync for CPtr {}
+
+#[derive(Clone, Copy)]
+struct Blocks<'a> {
+    packed_a: &'a [u32],
+    packed_b: &'a [u32],
+    c: CPtr,
+    m: usize,
+    n: usize,
+    pairs: usize,
+}
+
+impl Blocks<'_> {
+    // The `MC × NC` block of the product at row `i0` and column `j0`, over all k blocks.
+    //
+    // SAFETY: the CPU has AVX512-F and AVX512-BF16; no other thread writes this block.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    unsafe fn block(&self, i0: usize, j0: usize) {
+        let (rows, cols) = ((i0..(i0 + MC).min(self.m)), (j0..(j0 + NC).min(self.n)));
+        for p0 in (0..self.pairs).step_by(KC) {
+            let kc = KC.min(self.pairs - p0);
+            for j in cols.clone().step_by(NR) {
+                let b = &self.packed_b[(j / NR) * self.pairs * NR + p0 * NR..];
+                for i in rows.clone().step_by(MR) {
+                    let a = &self.packed_a[(i / MR) * self.pairs * MR + p0 * MR..];
+                    // SAFETY: the panels hold `kc` pairs from `p0`; the tile lies in `c`.
+                    unsafe { self.tile(kc, a, b, i, j, p0 > 0) };
+                }
+            }
+        }
+    }
+
+    // One `MR × NR` tile at `(i, j)`, straight into the product where it lies whole, through
+    // a local tile at the right and bottom edges.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    unsafe fn tile(&self, kc: usize, a: &[u32], b: &[u32], i: usize, j: usize, add: bool) {
+        let (rows, cols) = (MR.min(self.m - i), NR.min(self.n - j));
+        // SAFETY: (for every pointer below) `(i, j)` is inside the `m × n` product.
+        let corner = unsafe { self.c.0.add(i * self.n + j) };
+        if rows == MR && cols == NR {
+            // SAFETY: the whole tile lies in the product, rows `n` apart.
+            return unsafe { kernel(kc, a, b, corner, self.n, add) };
+        }
+        let mut local = [0f32; MR * NR];
+        for r in 0..rows {
+            // SAFETY: row `r` of the tile has `cols` values inside the product.
+            let row = unsafe { std::slice::from_raw_parts_mut(corner.add(r * self.n), cols) };
+            local[r * NR..][..cols].copy_from_slice(row);
+        }
+        // SAFETY: `local` is a whole tile, rows `NR` apart.
+        unsafe { kernel(kc, a, b, local.as_mut_ptr(), NR, add) };
+        for r in 0..rows {
+            // SAFETY: as above.
+            let row = unsafe { std::slice::from_raw_parts_mut(corner.add(r * self.n), cols) };
+            row.copy_from_slice(&local[r * NR..][..cols]);
+        }
+    }
+}
+
+// `c (+)= a · b` for one tile: `a` the A panel from its first pair (`MR` words a pair), `b`
+// the B panel likewise (`NR` words), `c` the tile's corner with rows `ldc` apart; the sums
+// start from the tile's values when `add` (a later k block), from zero otherwise.
+//
+// SAFETY: the CPU has AVX512-F and AVX512-BF16; `a` and `b` hold `kc` pairs; `c` points at
+// `MR` rows of `NR` writable values, `ldc` apart.
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn kernel(kc: usize, a: &[u32], b: &[u32], c: *mut f32, ldc: usize, add: bool) {
+    let (a, b) = (&a[..kc * MR], &b[..kc * NR]);
+    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    if add {
+        for (r, acc) in acc.iter_mut().enumerate() {
+            // SAFETY: row `r` of the tile holds `NR` values.
+            unsafe {
+                acc[0] = _mm512_loadu_ps(c.add(r * ldc));
+                acc[1] = _mm512_loadu_ps(c.add(r * ldc + 16));
+            }
+        }
+    }
+    // 32 bf16 values from 16 words: a `__m512i` and a `__m512bh` are the same 512 bits.
+    let pairs = |words: __m512i| unsafe { std::mem::transmute::<__m512i, __m512bh>(words) };
+    for (a, b) in a.chunks_exact(MR).zip(b.chunks_exact(NR)) {
+        // SAFETY: `b` holds `NR` = 32 words, two vectors of 16.
+        let (b0, b1) = unsafe {
+            let b = b.as_ptr().cast::<__m512i>();
+            (
+                pairs(_mm512_loadu_si512(b)),
+                pairs(_mm512_loadu_si512(b.add(1))),
+            )
+        };
+        for (acc, &word) in acc.iter_mut().zip(a) {
+            let a = pairs(_mm512_set1_epi32(word as i32));
+            acc[0] = _mm512_dpbf16_ps(acc[0], a, b0);
+            acc[1] = _mm512_dpbf16_ps(acc[1], a, b1);
+        }
+    }
+    for (r, acc) in acc.iter().enumerate() {
+        // SAFETY: as for the loads.
+        unsafe {
+            _mm512_storeu_ps(c.add(r * ldc), acc[0]);
+            _mm512_storeu_ps(c.add(r * ldc + 16), acc[1]);
+        }
+    }
+}
