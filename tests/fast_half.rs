@@ -132,28 +132,36 @@ fn bf16_linear_and_matmul_give_burns_bits_forward_and_backward() {
     }
 }
 
-#[test]
-fn bf16_dot_products_are_within_a_bf16_rounding_of_burns() {
-    for with_linear in [true, false] {
-        let want = burns(FloatDType::BF16, with_linear);
-        // The bf16 kernel where the CPU has one, the widened path (Burn's bits) elsewhere.
-        let got = on_path(HalfPath::ViaF32, || autocasts(Precision::Bf16, with_linear));
-        for (i, name) in ["output", "x's gradient", "w's gradient", "b's gradient"]
-            .iter()
-            .enumerate()
-        {
-            for (g, w) in got[i].iter().zip(&want[i]) {
-                let (g, w) = (f32::from_bits(*g), f32::from_bits(*w));
-                // f32 sums of 32 (or 6) exact products in two orders, rounded to bf16: one
-                // bf16 step apart at most (2^-7 relative), where the sums do not cancel to
-                // near zero (the absolute room).
-                assert!(
-                    (g - w).abs() <= w.abs() / 128.0 + 1e-4,
-                    "{name}: {g} vs {w}"
-                );
-            }
+// `got` within a bf16 rounding of `want`, value by value: f32 sums of the same exact bf16
+// products in two orders, each rounded to bf16, are one bf16 step apart at most (2^-7
+// relative), where the sums do not cancel to near zero (the absolute room).
+fn assert_within_a_bf16_rounding(got: &Run, want: &Run, what: &str) {
+    for (i, name) in ["output", "x's gradient", "w's gradient", "b's gradient"]
+        .iter()
+        .enumerate()
+    {
+        assert_eq!(got[i].len(), want[i].len(), "{what}: {name}");
+        for (g, w) in got[i].iter().zip(&want[i]) {
+            let (g, w) = (f32::from_bits(*g), f32::from_bits(*w));
+            assert!(
+                (g - w).abs() <= w.abs() / 128.0 + 1e-4,
+                "{what}: {name}: {g} vs {w}"
+            );
         }
     }
+}
+
+#[test]
+fn bf16_dot_products_are_within_a_bf16_rounding_of_burns() {
+    // The bf16 kernels where the CPU has them, the widened path (Burn's bits) elsewhere.
+    for with_linear in [true, false] {
+        let want = burns(FloatDType::BF16, with_linear);
+        let got = on_path(HalfPath::ViaF32, || autocasts(Precision::Bf16, with_linear));
+        assert_within_a_bf16_rounding(&got, &want, &format!("linear: {with_linear}"));
+    }
+    let want = burns_conv(FloatDType::BF16);
+    let got = on_path(HalfPath::ViaF32, || autocasts_conv(Precision::Bf16));
+    assert_within_a_bf16_rounding(&got, &want, "conv2d");
 }
 
 #[test]

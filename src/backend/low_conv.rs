@@ -67,8 +67,10 @@ mod flex {
     use burn_backend::tensor::FloatTensor;
 
     use super::{CONV2D, Conv2dHook};
+    use crate::backend::bf16_conv::{self, Geometry};
     use crate::backend::fast_cast::flex::convert;
     use crate::backend::half_kernels::{Half, with_half};
+    use crate::capability;
 
     pub(super) fn register() {
         let plain: Conv2dHook<Flex> = conv2d;
@@ -92,9 +94,44 @@ mod flex {
         bias: Option<FlexTensor>,
         options: ConvOptions<2>,
     ) -> FlexTensor {
+        if let Some(out) = dot_conv2d(&x, &weight, bias.as_ref(), &options) {
+            return out;
+        }
         let dtype = x.dtype();
         let out = Flex::conv2d(wide(&x), wide(&weight), bias.as_ref().map(wide), options);
         round(out, dtype)
+    }
+
+    // The geometry of a bf16 convolution the dot-product GEMMs compute, where the CPU has
+    // them and the process did not fix the widened path (`capability::bf16_dot_products`).
+    fn dot_geometry(
+        x: &FlexTensor,
+        weight: &FlexTensor,
+        options: &ConvOptions<2>,
+    ) -> Option<Geometry> {
+        if x.dtype() != DType::BF16 || !capability::bf16_dot_products() {
+            return None;
+        }
+        Geometry::new(x.layout().shape(), weight.layout().shape(), options)
+    }
+
+    fn bf16_tensor(bits: Vec<u16>, shape: &[usize]) -> FlexTensor {
+        let layout = Layout::contiguous(shape.to_vec().into());
+        FlexTensor::new(Bytes::from_elems(bits), layout, DType::BF16)
+    }
+
+    // The convolution on the dot-product GEMMs (`bf16_conv`), where they apply.
+    fn dot_conv2d(
+        x: &FlexTensor,
+        weight: &FlexTensor,
+        bias: Option<&FlexTensor>,
+        options: &ConvOptions<2>,
+    ) -> Option<FlexTensor> {
+        let geometry = dot_geometry(x, weight, options)?;
+        let (x, weight, bias) = (x.to_contiguous(), weight.to_contiguous(), bias.map(wide));
+        let bias = bias.as_ref().map(|b| b.storage::<f32>());
+        let out = bf16_conv::forward(&geometry, x.storage(), weight.storage(), bias)?;
+        Some(bf16_tensor(out, &geometry.output_shape()))
     }
 
     // The bias's gradient: the output's summed over batch and positions, one f32 sum per
@@ -130,7 +167,29 @@ mod flex {
     // The gradients of a convolution's parents `[x, weight, bias]` (bias absent without one).
     fn backward(saved: Saved, parents: &[Option<NodeId>], grad: FlexTensor, grads: &mut Gradients) {
         let dtype = grad.dtype();
+        if let Some(Some(id)) = parents.get(2) {
+            grads.register::<Flex>(*id, bias_grad(&wide(&grad), dtype));
+        }
         let Saved { x, weight, options } = saved;
+        if let Some(geometry) = dot_geometry(&x, &weight, &options) {
+            let want = [parents[0].is_some(), parents[1].is_some()];
+            let (xc, wc, gc) = (
+                x.to_contiguous(),
+                weight.to_contiguous(),
+                grad.to_contiguous(),
+            );
+            let computed =
+                bf16_conv::backward(&geometry, xc.storage(), wc.storage(), gc.storage(), want);
+            if let Some(results) = computed {
+                let shapes = [x.layout().shape(), weight.layout().shape()];
+                for ((parent, result), shape) in parents.iter().zip(results).zip(shapes) {
+                    if let (Some(id), Some(bits)) = (parent, result) {
+                        grads.register::<Flex>(*id, bf16_tensor(bits, shape));
+                    }
+                }
+                return;
+            }
+        }
         let (x32, w32, g32) = (wide(&x), wide(&weight), wide(&grad));
         if let Some(id) = parents[0] {
             let dx =
@@ -138,11 +197,8 @@ mod flex {
             grads.register::<Flex>(id, round(dx, dtype));
         }
         if let Some(id) = parents[1] {
-            let dw = Flex::conv2d_weight_backward(x32, w32, g32.clone(), options);
+            let dw = Flex::conv2d_weight_backward(x32, w32, g32, options);
             grads.register::<Flex>(id, round(dw, dtype));
-        }
-        if let Some(Some(id)) = parents.get(2) {
-            grads.register::<Flex>(*id, bias_grad(&g32, dtype));
         }
     }
 

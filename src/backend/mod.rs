@@ -1,6 +1,8 @@
 //! The backend decorator: `Accelerated<B>` is `B` with autocast in front of its ops.
 
 #[cfg(feature = "flex")]
+pub(crate) mod bf16_conv;
+#[cfg(feature = "flex")]
 pub(crate) mod bf16_gemm;
 pub(crate) mod fast_cast;
 mod forward;
