@@ -35,11 +35,11 @@ use crate::{AccelerateError, Precision};
 /// Which path autocast takes for a half-precision op where the crate has an f32 one for the
 /// backend (see the [module docs](self)).
 ///
-/// The crate's path sums in f32 over half operands. Its bf16 GEMMs run on the CPU's
-/// AVX512-BF16 dot-product instructions where it has them (x86-64, e.g. AMD Zen 4, Intel
-/// Cooper Lake and later): about 1.5× as fast as the f32 GEMM, the sums in another order.
-/// Elsewhere they widen the operands and run Flex's f32 GEMM, which gives Flex's own bf16
-/// bits. For f16 neither matches the backend's own kernels (Flex's f16 kernels sum in f16).
+/// The crate's path sums in f32 over half operands. Its bf16 matmuls and convolutions run on
+/// the CPU's AVX512-BF16 dot-product instructions where it has them (x86-64, e.g. AMD Zen 4,
+/// Intel Cooper Lake and later): about twice as fast as the f32 GEMM, the sums in another
+/// order. Elsewhere they widen the operands and run Flex's f32 kernels, which give Flex's own
+/// bf16 bits. For f16 neither matches the backend's own kernels (Flex's f16 kernels sum in f16).
 /// A run that must give the same numbers on every machine, or a test of one path, fixes it
 /// with [`set_half_path`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -90,7 +90,7 @@ pub fn half_path() -> HalfPath {
     }
 }
 
-/// Whether the crate's path runs bf16 GEMMs on this CPU's AVX512-BF16 dot-product
+/// Whether the crate's path runs bf16 matmuls and convolutions on this CPU's AVX512-BF16 dot-product
 /// instructions (see [`HalfPath`]): the CPU has them, Flex is built in, and the process did not
 /// fix [`HalfPath::Widened`].
 pub fn bf16_dot_products() -> bool {

@@ -22,7 +22,7 @@ use std::cell::RefCell;
 use burn_backend::ops::ConvOptions;
 use half::bf16;
 
-use super::bf16_gemm::{self, Bf16Matrix, scratch_of};
+use super::bf16_gemm::{self, Bf16Matrix, release_large, scratch_of};
 use super::half_kernels::{Half, as_half, half_buffer};
 
 /// The sizes of one convolution: input `[batch, channels_in, height, width]`, weight
@@ -144,6 +144,16 @@ struct Scratch {
     packed: [Vec<u32>; 2],
 }
 
+impl Scratch {
+    fn release_large(&mut self) {
+        release_large(&mut self.patches);
+        release_large(&mut self.grad);
+        release_large(&mut self.product);
+        release_large(&mut self.image);
+        self.packed.iter_mut().for_each(release_large);
+    }
+}
+
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::default();
 }
@@ -237,6 +247,7 @@ fn forward_in_chunks(
                 }
             }
         }
+        s.release_large();
         Some(())
     })?;
     Some(out)
@@ -314,6 +325,7 @@ fn backward_in_chunks(
                     .for_each(|(sum, p)| *sum += p);
             }
         }
+        s.release_large();
         Some(())
     })?;
     let dw = dw_sums.map(|sums| {

@@ -124,6 +124,19 @@ pub(crate) fn gemm(
     Some(())
 }
 
+/// The largest scratch buffer kept between GEMMs, in bytes (8 MiB). Larger ones go back after
+/// their GEMM: kept, they would sit beside the activations autocast halves (13 MiB of a 200 MiB
+/// peak on `examples/autocast_memory`), and a GEMM that large costs enough that mapping its
+/// buffers afresh is lost in it.
+const SCRATCH_KEPT: usize = 8 << 20;
+
+/// Frees the scratch buffer `buf` if it holds more than 8 MiB (see `SCRATCH_KEPT`).
+pub(crate) fn release_large<T>(buf: &mut Vec<T>) {
+    if buf.capacity() * size_of::<T>() > SCRATCH_KEPT {
+        *buf = Vec::new();
+    }
+}
+
 /// The first `len` values of the scratch buffer `buf`, which grows (zeroed) only past its
 /// longest use so far: callers write every value before they read it, and a GEMM's buffers
 /// change size from call to call (zeroing what a shorter call had cut off showed as 3% of a

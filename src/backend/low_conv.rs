@@ -9,9 +9,13 @@
 //! in f32 (Flex's own kernels), and each result is rounded once: for bf16 the bits Flex gives;
 //! for f16 a convolution with f32 accumulation, as for bf16, in place of f16 sums.
 //!
-//! Under autodiff the node saves the half operands (half the memory of f32 ones) and widens
-//! them again for the backward pass. Registered for Flex and `Autodiff<Flex>`; other backends
-//! keep their own op.
+//! bf16 on a CPU with AVX512-BF16 takes another road: the convolution and its gradients as
+//! GEMMs over `im2col` patches on the dot-product kernel ([`bf16_conv`](super::bf16_conv)),
+//! f32 sums rounded once, in a third of the f32 convolution's time on a small conv net
+//! (`HalfPath::Widened` keeps the widened one, and Flex's own bits).
+//!
+//! Under autodiff the node saves the half operands (half the memory of f32 ones) for the
+//! backward pass. Registered for Flex and `Autodiff<Flex>`; other backends keep their own op.
 
 use burn_backend::Backend;
 use burn_backend::ops::ConvOptions;

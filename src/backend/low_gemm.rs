@@ -127,7 +127,7 @@ mod flex {
     use burn_backend::DType;
 
     use super::{LINEAR, LinearHook, MATMUL, MatmulHook};
-    use crate::backend::bf16_gemm::{self, Bf16Matrix, scratch_of};
+    use crate::backend::bf16_gemm::{self, Bf16Matrix, release_large, scratch_of};
     use crate::backend::half_kernels::{Half, add_row, round_add_row, sum_rows, with_half};
     use crate::capability;
 
@@ -153,21 +153,10 @@ mod flex {
     }
 
     impl Scratch {
-        // The largest buffer kept between GEMMs, in bytes (8 MiB). Larger ones go back after
-        // their GEMM: kept, they would sit beside the activations autocast halves (13 MiB of
-        // a 200 MiB peak on `examples/autocast_memory`), and a GEMM that large costs enough
-        // that mapping its buffers afresh is lost in it.
-        const KEPT: usize = 8 << 20;
-
         fn release_large(&mut self) {
-            fn release<T>(buf: &mut Vec<T>) {
-                if buf.capacity() * size_of::<T>() > Scratch::KEPT {
-                    *buf = Vec::new();
-                }
-            }
-            self.widened.iter_mut().for_each(release);
-            self.packed.iter_mut().for_each(release);
-            release(&mut self.product);
+            self.widened.iter_mut().for_each(release_large);
+            self.packed.iter_mut().for_each(release_large);
+            release_large(&mut self.product);
         }
     }
 
