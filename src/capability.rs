@@ -90,9 +90,9 @@ pub fn half_path() -> HalfPath {
     }
 }
 
-/// Whether the crate's path runs bf16 matmuls and convolutions on this CPU's AVX512-BF16 dot-product
-/// instructions (see [`HalfPath`]): the CPU has them, Flex is built in, and the process did not
-/// fix [`HalfPath::Widened`].
+/// Whether the crate's path runs bf16 matmuls and convolutions on this CPU's AVX512-BF16
+/// dot-product instructions (see [`HalfPath`]): the CPU has them, Flex is built in, and the
+/// process did not fix [`HalfPath::Widened`].
 pub fn bf16_dot_products() -> bool {
     #[cfg(feature = "flex")]
     {
