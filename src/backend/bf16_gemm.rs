@@ -195,8 +195,8 @@ mod tests {
             return;
         }
         for [m, k, n] in SHAPES {
-            let a = matrix(&values(m * k, 1));
-            let b = matrix(&values(k * n, 2));
+            let a = matrix(&values(2 * m * k + 1, 1));
+            let b = matrix(&values(2 * k * n + 1, 2));
             let layouts = [
                 (
                     Bf16Matrix::new(&a, 0, [m, k], [k, 1]),
@@ -206,6 +206,11 @@ mod tests {
                 (
                     Bf16Matrix::new(&a, 0, [m, k], [1, m]),
                     Bf16Matrix::new(&b, 0, [k, n], [1, k]),
+                ),
+                // Every other value from an offset: neither dimension contiguous.
+                (
+                    Bf16Matrix::new(&a, 1, [m, k], [2 * k, 2]),
+                    Bf16Matrix::new(&b, 1, [k, n], [2, 2 * k]),
                 ),
             ];
             for (a, b) in layouts {

@@ -8,7 +8,7 @@
 //!
 //! - bf16 on a CPU with AVX512-BF16: the dot-product GEMM of [`bf16_gemm`](super::bf16_gemm),
 //!   which reads the bf16 operands in place (transposed views too) and sums in f32, about
-//!   1.5× as fast as the f32 GEMM;
+//!   1.5–2× as fast as the f32 GEMM;
 //! - otherwise (and under [`HalfPath::Widened`]): the half operands widened to f32 in one
 //!   vectorised pass, a transposed view kept transposed, and multiplied by Flex's f32 GEMM
 //!   (the `gemm` crate, called directly): for bf16, Flex's own bits.
@@ -169,7 +169,7 @@ mod flex {
     enum Kernel {
         // Flex's f32 GEMM over the operands widened to f32: for bf16, Flex's own bits.
         Widened,
-        // The AVX512-BF16 dot-product GEMM (`bf16_gemm`): bf16 only, about 1.5× as fast.
+        // The AVX512-BF16 dot-product GEMM (`bf16_gemm`): bf16 only, 1.5–2× as fast.
         Bf16Dot,
     }
 
