@@ -9,10 +9,12 @@
 //! in f32 (Flex's own kernels), and each result is rounded once: for bf16 the bits Flex gives;
 //! for f16 a convolution with f32 accumulation, as for bf16, in place of f16 sums.
 //!
-//! bf16 on a CPU with AVX512-BF16 takes another road: the convolution and its gradients as
-//! GEMMs over `im2col` patches on the dot-product kernel ([`bf16_conv`](super::bf16_conv)),
-//! f32 sums rounded once, in a third of the f32 convolution's time on a small conv net
-//! (`HalfPath::Widened` keeps the widened one, and Flex's own bits).
+//! Unless the process fixed `HalfPath::Widened` (which keeps the above, and for bf16 Flex's
+//! own bits), the convolution and its gradients run instead as GEMMs over `im2col` patches
+//! ([`half_conv`](super::half_conv)), f32 sums rounded once: on the dot-product GEMM for bf16
+//! where the CPU has AVX512-BF16, on Flex's f32 GEMM over widened patches otherwise. Flex's
+//! convolution spends about half its time in copies around its GEMMs; on a small conv net the
+//! bf16 step took a third of f32's time this way.
 //!
 //! Under autodiff the node saves the half operands (half the memory of f32 ones) for the
 //! backward pass. Registered for Flex and `Autodiff<Flex>`; other backends keep their own op.
@@ -71,10 +73,10 @@ mod flex {
     use burn_backend::tensor::FloatTensor;
 
     use super::{CONV2D, Conv2dHook};
-    use crate::backend::bf16_conv::{self, Geometry};
     use crate::backend::fast_cast::flex::convert;
+    use crate::backend::half_conv::{self, Geometry, Kernel};
     use crate::backend::half_kernels::{Half, with_half};
-    use crate::capability;
+    use crate::capability::{self, HalfPath};
 
     pub(super) fn register() {
         let plain: Conv2dHook<Flex> = conv2d;
@@ -98,7 +100,7 @@ mod flex {
         bias: Option<FlexTensor>,
         options: ConvOptions<2>,
     ) -> FlexTensor {
-        if let Some(out) = dot_conv2d(&x, &weight, bias.as_ref(), &options) {
+        if let Some(out) = conv2d_by_gemm(&x, &weight, bias.as_ref(), &options) {
             return out;
         }
         let dtype = x.dtype();
@@ -106,36 +108,45 @@ mod flex {
         round(out, dtype)
     }
 
-    // The geometry of a bf16 convolution the dot-product GEMMs compute, where the CPU has
-    // them and the process did not fix the widened path (`capability::bf16_dot_products`).
-    fn dot_geometry(
+    // The kernel and geometry of the convolution as `im2col` GEMMs (`half_conv`): bf16 on the
+    // dot-product GEMM where the CPU has it, the f32 GEMM otherwise; none under
+    // `HalfPath::Widened` (Flex's own convolution, for its bits) or for what the GEMMs do not
+    // compute (groups).
+    fn gemm_conv(
         x: &FlexTensor,
         weight: &FlexTensor,
         options: &ConvOptions<2>,
-    ) -> Option<Geometry> {
-        if x.dtype() != DType::BF16 || !capability::bf16_dot_products() {
+    ) -> Option<(Kernel, Geometry)> {
+        if capability::half_path() == HalfPath::Widened {
             return None;
         }
-        Geometry::new(x.layout().shape(), weight.layout().shape(), options)
+        let kernel = match x.dtype() == DType::BF16 && capability::bf16_dot_products() {
+            true => Kernel::Bf16Dot,
+            false => Kernel::F32,
+        };
+        let geometry = Geometry::new(x.layout().shape(), weight.layout().shape(), options)?;
+        Some((kernel, geometry))
     }
 
-    fn bf16_tensor(bits: Vec<u16>, shape: &[usize]) -> FlexTensor {
+    fn half_tensor(bits: Vec<u16>, shape: &[usize], dtype: DType) -> FlexTensor {
         let layout = Layout::contiguous(shape.to_vec().into());
-        FlexTensor::new(Bytes::from_elems(bits), layout, DType::BF16)
+        FlexTensor::new(Bytes::from_elems(bits), layout, dtype)
     }
 
-    // The convolution on the dot-product GEMMs (`bf16_conv`), where they apply.
-    fn dot_conv2d(
+    // The convolution as `im2col` GEMMs, where they apply.
+    fn conv2d_by_gemm(
         x: &FlexTensor,
         weight: &FlexTensor,
         bias: Option<&FlexTensor>,
         options: &ConvOptions<2>,
     ) -> Option<FlexTensor> {
-        let geometry = dot_geometry(x, weight, options)?;
+        let (kernel, geometry) = gemm_conv(x, weight, options)?;
         let (x, weight, bias) = (x.to_contiguous(), weight.to_contiguous(), bias.map(wide));
         let bias = bias.as_ref().map(|b| b.storage::<f32>());
-        let out = bf16_conv::forward(&geometry, x.storage(), weight.storage(), bias)?;
-        Some(bf16_tensor(out, &geometry.output_shape()))
+        let out = with_half!(x.dtype(), H => {
+            half_conv::forward::<H>(kernel, &geometry, x.storage(), weight.storage(), bias)
+        }, _ => None)?;
+        Some(half_tensor(out, &geometry.output_shape(), x.dtype()))
     }
 
     // The bias's gradient: the output's summed over batch and positions, one f32 sum per
@@ -175,20 +186,21 @@ mod flex {
             grads.register::<Flex>(*id, bias_grad(&wide(&grad), dtype));
         }
         let Saved { x, weight, options } = saved;
-        if let Some(geometry) = dot_geometry(&x, &weight, &options) {
+        if let Some((kernel, geometry)) = gemm_conv(&x, &weight, &options) {
             let want = [parents[0].is_some(), parents[1].is_some()];
             let (xc, wc, gc) = (
                 x.to_contiguous(),
                 weight.to_contiguous(),
                 grad.to_contiguous(),
             );
-            let computed =
-                bf16_conv::backward(&geometry, xc.storage(), wc.storage(), gc.storage(), want);
+            let computed = with_half!(dtype, H => {
+                half_conv::backward::<H>(kernel, &geometry, xc.storage(), wc.storage(), gc.storage(), want)
+            }, _ => None);
             if let Some(results) = computed {
                 let shapes = [x.layout().shape(), weight.layout().shape()];
                 for ((parent, result), shape) in parents.iter().zip(results).zip(shapes) {
                     if let (Some(id), Some(bits)) = (parent, result) {
-                        grads.register::<Flex>(*id, bf16_tensor(bits, shape));
+                        grads.register::<Flex>(*id, half_tensor(bits, shape, dtype));
                     }
                 }
                 return;

@@ -111,6 +111,9 @@ pub(crate) fn linear<B: Backend>(
 }
 
 #[cfg(feature = "flex")]
+pub(crate) use flex::f32_gemm;
+
+#[cfg(feature = "flex")]
 mod flex {
     use burn::backend::autodiff::checkpoint::base::Checkpointer;
     use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
@@ -185,15 +188,17 @@ mod flex {
 
     // The half matrix `t` widened into `buf`, keeping a transposed (or otherwise permuted) view
     // as it is, since the GEMM reads strides: its (row, column) strides in `buf`.
-    fn widen_into(t: &FlexTensor, buf: &mut Vec<f32>) -> (isize, isize) {
+    fn widen_into(t: &FlexTensor, buf: &mut Vec<f32>) -> [usize; 2] {
         let n = t.layout().num_elements();
         let stored = with_half!(t.dtype(), H => t.storage::<H>().len(), _ => unreachable!());
-        let dense = t.layout().start_offset() == 0 && stored == n;
+        let strides = t.layout().strides();
+        let ordered = strides.iter().all(|s| *s >= 0);
+        let dense = ordered && t.layout().start_offset() == 0 && stored == n;
         let t = if dense { t.clone() } else { t.to_contiguous() };
         let buf = scratch_of(buf, n);
         with_half!(t.dtype(), H => H::widen(t.storage::<H>(), buf), _ => unreachable!());
         let strides = t.layout().strides();
-        (strides[0], strides[1])
+        [strides[0], strides[1]].map(|s| s.unsigned_abs())
     }
 
     // Flex's rule: threads for products of at least 192³ multiply-adds.
@@ -230,34 +235,56 @@ mod flex {
 
     // `product = a @ b` by Flex's f32 GEMM over the operands widened to f32.
     fn widened_product(a: &FlexTensor, b: &FlexTensor, scratch: &mut Scratch) {
-        let (m, k, n) = (
-            a.layout().shape()[0],
-            a.layout().shape()[1],
-            b.layout().shape()[1],
-        );
+        let [m, k] = [a.layout().shape()[0], a.layout().shape()[1]];
+        let n = b.layout().shape()[1];
         let [wa, wb] = &mut scratch.widened;
-        let (a_rs, a_cs) = widen_into(a, wa);
-        let (b_rs, b_cs) = widen_into(b, wb);
+        let (a_strides, b_strides) = (widen_into(a, wa), widen_into(b, wb));
         let product = scratch_of(&mut scratch.product, m * n);
+        f32_gemm((wa, a_strides), (wb, b_strides), [m, k, n], product)
+            .expect("widened operands fit their buffers");
+    }
+
+    /// `c = a @ b` of f32 matrices `[m, k]` and `[k, n]`, each given as a slice and the
+    /// (row, column) strides of its values from the slice's start, by Flex's GEMM (the `gemm`
+    /// crate, on rayon's threads for large products); `c` row-major. `None` where a matrix
+    /// does not fit its slice or `c` is not `m × n`.
+    pub(crate) fn f32_gemm(
+        (a, [a_rs, a_cs]): (&[f32], [usize; 2]),
+        (b, [b_rs, b_cs]): (&[f32], [usize; 2]),
+        [m, k, n]: [usize; 3],
+        c: &mut [f32],
+    ) -> Option<()> {
+        let fits = |len: usize, [rows, cols]: [usize; 2], [rs, cs]: [usize; 2]| {
+            rows == 0 || cols == 0 || (rows - 1) * rs + (cols - 1) * cs < len
+        };
+        if !fits(a.len(), [m, k], [a_rs, a_cs]) || !fits(b.len(), [k, n], [b_rs, b_cs]) {
+            return None;
+        }
+        if c.len() != m * n {
+            return None;
+        }
         let parallelism = match parallel(m, n, k) {
             true => gemm::Parallelism::Rayon(0),
             false => gemm::Parallelism::None,
         };
-        // SAFETY: `wa` holds the `m×k` matrix at strides (a_rs, a_cs) from its start, `wb`
-        // the `k×n` one likewise, and `product` `m×n` row-major values; none overlap.
+        let stride = |s: usize| isize::try_from(s).ok();
+        let (a_rs, a_cs, b_rs, b_cs) = (stride(a_rs)?, stride(a_cs)?, stride(b_rs)?, stride(b_cs)?);
+        // SAFETY: `a` holds the `m×k` matrix at strides (a_rs, a_cs) from its start, `b` the
+        // `k×n` one likewise (both checked above), and `c` `m×n` row-major values; `c` is
+        // borrowed mutably, so it overlaps neither.
         unsafe {
             gemm::gemm(
                 m,
                 n,
                 k,
-                product.as_mut_ptr(),
+                c.as_mut_ptr(),
                 1,
                 n as isize,
                 false,
-                wa.as_ptr(),
+                a.as_ptr(),
                 a_cs,
                 a_rs,
-                wb.as_ptr(),
+                b.as_ptr(),
                 b_cs,
                 b_rs,
                 0.0,
@@ -268,6 +295,7 @@ mod flex {
                 parallelism,
             );
         }
+        Some(())
     }
 
     /// `a @ b + bias` of half matrices: f32 sums of the products, rounded once to the half

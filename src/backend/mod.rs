@@ -1,12 +1,12 @@
 //! The backend decorator: `Accelerated<B>` is `B` with autocast in front of its ops.
 
 #[cfg(feature = "flex")]
-pub(crate) mod bf16_conv;
-#[cfg(feature = "flex")]
 pub(crate) mod bf16_gemm;
 pub(crate) mod fast_cast;
 mod forward;
 pub(crate) mod half_activation;
+#[cfg(feature = "flex")]
+pub(crate) mod half_conv;
 #[cfg(feature = "flex")]
 pub(crate) mod half_kernels;
 pub(crate) mod hooks;

@@ -1,4 +1,4 @@
-//! 2-D convolution of bf16 tensors, forward and backward, as GEMMs on the dot-product kernel.
+//! 2-D convolution of half tensors, forward and backward, as GEMMs over `im2col` patches.
 //!
 //! Each image's patches are laid out as the columns of a matrix (`im2col`): row `(ci, kh, kw)`
 //! of the patch matrix holds input channel `ci` at kernel offset `(kh, kw)` for every output
@@ -9,13 +9,16 @@
 //!   (`col2im`), rounded once;
 //! - the weight's gradient is `grad · patchesᵀ`, summed over chunks in f32, rounded once.
 //!
-//! The products run on [`bf16_gemm`](super::bf16_gemm): bf16 products summed in f32, as the
-//! f32 convolution over the widened operands sums them, in another order. Chunks have a fixed
-//! size for given shapes, so the result does not depend on the number of threads.
+//! Two kernels run the GEMMs ([`Kernel`]): bf16 patches on the dot-product GEMM of
+//! [`bf16_gemm`](super::bf16_gemm), or patches of either half type widened to f32 on Flex's
+//! f32 GEMM. Both sum exact products in f32, in another order than Flex's f32 convolution
+//! over the widened operands. Chunks have a fixed size for given shapes, so the result does
+//! not depend on the number of threads.
 //!
-//! Flex's own f32 convolution (what the widened path of [`low_conv`](super::low_conv) runs)
-//! expands 2-D tensors to 3-D with copies and takes the backward pass through permuted copies
-//! and a transposed convolution; these took about half of a bf16 conv net's step.
+//! Flex's own f32 convolution (what [`low_conv`](super::low_conv) runs under
+//! `HalfPath::Widened`) expands 2-D tensors to 3-D with copies and takes the backward pass
+//! through permuted copies and a transposed convolution; these took about half of a bf16 conv
+//! net's training step.
 
 use std::cell::RefCell;
 
@@ -24,6 +27,16 @@ use half::bf16;
 
 use super::bf16_gemm::{self, Bf16Matrix, release_large, scratch_of};
 use super::half_kernels::{Half, as_half, half_buffer};
+use super::low_gemm::f32_gemm;
+
+/// Which GEMM a convolution runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kernel {
+    /// bf16 patches on the AVX512-BF16 dot-product GEMM (bf16 tensors only).
+    Bf16Dot,
+    /// Patches widened to f32 on Flex's f32 GEMM.
+    F32,
+}
 
 /// The sizes of one convolution: input `[batch, channels_in, height, width]`, weight
 /// `[channels_out, channels_in, kernel[0], kernel[1]]`, output `[batch, channels_out, out[0],
@@ -133,24 +146,123 @@ impl Geometry {
     }
 }
 
-// Per-thread scratch: the chunk's patches, its output gradient in GEMM order, an f32 product,
-// an image's f32 gradient, and the GEMM's packed operands.
+// What a kernel's patches are made of (bf16 or f32), and how it multiplies them.
+trait Patch: Copy + Default + Send + Sync + 'static {
+    const ZERO: Self;
+
+    // `values` as patch values: widened into `buf`, or the same bits where they already are
+    // (`None` where they are not and cannot be: f16 values for bf16 patches).
+    fn from_half<'a, H: Half>(values: &'a [H], buf: &'a mut Vec<Self>) -> Option<&'a [Self]>;
+
+    // `c = a @ b`, each operand a slice with its shape and (row, column) strides.
+    fn gemm(
+        a: Operand<Self>,
+        b: Operand<Self>,
+        c: &mut [f32],
+        scratch: &mut [Vec<u32>; 2],
+    ) -> Option<()>;
+
+    // This type's buffers in the scratch.
+    fn buffers(scratch: &mut Scratch) -> (&mut Buffers<Self>, &mut Shared);
+}
+
+// A GEMM operand: values, `[rows, cols]`, and (row, column) strides from the slice's start.
+type Operand<'a, P> = (&'a [P], [usize; 2], [usize; 2]);
+
+impl Patch for bf16 {
+    const ZERO: Self = bf16::ZERO;
+
+    fn from_half<'a, H: Half>(values: &'a [H], _: &'a mut Vec<Self>) -> Option<&'a [Self]> {
+        (H::dtype() == burn::tensor::DType::BF16).then(|| bytemuck::cast_slice(values))
+    }
+
+    fn gemm(
+        a: Operand<Self>,
+        b: Operand<Self>,
+        c: &mut [f32],
+        scratch: &mut [Vec<u32>; 2],
+    ) -> Option<()> {
+        let ((a, [m, k], a_strides), (b, [_, n], b_strides)) = (a, b);
+        let a = Bf16Matrix::new(a, 0, [m, k], a_strides)?;
+        let b = Bf16Matrix::new(b, 0, [k, n], b_strides)?;
+        bf16_gemm::gemm(a, b, c, parallel(m, n, k), scratch)
+    }
+
+    fn buffers(scratch: &mut Scratch) -> (&mut Buffers<Self>, &mut Shared) {
+        (&mut scratch.bf16, &mut scratch.shared)
+    }
+}
+
+impl Patch for f32 {
+    const ZERO: Self = 0.0;
+
+    fn from_half<'a, H: Half>(values: &'a [H], buf: &'a mut Vec<Self>) -> Option<&'a [Self]> {
+        let buf = scratch_of(buf, values.len());
+        H::widen(values, buf);
+        Some(buf)
+    }
+
+    fn gemm(
+        a: Operand<Self>,
+        b: Operand<Self>,
+        c: &mut [f32],
+        _: &mut [Vec<u32>; 2],
+    ) -> Option<()> {
+        let ((a, [m, k], a_strides), (b, [_, n], b_strides)) = (a, b);
+        f32_gemm((a, a_strides), (b, b_strides), [m, k, n], c)
+    }
+
+    fn buffers(scratch: &mut Scratch) -> (&mut Buffers<Self>, &mut Shared) {
+        (&mut scratch.f32, &mut scratch.shared)
+    }
+}
+
+// A kernel's buffers of patch values: the chunk's patches, its output gradient in GEMM order,
+// the weight, and one image (or one image's output gradient) converted.
 #[derive(Default)]
-struct Scratch {
-    patches: Vec<bf16>,
-    grad: Vec<bf16>,
+struct Buffers<P> {
+    patches: Vec<P>,
+    grad: Vec<P>,
+    weight: Vec<P>,
+    image: Vec<P>,
+}
+
+// Buffers of either kernel: an f32 product, an image's f32 gradient, the packed operands.
+#[derive(Default)]
+struct Shared {
     product: Vec<f32>,
     image: Vec<f32>,
     packed: [Vec<u32>; 2],
 }
 
+// Per-thread scratch, kept between calls up to 8 MiB a buffer (`release_large`).
+#[derive(Default)]
+struct Scratch {
+    bf16: Buffers<bf16>,
+    f32: Buffers<f32>,
+    shared: Shared,
+}
+
+impl<P> Buffers<P> {
+    fn release_large(&mut self) {
+        for buf in [
+            &mut self.patches,
+            &mut self.grad,
+            &mut self.weight,
+            &mut self.image,
+        ] {
+            release_large(buf);
+        }
+    }
+}
+
 impl Scratch {
     fn release_large(&mut self) {
-        release_large(&mut self.patches);
-        release_large(&mut self.grad);
-        release_large(&mut self.product);
-        release_large(&mut self.image);
-        self.packed.iter_mut().for_each(release_large);
+        self.bf16.release_large();
+        self.f32.release_large();
+        release_large(&mut self.shared.product);
+        release_large(&mut self.shared.image);
+        self.shared.packed.iter_mut().for_each(release_large);
     }
 }
 
@@ -160,17 +272,17 @@ thread_local! {
 
 // The patches of `image` into columns `at..at + positions` of the patch matrix `patches`,
 // whose rows are `row_len` long.
-fn patches_of(g: &Geometry, image: &[bf16], patches: &mut [bf16], row_len: usize, at: usize) {
+fn patches_of<P: Patch>(g: &Geometry, image: &[P], patches: &mut [P], row_len: usize, at: usize) {
     let ow_n = g.out[1];
     g.rows(|row, oh, input| {
         let kw = g.kw(row);
         let out = &mut patches[row * row_len + at + oh * ow_n..][..ow_n];
         let Some(start) = input else {
-            return out.fill(bf16::ZERO);
+            return out.fill(P::ZERO);
         };
         let input = &image[start..][..g.size[1]];
         for (ow, value) in out.iter_mut().enumerate() {
-            *value = g.input_at(1, ow, kw).map_or(bf16::ZERO, |iw| input[iw]);
+            *value = g.input_at(1, ow, kw).map_or(P::ZERO, |iw| input[iw]);
         }
     });
 }
@@ -196,45 +308,74 @@ fn parallel(m: usize, n: usize, k: usize) -> bool {
     m.saturating_mul(n).saturating_mul(k) >= 192 * 192 * 192
 }
 
-/// The convolution of `x` by `weight` (both contiguous), `bias` added to the f32 sums, each
-/// output rounded once to bf16, as bits; `None` where the CPU lacks the dot-product kernel.
-pub(crate) fn forward(
+// The patch matrix of images `first..first + images` of `x` into `patches`, `columns` long
+// rows.
+fn patches_of_chunk<H: Half, P: Patch>(
     g: &Geometry,
-    x: &[bf16],
-    weight: &[bf16],
-    bias: Option<&[f32]>,
-) -> Option<Vec<u16>> {
-    forward_in_chunks(g, x, weight, bias, CHUNK_VALUES)
+    x: &[H],
+    first: usize,
+    images: usize,
+    (patches, image): (&mut [P], &mut Vec<P>),
+) -> Option<()> {
+    let columns = images * g.positions();
+    for (n, values) in x[first * g.image()..]
+        .chunks(g.image())
+        .take(images)
+        .enumerate()
+    {
+        patches_of(
+            g,
+            P::from_half(values, image)?,
+            patches,
+            columns,
+            n * g.positions(),
+        );
+    }
+    Some(())
 }
 
-fn forward_in_chunks(
+/// The convolution of `x` by `weight` (both contiguous) on `kernel`, `bias` added to the f32
+/// sums, each output rounded once to `H`, as bits; `None` where the kernel does not run
+/// (the dot-product GEMM on a CPU without it, or on f16 tensors).
+pub(crate) fn forward<H: Half>(
+    kernel: Kernel,
     g: &Geometry,
-    x: &[bf16],
-    weight: &[bf16],
+    x: &[H],
+    weight: &[H],
+    bias: Option<&[f32]>,
+) -> Option<Vec<u16>> {
+    match kernel {
+        Kernel::Bf16Dot => forward_in_chunks::<H, bf16>(g, x, weight, bias, CHUNK_VALUES),
+        Kernel::F32 => forward_in_chunks::<H, f32>(g, x, weight, bias, CHUNK_VALUES),
+    }
+}
+
+fn forward_in_chunks<H: Half, P: Patch>(
+    g: &Geometry,
+    x: &[H],
+    weight: &[H],
     bias: Option<&[f32]>,
     budget: usize,
 ) -> Option<Vec<u16>> {
     let (patch, positions, channels) = (g.patch(), g.positions(), g.channels_out);
-    let weight = Bf16Matrix::new(weight, 0, [channels, patch], [patch, 1])?;
     let mut out = half_buffer(g.batch * channels * positions);
-    let out_values = as_half::<bf16>(&mut out);
+    let out_values = as_half::<H>(&mut out);
     let chunk = g.images_per_chunk(budget);
-    SCRATCH.with_borrow_mut(|s| {
+    SCRATCH.with_borrow_mut(|scratch| {
+        let (buffers, shared) = P::buffers(scratch);
+        let weight = P::from_half(weight, &mut buffers.weight)?;
         for first in (0..g.batch).step_by(chunk) {
             let images = chunk.min(g.batch - first);
             let columns = images * positions;
-            let patches = scratch_of(&mut s.patches, patch * columns);
-            for (n, image) in x[first * g.image()..]
-                .chunks(g.image())
-                .take(images)
-                .enumerate()
-            {
-                patches_of(g, image, patches, columns, n * positions);
-            }
-            let patches = Bf16Matrix::new(patches, 0, [patch, columns], [columns, 1])?;
-            let product = scratch_of(&mut s.product, channels * columns);
-            let threads = parallel(channels, columns, patch);
-            bf16_gemm::gemm(weight, patches, product, threads, &mut s.packed)?;
+            let patches = scratch_of(&mut buffers.patches, patch * columns);
+            patches_of_chunk(g, x, first, images, (&mut *patches, &mut buffers.image))?;
+            let product = scratch_of(&mut shared.product, channels * columns);
+            P::gemm(
+                (weight, [channels, patch], [patch, 1]),
+                (patches, [patch, columns], [columns, 1]),
+                product,
+                &mut shared.packed,
+            )?;
             // The product is `[channels, images · positions]`; the output `[images, channels,
             // positions]`.
             for (c, row) in product.chunks_mut(columns).enumerate() {
@@ -243,94 +384,93 @@ fn forward_in_chunks(
                 }
                 for (n, sums) in row.chunks(positions).enumerate() {
                     let at = ((first + n) * channels + c) * positions;
-                    <bf16 as Half>::round(sums, &mut out_values[at..][..positions]);
+                    H::round(sums, &mut out_values[at..][..positions]);
                 }
             }
         }
-        s.release_large();
+        scratch.release_large();
         Some(())
     })?;
     Some(out)
 }
 
 /// The gradients of `x` and of `weight` (each where asked for) of the convolution that gave
-/// the output gradient `grad`, as bf16 bits: f32 sums, rounded once. `None` where the CPU
-/// lacks the dot-product kernel.
-pub(crate) fn backward(
+/// the output gradient `grad`, on `kernel`, as bits of `H`: f32 sums, rounded once. `None`
+/// where the kernel does not run (see [`forward`]).
+pub(crate) fn backward<H: Half>(
+    kernel: Kernel,
     g: &Geometry,
-    x: &[bf16],
-    weight: &[bf16],
-    grad: &[bf16],
-    [want_x, want_weight]: [bool; 2],
+    x: &[H],
+    weight: &[H],
+    grad: &[H],
+    want: [bool; 2],
 ) -> Option<[Option<Vec<u16>>; 2]> {
-    backward_in_chunks(g, x, weight, grad, [want_x, want_weight], CHUNK_VALUES)
+    match kernel {
+        Kernel::Bf16Dot => backward_in_chunks::<H, bf16>(g, x, weight, grad, want, CHUNK_VALUES),
+        Kernel::F32 => backward_in_chunks::<H, f32>(g, x, weight, grad, want, CHUNK_VALUES),
+    }
 }
 
-fn backward_in_chunks(
+fn backward_in_chunks<H: Half, P: Patch>(
     g: &Geometry,
-    x: &[bf16],
-    weight: &[bf16],
-    grad: &[bf16],
+    x: &[H],
+    weight: &[H],
+    grad: &[H],
     [want_x, want_weight]: [bool; 2],
     budget: usize,
 ) -> Option<[Option<Vec<u16>>; 2]> {
     let (patch, positions, channels) = (g.patch(), g.positions(), g.channels_out);
-    let weight_t = Bf16Matrix::new(weight, 0, [patch, channels], [1, patch])?;
     let mut dx = want_x.then(|| half_buffer(g.batch * g.image()));
     let mut dw_sums = want_weight.then(|| vec![0f32; channels * patch]);
     let chunk = g.images_per_chunk(budget);
-    SCRATCH.with_borrow_mut(|s| {
+    SCRATCH.with_borrow_mut(|scratch| {
+        let (buffers, shared) = P::buffers(scratch);
+        let weight = P::from_half(weight, &mut buffers.weight)?;
         for first in (0..g.batch).step_by(chunk) {
             let images = chunk.min(g.batch - first);
             let columns = images * positions;
             // The output gradient as `[channels, images · positions]`, the GEMMs' order.
-            let grads = scratch_of(&mut s.grad, channels * columns);
+            let grads = scratch_of(&mut buffers.grad, channels * columns);
             for (n, image) in grad[first * channels * positions..]
                 .chunks(channels * positions)
                 .take(images)
                 .enumerate()
             {
+                let image = P::from_half(image, &mut buffers.image)?;
                 for (c, plane) in image.chunks(positions).enumerate() {
                     grads[c * columns + n * positions..][..positions].copy_from_slice(plane);
                 }
             }
-            let grads = Bf16Matrix::new(grads, 0, [channels, columns], [columns, 1])?;
+            let grads: Operand<P> = (grads, [channels, columns], [columns, 1]);
             if let Some(dx) = dx.as_mut() {
-                let product = scratch_of(&mut s.product, patch * columns);
-                let threads = parallel(patch, columns, channels);
-                bf16_gemm::gemm(weight_t, grads, product, threads, &mut s.packed)?;
-                let dx = as_half::<bf16>(dx);
+                let product = scratch_of(&mut shared.product, patch * columns);
+                let weight_t = (weight, [patch, channels], [1, patch]);
+                P::gemm(weight_t, grads, product, &mut shared.packed)?;
+                let dx = as_half::<H>(dx);
                 for n in 0..images {
-                    let image = scratch_of(&mut s.image, g.image());
+                    let image = scratch_of(&mut shared.image, g.image());
                     image.fill(0.0);
                     add_patches(g, product, columns, n * positions, image);
-                    <bf16 as Half>::round(image, &mut dx[(first + n) * g.image()..][..g.image()]);
+                    H::round(image, &mut dx[(first + n) * g.image()..][..g.image()]);
                 }
             }
             if let Some(sums) = dw_sums.as_mut() {
-                let patches = scratch_of(&mut s.patches, patch * columns);
-                for (n, image) in x[first * g.image()..]
-                    .chunks(g.image())
-                    .take(images)
-                    .enumerate()
-                {
-                    patches_of(g, image, patches, columns, n * positions);
-                }
-                let patches_t = Bf16Matrix::new(patches, 0, [columns, patch], [1, columns])?;
-                let product = scratch_of(&mut s.product, channels * patch);
-                let threads = parallel(channels, patch, columns);
-                bf16_gemm::gemm(grads, patches_t, product, threads, &mut s.packed)?;
+                let patches = scratch_of(&mut buffers.patches, patch * columns);
+                patches_of_chunk(g, x, first, images, (&mut *patches, &mut buffers.image))?;
+                let product = scratch_of(&mut shared.product, channels * patch);
+                let patches_t = (&*patches, [columns, patch], [1, columns]);
+                P::gemm(grads, patches_t, product, &mut shared.packed)?;
                 sums.iter_mut()
                     .zip(product.iter())
                     .for_each(|(sum, p)| *sum += p);
             }
         }
-        s.release_large();
+        scratch.release_large();
         Some(())
     })?;
     let dw = dw_sums.map(|sums| {
         let mut bits = half_buffer(sums.len());
-        <bf16 as Half>::round(&sums, as_half::<bf16>(&mut bits));
+        H::round(&sums, as_half::<H>(&mut bits));
         bits
     });
     Some([dx, dw])
@@ -338,6 +478,8 @@ fn backward_in_chunks(
 
 #[cfg(test)]
 mod tests {
+    use half::f16;
+
     use super::*;
 
     fn options(stride: usize, padding: usize, dilation: usize) -> ConvOptions<2> {
@@ -349,29 +491,31 @@ mod tests {
         )
     }
 
-    fn values(n: usize, seed: u32) -> Vec<bf16> {
+    fn values<H: Half>(n: usize, seed: u32) -> Vec<H> {
         (0..n as u32)
             .map(|i| ((i.wrapping_mul(2_654_435_761) ^ seed) % 2000) as f32 / 600.0 - 1.6)
-            .map(bf16::from_f32)
+            .map(H::from_elem)
             .collect()
     }
 
-    fn bits_to_f64(bits: &[u16]) -> Vec<f64> {
-        bits.iter()
-            .map(|b| f64::from(bf16::from_bits(*b).to_f32()))
-            .collect()
+    fn value<H: Half>(h: H) -> f64 {
+        h.elem::<f64>()
     }
 
     // The direct convolution and its gradients in f64, with each value's bound: the f32 sum
-    // of `k` terms (`k · ε · Σ|term|`) and one bf16 rounding of it.
+    // of `k` terms (`k · ε · Σ|term|`) and one rounding to `H` (`half_ulp`, relative).
     struct Reference {
         out: Vec<(f64, f64)>,
         dx: Vec<(f64, f64)>,
         dw: Vec<(f64, f64)>,
     }
 
-    fn reference(g: &Geometry, x: &[bf16], w: &[bf16], bias: &[f32], grad: &[bf16]) -> Reference {
-        let v = |t: bf16| f64::from(t.to_f32());
+    fn reference<H: Half>(
+        g: &Geometry,
+        [x, w, grad]: [&[H]; 3],
+        bias: &[f32],
+        half_ulp: f64,
+    ) -> Reference {
         let ([h, wd], [kh_n, kw_n], [oh_n, ow_n]) = (g.size, g.kernel, g.out);
         let (ci_n, co_n) = (g.channels_in, g.channels_out);
         let mut out = vec![(0.0, 0.0); g.batch * co_n * oh_n * ow_n];
@@ -397,9 +541,9 @@ mod tests {
                                     };
                                     let i = ((n * ci_n + ci) * h + ih) * wd + iw;
                                     let k = ((co * ci_n + ci) * kh_n + kh) * kw_n + kw;
-                                    add(&mut out[o], v(x[i]) * v(w[k]));
-                                    add(&mut dx[i], v(grad[o]) * v(w[k]));
-                                    add(&mut dw[k], v(grad[o]) * v(x[i]));
+                                    add(&mut out[o], value(x[i]) * value(w[k]));
+                                    add(&mut dx[i], value(grad[o]) * value(w[k]));
+                                    add(&mut dw[k], value(grad[o]) * value(x[i]));
                                 }
                             }
                         }
@@ -407,23 +551,22 @@ mod tests {
                 }
             }
         }
-        let bound = |terms: usize| {
-            move |(sum, abs): (f64, f64)| {
-                let f32_sum = terms as f64 * f64::from(f32::EPSILON) * abs;
-                (sum, f32_sum + (sum.abs() + f32_sum) / 256.0)
-            }
-        };
         let terms = g.batch * g.positions() + g.patch() + co_n * kh_n * kw_n;
+        let bound = move |(sum, abs): (f64, f64)| {
+            let f32_sum = terms as f64 * f64::from(f32::EPSILON) * abs;
+            (sum, f32_sum + (sum.abs() + f32_sum) * half_ulp)
+        };
         Reference {
-            out: out.into_iter().map(bound(terms)).collect(),
-            dx: dx.into_iter().map(bound(terms)).collect(),
-            dw: dw.into_iter().map(bound(terms)).collect(),
+            out: out.into_iter().map(bound).collect(),
+            dx: dx.into_iter().map(bound).collect(),
+            dw: dw.into_iter().map(bound).collect(),
         }
     }
 
-    fn assert_within(name: &str, got: &[u16], want: &[(f64, f64)]) {
+    fn assert_within<H: Half>(name: &str, got: &[u16], want: &[(f64, f64)]) {
         assert_eq!(got.len(), want.len(), "{name}");
-        for (i, (got, (sum, bound))) in bits_to_f64(got).iter().zip(want).enumerate() {
+        let got: &[H] = bytemuck::cast_slice(got);
+        for (i, (got, (sum, bound))) in got.iter().map(|h| value(*h)).zip(want).enumerate() {
             assert!(
                 (got - sum).abs() <= *bound,
                 "{name}[{i}]: {got} against {sum} ± {bound}"
@@ -431,15 +574,10 @@ mod tests {
         }
     }
 
-    #[test]
-    fn forward_and_gradients_match_the_direct_convolution() {
-        if !bf16_gemm::available() {
-            eprintln!("skipped: this CPU has no AVX512-BF16");
-            return;
-        }
-        // (x shape, weight shape, stride, padding, dilation): plain, strided and padded as in
-        // a small conv net, dilated, a 1×1 kernel, one image; each also in chunks of one
-        // image (a budget of one value).
+    // The output and both gradients on `kernel` against the direct convolution: plain,
+    // strided and padded as in a small conv net, dilated, a 1×1 kernel, one image; each also
+    // in chunks of one image (a budget of one value).
+    fn check<H: Half, P: Patch>(half_ulp: f64) {
         let cases = [
             ([2, 3, 7, 6], [4, 3, 3, 3], 1, 0, 1),
             ([3, 5, 9, 8], [6, 5, 3, 3], 2, 1, 1),
@@ -449,36 +587,60 @@ mod tests {
         ];
         for (xs, ws, stride, padding, dilation) in cases {
             let g = Geometry::new(&xs, &ws, &options(stride, padding, dilation)).unwrap();
-            let x = values(xs.iter().product(), 1);
-            let w = values(ws.iter().product(), 2);
+            let x = values::<H>(xs.iter().product(), 1);
+            let w = values::<H>(ws.iter().product(), 2);
             let bias: Vec<f32> = (0..ws[0]).map(|c| c as f32 * 0.25 - 0.5).collect();
-            let grad = values(g.batch * g.channels_out * g.positions(), 3);
-            let want = reference(&g, &x, &w, &bias, &grad);
+            let grad = values::<H>(g.batch * g.channels_out * g.positions(), 3);
+            let want = reference(&g, [&x, &w, &grad], &bias, half_ulp);
             for budget in [CHUNK_VALUES, 1] {
                 let case = format!(
-                    "{xs:?} * {ws:?}, stride {stride}, padding {padding}, dilation {dilation}, budget {budget}"
+                    "{:?} on {}: {xs:?} * {ws:?}, stride {stride}, padding {padding}, \
+                     dilation {dilation}, budget {budget}",
+                    H::dtype(),
+                    std::any::type_name::<P>(),
                 );
-                let out = forward_in_chunks(&g, &x, &w, Some(&bias), budget).unwrap();
-                assert_within(&format!("output of {case}"), &out, &want.out);
-                let [dx, dw] = backward_in_chunks(&g, &x, &w, &grad, [true, true], budget).unwrap();
-                assert_within(&format!("x's gradient of {case}"), &dx.unwrap(), &want.dx);
-                assert_within(&format!("w's gradient of {case}"), &dw.unwrap(), &want.dw);
+                let out = forward_in_chunks::<H, P>(&g, &x, &w, Some(&bias), budget).unwrap();
+                assert_within::<H>(&format!("output of {case}"), &out, &want.out);
+                let [dx, dw] =
+                    backward_in_chunks::<H, P>(&g, &x, &w, &grad, [true, true], budget).unwrap();
+                assert_within::<H>(&format!("x's gradient of {case}"), &dx.unwrap(), &want.dx);
+                assert_within::<H>(&format!("w's gradient of {case}"), &dw.unwrap(), &want.dw);
             }
         }
     }
 
     #[test]
-    fn gradients_are_computed_only_where_asked_for() {
+    fn dot_products_match_the_direct_convolution() {
         if !bf16_gemm::available() {
+            eprintln!("skipped: this CPU has no AVX512-BF16");
             return;
         }
+        check::<bf16, bf16>(1.0 / 256.0);
+    }
+
+    #[test]
+    fn f32_gemms_match_the_direct_convolution_in_both_half_types() {
+        check::<bf16, f32>(1.0 / 256.0);
+        check::<f16, f32>(1.0 / 2048.0);
+    }
+
+    #[test]
+    fn f16_values_are_refused_by_the_bf16_kernel() {
+        let g = Geometry::new(&[1, 1, 3, 3], &[1, 1, 2, 2], &options(1, 0, 1)).unwrap();
+        let (x, w) = (values::<f16>(9, 1), values::<f16>(4, 2));
+        assert!(forward(Kernel::Bf16Dot, &g, &x, &w, None).is_none());
+        assert!(forward(Kernel::F32, &g, &x, &w, None).is_some());
+    }
+
+    #[test]
+    fn gradients_are_computed_only_where_asked_for() {
         let (xs, ws) = ([2, 3, 5, 5], [2, 3, 3, 3]);
         let g = Geometry::new(&xs, &ws, &options(1, 1, 1)).unwrap();
-        let (x, w) = (values(150, 1), values(54, 2));
-        let grad = values(g.batch * g.channels_out * g.positions(), 3);
-        let [dx, dw] = backward(&g, &x, &w, &grad, [false, true]).unwrap();
+        let (x, w) = (values::<bf16>(150, 1), values::<bf16>(54, 2));
+        let grad = values::<bf16>(g.batch * g.channels_out * g.positions(), 3);
+        let [dx, dw] = backward(Kernel::F32, &g, &x, &w, &grad, [false, true]).unwrap();
         assert!(dx.is_none() && dw.is_some());
-        let [dx, dw] = backward(&g, &x, &w, &grad, [true, false]).unwrap();
+        let [dx, dw] = backward(Kernel::F32, &g, &x, &w, &grad, [true, false]).unwrap();
         assert!(dx.is_some() && dw.is_none());
     }
 
