@@ -108,9 +108,14 @@ impl Geometry {
         self.channels_in * self.size[0] * self.size[1]
     }
 
-    // Images per chunk: as many as fit `budget` patch values, at least one.
-    fn images_per_chunk(&self, budget: usize) -> usize {
-        (budget / (self.patch() * self.positions())).clamp(1, self.batch)
+    // The batch in chunks of as many images as fit `budget` patch values (at least one):
+    // `(first image, images)` each.
+    fn chunks(&self, budget: usize) -> impl Iterator<Item = (usize, usize)> + use<> {
+        let batch = self.batch;
+        let chunk = (budget / (self.patch() * self.positions())).clamp(1, batch);
+        (0..batch)
+            .step_by(chunk)
+            .map(move |first| (first, chunk.min(batch - first)))
     }
 
     // The input coordinate along axis `i` that output coordinate `o` reads at kernel offset
@@ -360,12 +365,10 @@ fn forward_in_chunks<H: Half, P: Patch>(
     let (patch, positions, channels) = (g.patch(), g.positions(), g.channels_out);
     let mut out = half_buffer(g.batch * channels * positions);
     let out_values = as_half::<H>(&mut out);
-    let chunk = g.images_per_chunk(budget);
     SCRATCH.with_borrow_mut(|scratch| {
         let (buffers, shared) = P::buffers(scratch);
         let weight = P::from_half(weight, &mut buffers.weight)?;
-        for first in (0..g.batch).step_by(chunk) {
-            let images = chunk.min(g.batch - first);
+        for (first, images) in g.chunks(budget) {
             let columns = images * positions;
             let patches = scratch_of(&mut buffers.patches, patch * columns);
             patches_of_chunk(g, x, first, images, (&mut *patches, &mut buffers.image))?;
@@ -422,12 +425,10 @@ fn backward_in_chunks<H: Half, P: Patch>(
     let (patch, positions, channels) = (g.patch(), g.positions(), g.channels_out);
     let mut dx = want_x.then(|| half_buffer(g.batch * g.image()));
     let mut dw_sums = want_weight.then(|| vec![0f32; channels * patch]);
-    let chunk = g.images_per_chunk(budget);
     SCRATCH.with_borrow_mut(|scratch| {
         let (buffers, shared) = P::buffers(scratch);
         let weight = P::from_half(weight, &mut buffers.weight)?;
-        for first in (0..g.batch).step_by(chunk) {
-            let images = chunk.min(g.batch - first);
+        for (first, images) in g.chunks(budget) {
             let columns = images * positions;
             // The output gradient as `[channels, images · positions]`, the GEMMs' order.
             let grads = scratch_of(&mut buffers.grad, channels * columns);
