@@ -50,7 +50,7 @@ pub(crate) mod flex {
     use half::{bf16, f16};
 
     use super::{HOOKS, Hook};
-    use crate::backend::half_kernels::{Half, as_half, half_buffer};
+    use crate::backend::half_kernels::{Half, as_half, filled};
 
     pub(super) fn register() {
         let plain: Hook<Flex> = convert;
@@ -79,15 +79,15 @@ pub(crate) mod flex {
     }
 
     fn narrow<H: Half>(values: &[f32]) -> Vec<u16> {
-        let mut out = half_buffer(values.len());
-        H::round(values, as_half::<H>(&mut out));
-        out
+        filled(values.len(), |start, block: &mut [u16]| {
+            H::round(&values[start..][..block.len()], as_half::<H>(block));
+        })
     }
 
     fn wide<H: Half>(values: &[H]) -> Vec<f32> {
-        let mut out = vec![0f32; values.len()];
-        H::widen(values, &mut out);
-        out
+        filled(values.len(), |start, block| {
+            H::widen(&values[start..][..block.len()], block);
+        })
     }
 
     // The cast as a node of Burn's autodiff: the gradient comes back cast to the input's

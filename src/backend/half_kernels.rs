@@ -219,6 +219,25 @@ pub(crate) fn half_buffer(len: usize) -> Vec<u16> {
     vec![0u16; len]
 }
 
+/// A new buffer of `len` values, written block by block by `fill(start, block)` (the block of
+/// values from `start`), with no pass to zero it first: the allocator hands back memory of
+/// freed tensors, which `vec![0; len]` zeroes with a memset (2–3% of a half-precision step).
+/// Each block goes through a small buffer on the stack, as safe code cannot write memory that
+/// is not yet initialised.
+pub(crate) fn filled<T: bytemuck::Pod>(
+    len: usize,
+    mut fill: impl FnMut(usize, &mut [T]),
+) -> Vec<T> {
+    let mut out = Vec::with_capacity(len);
+    let mut block = [T::zeroed(); BLOCK];
+    while out.len() < len {
+        let block = &mut block[..BLOCK.min(len - out.len())];
+        fill(out.len(), block);
+        out.extend_from_slice(block);
+    }
+    out
+}
+
 /// `buf`'s bits as half values.
 pub(crate) fn as_half<H: Half>(buf: &mut [u16]) -> &mut [H] {
     bytemuck::cast_slice_mut(buf)
@@ -315,9 +334,10 @@ pub(crate) fn zip<H: Half>(
 /// `product` is `[m, n]` and contiguous (a fresh GEMM output); `bias` has `n` values. The
 /// result's bits, for `Bytes`.
 pub(crate) fn round_add_row<H: Half>(product: &[f32], bias: Option<&[H]>) -> Vec<u16> {
-    let mut out = half_buffer(product.len());
+    let mut out = filled(product.len(), |start, block: &mut [u16]| {
+        H::round(&product[start..][..block.len()], as_half::<H>(block));
+    });
     let values = as_half::<H>(&mut out);
-    H::round(product, values);
     if let Some(bias) = bias {
         add_row(values, bias);
     }
