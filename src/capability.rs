@@ -51,8 +51,8 @@ pub enum HalfPath {
     Measured,
     /// Always the crate's path, where it has one, bf16 dot products included.
     ViaF32,
-    /// Always the crate's path with operands widened to f32 and Flex's f32 GEMM: the same
-    /// bits on every CPU (for bf16, Flex's own), slower where the CPU has bf16 dot products.
+    /// Always the crate's path with operands widened to f32 and Flex's f32 kernels (its GEMM,
+    /// its convolution): the same bits on every CPU (for bf16, Flex's own), and slower.
     Widened,
     /// Always the backend's own kernels.
     Own,
