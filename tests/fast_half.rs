@@ -165,6 +165,21 @@ fn bf16_dot_products_are_within_a_bf16_rounding_of_burns() {
 }
 
 #[test]
+fn bf16_dot_products_run_where_the_cpu_has_them_unless_widened() {
+    #[cfg(target_arch = "x86_64")]
+    let cpu_has_them =
+        std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bf16");
+    #[cfg(not(target_arch = "x86_64"))]
+    let cpu_has_them = false;
+    on_path(HalfPath::ViaF32, || {
+        assert_eq!(capability::bf16_dot_products(), cpu_has_them)
+    });
+    on_path(HalfPath::Widened, || {
+        assert!(!capability::bf16_dot_products())
+    });
+}
+
+#[test]
 fn f16_linear_is_within_an_f16_rounding_of_burns() {
     let want = burns(FloatDType::F16, true);
     let got = on_path(HalfPath::ViaF32, || autocasts(Precision::F16, true));
