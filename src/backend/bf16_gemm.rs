@@ -130,6 +130,19 @@ pub(crate) fn gemm(
 /// buffers afresh is lost in it.
 const SCRATCH_KEPT: usize = 8 << 20;
 
+/// `f` of this thread's scratch in `key`, or of a fresh one where the thread's is in use: a
+/// rayon worker waiting on its own GEMM's tasks may run another caller's job meanwhile, and
+/// that job may be a GEMM or convolution too.
+pub(crate) fn with_scratch<S: Default, R>(
+    key: &'static std::thread::LocalKey<std::cell::RefCell<S>>,
+    f: impl FnOnce(&mut S) -> R,
+) -> R {
+    key.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut scratch) => f(&mut scratch),
+        Err(_) => f(&mut S::default()),
+    })
+}
+
 /// Frees the scratch buffer `buf` if it holds more than 8 MiB (see `SCRATCH_KEPT`).
 pub(crate) fn release_large<T>(buf: &mut Vec<T>) {
     if buf.capacity() * size_of::<T>() > SCRATCH_KEPT {
@@ -251,6 +264,19 @@ mod tests {
                 assert_eq!(c[i * n + j], want, "({i}, {j})");
             }
         }
+    }
+
+    #[test]
+    fn scratch_in_use_gives_way_to_a_fresh_one() {
+        thread_local! {
+            static KEY: std::cell::RefCell<Vec<u8>> = std::cell::RefCell::default();
+        }
+        let inner = with_scratch(&KEY, |outer| {
+            outer.push(1);
+            with_scratch(&KEY, |inner| inner.len())
+        });
+        assert_eq!(inner, 0);
+        assert_eq!(with_scratch(&KEY, |kept| kept.len()), 1);
     }
 
     #[test]

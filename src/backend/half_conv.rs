@@ -25,7 +25,7 @@ use std::cell::RefCell;
 use burn_backend::ops::ConvOptions;
 use half::bf16;
 
-use super::bf16_gemm::{self, Bf16Matrix, release_large, scratch_of};
+use super::bf16_gemm::{self, Bf16Matrix, release_large, scratch_of, with_scratch};
 use super::half_kernels::{Half, as_half, half_buffer};
 use super::low_gemm::f32_gemm;
 
@@ -365,7 +365,7 @@ fn forward_in_chunks<H: Half, P: Patch>(
     let (patch, positions, channels) = (g.patch(), g.positions(), g.channels_out);
     let mut out = half_buffer(g.batch * channels * positions);
     let out_values = as_half::<H>(&mut out);
-    SCRATCH.with_borrow_mut(|scratch| {
+    with_scratch(&SCRATCH, |scratch| {
         let (buffers, shared) = P::buffers(scratch);
         let weight = P::from_half(weight, &mut buffers.weight)?;
         for (first, images) in g.chunks(budget) {
@@ -425,7 +425,7 @@ fn backward_in_chunks<H: Half, P: Patch>(
     let (patch, positions, channels) = (g.patch(), g.positions(), g.channels_out);
     let mut dx = want_x.then(|| half_buffer(g.batch * g.image()));
     let mut dw_sums = want_weight.then(|| vec![0f32; channels * patch]);
-    SCRATCH.with_borrow_mut(|scratch| {
+    with_scratch(&SCRATCH, |scratch| {
         let (buffers, shared) = P::buffers(scratch);
         let weight = P::from_half(weight, &mut buffers.weight)?;
         for (first, images) in g.chunks(budget) {

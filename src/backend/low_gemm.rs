@@ -130,7 +130,7 @@ mod flex {
     use burn_backend::DType;
 
     use super::{LINEAR, LinearHook, MATMUL, MatmulHook};
-    use crate::backend::bf16_gemm::{self, Bf16Matrix, release_large, scratch_of};
+    use crate::backend::bf16_gemm::{self, Bf16Matrix, release_large, scratch_of, with_scratch};
     use crate::backend::half_kernels::{Half, add_row, round_add_row, sum_rows, with_half};
     use crate::capability;
 
@@ -309,7 +309,7 @@ mod flex {
         let dtype = a.dtype();
         let (m, n) = (a.layout().shape()[0], b.layout().shape()[1]);
         let bias = bias.map(|b| b.to_contiguous());
-        let values = SCRATCH.with_borrow_mut(|scratch| {
+        let values = with_scratch(&SCRATCH, |scratch| {
             if kernel != Kernel::Bf16Dot || !bf16_dot_product(a, b, scratch) {
                 widened_product(a, b, scratch);
             }
