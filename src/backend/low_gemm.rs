@@ -17,9 +17,10 @@
 //! in the half type (what autodiff saves for the backward pass stays half the size).
 //!
 //! As for the fast cast, the replacement under autodiff is a backward node of its own,
-//! registered per backend type (Flex and `Autodiff<Flex>`); 2-D operands only, other shapes
-//! and other backends keep the backend's own op. Autocast takes this path where the
-//! capability probe chose it (see [`capability`](crate::capability)).
+//! registered per backend type (Flex and `Autodiff<Flex>`); 2-D operands (a linear's input
+//! of more dimensions as the matrix of its rows), other shapes and other backends keep the
+//! backend's own op. Autocast takes this path where the capability probe chose it (see
+//! [`capability`](crate::capability)).
 
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, DType, TensorMetadata};
@@ -92,7 +93,10 @@ pub(crate) fn matmul<B: Backend>(
     B::float_matmul(a, b)
 }
 
-/// `B::linear` of an autocast call, as [`matmul`].
+/// `B::linear` of an autocast call, as [`matmul`]. An input of more than two dimensions
+/// (`[batch, sequence, features]`, say) goes through as the matrix of its rows, reshaped
+/// back after: one GEMM, and a weight gradient summed over every row in f32 where Burn's
+/// default sums per-batch products in the half type.
 #[inline]
 pub(crate) fn linear<B: Backend>(
     plan: &CastPlan,
@@ -100,12 +104,24 @@ pub(crate) fn linear<B: Backend>(
     weight: FloatTensor<B>,
     bias: Option<FloatTensor<B>>,
 ) -> FloatTensor<B> {
+    let dims = x.shape().num_dims();
     if plan.target().is_some()
-        && eligible(&x, &weight, bias.as_ref())
+        && dims >= 2
+        && weight.shape().num_dims() == 2
+        && half_operands(&x, &weight, bias.as_ref())
         && let Some(hook) = LINEAR.get::<B, LinearHook<B>>()
         && chosen::<B>(&x)
     {
-        return hook(x, weight, bias);
+        if dims == 2 {
+            return hook(x, weight, bias);
+        }
+        let shape = x.shape();
+        let features = shape[dims - 1];
+        let rows = shape.num_elements() / features.max(1);
+        let mut out_shape = shape.clone();
+        out_shape[dims - 1] = weight.shape()[1];
+        let product = hook(B::float_reshape(x, [rows, features].into()), weight, bias);
+        return B::float_reshape(product, out_shape);
     }
     B::linear(x, weight, bias)
 }
