@@ -20,6 +20,7 @@ use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::{Linear, LinearConfig, PaddingConfig2d, Relu};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Tensor};
+use burn_accelerate::capability::{self, HalfPath};
 use burn_accelerate::{Accelerated, Precision, autocast};
 use clap::Parser;
 
@@ -41,6 +42,11 @@ struct Args {
     /// instructions of one, e.g. `valgrind --tool=callgrind --toggle-collect='*Bench*step*'`.
     #[arg(long, value_delimiter = ',')]
     only: Vec<Precision>,
+    /// Run the half precisions on the widened path (`HalfPath::Widened`: Flex's f32 GEMM and
+    /// convolution over operands widened to f32), to compare with the default (bf16 dot
+    /// products where the CPU has them, convolutions as im2col GEMMs).
+    #[arg(long)]
+    widened: bool,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -166,6 +172,9 @@ fn median(mut times: Vec<Duration>) -> Duration {
 
 fn main() {
     let args = Args::parse();
+    if args.widened {
+        capability::set_half_path(HalfPath::Widened);
+    }
     let bench = Bench::new(args.model, args.batch);
     let variants: Vec<Precision> = [Precision::F32, Precision::Bf16, Precision::F16]
         .into_iter()
