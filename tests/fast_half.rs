@@ -215,6 +215,55 @@ fn a_linear_of_three_dimensions_is_the_linear_of_its_rows() {
     }
 }
 
+// Queries `[2, 3, 6, 32]` by transposed keys `[2, 3, 24, 32]`, as attention multiplies them:
+// a batch of matrices, one operand a transposed view. Through Burn's own ops in `low` (casts
+// written out by hand) on a plain autodiff backend, or under autocast to `precision`.
+fn batched_matmul(low: FloatDType, precision: Option<Precision>) -> Run {
+    fn run<B: AutodiffBackend>(cast: impl Fn(Tensor<B, 4>) -> Tensor<B, 4>) -> Run {
+        let device = Default::default();
+        let q = Tensor::<B, 4>::from_data(data([2, 3, 6, 32], 1), &device).require_grad();
+        let k = Tensor::<B, 4>::from_data(data([2, 3, 24, 32], 2), &device).require_grad();
+        let unused = Tensor::<B, 1>::from_data(TensorData::new(vec![0f32], [1]), &device);
+        let out = cast(q.clone()).matmul(cast(k.clone()).swap_dims(2, 3));
+        let grads = (out.clone().cast(FloatDType::F32) * 0.5).sum().backward();
+        outcome(out, &grads, &q, &k, &unused.require_grad())
+    }
+    match precision {
+        None => run::<Plain>(|t| t.cast(low)),
+        Some(precision) => {
+            let _low = autocast::enable(precision);
+            run::<Acc>(|t| t)
+        }
+    }
+}
+
+#[test]
+fn batched_matmuls_give_burns_numbers_on_every_path() {
+    let want = batched_matmul(FloatDType::BF16, None);
+    let widened = on_path(HalfPath::Widened, || {
+        batched_matmul(FloatDType::BF16, Some(Precision::Bf16))
+    });
+    assert_eq!(widened, want, "bf16, widened: Burn's bits");
+    let dot = on_path(HalfPath::ViaF32, || {
+        batched_matmul(FloatDType::BF16, Some(Precision::Bf16))
+    });
+    assert_within_a_bf16_rounding(&dot, &want, "bf16, dot products");
+    // f16: the f32 sums rounded once, within an f16 rounding of Burn's f16 sums.
+    let want = batched_matmul(FloatDType::F16, None);
+    let got = on_path(HalfPath::ViaF32, || {
+        batched_matmul(FloatDType::F16, Some(Precision::F16))
+    });
+    for (i, (got, want)) in got.iter().zip(&want).enumerate() {
+        for (g, w) in got.iter().zip(want) {
+            let (g, w) = (f32::from_bits(*g), f32::from_bits(*w));
+            assert!(
+                (g - w).abs() <= 2e-3 * w.abs().max(1.0),
+                "f16 [{i}]: {g} vs {w}"
+            );
+        }
+    }
+}
+
 #[test]
 fn f16_linear_is_within_an_f16_rounding_of_burns() {
     let want = burns(FloatDType::F16, true);

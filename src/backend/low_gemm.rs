@@ -47,9 +47,15 @@ pub(crate) fn half_operands<T: TensorMetadata>(x: &T, weight: &T, bias: Option<&
     half && weight.dtype() == x.dtype() && bias.is_none_or(|b| b.dtype() == x.dtype())
 }
 
-// Half operands of two dimensions (and a bias of their dtype): what the GEMM hooks handle.
+// Half operands of two dimensions, or more with the same leading (batch) dimensions, no
+// broadcasting (and a bias of their dtype): what the GEMM hooks handle.
 fn eligible<T: TensorMetadata>(a: &T, b: &T, bias: Option<&T>) -> bool {
-    half_operands(a, b, bias) && a.shape().num_dims() == 2 && b.shape().num_dims() == 2
+    let (a_shape, b_shape) = (a.shape(), b.shape());
+    let dims = a_shape.num_dims();
+    half_operands(a, b, bias)
+        && dims >= 2
+        && b_shape.num_dims() == dims
+        && a_shape[..dims - 2] == b_shape[..dims - 2]
 }
 
 /// The half-precision matmul registered for `B`, for the capability probe to time against
@@ -135,6 +141,7 @@ mod flex {
     use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
     use burn::backend::autodiff::grads::Gradients;
     use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, binary};
+    use rayon::prelude::*;
     use std::cell::RefCell;
 
     use burn::backend::flex::{FlexTensor, Layout};
@@ -161,26 +168,26 @@ mod flex {
         LINEAR.insert::<Autodiff<Flex>, _>(tracked);
     }
 
-    // Scratch for one GEMM's operands (widened to f32, or packed for the bf16 kernel) and its
-    // f32 product, kept per thread: a fresh buffer is mapped and page-faulted in on every
+    // Scratch for one GEMM's operands widened to f32 and its f32 product, kept per thread: a fresh buffer is mapped and page-faulted in on every
     // call, which costs as much again as filling it.
     #[derive(Default)]
     struct Scratch {
         widened: [Vec<f32>; 2],
-        packed: [Vec<u32>; 2],
         product: Vec<f32>,
     }
 
     impl Scratch {
         fn release_large(&mut self) {
             self.widened.iter_mut().for_each(release_large);
-            self.packed.iter_mut().for_each(release_large);
             release_large(&mut self.product);
         }
     }
 
     thread_local! {
         static SCRATCH: RefCell<Scratch> = RefCell::default();
+        // The dot-product GEMM's packed operands, per thread: the matrices of a batch may be
+        // multiplied on several.
+        static PACKED: RefCell<[Vec<u32>; 2]> = RefCell::default();
     }
 
     // How the product of two half matrices is computed.
@@ -202,9 +209,9 @@ mod flex {
         }
     }
 
-    // The half matrix `t` widened into `buf`, keeping a transposed (or otherwise permuted) view
-    // as it is, since the GEMM reads strides: its (row, column) strides in `buf`.
-    fn widen_into(t: &FlexTensor, buf: &mut Vec<f32>) -> [usize; 2] {
+    // The half matrix (or batch of matrices) `t` widened into `buf`, keeping a transposed (or
+    // otherwise permuted) view as it is, since the GEMM reads strides: its strides in `buf`.
+    fn widen_into(t: &FlexTensor, buf: &mut Vec<f32>) -> Vec<usize> {
         let n = t.layout().num_elements();
         let stored = with_half!(t.dtype(), H => t.storage::<H>().len(), _ => unreachable!());
         let strides = t.layout().strides();
@@ -213,8 +220,11 @@ mod flex {
         let t = if dense { t.clone() } else { t.to_contiguous() };
         let buf = scratch_of(buf, n);
         with_half!(t.dtype(), H => H::widen(t.storage::<H>(), buf), _ => unreachable!());
-        let strides = t.layout().strides();
-        [strides[0], strides[1]].map(|s| s.unsigned_abs())
+        t.layout()
+            .strides()
+            .iter()
+            .map(|s| s.unsigned_abs())
+            .collect()
     }
 
     // Flex's rule: threads for products of at least 192³ multiply-adds.
@@ -222,42 +232,128 @@ mod flex {
         m.saturating_mul(n).saturating_mul(k) >= 192 * 192 * 192
     }
 
-    // The bf16 matrix `t` as the dot-product GEMM reads it, in place; `None` for a layout it
-    // does not read (negative strides).
-    fn bf16_matrix(t: &FlexTensor) -> Option<Bf16Matrix<'_>> {
-        let layout = t.layout();
-        let [rows, cols] = [layout.shape()[0], layout.shape()[1]];
-        let [row_stride, col_stride] =
-            [layout.strides()[0], layout.strides()[1]].map(|s| usize::try_from(s).ok());
-        let storage = t.storage::<half::bf16>();
-        let strides = [row_stride?, col_stride?];
-        Bf16Matrix::new(storage, layout.start_offset(), [rows, cols], strides)
+    // The sizes of a product of half matrices: its batch (the leading dimensions, the same
+    // in both operands) and `m × k` by `k × n`.
+    struct Dims {
+        batch: Vec<usize>,
+        m: usize,
+        k: usize,
+        n: usize,
     }
 
-    // `product = a @ b` by the dot-product kernel, false where it does not apply (and
-    // `product` untouched).
+    impl Dims {
+        fn of(a: &FlexTensor, b: &FlexTensor) -> Self {
+            let (a, b) = (a.layout().shape(), b.layout().shape());
+            let d = a.num_dims();
+            Self {
+                batch: a[..d - 2].to_vec(),
+                m: a[d - 2],
+                k: a[d - 1],
+                n: b[d - 1],
+            }
+        }
+
+        fn matrices(&self) -> usize {
+            self.batch.iter().product()
+        }
+
+        // Where the `i`-th matrix of the batch starts, in a tensor with `strides` (batch
+        // dimensions first).
+        fn offset(&self, i: usize, strides: &[usize]) -> usize {
+            let mut rest = i;
+            let mut offset = 0;
+            for (size, stride) in self.batch.iter().zip(strides).rev() {
+                offset += rest % size * stride;
+                rest /= size;
+            }
+            offset
+        }
+    }
+
+    // A layout's strides, if none is negative.
+    fn ordered_strides(t: &FlexTensor) -> Option<Vec<usize>> {
+        t.layout()
+            .strides()
+            .iter()
+            .map(|s| usize::try_from(*s).ok())
+            .collect()
+    }
+
+    // `product = a @ b` by the dot-product kernel, matrix by matrix of the batch, reading the
+    // bf16 operands in place; false where it does not apply (negative strides).
     fn bf16_dot_product(a: &FlexTensor, b: &FlexTensor, scratch: &mut Scratch) -> bool {
-        let (Some(am), Some(bm)) = (bf16_matrix(a), bf16_matrix(b)) else {
+        let (Some(a_strides), Some(b_strides)) = (ordered_strides(a), ordered_strides(b)) else {
             return false;
         };
-        let (m, k, n) = (
-            a.layout().shape()[0],
-            a.layout().shape()[1],
-            b.layout().shape()[1],
-        );
-        let c = scratch_of(&mut scratch.product, m * n);
-        bf16_gemm::gemm(am, bm, c, parallel(m, n, k), &mut scratch.packed).is_some()
+        let dims = Dims::of(a, b);
+        let (m, k, n) = (dims.m, dims.k, dims.n);
+        fn matrix<'t>(
+            t: &'t FlexTensor,
+            dims: &Dims,
+            i: usize,
+            strides: &[usize],
+            shape: [usize; 2],
+        ) -> Option<Bf16Matrix<'t>> {
+            let offset = t.layout().start_offset() + dims.offset(i, strides);
+            let d = dims.batch.len();
+            let storage = t.storage::<half::bf16>();
+            Bf16Matrix::new(storage, offset, shape, [strides[d], strides[d + 1]])
+        }
+        let product = scratch_of(&mut scratch.product, dims.matrices() * m * n);
+        each_matrix(product, &dims, |i, c| {
+            let (Some(am), Some(bm)) = (
+                matrix(a, &dims, i, &a_strides, [m, k]),
+                matrix(b, &dims, i, &b_strides, [k, n]),
+            ) else {
+                return false;
+            };
+            let threads = parallel(m, n, k);
+            with_scratch(&PACKED, |packed| {
+                let done = bf16_gemm::gemm(am, bm, c, threads, packed);
+                packed.iter_mut().for_each(release_large);
+                done.is_some()
+            })
+        })
     }
 
-    // `product = a @ b` by Flex's f32 GEMM over the operands widened to f32.
+    // `product = a @ b` by Flex's f32 GEMM over the operands widened to f32, matrix by matrix
+    // of the batch.
     fn widened_product(a: &FlexTensor, b: &FlexTensor, scratch: &mut Scratch) {
-        let [m, k] = [a.layout().shape()[0], a.layout().shape()[1]];
-        let n = b.layout().shape()[1];
+        let dims = Dims::of(a, b);
+        let (m, k, n, d) = (dims.m, dims.k, dims.n, dims.batch.len());
         let [wa, wb] = &mut scratch.widened;
         let (a_strides, b_strides) = (widen_into(a, wa), widen_into(b, wb));
-        let product = scratch_of(&mut scratch.product, m * n);
-        f32_gemm((wa, a_strides), (wb, b_strides), [m, k, n], product)
-            .expect("widened operands fit their buffers");
+        let product = scratch_of(&mut scratch.product, dims.matrices() * m * n);
+        let (wa, wb) = (&wa[..], &wb[..]);
+        let done = each_matrix(product, &dims, |i, c| {
+            let a = (
+                &wa[dims.offset(i, &a_strides)..],
+                [a_strides[d], a_strides[d + 1]],
+            );
+            let b = (
+                &wb[dims.offset(i, &b_strides)..],
+                [b_strides[d], b_strides[d + 1]],
+            );
+            f32_gemm(a, b, [m, k, n], c).is_some()
+        });
+        assert!(done, "widened operands fit their buffers");
+    }
+
+    // `f(i, c)` for each matrix `i` of the batch and its block `c` of the product: matrix
+    // after matrix where each GEMM takes all threads, on rayon's threads where the matrices
+    // are too small to share out one by one (attention's, say). False if any `f` was.
+    fn each_matrix(
+        product: &mut [f32],
+        dims: &Dims,
+        f: impl Fn(usize, &mut [f32]) -> bool + Sync,
+    ) -> bool {
+        let size = (dims.m * dims.n).max(1);
+        if dims.matrices() > 1 && !parallel(dims.m, dims.n, dims.k) {
+            let all = product.par_chunks_mut(size).enumerate();
+            all.map(|(i, c)| f(i, c)).reduce(|| true, |a, b| a && b)
+        } else {
+            product.chunks_mut(size).enumerate().all(|(i, c)| f(i, c))
+        }
     }
 
     /// `c = a @ b` of f32 matrices `[m, k]` and `[k, n]`, each given as a slice and the
@@ -323,7 +419,8 @@ mod flex {
         kernel: Kernel,
     ) -> FlexTensor {
         let dtype = a.dtype();
-        let (m, n) = (a.layout().shape()[0], b.layout().shape()[1]);
+        let dims = Dims::of(a, b);
+        let len = dims.matrices() * dims.m * dims.n;
         let bias = bias.map(|b| b.to_contiguous());
         let values = with_scratch(&SCRATCH, |scratch| {
             if kernel != Kernel::Bf16Dot || !bf16_dot_product(a, b, scratch) {
@@ -331,12 +428,13 @@ mod flex {
             }
             let values = with_half!(dtype, H => {
                 let bias = bias.as_ref().map(|b| b.storage::<H>());
-                Bytes::from_elems(round_add_row::<H>(&scratch.product[..m * n], bias))
+                Bytes::from_elems(round_add_row::<H>(&scratch.product[..len], bias))
             }, _ => unreachable!("eligible() admits half operands only"));
             scratch.release_large();
             values
         });
-        FlexTensor::new(values, Layout::contiguous([m, n].into()), dtype)
+        let shape = [dims.batch, vec![dims.m, dims.n]].concat();
+        FlexTensor::new(values, Layout::contiguous(shape.into()), dtype)
     }
 
     /// `a @ b` of two half matrices: f32 products and sums, rounded once to the half type.
@@ -376,8 +474,10 @@ mod flex {
         }
     }
 
+    // The matrices of `t` transposed (its last two dimensions swapped), as a view.
     fn transposed(t: FlexTensor) -> FlexTensor {
-        Flex::float_swap_dims(t, 0, 1)
+        let d = t.layout().shape().num_dims();
+        Flex::float_swap_dims(t, d - 2, d - 1)
     }
 
     fn gemm_tracked(
@@ -466,8 +566,13 @@ mod flex {
         use burn_backend::FloatDType;
 
         use super::*;
+        use crate::backend::low_gemm::eligible;
 
-        fn half(values: Vec<f32>, shape: [usize; 2], dtype: FloatDType) -> FlexTensor {
+        fn half<const D: usize>(
+            values: Vec<f32>,
+            shape: [usize; D],
+            dtype: FloatDType,
+        ) -> FlexTensor {
             Flex::float_cast(FlexTensor::from_data(TensorData::new(values, shape)), dtype)
         }
 
@@ -494,6 +599,31 @@ mod flex {
             let at = transposed(half(values(5 * 6, 3), [5, 6], FloatDType::BF16));
             let bt = transposed(half(values(7 * 5, 4), [7, 5], FloatDType::BF16));
             assert_eq!(bits(widened(&at, &bt)), bits(Flex::float_matmul(at, bt)));
+            // A batch of matrices, one operand transposed, as attention multiplies them.
+            let q = half(values(2 * 3 * 6 * 5, 5), [2, 3, 6, 5], FloatDType::BF16);
+            let k = transposed(half(
+                values(2 * 3 * 7 * 5, 6),
+                [2, 3, 7, 5],
+                FloatDType::BF16,
+            ));
+            let product = widened(&q, &k);
+            assert_eq!(product.layout().shape().to_vec(), vec![2, 3, 6, 7]);
+            assert_eq!(bits(product), bits(Flex::float_matmul(q, k)));
+        }
+
+        #[test]
+        fn the_gemm_takes_batches_of_the_same_size_only() {
+            let t = |shape: &[usize]| {
+                let n = shape.iter().product();
+                let data = TensorData::new(values(n, 1), shape.to_vec());
+                Flex::float_cast(FlexTensor::from_data(data), FloatDType::BF16)
+            };
+            assert!(eligible(&t(&[4, 5]), &t(&[5, 6]), None));
+            assert!(eligible(&t(&[2, 3, 4, 5]), &t(&[2, 3, 5, 6]), None));
+            // Broadcast batches, ranks that differ, vectors: Flex's own matmul.
+            assert!(!eligible(&t(&[2, 4, 5]), &t(&[1, 5, 6]), None));
+            assert!(!eligible(&t(&[2, 4, 5]), &t(&[5, 6]), None));
+            assert!(!eligible(&t(&[5]), &t(&[5]), None));
         }
 
         #[test]
@@ -514,6 +644,15 @@ mod flex {
                 (a_rows, b.clone()),
                 // A column-major b, as a transposed weight.
                 (a, transposed(transposed(b).to_contiguous())),
+                // A batch of matrices, one operand transposed, as attention multiplies them.
+                (
+                    half(positive(2 * 3 * 9 * 40, 3), [2, 3, 9, 40], FloatDType::BF16),
+                    transposed(half(
+                        positive(2 * 3 * 35 * 40, 4),
+                        [2, 3, 35, 40],
+                        FloatDType::BF16,
+                    )),
+                ),
             ];
             for (a, b) in cases {
                 let values =
