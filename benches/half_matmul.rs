@@ -5,8 +5,9 @@
 //! - `bf16_dot`: autocast's path on AVX512-BF16 dot products, where the CPU has them
 //!   (`HalfPath::ViaF32`; elsewhere the same as `bf16_widened`).
 //!
-//! The forward product `[256, 512] @ [512, 2048]` and the weight gradient's
-//! `[512, 256]ᵀ-view @ [256, 2048]`, operands already bf16 (casts are timed elsewhere).
+//! The forward product `[256, 512] @ [512, 2048]`, the weight gradient's
+//! `[512, 256]ᵀ-view @ [256, 2048]`, and attention's scores (a batch of 32 products of
+//! `[128, 64]` by a transposed `[128, 64]`), operands already bf16 (casts are timed elsewhere).
 //!
 //!     cargo bench --bench half_matmul
 
@@ -58,6 +59,37 @@ fn matmuls(c: &mut Criterion, name: &str, [m, k, n]: [usize; 3], transposed_a: b
     capability::set_half_path(HalfPath::Measured);
 }
 
+// Attention's scores: queries `[32, 128, 64]` by transposed keys, a batch of 32 products.
+fn attention(c: &mut Criterion) {
+    let device = Default::default();
+    let random =
+        |shape: [usize; 3]| Tensor::<Acc, 3>::random(shape, Distribution::Normal(0., 1.), &device);
+    let (q, k) = (random([32, 128, 64]), random([32, 128, 64]));
+    let (ql, kl) = (
+        q.clone().cast(FloatDType::BF16),
+        k.clone().cast(FloatDType::BF16),
+    );
+    let mut group = c.benchmark_group("matmul_attention_32x128x64");
+    let _off = autocast::disable();
+    group.bench_function("f32", |bench| {
+        bench.iter(|| black_box(q.clone().matmul(k.clone().swap_dims(1, 2))).into_data())
+    });
+    group.bench_function("bf16_flex", |bench| {
+        bench.iter(|| black_box(ql.clone().matmul(kl.clone().swap_dims(1, 2))).into_data())
+    });
+    let _bf16 = autocast::enable(Precision::Bf16);
+    for (path, label) in [
+        (HalfPath::Widened, "bf16_widened"),
+        (HalfPath::ViaF32, "bf16_dot"),
+    ] {
+        capability::set_half_path(path);
+        group.bench_function(label, |bench| {
+            bench.iter(|| black_box(ql.clone().matmul(kl.clone().swap_dims(1, 2))).into_data())
+        });
+    }
+    capability::set_half_path(HalfPath::Measured);
+}
+
 fn forward(c: &mut Criterion) {
     matmuls(c, "matmul_256x512x2048", [256, 512, 2048], false);
 }
@@ -72,6 +104,6 @@ criterion_group! {
         .sample_size(30)
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(3));
-    targets = forward, weight_gradient
+    targets = forward, weight_gradient, attention
 }
 criterion_main!(benches);
