@@ -32,8 +32,8 @@ fn operands(m: usize, k: usize, n: usize, transposed_a: bool) -> (Tensor<Acc, 2>
     (a, random([k, n]))
 }
 
-fn matmuls(c: &mut Criterion, name: &str, [m, k, n]: [usize; 3], transposed_a: bool) {
-    let (a, b) = operands(m, k, n, transposed_a);
+// The four variants of `a @ b` (f32 operands given, cast to bf16 once, their layouts kept).
+fn variants<const D: usize>(c: &mut Criterion, name: &str, a: Tensor<Acc, D>, b: Tensor<Acc, D>) {
     let (al, bl) = (
         a.clone().cast(FloatDType::BF16),
         b.clone().cast(FloatDType::BF16),
@@ -59,35 +59,18 @@ fn matmuls(c: &mut Criterion, name: &str, [m, k, n]: [usize; 3], transposed_a: b
     capability::set_half_path(HalfPath::Measured);
 }
 
+fn matmuls(c: &mut Criterion, name: &str, [m, k, n]: [usize; 3], transposed_a: bool) {
+    let (a, b) = operands(m, k, n, transposed_a);
+    variants(c, name, a, b);
+}
+
 // Attention's scores: queries `[32, 128, 64]` by transposed keys, a batch of 32 products.
 fn attention(c: &mut Criterion) {
     let device = Default::default();
     let random =
         |shape: [usize; 3]| Tensor::<Acc, 3>::random(shape, Distribution::Normal(0., 1.), &device);
     let (q, k) = (random([32, 128, 64]), random([32, 128, 64]));
-    let (ql, kl) = (
-        q.clone().cast(FloatDType::BF16),
-        k.clone().cast(FloatDType::BF16),
-    );
-    let mut group = c.benchmark_group("matmul_attention_32x128x64");
-    let _off = autocast::disable();
-    group.bench_function("f32", |bench| {
-        bench.iter(|| black_box(q.clone().matmul(k.clone().swap_dims(1, 2))).into_data())
-    });
-    group.bench_function("bf16_flex", |bench| {
-        bench.iter(|| black_box(ql.clone().matmul(kl.clone().swap_dims(1, 2))).into_data())
-    });
-    let _bf16 = autocast::enable(Precision::Bf16);
-    for (path, label) in [
-        (HalfPath::Widened, "bf16_widened"),
-        (HalfPath::ViaF32, "bf16_dot"),
-    ] {
-        capability::set_half_path(path);
-        group.bench_function(label, |bench| {
-            bench.iter(|| black_box(ql.clone().matmul(kl.clone().swap_dims(1, 2))).into_data())
-        });
-    }
-    capability::set_half_path(HalfPath::Measured);
+    variants(c, "matmul_attention_32x128x64", q, k.swap_dims(1, 2));
 }
 
 fn forward(c: &mut Criterion) {
