@@ -152,6 +152,7 @@ MOVE_HOOKS = {"float_to_device", "int_to_device", "bool_to_device"}
 LOW_PATHS = {
     "float_matmul": "low_gemm::matmul",
     "linear": "low_gemm::linear",
+    "conv1d": "low_conv::conv1d",
     "conv2d": "low_conv::conv2d",
 }
 

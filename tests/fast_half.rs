@@ -16,7 +16,7 @@ use std::sync::Mutex;
 
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::module::conv2d;
+use burn::tensor::module::{conv1d, conv2d};
 use burn::tensor::ops::ConvOptions;
 use burn::tensor::{FloatDType, Tensor, TensorData};
 use burn_accelerate::capability::{self, HalfPath};
@@ -330,6 +330,48 @@ fn bf16_conv2d_gives_burns_bits_forward_and_backward() {
         .enumerate()
     {
         assert_eq!(got[i], want[i], "{name}");
+    }
+}
+
+// A strided, padded, dilated 1-D convolution with bias under autocast, or the same as a 2-D
+// one over one-pixel-high images: `[2, 3, 11]` by `[4, 3, 3]`.
+fn autocasts_conv1d(precision: Precision, as_2d: bool) -> Run {
+    let device = Default::default();
+    let x = data([2, 3, 11], 7).to_vec::<f32>().unwrap();
+    let w = data([4, 3, 3], 8).to_vec::<f32>().unwrap();
+    let b = Tensor::<Acc, 1>::from_data(data([4], 9), &device).require_grad();
+    let _low = autocast::enable(precision);
+    if as_2d {
+        let x = Tensor::<Acc, 4>::from_data(TensorData::new(x, [2, 3, 1, 11]), &device);
+        let w = Tensor::<Acc, 4>::from_data(TensorData::new(w, [4, 3, 1, 3]), &device);
+        let (x, w) = (x.require_grad(), w.require_grad());
+        let options = ConvOptions::new([1, 2], [0, 1], [1, 2], 1);
+        let out = conv2d(x.clone(), w.clone(), Some(b.clone()), options);
+        let grads = (out.clone().cast(FloatDType::F32) * 0.5).sum().backward();
+        outcome(out, &grads, &x, &w, &b)
+    } else {
+        let x = Tensor::<Acc, 3>::from_data(TensorData::new(x, [2, 3, 11]), &device);
+        let w = Tensor::<Acc, 3>::from_data(TensorData::new(w, [4, 3, 3]), &device);
+        let (x, w) = (x.require_grad(), w.require_grad());
+        let options = ConvOptions::new([2], [1], [2], 1);
+        let out = conv1d(x.clone(), w.clone(), Some(b.clone()), options);
+        let grads = (out.clone().cast(FloatDType::F32) * 0.5).sum().backward();
+        outcome(out, &grads, &x, &w, &b)
+    }
+}
+
+#[test]
+fn a_1d_convolution_is_the_2d_one_of_one_pixel_high_images() {
+    for path in [HalfPath::ViaF32, HalfPath::Widened] {
+        for precision in [Precision::Bf16, Precision::F16] {
+            let (one, two) = on_path(path, || {
+                (
+                    autocasts_conv1d(precision, false),
+                    autocasts_conv1d(precision, true),
+                )
+            });
+            assert_eq!(one, two, "{precision:?} on {path:?}");
+        }
     }
 }
 

@@ -19,9 +19,9 @@
 //! Under autodiff the node saves the half operands (half the memory of f32 ones) for the
 //! backward pass. Registered for Flex and `Autodiff<Flex>`; other backends keep their own op.
 
-use burn_backend::Backend;
 use burn_backend::ops::ConvOptions;
 use burn_backend::tensor::FloatTensor;
+use burn_backend::{Backend, Shape, TensorMetadata};
 
 use crate::autocast::CastPlan;
 use crate::backend::hooks::Hooks;
@@ -56,6 +56,41 @@ pub(crate) fn conv2d<B: Backend>(
         return hook(x, weight, bias, options);
     }
     B::conv2d(x, weight, bias, options)
+}
+
+/// `B::conv1d` of an autocast call: where the 2-D path above applies, as a convolution of
+/// one-pixel-high images (`[batch, channels, 1, length]`, kernel `1 × k`) reshaped back after,
+/// so that 1-D convolutions (audio, sequences) take the same GEMMs.
+#[inline]
+pub(crate) fn conv1d<B: Backend>(
+    plan: &CastPlan,
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    bias: Option<FloatTensor<B>>,
+    options: ConvOptions<1>,
+) -> FloatTensor<B> {
+    let (x_shape, w_shape) = (x.shape(), weight.shape());
+    if plan.target().is_some()
+        && x_shape.num_dims() == 3
+        && w_shape.num_dims() == 3
+        && low_gemm::half_operands(&x, &weight, bias.as_ref())
+        && let Some(hook) = CONV2D.get::<B, Conv2dHook<B>>()
+        && low_gemm::chosen::<B>(&x)
+    {
+        let as_2d = |shape: &Shape| Shape::from([shape[0], shape[1], 1, shape[2]]);
+        let options = ConvOptions::new(
+            [1, options.stride[0]],
+            [0, options.padding[0]],
+            [1, options.dilation[0]],
+            options.groups,
+        );
+        let x = B::float_reshape(x, as_2d(&x_shape));
+        let weight = B::float_reshape(weight, as_2d(&w_shape));
+        let out = hook(x, weight, bias, options);
+        let out_shape = out.shape();
+        return B::float_reshape(out, [out_shape[0], out_shape[1], out_shape[3]].into());
+    }
+    B::conv1d(x, weight, bias, options)
 }
 
 #[cfg(feature = "flex")]

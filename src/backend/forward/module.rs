@@ -91,7 +91,7 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         let x = plan.cast_at::<B>(0, x);
         let weight = plan.cast_at::<B>(1, weight);
         let bias = plan.cast_opt::<B>(bias);
-        B::conv1d(x, weight, bias, options)
+        crate::backend::low_conv::conv1d::<B>(&plan, x, weight, bias, options)
     }
     fn conv1d_x_backward(
         x: FloatTensor<Self>,
