@@ -200,19 +200,19 @@ fn autocasts_rows(precision: Precision, three_dims: bool) -> Run {
     }
 }
 
-#[test]
-fn a_linear_of_three_dimensions_is_the_linear_of_its_rows() {
+// `run(precision, false) == run(precision, true)` on both crate paths, in both half types.
+fn same_either_way(run: impl Fn(Precision, bool) -> Run) {
     for path in [HalfPath::ViaF32, HalfPath::Widened] {
         for precision in [Precision::Bf16, Precision::F16] {
-            let (rows, three) = on_path(path, || {
-                (
-                    autocasts_rows(precision, false),
-                    autocasts_rows(precision, true),
-                )
-            });
-            assert_eq!(rows, three, "{precision:?} on {path:?}");
+            let (plain, other) = on_path(path, || (run(precision, false), run(precision, true)));
+            assert_eq!(plain, other, "{precision:?} on {path:?}");
         }
     }
+}
+
+#[test]
+fn a_linear_of_three_dimensions_is_the_linear_of_its_rows() {
+    same_either_way(autocasts_rows);
 }
 
 // Queries `[2, 3, 6, 32]` by transposed keys `[2, 3, 24, 32]`, as attention multiplies them:
@@ -362,17 +362,7 @@ fn autocasts_conv1d(precision: Precision, as_2d: bool) -> Run {
 
 #[test]
 fn a_1d_convolution_is_the_2d_one_of_one_pixel_high_images() {
-    for path in [HalfPath::ViaF32, HalfPath::Widened] {
-        for precision in [Precision::Bf16, Precision::F16] {
-            let (one, two) = on_path(path, || {
-                (
-                    autocasts_conv1d(precision, false),
-                    autocasts_conv1d(precision, true),
-                )
-            });
-            assert_eq!(one, two, "{precision:?} on {path:?}");
-        }
-    }
+    same_either_way(autocasts_conv1d);
 }
 
 // The f32 convolution and its gradients over operands rounded to f16, each result rounded to

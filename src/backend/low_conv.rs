@@ -50,14 +50,23 @@ pub(crate) fn conv2d<B: Backend>(
     bias: Option<FloatTensor<B>>,
     options: ConvOptions<2>,
 ) -> FloatTensor<B> {
-    if plan.target().is_some()
-        && low_gemm::half_operands(&x, &weight, bias.as_ref())
-        && let Some(hook) = CONV2D.get::<B, Conv2dHook<B>>()
-        && low_gemm::chosen::<B>(&x)
-    {
-        return hook(x, weight, bias, options);
+    match hook::<B>(plan, &x, &weight, bias.as_ref()) {
+        Some(hook) => hook(x, weight, bias, options),
+        None => B::conv2d(x, weight, bias, options),
     }
-    B::conv2d(x, weight, bias, options)
+}
+
+// The registered half-precision convolution, where it applies to these operands (see
+// [`conv2d`]).
+fn hook<B: Backend>(
+    plan: &CastPlan,
+    x: &FloatTensor<B>,
+    weight: &FloatTensor<B>,
+    bias: Option<&FloatTensor<B>>,
+) -> Option<Conv2dHook<B>> {
+    let applies = plan.target().is_some() && low_gemm::half_operands(x, weight, bias);
+    let hook = CONV2D.get::<B, Conv2dHook<B>>().filter(|_| applies)?;
+    low_gemm::chosen::<B>(x).then_some(hook)
 }
 
 /// `B::conv1d` of an autocast call: where the 2-D path above applies, as a convolution of
@@ -72,12 +81,9 @@ pub(crate) fn conv1d<B: Backend>(
     options: ConvOptions<1>,
 ) -> FloatTensor<B> {
     let (x_shape, w_shape) = (x.shape(), weight.shape());
-    if plan.target().is_some()
-        && x_shape.num_dims() == 3
+    if x_shape.num_dims() == 3
         && w_shape.num_dims() == 3
-        && low_gemm::half_operands(&x, &weight, bias.as_ref())
-        && let Some(hook) = CONV2D.get::<B, Conv2dHook<B>>()
-        && low_gemm::chosen::<B>(&x)
+        && let Some(hook) = hook::<B>(plan, &x, &weight, bias.as_ref())
     {
         let as_2d = |shape: &Shape| Shape::from([shape[0], shape[1], 1, shape[2]]);
         let options = ConvOptions::new(
