@@ -1,11 +1,12 @@
-//! Autocast's fast half-precision paths on Flex (the vectorised casts; matmul, linear and conv2d
-//! in f32 over half operands with their own backward nodes) against Burn's own: the same bits
-//! for bf16 (Flex's bf16 matmul and convolution are themselves f32 ones over the widened
-//! operands), forward and backward, and for f16 the f32 result rounded once, within an f16
-//! rounding of Burn's (whose f16 kernels sum in f16).
+//! Autocast's fast half-precision paths on Flex (the vectorised casts; matmul, batched matmul,
+//! linear and conv2d in f32 over half operands with their own backward nodes) against Burn's
+//! own: on the widened path the same bits for bf16 (Flex's bf16 matmul and convolution are
+//! themselves f32 ones over the widened operands), forward and backward, and for f16 the f32
+//! result rounded once, within an f16 rounding of Burn's (whose f16 kernels sum in f16).
 //!
-//! The bf16 GEMM on AVX512-BF16 dot products (where the CPU has them) sums in another order:
-//! within a bf16 rounding of Burn's.
+//! The bf16 GEMM on AVX512-BF16 dot products (where the CPU has them) and the convolutions as
+//! `im2col` GEMMs sum in another order: within a rounding of Burn's. A linear of more than two
+//! dimensions and a 1-D convolution are checked against the 2-D forms they are computed as.
 //!
 //! The paths are fixed with `capability::set_half_path`, one test at a time (the setting is
 //! the process's): left to the probe's timing, an unoptimised test build of this crate can
