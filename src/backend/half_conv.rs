@@ -9,7 +9,7 @@
 //!   (`col2im`), rounded once;
 //! - the weight's gradient is `grad · patchesᵀ`, summed over chunks in f32, rounded once.
 //!
-//! Two kernels run the GEMMs ([`Kernel`]): bf16 patches on the dot-product GEMM of
+//! Two kernels run the GEMMs (`low_gemm::Kernel`): bf16 patches on the dot-product GEMM of
 //! [`bf16_gemm`](super::bf16_gemm), or patches of either half type widened to f32 on Flex's
 //! f32 GEMM. Both sum exact products in f32, in another order than Flex's f32 convolution
 //! over the widened operands. Chunks have a fixed size for given shapes, so the result does
@@ -27,16 +27,7 @@ use half::bf16;
 
 use super::bf16_gemm::{self, Bf16Matrix, release_large, scratch_of, with_scratch};
 use super::half_kernels::{Half, as_half, half_buffer};
-use super::low_gemm::f32_gemm;
-
-/// Which GEMM a convolution runs on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Kernel {
-    /// bf16 patches on the AVX512-BF16 dot-product GEMM (bf16 tensors only).
-    Bf16Dot,
-    /// Patches widened to f32 on Flex's f32 GEMM.
-    F32,
-}
+use super::low_gemm::{Kernel, f32_gemm, parallel};
 
 /// The sizes of one convolution: input `[batch, channels_in, height, width]`, weight
 /// `[channels_out, channels_in, kernel[0], kernel[1]]`, output `[batch, channels_out, out[0],
@@ -307,10 +298,6 @@ fn add_patches(g: &Geometry, patches: &[f32], row_len: usize, at: usize, image: 
             }
         }
     });
-}
-
-fn parallel(m: usize, n: usize, k: usize) -> bool {
-    m.saturating_mul(n).saturating_mul(k) >= 192 * 192 * 192
 }
 
 // The patch matrix of images `first..first + images` of `x` into `patches`, `columns` long

@@ -117,8 +117,9 @@ mod flex {
 
     use super::{CONV2D, Conv2dHook};
     use crate::backend::fast_cast::flex::convert;
-    use crate::backend::half_conv::{self, Geometry, Kernel};
+    use crate::backend::half_conv::{self, Geometry};
     use crate::backend::half_kernels::{Half, with_half};
+    use crate::backend::low_gemm::Kernel;
     use crate::capability::{self, HalfPath};
 
     pub(super) fn register() {
@@ -163,10 +164,7 @@ mod flex {
         if capability::half_path() == HalfPath::Widened {
             return None;
         }
-        let kernel = match x.dtype() == DType::BF16 && capability::bf16_dot_products() {
-            true => Kernel::Bf16Dot,
-            false => Kernel::F32,
-        };
+        let kernel = Kernel::for_dtype(x.dtype());
         let geometry = Geometry::new(x.layout().shape(), weight.layout().shape(), options)?;
         Some((kernel, geometry))
     }

@@ -133,7 +133,7 @@ pub(crate) fn linear<B: Backend>(
 }
 
 #[cfg(feature = "flex")]
-pub(crate) use flex::f32_gemm;
+pub(crate) use flex::{Kernel, f32_gemm, parallel};
 
 #[cfg(feature = "flex")]
 mod flex {
@@ -190,21 +190,23 @@ mod flex {
         static PACKED: RefCell<[Vec<u32>; 2]> = RefCell::default();
     }
 
-    // How the product of two half matrices is computed.
-    #[derive(Clone, Copy, Debug, PartialEq)]
-    enum Kernel {
-        // Flex's f32 GEMM over the operands widened to f32: for bf16, Flex's own bits.
-        Widened,
-        // The AVX512-BF16 dot-product GEMM (`bf16_gemm`): bf16 only, 1.5–2× as fast.
+    /// Which GEMM multiplies half matrices (a matmul's, or a convolution's patches).
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub(crate) enum Kernel {
+        /// The AVX512-BF16 dot-product GEMM (`bf16_gemm`): bf16 only, 1.5–2× as fast.
         Bf16Dot,
+        /// Flex's f32 GEMM over the operands widened to f32: for a bf16 matmul, Flex's own
+        /// bits.
+        F32,
     }
 
     impl Kernel {
-        // The bf16 kernel where the CPU has it, unless the process fixed the widened path.
-        fn for_dtype(dtype: DType) -> Self {
+        /// The bf16 kernel for bf16 where the CPU has it, unless the process fixed the
+        /// widened path (`capability::bf16_dot_products`); the f32 one otherwise.
+        pub(crate) fn for_dtype(dtype: DType) -> Self {
             match dtype == DType::BF16 && capability::bf16_dot_products() {
                 true => Self::Bf16Dot,
-                false => Self::Widened,
+                false => Self::F32,
             }
         }
     }
@@ -227,8 +229,8 @@ mod flex {
             .collect()
     }
 
-    // Flex's rule: threads for products of at least 192³ multiply-adds.
-    fn parallel(m: usize, n: usize, k: usize) -> bool {
+    /// Flex's rule for an `m × k` by `k × n` product: threads from 192³ multiply-adds up.
+    pub(crate) fn parallel(m: usize, n: usize, k: usize) -> bool {
         m.saturating_mul(n).saturating_mul(k) >= 192 * 192 * 192
     }
 
@@ -590,7 +592,7 @@ mod flex {
         fn bf16_gemm_widened_gives_flexs_own_bits_transposed_or_not() {
             let a = half(values(6 * 5, 1), [6, 5], FloatDType::BF16);
             let b = half(values(5 * 7, 2), [5, 7], FloatDType::BF16);
-            let widened = |a: &FlexTensor, b: &FlexTensor| half_gemm(a, b, None, Kernel::Widened);
+            let widened = |a: &FlexTensor, b: &FlexTensor| half_gemm(a, b, None, Kernel::F32);
             assert_eq!(
                 bits(widened(&a, &b)),
                 bits(Flex::float_matmul(a.clone(), b.clone()))
@@ -658,7 +660,7 @@ mod flex {
                 let values =
                     |t: FlexTensor| t.into_data().convert::<f32>().to_vec::<f32>().unwrap();
                 let dot = values(half_gemm(&a, &b, None, Kernel::Bf16Dot));
-                let widened = values(half_gemm(&a, &b, None, Kernel::Widened));
+                let widened = values(half_gemm(&a, &b, None, Kernel::F32));
                 for (d, w) in dot.iter().zip(&widened) {
                     assert!((d - w).abs() <= w / 128.0, "{d} against {w}");
                 }
