@@ -190,21 +190,26 @@ mod flex {
         Some(half_tensor(out, &geometry.output_shape(), x.dtype()))
     }
 
-    // The bias's gradient: the output's summed over batch and positions, one f32 sum per
-    // channel taken in Flex's order (batch, then position), rounded once.
-    fn bias_grad(grad: &FlexTensor, dtype: DType) -> FlexTensor {
+    // The bias's gradient: the half output gradient's summed over batch and positions, one
+    // f32 sum per channel taken in Flex's order (batch, then position), rounded once. Each
+    // plane is widened into a buffer of its own as it is summed, not the whole gradient.
+    fn bias_grad(grad: &FlexTensor) -> FlexTensor {
+        let dtype = grad.dtype();
         let grad = grad.to_contiguous();
         let shape = grad.layout().shape();
         let (batch, channels) = (shape[0], shape[1]);
         let positions = shape[2] * shape[3];
-        let values: &[f32] = grad.storage();
-        let mut sums = vec![0f32; channels];
-        for image in values.chunks(channels * positions).take(batch) {
-            for (sum, plane) in sums.iter_mut().zip(image.chunks(positions.max(1))) {
-                *sum = plane.iter().fold(*sum, |acc, g| acc + g);
-            }
-        }
         let bytes = with_half!(dtype, H => {
+            let values: &[H] = grad.storage();
+            let mut sums = vec![0f32; channels];
+            let mut wide = vec![0f32; positions];
+            for image in values.chunks(channels * positions).take(batch) {
+                for (sum, plane) in sums.iter_mut().zip(image.chunks(positions.max(1))) {
+                    let wide = &mut wide[..plane.len()];
+                    H::widen(plane, wide);
+                    *sum = wide.iter().fold(*sum, |acc, g| acc + g);
+                }
+            }
             let mut out = vec![H::default(); channels];
             H::round(&sums, &mut out);
             Bytes::from_elems(out)
@@ -224,7 +229,7 @@ mod flex {
     fn backward(saved: Saved, parents: &[Option<NodeId>], grad: FlexTensor, grads: &mut Gradients) {
         let dtype = grad.dtype();
         if let Some(Some(id)) = parents.get(2) {
-            grads.register::<Flex>(*id, bias_grad(&wide(&grad), dtype));
+            grads.register::<Flex>(*id, bias_grad(&grad));
         }
         let Saved { x, weight, options } = saved;
         if let Some((kernel, geometry)) = gemm_conv(&x, &weight, &options) {
