@@ -150,6 +150,9 @@ trait Patch: Copy + Default + Send + Sync + 'static {
     // (`None` where they are not and cannot be: f16 values for bf16 patches).
     fn from_half<'a, H: Half>(values: &'a [H], buf: &'a mut Vec<Self>) -> Option<&'a [Self]>;
 
+    // `values` written as patch values into `out` (as long), with `from_half`'s `None`.
+    fn write_from_half<H: Half>(values: &[H], out: &mut [Self]) -> Option<()>;
+
     // `c = a @ b`, each operand a slice with its shape and (row, column) strides.
     fn gemm(
         a: Operand<Self>,
@@ -170,6 +173,11 @@ impl Patch for bf16 {
 
     fn from_half<'a, H: Half>(values: &'a [H], _: &'a mut Vec<Self>) -> Option<&'a [Self]> {
         (H::dtype() == burn::tensor::DType::BF16).then(|| bytemuck::cast_slice(values))
+    }
+
+    fn write_from_half<H: Half>(values: &[H], out: &mut [Self]) -> Option<()> {
+        out.copy_from_slice(Self::from_half(values, &mut Vec::new())?);
+        Some(())
     }
 
     fn gemm(
@@ -194,8 +202,13 @@ impl Patch for f32 {
 
     fn from_half<'a, H: Half>(values: &'a [H], buf: &'a mut Vec<Self>) -> Option<&'a [Self]> {
         let buf = scratch_of(buf, values.len());
-        H::widen(values, buf);
+        Self::write_from_half(values, buf)?;
         Some(buf)
+    }
+
+    fn write_from_half<H: Half>(values: &[H], out: &mut [Self]) -> Option<()> {
+        H::widen(values, out);
+        Some(())
     }
 
     fn gemm(
@@ -424,9 +437,10 @@ fn backward_in_chunks<H: Half, P: Patch>(
                 .take(images)
                 .enumerate()
             {
-                let image = P::from_half(image, &mut buffers.image)?;
+                // Straight into place, plane by plane: no converted copy of the image first.
                 for (c, plane) in image.chunks(positions).enumerate() {
-                    grads[c * columns + n * positions..][..positions].copy_from_slice(plane);
+                    let out = &mut grads[c * columns + n * positions..][..positions];
+                    P::write_from_half(plane, out)?;
                 }
             }
             let grads: Operand<P> = (grads, [channels, columns], [columns, 1]);
