@@ -47,12 +47,12 @@ pub(crate) fn half_operands<T: TensorMetadata>(x: &T, weight: &T, bias: Option<&
     half && weight.dtype() == x.dtype() && bias.is_none_or(|b| b.dtype() == x.dtype())
 }
 
-// Half operands of two dimensions, or more with the same leading (batch) dimensions, no
-// broadcasting (and a bias of their dtype): what the GEMM hooks handle.
-fn eligible<T: TensorMetadata>(a: &T, b: &T, bias: Option<&T>) -> bool {
+// Half matmul operands of two dimensions, or more with the same leading (batch) dimensions,
+// no broadcasting: what the matmul hook handles.
+fn eligible<T: TensorMetadata>(a: &T, b: &T) -> bool {
     let (a_shape, b_shape) = (a.shape(), b.shape());
     let dims = a_shape.num_dims();
-    half_operands(a, b, bias)
+    half_operands(a, b, None)
         && dims >= 2
         && b_shape.num_dims() == dims
         && a_shape[..dims - 2] == b_shape[..dims - 2]
@@ -90,7 +90,7 @@ pub(crate) fn matmul<B: Backend>(
     b: FloatTensor<B>,
 ) -> FloatTensor<B> {
     if plan.target().is_some()
-        && eligible(&a, &b, None)
+        && eligible(&a, &b)
         && let Some(hook) = MATMUL.get::<B, MatmulHook<B>>()
         && chosen::<B>(&a)
     {
@@ -431,7 +431,7 @@ mod flex {
             let values = with_half!(dtype, H => {
                 let bias = bias.as_ref().map(|b| b.storage::<H>());
                 Bytes::from_elems(round_add_row::<H>(&scratch.product[..len], bias))
-            }, _ => unreachable!("eligible() admits half operands only"));
+            }, _ => unreachable!("the hooks admit half operands only"));
             scratch.release_large();
             values
         });
@@ -459,7 +459,7 @@ mod flex {
         let bias = bias.to_contiguous();
         with_half!(sum.dtype(), H => {
             add_row::<H>(sum.storage_mut::<H>(), bias.storage::<H>());
-        }, _ => unreachable!("eligible() admits half operands only"));
+        }, _ => unreachable!("the hooks admit half operands only"));
         sum
     }
 
@@ -620,12 +620,12 @@ mod flex {
                 let data = TensorData::new(values(n, 1), shape.to_vec());
                 Flex::float_cast(FlexTensor::from_data(data), FloatDType::BF16)
             };
-            assert!(eligible(&t(&[4, 5]), &t(&[5, 6]), None));
-            assert!(eligible(&t(&[2, 3, 4, 5]), &t(&[2, 3, 5, 6]), None));
+            assert!(eligible(&t(&[4, 5]), &t(&[5, 6])));
+            assert!(eligible(&t(&[2, 3, 4, 5]), &t(&[2, 3, 5, 6])));
             // Broadcast batches, ranks that differ, vectors: Flex's own matmul.
-            assert!(!eligible(&t(&[2, 4, 5]), &t(&[1, 5, 6]), None));
-            assert!(!eligible(&t(&[2, 4, 5]), &t(&[5, 6]), None));
-            assert!(!eligible(&t(&[5]), &t(&[5]), None));
+            assert!(!eligible(&t(&[2, 4, 5]), &t(&[1, 5, 6])));
+            assert!(!eligible(&t(&[2, 4, 5]), &t(&[5, 6])));
+            assert!(!eligible(&t(&[5]), &t(&[5])));
         }
 
         #[test]
