@@ -259,16 +259,17 @@ mod flex {
             self.batch.iter().product()
         }
 
-        // Where the `i`-th matrix of the batch starts, in a tensor with `strides` (batch
-        // dimensions first).
-        fn offset(&self, i: usize, strides: &[usize]) -> usize {
+        // Where the `i`-th matrix of the batch starts in a tensor with `strides` (batch
+        // dimensions first), and its (row, column) strides.
+        fn matrix(&self, i: usize, strides: &[usize]) -> (usize, [usize; 2]) {
             let mut rest = i;
             let mut offset = 0;
             for (size, stride) in self.batch.iter().zip(strides).rev() {
                 offset += rest % size * stride;
                 rest /= size;
             }
-            offset
+            let d = self.batch.len();
+            (offset, [strides[d], strides[d + 1]])
         }
     }
 
@@ -283,29 +284,30 @@ mod flex {
 
     // `product = a @ b` by the dot-product kernel, matrix by matrix of the batch, reading the
     // bf16 operands in place; false where it does not apply (negative strides).
-    fn bf16_dot_product(a: &FlexTensor, b: &FlexTensor, scratch: &mut Scratch) -> bool {
+    fn bf16_dot_product(
+        a: &FlexTensor,
+        b: &FlexTensor,
+        dims: &Dims,
+        scratch: &mut Scratch,
+    ) -> bool {
         let (Some(a_strides), Some(b_strides)) = (ordered_strides(a), ordered_strides(b)) else {
             return false;
         };
-        let dims = Dims::of(a, b);
         let (m, k, n) = (dims.m, dims.k, dims.n);
+        // The batch's `i`-th matrix of `t`, read in place.
         fn matrix<'t>(
             t: &'t FlexTensor,
-            dims: &Dims,
-            i: usize,
-            strides: &[usize],
+            (offset, strides): (usize, [usize; 2]),
             shape: [usize; 2],
         ) -> Option<Bf16Matrix<'t>> {
-            let offset = t.layout().start_offset() + dims.offset(i, strides);
-            let d = dims.batch.len();
-            let storage = t.storage::<half::bf16>();
-            Bf16Matrix::new(storage, offset, shape, [strides[d], strides[d + 1]])
+            let offset = t.layout().start_offset() + offset;
+            Bf16Matrix::new(t.storage::<half::bf16>(), offset, shape, strides)
         }
         let product = scratch_of(&mut scratch.product, dims.matrices() * m * n);
-        each_matrix(product, &dims, |i, c| {
+        each_matrix(product, dims, |i, c| {
             let (Some(am), Some(bm)) = (
-                matrix(a, &dims, i, &a_strides, [m, k]),
-                matrix(b, &dims, i, &b_strides, [k, n]),
+                matrix(a, dims.matrix(i, &a_strides), [m, k]),
+                matrix(b, dims.matrix(i, &b_strides), [k, n]),
             ) else {
                 return false;
             };
@@ -320,23 +322,22 @@ mod flex {
 
     // `product = a @ b` by Flex's f32 GEMM over the operands widened to f32, matrix by matrix
     // of the batch.
-    fn widened_product(a: &FlexTensor, b: &FlexTensor, scratch: &mut Scratch) {
-        let dims = Dims::of(a, b);
-        let (m, k, n, d) = (dims.m, dims.k, dims.n, dims.batch.len());
+    fn widened_product(a: &FlexTensor, b: &FlexTensor, dims: &Dims, scratch: &mut Scratch) {
+        let (m, k, n) = (dims.m, dims.k, dims.n);
         let [wa, wb] = &mut scratch.widened;
         let (a_strides, b_strides) = (widen_into(a, wa), widen_into(b, wb));
         let product = scratch_of(&mut scratch.product, dims.matrices() * m * n);
         let (wa, wb) = (&wa[..], &wb[..]);
-        let done = each_matrix(product, &dims, |i, c| {
-            let a = (
-                &wa[dims.offset(i, &a_strides)..],
-                [a_strides[d], a_strides[d + 1]],
-            );
-            let b = (
-                &wb[dims.offset(i, &b_strides)..],
-                [b_strides[d], b_strides[d + 1]],
-            );
-            f32_gemm(a, b, [m, k, n], c).is_some()
+        let done = each_matrix(product, dims, |i, c| {
+            let (a_offset, a_matrix) = dims.matrix(i, &a_strides);
+            let (b_offset, b_matrix) = dims.matrix(i, &b_strides);
+            f32_gemm(
+                (&wa[a_offset..], a_matrix),
+                (&wb[b_offset..], b_matrix),
+                [m, k, n],
+                c,
+            )
+            .is_some()
         });
         assert!(done, "widened operands fit their buffers");
     }
@@ -425,8 +426,8 @@ mod flex {
         let len = dims.matrices() * dims.m * dims.n;
         let bias = bias.map(|b| b.to_contiguous());
         let values = with_scratch(&SCRATCH, |scratch| {
-            if kernel != Kernel::Bf16Dot || !bf16_dot_product(a, b, scratch) {
-                widened_product(a, b, scratch);
+            if kernel != Kernel::Bf16Dot || !bf16_dot_product(a, b, &dims, scratch) {
+                widened_product(a, b, &dims, scratch);
             }
             let values = with_half!(dtype, H => {
                 let bias = bias.as_ref().map(|b| b.storage::<H>());
