@@ -212,9 +212,11 @@ fn values_mut<H: Half>(t: &mut FlexTensor) -> Option<&mut [H]> {
         .map(|storage| &mut storage[start..end])
 }
 
-/// A new buffer of `len` half values for a kernel to fill, as bits. Zeros of `u16` come from
-/// the allocator's fresh pages, where `vec![H::default(); len]` writes them with a memset (3% of
-/// an f16 step): only primitive types are known to be all-zero.
+/// A new buffer of `len` half values for a kernel to fill, as bits, in any order. Zeros of
+/// `u16` are `calloc`'s, which skips the memset where the pages are fresh, where
+/// `vec![H::default(); len]` always writes them (3% of an f16 step): only primitive types are
+/// known to be all-zero. Memory the allocator reuses is still zeroed first; a buffer written
+/// in order takes [`filled`] instead.
 pub(crate) fn half_buffer(len: usize) -> Vec<u16> {
     vec![0u16; len]
 }
