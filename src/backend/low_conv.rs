@@ -193,9 +193,10 @@ mod flex {
     // The bias's gradient: the half output gradient's summed over batch and positions, one
     // f32 sum per channel taken in Flex's order (batch, then position), rounded once. Each
     // plane is widened into a buffer of its own as it is summed, not the whole gradient.
+    //
+    // `grad` is contiguous.
     fn bias_grad(grad: &FlexTensor) -> FlexTensor {
         let dtype = grad.dtype();
-        let grad = grad.to_contiguous();
         let shape = grad.layout().shape();
         let (batch, channels) = (shape[0], shape[1]);
         let positions = shape[2] * shape[3];
@@ -227,20 +228,16 @@ mod flex {
 
     // The gradients of a convolution's parents `[x, weight, bias]` (bias absent without one).
     fn backward(saved: Saved, parents: &[Option<NodeId>], grad: FlexTensor, grads: &mut Gradients) {
-        let dtype = grad.dtype();
+        let (dtype, grad) = (grad.dtype(), grad.to_contiguous());
         if let Some(Some(id)) = parents.get(2) {
             grads.register::<Flex>(*id, bias_grad(&grad));
         }
         let Saved { x, weight, options } = saved;
         if let Some((kernel, geometry)) = gemm_conv(&x, &weight, &options) {
             let want = [parents[0].is_some(), parents[1].is_some()];
-            let (xc, wc, gc) = (
-                x.to_contiguous(),
-                weight.to_contiguous(),
-                grad.to_contiguous(),
-            );
+            let (xc, wc) = (x.to_contiguous(), weight.to_contiguous());
             let computed = with_half!(dtype, H => {
-                half_conv::backward::<H>(kernel, &geometry, xc.storage(), wc.storage(), gc.storage(), want)
+                half_conv::backward::<H>(kernel, &geometry, xc.storage(), wc.storage(), grad.storage(), want)
             }, _ => None);
             if let Some(results) = computed {
                 let shapes = [x.layout().shape(), weight.layout().shape()];
