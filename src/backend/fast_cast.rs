@@ -4,8 +4,12 @@
 //! `burn-flex-0.21.0/src/ops/float.rs`), about 2 ns per element: on the benchmark MLP the casts
 //! autocast inserts cost a third of a bf16 step. The [`Half`](crate::backend::half_kernels::Half)
 //! conversions do the same rounding (round to nearest even, from the exact value) in one
-//! vectorised pass. Casting through f64 first changes nothing: an f32 is exact in f64, so both
-//! round the same value.
+//! vectorised pass. Casting through f64 first would change nothing, an f32 being exact in f64,
+//! but `half` 2.7.1's f64 conversions drop the f64's low 32 mantissa bits before they round
+//! (`f64_to_bf16` in `half-2.7.1/src/bfloat/convert.rs`, `f64_to_f16_fallback` in
+//! `src/binary16/arch.rs`): where an f32 lies just past a tie by its last three mantissa bits
+//! only (`0x7DA0_8005`, say), Flex rounds it as the tie, to even, and this cast rounds it up,
+//! as torch, ml_dtypes and `half`'s own f32 conversions do. Every other value gets Flex's bits.
 //!
 //! Like fp8's cast, a replacement under autodiff needs a backward node, built with the
 //! concrete `Autodiff<B, C>` in hand: the hooks table holds one function per backend type,
@@ -135,9 +139,10 @@ pub(crate) mod flex {
     mod tests {
         use super::*;
 
-        // Every f32 bit pattern class: normals, subnormals, ties, overflow to inf, NaN.
+        // Every f32 bit pattern class: normals, subnormals, ties, overflow to inf, NaN; more
+        // than three of the kernels' parallel tasks.
         fn values() -> Vec<f32> {
-            let mut v: Vec<f32> = (0..20_000u32)
+            let mut v: Vec<f32> = (0..200_000u32)
                 .map(|i| f32::from_bits(i.wrapping_mul(2_654_435_761)))
                 .collect();
             v.extend([
@@ -159,20 +164,68 @@ pub(crate) mod flex {
             t.into_data().bytes.to_vec()
         }
 
+        // The cast of f32 values to the half type `dtype` as bits, one value at a time by
+        // `half`'s f32 conversion: round to nearest even from the exact value.
+        fn rounded(values: &[f32], dtype: FloatDType) -> Vec<u8> {
+            let bits: Vec<u16> = match dtype {
+                FloatDType::BF16 => values
+                    .iter()
+                    .map(|v| bf16::from_f32(*v).to_bits())
+                    .collect(),
+                _ => values.iter().map(|v| f16::from_f32(*v).to_bits()).collect(),
+            };
+            bytemuck::cast_slice(&bits).to_vec()
+        }
+
+        // The values whose last three mantissa bits `half`'s f64 conversions read (see the
+        // module docs): those bits all zero.
+        fn flex_rounds_right(v: f32) -> bool {
+            v.to_bits() & 0b111 == 0
+        }
+
         #[test]
-        fn the_fast_cast_gives_flexs_own_bits() {
+        fn the_fast_cast_rounds_to_nearest_even_and_gives_flexs_bits_where_flex_does() {
             let v = values();
             let n = v.len();
-            let t = FlexTensor::from_data(burn::tensor::TensorData::new(v, [n]));
+            let t = FlexTensor::from_data(burn::tensor::TensorData::new(v.clone(), [n]));
             for dtype in [FloatDType::BF16, FloatDType::F16] {
                 let fast = convert(t.clone(), dtype);
                 let own = Flex::float_cast(t.clone(), dtype);
                 assert_eq!(fast.dtype(), own.dtype());
-                assert_eq!(bits(fast.clone()), bits(own.clone()), "f32 -> {dtype:?}");
-                let back = convert(fast, FloatDType::F32);
-                let own_back = Flex::float_cast(own, FloatDType::F32);
+                let (fast_bits, own_bits) = (bits(fast.clone()), bits(own.clone()));
+                assert_eq!(fast_bits, rounded(&v, dtype), "f32 -> {dtype:?}");
+                for (i, x) in v.iter().enumerate().filter(|(_, x)| flex_rounds_right(**x)) {
+                    let at = 2 * i..2 * i + 2;
+                    assert_eq!(
+                        fast_bits[at.clone()],
+                        own_bits[at],
+                        "f32 {x:e} -> {dtype:?}"
+                    );
+                }
+                // Widening is exact: the same half values give Flex's bits.
+                let back = convert(fast.clone(), FloatDType::F32);
+                let own_back = Flex::float_cast(fast, FloatDType::F32);
                 assert_eq!(bits(back), bits(own_back), "{dtype:?} -> f32");
             }
+        }
+
+        #[test]
+        fn flex_rounds_a_value_just_past_a_tie_as_the_tie() {
+            // The upper half 0x7DA0, the lower 0x8005: past the tie by its last bits only.
+            let x = f32::from_bits(0x7DA0_8005);
+            let t = FlexTensor::from_data(burn::tensor::TensorData::new(vec![x], [1]));
+            let fast = convert(t.clone(), FloatDType::BF16);
+            let own = Flex::float_cast(t, FloatDType::BF16);
+            assert_eq!(
+                bits(fast),
+                0x7DA1u16.to_le_bytes(),
+                "rounded up, to nearest"
+            );
+            assert_eq!(
+                bits(own),
+                0x7DA0u16.to_le_bytes(),
+                "Flex's: as the tie, to even"
+            );
         }
     }
 }

@@ -15,6 +15,7 @@ use burn::backend::flex::{FlexTensor, Layout};
 use burn::tensor::{Bytes, Element};
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
+use rayon::prelude::*;
 
 // Small enough that the f32 buffers stay in L1 beside the data they stream.
 const BLOCK: usize = 256;
@@ -221,23 +222,54 @@ pub(crate) fn half_buffer(len: usize) -> Vec<u16> {
     vec![0u16; len]
 }
 
+/// Values per parallel task of the kernels here (256 KiB of f32). Flex runs its elementwise
+/// ops on one thread; these, converting and streaming memory, take rayon's threads from two
+/// tasks up, so that on two cores the conversions autocast adds around a GEMM take half the
+/// time the GEMM's threads would wait for them. Every value is computed alone, so the bits
+/// do not depend on the split.
+const TASK: usize = 1 << 16;
+
+/// `f(start, chunk)` for the chunks of `TASK` values of `values` (`start` the chunk's first
+/// index), on rayon's threads where there are several.
+fn in_tasks<T: Send>(values: &mut [T], f: impl Fn(usize, &mut [T]) + Sync) {
+    match values.len() > TASK {
+        true => values
+            .par_chunks_mut(TASK)
+            .enumerate()
+            .for_each(|(i, chunk)| f(i * TASK, chunk)),
+        false => f(0, values),
+    }
+}
+
 /// A new buffer of `len` values, written block by block by `fill(start, block)` (the block of
-/// values from `start`), with no pass to zero it first: the allocator hands back memory of
-/// freed tensors, which `vec![0; len]` zeroes with a memset (2–3% of a half-precision step).
-/// Each block goes through a small buffer on the stack, as safe code cannot write memory that
-/// is not yet initialised.
-pub(crate) fn filled<T: bytemuck::Pod>(
+/// values from `start`), in tasks on rayon's threads where it is large, with no pass to zero it
+/// first: the allocator hands back memory of freed tensors, which `vec![0; len]` zeroes with a
+/// memset (2–3% of a half-precision step). Each block goes through a small buffer on the
+/// stack, as safe code cannot write memory that is not yet initialised.
+pub(crate) fn filled<T: bytemuck::Pod + Send>(
     len: usize,
-    mut fill: impl FnMut(usize, &mut [T]),
+    fill: impl Fn(usize, &mut [T]) + Sync,
 ) -> Vec<T> {
     let mut out = Vec::with_capacity(len);
-    let mut block = [T::zeroed(); BLOCK];
-    while out.len() < len {
-        let block = &mut block[..BLOCK.min(len - out.len())];
-        fill(out.len(), block);
-        out.extend_from_slice(block);
-    }
+    in_tasks(&mut out.spare_capacity_mut()[..len], |start, task| {
+        let mut block = [T::zeroed(); BLOCK];
+        for (i, dst) in task.chunks_mut(BLOCK).enumerate() {
+            let block = &mut block[..dst.len()];
+            fill(start + i * BLOCK, block);
+            for (dst, value) in dst.iter_mut().zip(block.iter()) {
+                dst.write(*value);
+            }
+        }
+    });
+    // SAFETY: the tasks wrote each of the first `len` values (the chunks cover them).
+    unsafe { out.set_len(len) };
     out
+}
+
+/// `src` widened into `dst` (as long), in tasks on rayon's threads where they are large.
+pub(crate) fn widen_in_tasks<H: Half>(src: &[H], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len(), "one value widened per value");
+    in_tasks(dst, |start, dst| H::widen(&src[start..][..dst.len()], dst));
 }
 
 /// `buf`'s bits as half values.
@@ -257,31 +289,29 @@ pub(crate) fn fits(t: &FlexTensor) -> bool {
 
 /// `f` of every value of a half tensor that [`fits`], in its dtype: in place where nothing
 /// else holds its buffer (as Flex's own unary ops do), else into a new one.
-pub(crate) fn map<H: Half>(mut t: FlexTensor, f: impl Fn(f32) -> f32) -> FlexTensor {
-    let mut buf = [0f32; BLOCK];
-    let mut apply = |src: &[H], dst: &mut [H]| {
+pub(crate) fn map<H: Half>(mut t: FlexTensor, f: impl Fn(f32) -> f32 + Sync) -> FlexTensor {
+    let apply = |src: &[H], dst: &mut [H]| {
+        let mut buf = [0f32; BLOCK];
         let buf = &mut buf[..src.len()];
         H::widen(src, buf);
         buf.iter_mut().for_each(|x| *x = f(*x));
         H::round(buf, dst);
     };
     if let Some(values) = values_mut::<H>(&mut t) {
-        let mut block = [H::default(); BLOCK];
-        for chunk in values.chunks_mut(BLOCK) {
-            let src = &mut block[..chunk.len()];
-            src.copy_from_slice(chunk);
-            apply(src, chunk);
-        }
+        in_tasks(values, |_, task| {
+            let mut block = [H::default(); BLOCK];
+            for chunk in task.chunks_mut(BLOCK) {
+                let src = &mut block[..chunk.len()];
+                src.copy_from_slice(chunk);
+                apply(src, chunk);
+            }
+        });
         return t;
     }
     let src = values::<H>(&t).expect("map takes tensors that fit");
-    let mut out = half_buffer(src.len());
-    for (src, dst) in src
-        .chunks(BLOCK)
-        .zip(as_half::<H>(&mut out).chunks_mut(BLOCK))
-    {
-        apply(src, dst);
-    }
+    let out = filled(src.len(), |start, block: &mut [u16]| {
+        apply(&src[start..][..block.len()], as_half::<H>(block));
+    });
     output::<H>(out, Layout::contiguous(t.layout().shape().clone()))
 }
 
@@ -290,7 +320,7 @@ pub(crate) fn map<H: Half>(mut t: FlexTensor, f: impl Fn(f32) -> f32) -> FlexTen
 pub(crate) fn zip<H: Half>(
     a: &FlexTensor,
     mut b: FlexTensor,
-    f: impl Fn(f32, f32) -> f32,
+    f: impl Fn(f32, f32) -> f32 + Sync,
 ) -> FlexTensor {
     assert_eq!(
         a.layout().shape(),
@@ -298,8 +328,8 @@ pub(crate) fn zip<H: Half>(
         "zip takes tensors of one shape"
     );
     let xs = values::<H>(a).expect("zip takes tensors that fit");
-    let (mut bx, mut by) = ([0f32; BLOCK], [0f32; BLOCK]);
-    let mut apply = |xs: &[H], ys: &[H], dst: &mut [H]| {
+    let apply = |xs: &[H], ys: &[H], dst: &mut [H]| {
+        let (mut bx, mut by) = ([0f32; BLOCK], [0f32; BLOCK]);
         let (bx, by) = (&mut bx[..xs.len()], &mut by[..xs.len()]);
         H::widen(xs, bx);
         H::widen(ys, by);
@@ -309,23 +339,21 @@ pub(crate) fn zip<H: Half>(
         H::round(bx, dst);
     };
     if let Some(ys) = values_mut::<H>(&mut b) {
-        let mut block = [H::default(); BLOCK];
-        for (xs, chunk) in xs.chunks(BLOCK).zip(ys.chunks_mut(BLOCK)) {
-            let src = &mut block[..chunk.len()];
-            src.copy_from_slice(chunk);
-            apply(xs, src, chunk);
-        }
+        in_tasks(ys, |start, task| {
+            let mut block = [H::default(); BLOCK];
+            for (i, chunk) in task.chunks_mut(BLOCK).enumerate() {
+                let src = &mut block[..chunk.len()];
+                src.copy_from_slice(chunk);
+                apply(&xs[start + i * BLOCK..][..chunk.len()], src, chunk);
+            }
+        });
         return b;
     }
     let ys = values::<H>(&b).expect("zip takes tensors that fit");
-    let mut out = half_buffer(xs.len());
-    for ((xs, ys), dst) in xs
-        .chunks(BLOCK)
-        .zip(ys.chunks(BLOCK))
-        .zip(as_half::<H>(&mut out).chunks_mut(BLOCK))
-    {
-        apply(xs, ys, dst);
-    }
+    let out = filled(xs.len(), |start, block: &mut [u16]| {
+        let n = block.len();
+        apply(&xs[start..][..n], &ys[start..][..n], as_half::<H>(block));
+    });
     output::<H>(out, Layout::contiguous(b.layout().shape().clone()))
 }
 
@@ -349,16 +377,25 @@ pub(crate) fn round_add_row<H: Half>(product: &[f32], bias: Option<&[H]>) -> Vec
 /// Adds `bias` to every row of the contiguous `[m, bias.len()]` half values in `rows`, each sum
 /// rounded to `H`, as Flex adds a broadcast row on half tensors.
 pub(crate) fn add_row<H: Half>(rows: &mut [H], bias: &[H]) {
+    let n = bias.len().max(1);
     let mut wide_bias = vec![0f32; bias.len()];
     H::widen(bias, &mut wide_bias);
-    let mut buf = [0f32; BLOCK];
-    for row in rows.chunks_mut(bias.len().max(1)) {
-        for (dst, bias) in row.chunks_mut(BLOCK).zip(wide_bias.chunks(BLOCK)) {
-            let buf = &mut buf[..dst.len()];
-            H::widen(dst, buf);
-            buf.iter_mut().zip(bias).for_each(|(x, b)| *x += b);
-            H::round(buf, dst);
+    // Whole rows per task, so that each task's rows start at the bias's first value.
+    let rows_per_task = (TASK / n).max(1);
+    let add = |rows: &mut [H]| {
+        let mut buf = [0f32; BLOCK];
+        for row in rows.chunks_mut(n) {
+            for (dst, bias) in row.chunks_mut(BLOCK).zip(wide_bias.chunks(BLOCK)) {
+                let buf = &mut buf[..dst.len()];
+                H::widen(dst, buf);
+                buf.iter_mut().zip(bias).for_each(|(x, b)| *x += b);
+                H::round(buf, dst);
+            }
         }
+    };
+    match rows.len() > rows_per_task * n {
+        true => rows.par_chunks_mut(rows_per_task * n).for_each(add),
+        false => add(rows),
     }
 }
 
@@ -423,6 +460,10 @@ mod tests {
     }
 
     const DTYPES: [FloatDType; 2] = [FloatDType::BF16, FloatDType::F16];
+
+    // A tensor of a few blocks, and one of more than three parallel tasks (`TASK`), neither a
+    // whole number of them.
+    const SHAPES: [[usize; 2]; 2] = [[37, 29], [700, 301]];
 
     // A million scattered f32 bit patterns, and every pattern below a few high halves: ties
     // and near-ties of ordinary numbers, each type's largest finite values and smallest
@@ -491,10 +532,11 @@ mod tests {
     fn map_and_zip_give_flexs_own_bits_in_place_or_not() {
         let relu = |x: f32| if x > 0.0 { x } else { 0.0 };
         let sum = |x: f32, y: f32| x + y;
-        for dtype in DTYPES {
-            // Not a multiple of the block, so the last block is short.
-            let a = half(values(37 * 29, 1), [37, 29], dtype);
-            let b = half(values(37 * 29, 2), [37, 29], dtype);
+        // Not a multiple of the block, so the last block is short; and the same in more than
+        // three parallel tasks, the last one short too.
+        for (dtype, [m, n]) in DTYPES.into_iter().flat_map(|d| SHAPES.map(|s| (d, s))) {
+            let a = half(values(m * n, 1), [m, n], dtype);
+            let b = half(values(m * n, 2), [m, n], dtype);
             let (want_relu, want_sum) =
                 (Flex::relu(a.clone()), Flex::float_add(a.clone(), b.clone()));
             // Shared buffers (the clones held here) get new ones; unshared ones are reused.
@@ -527,8 +569,7 @@ mod tests {
 
     #[test]
     fn epilogue_and_row_sums_give_flexs_own_bits() {
-        let (m, n) = (23, 300);
-        for dtype in DTYPES {
+        for (dtype, [m, n]) in DTYPES.into_iter().flat_map(|d| SHAPES.map(|s| (d, s))) {
             let product = FlexTensor::from_data(TensorData::new(values(m * n, 3), [m, n]));
             let bias = Flex::float_cast(
                 FlexTensor::from_data(TensorData::new(values(n, 4), [n])),

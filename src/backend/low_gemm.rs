@@ -154,7 +154,9 @@ mod flex {
 
     use super::{LINEAR, LinearHook, MATMUL, MatmulHook};
     use crate::backend::bf16_gemm::{self, Bf16Matrix, release_large, scratch_of, with_scratch};
-    use crate::backend::half_kernels::{Half, add_row, round_add_row, sum_rows, with_half};
+    use crate::backend::half_kernels::{
+        add_row, round_add_row, sum_rows, widen_in_tasks, with_half,
+    };
     use crate::capability;
 
     pub(super) fn register() {
@@ -221,7 +223,7 @@ mod flex {
         let dense = ordered && t.layout().start_offset() == 0 && stored == n;
         let t = if dense { t.clone() } else { t.to_contiguous() };
         let buf = scratch_of(buf, n);
-        with_half!(t.dtype(), H => H::widen(t.storage::<H>(), buf), _ => unreachable!());
+        with_half!(t.dtype(), H => widen_in_tasks::<H>(t.storage(), buf), _ => unreachable!());
         t.layout()
             .strides()
             .iter()
