@@ -120,7 +120,8 @@ const TIMED_MATMUL_SIZE: usize = 512;
 /// A real half-precision GEMM takes half of f32's time or less (Flex's bf16 on AVX512-BF16
 /// dot products measured 0.44–0.55). Where a half precision runs the same f32 GEMM (Flex's
 /// f16, or its bf16 on other CPUs), repeated probes measured 0.71–1.24, from noise and from the
-/// half-sized output the probe reads back, while a training step ran at f32's speed. The
+/// half-sized output the probe reads back, while a training step's best rounds ran at f32's
+/// speed (its median at 0.72–0.99× of f32's, from the conversions around the GEMM). The
 /// margin lies between the two, so that a model moves to a lower precision only for a real
 /// speed-up. (It was 0.8 until f16 on the f32 GEMM measured 0.76–0.89 on the 2-core Zen 4
 /// this crate is built on.)
