@@ -235,8 +235,7 @@ mod flex {
     /// where rayon has several (a pool of one would only add a hand-over to its worker and
     /// back for each parallel loop, as the `gemm` crate knows).
     pub(crate) fn parallel(m: usize, n: usize, k: usize) -> bool {
-        m.saturating_mul(n).saturating_mul(k) >= 192 * 192 * 192
-            && rayon::current_num_threads() > 1
+        m.saturating_mul(n).saturating_mul(k) >= 192 * 192 * 192 && rayon::current_num_threads() > 1
     }
 
     // The sizes of a product of half matrices: its batch (the leading dimensions, the same
