@@ -17,6 +17,8 @@ use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
+use super::several_threads;
+
 // Small enough that the f32 buffers stay in L1 beside the data they stream.
 const BLOCK: usize = 256;
 
@@ -230,10 +232,10 @@ pub(crate) fn half_buffer(len: usize) -> Vec<u16> {
 const TASK: usize = 1 << 16;
 
 /// `f(start, chunk)` for the chunks of `TASK` values of `values` (`start` the chunk's first
-/// index), on rayon's threads where there are several chunks and several threads. (A pool of
-/// one thread would only add a hand-over to it and back: 4% of a one-thread f16 step.)
+/// index), on rayon's threads where there are several chunks and several threads
+/// ([`several_threads`]).
 fn in_tasks<T: Send>(values: &mut [T], f: impl Fn(usize, &mut [T]) + Sync) {
-    match values.len() > TASK && rayon::current_num_threads() > 1 {
+    match values.len() > TASK && several_threads() {
         true => values
             .par_chunks_mut(TASK)
             .enumerate()

@@ -157,6 +157,7 @@ mod flex {
     use crate::backend::half_kernels::{
         add_row, round_add_row, sum_rows, widen_in_tasks, with_half,
     };
+    use crate::backend::several_threads;
     use crate::capability;
 
     pub(super) fn register() {
@@ -232,10 +233,13 @@ mod flex {
     }
 
     /// Flex's rule for an `m × k` by `k × n` product: threads from 192³ multiply-adds up,
-    /// where rayon has several (a pool of one would only add a hand-over to its worker and
-    /// back for each parallel loop, as the `gemm` crate knows).
+    /// where rayon has several (`several_threads`).
     pub(crate) fn parallel(m: usize, n: usize, k: usize) -> bool {
-        m.saturating_mul(n).saturating_mul(k) >= 192 * 192 * 192 && rayon::current_num_threads() > 1
+        large(m, n, k) && several_threads()
+    }
+
+    fn large(m: usize, n: usize, k: usize) -> bool {
+        m.saturating_mul(n).saturating_mul(k) >= 192 * 192 * 192
     }
 
     // The sizes of a product of half matrices: its batch (the leading dimensions, the same
@@ -355,7 +359,7 @@ mod flex {
         f: impl Fn(usize, &mut [f32]) -> bool + Sync,
     ) -> bool {
         let size = (dims.m * dims.n).max(1);
-        if dims.matrices() > 1 && !parallel(dims.m, dims.n, dims.k) {
+        if dims.matrices() > 1 && several_threads() && !large(dims.m, dims.n, dims.k) {
             let all = product.par_chunks_mut(size).enumerate();
             all.map(|(i, c)| f(i, c)).reduce(|| true, |a, b| a && b)
         } else {
