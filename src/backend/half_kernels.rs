@@ -293,31 +293,27 @@ pub(crate) fn fits(t: &FlexTensor) -> bool {
 /// `f` of every value of a half tensor that [`fits`], in its dtype: in place where nothing
 /// else holds its buffer (as Flex's own unary ops do), else into a new one.
 pub(crate) fn map<H: Half>(mut t: FlexTensor, f: impl Fn(f32) -> f32 + Sync) -> FlexTensor {
-    // `buf` is the task's, so that it is not set up again for every block.
-    let apply = |src: &[H], dst: &mut [H], buf: &mut [f32; BLOCK]| {
-        let buf = &mut buf[..src.len()];
-        H::widen(src, buf);
-        buf.iter_mut().for_each(|x| *x = f(*x));
-        H::round(buf, dst);
+    // `f` of `src`'s values (or, where `None`, of `dst`'s own) into `dst`, block by block.
+    let apply = |src: Option<&[H]>, dst: &mut [H]| {
+        let mut buf = [0f32; BLOCK];
+        for (i, dst) in dst.chunks_mut(BLOCK).enumerate() {
+            let buf = &mut buf[..dst.len()];
+            match src {
+                Some(src) => H::widen(&src[i * BLOCK..][..dst.len()], buf),
+                None => H::widen(dst, buf),
+            }
+            buf.iter_mut().for_each(|x| *x = f(*x));
+            H::round(buf, dst);
+        }
     };
     if let Some(values) = values_mut::<H>(&mut t) {
-        in_tasks(values, |_, task| {
-            let (mut buf, mut block) = ([0f32; BLOCK], [H::default(); BLOCK]);
-            for chunk in task.chunks_mut(BLOCK) {
-                let src = &mut block[..chunk.len()];
-                src.copy_from_slice(chunk);
-                apply(src, chunk, &mut buf);
-            }
-        });
+        in_tasks(values, |_, task| apply(None, task));
         return t;
     }
     let src = values::<H>(&t).expect("map takes tensors that fit");
     let mut out = half_buffer(src.len());
     in_tasks(as_half::<H>(&mut out), |start, task| {
-        let mut buf = [0f32; BLOCK];
-        for (i, dst) in task.chunks_mut(BLOCK).enumerate() {
-            apply(&src[start + i * BLOCK..][..dst.len()], dst, &mut buf);
-        }
+        apply(Some(&src[start..][..task.len()]), task)
     });
     output::<H>(out, Layout::contiguous(t.layout().shape().clone()))
 }
@@ -335,41 +331,34 @@ pub(crate) fn zip<H: Half>(
         "zip takes tensors of one shape"
     );
     let xs = values::<H>(a).expect("zip takes tensors that fit");
-    // The buffers are the task's, as in `map`.
-    let apply = |xs: &[H], ys: &[H], dst: &mut [H], [bx, by]: &mut [[f32; BLOCK]; 2]| {
-        let (bx, by) = (&mut bx[..xs.len()], &mut by[..xs.len()]);
-        H::widen(xs, bx);
-        H::widen(ys, by);
-        bx.iter_mut()
-            .zip(by.iter())
-            .for_each(|(x, y)| *x = f(*x, *y));
-        H::round(bx, dst);
+    // `f` of `xs` and `ys` (or, where `None`, `dst`'s own values) into `dst`, block by block.
+    let apply = |xs: &[H], ys: Option<&[H]>, dst: &mut [H]| {
+        let (mut bx, mut by) = ([0f32; BLOCK], [0f32; BLOCK]);
+        for (i, dst) in dst.chunks_mut(BLOCK).enumerate() {
+            let (at, n) = (i * BLOCK, dst.len());
+            let (bx, by) = (&mut bx[..n], &mut by[..n]);
+            H::widen(&xs[at..][..n], bx);
+            match ys {
+                Some(ys) => H::widen(&ys[at..][..n], by),
+                None => H::widen(dst, by),
+            }
+            bx.iter_mut()
+                .zip(by.iter())
+                .for_each(|(x, y)| *x = f(*x, *y));
+            H::round(bx, dst);
+        }
     };
     if let Some(ys) = values_mut::<H>(&mut b) {
         in_tasks(ys, |start, task| {
-            let (mut bufs, mut block) = ([[0f32; BLOCK]; 2], [H::default(); BLOCK]);
-            for (i, chunk) in task.chunks_mut(BLOCK).enumerate() {
-                let src = &mut block[..chunk.len()];
-                src.copy_from_slice(chunk);
-                apply(
-                    &xs[start + i * BLOCK..][..chunk.len()],
-                    src,
-                    chunk,
-                    &mut bufs,
-                );
-            }
+            apply(&xs[start..][..task.len()], None, task)
         });
         return b;
     }
     let ys = values::<H>(&b).expect("zip takes tensors that fit");
     let mut out = half_buffer(xs.len());
     in_tasks(as_half::<H>(&mut out), |start, task| {
-        let mut bufs = [[0f32; BLOCK]; 2];
-        for (i, dst) in task.chunks_mut(BLOCK).enumerate() {
-            let at = start + i * BLOCK;
-            let n = dst.len();
-            apply(&xs[at..][..n], &ys[at..][..n], dst, &mut bufs);
-        }
+        let n = task.len();
+        apply(&xs[start..][..n], Some(&ys[start..][..n]), task)
     });
     output::<H>(out, Layout::contiguous(b.layout().shape().clone()))
 }
