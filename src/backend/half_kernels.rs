@@ -235,11 +235,16 @@ const TASK: usize = 1 << 16;
 /// index), on rayon's threads where there are several chunks and several threads
 /// ([`several_threads`]).
 fn in_tasks<T: Send>(values: &mut [T], f: impl Fn(usize, &mut [T]) + Sync) {
-    match values.len() > TASK && several_threads() {
+    in_tasks_of(TASK, values, f);
+}
+
+/// [`in_tasks`] with tasks of `task` values (for a kernel whose tasks must start at a row).
+fn in_tasks_of<T: Send>(task: usize, values: &mut [T], f: impl Fn(usize, &mut [T]) + Sync) {
+    match values.len() > task && several_threads() {
         true => values
-            .par_chunks_mut(TASK)
+            .par_chunks_mut(task)
             .enumerate()
-            .for_each(|(i, chunk)| f(i * TASK, chunk)),
+            .for_each(|(i, chunk)| f(i * task, chunk)),
         false => f(0, values),
     }
 }
@@ -399,10 +404,7 @@ pub(crate) fn add_row<H: Half>(rows: &mut [H], bias: &[H]) {
             }
         }
     };
-    match rows.len() > rows_per_task * n {
-        true => rows.par_chunks_mut(rows_per_task * n).for_each(add),
-        false => add(rows),
-    }
+    in_tasks_of(rows_per_task * n, rows, |_, rows| add(rows));
 }
 
 /// The sum over the rows of a contiguous `[m, n]` half tensor, `n` values: f32 sums taken row

@@ -16,6 +16,12 @@ mod placement;
 mod rewrap;
 pub(crate) mod tracked_move;
 
+use burn_backend::tensor::{BoolTensor, FloatTensor, IntTensor, QuantizedTensor};
+use burn_backend::{
+    AutodiffBackend, Backend, BackendTypes, DType, DTypeUsageSet, ExecutionError, TensorData,
+};
+use core::marker::PhantomData;
+
 /// Whether rayon has several threads to share work among. The crate's CPU kernels run their
 /// parallel loops only then: from outside the pool, a loop in a pool of one thread only adds
 /// a hand-over to its worker and back (4% of a one-thread f16 step for the conversions, 6% of
@@ -24,12 +30,6 @@ pub(crate) mod tracked_move;
 pub(crate) fn several_threads() -> bool {
     rayon::current_num_threads() > 1
 }
-
-use burn_backend::tensor::{BoolTensor, FloatTensor, IntTensor, QuantizedTensor};
-use burn_backend::{
-    AutodiffBackend, Backend, BackendTypes, DType, DTypeUsageSet, ExecutionError, TensorData,
-};
-use core::marker::PhantomData;
 
 /// A Burn backend that runs `B` with mixed-precision autocast.
 ///
