@@ -1,24 +1,32 @@
 //! Accelerate's collectives on tensors, for a training script's own use: `gather`,
 //! `gather_for_metrics`, `reduce`, `broadcast`, `broadcast_object` and
-//! `pad_across_processes`, as methods of [`ProcessGroup`].
+//! `pad_across_processes`, plus `all_reduce_tensor` and `reduce_scatter_tensor` for sharded
+//! training, as methods of [`ProcessGroup`].
 //!
-//! They travel as the tensors' own bytes (any dtype: int labels and bool masks arrive
-//! exactly), gathered in rank order, so every process computes the same result; every
-//! process must call them in the same order. For one process they return their input.
+//! They move the tensors' own bytes (any dtype: int labels and bool masks arrive exactly;
+//! sums are computed in the tensor's dtype), of any size, in rank order, so every process
+//! computes the same result; every process must call them in the same order. For one process
+//! they return their input.
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{BasicOps, Bytes, DType, ElementConversion, Numeric, Tensor, TensorData};
+use burn::tensor::{
+    BasicOps, DType, ElementConversion, Numeric, Tensor, TensorCreationOptions, TensorData,
+};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use super::element::Element;
 use super::error::DistributedError;
 use super::group::{ProcessGroup, ReduceOp};
 use crate::data::drop_padding_tensor;
 
+/// What the processes must agree on before a tensor's bytes are combined.
+type Meta = (DType, Vec<usize>);
+
 impl ProcessGroup {
     /// Every process's `tensor`, concatenated along the first dimension in rank order, on
-    /// every process (Accelerate's `gather`). The tensors may differ in their first dimension
-    /// only.
+    /// every process (Accelerate's `gather`, torch's `all_gather_into_tensor` with uneven
+    /// first dimensions). The tensors may differ in their first dimension only.
     ///
     /// ```
     /// # #[cfg(feature = "flex")] {
@@ -44,25 +52,31 @@ impl ProcessGroup {
         B: Backend,
         K: BasicOps<B>,
     {
-        let all = self.gather_each(tensor)?;
-        if all.len() == 1 {
-            return Ok(all.into_iter().next().expect("one tensor"));
+        if self.world_size() == 1 {
+            return Ok(tensor);
         }
-        let first = all[0].dims();
-        for (rank, t) in all.iter().enumerate() {
-            if t.dims()[1..] != first[1..] {
-                return Err(DistributedError::Mismatch {
-                    rank,
-                    detail: format!(
-                        "its tensor has shape {:?} where process 0's has {first:?}: gather \
-                         needs the same shape beyond the first dimension (see \
-                         pad_across_processes)",
-                        t.dims()
-                    ),
-                });
-            }
-        }
-        Ok(Tensor::cat(all, 0))
+        let (dtype, dims) = (tensor.dtype(), tensor.dims());
+        let metas = self.agree(tensor.dtype(), &dims, |theirs| {
+            (theirs.0 != dtype || theirs.1[1..] != dims[1..]).then(|| {
+                format!(
+                    "its tensor is {:?} of shape {:?} where this process's is {dtype:?} of \
+                     shape {dims:?}: gather needs the same dtype and the same shape beyond the \
+                     first dimension (see pad_across_processes)",
+                    theirs.0, theirs.1
+                )
+            })
+        })?;
+        let row = dims[1..].iter().product::<usize>() * dtype.size();
+        let counts: Vec<usize> = metas.iter().map(|(_, d)| d[0] * row).collect();
+        let own: usize = counts[..self.rank()].iter().sum();
+        let device = tensor.device();
+        let data = tensor.into_data();
+        let mut gathered = vec![0u8; counts.iter().sum()];
+        gathered[own..own + data.bytes.len()].copy_from_slice(&data.bytes);
+        self.all_gather_in_place(&mut gathered, &counts)?;
+        let mut shape = dims.to_vec();
+        shape[0] = metas.iter().map(|(_, d)| d[0]).sum();
+        Ok(from_bytes(gathered, shape, dtype, &device))
     }
 
     /// [`gather`](Self::gather), then drops the last `padding` samples: the duplicates
@@ -86,12 +100,12 @@ impl ProcessGroup {
     }
 
     /// The sum or mean of every process's `tensor` on every process (Accelerate's `reduce`),
-    /// summed in rank order in the tensor's own dtype (an integer mean divides as integers
-    /// do).
+    /// computed in the tensor's own dtype by the ring all-reduce (an integer mean divides as
+    /// integers do; integers are exact).
     ///
     /// # Errors
     /// As [`gather`](Self::gather); [`DistributedError::Mismatch`] for tensors of different
-    /// shapes.
+    /// shapes or dtypes.
     pub fn reduce<B, const D: usize, K>(
         &self,
         tensor: Tensor<B, D, K>,
@@ -101,34 +115,116 @@ impl ProcessGroup {
         B: Backend,
         K: Numeric<B>,
     {
-        let dims = tensor.dims();
-        let all = self.gather_each(tensor)?;
-        let n = all.len();
-        if let Some(rank) = all.iter().position(|t| t.dims() != dims) {
-            return Err(DistributedError::Mismatch {
-                rank,
-                detail: format!(
-                    "its tensor has shape {:?} where this process's has {dims:?}: reduce needs \
-                     the same shape everywhere",
-                    all[rank].dims()
-                ),
-            });
+        if self.world_size() == 1 {
+            return Ok(tensor);
         }
-        let sum = all
-            .into_iter()
-            .reduce(|sum, t| sum + t)
-            .expect("at least this process");
-        Ok(match op {
-            ReduceOp::Sum => sum,
-            ReduceOp::Mean => sum.div_scalar(n as u32),
-        })
+        let (dtype, dims) = (tensor.dtype(), tensor.dims());
+        self.agree(dtype, &dims, |theirs| {
+            (theirs.0 != dtype || theirs.1 != dims).then(|| {
+                format!(
+                    "its tensor is {:?} of shape {:?} where this process's is {dtype:?} of \
+                     shape {dims:?}: reduce needs the same shape everywhere (and the same dtype)",
+                    theirs.0, theirs.1
+                )
+            })
+        })?;
+        self.all_reduce_tensor_data(tensor, op)
+    }
+
+    /// [`all_reduce`](Self::all_reduce) of a float tensor, in its own dtype, on its device;
+    /// without [`reduce`](Self::reduce)'s agreement on shapes first (one collective, not two).
+    ///
+    /// # Errors
+    /// As [`all_reduce`](Self::all_reduce).
+    pub fn all_reduce_tensor<B: Backend, const D: usize>(
+        &self,
+        tensor: Tensor<B, D>,
+        op: ReduceOp,
+    ) -> Result<Tensor<B, D>, DistributedError> {
+        if self.world_size() == 1 {
+            return Ok(tensor);
+        }
+        self.all_reduce_tensor_data(tensor, op)
+    }
+
+    fn all_reduce_tensor_data<B, const D: usize, K>(
+        &self,
+        tensor: Tensor<B, D, K>,
+        op: ReduceOp,
+    ) -> Result<Tensor<B, D, K>, DistributedError>
+    where
+        B: Backend,
+        K: BasicOps<B>,
+    {
+        let device = tensor.device();
+        let mut data = tensor.into_data();
+        let element = reducible(data.dtype)?;
+        self.all_reduce_bytes(element, &mut data.bytes, op)?;
+        let dtype = data.dtype;
+        Ok(Tensor::from_data(data, options::<B>(&device, dtype)))
+    }
+
+    /// Sums (or averages) every process's `tensor` and gives each process its own rows of the
+    /// result: process `r` gets the `counts[r]` rows (along the first dimension) after the
+    /// first `counts[..r].sum()`, as [`reduce_scatter`](Self::reduce_scatter) does for flat
+    /// buffers (MPI's per-process counts; [`shard_counts`](super::shard_counts) gives torch's
+    /// even split). Computed in the tensor's dtype.
+    ///
+    /// ```
+    /// # #[cfg(feature = "flex")] {
+    /// use burn::tensor::Tensor;
+    /// use burn_accelerate::distributed::{ProcessState, ReduceOp, shard_counts};
+    /// type B = burn::backend::Flex;
+    ///
+    /// let group = ProcessState::single().group()?;
+    /// let grads = Tensor::<B, 2>::ones([5, 3], &Default::default());
+    /// let counts = shard_counts(5, group.world_size());
+    /// let mine = group.reduce_scatter_tensor(grads, &counts, ReduceOp::Sum)?;
+    /// assert_eq!(mine.dims(), [5, 3]); // [counts[rank], 3]
+    /// # }
+    /// # Ok::<(), burn_accelerate::distributed::DistributedError>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`DistributedError::InvalidCall`] when `counts` does not have a count per process
+    /// summing to the first dimension, or for a bool tensor; otherwise as
+    /// [`all_reduce`](Self::all_reduce).
+    pub fn reduce_scatter_tensor<B, const D: usize, K>(
+        &self,
+        tensor: Tensor<B, D, K>,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<Tensor<B, D, K>, DistributedError>
+    where
+        B: Backend,
+        K: Numeric<B>,
+    {
+        let dims = tensor.dims();
+        let device = tensor.device();
+        let mut data = tensor.into_data();
+        let element = reducible(data.dtype)?;
+        let row: usize = dims[1..].iter().product();
+        if counts.iter().sum::<usize>() != dims[0] || counts.len() != self.world_size() {
+            return Err(DistributedError::InvalidCall(format!(
+                "reduce_scatter_tensor: counts {counts:?} must have one count per process ({}) \
+                 summing to the tensor's first dimension ({})",
+                self.world_size(),
+                dims[0]
+            )));
+        }
+        let values: Vec<usize> = counts.iter().map(|c| c * row).collect();
+        let mine = self.reduce_scatter_bytes(element, &mut data.bytes, &values, op)?;
+        let mut shape = dims.to_vec();
+        shape[0] = counts[self.rank()];
+        let dtype = data.dtype;
+        Ok(from_bytes(data.bytes[mine].to_vec(), shape, dtype, &device))
     }
 
     /// Process `from`'s `tensor` on every process (Accelerate's `broadcast`): the others pass
     /// a tensor too (of any value), which is replaced.
     ///
     /// # Errors
-    /// As [`gather`](Self::gather); [`DistributedError::Mismatch`] for `from` out of range.
+    /// As [`gather`](Self::gather); [`DistributedError::InvalidCall`] for `from` out of range.
     pub fn broadcast<B, const D: usize, K>(
         &self,
         tensor: Tensor<B, D, K>,
@@ -138,13 +234,28 @@ impl ProcessGroup {
         B: Backend,
         K: BasicOps<B>,
     {
+        if self.world_size() == 1 && from == 0 {
+            return Ok(tensor);
+        }
         let device = tensor.device();
-        let bytes = self.broadcast_bytes(from, encode(tensor.into_data()))?;
-        Ok(Tensor::from_data(decode(&bytes, from)?, &device))
+        let meta: Meta = (tensor.dtype(), tensor.dims().to_vec());
+        let data = tensor.into_data();
+        let (dtype, shape): Meta = self.broadcast_object(&meta, from)?;
+        let bytes = self.broadcast_bytes(from, data.bytes.to_vec())?;
+        if bytes.len() != shape.iter().product::<usize>() * dtype.size() {
+            return Err(DistributedError::Mismatch {
+                rank: from,
+                detail: format!(
+                    "it sent {} bytes for a {dtype:?} tensor of shape {shape:?}",
+                    bytes.len()
+                ),
+            });
+        }
+        Ok(from_bytes(bytes, shape, dtype, &device))
     }
 
-    /// Process `from`'s `value` on every process (Accelerate's `broadcast_object_list`, for
-    /// small values: a seed, a flag, a path).
+    /// Process `from`'s `value` on every process (Accelerate's `broadcast_object_list`:
+    /// a seed, a flag, a path, a configuration).
     ///
     /// ```
     /// # use burn_accelerate::distributed::ProcessState;
@@ -191,10 +302,9 @@ impl ProcessGroup {
         E: ElementConversion,
     {
         let dims = tensor.dims();
-        let sizes = self.all_gather_bytes((dims[dim] as u64).to_le_bytes().to_vec())?;
-        let largest = sizes
-            .iter()
-            .map(|b| u64::from_le_bytes(b[..8].try_into().unwrap_or([0; 8])) as usize)
+        let largest = self
+            .counts(dims[dim])?
+            .into_iter()
             .max()
             .unwrap_or(dims[dim]);
         if largest == dims[dim] {
@@ -211,71 +321,75 @@ impl ProcessGroup {
         Ok(Tensor::cat(parts, dim))
     }
 
-    // Every process's tensor, in rank order, on this tensor's device.
-    fn gather_each<B, const D: usize, K>(
+    // Every process's dtype and shape, once `differs` (given another process's) finds nothing
+    // wrong with any of them.
+    fn agree(
         &self,
-        tensor: Tensor<B, D, K>,
-    ) -> Result<Vec<Tensor<B, D, K>>, DistributedError>
-    where
-        B: Backend,
-        K: BasicOps<B>,
-    {
-        if self.world_size() == 1 {
-            return Ok(vec![tensor]);
-        }
-        let (device, dtype) = (tensor.device(), tensor.dtype());
-        let all = self.all_gather_bytes(encode(tensor.into_data()))?;
+        dtype: DType,
+        dims: &[usize],
+        differs: impl Fn(&Meta) -> Option<String>,
+    ) -> Result<Vec<Meta>, DistributedError> {
+        let ours = serde_json::to_vec(&(dtype, dims)).expect("dtypes and shapes serialise");
+        let all = self.all_gather_bytes(&ours)?;
         all.iter()
             .enumerate()
             .map(|(rank, bytes)| {
-                let data = decode(bytes, rank)?;
-                if data.dtype != dtype {
-                    return Err(DistributedError::Mismatch {
+                let meta: Meta =
+                    serde_json::from_slice(bytes).map_err(|e| DistributedError::Malformed {
                         rank,
-                        detail: format!(
-                            "its tensor is {:?} where this process's is {dtype:?}",
-                            data.dtype
-                        ),
-                    });
+                        detail: format!("its tensor's dtype and shape are unreadable: {e}"),
+                    })?;
+                match differs(&meta) {
+                    Some(detail) => Err(DistributedError::Mismatch { rank, detail }),
+                    None => Ok(meta),
                 }
-                Ok(Tensor::from_data(data, &device))
             })
             .collect()
     }
-}
 
-// A tensor's data on the wire: its dtype and shape (JSON, behind their length), then its bytes.
-fn encode(data: TensorData) -> Vec<u8> {
-    let header = serde_json::to_vec(&(data.dtype, data.shape.to_vec())).expect("dtype and shape");
-    let mut bytes = Vec::with_capacity(4 + header.len() + data.bytes.len());
-    bytes.extend_from_slice(&(header.len() as u32).to_le_bytes());
-    bytes.extend_from_slice(&header);
-    bytes.extend_from_slice(&data.bytes);
-    bytes
-}
-
-fn decode(bytes: &[u8], rank: usize) -> Result<TensorData, DistributedError> {
-    let unreadable = || DistributedError::Mismatch {
-        rank,
-        detail: "it sent something that is not a tensor".into(),
-    };
-    let len = u32::from_le_bytes(
-        bytes
-            .get(..4)
-            .ok_or_else(unreadable)?
-            .try_into()
-            .unwrap_or([0; 4]),
-    ) as usize;
-    let header = bytes.get(4..4 + len).ok_or_else(unreadable)?;
-    let (dtype, shape): (DType, Vec<usize>) =
-        serde_json::from_slice(header).map_err(|_| unreadable())?;
-    let values = &bytes[4 + len..];
-    if values.len() != shape.iter().product::<usize>() * dtype.size() {
-        return Err(unreadable());
+    /// Every process's `bytes`, in rank order (of any lengths).
+    pub(crate) fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>, DistributedError> {
+        let counts = self.counts(bytes.len())?;
+        let own: usize = counts[..self.rank()].iter().sum();
+        let mut gathered = vec![0u8; counts.iter().sum()];
+        gathered[own..own + bytes.len()].copy_from_slice(bytes);
+        self.all_gather_in_place(&mut gathered, &counts)?;
+        let mut rest = gathered.as_slice();
+        Ok(counts
+            .iter()
+            .map(|count| {
+                let (one, after) = rest.split_at(*count);
+                rest = after;
+                one.to_vec()
+            })
+            .collect())
     }
-    Ok(TensorData {
-        bytes: Bytes::from_bytes_vec(values.to_vec()),
-        shape: shape.into(),
-        dtype,
+}
+
+/// The element a collective sums a tensor of `dtype` in.
+fn reducible(dtype: DType) -> Result<Element, DistributedError> {
+    Element::of(dtype).ok_or_else(|| {
+        DistributedError::InvalidCall(format!(
+            "a {dtype:?} tensor cannot be summed: reduce numbers (cast a mask to int first)"
+        ))
     })
+}
+
+fn options<B: Backend>(device: &B::Device, dtype: DType) -> TensorCreationOptions<B> {
+    TensorCreationOptions::new(device.clone()).with_dtype(dtype)
+}
+
+/// A tensor of `dtype` and `shape` on `device` from its bytes, without converting them.
+fn from_bytes<B, const D: usize, K>(
+    bytes: Vec<u8>,
+    shape: Vec<usize>,
+    dtype: DType,
+    device: &B::Device,
+) -> Tensor<B, D, K>
+where
+    B: Backend,
+    K: BasicOps<B>,
+{
+    let data = TensorData::from_bytes_vec(bytes, shape, dtype);
+    Tensor::from_data(data, options::<B>(device, dtype))
 }

@@ -65,16 +65,58 @@ pub enum DistributedError {
         hint: &'static str,
     },
 
-    /// Another process stopped answering: it exited, crashed or closed its connection.
+    /// Another process of this machine exited while this one waited on it.
     #[error(
-        "process {rank} left the run during {during}: it exited or crashed (its own output \
-         says why); every process must take part in every collective"
+        "process {rank} (pid {pid}, on this machine) exited during {during}: its own output \
+         says why (and the launcher reports its exit status); every process must take part \
+         in every collective"
     )]
-    PeerLost {
-        /// The rank that left.
+    PeerExited {
+        /// The rank that exited.
+        rank: usize,
+        /// Its process id.
+        pid: u32,
+        /// The collective in progress.
+        during: String,
+    },
+
+    /// Another process closed its connection to this one: it exited (on another machine,
+    /// where this one cannot tell), or left the collective after an error of its own.
+    #[error(
+        "process {rank} closed its connection during {during} ({how}): its own output says \
+         why it stopped; every process must take part in every collective"
+    )]
+    PeerClosed {
+        /// The rank that closed.
         rank: usize,
         /// The collective in progress.
         during: String,
+        /// What is known of it (still running, on another machine, mid-message).
+        how: String,
+    },
+
+    /// A connection to another process failed in the operating system (reset, unreachable).
+    #[error("the connection to process {rank} failed during {during}: {reason}")]
+    ConnectionFailed {
+        /// The other rank.
+        rank: usize,
+        /// The collective in progress.
+        during: String,
+        /// The operating system's error.
+        reason: String,
+    },
+
+    /// Another process (or something on its port) sent bytes that are not this crate's
+    /// messages.
+    #[error(
+        "process {rank} sent a malformed message: {detail}. Are both processes built from \
+         the same version of burn-accelerate?"
+    )]
+    Malformed {
+        /// The other rank.
+        rank: usize,
+        /// What is wrong.
+        detail: String,
     },
 
     /// The processes called collectives in different orders or with different sizes.
@@ -98,6 +140,10 @@ pub enum DistributedError {
         /// Why.
         reason: String,
     },
+
+    /// A collective called with arguments that cannot work, whatever the other processes do.
+    #[error("invalid collective call: {0}")]
+    InvalidCall(String),
 
     /// An earlier collective failed; the group cannot be used any more.
     #[error("an earlier collective failed ({0}); the process group is unusable, end the run")]

@@ -5,9 +5,14 @@
 //!
 //! Every process packs every float parameter of the model, in the module's visiting order, so
 //! the buffers line up value for value. A parameter with no gradient on a process contributes
-//! zeros; each bucket ends with one presence value per parameter, so that a parameter no
-//! process has a gradient for stays without one (an optimizer would otherwise move it with a
-//! zero gradient, through its momentum).
+//! zeros; a first small all-reduce counts the processes that have each parameter's gradient,
+//! so that a parameter no process has a gradient for stays without one (an optimizer would
+//! otherwise move it with a zero gradient, through its momentum).
+//!
+//! Host copies per bucket: the concatenation into the bucket on the device (none for a
+//! parameter alone in its bucket), the device's download and upload (none on a CPU backend
+//! that hands its buffer over), and the kernel's copies in and out of the sockets; the
+//! received pieces are added straight into the bucket.
 //!
 //! An inf or a NaN on any process makes the reduced value non-finite on every process (IEEE:
 //! `inf + x = inf`, `inf - inf = NaN`, `NaN + x = NaN`), and every process ends with the same
@@ -20,10 +25,10 @@ use std::collections::HashMap;
 use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{DType, FloatDType, Shape, Tensor, TensorData};
+use burn::tensor::{DType, FloatDType, Shape, Tensor};
 
 use super::error::DistributedError;
-use super::group::{ProcessGroup, ReduceOp, to_f32};
+use super::group::{ProcessGroup, ReduceOp};
 
 /// The most values one collective call carries (25 MiB of f32, DDP's default bucket); a
 /// larger parameter travels alone.
@@ -63,29 +68,38 @@ pub fn all_reduce_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
     };
     module.visit(&mut take);
     let slots = take.slots;
+    // How many processes have each parameter's gradient: a parameter none of them has stays
+    // without one.
+    let mut present: Vec<u32> = slots.iter().map(|s| u32::from(s.grad.is_some())).collect();
+    group.all_reduce(&mut present, ReduceOp::Sum)?;
     let mut reduced = HashMap::new();
     for bucket in buckets(&slots) {
-        let bucket = &slots[bucket];
+        let (present, bucket) = (&present[bucket.clone()], &slots[bucket]);
         let device = bucket[0].device.clone();
-        let flats: Vec<Tensor<Inner<B>, 1>> = bucket
-            .iter()
-            .map(|s| {
-                s.grad
-                    .clone()
-                    .unwrap_or_else(|| Tensor::zeros([numel(&s.dims)], &device))
-            })
-            .collect();
-        let mut values = to_f32(Tensor::cat(flats, 0).into_data());
-        values.reserve_exact(bucket.len());
-        values.extend(bucket.iter().map(|s| f32::from(u8::from(s.grad.is_some()))));
-        group.all_reduce(&mut values, ReduceOp::Mean)?;
-        let grads_len = values.len() - bucket.len();
-        let presence = values.split_off(grads_len);
-        let flat = Tensor::<Inner<B>, 1>::from_data(TensorData::new(values, [grads_len]), &device);
+        // A parameter alone in its bucket (a large one) travels as it is, without a copy.
+        let flat = match bucket {
+            [
+                Slot {
+                    grad: Some(grad), ..
+                },
+            ] => grad.clone(),
+            _ => Tensor::cat(
+                bucket
+                    .iter()
+                    .map(|s| {
+                        s.grad
+                            .clone()
+                            .unwrap_or_else(|| Tensor::zeros([numel(&s.dims)], &device))
+                    })
+                    .collect(),
+                0,
+            ),
+        };
+        let flat = group.all_reduce_tensor(flat, ReduceOp::Mean)?;
         let mut offset = 0;
-        for (slot, present) in bucket.iter().zip(presence) {
+        for (slot, present) in bucket.iter().zip(present) {
             let n = numel(&slot.dims);
-            if present != 0.0 {
+            if *present != 0 {
                 let grad = flat.clone().slice(offset..offset + n);
                 reduced.insert(slot.id, (grad, slot.dtype, slot.dims.clone()));
             }

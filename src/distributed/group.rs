@@ -1,9 +1,10 @@
-//! [`ProcessGroup`]: the collectives of a run's processes (Accelerate's process group).
+//! [`ProcessGroup`]: the collectives of a run's processes (Accelerate's process group), on
+//! flat buffers of any size, over whichever [engine](super::engine) carries the bytes.
 //!
-//! One per process, joined on first use ([`ProcessState::group`]): the process starts
-//! listening for its peers, comes to the rendezvous, connects to every peer, and from then on
-//! runs collectives over those connections. Every collective has the run's timeout; the first
-//! failure breaks the group, and every later call reports it.
+//! One per process, joined on first use ([`ProcessState::group`]). The group numbers the
+//! calls (every process makes the same ones in the same order), turns sums into means, checks
+//! the arguments, and remembers the first failure: a failed collective breaks the group, and
+//! every later call reports it.
 //!
 //! ## Why not burn-collective's global all-reduce
 //!
@@ -17,47 +18,46 @@
 //! duplicates and never equals the node ids again. (Burn's `multinode-tests` run one
 //! all-reduce per registration, which is why they pass.) Registering again for each step
 //! races in the orchestrator's node numbering (`global/orchestrator/state.rs`: a node id is
-//! the count of registered nodes, reused while another node is still finishing).
-//!
-//! So the processes meet at a rendezvous and exchange tensors over **burn-communication**, the
-//! WebSocket transport burn-collective's global level is built on; what is added here is the
-//! ring schedule ([`ring`](super::ring)) and the framing. The all-reduce sums in an order fixed
-//! by the ranks, so runs are reproducible bit for bit.
+//! the count of registered nodes, reused while another node is still finishing). Upstream
+//! deleted the crate since.
 
+use std::ops::Range;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
-use std::time::Duration;
 
-use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Tensor, TensorData};
-use bytes::Bytes;
-use tokio::runtime::Runtime;
+use bytemuck::Pod;
 
+use super::element::{Element, Reducible};
+use super::engine::tcp::TcpEngine;
+use super::engine::{self, Engine, Lane};
 use super::error::DistributedError;
-use super::mesh::Mesh;
-use super::rendezvous;
-use super::ring::{self, Phase};
 use super::state::ProcessState;
-use super::wire::{self, COLLECTIVES, Lane};
 
-/// How an all-reduce combines the processes' values.
+/// How a reducing collective combines the processes' values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReduceOp {
     /// The sum over processes.
     Sum,
-    /// The mean over processes (the sum divided by their number).
+    /// The mean over processes (the sum divided by their number, in the values' own type:
+    /// integers divide as integers do).
     Mean,
 }
 
 /// The collectives of this process's run; a cheap handle, the same for every caller.
+///
+/// Every collective carries any size: values travel in pieces of a megabyte, so a buffer of
+/// gigabytes needs no more memory than itself, and an all-reduce runs in place.
 ///
 /// ```
 /// use burn_accelerate::distributed::{ProcessState, ReduceOp};
 ///
 /// let state = ProcessState::from_env()?; // one process here
 /// let group = state.group()?;
-/// let mut values = vec![1.0, 2.0];
+/// let mut values = vec![1.0f32, 2.0];
 /// group.all_reduce(&mut values, ReduceOp::Mean)?; // the mean over every process
 /// assert_eq!(values, [1.0, 2.0]);
+/// let everyone: Vec<u32> = group.all_gather(&[group.rank() as u32])?; // [0, 1, …] in rank order
+/// assert_eq!(everyone, [0]);
 /// group.barrier()?;
 /// # Ok::<(), burn_accelerate::distributed::DistributedError>(())
 /// ```
@@ -69,17 +69,12 @@ pub struct ProcessGroup {
 struct Inner {
     rank: usize,
     world_size: usize,
-    timeout: Duration,
-    network: Option<Network>,
+    /// `None` for a single process.
+    engine: Option<Box<dyn Engine>>,
     // Serialises this process's collectives and numbers them; set once one fails.
     sequence: Mutex<Result<u64, DistributedError>>,
     // The lane the next stream gets (lane 0 is the collectives').
-    next_lane: std::sync::atomic::AtomicU32,
-}
-
-struct Network {
-    runtime: Runtime,
-    mesh: Mesh,
+    next_lane: AtomicU32,
 }
 
 impl std::fmt::Debug for ProcessGroup {
@@ -94,9 +89,22 @@ impl std::fmt::Debug for ProcessGroup {
 // The process's group, once joined (a failed join may be retried).
 static JOINED: OnceLock<Mutex<Option<ProcessGroup>>> = OnceLock::new();
 
+impl ProcessState {
+    /// The process group of this run, joined on the first call (the rendezvous waits for
+    /// every process); the same group afterwards.
+    ///
+    /// # Errors
+    /// What joining can fail with: a rendezvous that times out or refuses this process, a
+    /// port that is taken; [`DistributedError::AlreadyJoined`] for another layout than the
+    /// one joined before.
+    pub fn group(&self) -> Result<ProcessGroup, DistributedError> {
+        ProcessGroup::join(self)
+    }
+}
+
 impl ProcessGroup {
     /// This process's group for `state`: joined on the first call, the same afterwards.
-    pub(crate) fn join(state: &ProcessState) -> Result<Self, DistributedError> {
+    fn join(state: &ProcessState) -> Result<Self, DistributedError> {
         let mut joined = JOINED
             .get_or_init(Default::default)
             .lock()
@@ -115,75 +123,21 @@ impl ProcessGroup {
                 })
             };
         }
-        let group = Self::connect(state)?;
-        *joined = Some(group.clone());
-        Ok(group)
-    }
-
-    fn connect(state: &ProcessState) -> Result<Self, DistributedError> {
-        let Some(rendezvous) = state.rendezvous() else {
-            return Ok(Self::new(0, 1, Duration::MAX, None));
+        let engine: Option<Box<dyn Engine>> = match state.rendezvous() {
+            Some(rendezvous) => Some(Box::new(TcpEngine::join(rank, world, rendezvous)?)),
+            None => None,
         };
-        let (rank, world) = (state.process_index(), state.num_processes());
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("burn-accelerate-net")
-            .enable_all()
-            .build()
-            .map_err(|e| DistributedError::Io {
-                what: "starting the network runtime".into(),
-                reason: e.to_string(),
-            })?;
-        let timeout = rendezvous.timeout;
-        if rank == 0 && !rendezvous.hosted_by_launcher {
-            rendezvous::serve(rendezvous.main_port, timeout, runtime.handle())?;
-        }
-        let listening = super::mesh::listen(rendezvous.data_port, world, runtime.handle())?;
-        let host = match &rendezvous.node_host {
-            Some(host) => host.clone(),
-            None => route_to(&rendezvous.main_addr, rendezvous.main_port)?,
-        };
-        let address = format!("ws://{}", host_port(&host, rendezvous.data_port));
-        let main = host_port(&rendezvous.main_addr, rendezvous.main_port);
-        let mesh = runtime.block_on(async {
-            let (run, addresses) = rendezvous::join(&main, rank, world, address, timeout).await?;
-            let mesh = listening.connect(rank, run, addresses);
-            // Every connection is opened now: the first step pays nothing for it, and a peer
-            // that dies later closes its connection, which fails a collective at once.
-            for peer in (0..world).filter(|p| *p != rank) {
-                mesh.send(
-                    peer,
-                    wire::encode(COLLECTIVES, 0, 0, &[]),
-                    "joining",
-                    timeout,
-                )
-                .await?;
-            }
-            for peer in (0..world).filter(|p| *p != rank) {
-                mesh.recv(peer, COLLECTIVES, "joining").await?;
-            }
-            Ok::<_, DistributedError>(mesh)
-        })?;
-        log::info!("burn-accelerate: joined the run as process {rank} of {world}");
-        Ok(Self::new(
-            rank,
-            world,
-            timeout,
-            Some(Network { runtime, mesh }),
-        ))
-    }
-
-    fn new(rank: usize, world_size: usize, timeout: Duration, network: Option<Network>) -> Self {
-        Self {
+        let group = Self {
             inner: Arc::new(Inner {
                 rank,
-                world_size,
-                timeout,
-                network,
+                world_size: world,
+                engine,
                 sequence: Mutex::new(Ok(1)),
-                next_lane: std::sync::atomic::AtomicU32::new(COLLECTIVES + 1),
+                next_lane: AtomicU32::new(1),
             }),
-        }
+        };
+        *joined = Some(group.clone());
+        Ok(group)
     }
 
     /// This process's rank.
@@ -196,47 +150,126 @@ impl ProcessGroup {
         self.inner.world_size
     }
 
-    /// Replaces `values` on every process by their sum or mean over all processes; every
-    /// process ends with the same bits. Every process must call it, in the same order as its
-    /// other collectives, with as many values.
+    /// Replaces `values` on every process by their sum or mean over all processes, computed
+    /// in `T` (f32, f64, f16, bf16 or an integer type), in place; every process ends with the
+    /// same bits. Every process must call it, in the same order as its other collectives,
+    /// with as many values.
+    ///
+    /// Memory: none beyond `values` but the connections' pieces (a few megabytes), whatever
+    /// the size.
     ///
     /// # Errors
-    /// [`DistributedError::PeerLost`] when a process left, [`DistributedError::Timeout`] when
-    /// one did not come in time, [`DistributedError::Mismatch`] for processes calling
-    /// different collectives, [`DistributedError::Broken`] after any earlier failure.
-    pub fn all_reduce(&self, values: &mut [f32], op: ReduceOp) -> Result<(), DistributedError> {
-        let len = values.len();
-        self.collective(
-            |seq| format!("all-reduce #{seq} ({len} values)"),
-            |network, seq| self.ring(network, seq, values),
-        )?;
-        if op == ReduceOp::Mean && self.inner.network.is_some() {
-            let n = self.inner.world_size as f32;
-            values.iter_mut().for_each(|v| *v /= n);
+    /// [`DistributedError::PeerExited`], [`DistributedError::PeerClosed`] or
+    /// [`DistributedError::ConnectionFailed`] when a process left or its connection broke,
+    /// [`DistributedError::Timeout`] when one did not come in time,
+    /// [`DistributedError::Mismatch`] for processes calling different collectives or with
+    /// other lengths, [`DistributedError::Broken`] after any earlier failure.
+    pub fn all_reduce<T: Reducible>(
+        &self,
+        values: &mut [T],
+        op: ReduceOp,
+    ) -> Result<(), DistributedError> {
+        self.all_reduce_bytes(T::ELEMENT, bytemuck::cast_slice_mut(values), op)
+    }
+
+    /// [`all_reduce`](Self::all_reduce) of bytes holding values of `element`.
+    pub(crate) fn all_reduce_bytes(
+        &self,
+        element: Element,
+        bytes: &mut [u8],
+        op: ReduceOp,
+    ) -> Result<(), DistributedError> {
+        self.collective(|engine, seq| engine.all_reduce(seq, element, bytes))?;
+        if op == ReduceOp::Mean && self.world_size() > 1 {
+            element.divide(bytes, self.world_size());
         }
         Ok(())
     }
 
-    /// [`all_reduce`](Self::all_reduce) of a float tensor, through the host: the result is on
-    /// the tensor's device, in its dtype.
+    /// Sums (or averages) `values` over the processes and leaves each process its own slice
+    /// of the result: process `r` gets the `counts[r]` values after the first
+    /// `counts[..r].sum()` (MPI's `MPI_Reduce_scatter`, with its per-process counts, so that
+    /// slices may differ in size; [`shard_counts`] gives torch's even split, with a shorter
+    /// last slice and no padding). Returns that slice of `values`; the rest of `values` is
+    /// left as scratch. Every process passes the same `counts`.
+    ///
+    /// ```
+    /// use burn_accelerate::distributed::{ProcessState, ReduceOp, shard_counts};
+    ///
+    /// let group = ProcessState::single().group()?;
+    /// let mut grads = vec![1.0f32, 2.0, 3.0];
+    /// let counts = shard_counts(grads.len(), group.world_size()); // [3] for one process
+    /// let mine = group.reduce_scatter(&mut grads, &counts, ReduceOp::Mean)?;
+    /// assert_eq!(mine, [1.0, 2.0, 3.0]);
+    /// # Ok::<(), burn_accelerate::distributed::DistributedError>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`DistributedError::InvalidCall`] when `counts` does not have a count per process
+    /// summing to `values.len()`; otherwise as [`all_reduce`](Self::all_reduce).
+    pub fn reduce_scatter<'a, T: Reducible>(
+        &self,
+        values: &'a mut [T],
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<&'a mut [T], DistributedError> {
+        let size = size_of::<T>();
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(values);
+        let mine = self.reduce_scatter_bytes(T::ELEMENT, bytes, counts, op)?;
+        Ok(&mut values[mine.start / size..mine.end / size])
+    }
+
+    /// [`reduce_scatter`](Self::reduce_scatter) of bytes holding values of `element`
+    /// (`counts` in values); returns this process's bytes.
+    pub(crate) fn reduce_scatter_bytes(
+        &self,
+        element: Element,
+        bytes: &mut [u8],
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<Range<usize>, DistributedError> {
+        let size = element.size();
+        self.check_counts(counts, bytes.len() / size, "reduce_scatter")?;
+        let blocks = engine::blocks(counts.iter().copied(), size);
+        let mine = blocks[self.rank()].clone();
+        self.collective(|engine, seq| engine.reduce_scatter(seq, element, bytes, &blocks))?;
+        if op == ReduceOp::Mean && self.world_size() > 1 {
+            element.divide(&mut bytes[mine.clone()], self.world_size());
+        }
+        Ok(mine)
+    }
+
+    /// Every process's `values`, concatenated in rank order, on every process (MPI's
+    /// `MPI_Allgatherv`: the processes may pass different lengths). Exact for any `T`.
     ///
     /// # Errors
     /// As [`all_reduce`](Self::all_reduce).
-    pub fn all_reduce_tensor<B: Backend, const D: usize>(
+    pub fn all_gather<T: Pod>(&self, values: &[T]) -> Result<Vec<T>, DistributedError> {
+        let counts = self.counts(values.len())?;
+        let own = engine::blocks(counts.iter().copied(), 1)[self.rank()].clone();
+        let mut gathered = vec![T::zeroed(); counts.iter().sum()];
+        gathered[own].copy_from_slice(values);
+        self.all_gather_in_place(&mut gathered, &counts)?;
+        Ok(gathered)
+    }
+
+    /// [`all_gather`](Self::all_gather) into a buffer laid out in advance: `buffer` holds
+    /// `counts[r]` values for each process `r` in rank order, this process's already in
+    /// place; afterwards every slot holds its process's values. Every process passes the same
+    /// `counts` (what sharded training knows: each parameter's owner and size).
+    ///
+    /// # Errors
+    /// [`DistributedError::InvalidCall`] when `counts` does not have a count per process
+    /// summing to `buffer.len()`; otherwise as [`all_reduce`](Self::all_reduce).
+    pub fn all_gather_in_place<T: Pod>(
         &self,
-        tensor: Tensor<B, D>,
-        op: ReduceOp,
-    ) -> Result<Tensor<B, D>, DistributedError> {
-        if self.inner.network.is_none() {
-            return Ok(tensor);
-        }
-        let (shape, dtype, device) = (tensor.shape(), tensor.dtype(), tensor.device());
-        let mut values = to_f32(tensor.into_data());
-        self.all_reduce(&mut values, op)?;
-        Ok(
-            Tensor::<B, D>::from_data(TensorData::new(values, shape), &device)
-                .cast(burn::tensor::FloatDType::from(dtype)),
-        )
+        buffer: &mut [T],
+        counts: &[usize],
+    ) -> Result<(), DistributedError> {
+        self.check_counts(counts, buffer.len(), "all_gather_in_place")?;
+        let blocks = engine::blocks(counts.iter().copied(), size_of::<T>());
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(buffer);
+        self.collective(|engine, seq| engine.all_gather(seq, bytes, &blocks))
     }
 
     /// Waits until every process calls it (Accelerate's `wait_for_everyone`).
@@ -244,72 +277,51 @@ impl ProcessGroup {
     /// # Errors
     /// As [`all_reduce`](Self::all_reduce).
     pub fn barrier(&self) -> Result<(), DistributedError> {
-        self.all_reduce(&mut [], ReduceOp::Sum)
+        self.all_reduce::<u8>(&mut [], ReduceOp::Sum)
     }
 
-    /// Every process's `bytes`, in rank order (a ring all-gather of messages of any sizes).
-    pub(crate) fn all_gather_bytes(
-        &self,
-        bytes: Vec<u8>,
-    ) -> Result<Vec<Vec<u8>>, DistributedError> {
-        let (rank, n) = (self.inner.rank, self.inner.world_size);
-        let mut gathered: Vec<Vec<u8>> = vec![Vec::new(); n];
-        gathered[rank] = bytes;
-        let slots = &mut gathered;
-        self.collective(
-            |seq| format!("all-gather #{seq}"),
-            |network, seq| async move {
-                let during = format!("all-gather #{seq}");
-                // At step s, pass on the bytes of rank r - s and take those of rank r - s - 1.
-                for step in 0..n - 1 {
-                    let (send, receive) = ((rank + n - step) % n, (rank + 2 * n - step - 1) % n);
-                    let message = wire::encode_bytes(COLLECTIVES, seq, step as u32, &slots[send]);
-                    let payload = self
-                        .ring_step(network, seq, step as u32, message, &during)
-                        .await?;
-                    slots[receive] = payload.to_vec();
-                }
-                Ok(())
-            },
-        )?;
-        Ok(gathered)
+    /// Every process's count, in rank order (an all-gather of one value each).
+    pub(crate) fn counts(&self, own: usize) -> Result<Vec<usize>, DistributedError> {
+        let n = self.world_size();
+        let mut counts = vec![0u64; n];
+        counts[self.rank()] = own as u64;
+        self.all_gather_in_place(&mut counts, &vec![1; n])?;
+        Ok(counts.into_iter().map(|c| c as usize).collect())
     }
 
-    /// Process `root`'s `bytes` on every process (the others' are not sent).
+    /// Process `root`'s `bytes` on every process (the others' are replaced).
     pub(crate) fn broadcast_bytes(
         &self,
         root: usize,
         bytes: Vec<u8>,
     ) -> Result<Vec<u8>, DistributedError> {
-        let (rank, n) = (self.inner.rank, self.inner.world_size);
+        let n = self.world_size();
         if root >= n {
-            return Err(DistributedError::Mismatch {
-                rank,
-                detail: format!("broadcast from process {root}, but there are {n}"),
-            });
+            return Err(DistributedError::InvalidCall(format!(
+                "broadcast from process {root}, but there are {n} (ranks 0..{n})"
+            )));
         }
-        let mut result = bytes;
-        let value = &mut result;
-        self.collective(
-            |seq| format!("broadcast #{seq} from process {root}"),
-            |network, seq| async move {
-                let during = format!("broadcast #{seq}");
-                if rank == root {
-                    let message = wire::encode_bytes(COLLECTIVES, seq, 0, value);
-                    for peer in (0..n).filter(|p| *p != root) {
-                        network
-                            .mesh
-                            .send(peer, message.clone(), &during, self.inner.timeout)
-                            .await?;
-                    }
-                } else {
-                    let received = network.mesh.recv(root, COLLECTIVES, &during).await?;
-                    *value = expect(received, root, seq, 0)?.to_vec();
-                }
-                Ok(())
-            },
-        )?;
-        Ok(result)
+        let mut bytes = bytes;
+        self.collective(|engine, seq| engine.broadcast(seq, root, &mut bytes))?;
+        Ok(bytes)
+    }
+
+    // Checks that `counts` has a count per process summing to `len`.
+    fn check_counts(
+        &self,
+        counts: &[usize],
+        len: usize,
+        call: &str,
+    ) -> Result<(), DistributedError> {
+        let n = self.world_size();
+        let total = counts.iter().try_fold(0usize, |sum, c| sum.checked_add(*c));
+        if counts.len() != n || total != Some(len) {
+            return Err(DistributedError::InvalidCall(format!(
+                "{call}: counts {counts:?} must have one count per process ({n}) summing to \
+                 the buffer's length ({len})"
+            )));
+        }
+        Ok(())
     }
 
     /// A new stream of point-to-point messages, ordered apart from the collectives (whose
@@ -318,24 +330,17 @@ impl ProcessGroup {
     pub(crate) fn stream(&self) -> Stream {
         Stream {
             group: self.clone(),
-            lane: self
-                .inner
-                .next_lane
-                .fetch_add(1, std::sync::atomic::Ordering::SeqCst),
+            lane: self.inner.next_lane.fetch_add(1, Ordering::SeqCst),
         }
     }
 
-    // Runs collective number `seq` with the run's timeout (nothing to do for one process), or
-    // reports the failure that broke the group; a failure breaks it.
-    fn collective<'a, F>(
-        &'a self,
-        what: impl FnOnce(u64) -> String,
-        run: impl FnOnce(&'a Network, u64) -> F,
-    ) -> Result<(), DistributedError>
-    where
-        F: std::future::Future<Output = Result<(), DistributedError>>,
-    {
-        let Some(network) = &self.inner.network else {
+    // Runs the next collective (nothing to do for one process), or reports the failure that
+    // broke the group; a failure breaks it.
+    fn collective(
+        &self,
+        run: impl FnOnce(&dyn Engine, u64) -> Result<(), DistributedError>,
+    ) -> Result<(), DistributedError> {
+        let Some(engine) = &self.inner.engine else {
             return Ok(());
         };
         let mut sequence = self
@@ -347,143 +352,30 @@ impl ProcessGroup {
             Ok(seq) => *seq,
             Err(err) => return Err(DistributedError::Broken(err.to_string())),
         };
-        let timeout = self.inner.timeout;
-        let outcome = network.runtime.block_on(async {
-            tokio::time::timeout(timeout, run(network, seq))
-                .await
-                .map_err(|_| DistributedError::Timeout {
-                    what: what(seq),
-                    after: timeout,
-                    hint: "another process did not reach the same collective: is one stuck, \
-                           or making other collective calls?",
-                })?
-        });
+        let outcome = run(engine.as_ref(), seq);
         *sequence = match &outcome {
             Ok(()) => Ok(seq + 1),
             Err(err) => Err(err.clone()),
         };
         outcome
     }
-
-    // One step of a ring: sends `message` to the next process while taking the previous
-    // one's message of step `step` of collective `seq`; returns its payload.
-    async fn ring_step(
-        &self,
-        network: &Network,
-        seq: u64,
-        step: u32,
-        message: Bytes,
-        during: &str,
-    ) -> Result<Bytes, DistributedError> {
-        let (rank, n) = (self.inner.rank, self.inner.world_size);
-        let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
-        let (sent, received) = tokio::join!(
-            network.mesh.send(next, message, during, self.inner.timeout),
-            network.mesh.recv(prev, COLLECTIVES, during),
-        );
-        sent?;
-        expect(received?, prev, seq, step)
-    }
-
-    async fn ring(
-        &self,
-        network: &Network,
-        seq: u64,
-        values: &mut [f32],
-    ) -> Result<(), DistributedError> {
-        let (rank, n) = (self.inner.rank, self.inner.world_size);
-        let prev = (rank + n - 1) % n;
-        let during = format!("all-reduce #{seq}");
-        let len = values.len();
-        for (p, phase) in [Phase::ReduceScatter, Phase::AllGather]
-            .into_iter()
-            .enumerate()
-        {
-            for step in 0..n - 1 {
-                let (send, receive) = ring::exchange(phase, rank, n, step);
-                let wire_step = (p * n + step) as u32;
-                let message = wire::encode(
-                    COLLECTIVES,
-                    seq,
-                    wire_step,
-                    &values[ring::chunk(len, n, send)],
-                );
-                let payload = self
-                    .ring_step(network, seq, wire_step, message, &during)
-                    .await?;
-                let target = &mut values[ring::chunk(len, n, receive)];
-                let got = wire::values(&payload)
-                    .filter(|got| got.len() == target.len())
-                    .ok_or_else(|| DistributedError::Mismatch {
-                        rank: prev,
-                        detail: format!(
-                            "its chunk has {} bytes where this process expects {} values \
-                             (buffers of different lengths)",
-                            payload.len(),
-                            target.len()
-                        ),
-                    })?;
-                match phase {
-                    Phase::ReduceScatter => {
-                        target.iter_mut().zip(got.iter()).for_each(|(v, g)| *v += g)
-                    }
-                    Phase::AllGather => target.copy_from_slice(&got),
-                }
-            }
-        }
-        Ok(())
-    }
 }
 
-/// The payload of `received`, checked to be step `step` of collective `seq` from `peer`.
-fn expect(received: Bytes, peer: usize, seq: u64, step: u32) -> Result<Bytes, DistributedError> {
-    let mismatch = |detail: String| DistributedError::Mismatch { rank: peer, detail };
-    let (header, payload) =
-        wire::decode(&received).ok_or_else(|| mismatch("it sent something unreadable".into()))?;
-    if (header.seq, header.step) != (seq, step) {
-        return Err(mismatch(format!(
-            "it is at collective #{} step {}, this process at #{seq} step {step}",
-            header.seq, header.step
-        )));
-    }
-    let start = received.len() - payload.len();
-    Ok(received.slice(start..))
-}
-
-/// A tensor's values as f32, whatever its float dtype.
-pub(crate) fn to_f32(data: TensorData) -> Vec<f32> {
-    let data = if data.dtype == DType::F32 {
-        data
-    } else {
-        data.convert::<f32>()
-    };
-    data.into_vec::<f32>().expect("f32 data")
-}
-
-/// `host:port`, with IPv6 hosts bracketed.
-fn host_port(host: &str, port: u16) -> String {
-    if host.contains(':') && !host.starts_with('[') {
-        format!("[{host}]:{port}")
-    } else {
-        format!("{host}:{port}")
-    }
-}
-
-/// The address of the interface this machine reaches `main` through (no packet is sent:
-/// connecting a UDP socket only picks the route).
-fn route_to(main: &str, port: u16) -> Result<String, DistributedError> {
-    let socket = std::net::UdpSocket::bind(("0.0.0.0", 0))
-        .and_then(|s| s.connect((main, port)).map(|()| s))
-        .and_then(|s| s.local_addr())
-        .map_err(|e| DistributedError::InvalidVariable {
-            name: super::env::MASTER_ADDR,
-            value: main.to_string(),
-            expected: format!(
-                "a host this machine can reach ({e}); or set {} to this machine's address",
-                super::env::NODE_HOST
-            ),
-        })?;
-    Ok(socket.ip().to_string())
+/// The per-process counts of `len` values split as torch splits a tensor into `n` shards:
+/// `len.div_ceil(n)` values each, the last ones shorter (or empty) where `len` does not
+/// divide. For [`ProcessGroup::reduce_scatter`] and
+/// [`ProcessGroup::all_gather_in_place`].
+///
+/// ```
+/// use burn_accelerate::distributed::shard_counts;
+/// assert_eq!(shard_counts(10, 4), [3, 3, 3, 1]);
+/// assert_eq!(shard_counts(2, 4), [1, 1, 0, 0]);
+/// ```
+pub fn shard_counts(len: usize, n: usize) -> Vec<usize> {
+    let each = len.div_ceil(n.max(1));
+    (0..n)
+        .map(|r| len.saturating_sub(r * each).min(each))
+        .collect()
 }
 
 /// Point-to-point messages between processes on a lane of their own (see
@@ -508,39 +400,67 @@ impl Stream {
         step: u32,
         payload: &[u8],
     ) -> Result<(), DistributedError> {
-        let Some(network) = &self.group.inner.network else {
-            return Ok(());
-        };
-        let message = wire::encode_bytes(self.lane, seq, step, payload);
-        let timeout = self.group.inner.timeout;
-        network
-            .runtime
-            .block_on(async { network.mesh.send(to, message, "a stream", timeout).await })
+        match &self.group.inner.engine {
+            Some(engine) => engine.send(self.lane, to, (seq, step), payload),
+            None => Ok(()),
+        }
     }
 
     /// The next message from process `from`, with its tag `(seq, step)`.
-    pub(crate) fn recv(&self, from: usize) -> Result<(u64, u32, Bytes), DistributedError> {
-        let Some(network) = &self.group.inner.network else {
-            return Err(DistributedError::PeerLost {
-                rank: from,
-                during: "a stream of a single process".into(),
-            });
+    pub(crate) fn recv(&self, from: usize) -> Result<(u64, u32, Vec<u8>), DistributedError> {
+        let Some(engine) = &self.group.inner.engine else {
+            return Err(DistributedError::InvalidCall(
+                "a stream of a single process has nobody to receive from".into(),
+            ));
         };
-        let timeout = self.group.inner.timeout;
-        let received = network.runtime.block_on(async {
-            tokio::time::timeout(timeout, network.mesh.recv(from, self.lane, "a stream"))
-                .await
-                .map_err(|_| DistributedError::Timeout {
-                    what: format!("process {from}'s next message on stream {}", self.lane),
-                    after: timeout,
-                    hint: "it stopped sending: is it stuck, or did it stop iterating?",
-                })?
-        })?;
-        let (header, payload) = wire::decode(&received).ok_or(DistributedError::Mismatch {
-            rank: from,
-            detail: "it sent something unreadable on a stream".into(),
-        })?;
-        let start = received.len() - payload.len();
-        Ok((header.seq, header.step, received.slice(start..)))
+        let ((seq, step), payload) = engine.recv(self.lane, from)?;
+        Ok((seq, step, payload))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shard_counts_split_like_torch_and_sum_to_the_length() {
+        assert_eq!(shard_counts(12, 4), [3, 3, 3, 3]);
+        assert_eq!(shard_counts(13, 4), [4, 4, 4, 1]);
+        assert_eq!(shard_counts(0, 3), [0, 0, 0]);
+        for len in 0..40 {
+            for n in 1..7 {
+                assert_eq!(shard_counts(len, n).iter().sum::<usize>(), len);
+            }
+        }
+    }
+
+    #[test]
+    fn a_single_process_group_returns_its_input_and_checks_its_arguments() {
+        let group = ProcessState::single().group().unwrap();
+        let mut values = vec![1i64, 2, 3];
+        group.all_reduce(&mut values, ReduceOp::Mean).unwrap();
+        assert_eq!(values, [1, 2, 3]);
+        assert_eq!(group.all_gather(&values).unwrap(), values);
+        let mine = group
+            .reduce_scatter(&mut values, &[3], ReduceOp::Sum)
+            .unwrap();
+        assert_eq!(mine, [1, 2, 3]);
+        let err = group
+            .reduce_scatter(&mut values, &[2], ReduceOp::Sum)
+            .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("summing to the buffer's length (3)"),
+            "{err}"
+        );
+        let err = group.all_gather_in_place(&mut values, &[1, 2]).unwrap_err();
+        assert!(
+            err.to_string().contains("one count per process (1)"),
+            "{err}"
+        );
+        let err = group.broadcast_bytes(1, vec![]).unwrap_err();
+        assert!(err.to_string().contains("there are 1"), "{err}");
+        assert_eq!(group.broadcast_bytes(0, vec![5]).unwrap(), [5]);
+        assert!(group.stream().recv(0).is_err());
     }
 }

@@ -4,7 +4,6 @@ use std::time::Duration;
 
 use super::env;
 use super::error::DistributedError;
-use super::group::ProcessGroup;
 
 /// Which process of a run this is, and how to reach the others: Accelerate's `PartialState`.
 ///
@@ -318,60 +317,6 @@ impl ProcessState {
     pub fn rendezvous(&self) -> Option<&Rendezvous> {
         self.rendezvous.as_ref()
     }
-
-    /// The process group of this run, joined on the first call (the rendezvous waits for
-    /// every process); the same group afterwards.
-    ///
-    /// # Errors
-    /// What joining can fail with: a rendezvous that times out or refuses this process, a
-    /// port that is taken; [`DistributedError::AlreadyJoined`] for another layout than the
-    /// one joined before.
-    pub fn group(&self) -> Result<ProcessGroup, DistributedError> {
-        ProcessGroup::join(self)
-    }
-
-    /// Waits until every process reaches this point (Accelerate's `wait_for_everyone`).
-    /// Returns at once for a single process.
-    ///
-    /// # Errors
-    /// A [`DistributedError`] when the group cannot be joined, a process left, or the wait
-    /// timed out.
-    pub fn wait_for_everyone(&self) -> Result<(), DistributedError> {
-        if !self.is_distributed() {
-            return Ok(());
-        }
-        self.group()?.barrier()
-    }
-
-    /// Lets the main process run a block first (downloading, preprocessing), then the
-    /// others: Accelerate's `with state.main_process_first():`. The other processes wait in
-    /// this call until the main process's guard is dropped (or
-    /// [released](FirstGuard::release)).
-    ///
-    /// ```
-    /// # use burn_accelerate::distributed::ProcessState;
-    /// let state = ProcessState::single();
-    /// {
-    ///     let _first = state.main_process_first()?;
-    ///     // prepare the dataset cache: the main process does it, the others find it done
-    /// }
-    /// # Ok::<(), burn_accelerate::distributed::DistributedError>(())
-    /// ```
-    ///
-    /// # Errors
-    /// As [`wait_for_everyone`](Self::wait_for_everyone), for the processes that wait.
-    pub fn main_process_first(&self) -> Result<FirstGuard, DistributedError> {
-        FirstGuard::enter(self, self.is_main_process())
-    }
-
-    /// As [`main_process_first`](Self::main_process_first), with each machine's local main
-    /// process first (Accelerate's `local_main_process_first`).
-    ///
-    /// # Errors
-    /// As [`wait_for_everyone`](Self::wait_for_everyone).
-    pub fn local_main_process_first(&self) -> Result<FirstGuard, DistributedError> {
-        FirstGuard::enter(self, self.is_local_main_process())
-    }
 }
 
 fn invalid(name: &'static str, value: usize, expected: String) -> DistributedError {
@@ -379,53 +324,6 @@ fn invalid(name: &'static str, value: usize, expected: String) -> DistributedErr
         name,
         value: value.to_string(),
         expected,
-    }
-}
-
-/// The guard of [`ProcessState::main_process_first`]: the processes that go first wait for
-/// the others when it drops.
-#[must_use = "the processes that go first run their block while the guard lives"]
-#[derive(Debug)]
-pub struct FirstGuard {
-    state: ProcessState,
-    first: bool,
-    done: bool,
-}
-
-impl FirstGuard {
-    fn enter(state: &ProcessState, first: bool) -> Result<Self, DistributedError> {
-        if !first {
-            state.wait_for_everyone()?;
-        }
-        Ok(Self {
-            state: state.clone(),
-            first,
-            done: false,
-        })
-    }
-
-    /// Ends the block now and reports whether the wait succeeded (dropping the guard logs a
-    /// failure instead; the next collective then fails too).
-    ///
-    /// # Errors
-    /// As [`ProcessState::wait_for_everyone`].
-    pub fn release(mut self) -> Result<(), DistributedError> {
-        self.done = true;
-        if self.first {
-            self.state.wait_for_everyone()?;
-        }
-        Ok(())
-    }
-}
-
-impl Drop for FirstGuard {
-    fn drop(&mut self) {
-        if self.first
-            && !self.done
-            && let Err(err) = self.state.wait_for_everyone()
-        {
-            log::error!("burn-accelerate: {err}");
-        }
     }
 }
 
@@ -551,13 +449,5 @@ mod tests {
             &with(&[("BURN_ACCELERATE_ORCHESTRATOR", "rank0")]),
             "BURN_ACCELERATE_ORCHESTRATOR",
         );
-    }
-
-    #[test]
-    fn a_single_process_waits_for_nobody() {
-        let s = ProcessState::single();
-        s.wait_for_everyone().unwrap();
-        s.main_process_first().unwrap().release().unwrap();
-        drop(s.local_main_process_first().unwrap());
     }
 }

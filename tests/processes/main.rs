@@ -1633,16 +1633,12 @@ fn a_reader_that_dies_mid_dispatch_ends_the_others_with_the_reason() {
     let main = main.join().unwrap();
     assert_eq!(main.status.code(), Some(7));
     assert!(!other.status.success());
+    // Rank 0 is on this machine: its exit is told as such, not guessed from a closed socket.
+    let said = format!("{}\n{}", other.stdout, other.stderr);
     assert!(
-        other
-            .stdout
-            .contains("dispatch_batches across processes: process 0 left the run")
-            || other
-                .stderr
-                .contains("dispatch_batches across processes: process 0 left the run"),
-        "{}\n{}",
-        other.stdout,
-        other.stderr
+        said.contains("dispatch_batches across processes: process 0 (pid ")
+            && said.contains("on this machine) exited during stream"),
+        "{said}"
     );
     assert!(
         other.elapsed < Duration::from_secs(30),

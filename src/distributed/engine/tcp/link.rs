@@ -1,0 +1,445 @@
+//! The connections of one process: a listener its peers connect to, and one TCP connection
+//! per (peer, lane) and direction, opened by the sending side when it first needs it. Lane 0
+//! carries the collectives, which only ever send to the next process of the ring and receive
+//! from the previous one; each stream (a dispatching loader's batches) has a lane of its own,
+//! so that a reader that is behind never holds up the collectives.
+//!
+//! A connection's bytes are read by a task of its own into pieces from a small pool: a
+//! receiver holds at most [`IN_FLIGHT`] pieces of each connection, and a sender that is
+//! further ahead waits on TCP's flow control. The consumer takes whole, checked messages
+//! piece by piece ([`Incoming::message`]), so a collective of any size works in bounded
+//! memory.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc, watch};
+
+use super::frame::{self, Assembly, FrameHeader, ReadError};
+
+/// A stream of messages between two processes (0: the collectives).
+pub(crate) type Lane = u32;
+
+/// The collectives' lane.
+pub(crate) const COLLECTIVES: Lane = 0;
+
+/// Pieces of one connection a receiver holds at most.
+pub(crate) const IN_FLIGHT: usize = 16;
+
+/// How long a new connection may take to say who it is.
+const HELLO_WITHIN: Duration = Duration::from_secs(10);
+
+/// The first bytes on a connection: who connects, for which lane, in which run. The marker
+/// (`1` in the sender's byte order) tells a machine of the other byte order, whose values
+/// would be read wrong.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Hello {
+    pub(crate) rank: u32,
+    pub(crate) lane: Lane,
+    pub(crate) run: u64,
+}
+
+const HELLO: &[u8; 4] = b"BAC1";
+const HELLO_LEN: usize = 24;
+
+impl Hello {
+    pub(crate) fn encode(self) -> [u8; HELLO_LEN] {
+        let mut b = [0u8; HELLO_LEN];
+        b[..4].copy_from_slice(HELLO);
+        b[4..8].copy_from_slice(&1u32.to_ne_bytes());
+        b[8..12].copy_from_slice(&self.rank.to_ne_bytes());
+        b[12..16].copy_from_slice(&self.lane.to_ne_bytes());
+        b[16..24].copy_from_slice(&self.run.to_ne_bytes());
+        b
+    }
+
+    pub(crate) fn decode(b: &[u8; HELLO_LEN]) -> Result<Self, String> {
+        if &b[..4] != HELLO {
+            return Err("it is not a burn-accelerate process of this version".into());
+        }
+        if b[4..8] != 1u32.to_ne_bytes() {
+            return Err(
+                "its machine has the other byte order: a run's machines must share it".into(),
+            );
+        }
+        let u32_at = |i: usize| u32::from_ne_bytes(b[i..i + 4].try_into().expect("4 bytes"));
+        Ok(Self {
+            rank: u32_at(8),
+            lane: u32_at(12),
+            run: u64::from_ne_bytes(b[16..24].try_into().expect("8 bytes")),
+        })
+    }
+}
+
+/// A piece of a message, in a buffer that goes back to its connection's pool when dropped.
+pub(crate) struct Piece {
+    pub(crate) header: FrameHeader,
+    data: Vec<u8>,
+    pool: Arc<Pool>,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Piece {
+    pub(crate) fn bytes(&self) -> &[u8] {
+        &self.data
+    }
+}
+
+impl Drop for Piece {
+    fn drop(&mut self) {
+        self.pool.put(std::mem::take(&mut self.data));
+    }
+}
+
+/// A connection's piece buffers, reused: pieces are megabytes, and fresh ones would cost a
+/// page fault per page every time.
+#[derive(Default)]
+struct Pool {
+    free: Mutex<Vec<Vec<u8>>>,
+}
+
+impl Pool {
+    fn take(&self) -> Vec<u8> {
+        lock(&self.free).pop().unwrap_or_default()
+    }
+
+    fn put(&self, buffer: Vec<u8>) {
+        if buffer.capacity() <= frame::PIECE {
+            lock(&self.free).push(buffer);
+        }
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The receiving end of a connection from one peer on one lane.
+pub(crate) struct Incoming {
+    pieces: mpsc::UnboundedReceiver<Result<Piece, ReadError>>,
+    /// Why the connection ended, once it has: every later read reports it again.
+    ended: Option<ReadError>,
+}
+
+/// One message being read, piece by piece.
+pub(crate) struct Message<'a> {
+    incoming: &'a mut Incoming,
+    assembly: Assembly,
+    first: Option<Piece>,
+}
+
+impl Incoming {
+    async fn next(&mut self) -> Result<Piece, ReadError> {
+        if let Some(ended) = &self.ended {
+            return Err(ended.clone());
+        }
+        let outcome = self.pieces.recv().await.unwrap_or(Err(ReadError::Closed));
+        if let Err(err) = &outcome {
+            self.ended = Some(err.clone());
+        }
+        outcome
+    }
+
+    /// The next message: its first header (to check against what is expected), then its
+    /// pieces from [`Message::next`].
+    pub(crate) async fn message(&mut self) -> Result<Message<'_>, ReadError> {
+        let first = self.next().await?;
+        let assembly = Assembly::start(first.header).map_err(ReadError::Malformed)?;
+        Ok(Message {
+            incoming: self,
+            assembly,
+            first: Some(first),
+        })
+    }
+}
+
+impl Message<'_> {
+    /// The message's first header: its fingerprint, tag and length.
+    pub(crate) fn header(&self) -> &FrameHeader {
+        &self.assembly.first
+    }
+
+    /// The next piece, `None` once the message is complete.
+    pub(crate) async fn next(&mut self) -> Result<Option<Piece>, ReadError> {
+        if let Some(first) = self.first.take() {
+            return Ok(Some(first));
+        }
+        if self.assembly.complete() {
+            return Ok(None);
+        }
+        let piece = self.incoming.next().await.map_err(ReadError::mid_message)?;
+        self.assembly
+            .accept(&piece.header)
+            .map_err(ReadError::Malformed)?;
+        Ok(Some(piece))
+    }
+}
+
+/// The sending end of a connection to one peer on one lane.
+pub(crate) struct Outgoing {
+    pub(crate) writer: OwnedWriteHalf,
+    // Kept open: dropping it would end the connection's other direction.
+    _reader: OwnedReadHalf,
+}
+
+/// Why a connection to a peer could not be opened.
+#[derive(Debug)]
+pub(crate) enum DialError {
+    /// Nothing answered at the address within the time.
+    Unreachable(String),
+    /// It answered, then closed the connection at once (another run, or a refusal).
+    Refused(String),
+}
+
+type Key = (usize, Lane);
+
+/// This process's connections.
+pub(crate) struct Links {
+    rank: usize,
+    world_size: usize,
+    run: watch::Sender<Option<u64>>,
+    incoming: Mutex<IncomingTable>,
+    arrived: Notify,
+    outgoing: tokio::sync::Mutex<HashMap<Key, Arc<tokio::sync::Mutex<Outgoing>>>>,
+}
+
+#[derive(Default)]
+struct IncomingTable {
+    slots: HashMap<Key, Arc<tokio::sync::Mutex<Incoming>>>,
+    /// Peers one of whose connections ended: waiting for another from them is pointless.
+    gone: HashMap<usize, ReadError>,
+}
+
+impl Links {
+    /// Starts listening on `listener` for the peers of rank `rank` of `world_size`; their
+    /// connections are accepted once [`set_run`](Self::set_run) names the run.
+    pub(crate) fn listen(listener: TcpListener, rank: usize, world_size: usize) -> Arc<Self> {
+        let links = Arc::new(Self {
+            rank,
+            world_size,
+            run: watch::Sender::new(None),
+            incoming: Mutex::default(),
+            arrived: Notify::new(),
+            outgoing: tokio::sync::Mutex::default(),
+        });
+        let weak = Arc::downgrade(&links);
+        tokio::spawn(async move {
+            loop {
+                let Ok((stream, from)) = listener.accept().await else {
+                    continue;
+                };
+                let Some(links) = weak.upgrade() else { return };
+                tokio::spawn(async move {
+                    if let Err(why) = links.accept(stream).await {
+                        log::warn!("burn-accelerate: a connection from {from} was refused: {why}");
+                    }
+                });
+            }
+        });
+        links
+    }
+
+    /// The run's number, from the rendezvous: connections of this run are accepted from now.
+    pub(crate) fn set_run(&self, run: u64) {
+        self.run.send_replace(Some(run));
+    }
+
+    fn run(&self) -> Option<u64> {
+        *self.run.borrow()
+    }
+
+    async fn accept(self: Arc<Self>, stream: tokio::net::TcpStream) -> Result<(), String> {
+        let _ = stream.set_nodelay(true);
+        let (mut reader, writer) = stream.into_split();
+        let mut hello = [0u8; HELLO_LEN];
+        tokio::time::timeout(HELLO_WITHIN, reader.read_exact(&mut hello))
+            .await
+            .map_err(|_| format!("it said nothing within {HELLO_WITHIN:?}"))?
+            .map_err(|e| format!("it closed before saying who it is ({e})"))?;
+        let hello = Hello::decode(&hello)?;
+        let mut run = self.run.subscribe();
+        let ours = tokio::time::timeout(HELLO_WITHIN, run.wait_for(Option::is_some))
+            .await
+            .map_err(|_| "it came before the rendezvous ended".to_string())?
+            .map_err(|_| "this process is leaving".to_string())?
+            .expect("waited for");
+        if hello.run != ours {
+            return Err(format!(
+                "it is rank {} of another run (or of an earlier one)",
+                hello.rank
+            ));
+        }
+        let peer = hello.rank as usize;
+        if peer >= self.world_size || peer == self.rank {
+            return Err(format!("rank {peer} is not a peer of rank {}", self.rank));
+        }
+        let (sender, pieces) = mpsc::unbounded_channel();
+        {
+            let mut table = lock(&self.incoming);
+            let key = (peer, hello.lane);
+            if table.slots.contains_key(&key) {
+                return Err(format!(
+                    "rank {peer} connected twice on lane {}",
+                    hello.lane
+                ));
+            }
+            let incoming = Incoming {
+                pieces,
+                ended: None,
+            };
+            table
+                .slots
+                .insert(key, Arc::new(tokio::sync::Mutex::new(incoming)));
+        }
+        self.arrived.notify_waiters();
+        let end = read_pieces(reader, sender).await;
+        drop(writer);
+        if let Some(end) = end {
+            lock(&self.incoming).gone.insert(peer, end);
+            self.arrived.notify_waiters();
+        }
+        Ok(())
+    }
+
+    /// The connection from `peer` on `lane`, waiting for the peer to open it (or for a sign
+    /// that it never will: another of its connections ended).
+    pub(crate) async fn incoming(
+        &self,
+        peer: usize,
+        lane: Lane,
+    ) -> Result<Arc<tokio::sync::Mutex<Incoming>>, ReadError> {
+        loop {
+            let notified = self.arrived.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let table = lock(&self.incoming);
+                if let Some(incoming) = table.slots.get(&(peer, lane)) {
+                    return Ok(Arc::clone(incoming));
+                }
+                if let Some(end) = table.gone.get(&peer) {
+                    return Err(end.clone());
+                }
+            }
+            notified.await;
+        }
+    }
+
+    /// The connection to `peer` on `lane` at `address`, opened (and introduced) on first use.
+    pub(crate) async fn outgoing(
+        &self,
+        peer: usize,
+        lane: Lane,
+        address: &str,
+        within: Duration,
+    ) -> Result<Arc<tokio::sync::Mutex<Outgoing>>, DialError> {
+        let mut table = self.outgoing.lock().await;
+        if let Some(link) = table.get(&(peer, lane)) {
+            return Ok(Arc::clone(link));
+        }
+        let run = self
+            .run()
+            .expect("the rendezvous ended before any connection");
+        let hello = Hello {
+            rank: self.rank as u32,
+            lane,
+            run,
+        };
+        let link = Arc::new(tokio::sync::Mutex::new(dial(address, hello, within).await?));
+        table.insert((peer, lane), Arc::clone(&link));
+        Ok(link)
+    }
+}
+
+// Reads frames into pieces until the connection ends, and says how it ended (`None`: its
+// reader left first).
+async fn read_pieces(
+    mut reader: OwnedReadHalf,
+    sender: mpsc::UnboundedSender<Result<Piece, ReadError>>,
+) -> Option<ReadError> {
+    let pool = Arc::new(Pool::default());
+    let permits = Arc::new(Semaphore::new(IN_FLIGHT));
+    loop {
+        let read = async {
+            let header = frame::read_header(&mut reader).await?;
+            let permit = Arc::clone(&permits)
+                .acquire_owned()
+                .await
+                .expect("never closed");
+            let mut data = pool.take();
+            frame::read_piece(&mut reader, &header, &mut data).await?;
+            Ok::<_, ReadError>(Piece {
+                header,
+                data,
+                pool: Arc::clone(&pool),
+                _permit: permit,
+            })
+        };
+        match read.await {
+            Ok(piece) => {
+                if sender.send(Ok(piece)).is_err() {
+                    return None;
+                }
+            }
+            Err(err) => {
+                let _ = sender.send(Err(err.clone()));
+                return Some(err);
+            }
+        }
+    }
+}
+
+async fn dial(address: &str, hello: Hello, within: Duration) -> Result<Outgoing, DialError> {
+    let deadline = tokio::time::Instant::now() + within;
+    let mut last = String::from("no attempt");
+    loop {
+        match tokio::time::timeout_at(deadline, tokio::net::TcpStream::connect(address)).await {
+            Ok(Ok(mut stream)) => {
+                let _ = stream.set_nodelay(true);
+                if let Err(e) = stream.write_all(&hello.encode()).await {
+                    return Err(DialError::Refused(e.to_string()));
+                }
+                let (reader, writer) = stream.into_split();
+                return Ok(Outgoing {
+                    writer,
+                    _reader: reader,
+                });
+            }
+            Ok(Err(e)) => last = e.to_string(),
+            Err(_) => {}
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(DialError::Unreachable(last));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hellos_round_trip_and_strangers_are_named() {
+        let hello = Hello {
+            rank: 3,
+            lane: 7,
+            run: u64::MAX - 1,
+        };
+        assert_eq!(Hello::decode(&hello.encode()), Ok(hello));
+        let mut junk = hello.encode();
+        junk[0] = b'G';
+        assert!(
+            Hello::decode(&junk)
+                .unwrap_err()
+                .contains("not a burn-accelerate")
+        );
+        let mut swapped = hello.encode();
+        swapped[4..8].copy_from_slice(&1u32.swap_bytes().to_ne_bytes());
+        assert!(Hello::decode(&swapped).unwrap_err().contains("byte order"));
+    }
+}
