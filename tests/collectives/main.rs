@@ -1,0 +1,577 @@
+//! The process group's collectives at real sizes, on 2, 3 and 4 real processes of this machine
+//! (started by `burn-accelerate launch`, see `../processes/harness.rs`): a 1 GiB all-reduce,
+//! the gradients of a model with a 16.8M-value parameter, gather and broadcast of 20M values,
+//! a 64 MiB dispatched batch, all-gather and reduce-scatter at uneven sizes in every element
+//! type, and what a peer that exits or calls another collective does to the others.
+//!
+//! Each worker checks its own results against values it computes itself (every process knows
+//! what every other contributes) and reports what it found wrong; the test asserts nothing was.
+#![cfg(feature = "flex")]
+
+// Shared with the processes suite, which uses all of it.
+#[allow(dead_code)]
+#[path = "../processes/harness.rs"]
+mod harness;
+
+use std::time::{Duration, Instant};
+
+use burn::backend::{Autodiff, Flex};
+use burn::data::dataloader::DataLoader;
+use burn::data::dataloader::batcher::Batcher;
+use burn::data::dataset::Dataset;
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::nn::{Linear, LinearConfig};
+use burn::optim::GradientsParams;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor, TensorData};
+use burn_accelerate::data::{DataLoaderConfig, ShardLoaderBuilder};
+use burn_accelerate::distributed::{
+    DistributedError, ProcessGroup, ProcessState, ReduceOp, all_reduce_gradients, shard_counts,
+};
+use half::{bf16, f16};
+use harness::{launch, max_relative_difference, report, worker};
+use serde::{Deserialize, Serialize};
+
+type Train = Autodiff<Flex>;
+
+/// What a worker found wrong (empty: everything as expected).
+type Findings = Vec<String>;
+
+fn check(findings: &mut Findings, ok: bool, what: impl FnOnce() -> String) {
+    if !ok {
+        findings.push(what());
+    }
+}
+
+fn group() -> (ProcessState, ProcessGroup) {
+    let state = ProcessState::from_env().unwrap();
+    let group = state.group().unwrap();
+    (state, group)
+}
+
+fn assert_none_found(reports: Vec<Findings>) {
+    for (rank, findings) in reports.iter().enumerate() {
+        assert!(findings.is_empty(), "rank {rank}: {findings:#?}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Uneven all-gather and reduce-scatter, every element type.
+
+fn uneven_worker() -> Findings {
+    let (_, group) = group();
+    let (r, n) = (group.rank(), group.world_size());
+    let mut found = Findings::new();
+
+    // All-gather of different lengths (rank r gives 3r + 1 values), exactly, in rank order;
+    // i64 values past f64's exact integers.
+    let own: Vec<i64> = (0..3 * r + 1)
+        .map(|i| (1 << 60) + (r * 100 + i) as i64)
+        .collect();
+    let gathered = group.all_gather(&own).unwrap();
+    let expected: Vec<i64> = (0..n)
+        .flat_map(|q| (0..3 * q + 1).map(move |i| (1 << 60) + (q * 100 + i) as i64))
+        .collect();
+    check(&mut found, gathered == expected, || {
+        format!("all_gather: {gathered:?}")
+    });
+
+    // Past a piece (1 MiB) and not a multiple of one: bytes in pieces of two sizes.
+    let len = (1 << 20) + 5 + r;
+    let own: Vec<u8> = (0..len).map(|i| (i * 7 + r) as u8).collect();
+    let gathered = group.all_gather(&own).unwrap();
+    let expected: Vec<u8> = (0..n)
+        .flat_map(|q| (0..(1 << 20) + 5 + q).map(move |i| (i * 7 + q) as u8))
+        .collect();
+    check(&mut found, gathered == expected, || {
+        "all_gather of bytes past a piece differs".into()
+    });
+
+    // In place, with an empty slot.
+    let counts: Vec<usize> = (0..n).map(|q| if q == 1 { 0 } else { q + 2 }).collect();
+    let mut buffer = vec![0u32; counts.iter().sum()];
+    let start: usize = counts[..r].iter().sum();
+    for (i, v) in buffer[start..start + counts[r]].iter_mut().enumerate() {
+        *v = (r * 10 + i) as u32;
+    }
+    group.all_gather_in_place(&mut buffer, &counts).unwrap();
+    let expected: Vec<u32> = (0..n)
+        .flat_map(|q| (0..counts[q]).map(move |i| (q * 10 + i) as u32))
+        .collect();
+    check(&mut found, buffer == expected, || {
+        format!("all_gather_in_place: {buffer:?}")
+    });
+
+    // Reduce-scatter at uneven counts (torch's split: a shorter last slice) and at counts
+    // with an empty slice, for every element type; sums of small integers are exact in each.
+    for len in [13, 1, 3 * (1 << 18) + 7] {
+        for counts in [shard_counts(len, n), {
+            let mut c = vec![0; n];
+            c[n - 1] = len;
+            c
+        }] {
+            let start: usize = counts[..r].iter().sum();
+            let mine = start..start + counts[r];
+            // Rank q contributes (i % 50) + q at index i: the sum is n (i % 50) + n (n - 1) / 2.
+            let sum = |i: usize| (n * (i % 50) + n * (n - 1) / 2) as f64;
+            macro_rules! each_type {
+                ($($t:ty => $from:expr),* $(,)?) => {$(
+                    let mut values: Vec<$t> =
+                        (0..len).map(|i| $from(((i % 50) + r) as f64)).collect();
+                    let got = group
+                        .reduce_scatter(&mut values, &counts, ReduceOp::Sum)
+                        .unwrap()
+                        .to_vec();
+                    let want: Vec<$t> = mine.clone().map(|i| $from(sum(i))).collect();
+                    check(&mut found, got == want, || {
+                        format!("reduce_scatter {} of {len} at {counts:?}", stringify!($t))
+                    });
+                )*};
+            }
+            each_type!(
+                f32 => |v: f64| v as f32,
+                f64 => |v: f64| v,
+                f16 => f16::from_f64,
+                bf16 => bf16::from_f64,
+                i64 => |v: f64| v as i64,
+                i32 => |v: f64| v as i32,
+                i16 => |v: f64| v as i16,
+                u32 => |v: f64| v as u32,
+                u64 => |v: f64| v as u64,
+            );
+            // The mean, of integers, divides as integers do.
+            let mut values: Vec<i64> = (0..len).map(|i| ((i % 50) + r) as i64).collect();
+            let got = group
+                .reduce_scatter(&mut values, &counts, ReduceOp::Mean)
+                .unwrap()
+                .to_vec();
+            let want: Vec<i64> = mine.clone().map(|i| sum(i) as i64 / n as i64).collect();
+            check(&mut found, got == want, || {
+                format!("integer mean at {counts:?}")
+            });
+        }
+    }
+
+    // Tensors: rows of an int tensor scattered by per-process counts.
+    let device = Default::default();
+    let rows = 2 * n + 1;
+    let counts = shard_counts(rows, n);
+    let values: Vec<i64> = (0..rows * 3).map(|i| i as i64 * 1000 + r as i64).collect();
+    let tensor = Tensor::<Flex, 2, Int>::from_data(TensorData::new(values, [rows, 3]), &device);
+    let mine = group
+        .reduce_scatter_tensor(tensor, &counts, ReduceOp::Sum)
+        .unwrap();
+    let start: usize = counts[..r].iter().sum();
+    let want: Vec<i64> = (start * 3..(start + counts[r]) * 3)
+        .map(|i| n as i64 * i as i64 * 1000 + (n * (n - 1) / 2) as i64)
+        .collect();
+    check(&mut found, mine.dims() == [counts[r], 3], || {
+        format!("reduce_scatter_tensor shape {:?}", mine.dims())
+    });
+    let got: Vec<i64> = mine.into_data().convert::<i64>().to_vec().unwrap();
+    check(&mut found, got == want, || {
+        format!("reduce_scatter_tensor: {got:?}")
+    });
+
+    // A bad call is refused before anything is sent, and the group stays usable.
+    let err = group
+        .reduce_scatter(&mut [1.0f32; 4], &[4], ReduceOp::Sum)
+        .unwrap_err();
+    check(
+        &mut found,
+        matches!(&err, DistributedError::InvalidCall(m) if m.contains("one count per process")),
+        || format!("bad counts: {err}"),
+    );
+    group.barrier().unwrap();
+    found
+}
+
+#[test]
+fn all_gather_and_reduce_scatter_are_exact_at_uneven_sizes_on_2_3_and_4_processes() {
+    const TEST: &str =
+        "all_gather_and_reduce_scatter_are_exact_at_uneven_sizes_on_2_3_and_4_processes";
+    if worker::<()>().is_some() {
+        return report(&uneven_worker());
+    }
+    for n in [2, 3, 4] {
+        assert_none_found(launch(TEST, n, &(), &[]).assert_success().reports(n));
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// A 1 GiB all-reduce.
+
+fn gib_worker() -> Findings {
+    let (_, group) = group();
+    let (r, n) = (group.rank(), group.world_size());
+    let len = 1usize << 28;
+    // Small integers: every sum is exact in f32, so any value out of place shows.
+    let mut values: Vec<f32> = (0..len).map(|i| ((i % 4099) + r) as f32).collect();
+    group.all_reduce(&mut values, ReduceOp::Sum).unwrap();
+    let offset = (n * (n - 1) / 2) as f32;
+    let wrong = (0..len).find(|&i| values[i] != n as f32 * (i % 4099) as f32 + offset);
+    match wrong {
+        Some(i) => vec![format!("value {i} is {}", values[i])],
+        None => vec![],
+    }
+}
+
+#[test]
+fn an_all_reduce_of_a_gib_is_exact_on_2_processes() {
+    const TEST: &str = "an_all_reduce_of_a_gib_is_exact_on_2_processes";
+    if worker::<()>().is_some() {
+        return report(&gib_worker());
+    }
+    assert_none_found(launch(TEST, 2, &(), &[]).assert_success().reports(2));
+}
+
+// ---------------------------------------------------------------------------------------
+// Gradients of a model with a 16.8M-value parameter.
+
+#[derive(Module, Debug)]
+struct Wide<B: Backend> {
+    wide: Linear<B>,
+    out: Linear<B>,
+}
+
+const WIDTH: usize = 4096;
+
+impl<B: Backend> Wide<B> {
+    fn new(device: &B::Device) -> Self {
+        B::seed(device, 11);
+        Self {
+            wide: LinearConfig::new(WIDTH, WIDTH).init(device),
+            out: LinearConfig::new(WIDTH, 8).init(device),
+        }
+    }
+
+    // Process `rank`'s batch: every process can make any process's.
+    fn loss(&self, rank: usize, device: &B::Device) -> Tensor<B, 1> {
+        let x: Vec<f32> = (0..4 * WIDTH)
+            .map(|i| ((i * 31 + rank * 7919) % 1000) as f32 / 500.0 - 1.0)
+            .collect();
+        let x = Tensor::<B, 2>::from_data(TensorData::new(x, [4, WIDTH]), device);
+        self.out
+            .forward(self.wide.forward(x))
+            .powf_scalar(2.0)
+            .mean()
+    }
+}
+
+// Every parameter's gradient in `grads`, flat, in visiting order.
+fn gradient_values(model: &Wide<Train>, grads: &GradientsParams) -> Vec<Vec<f32>> {
+    struct Collect<'a>(&'a GradientsParams, Vec<Vec<f32>>);
+    impl ModuleVisitor<Train> for Collect<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Train, D>>) {
+            let grad = self.0.get::<Flex, D>(param.id).expect("a gradient");
+            self.1
+                .push(grad.into_data().convert::<f32>().to_vec().unwrap());
+        }
+    }
+    let mut collect = Collect(grads, Vec::new());
+    model.visit(&mut collect);
+    collect.1
+}
+
+fn gradients_worker() -> Findings {
+    let (_, group) = group();
+    let (r, n) = (group.rank(), group.world_size());
+    let device = Default::default();
+    let model = Wide::<Train>::new(&device);
+    assert_eq!(model.wide.weight.val().dims(), [WIDTH, WIDTH]);
+    // The mean of every process's gradients, computed here alone.
+    let mut expected: Vec<Vec<f32>> = Vec::new();
+    for q in 0..n {
+        let grads = GradientsParams::from_grads(model.loss(q, &device).backward(), &model);
+        let values = gradient_values(&model, &grads);
+        if expected.is_empty() {
+            expected = values;
+        } else {
+            for (e, v) in expected.iter_mut().zip(values) {
+                e.iter_mut().zip(v).for_each(|(e, v)| *e += v);
+            }
+        }
+    }
+    expected
+        .iter_mut()
+        .for_each(|e| e.iter_mut().for_each(|v| *v /= n as f32));
+    let mut grads = GradientsParams::from_grads(model.loss(r, &device).backward(), &model);
+    all_reduce_gradients::<Train, _>(&group, &model, &mut grads).unwrap();
+    let got = gradient_values(&model, &grads);
+    let mut found = Findings::new();
+    for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
+        let diff = max_relative_difference(g, e);
+        check(&mut found, g.len() == e.len() && diff <= 1e-6, || {
+            format!(
+                "parameter {i} ({} values): relative difference {diff}",
+                e.len()
+            )
+        });
+    }
+    found
+}
+
+#[test]
+fn gradients_of_a_16_8m_value_parameter_are_the_mean_of_every_process() {
+    const TEST: &str = "gradients_of_a_16_8m_value_parameter_are_the_mean_of_every_process";
+    if worker::<()>().is_some() {
+        return report(&gradients_worker());
+    }
+    for n in [2, 3] {
+        assert_none_found(launch(TEST, n, &(), &[]).assert_success().reports(n));
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Gather and broadcast of 20M values.
+
+fn gather_broadcast_worker() -> Findings {
+    let (_, group) = group();
+    let (r, n) = (group.rank(), group.world_size());
+    let device = Default::default();
+    let mut found = Findings::new();
+    // Rank r gives 7M + r rows of one value: 21M values or more gathered.
+    let value = |q: usize, i: usize| ((q * 1_000_003 + i) % 16_777_216) as f32;
+    let rows = |q: usize| 7_000_000 + q;
+    let own: Vec<f32> = (0..rows(r)).map(|i| value(r, i)).collect();
+    let tensor = Tensor::<Flex, 1>::from_data(TensorData::new(own, [rows(r)]), &device);
+    let gathered: Vec<f32> = group.gather(tensor).unwrap().into_data().to_vec().unwrap();
+    let total: usize = (0..n).map(rows).sum();
+    check(&mut found, gathered.len() == total, || {
+        format!("gathered {} values of {total}", gathered.len())
+    });
+    let mut at = 0;
+    for q in 0..n {
+        let wrong = (0..rows(q)).find(|&i| gathered.get(at + i) != Some(&value(q, i)));
+        check(&mut found, wrong.is_none(), || {
+            format!("gathered value {wrong:?} of process {q}")
+        });
+        at += rows(q);
+    }
+    drop(gathered);
+    // 20M values from process 1; the others pass a small tensor of another shape.
+    let (from, len) = (1, 20_000_000);
+    let tensor = if r == from {
+        let values: Vec<f32> = (0..len).map(|i| value(9, i)).collect();
+        Tensor::<Flex, 2>::from_data(TensorData::new(values, [len / 4, 4]), &device)
+    } else {
+        Tensor::<Flex, 2>::zeros([1, 1], &device)
+    };
+    let got = group.broadcast(tensor, from).unwrap();
+    check(&mut found, got.dims() == [len / 4, 4], || {
+        format!("broadcast shape {:?}", got.dims())
+    });
+    let got: Vec<f32> = got.into_data().to_vec().unwrap();
+    let wrong = (0..len).find(|&i| got.get(i) != Some(&value(9, i)));
+    check(&mut found, wrong.is_none(), || {
+        format!("broadcast value {wrong:?}")
+    });
+    found
+}
+
+#[test]
+fn gather_and_broadcast_carry_20m_values() {
+    const TEST: &str = "gather_and_broadcast_carry_20m_values";
+    if worker::<()>().is_some() {
+        return report(&gather_broadcast_worker());
+    }
+    assert_none_found(launch(TEST, 3, &(), &[]).assert_success().reports(3));
+}
+
+// ---------------------------------------------------------------------------------------
+// A 64 MiB dispatched batch.
+
+const ITEM: usize = 1 << 20;
+
+/// Items of a MiB each, item i filled with i (mod 128: one byte each in MessagePack).
+struct Mebibytes;
+
+impl Dataset<Vec<u8>> for Mebibytes {
+    fn get(&self, index: usize) -> Option<Vec<u8>> {
+        (index < self.len()).then(|| vec![(index % 128) as u8; ITEM])
+    }
+
+    fn len(&self) -> usize {
+        130
+    }
+}
+
+/// What a batch held: each item's first byte and whether it was whole and uniform.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Summary {
+    firsts: Vec<u8>,
+    whole: bool,
+}
+
+#[derive(Clone)]
+struct Summarise;
+
+impl Batcher<Flex, Vec<u8>, Summary> for Summarise {
+    fn batch(&self, items: Vec<Vec<u8>>, _: &burn::backend::flex::FlexDevice) -> Summary {
+        Summary {
+            firsts: items.iter().map(|item| item[0]).collect(),
+            whole: items
+                .iter()
+                .all(|item| item.len() == ITEM && item.iter().all(|b| *b == item[0])),
+        }
+    }
+}
+
+fn dispatch_worker() -> Vec<Summary> {
+    let state = ProcessState::from_env().unwrap();
+    // 64 items of a MiB per process and step: process 0 reads 128 and sends 64 MiB on.
+    let config = DataLoaderConfig::new(64).with_dispatch_batches(true);
+    let loader = ShardLoaderBuilder::new(config, Mebibytes, Summarise)
+        .build_dispatching(&state, Default::default())
+        .unwrap();
+    loader.iter().collect()
+}
+
+#[test]
+fn a_dispatched_batch_of_64_mib_arrives_whole() {
+    const TEST: &str = "a_dispatched_batch_of_64_mib_arrives_whole";
+    if worker::<()>().is_some() {
+        return report(&dispatch_worker());
+    }
+    let reports: Vec<Vec<Summary>> = launch(TEST, 2, &(), &[]).assert_success().reports(2);
+    for (rank, batches) in reports.iter().enumerate() {
+        // 130 items: a full step, then the last two items (even_batches pads the tail).
+        assert_eq!(batches.len(), 2, "rank {rank}");
+        let firsts: Vec<u8> = (rank * 64..rank * 64 + 64).map(|i| i as u8 % 128).collect();
+        assert_eq!(batches[0].firsts, firsts, "rank {rank}");
+        assert!(batches.iter().all(|b| b.whole), "rank {rank}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Errors that say what happened.
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+enum Fault {
+    /// Process 1 exits while process 0 all-reduces 256 MiB.
+    ExitMidTransfer,
+    /// Process 0 all-reduces 10 values, process 1 11.
+    OtherLength,
+    /// Process 0 all-reduces while process 1 broadcasts the same bytes.
+    OtherCollective,
+}
+
+/// What process 0 saw, and how long it took to see it.
+#[derive(Debug, Serialize, Deserialize)]
+struct Seen {
+    error: String,
+    seconds: f64,
+}
+
+fn fault_worker(fault: Fault) -> Seen {
+    let (_, group) = group();
+    let r = group.rank();
+    group.barrier().unwrap();
+    let start = Instant::now();
+    let outcome = match fault {
+        Fault::ExitMidTransfer => {
+            let mut values = vec![1.0f32; 64 << 20];
+            if r == 1 {
+                // In the middle of the transfer: after a little of its first step.
+                std::thread::spawn(|| {
+                    std::thread::sleep(Duration::from_millis(30));
+                    std::process::exit(3);
+                });
+            }
+            group.all_reduce(&mut values, ReduceOp::Sum)
+        }
+        Fault::OtherLength => group.all_reduce(&mut vec![1.0f32; 10 + r], ReduceOp::Sum),
+        Fault::OtherCollective if r == 0 => group.all_reduce(&mut vec![1u8; 12], ReduceOp::Sum),
+        Fault::OtherCollective => group
+            .broadcast_object(&"ten bytes".to_string(), 1)
+            .map(drop),
+    };
+    Seen {
+        error: outcome.err().map(|e| e.to_string()).unwrap_or_default(),
+        seconds: start.elapsed().as_secs_f64(),
+    }
+}
+
+#[test]
+fn a_broken_collective_says_what_became_of_the_other_process() {
+    const TEST: &str = "a_broken_collective_says_what_became_of_the_other_process";
+    if let Some(fault) = worker::<Fault>() {
+        return report(&fault_worker(fault));
+    }
+    // Without the launcher (which would stop process 0 itself when process 1 exits): process
+    // 0 hosts the rendezvous, and the timeout is far away.
+    let run = |fault: Fault| -> Vec<Seen> {
+        let _exclusive = harness::exclusive();
+        let port = harness::free_port().to_string();
+        let dir = harness::scratch_dir("faults");
+        let spawn = |rank: &str| {
+            let mut command = std::process::Command::new(std::env::current_exe().unwrap());
+            command
+                .args([TEST, "--exact", "--nocapture", "--test-threads=1", "-q"])
+                .env(harness::WORKER_DIR, &dir)
+                .env(
+                    "BURN_ACCELERATE_TEST_WORKER_ARGS",
+                    serde_json::to_string(&fault).unwrap(),
+                )
+                .env("RANK", rank)
+                .env("WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .env(
+                    "BURN_ACCELERATE_DATA_PORT",
+                    harness::free_port().to_string(),
+                )
+                .env("BURN_ACCELERATE_TIMEOUT", "600");
+            command
+        };
+        let main = std::thread::spawn({
+            let command = spawn("0");
+            let dir = dir.clone();
+            move || harness::run(command, dir)
+        });
+        let other = harness::run(spawn("1"), dir.clone());
+        let main = main.join().unwrap();
+        let ranks = match fault {
+            Fault::ExitMidTransfer => {
+                assert_eq!(other.status.code(), Some(3), "{}", other.stderr);
+                1
+            }
+            _ => 2,
+        };
+        let seen = main.reports(ranks);
+        harness::clean(&dir);
+        seen
+    };
+
+    let seen = run(Fault::ExitMidTransfer);
+    let error = &seen[0].error;
+    assert!(
+        error.contains("process 1 (pid ")
+            && error.contains("on this machine) exited during all-reduce #"),
+        "{error}"
+    );
+    assert!(seen[0].seconds < 10.0, "{}", seen[0].seconds);
+
+    // Both processes name the other and both lengths.
+    let seen = run(Fault::OtherLength);
+    for (rank, (mine, theirs)) in [(10, 11), (11, 10)].into_iter().enumerate() {
+        let error = &seen[rank].error;
+        assert!(
+            error.contains(&format!("process {} disagrees", 1 - rank))
+                && error.contains(&format!("({theirs} f32 values)"))
+                && error.contains(&format!(
+                    "this process at all-reduce #2 ({mine} f32 values)"
+                )),
+            "rank {rank}: {error}"
+        );
+    }
+
+    let seen = run(Fault::OtherCollective);
+    let error = &seen[0].error;
+    assert!(
+        error.contains("process 1 disagrees")
+            && error.contains("it is at broadcast #2")
+            && error.contains("this process at all-reduce #2 (12 u8 values)"),
+        "{error}"
+    );
+}
