@@ -481,7 +481,7 @@ fn fault_worker(fault: Fault) -> Seen {
             group.all_reduce(&mut values, ReduceOp::Sum)
         }
         Fault::OtherLength => group.all_reduce(&mut vec![1.0f32; 10 + r], ReduceOp::Sum),
-        Fault::OtherCollective if r == 0 => group.all_reduce(&mut vec![1u8; 12], ReduceOp::Sum),
+        Fault::OtherCollective if r == 0 => group.all_reduce(&mut [1u8; 12], ReduceOp::Sum),
         Fault::OtherCollective => group
             .broadcast_object(&"ten bytes".to_string(), 1)
             .map(drop),
