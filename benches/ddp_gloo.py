@@ -1,7 +1,8 @@
 """PyTorch DDP (gloo, CPU) counterpart of `examples/ddp_step.rs`: what synchronising gradients
-costs on the benchmark MLP (Linear(256, 512) -> ReLU -> Linear(512, 256), f32, batch 64 per
-process from a fixed-seed normal, loss = mean of the output squared, SGD lr 1e-3), timed step
-by step (a step = forward + backward (+ DDP all-reduce) + optimizer step + zero_grad).
+costs on an MLP (by default the benchmark MLP, Linear(256, 512) -> ReLU -> Linear(512, 256);
+`--dims` and `--batch` as the Rust side's), f32, batch 64 per process from a fixed-seed normal,
+loss = mean of the output squared, SGD lr 1e-3), timed step by step (a step = forward +
+backward (+ DDP all-reduce) + optimizer step + zero_grad).
 
     python benches/ddp_gloo.py                                   # one process, no DDP
     OMP_NUM_THREADS=1 python benches/ddp_gloo.py                 # the same, one thread
@@ -31,6 +32,8 @@ def main():
     parser.add_argument("--steps", type=int, default=300, help="timed steps (default 300)")
     parser.add_argument("--warmup", type=int, default=20, help="warm-up steps (default 20)")
     parser.add_argument("--baseline-ms", type=float, help="1-process median step, for the overhead")
+    parser.add_argument("--dims", default="256,512,256", help="layer widths, input first")
+    parser.add_argument("--batch", type=int, default=64, help="samples per process and step")
     args = parser.parse_args()
 
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -39,14 +42,18 @@ def main():
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
 
     torch.manual_seed(7)  # same weights and same batch on every process, as the Rust side
-    model = torch.nn.Sequential(
-        torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256)
-    )
+    dims = [int(d) for d in args.dims.split(",")]
+    layers = []
+    for i, (fan_in, fan_out) in enumerate(zip(dims, dims[1:])):
+        if i > 0:
+            layers.append(torch.nn.ReLU())
+        layers.append(torch.nn.Linear(fan_in, fan_out))
+    model = torch.nn.Sequential(*layers)
     params = sum(p.numel() for p in model.parameters())
     if distributed:
         model = torch.nn.parallel.DistributedDataParallel(model)
     optim = torch.optim.SGD(model.parameters(), lr=1e-3)
-    x = torch.randn(64, 256)
+    x = torch.randn(args.batch, dims[0])
 
     def step():
         model(x).pow(2).mean().backward()

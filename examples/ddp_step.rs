@@ -1,12 +1,15 @@
-//! What synchronising gradients costs: the benchmark MLP's training step (256 → 512 → 256,
-//! batch 64 per process, f32, SGD) on one process, or on several under the launcher with the
-//! gradients averaged every step, timed step by step. The PyTorch DDP (gloo) counterpart is
-//! `benches/ddp_gloo.py`; the figures are in BENCHMARKS.md.
+//! What synchronising gradients costs: an MLP's training step (by default the benchmark MLP,
+//! 256 → 512 → 256, batch 64 per process, f32, SGD) on one process, or on several under the
+//! launcher with the gradients averaged every step, timed step by step. The PyTorch DDP (gloo)
+//! counterpart is `benches/ddp_gloo.py`; the figures are in BENCHMARKS.md.
 //!
 //! ```text
 //! cargo build --release --example ddp_step --bin burn-accelerate
 //! RAYON_NUM_THREADS=1 target/release/examples/ddp_step
 //! target/release/burn-accelerate launch --num-processes 2 -- target/release/examples/ddp_step
+//! # 100.7M parameters: six 4096 × 4096 layers
+//! target/release/burn-accelerate launch --num-processes 2 -- target/release/examples/ddp_step \
+//!     --dims 4096,4096,4096,4096,4096,4096,4096 --batch 16 --steps 10
 //! ```
 //!
 //! Printed by the main process: the median step time, the median time of the gradient
@@ -29,16 +32,33 @@ type Train = Autodiff<Flex>;
 /// Time the benchmark MLP's step with and without gradient synchronisation.
 #[derive(Parser)]
 struct Args {
-    /// Timed steps (after as many warm-up steps as a tenth of them, at least 10).
+    /// Timed steps (after as many warm-up steps as a tenth of them, at least 2).
     #[arg(long, default_value_t = 300)]
     steps: usize,
+    /// The layers' widths, input first: a Linear between each two, ReLU between Linears.
+    #[arg(long, value_delimiter = ',', default_values_t = [256, 512, 256])]
+    dims: Vec<usize>,
+    /// Samples per process and step.
+    #[arg(long, default_value_t = 64)]
+    batch: usize,
 }
 
 #[derive(Module, Debug)]
 struct Mlp<B: Backend> {
-    fc1: Linear<B>,
-    fc2: Linear<B>,
+    layers: Vec<Linear<B>>,
     act: Relu,
+}
+
+impl<B: Backend> Mlp<B> {
+    fn forward(&self, mut x: Tensor<B, 2>) -> Tensor<B, 2> {
+        for (i, layer) in self.layers.iter().enumerate() {
+            if i > 0 {
+                x = self.act.forward(x);
+            }
+            x = layer.forward(x);
+        }
+        x
+    }
 }
 
 fn median(mut times: Vec<Duration>) -> f64 {
@@ -53,20 +73,24 @@ fn main() {
     let device = Default::default();
     Train::seed(&device, 7);
     let mut model = Mlp::<Train> {
-        fc1: LinearConfig::new(256, 512).init(&device),
-        fc2: LinearConfig::new(512, 256).init(&device),
+        layers: args
+            .dims
+            .windows(2)
+            .map(|d| LinearConfig::new(d[0], d[1]).init(&device))
+            .collect(),
         act: Relu::new(),
     };
     let mut optim = SgdConfig::new().init();
-    let x = Tensor::<Train, 2>::random([64, 256], Distribution::Normal(0., 1.), &device);
-    let warmup = (args.steps / 10).max(10);
+    let x = Tensor::<Train, 2>::random(
+        [args.batch, args.dims[0]],
+        Distribution::Normal(0., 1.),
+        &device,
+    );
+    let warmup = (args.steps / 10).max(2);
     let (mut steps, mut syncs) = (Vec::new(), Vec::new());
     for step in 0..warmup + args.steps {
         let start = Instant::now();
-        let out = model
-            .fc2
-            .forward(model.act.forward(model.fc1.forward(x.clone())));
-        let loss = out.powf_scalar(2.0).mean();
+        let loss = model.forward(x.clone()).powf_scalar(2.0).mean();
         let mut grads = GradientsParams::from_grads(loss.backward(), &model);
         let sync = Instant::now();
         all_reduce_gradients::<Train, _>(&group, &model, &mut grads).expect("all-reduce");
