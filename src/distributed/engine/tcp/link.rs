@@ -28,7 +28,7 @@ pub(crate) type Lane = u32;
 pub(crate) const COLLECTIVES: Lane = 0;
 
 /// Pieces of one connection a receiver holds at most.
-pub(crate) const IN_FLIGHT: usize = 16;
+pub(crate) const IN_FLIGHT: usize = 8;
 
 /// How long a new connection may take to say who it is.
 const HELLO_WITHIN: Duration = Duration::from_secs(10);
@@ -229,8 +229,14 @@ impl Links {
         let weak = Arc::downgrade(&links);
         tokio::spawn(async move {
             loop {
-                let Ok((stream, from)) = listener.accept().await else {
-                    continue;
+                let (stream, from) = match listener.accept().await {
+                    Ok(accepted) => accepted,
+                    Err(e) => {
+                        // Out of file descriptors, say: wait rather than spin.
+                        log::warn!("burn-accelerate: accepting a peer's connection: {e}");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    }
                 };
                 let Some(links) = weak.upgrade() else { return };
                 tokio::spawn(async move {

@@ -108,8 +108,14 @@ pub(crate) fn serve(
     let handle = runtime.clone();
     runtime.spawn(async move {
         loop {
-            let Ok((stream, _)) = listener.accept().await else {
-                continue;
+            let stream = match listener.accept().await {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    // Out of file descriptors, say: wait rather than spin.
+                    log::warn!("burn-accelerate: accepting at the rendezvous: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
             };
             let round = Arc::clone(&round);
             let handle = handle.clone();
