@@ -35,7 +35,8 @@ enum Task {
     ///
     /// Each process gets the environment it reads its place from (RANK, WORLD_SIZE,
     /// LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT,
-    /// BURN_ACCELERATE_DATA_PORT, BURN_ACCELERATE_TIMEOUT); machine 0 hosts the rendezvous.
+    /// BURN_ACCELERATE_DATA_PORT, BURN_ACCELERATE_TIMEOUT, BURN_ACCELERATE_LIVENESS_TIMEOUT);
+    /// machine 0 hosts the rendezvous.
     /// Output lines are prefixed with the rank; Ctrl-C is forwarded; when any process fails,
     /// the others are stopped and the launcher exits non-zero, naming the rank.
     Launch(Launch),
@@ -69,6 +70,11 @@ struct Launch {
     /// run fails.
     #[arg(long, default_value_t = env::DEFAULT_TIMEOUT_SECS as f64)]
     timeout: f64,
+    /// Seconds a process may send nothing (its network thread sends heartbeats whatever the
+    /// training does) before every process's collectives fail: a frozen process or a cut link
+    /// ends the run after this.
+    #[arg(long, default_value_t = env::DEFAULT_LIVENESS_SECS as f64)]
+    liveness_timeout: f64,
     /// Seconds the other processes get to exit after one failed (or after Ctrl-C) before
     /// they are killed.
     #[arg(long, default_value_t = 5.0)]
@@ -128,6 +134,12 @@ impl Launch {
             return bad(format!(
                 "--timeout {} is not a positive number of seconds",
                 self.timeout
+            ));
+        }
+        if !(self.liveness_timeout.is_finite() && self.liveness_timeout > 0.0) {
+            return bad(format!(
+                "--liveness-timeout {} is not a positive number of seconds",
+                self.liveness_timeout
             ));
         }
         if !(self.grace.is_finite() && self.grace >= 0.0) {
@@ -199,6 +211,7 @@ fn run(launch: &Launch) -> Result<ExitCode, DistributedError> {
             .env(env::MASTER_PORT, launch.main_process_port.to_string())
             .env(env::DATA_PORT, port.to_string())
             .env(env::TIMEOUT, launch.timeout.to_string())
+            .env(env::LIVENESS_TIMEOUT, launch.liveness_timeout.to_string())
             .env(env::ORCHESTRATOR, env::ORCHESTRATOR_LAUNCHER)
             .env("PYTHONUNBUFFERED", "1")
             .stdin(Stdio::null())

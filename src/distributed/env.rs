@@ -25,6 +25,10 @@ pub const DATA_PORT: &str = "BURN_ACCELERATE_DATA_PORT";
 pub const NODE_HOST: &str = "BURN_ACCELERATE_NODE_HOST";
 /// Seconds any wait on the other processes may last before it fails (default 1800, torch's).
 pub const TIMEOUT: &str = "BURN_ACCELERATE_TIMEOUT";
+/// Seconds a process may send nothing to its ring neighbours (not even the heartbeats its
+/// network thread sends whatever the training loop does) before the run's collectives fail on
+/// every process (default 60).
+pub const LIVENESS_TIMEOUT: &str = "BURN_ACCELERATE_LIVENESS_TIMEOUT";
 /// Set to `launcher` by `burn-accelerate launch`, which hosts the rendezvous itself;
 /// otherwise (torchrun, or variables set by hand) rank 0 hosts it, as torch's TCP store does.
 pub const ORCHESTRATOR: &str = "BURN_ACCELERATE_ORCHESTRATOR";
@@ -32,7 +36,7 @@ pub const ORCHESTRATOR: &str = "BURN_ACCELERATE_ORCHESTRATOR";
 pub const ORCHESTRATOR_LAUNCHER: &str = "launcher";
 
 /// Every variable above, for `burn-accelerate env` and for tests that must clear them.
-pub const ALL: [&str; 11] = [
+pub const ALL: [&str; 12] = [
     RANK,
     WORLD_SIZE,
     LOCAL_RANK,
@@ -43,6 +47,7 @@ pub const ALL: [&str; 11] = [
     DATA_PORT,
     NODE_HOST,
     TIMEOUT,
+    LIVENESS_TIMEOUT,
     ORCHESTRATOR,
 ];
 
@@ -51,3 +56,5 @@ pub const DEFAULT_MAIN_PORT: u16 = 29500;
 /// Seconds a collective or the rendezvous may wait by default (torch's process-group
 /// default: a slow rank, e.g. one writing a checkpoint, must not fail the others).
 pub const DEFAULT_TIMEOUT_SECS: u64 = 1800;
+/// Seconds of silence after which a process counts as frozen or cut off, by default.
+pub const DEFAULT_LIVENESS_SECS: u64 = 60;

@@ -95,6 +95,32 @@ pub enum DistributedError {
         how: String,
     },
 
+    /// A neighbour of this process on the ring sent nothing, not even a heartbeat, for the
+    /// liveness timeout: it is frozen, or its machine cannot be reached.
+    #[error(
+        "process {rank} at {at} has sent nothing for {after:?}, not even a heartbeat: it is \
+         frozen (stopped, swapping, stuck in the kernel) or its machine cannot be reached \
+         (the limit is BURN_ACCELERATE_LIVENESS_TIMEOUT seconds, or the launcher's \
+         --liveness-timeout)"
+    )]
+    PeerSilent {
+        /// The silent rank.
+        rank: usize,
+        /// Where it runs (address and host name).
+        at: String,
+        /// How long it was silent.
+        after: Duration,
+    },
+
+    /// Another process found a failure that ends the run's collectives, and told the others.
+    #[error("process {rank} ended the run's collectives: {reason}")]
+    Aborted {
+        /// The process that found the failure.
+        rank: usize,
+        /// Its error.
+        reason: String,
+    },
+
     /// A connection to another process failed in the operating system (reset, unreachable).
     #[error("the connection to process {rank} failed during {during}: {reason}")]
     ConnectionFailed {

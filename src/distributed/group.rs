@@ -324,6 +324,14 @@ impl ProcessGroup {
         Ok(())
     }
 
+    /// Ends the run's collectives on every process: this process failed where the others
+    /// must not go on (a panic while they wait for its work). Nothing for one process.
+    pub(crate) fn abort(&self, reason: String) {
+        if let Some(engine) = &self.inner.engine {
+            engine.abort(reason);
+        }
+    }
+
     /// A new stream of point-to-point messages, ordered apart from the collectives (whose
     /// order every process shares) and from other streams. Every process must open its streams
     /// in the same order: the n-th stream of each process talks to the n-th of the others.

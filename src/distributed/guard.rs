@@ -51,7 +51,9 @@ impl ProcessState {
 }
 
 /// The guard of [`ProcessState::main_process_first`]: the processes that go first wait for
-/// the others when it drops.
+/// the others when it drops. Dropped by a panic instead, it fails the waiting processes'
+/// collectives (a [`DistributedError::Aborted`] naming this process) rather than release them
+/// onto half-done work.
 #[must_use = "the processes that go first run their block while the guard lives"]
 #[derive(Debug)]
 pub struct FirstGuard {
@@ -88,10 +90,22 @@ impl FirstGuard {
 
 impl Drop for FirstGuard {
     fn drop(&mut self) {
-        if self.first
-            && !self.done
-            && let Err(err) = self.state.wait_for_everyone()
-        {
+        if !self.first || self.done {
+            return;
+        }
+        // A panic in the block: the processes waiting for it must not go on with its work half
+        // done, so they fail instead of being released.
+        if std::thread::panicking() {
+            if let Ok(group) = self.state.group() {
+                group.abort(format!(
+                    "process {} panicked inside main_process_first / local_main_process_first: \
+                     the processes waiting for its work stop instead of going on without it",
+                    self.state.process_index()
+                ));
+            }
+            return;
+        }
+        if let Err(err) = self.state.wait_for_everyone() {
             log::error!("burn-accelerate: {err}");
         }
     }

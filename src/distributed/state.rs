@@ -55,6 +55,8 @@ pub struct Rendezvous {
     pub node_host: Option<String>,
     /// How long any wait on the other processes may last.
     pub timeout: Duration,
+    /// How long a process may be silent (no heartbeat) before the run fails.
+    pub liveness: Duration,
     /// Whether the launcher hosts the rendezvous (otherwise rank 0 does).
     pub hosted_by_launcher: bool,
 }
@@ -230,8 +232,8 @@ impl ProcessState {
                 }
             })?,
         };
-        let timeout = match var(env::TIMEOUT) {
-            None => Duration::from_secs(env::DEFAULT_TIMEOUT_SECS),
+        let seconds = |name: &'static str, default: u64| match var(name) {
+            None => Ok(Duration::from_secs(default)),
             Some(value) => value
                 .trim()
                 .parse::<f64>()
@@ -239,11 +241,13 @@ impl ProcessState {
                 .filter(|s| s.is_finite() && *s > 0.0)
                 .map(Duration::from_secs_f64)
                 .ok_or_else(|| DistributedError::InvalidVariable {
-                    name: env::TIMEOUT,
+                    name,
                     value,
                     expected: "a positive number of seconds".into(),
-                })?,
+                }),
         };
+        let timeout = seconds(env::TIMEOUT, env::DEFAULT_TIMEOUT_SECS)?;
+        let liveness = seconds(env::LIVENESS_TIMEOUT, env::DEFAULT_LIVENESS_SECS)?;
         let hosted_by_launcher = match var(env::ORCHESTRATOR) {
             None => false,
             Some(v) if v == env::ORCHESTRATOR_LAUNCHER => true,
@@ -264,6 +268,7 @@ impl ProcessState {
             data_port,
             node_host: var(env::NODE_HOST).filter(|h| !h.trim().is_empty()),
             timeout,
+            liveness,
             hosted_by_launcher,
         })
     }
@@ -444,6 +449,10 @@ mod tests {
         error_names(
             &with(&[("BURN_ACCELERATE_TIMEOUT", "-1")]),
             "BURN_ACCELERATE_TIMEOUT",
+        );
+        error_names(
+            &with(&[("BURN_ACCELERATE_LIVENESS_TIMEOUT", "0")]),
+            "BURN_ACCELERATE_LIVENESS_TIMEOUT",
         );
         error_names(
             &with(&[("BURN_ACCELERATE_ORCHESTRATOR", "rank0")]),

@@ -65,6 +65,11 @@ pub(crate) trait Engine: Send + Sync {
 
     /// The next message from process `from` on `lane`, with its tag.
     fn recv(&self, lane: Lane, from: usize) -> Result<(Tag, Vec<u8>), DistributedError>;
+
+    /// Ends the run's collectives on every process with `reason`, from this process (one that
+    /// failed where the others must not go on waiting for it, or go on without it). Returns
+    /// once the others were told, or after a bounded wait.
+    fn abort(&self, reason: String);
 }
 
 /// The byte ranges of blocks of `counts` values of `size` bytes each, in order.

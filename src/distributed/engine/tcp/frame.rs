@@ -31,16 +31,23 @@ pub(crate) enum Op {
     Broadcast,
     Stream,
     Rendezvous,
+    /// "Still here": sent back along the ring by a background task, whatever the training
+    /// loop is doing.
+    Heartbeat,
+    /// "The run's collectives are over": the first failure, passed back along the ring.
+    Abort,
 }
 
 impl Op {
-    const ALL: [Op; 6] = [
+    const ALL: [Op; 8] = [
         Op::AllReduce,
         Op::ReduceScatter,
         Op::AllGather,
         Op::Broadcast,
         Op::Stream,
         Op::Rendezvous,
+        Op::Heartbeat,
+        Op::Abort,
     ];
 
     fn code(self) -> u8 {
@@ -55,6 +62,8 @@ impl Op {
             Op::Broadcast => "broadcast",
             Op::Stream => "stream message",
             Op::Rendezvous => "rendezvous message",
+            Op::Heartbeat => "heartbeat",
+            Op::Abort => "abort",
         }
     }
 }

@@ -27,6 +27,11 @@ pub(crate) type Lane = u32;
 /// The collectives' lane.
 pub(crate) const COLLECTIVES: Lane = 0;
 
+/// The lane of heartbeats and aborts between ring neighbours ([`control`](super::control)):
+/// a connection of its own, both ways, so that a heartbeat left unread when a process exits
+/// (which makes the kernel reset the connection) never costs a collective's data.
+pub(crate) const CONTROL: Lane = Lane::MAX;
+
 /// Pieces of one connection a receiver holds at most.
 pub(crate) const IN_FLIGHT: usize = 8;
 
@@ -207,9 +212,13 @@ pub(crate) struct Links {
     outgoing: tokio::sync::Mutex<HashMap<Key, Arc<tokio::sync::Mutex<Outgoing>>>>,
 }
 
+/// Both halves of a connection, for whoever reads and writes it itself (the control lane).
+pub(crate) type Raw = (OwnedReadHalf, OwnedWriteHalf);
+
 #[derive(Default)]
 struct IncomingTable {
     slots: HashMap<Key, Arc<tokio::sync::Mutex<Incoming>>>,
+    raw: HashMap<Key, Raw>,
     /// Peers one of whose connections ended: waiting for another from them is pointless.
     gone: HashMap<usize, ReadError>,
 }
@@ -283,10 +292,20 @@ impl Links {
         if peer >= self.world_size || peer == self.rank {
             return Err(format!("rank {peer} is not a peer of rank {}", self.rank));
         }
+        let key = (peer, hello.lane);
+        if hello.lane == CONTROL {
+            let mut table = lock(&self.incoming);
+            if table.raw.contains_key(&key) {
+                return Err(format!("rank {peer} connected twice on the control lane"));
+            }
+            table.raw.insert(key, (reader, writer));
+            drop(table);
+            self.arrived.notify_waiters();
+            return Ok(());
+        }
         let (sender, pieces) = mpsc::unbounded_channel();
         {
             let mut table = lock(&self.incoming);
-            let key = (peer, hello.lane);
             if table.slots.contains_key(&key) {
                 return Err(format!(
                     "rank {peer} connected twice on lane {}",
@@ -335,6 +354,39 @@ impl Links {
         }
     }
 
+    /// Both halves of the connection `peer` opened on `lane` (the control lane), once it has.
+    pub(crate) async fn take_raw(&self, peer: usize, lane: Lane) -> Raw {
+        loop {
+            let notified = self.arrived.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(raw) = lock(&self.incoming).raw.remove(&(peer, lane)) {
+                return raw;
+            }
+            notified.await;
+        }
+    }
+
+    /// A new connection on `lane` to the process at `address`, both halves for the caller.
+    pub(crate) async fn dial_raw(
+        &self,
+        lane: Lane,
+        address: &str,
+        within: Duration,
+    ) -> Result<Raw, DialError> {
+        dial(address, self.hello(lane), within).await
+    }
+
+    fn hello(&self, lane: Lane) -> Hello {
+        Hello {
+            rank: self.rank as u32,
+            lane,
+            run: self
+                .run()
+                .expect("the rendezvous ended before any connection"),
+        }
+    }
+
     /// The connection to `peer` on `lane` at `address`, opened (and introduced) on first use.
     pub(crate) async fn outgoing(
         &self,
@@ -347,15 +399,11 @@ impl Links {
         if let Some(link) = table.get(&(peer, lane)) {
             return Ok(Arc::clone(link));
         }
-        let run = self
-            .run()
-            .expect("the rendezvous ended before any connection");
-        let hello = Hello {
-            rank: self.rank as u32,
-            lane,
-            run,
-        };
-        let link = Arc::new(tokio::sync::Mutex::new(dial(address, hello, within).await?));
+        let (reader, writer) = dial(address, self.hello(lane), within).await?;
+        let link = Arc::new(tokio::sync::Mutex::new(Outgoing {
+            writer,
+            _reader: reader,
+        }));
         table.insert((peer, lane), Arc::clone(&link));
         Ok(link)
     }
@@ -399,7 +447,7 @@ async fn read_pieces(
     }
 }
 
-async fn dial(address: &str, hello: Hello, within: Duration) -> Result<Outgoing, DialError> {
+async fn dial(address: &str, hello: Hello, within: Duration) -> Result<Raw, DialError> {
     let deadline = tokio::time::Instant::now() + within;
     let mut last = String::from("no attempt");
     loop {
@@ -409,11 +457,7 @@ async fn dial(address: &str, hello: Hello, within: Duration) -> Result<Outgoing,
                 if let Err(e) = stream.write_all(&hello.encode()).await {
                     return Err(DialError::Refused(e.to_string()));
                 }
-                let (reader, writer) = stream.into_split();
-                return Ok(Outgoing {
-                    writer,
-                    _reader: reader,
-                });
+                return Ok(stream.into_split());
             }
             Ok(Err(e)) => last = e.to_string(),
             Err(_) => {}

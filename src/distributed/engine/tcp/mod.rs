@@ -35,14 +35,16 @@ use crate::distributed::env;
 use crate::distributed::error::DistributedError;
 use crate::distributed::state::Rendezvous;
 
+mod control;
 mod frame;
 mod link;
 pub(crate) mod rendezvous;
 mod ring;
 mod schedule;
 
+use control::{Control, Roster};
 use frame::{Fingerprint, Op, ReadError};
-use link::{COLLECTIVES, DialError, Incoming, Links, Outgoing};
+use link::{COLLECTIVES, CONTROL, DialError, Incoming, Links, Outgoing};
 use rendezvous::Peer;
 use ring::{Failure, Flow, Ring};
 
@@ -51,10 +53,8 @@ pub(crate) struct TcpEngine {
     rank: usize,
     world_size: usize,
     timeout: Duration,
-    /// Every process of the run, by rank.
-    peers: Vec<Peer>,
-    /// This process's machine (as [`Peer::machine`]).
-    machine: String,
+    /// Liveness, aborts, and who every process is.
+    control: Arc<Control>,
     links: Arc<Links>,
     next: Arc<Mutex<Outgoing>>,
     prev: Arc<Mutex<Incoming>>,
@@ -105,41 +105,57 @@ impl TcpEngine {
             address: host_port(&host, rendezvous.data_port),
             pid: std::process::id(),
             machine: machine.clone(),
+            host: host_name(),
         };
         let main = host_port(&rendezvous.main_addr, rendezvous.main_port);
-        let (links, peers, next, prev) = runtime.block_on(async {
+        let (links, control, next, prev) = runtime.block_on(async {
             let links = Links::listen(listener, rank, world_size);
             let (run, peers) = rendezvous::join(&main, rank, world_size, me, timeout).await?;
             links.set_run(run);
             let next_rank = (rank + 1) % world_size;
             let prev_rank = (rank + world_size - 1) % world_size;
+            let next_address = &peers[next_rank].address;
             let next = links
-                .outgoing(next_rank, COLLECTIVES, &peers[next_rank].address, timeout)
+                .outgoing(next_rank, COLLECTIVES, next_address, timeout)
                 .await
                 .map_err(|e| dial_failed(next_rank, &peers[next_rank], e, timeout))?;
+            let to_next = links
+                .dial_raw(CONTROL, next_address, timeout)
+                .await
+                .map_err(|e| dial_failed(next_rank, &peers[next_rank], e, timeout))?;
+            let never_connected = |what: &str| DistributedError::Timeout {
+                what: format!("process {prev_rank}'s {what} connection"),
+                after: timeout,
+                hint: "it reached the rendezvous but never connected: is this machine \
+                       reachable from its machine at the address it was given \
+                       (BURN_ACCELERATE_NODE_HOST)?",
+            };
             let prev = tokio::time::timeout(timeout, links.incoming(prev_rank, COLLECTIVES))
                 .await
-                .map_err(|_| DistributedError::Timeout {
-                    what: format!("process {prev_rank}'s connection"),
-                    after: timeout,
-                    hint: "it reached the rendezvous but never connected: is this machine \
-                           reachable from its machine at the address it was given \
-                           (BURN_ACCELERATE_NODE_HOST)?",
-                })?
+                .map_err(|_| never_connected("data"))?
                 .map_err(|e| DistributedError::ConnectionFailed {
                     rank: prev_rank,
                     during: "joining".into(),
                     reason: format!("{e:?}"),
                 })?;
-            Ok::<_, DistributedError>((links, peers, next, prev))
+            let from_prev = tokio::time::timeout(timeout, links.take_raw(prev_rank, CONTROL))
+                .await
+                .map_err(|_| never_connected("control"))?;
+            let roster = Arc::new(Roster { peers, machine });
+            let control = Control::start(
+                rank,
+                roster,
+                rendezvous.liveness,
+                vec![(next_rank, to_next), (prev_rank, from_prev)],
+            );
+            Ok::<_, DistributedError>((links, control, next, prev))
         })?;
         log::info!("burn-accelerate: joined the run as process {rank} of {world_size}");
         Ok(Self {
             rank,
             world_size,
             timeout,
-            peers,
-            machine,
+            control,
             links,
             next,
             prev,
@@ -158,89 +174,39 @@ impl TcpEngine {
         }
     }
 
-    // Runs a collective to its end or the run's timeout; a failure names the process and what
-    // became of it.
+    // Runs a collective to its end, the run's timeout, or the run's failure anywhere; a
+    // failure here names the process and what became of it, and ends the run's collectives on
+    // every process.
     fn run<T>(
         &self,
         during: String,
         work: impl std::future::Future<Output = Flow<T>>,
     ) -> Result<T, DistributedError> {
         self.runtime.block_on(async {
-            match tokio::time::timeout(self.timeout, work).await {
-                Ok(Ok(value)) => Ok(value),
-                Ok(Err((peer, failure))) => Err(self.failed(peer, during, failure).await),
-                Err(_) => Err(DistributedError::Timeout {
-                    what: during,
-                    after: self.timeout,
-                    hint: "another process did not reach the same collective: is one stuck, \
-                           or making other collective calls?",
-                }),
+            if let Some(err) = self.control.failure() {
+                return Err(err);
+            }
+            tokio::select! {
+                biased;
+                outcome = tokio::time::timeout(self.timeout, work) => {
+                    let err = match outcome {
+                        Ok(Ok(value)) => return Ok(value),
+                        Ok(Err((peer, failure))) => {
+                            self.control.roster.lost(peer, during, failure).await
+                        }
+                        Err(_) => DistributedError::Timeout {
+                            what: during,
+                            after: self.timeout,
+                            hint: "another process did not reach the same collective: is one \
+                                   stuck, or making other collective calls?",
+                        },
+                    };
+                    self.control.fail(err.clone());
+                    Err(err)
+                }
+                err = self.control.failed() => Err(err),
             }
         })
-    }
-
-    /// What became of `peer` when its connection failed: a process of this machine that
-    /// exited is named as such; otherwise what the connection showed.
-    async fn failed(&self, peer: usize, during: String, failure: Failure) -> DistributedError {
-        let ended = match failure {
-            Failure::Disagree(detail) => {
-                return DistributedError::Mismatch { rank: peer, detail };
-            }
-            Failure::Read(ReadError::Malformed(detail)) => {
-                return DistributedError::Malformed { rank: peer, detail };
-            }
-            Failure::Read(ReadError::Closed) => "between messages".to_string(),
-            Failure::Read(ReadError::Truncated) => "in the middle of a message".to_string(),
-            Failure::Read(ReadError::Io(kind, reason))
-                if !matches!(kind, std::io::ErrorKind::ConnectionReset) =>
-            {
-                return DistributedError::ConnectionFailed {
-                    rank: peer,
-                    during,
-                    reason,
-                };
-            }
-            Failure::Read(ReadError::Io(_, reason)) => reason,
-            Failure::Write(e)
-                if !matches!(
-                    e.kind(),
-                    std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
-                ) =>
-            {
-                return DistributedError::ConnectionFailed {
-                    rank: peer,
-                    during,
-                    reason: e.to_string(),
-                };
-            }
-            Failure::Write(e) => format!("while this process was sending: {e}"),
-        };
-        let info = &self.peers[peer];
-        if info.machine != self.machine {
-            let how = format!("{ended}; it runs on another machine, at {}", info.address);
-            return DistributedError::PeerClosed {
-                rank: peer,
-                during,
-                how,
-            };
-        }
-        // Its connections close as it exits, a moment before it is gone: give it that moment.
-        for _ in 0..20 {
-            if has_exited(info.pid) {
-                return DistributedError::PeerExited {
-                    rank: peer,
-                    pid: info.pid,
-                    during,
-                };
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        let how = format!("{ended}; it is still running, as pid {}", info.pid);
-        DistributedError::PeerClosed {
-            rank: peer,
-            during,
-            how,
-        }
     }
 }
 
@@ -325,12 +291,12 @@ impl Engine for TcpEngine {
         payload: &[u8],
     ) -> Result<(), DistributedError> {
         let during = format!("stream {lane}'s message {}.{}", tag.0, tag.1);
-        let address = &self.peers[to].address;
+        let peer = &self.control.roster.peers[to];
         let outgoing = self.runtime.block_on(async {
             self.links
-                .outgoing(to, lane, address, self.timeout)
+                .outgoing(to, lane, &peer.address, self.timeout)
                 .await
-                .map_err(|e| dial_failed(to, &self.peers[to], e, self.timeout))
+                .map_err(|e| dial_failed(to, peer, e, self.timeout))
         })?;
         self.run(during, async {
             let mut outgoing = outgoing.lock().await;
@@ -381,6 +347,14 @@ impl Engine for TcpEngine {
             }
             Ok(((header.seq, header.step), payload))
         })
+    }
+
+    fn abort(&self, reason: String) {
+        let err = DistributedError::Aborted {
+            rank: self.rank,
+            reason,
+        };
+        self.runtime.block_on(self.control.fail_now(err));
     }
 }
 
@@ -435,6 +409,14 @@ fn route_to(main: &str, port: u16) -> Result<String, DistributedError> {
     Ok(socket.ip().to_string())
 }
 
+/// This machine's host name (for messages).
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|name| name.trim().to_string())
+        .or_else(|_| std::env::var("HOSTNAME"))
+        .unwrap_or_else(|_| "unknown".into())
+}
+
 /// This machine, as the processes of a run tell machines apart: the kernel's boot id where
 /// there is one (containers and network namespaces of one host share it, and their process
 /// ids), else the host name.
@@ -445,43 +427,9 @@ fn machine_id() -> String {
         .unwrap_or_else(|_| "unknown".into())
 }
 
-/// Whether process `pid` of this machine has exited (a zombie not yet reaped counts).
-fn has_exited(pid: u32) -> bool {
-    #[cfg(target_os = "linux")]
-    {
-        match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-            // The state follows the command's closing parenthesis.
-            Ok(stat) => stat
-                .rsplit_once(") ")
-                .is_some_and(|(_, rest)| rest.starts_with(['Z', 'X'])),
-            Err(_) => true,
-        }
-    }
-    #[cfg(all(unix, not(target_os = "linux")))]
-    {
-        use nix::sys::signal::kill;
-        use nix::unistd::Pid;
-        kill(Pid::from_raw(pid as i32), None) == Err(nix::errno::Errno::ESRCH)
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = pid;
-        false
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_running_process_has_not_exited_and_a_reaped_one_has() {
-        assert!(!has_exited(std::process::id()));
-        let mut child = std::process::Command::new("true").spawn().unwrap();
-        let pid = child.id();
-        child.wait().unwrap();
-        assert!(has_exited(pid));
-    }
 
     #[test]
     fn hosts_and_ports() {

@@ -42,6 +42,8 @@ pub(crate) struct Peer {
     pub(crate) pid: u32,
     /// Its machine (the boot id where there is one, else the host name).
     pub(crate) machine: String,
+    /// Its machine's host name, for messages.
+    pub(crate) host: String,
 }
 
 /// What a process says when it arrives.

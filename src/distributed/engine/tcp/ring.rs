@@ -93,12 +93,15 @@ impl Ring<'_> {
     }
 
     /// `root`'s bytes along the ring: each process passes every piece on as it arrives, so the
-    /// chain is pipelined, not a whole message per hop.
+    /// chain is pipelined, not a whole message per hop. The last process then tells the root
+    /// it is done (an empty message, closing the ring), so that the root's call, too, ends
+    /// only once every process has the bytes, or fails with the others.
     pub(crate) async fn broadcast(&self, root: usize, data: &mut Vec<u8>) -> Flow<()> {
         if self.rank == root {
-            return self.send(0, data).await;
+            self.send(0, data).await?;
+            return self.receive(1, &mut [], Combine::Replace).await;
         }
-        let forward = self.next_rank() != root;
+        let last = self.next_rank() == root;
         let prev = self.prev_rank();
         let mut incoming = self.prev.lock().await;
         let mut message = incoming.message().await.map_err(read(prev))?;
@@ -112,7 +115,7 @@ impl Ring<'_> {
                 let detail = format!("this process cannot hold a broadcast of {total} bytes");
                 (prev, Failure::Disagree(detail))
             })?;
-        let mut next = if forward {
+        let mut next = if !last {
             Some(self.next.lock().await)
         } else {
             None
@@ -129,6 +132,10 @@ impl Ring<'_> {
             frame::flush(&mut next.writer)
                 .await
                 .map_err(write(self.next_rank()))?;
+        }
+        drop(next);
+        if last {
+            self.send(1, &[]).await?;
         }
         Ok(())
     }
