@@ -498,49 +498,18 @@ fn a_broken_collective_says_what_became_of_the_other_process() {
     if let Some(fault) = worker::<Fault>() {
         return report(&fault_worker(fault));
     }
-    // Without the launcher (which would stop process 0 itself when process 1 exits): process
-    // 0 hosts the rendezvous, and the timeout is far away.
+    // Without the launcher (which would stop process 0 itself when process 1 exits), and the
+    // timeout far away.
     let run = |fault: Fault| -> Vec<Seen> {
-        let _exclusive = harness::exclusive();
-        let port = harness::free_port().to_string();
-        let dir = harness::scratch_dir("faults");
-        let spawn = |rank: &str| {
-            let mut command = std::process::Command::new(std::env::current_exe().unwrap());
-            command
-                .args([TEST, "--exact", "--nocapture", "--test-threads=1", "-q"])
-                .env(harness::WORKER_DIR, &dir)
-                .env(
-                    "BURN_ACCELERATE_TEST_WORKER_ARGS",
-                    serde_json::to_string(&fault).unwrap(),
-                )
-                .env("RANK", rank)
-                .env("WORLD_SIZE", "2")
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", &port)
-                .env(
-                    "BURN_ACCELERATE_DATA_PORT",
-                    harness::free_port().to_string(),
-                )
-                .env("BURN_ACCELERATE_TIMEOUT", "600");
-            command
-        };
-        let main = std::thread::spawn({
-            let command = spawn("0");
-            let dir = dir.clone();
-            move || harness::run(command, dir)
-        });
-        let other = harness::run(spawn("1"), dir.clone());
-        let main = main.join().unwrap();
+        let runs = harness::launch_direct(TEST, 2, &fault, &[("BURN_ACCELERATE_TIMEOUT", "600")]);
         let ranks = match fault {
             Fault::ExitMidTransfer => {
-                assert_eq!(other.status.code(), Some(3), "{}", other.stderr);
+                assert_eq!(runs[1].status.code(), Some(3), "{}", runs[1].output());
                 1
             }
             _ => 2,
         };
-        let seen = main.reports(ranks);
-        harness::clean(&dir);
-        seen
+        runs[0].reports(ranks)
     };
 
     let seen = run(Fault::ExitMidTransfer);
@@ -552,26 +521,27 @@ fn a_broken_collective_says_what_became_of_the_other_process() {
     );
     assert!(seen[0].seconds < 10.0, "{}", seen[0].seconds);
 
-    // Both processes name the other and both lengths.
+    // Both processes name both sides: their own check finds it, or the other's abort says it.
     let seen = run(Fault::OtherLength);
-    for (rank, (mine, theirs)) in [(10, 11), (11, 10)].into_iter().enumerate() {
-        let error = &seen[rank].error;
+    for (rank, seen) in seen.iter().enumerate() {
+        let error = &seen.error;
         assert!(
-            error.contains(&format!("process {} disagrees", 1 - rank))
-                && error.contains(&format!("({theirs} f32 values)"))
-                && error.contains(&format!(
-                    "this process at all-reduce #2 ({mine} f32 values)"
-                )),
+            error.contains("disagrees")
+                && error.contains("all-reduce #2 (10 f32 values)")
+                && error.contains("all-reduce #2 (11 f32 values)"),
             "rank {rank}: {error}"
         );
     }
 
+    // The broadcast's root, too, fails: it waits for the ring to close.
     let seen = run(Fault::OtherCollective);
-    let error = &seen[0].error;
-    assert!(
-        error.contains("process 1 disagrees")
-            && error.contains("it is at broadcast #2")
-            && error.contains("this process at all-reduce #2 (12 u8 values)"),
-        "{error}"
-    );
+    for (rank, seen) in seen.iter().enumerate() {
+        let error = &seen.error;
+        assert!(
+            error.contains("disagrees")
+                && error.contains("broadcast #2")
+                && error.contains("all-reduce #2 (12 u8 values)"),
+            "rank {rank}: {error}"
+        );
+    }
 }

@@ -58,18 +58,24 @@ pub struct Launched {
 impl Launched {
     /// Each rank's report, in rank order; fails the test (with the output) if one is missing.
     pub fn reports<T: DeserializeOwned>(&self, processes: usize) -> Vec<T> {
-        (0..processes)
-            .map(|rank| {
-                let path = self.dir.join(format!("rank-{rank}.json"));
-                let bytes = std::fs::read(&path).unwrap_or_else(|_| {
-                    panic!(
-                        "rank {rank} wrote no report ({}):\n--- stdout\n{}\n--- stderr\n{}",
-                        self.status, self.stdout, self.stderr
-                    )
-                });
-                serde_json::from_slice(&bytes).unwrap()
-            })
-            .collect()
+        (0..processes).map(|rank| self.report(rank)).collect()
+    }
+
+    /// Rank `rank`'s report; fails the test (with the output) if it is missing.
+    pub fn report<T: DeserializeOwned>(&self, rank: usize) -> T {
+        let path = self.dir.join(format!("rank-{rank}.json"));
+        let bytes = std::fs::read(&path).unwrap_or_else(|_| {
+            panic!(
+                "rank {rank} wrote no report ({}):\n--- stdout\n{}\n--- stderr\n{}",
+                self.status, self.stdout, self.stderr
+            )
+        });
+        serde_json::from_slice(&bytes).unwrap()
+    }
+
+    /// What it printed, both streams.
+    pub fn output(&self) -> String {
+        format!("--- stdout\n{}\n--- stderr\n{}", self.stdout, self.stderr)
     }
 
     /// Fails the test with the output unless every process succeeded.
@@ -143,6 +149,40 @@ pub fn launch_command<T: Serialize>(
         .env(WORKER_DIR, &dir)
         .env(WORKER_ARGS, serde_json::to_string(args).unwrap());
     (command, dir)
+}
+
+/// Runs test `test`'s worker body in `processes` processes started directly, without the
+/// launcher (which would stop the others itself when one fails): process 0 hosts the
+/// rendezvous, every process gets `vars` too. Returns each process's run, in rank order; the
+/// reports are in any of them ([`Launched::reports`]).
+pub fn launch_direct<T: Serialize>(
+    test: &str,
+    processes: usize,
+    args: &T,
+    vars: &[(&str, &str)],
+) -> Vec<Launched> {
+    let _one = exclusive();
+    let port = free_port().to_string();
+    let dir = scratch_dir(test);
+    let args = serde_json::to_string(args).unwrap();
+    let runs: Vec<_> = (0..processes)
+        .map(|rank| {
+            let mut command = Command::new(std::env::current_exe().unwrap());
+            command
+                .args([test, "--exact", "--nocapture", "--test-threads=1", "-q"])
+                .env(WORKER_DIR, &dir)
+                .env(WORKER_ARGS, &args)
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", processes.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .env("BURN_ACCELERATE_DATA_PORT", free_port().to_string())
+                .envs(vars.iter().copied());
+            let dir = dir.clone();
+            std::thread::spawn(move || run(command, dir))
+        })
+        .collect();
+    runs.into_iter().map(|r| r.join().unwrap()).collect()
 }
 
 /// The directory this worker reports to.
