@@ -1600,41 +1600,13 @@ fn a_reader_that_dies_mid_dispatch_ends_the_others_with_the_reason() {
         epochs: 1,
         main_exits_after: Some(3),
     };
-    // Without the launcher (which would stop the others itself): rank 0 hosts the rendezvous.
-    let _exclusive = harness::exclusive();
-    let port = harness::free_port().to_string();
-    let dir = harness::scratch_dir("dispatch-death");
-    let spawn = |rank: &str| {
-        let mut command = std::process::Command::new(std::env::current_exe().unwrap());
-        command
-            .args([TEST, "--exact", "--nocapture", "--test-threads=1", "-q"])
-            .env(harness::WORKER_DIR, &dir)
-            .env(
-                "BURN_ACCELERATE_TEST_WORKER_ARGS",
-                serde_json::to_string(&args).unwrap(),
-            )
-            .env("RANK", rank)
-            .env("WORLD_SIZE", "2")
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", &port)
-            .env(
-                "BURN_ACCELERATE_DATA_PORT",
-                harness::free_port().to_string(),
-            )
-            .env("BURN_ACCELERATE_TIMEOUT", "600");
-        command
-    };
-    let main = std::thread::spawn({
-        let command = spawn("0");
-        let dir = dir.clone();
-        move || harness::run(command, dir)
-    });
-    let other = harness::run(spawn("1"), dir.clone());
-    let main = main.join().unwrap();
-    assert_eq!(main.status.code(), Some(7));
+    // Without the launcher (which would stop the others itself).
+    let runs = harness::launch_direct(TEST, 2, &args, &[("BURN_ACCELERATE_TIMEOUT", "600")]);
+    let (main, other) = (&runs[0], &runs[1]);
+    assert_eq!(main.status.code(), Some(7), "{}", main.output());
     assert!(!other.status.success());
     // Rank 0 is on this machine: its exit is told as such, not guessed from a closed socket.
-    let said = format!("{}\n{}", other.stdout, other.stderr);
+    let said = other.output();
     assert!(
         said.contains("dispatch_batches across processes: process 0 (pid ")
             && said.contains("on this machine) exited during stream"),
@@ -1645,7 +1617,6 @@ fn a_reader_that_dies_mid_dispatch_ends_the_others_with_the_reason() {
         "{:?}",
         other.elapsed
     );
-    harness::clean(&dir);
 }
 
 // ---------------------------------------------------------------------------------------
