@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use burn_accelerate::distributed::{self, DistributedError, ProcessState, env};
+use burn_accelerate::distributed::{self, DistributedError, ProcessState, RunSecret, env};
 use clap::{Args, Parser, Subcommand};
 
 #[derive(Parser)]
@@ -40,6 +40,16 @@ enum Task {
     /// Output lines are prefixed with the rank; Ctrl-C is forwarded; when any process fails,
     /// the others are stopped and the launcher exits non-zero, naming the rank.
     Launch(Launch),
+    /// Write a fresh run secret (64 hex characters) to PATH (readable by its owner only), or
+    /// print it
+    ///
+    /// A run of several machines needs the same secret on every machine: give the file to
+    /// each launcher with --secret-file (or set BURN_ACCELERATE_SECRET). Every connection of
+    /// the run proves it knows it; it never crosses the wire.
+    Secret {
+        /// Where to write it (standard output when absent).
+        path: Option<std::path::PathBuf>,
+    },
     /// Print the versions, the process layout and what each backend runs
     ///
     /// Like `accelerate env`: the process layout this environment describes, and the
@@ -79,6 +89,15 @@ struct Launch {
     /// they are killed.
     #[arg(long, default_value_t = 5.0)]
     grace: f64,
+    /// A file holding the run's secret (as `burn-accelerate secret` writes it); the same on
+    /// every machine. Without it: BURN_ACCELERATE_SECRET if set, else a fresh one for a run of
+    /// one machine; a run of several machines without one is refused.
+    #[arg(long, value_name = "PATH")]
+    secret_file: Option<std::path::PathBuf>,
+    /// Run several machines without a secret: anyone who reaches the ports can join the run or
+    /// send it values. Only on a network no one else reaches.
+    #[arg(long)]
+    insecure_no_secret: bool,
     /// The program to run, and its arguments (after `--`).
     #[arg(
         required = true,
@@ -98,10 +117,81 @@ fn main() -> ExitCode {
                 ExitCode::from(2)
             }
         },
+        Task::Secret { path } => match write_secret(path.as_deref()) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(err) => {
+                eprintln!("burn-accelerate secret: {err}");
+                ExitCode::from(2)
+            }
+        },
         Task::Env => {
             report_env();
             ExitCode::SUCCESS
         }
+    }
+}
+
+// Writes a fresh secret to `path` (owner-only) or standard output.
+fn write_secret(path: Option<&std::path::Path>) -> Result<(), DistributedError> {
+    let text = RunSecret::generate()?.to_text();
+    let Some(path) = path else {
+        println!("{text}");
+        return Ok(());
+    };
+    let io = |e: std::io::Error| DistributedError::Io {
+        what: format!("writing {}", path.display()),
+        reason: e.to_string(),
+    };
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create(true).truncate(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
+    options
+        .open(path)
+        .and_then(|mut file| file.write_all(format!("{text}\n").as_bytes()))
+        .map_err(io)
+}
+
+/// The secret of a run launched with --insecure-no-secret: the same on every machine without
+/// being shared, so it keeps no one out.
+const INSECURE: &str = "burn-accelerate:insecure-no-secret";
+
+impl Launch {
+    fn secret(&self) -> Result<RunSecret, DistributedError> {
+        if let Some(path) = &self.secret_file {
+            let text = std::fs::read_to_string(path).map_err(|e| DistributedError::Io {
+                what: format!("reading the secret file {}", path.display()),
+                reason: e.to_string(),
+            })?;
+            if text.trim().is_empty() {
+                return Err(DistributedError::InvalidLaunch(format!(
+                    "--secret-file {} is empty: `burn-accelerate secret {}` writes one",
+                    path.display(),
+                    path.display()
+                )));
+            }
+            return Ok(RunSecret::from_text(&text));
+        }
+        if let Some(text) = std::env::var(env::SECRET)
+            .ok()
+            .filter(|t| !t.trim().is_empty())
+        {
+            return Ok(RunSecret::from_text(&text));
+        }
+        if self.insecure_no_secret {
+            return Ok(RunSecret::from_text(INSECURE));
+        }
+        if self.num_machines == 1 {
+            return RunSecret::generate();
+        }
+        Err(DistributedError::InvalidLaunch(format!(
+            "a run of {} machines needs the same secret on every machine: write one with \
+             `burn-accelerate secret run.secret`, copy it to each machine, and pass \
+             --secret-file run.secret to every launcher (or set {}); --insecure-no-secret \
+             runs without one, for a network no one else reaches",
+            self.num_machines,
+            env::SECRET
+        )))
     }
 }
 
@@ -184,8 +274,17 @@ fn run(launch: &Launch) -> Result<ExitCode, DistributedError> {
         .build()
         .map_err(io("starting the launcher's runtime"))?;
     let timeout = Duration::from_secs_f64(launch.timeout);
+    let secret = launch.secret()?;
     if launch.machine_rank == 0 && plan.world > 1 {
-        distributed::serve_rendezvous(launch.main_process_port, timeout, runtime.handle())?;
+        // On the address the other machines were told (loopback for one machine), not on
+        // every interface.
+        distributed::serve_rendezvous(
+            &plan.main_addr,
+            launch.main_process_port,
+            timeout,
+            secret.clone(),
+            runtime.handle(),
+        )?;
     }
     runtime.spawn(forward_stop_signals());
 
@@ -213,10 +312,15 @@ fn run(launch: &Launch) -> Result<ExitCode, DistributedError> {
             .env(env::TIMEOUT, launch.timeout.to_string())
             .env(env::LIVENESS_TIMEOUT, launch.liveness_timeout.to_string())
             .env(env::ORCHESTRATOR, env::ORCHESTRATOR_LAUNCHER)
+            .env(env::SECRET, secret.to_text())
             .env("PYTHONUNBUFFERED", "1")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
+        // Each process leads a process group of its own, which the launcher signals whole:
+        // what it starts in turn (a shell's children, a data-loading helper) stops with it.
+        #[cfg(unix)]
+        std::os::unix::process::CommandExt::process_group(&mut command, 0);
         if let Some(threads) = threads {
             for var in ["RAYON_NUM_THREADS", "OMP_NUM_THREADS"] {
                 if std::env::var_os(var).is_none() {
@@ -356,20 +460,37 @@ impl Rank {
         self.status
     }
 
+    // Sends `signal` to the process's group: to what it started too, even once it has exited
+    // itself.
     fn signal(&mut self, #[allow(unused)] signal: i32) {
-        if self.poll().is_some() {
-            return;
-        }
         #[cfg(unix)]
         {
-            use nix::sys::signal::{Signal, kill};
+            use nix::sys::signal::{Signal, killpg};
             use nix::unistd::Pid;
             if let Ok(signal) = Signal::try_from(signal) {
-                let _ = kill(Pid::from_raw(self.child.id() as i32), signal);
+                let _ = killpg(Pid::from_raw(self.child.id() as i32), signal);
                 return;
             }
         }
-        let _ = self.child.kill();
+        if self.poll().is_none() {
+            let _ = self.child.kill();
+        }
+    }
+
+    // Kills the process's group now (what the process started, even once it has exited), and
+    // the process if it still runs.
+    fn kill(&mut self) {
+        #[cfg(unix)]
+        {
+            let _ = nix::sys::signal::killpg(
+                nix::unistd::Pid::from_raw(self.child.id() as i32),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+        if self.poll().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
     }
 
     fn finish_output(&mut self) {
@@ -462,10 +583,7 @@ fn stop(children: &mut [Rank], grace: Duration) {
         std::thread::sleep(Duration::from_millis(20));
     }
     for child in children.iter_mut() {
-        if child.poll().is_none() {
-            let _ = child.child.kill();
-            let _ = child.child.wait();
-        }
+        child.kill();
     }
 }
 
@@ -511,6 +629,11 @@ fn report_env() {
     }
     for name in env::ALL {
         if let Ok(value) = std::env::var(name) {
+            let value = if name == env::SECRET {
+                "(set, not shown)".into()
+            } else {
+                value
+            };
             println!("  {name}={value}");
         }
     }

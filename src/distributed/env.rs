@@ -29,14 +29,21 @@ pub const TIMEOUT: &str = "BURN_ACCELERATE_TIMEOUT";
 /// network thread sends whatever the training loop does) before the run's collectives fail on
 /// every process (default 60).
 pub const LIVENESS_TIMEOUT: &str = "BURN_ACCELERATE_LIVENESS_TIMEOUT";
+/// The run's secret, which every connection proves it knows (set by `burn-accelerate launch`;
+/// `burn-accelerate secret` writes one). Never printed.
+pub const SECRET: &str = "BURN_ACCELERATE_SECRET";
+/// torchrun's run id: random with `--standalone`, the run's secret's source when
+/// [`SECRET`] is not set.
+pub const TORCHRUN_RUN_ID: &str = "TORCHELASTIC_RUN_ID";
 /// Set to `launcher` by `burn-accelerate launch`, which hosts the rendezvous itself;
 /// otherwise (torchrun, or variables set by hand) rank 0 hosts it, as torch's TCP store does.
 pub const ORCHESTRATOR: &str = "BURN_ACCELERATE_ORCHESTRATOR";
 /// The value of [`ORCHESTRATOR`] that says the launcher hosts the rendezvous.
 pub const ORCHESTRATOR_LAUNCHER: &str = "launcher";
 
-/// Every variable above, for `burn-accelerate env` and for tests that must clear them.
-pub const ALL: [&str; 12] = [
+/// Every variable above, for `burn-accelerate env` (which shows [`SECRET`] only as set) and for
+/// tests that must clear them.
+pub const ALL: [&str; 14] = [
     RANK,
     WORLD_SIZE,
     LOCAL_RANK,
@@ -48,6 +55,8 @@ pub const ALL: [&str; 12] = [
     NODE_HOST,
     TIMEOUT,
     LIVENESS_TIMEOUT,
+    SECRET,
+    TORCHRUN_RUN_ID,
     ORCHESTRATOR,
 ];
 

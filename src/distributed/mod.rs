@@ -35,6 +35,7 @@ mod error;
 mod gradients;
 mod group;
 mod guard;
+mod secret;
 mod seed;
 mod state;
 
@@ -44,19 +45,23 @@ pub use gradients::{BUCKET_VALUES, all_reduce_gradients};
 pub(crate) use group::Stream;
 pub use group::{ProcessGroup, ReduceOp, shard_counts};
 pub use guard::FirstGuard;
+pub use secret::RunSecret;
 pub use seed::{seed_for, set_seed};
 pub use state::{ProcessState, Rendezvous};
 
-/// Serves the rendezvous (the run's orchestrator) on `port` until the process ends: what
-/// `burn-accelerate launch` runs on the main machine. Rounds of arrivals time out `timeout`
-/// after their first arrival.
+/// Serves the rendezvous (the run's orchestrator) on `host:port` until the process ends: what
+/// `burn-accelerate launch` runs on the main machine. Only processes that prove they know
+/// `secret` are heard. Rounds of arrivals time out `timeout` after their first arrival.
 ///
 /// # Errors
-/// [`DistributedError::PortUnavailable`] when `port` is taken.
+/// [`DistributedError::PortUnavailable`] when `port` is taken, or `host` is not this
+/// machine's.
 pub fn serve_rendezvous(
+    host: &str,
     port: u16,
     timeout: std::time::Duration,
+    secret: RunSecret,
     runtime: &tokio::runtime::Handle,
 ) -> Result<(), DistributedError> {
-    engine::tcp::rendezvous::serve(port, timeout, runtime)
+    engine::tcp::rendezvous::serve(host, port, timeout, secret, runtime)
 }

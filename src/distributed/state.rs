@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use super::env;
 use super::error::DistributedError;
+use super::secret::RunSecret;
 
 /// Which process of a run this is, and how to reach the others: Accelerate's `PartialState`.
 ///
@@ -59,6 +60,8 @@ pub struct Rendezvous {
     pub liveness: Duration,
     /// Whether the launcher hosts the rendezvous (otherwise rank 0 does).
     pub hosted_by_launcher: bool,
+    /// The run's secret (`None`: none given, and not under torchrun; joining then fails).
+    pub secret: Option<RunSecret>,
 }
 
 impl ProcessState {
@@ -270,6 +273,7 @@ impl ProcessState {
             timeout,
             liveness,
             hosted_by_launcher,
+            secret: RunSecret::from_vars(var)?,
         })
     }
 

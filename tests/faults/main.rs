@@ -214,3 +214,136 @@ fn sixteen_processes_hold_five_sockets_each() {
         assert_eq!(count, 5, "rank {rank}");
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// Strangers.
+
+const SECRET: &str = "the test run's secret";
+
+fn steady_worker() -> Vec<f32> {
+    let state = ProcessState::from_env().unwrap();
+    if state.process_index() == 1 {
+        // The strangers come while process 0 waits at the rendezvous for this one.
+        std::thread::sleep(Duration::from_secs(3));
+    }
+    let group = state.group().unwrap();
+    let mut sums = Vec::new();
+    for step in 0..20 {
+        let mut values = vec![(group.rank() + step) as f32; 1000];
+        group.all_reduce(&mut values, ReduceOp::Sum).unwrap();
+        sums.push(values[999]);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    sums
+}
+
+/// What a stranger got before the connection closed: every byte, then whether it closed (and
+/// did not merely time out).
+fn stranger(port: u16, send: impl FnOnce(&[u8]) -> Vec<u8>) -> (Vec<u8>, bool) {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(15)))
+        .unwrap();
+    let mut challenge = [0u8; 36];
+    stream.read_exact(&mut challenge).unwrap();
+    let _ = stream.write_all(&send(&challenge));
+    let mut rest = Vec::new();
+    let closed = match stream.read_to_end(&mut rest) {
+        Ok(_) => true,
+        Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
+    };
+    (rest, closed)
+}
+
+/// A hello as a process of the run would send it, with its tag made from `key`.
+fn hello(challenge: &[u8], key: &[u8], rank: u32, lane: u32) -> Vec<u8> {
+    use hmac::{Hmac, Mac};
+    let mut fields = b"BAC2".to_vec();
+    fields.extend_from_slice(&1u32.to_ne_bytes());
+    fields.extend_from_slice(&rank.to_ne_bytes());
+    fields.extend_from_slice(&lane.to_ne_bytes());
+    fields.extend_from_slice(&0u64.to_ne_bytes());
+    let nonce = [9u8; 32];
+    let mut mac = Hmac::<sha2::Sha256>::new_from_slice(key).unwrap();
+    for part in [&b"client"[..], &challenge[4..], &nonce, &fields] {
+        mac.update(part);
+    }
+    let mut out = fields;
+    out.extend_from_slice(&nonce);
+    out.extend_from_slice(&mac.finalize().into_bytes());
+    out
+}
+
+#[test]
+fn strangers_are_refused_and_the_run_carries_on() {
+    const TEST: &str = "strangers_are_refused_and_the_run_carries_on";
+    if worker::<()>().is_some() {
+        return report(&steady_worker());
+    }
+    let _one = harness::exclusive();
+    let (main, data) = (harness::free_port(), harness::free_port());
+    let dir = harness::scratch_dir(TEST);
+    let processes: Vec<_> = (0..2)
+        .map(|rank| {
+            let mut command = std::process::Command::new(std::env::current_exe().unwrap());
+            command
+                .args([TEST, "--exact", "--nocapture", "--test-threads=1", "-q"])
+                .env(harness::WORKER_DIR, &dir)
+                .env("BURN_ACCELERATE_TEST_WORKER_ARGS", "null")
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", main.to_string())
+                .env("BURN_ACCELERATE_DATA_PORT", (data + rank).to_string())
+                .env("BURN_ACCELERATE_SECRET", SECRET);
+            let dir = dir.clone();
+            std::thread::spawn(move || harness::run(command, dir))
+        })
+        .collect();
+    // Process 0 hosts the rendezvous and listens for its peers; process 1 is 3 s away.
+    let start = std::time::Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", data)).is_err() {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "process 0 never listened"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Half-open connections: they say nothing at all, and hold nothing up.
+    let idle: Vec<_> = [main, data]
+        .iter()
+        .map(|port| std::net::TcpStream::connect(("127.0.0.1", *port)).unwrap())
+        .collect();
+    let recorded = {
+        // A real hello, to the rendezvous's challenge on another connection.
+        let mut stream = std::net::TcpStream::connect(("127.0.0.1", main)).unwrap();
+        let mut challenge = [0u8; 36];
+        std::io::Read::read_exact(&mut stream, &mut challenge).unwrap();
+        hello(&challenge, SECRET.as_bytes(), 1, u32::MAX - 1)
+    };
+    for port in [main, data] {
+        type Send<'a> = Box<dyn FnOnce(&[u8]) -> Vec<u8> + 'a>;
+        let cases: [(&str, Send); 4] = [
+            ("junk", Box::new(|_| vec![0x47; 200])),
+            ("no secret", Box::new(|c| hello(c, b"", 1, 0))),
+            ("a wrong secret", Box::new(|c| hello(c, b"a guess", 1, 0))),
+            ("a replayed hello", Box::new(|_| recorded.clone())),
+        ];
+        for (what, send) in cases {
+            let (got, closed) = stranger(port, send);
+            // The connection closed at once, without the proof a process of the run gets.
+            assert!(closed && got.is_empty(), "{what} on port {port}: {got:?}");
+        }
+    }
+    // Both processes still started the run of 2 they were launched as, and finished it.
+    let runs: Vec<_> = processes.into_iter().map(|p| p.join().unwrap()).collect();
+    for run in &runs {
+        assert!(run.status.success(), "{}", run.output());
+    }
+    let sums: Vec<Vec<f32>> = runs[0].reports(2);
+    let expected: Vec<f32> = (0..20).map(|step| (2 * step + 1) as f32).collect();
+    assert_eq!(sums, [expected.clone(), expected]);
+    drop(idle);
+    harness::clean(&dir);
+}

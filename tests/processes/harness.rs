@@ -153,7 +153,7 @@ pub fn launch_command<T: Serialize>(
 
 /// Runs test `test`'s worker body in `processes` processes started directly, without the
 /// launcher (which would stop the others itself when one fails): process 0 hosts the
-/// rendezvous, every process gets `vars` too. Returns each process's run, in rank order; the
+/// rendezvous, every process gets a run secret and `vars` too. Returns each process's run, in rank order; the
 /// reports are in any of them ([`Launched::reports`]).
 pub fn launch_direct<T: Serialize>(
     test: &str,
@@ -177,6 +177,7 @@ pub fn launch_direct<T: Serialize>(
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", &port)
                 .env("BURN_ACCELERATE_DATA_PORT", free_port().to_string())
+                .env("BURN_ACCELERATE_SECRET", "a test's secret")
                 .envs(vars.iter().copied());
             let dir = dir.clone();
             std::thread::spawn(move || run(command, dir))

@@ -923,6 +923,7 @@ fn a_peer_that_never_comes_fails_the_wait_with_the_missing_ranks() {
         ("MASTER_ADDR", "127.0.0.1"),
         ("MASTER_PORT", port.as_str()),
         ("BURN_ACCELERATE_TIMEOUT", "1.5"),
+        ("BURN_ACCELERATE_SECRET", "a test's secret"),
     ];
     let state = ProcessState::from_vars(|name| {
         vars.iter()

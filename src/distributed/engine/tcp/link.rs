@@ -14,12 +14,13 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc, watch};
 
+use super::auth::{self, HANDSHAKE_WITHIN, Hello};
 use super::frame::{self, Assembly, FrameHeader, ReadError};
+use crate::distributed::RunSecret;
 
 /// A stream of messages between two processes (0: the collectives).
 pub(crate) type Lane = u32;
@@ -34,51 +35,6 @@ pub(crate) const CONTROL: Lane = Lane::MAX;
 
 /// Pieces of one connection a receiver holds at most.
 pub(crate) const IN_FLIGHT: usize = 8;
-
-/// How long a new connection may take to say who it is.
-const HELLO_WITHIN: Duration = Duration::from_secs(10);
-
-/// The first bytes on a connection: who connects, for which lane, in which run. The marker
-/// (`1` in the sender's byte order) tells a machine of the other byte order, whose values
-/// would be read wrong.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Hello {
-    pub(crate) rank: u32,
-    pub(crate) lane: Lane,
-    pub(crate) run: u64,
-}
-
-const HELLO: &[u8; 4] = b"BAC1";
-const HELLO_LEN: usize = 24;
-
-impl Hello {
-    pub(crate) fn encode(self) -> [u8; HELLO_LEN] {
-        let mut b = [0u8; HELLO_LEN];
-        b[..4].copy_from_slice(HELLO);
-        b[4..8].copy_from_slice(&1u32.to_ne_bytes());
-        b[8..12].copy_from_slice(&self.rank.to_ne_bytes());
-        b[12..16].copy_from_slice(&self.lane.to_ne_bytes());
-        b[16..24].copy_from_slice(&self.run.to_ne_bytes());
-        b
-    }
-
-    pub(crate) fn decode(b: &[u8; HELLO_LEN]) -> Result<Self, String> {
-        if &b[..4] != HELLO {
-            return Err("it is not a burn-accelerate process of this version".into());
-        }
-        if b[4..8] != 1u32.to_ne_bytes() {
-            return Err(
-                "its machine has the other byte order: a run's machines must share it".into(),
-            );
-        }
-        let u32_at = |i: usize| u32::from_ne_bytes(b[i..i + 4].try_into().expect("4 bytes"));
-        Ok(Self {
-            rank: u32_at(8),
-            lane: u32_at(12),
-            run: u64::from_ne_bytes(b[16..24].try_into().expect("8 bytes")),
-        })
-    }
-}
 
 /// A piece of a message, in a buffer that goes back to its connection's pool when dropped.
 pub(crate) struct Piece {
@@ -206,6 +162,7 @@ type Key = (usize, Lane);
 pub(crate) struct Links {
     rank: usize,
     world_size: usize,
+    secret: RunSecret,
     run: watch::Sender<Option<u64>>,
     incoming: Mutex<IncomingTable>,
     arrived: Notify,
@@ -224,12 +181,19 @@ struct IncomingTable {
 }
 
 impl Links {
-    /// Starts listening on `listener` for the peers of rank `rank` of `world_size`; their
-    /// connections are accepted once [`set_run`](Self::set_run) names the run.
-    pub(crate) fn listen(listener: TcpListener, rank: usize, world_size: usize) -> Arc<Self> {
+    /// Starts listening on `listener` for the peers of rank `rank` of `world_size`, who prove
+    /// they know `secret`; their connections are accepted once [`set_run`](Self::set_run)
+    /// names the run.
+    pub(crate) fn listen(
+        listener: TcpListener,
+        rank: usize,
+        world_size: usize,
+        secret: RunSecret,
+    ) -> Arc<Self> {
         let links = Arc::new(Self {
             rank,
             world_size,
+            secret,
             run: watch::Sender::new(None),
             incoming: Mutex::default(),
             arrived: Notify::new(),
@@ -269,15 +233,15 @@ impl Links {
 
     async fn accept(self: Arc<Self>, stream: tokio::net::TcpStream) -> Result<(), String> {
         let _ = stream.set_nodelay(true);
-        let (mut reader, writer) = stream.into_split();
-        let mut hello = [0u8; HELLO_LEN];
-        tokio::time::timeout(HELLO_WITHIN, reader.read_exact(&mut hello))
+        let (mut reader, mut writer) = stream.into_split();
+        let handshake = auth::accept(&mut reader, &mut writer, &self.secret);
+        let hello = tokio::time::timeout(HANDSHAKE_WITHIN, handshake)
             .await
-            .map_err(|_| format!("it said nothing within {HELLO_WITHIN:?}"))?
-            .map_err(|e| format!("it closed before saying who it is ({e})"))?;
-        let hello = Hello::decode(&hello)?;
+            .map_err(|_| {
+                format!("it did not finish the handshake within {HANDSHAKE_WITHIN:?}")
+            })??;
         let mut run = self.run.subscribe();
-        let ours = tokio::time::timeout(HELLO_WITHIN, run.wait_for(Option::is_some))
+        let ours = tokio::time::timeout(HANDSHAKE_WITHIN, run.wait_for(Option::is_some))
             .await
             .map_err(|_| "it came before the rendezvous ended".to_string())?
             .map_err(|_| "this process is leaving".to_string())?
@@ -374,7 +338,7 @@ impl Links {
         address: &str,
         within: Duration,
     ) -> Result<Raw, DialError> {
-        dial(address, self.hello(lane), within).await
+        dial(address, self.hello(lane), &self.secret, within).await
     }
 
     fn hello(&self, lane: Lane) -> Hello {
@@ -399,7 +363,7 @@ impl Links {
         if let Some(link) = table.get(&(peer, lane)) {
             return Ok(Arc::clone(link));
         }
-        let (reader, writer) = dial(address, self.hello(lane), within).await?;
+        let (reader, writer) = dial(address, self.hello(lane), &self.secret, within).await?;
         let link = Arc::new(tokio::sync::Mutex::new(Outgoing {
             writer,
             _reader: reader,
@@ -447,17 +411,27 @@ async fn read_pieces(
     }
 }
 
-async fn dial(address: &str, hello: Hello, within: Duration) -> Result<Raw, DialError> {
+async fn dial(
+    address: &str,
+    hello: Hello,
+    secret: &RunSecret,
+    within: Duration,
+) -> Result<Raw, DialError> {
     let deadline = tokio::time::Instant::now() + within;
     let mut last = String::from("no attempt");
     loop {
         match tokio::time::timeout_at(deadline, tokio::net::TcpStream::connect(address)).await {
-            Ok(Ok(mut stream)) => {
+            Ok(Ok(stream)) => {
                 let _ = stream.set_nodelay(true);
-                if let Err(e) = stream.write_all(&hello.encode()).await {
-                    return Err(DialError::Refused(e.to_string()));
-                }
-                return Ok(stream.into_split());
+                let (mut reader, mut writer) = stream.into_split();
+                let handshake = auth::connect(&mut reader, &mut writer, secret, hello);
+                return match tokio::time::timeout(HANDSHAKE_WITHIN, handshake).await {
+                    Ok(Ok(())) => Ok((reader, writer)),
+                    Ok(Err(why)) => Err(DialError::Refused(why)),
+                    Err(_) => Err(DialError::Refused(format!(
+                        "it did not finish the handshake within {HANDSHAKE_WITHIN:?}"
+                    ))),
+                };
             }
             Ok(Err(e)) => last = e.to_string(),
             Err(_) => {}
@@ -466,30 +440,5 @@ async fn dial(address: &str, hello: Hello, within: Duration) -> Result<Raw, Dial
             return Err(DialError::Unreachable(last));
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn hellos_round_trip_and_strangers_are_named() {
-        let hello = Hello {
-            rank: 3,
-            lane: 7,
-            run: u64::MAX - 1,
-        };
-        assert_eq!(Hello::decode(&hello.encode()), Ok(hello));
-        let mut junk = hello.encode();
-        junk[0] = b'G';
-        assert!(
-            Hello::decode(&junk)
-                .unwrap_err()
-                .contains("not a burn-accelerate")
-        );
-        let mut swapped = hello.encode();
-        swapped[4..8].copy_from_slice(&1u32.swap_bytes().to_ne_bytes());
-        assert!(Hello::decode(&swapped).unwrap_err().contains("byte order"));
     }
 }

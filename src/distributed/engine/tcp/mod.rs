@@ -35,6 +35,7 @@ use crate::distributed::env;
 use crate::distributed::error::DistributedError;
 use crate::distributed::state::Rendezvous;
 
+mod auth;
 mod control;
 mod frame;
 mod link;
@@ -80,8 +81,22 @@ impl TcpEngine {
                 reason: e.to_string(),
             })?;
         let timeout = rendezvous.timeout;
+        let secret = rendezvous
+            .secret
+            .clone()
+            .ok_or(DistributedError::MissingVariable {
+                name: env::SECRET,
+                because: "every connection of a run proves it knows the run's secret \
+                          (`burn-accelerate secret` makes one)",
+            })?;
         if rank == 0 && !rendezvous.hosted_by_launcher {
-            rendezvous::serve(rendezvous.main_port, timeout, runtime.handle())?;
+            rendezvous::serve(
+                &rendezvous.main_addr,
+                rendezvous.main_port,
+                timeout,
+                secret.clone(),
+                runtime.handle(),
+            )?;
         }
         let host = match &rendezvous.node_host {
             Some(host) => host.clone(),
@@ -109,8 +124,9 @@ impl TcpEngine {
         };
         let main = host_port(&rendezvous.main_addr, rendezvous.main_port);
         let (links, control, next, prev) = runtime.block_on(async {
-            let links = Links::listen(listener, rank, world_size);
-            let (run, peers) = rendezvous::join(&main, rank, world_size, me, timeout).await?;
+            let links = Links::listen(listener, rank, world_size, secret.clone());
+            let (run, peers) =
+                rendezvous::join(&main, rank, world_size, me, &secret, timeout).await?;
             links.set_run(run);
             let next_rank = (rank + 1) % world_size;
             let prev_rank = (rank + world_size - 1) % world_size;
@@ -192,7 +208,13 @@ impl TcpEngine {
                     let err = match outcome {
                         Ok(Ok(value)) => return Ok(value),
                         Ok(Err((peer, failure))) => {
-                            self.control.roster.lost(peer, during, failure).await
+                            let err = self.control.roster.lost(peer, during, failure).await;
+                            // A process that ended on purpose said why just before, on the
+                            // control connection: that says more than its closed socket.
+                            tokio::select! {
+                                told = self.control.failed() => return Err(told),
+                                () = tokio::time::sleep(Duration::from_millis(100)) => err,
+                            }
                         }
                         Err(_) => DistributedError::Timeout {
                             what: during,
@@ -201,7 +223,8 @@ impl TcpEngine {
                                    stuck, or making other collective calls?",
                         },
                     };
-                    self.control.fail(err.clone());
+                    // Told before returning: the caller may end the process on this error.
+                    self.control.fail_now(err.clone()).await;
                     Err(err)
                 }
                 err = self.control.failed() => Err(err),

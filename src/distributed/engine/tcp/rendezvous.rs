@@ -16,7 +16,9 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::runtime::Handle;
 use tokio::sync::oneshot;
 
+use super::auth::{self, HANDSHAKE_WITHIN, Hello};
 use super::frame::{self, Fingerprint, Op};
+use crate::distributed::RunSecret;
 use crate::distributed::element::Element;
 use crate::distributed::error::DistributedError;
 
@@ -25,6 +27,9 @@ const MESSAGE_LIMIT: u64 = 16 << 20;
 
 /// How long a connection to the rendezvous may take to say why it came.
 const ARRIVAL_WITHIN: Duration = Duration::from_secs(10);
+
+/// The lane a handshake with the rendezvous names.
+const LANE: u32 = u32::MAX - 1;
 
 const FINGERPRINT: Fingerprint = Fingerprint {
     op: Op::Rendezvous,
@@ -88,25 +93,29 @@ impl Round {
     }
 }
 
-/// Starts the rendezvous on `port` (all interfaces) on `runtime`; it serves until the
-/// process ends. Rounds time out `timeout` after their first arrival.
+/// Starts the rendezvous on `host:port` on `runtime`; it serves until the process ends, to
+/// processes that prove they know `secret`. Rounds time out `timeout` after their first
+/// arrival.
 ///
 /// # Errors
 /// [`DistributedError::PortUnavailable`] when the port cannot be listened on.
 pub(crate) fn serve(
+    host: &str,
     port: u16,
     timeout: Duration,
+    secret: RunSecret,
     runtime: &Handle,
 ) -> Result<(), DistributedError> {
     let listener = runtime
-        .block_on(TcpListener::bind(("0.0.0.0", port)))
+        .block_on(TcpListener::bind((host, port)))
         .map_err(|e| DistributedError::PortUnavailable {
             port,
             purpose: "the rendezvous",
             variable: crate::distributed::env::MASTER_PORT,
-            reason: e.to_string(),
+            reason: format!("{e} (listening on {host})"),
         })?;
     let round = Arc::new(Mutex::new(Round::default()));
+    let secret = Arc::new(secret);
     let handle = runtime.clone();
     runtime.spawn(async move {
         loop {
@@ -121,9 +130,19 @@ pub(crate) fn serve(
             };
             let round = Arc::clone(&round);
             let handle = handle.clone();
+            let secret = Arc::clone(&secret);
             tokio::spawn(async move {
                 let _ = stream.set_nodelay(true);
                 let (mut reader, mut writer) = stream.into_split();
+                let handshake = auth::accept(&mut reader, &mut writer, &secret);
+                match tokio::time::timeout(HANDSHAKE_WITHIN, handshake).await {
+                    Ok(Ok(_)) => {}
+                    Ok(Err(why)) => {
+                        log::warn!("burn-accelerate: the rendezvous refused a connection: {why}");
+                        return;
+                    }
+                    Err(_) => return,
+                }
                 let read = frame::read_message(&mut reader, MESSAGE_LIMIT);
                 let Ok(Ok((_, message))) = tokio::time::timeout(ARRIVAL_WITHIN, read).await else {
                     return;
@@ -210,6 +229,7 @@ pub(crate) async fn join(
     rank: usize,
     world_size: usize,
     peer: Peer,
+    secret: &RunSecret,
     timeout: Duration,
 ) -> Result<(u64, Vec<Peer>), DistributedError> {
     let deadline = tokio::time::Instant::now() + timeout;
@@ -233,6 +253,18 @@ pub(crate) async fn join(
         address: main.to_string(),
         reason,
     };
+    let hello = Hello {
+        rank: rank as u32,
+        lane: LANE,
+        run: 0,
+    };
+    tokio::time::timeout(
+        HANDSHAKE_WITHIN,
+        auth::connect(&mut reader, &mut writer, secret, hello),
+    )
+    .await
+    .map_err(|_| refused(format!("no handshake within {HANDSHAKE_WITHIN:?}")))?
+    .map_err(refused)?;
     let arrival = Arrival {
         rank,
         world_size,
