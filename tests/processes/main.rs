@@ -244,9 +244,25 @@ fn two_machines_of_two_processes_train_like_one_process() {
         overflow_batch: 0,
     };
     let single: Vec<HandLoopReport> = launch(TEST, 1, &args(1), &[]).assert_success().reports(1);
-    // Two launchers on this host stand for two machines; machine 0 hosts the rendezvous.
+    // Two launchers on this host stand for two machines; machine 0 hosts the rendezvous. Both
+    // get the secret `burn-accelerate secret` wrote, as two machines would.
     let _exclusive = harness::exclusive();
     let port = harness::free_port().to_string();
+    let secret = harness::scratch_dir("two-machines-secret").join("run.secret");
+    let wrote = harness::launcher()
+        .arg("secret")
+        .arg(&secret)
+        .status()
+        .unwrap();
+    assert!(wrote.success());
+    let text = std::fs::read_to_string(&secret).unwrap();
+    assert!(text.trim().len() == 64 && text.trim().chars().all(|c| c.is_ascii_hexdigit()));
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&secret).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "{mode:o}");
+    }
     let machine = |rank: &str| {
         let flags = [
             "--num-machines",
@@ -257,6 +273,8 @@ fn two_machines_of_two_processes_train_like_one_process() {
             "127.0.0.1",
             "--main-process-port",
             &port,
+            "--secret-file",
+            secret.to_str().unwrap(),
         ];
         harness::launch_command(TEST, 4, &args(4), &flags)
     };
@@ -981,6 +999,40 @@ fn bad_launches_are_refused_with_what_to_change() {
     assert!(msg.contains("--num-processes"), "{msg}");
     let msg = refused(&["launch", "--timeout", "0", "--", "true"]);
     assert!(msg.contains("--timeout 0"), "{msg}");
+    let msg = refused(&["launch", "--liveness-timeout", "-1", "--", "true"]);
+    assert!(msg.contains("--liveness-timeout -1"), "{msg}");
+    // Several machines need one secret, given to every launcher.
+    let machines = [
+        "launch",
+        "--num-machines",
+        "2",
+        "--num-processes",
+        "2",
+        "--main-process-ip",
+        "127.0.0.1",
+    ];
+    let msg = refused(&[&machines[..], &["--", "true"]].concat());
+    assert!(
+        msg.contains("needs the same secret on every machine")
+            && msg.contains("burn-accelerate secret"),
+        "{msg}"
+    );
+    let msg = refused(
+        &[
+            &machines[..],
+            &["--secret-file", "/nonexistent", "--", "true"],
+        ]
+        .concat(),
+    );
+    assert!(
+        msg.contains("reading the secret file /nonexistent"),
+        "{msg}"
+    );
+    let empty = harness::scratch_dir("empty-secret").join("run.secret");
+    std::fs::write(&empty, "\n").unwrap();
+    let empty = empty.to_str().unwrap();
+    let msg = refused(&[&machines[..], &["--secret-file", empty, "--", "true"]].concat());
+    assert!(msg.contains("is empty"), "{msg}");
     let msg = refused(&["launch"]);
     assert!(msg.contains("<PROGRAM>"), "{msg}");
     let msg = refused(&["launch", "--", "/nonexistent/program"]);
