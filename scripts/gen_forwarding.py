@@ -196,7 +196,7 @@ def emit(name, generics, params, ret, where, op):
         return head + "        %s\n    }\n" % hook
     if op is None:
         if name in HALF_PATHS:
-            call = "crate::backend::%s::<B>(%s)" % (HALF_PATHS[name], args)
+            call = "crate::cpu::%s::<B>(%s)" % (HALF_PATHS[name], args)
         return head + "        %s\n    }\n" % call
     floats = [(p, t) for p, t in params if FLOAT.match(t)]
     if not floats:
@@ -227,7 +227,7 @@ def emit(name, generics, params, ret, where, op):
             method = {"Option<FloatTensor<B>>": "cast_opt", "Vec<FloatTensor<B>>": "cast_vec"}[t]
             lines.append("        let %s = plan.%s::<B>(%s);\n" % (p, method, p))
     if name in LOW_PATHS:
-        call = "crate::backend::%s::<B>(&plan, %s)" % (LOW_PATHS[name], args)
+        call = "crate::cpu::%s::<B>(&plan, %s)" % (LOW_PATHS[name], args)
     return head + "".join(lines) + "        %s\n    }\n" % call
 
 

@@ -96,7 +96,7 @@ pub fn half_path() -> HalfPath {
 pub fn bf16_dot_products() -> bool {
     #[cfg(feature = "flex")]
     {
-        half_path() != HalfPath::Widened && crate::backend::bf16_gemm::available()
+        half_path() != HalfPath::Widened && crate::cpu::bf16_gemm::available()
     }
     #[cfg(not(feature = "flex"))]
     false
@@ -437,7 +437,7 @@ enum Path {
 
 // The times of f16 and bf16 against f32, for those that run.
 fn timings<B: Backend>(device: &B::Device, f16: bool, bf16: bool) -> Timings {
-    let via_f32 = crate::backend::low_gemm::registered_matmul::<B>();
+    let via_f32 = crate::cpu::low_gemm::registered_matmul::<B>();
     let mut runs = vec![(FloatDType::F32, Path::Own)];
     for dtype in [(FloatDType::F16, f16), (FloatDType::BF16, bf16)]
         .into_iter()
@@ -487,7 +487,7 @@ fn timings<B: Backend>(device: &B::Device, f16: bool, bf16: bool) -> Timings {
 fn matmul_times<B: Backend>(
     device: &B::Device,
     runs: &[(FloatDType, Path)],
-    via_f32: Option<crate::backend::low_gemm::MatmulHook<B>>,
+    via_f32: Option<crate::cpu::low_gemm::MatmulHook<B>>,
 ) -> Option<Vec<Duration>> {
     silence_probe_panics();
     PROBING.with(|p| p.set(true));

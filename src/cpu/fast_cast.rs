@@ -2,7 +2,7 @@
 //!
 //! Flex 0.21 casts through an f64 copy of every value (`float_cast` in
 //! `burn-flex-0.21.0/src/ops/float.rs`), about 2 ns per element: on the benchmark MLP the casts
-//! autocast inserts cost a third of a bf16 step. The [`Half`](crate::backend::half_kernels::Half)
+//! autocast inserts cost a third of a bf16 step. The [`Half`](crate::cpu::half_kernels::Half)
 //! conversions do the same rounding (round to nearest even, from the exact value) in one
 //! vectorised pass. Casting through f64 first would change nothing, an f32 being exact in f64,
 //! but `half` 2.7.1's f64 conversions drop the f64's low 32 mantissa bits before they round
@@ -54,7 +54,7 @@ pub(crate) mod flex {
     use half::{bf16, f16};
 
     use super::{HOOKS, Hook};
-    use crate::backend::half_kernels::{Half, as_half, filled};
+    use crate::cpu::half_kernels::{Half, as_half, filled};
 
     pub(super) fn register() {
         let plain: Hook<Flex> = convert;

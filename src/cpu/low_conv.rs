@@ -5,7 +5,7 @@
 //! `burn-flex-0.21.0/src/ops/conv_common.rs`), and f16 ones with the `gemm` crate's f16 kernels,
 //! 1.4× the f32 step of a small conv net. Its backward pass does the same through transposed
 //! convolutions and half-precision sums. Here the operands are widened with the vectorised
-//! conversions of [`fast_cast`](crate::backend::fast_cast), the convolution and its gradients run
+//! conversions of [`fast_cast`](crate::cpu::fast_cast), the convolution and its gradients run
 //! in f32 (Flex's own kernels), and each result is rounded once: for bf16 the bits Flex gives;
 //! for f16 a convolution with f32 accumulation, as for bf16, in place of f16 sums.
 //!
@@ -27,7 +27,7 @@ use burn_backend::{Backend, Shape, TensorMetadata};
 
 use crate::autocast::CastPlan;
 use crate::backend::hooks::Hooks;
-use crate::backend::low_gemm;
+use crate::cpu::low_gemm;
 
 type Conv2dHook<B> =
     fn(FloatTensor<B>, FloatTensor<B>, Option<FloatTensor<B>>, ConvOptions<2>) -> FloatTensor<B>;
@@ -116,11 +116,11 @@ mod flex {
     use burn_backend::tensor::FloatTensor;
 
     use super::{CONV2D, Conv2dHook};
-    use crate::backend::fast_cast::flex::convert;
-    use crate::backend::half_conv::{self, Geometry};
-    use crate::backend::half_kernels::{Half, with_half};
-    use crate::backend::low_gemm::Kernel;
     use crate::capability::{self, HalfPath};
+    use crate::cpu::fast_cast::flex::convert;
+    use crate::cpu::half_conv::{self, Geometry};
+    use crate::cpu::half_kernels::{Half, with_half};
+    use crate::cpu::low_gemm::Kernel;
 
     pub(super) fn register() {
         let plain: Conv2dHook<Flex> = conv2d;

@@ -3,7 +3,7 @@
 //! Autocast leaves activations in the dtype they get, so after a lower-class linear the ReLU
 //! runs in bf16 or f16; Flex 0.21 computes that one scalar conversion at a time (5× its f32
 //! ReLU in bf16, 44× in f16, on a 256×2048 tensor). Here it runs through
-//! [`half_kernels`](crate::backend::half_kernels), bit for bit the same values.
+//! [`half_kernels`](crate::cpu::half_kernels), bit for bit the same values.
 //!
 //! Under autodiff the node saves ReLU's *output* for the backward pass, where Burn's saves its
 //! input: the mask is the same (`output > 0` exactly where `input > 0`), and the output is what
@@ -46,7 +46,7 @@ mod flex {
     use burn_backend::tensor::FloatTensor;
 
     use super::{Hook, RELU};
-    use crate::backend::half_kernels::{fits, map, with_half, zip};
+    use crate::cpu::half_kernels::{fits, map, with_half, zip};
 
     pub(super) fn register() {
         let plain: Hook<Flex> = relu;

@@ -153,12 +153,10 @@ mod flex {
     use burn_backend::DType;
 
     use super::{LINEAR, LinearHook, MATMUL, MatmulHook};
-    use crate::backend::bf16_gemm::{self, Bf16Matrix, release_large, scratch_of, with_scratch};
-    use crate::backend::half_kernels::{
-        add_row, round_add_row, sum_rows, widen_in_tasks, with_half,
-    };
-    use crate::backend::several_threads;
     use crate::capability;
+    use crate::cpu::bf16_gemm::{self, Bf16Matrix, release_large, scratch_of, with_scratch};
+    use crate::cpu::half_kernels::{add_row, round_add_row, sum_rows, widen_in_tasks, with_half};
+    use crate::cpu::several_threads;
 
     pub(super) fn register() {
         let plain: MatmulHook<Flex> = gemm;
@@ -577,7 +575,7 @@ mod flex {
         use burn_backend::FloatDType;
 
         use super::*;
-        use crate::backend::low_gemm::eligible;
+        use crate::cpu::low_gemm::eligible;
 
         fn half<const D: usize>(
             values: Vec<f32>,
