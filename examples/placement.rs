@@ -9,9 +9,17 @@
 //! ```text
 //! cargo run --example placement --features wgpu
 //! ```
+//!
+//! It needs a Vulkan driver with a CPU adapter: Mesa's lavapipe (Debian and Ubuntu:
+//! `apt-get install mesa-vulkan-drivers`), beside a GPU's own driver if there is one. Without
+//! one it says so and exits with status 1, before wgpu is asked for a device.
+
+use std::process::ExitCode;
 
 use burn::backend::Wgpu;
-use burn::backend::wgpu::WgpuDevice;
+use burn::backend::wgpu::graphics::{AutoGraphicsApi, GraphicsApi};
+use burn::backend::wgpu::{WgpuDevice, WgpuRuntime};
+use burn::cubecl::Runtime;
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig, Relu};
 use burn::tensor::backend::Backend;
@@ -61,7 +69,57 @@ impl<B: Backend> Net<B> {
     }
 }
 
-fn main() -> Result<(), AccelerateError> {
+// The adapter kinds of cubecl's device ids (`WgpuRuntime::enumerate_devices`): 3 is a CPU
+// adapter, 4 any adapter (what `WgpuDevice::DefaultDevice` picks from).
+const CPU_ADAPTER: u16 = 3;
+const ANY_ADAPTER: u16 = 4;
+
+// Why this machine cannot run the example, if it cannot: wgpu's Vulkan instance (the graphics
+// API Burn's `Wgpu` takes on Linux) lists no CPU adapter, so that cubecl would panic on the
+// first tensor ("No CPU device found, adapters []"). Listing the adapters opens no device.
+fn missing_driver() -> Option<String> {
+    let api = AutoGraphicsApi::backend();
+    let cpu = WgpuRuntime::enumerate_devices(CPU_ADAPTER, &api).len();
+    if cpu > 0 {
+        return None;
+    }
+    let any = WgpuRuntime::enumerate_devices(ANY_ADAPTER, &api).len();
+    let found = match any {
+        0 => format!("no {api:?} driver: wgpu finds no {api:?} adapter"),
+        n => format!("{n} {api:?} adapter(s), none of them a CPU one"),
+    };
+    // Either variable, when set, is the only place the Vulkan loader looks for drivers.
+    let overridden = ["VK_DRIVER_FILES", "VK_ICD_FILENAMES"]
+        .into_iter()
+        .filter_map(|var| {
+            std::env::var(var)
+                .ok()
+                .map(|value| format!("{var}={value}"))
+        })
+        .map(|set| format!("\n\n({set} is set: the Vulkan loader looks only there.)"))
+        .collect::<String>();
+    Some(format!(
+        "this example places a model over wgpu's CPU adapter and its default one, and this \
+         machine has {found}.\nInstall Mesa's CPU Vulkan driver (lavapipe); on Debian or \
+         Ubuntu:\n\n    apt-get install mesa-vulkan-drivers{overridden}"
+    ))
+}
+
+fn main() -> ExitCode {
+    if let Some(why) = missing_driver() {
+        eprintln!("placement: {why}");
+        return ExitCode::FAILURE;
+    }
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("placement: {err}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<(), AccelerateError> {
     type B = Accelerated<Wgpu>;
     let (first, second) = (WgpuDevice::Cpu, WgpuDevice::DefaultDevice);
 

@@ -7,7 +7,10 @@ inner backend. Methods named in the autocast op table (`src/autocast/ops.rs`, th
 default, see `src/backend/placement.rs`) and their float-tensor arguments through a cast plan;
 required ones are numbered (`cast_at`), since fp8 autocast scales each input of a call
 separately. The device moves named in `MOVE_HOOKS` go to hand-written functions in
-`src/backend/placement.rs` (host-staged moves where the inner backend has no direct copy).
+`src/backend/placement.rs` (host-staged moves where the inner backend has no direct copy);
+the ops named in `LOW_PATHS` and `HALF_PATHS` go to `src/backend/lowered.rs` and
+`src/backend/kernels.rs`, where the crate's own CPU kernels (`src/cpu/`) take them where they
+apply.
 
 Usage: python3 scripts/gen_forwarding.py [path/to/burn-backend-0.21.0]
 """
@@ -147,18 +150,19 @@ REWRAP = re.compile(r"^(TransactionPrimitive|QuantizationParametersPrimitive|Def
 # Device moves routed through hand-written functions of `crate::backend::placement`.
 MOVE_HOOKS = {"float_to_device", "int_to_device", "bool_to_device"}
 
-# Lower-class ops whose autocast call goes through a function of `crate::backend` (a faster
-# half-precision path where the backend registered one), as "module::function".
+# Lower-class ops whose autocast call goes through a function of `crate::backend` (the
+# crate's own kernel where it applies, see src/backend/lowered.rs), as "module::function".
 LOW_PATHS = {
-    "float_matmul": "low_gemm::matmul",
-    "linear": "low_gemm::linear",
-    "conv1d": "low_conv::conv1d",
-    "conv2d": "low_conv::conv2d",
+    "float_matmul": "lowered::matmul",
+    "linear": "lowered::linear",
+    "conv1d": "lowered::conv1d",
+    "conv2d": "lowered::conv2d",
 }
 
-# Ops outside the op table forwarded through a function of `crate::backend` (a faster path
-# for half tensors where the backend registered one), as "module::function".
-HALF_PATHS = {"relu": "half_activation::relu"}
+# Ops outside the op table forwarded through a function of `crate::backend` (the crate's own
+# kernel for half tensors where the backend has one, see src/backend/kernels.rs), as
+# "module::function".
+HALF_PATHS = {"relu": "kernels::relu"}
 
 # How the co-locate rule moves each kind of tensor argument of a table op.
 COLOCATE = {

@@ -30,6 +30,7 @@ use core::cell::Cell;
 use core::fmt;
 
 use crate::autocast::Op;
+use crate::backend::kernels::{self, Kernels, Route};
 use crate::{AccelerateError, Precision};
 
 /// Which path autocast takes for a half-precision op where the crate has an f32 one for the
@@ -90,16 +91,19 @@ pub fn half_path() -> HalfPath {
     }
 }
 
+// The route the crate's kernels take under the path set: only `Widened` fixes theirs.
+pub(crate) fn route() -> Route {
+    match half_path() {
+        HalfPath::Widened => Route::Widened,
+        HalfPath::Measured | HalfPath::ViaF32 | HalfPath::Own => Route::Fastest,
+    }
+}
+
 /// Whether the crate's path runs bf16 matmuls and convolutions on this CPU's AVX512-BF16
 /// dot-product instructions (see [`HalfPath`]): the CPU has them, Flex is built in, and the
 /// process did not fix [`HalfPath::Widened`].
 pub fn bf16_dot_products() -> bool {
-    #[cfg(feature = "flex")]
-    {
-        half_path() != HalfPath::Widened && crate::backend::bf16_gemm::available()
-    }
-    #[cfg(not(feature = "flex"))]
-    false
+    route() == Route::Fastest && kernels::has_bf16_dot_products()
 }
 
 /// How many times slower than f32 a low dtype's matmul must be for the probe to flag it.
@@ -437,7 +441,7 @@ enum Path {
 
 // The times of f16 and bf16 against f32, for those that run.
 fn timings<B: Backend>(device: &B::Device, f16: bool, bf16: bool) -> Timings {
-    let via_f32 = crate::backend::low_gemm::registered_matmul::<B>();
+    let via_f32 = kernels::of::<B>();
     let mut runs = vec![(FloatDType::F32, Path::Own)];
     for dtype in [(FloatDType::F16, f16), (FloatDType::BF16, bf16)]
         .into_iter()
@@ -487,7 +491,7 @@ fn timings<B: Backend>(device: &B::Device, f16: bool, bf16: bool) -> Timings {
 fn matmul_times<B: Backend>(
     device: &B::Device,
     runs: &[(FloatDType, Path)],
-    via_f32: Option<crate::backend::low_gemm::MatmulHook<B>>,
+    via_f32: Option<Kernels<B>>,
 ) -> Option<Vec<Duration>> {
     silence_probe_panics();
     PROBING.with(|p| p.set(true));
@@ -497,10 +501,11 @@ fn matmul_times<B: Backend>(
             .iter()
             .map(|(dtype, _)| Tensor::<B, 2>::ones([n, n], device).cast(*dtype))
             .collect();
+        let route = route();
         let run = |x: &Tensor<B, 2>, path: Path| match (path, via_f32) {
-            (Path::ViaF32, Some(matmul)) => {
+            (Path::ViaF32, Some(kernels)) => {
                 let x = x.clone().into_primitive().tensor();
-                let product = matmul(x.clone(), x);
+                let product = (kernels.matmul)(x.clone(), x, route);
                 Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(product)).into_data()
             }
             _ => x.clone().matmul(x.clone()).into_data(),

@@ -58,6 +58,7 @@ mod accelerator;
 pub mod autocast;
 mod backend;
 pub mod capability;
+mod cpu;
 pub mod data;
 pub mod distributed;
 mod error;

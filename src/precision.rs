@@ -87,6 +87,19 @@ impl Precision {
         }
     }
 
+    /// The precision without its fp8 mode (`"f32"`, `"bf16"`, `"f16"`, `"fp8"`): how the
+    /// examples' `--precision` flag spells it
+    /// ([`train::demo::flag_name`](crate::train::demo::flag_name)) and how the training
+    /// metrics label their values.
+    pub(crate) fn short_name(self) -> &'static str {
+        match self {
+            Precision::F32 => "f32",
+            Precision::Bf16 => "bf16",
+            Precision::F16 => "f16",
+            Precision::Fp8(_) => "fp8",
+        }
+    }
+
     /// Whether dynamic loss scaling is on by default for this precision (as in Accelerate:
     /// only f16's narrow exponent range needs it; fp8 scales each tensor instead).
     pub fn wants_loss_scaling(self) -> bool {

@@ -139,7 +139,7 @@ impl CastPlan {
             None => false,
         };
         if castable && dtype != DType::from(target) {
-            crate::backend::fast_cast::cast::<B>(tensor, target)
+            crate::backend::kernels::cast::<B>(tensor, target)
         } else {
             tensor
         }

@@ -1,14 +1,14 @@
-//! One fp8 cast as autocast applies it: the quantizer of each pass, and how an op input gets it.
+//! One fp8 cast as autocast applies it: the quantizer of each pass. Which casts an op call's
+//! inputs get is [`site`](super::site)'s business; the node that applies one under autodiff is
+//! [`autodiff`](super::autodiff)'s, built from the values here.
 
 use burn::tensor::{Tensor, TensorPrimitive};
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, Shape, TensorMetadata};
 
-use super::autodiff;
-use super::format::{Fp8Format, Fp8Mode};
+use super::format::Fp8Format;
 use super::qdq::quantize_dequantize;
-use super::state::{self, Pass, TensorKey};
-use crate::autocast::Op;
+use super::state::{self, TensorKey};
 
 /// A quantize-dequantize with its scale, and the tensor whose amax history it feeds.
 ///
@@ -49,7 +49,7 @@ impl Quantizer {
         self.record
     }
 
-    fn recording(self, key: TensorKey) -> Self {
+    pub(super) fn recording(self, key: TensorKey) -> Self {
         Quantizer {
             record: Some(key),
             ..self
@@ -80,58 +80,12 @@ impl Quantizer {
 }
 
 /// What an fp8 cast does in each pass: round the input in the forward pass, and (under
-/// [`Fp8Mode::Hybrid`]) round its gradient in the backward pass; without a backward quantizer
-/// the gradient passes straight through.
+/// [`Fp8Mode::Hybrid`](super::Fp8Mode::Hybrid)) round its gradient in the backward pass;
+/// without a backward quantizer the gradient passes straight through.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Fp8Cast {
     /// Applied to the tensor.
     pub forward: Quantizer,
     /// Applied to the tensor's gradient; `None` passes it through unchanged.
     pub backward: Option<Quantizer>,
-}
-
-/// Where an autocast fp8 cast happens: the op call it belongs to, decided once per call.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Fp8Site {
-    mode: Fp8Mode,
-    op: Op,
-    call: u32,
-}
-
-impl Fp8Site {
-    /// Numbers a new call of `op` under `mode`.
-    pub(crate) fn new(mode: Fp8Mode, op: Op) -> Self {
-        Fp8Site {
-            mode,
-            op,
-            call: state::next_call(op),
-        }
-    }
-
-    /// The cast of the op's `input`-th required float input, with the current scales.
-    pub(crate) fn cast(&self, input: u32) -> Fp8Cast {
-        let key = |pass| TensorKey {
-            op: self.op,
-            call: self.call,
-            input,
-            pass,
-        };
-        let quantizer = |pass: Pass| {
-            let key = key(pass);
-            Quantizer::new(pass.format(), state::scale_of(&key)).recording(key)
-        };
-        debug_assert_eq!(self.mode.forward_format(), Pass::Forward.format());
-        Fp8Cast {
-            forward: quantizer(Pass::Forward),
-            backward: self.mode.backward_format().map(|format| {
-                debug_assert_eq!(format, Pass::Backward.format());
-                quantizer(Pass::Backward)
-            }),
-        }
-    }
-
-    /// Applies the cast of input `input` to `tensor`, with its backward where `B` records one.
-    pub(crate) fn apply<B: Backend>(&self, input: u32, tensor: FloatTensor<B>) -> FloatTensor<B> {
-        autodiff::fp8_cast::<B>(tensor, self.cast(input))
-    }
 }

@@ -46,12 +46,13 @@ mod cast;
 mod format;
 mod qdq;
 mod recipe;
+mod site;
 mod state;
 
 pub use autodiff::{Fp8Differentiable, is_registered, needs_registration, register};
-pub(crate) use cast::Fp8Site;
 pub use cast::{Fp8Cast, Quantizer};
 pub use format::{Fp8Format, Fp8Mode};
 pub use qdq::{quantize_dequantize, quantize_dequantize_tensor};
 pub use recipe::{AmaxComputeAlgo, DelayedScaling, ScalingState};
+pub(crate) use site::Fp8Site;
 pub use state::{Fp8State, Pass, TensorKey, load_state, recipe, reset, set_recipe, state, step};

@@ -310,12 +310,7 @@ impl DemoOutcome {
 
 /// The precision as the example's `--precision` flag spells it.
 pub fn flag_name(precision: Precision) -> &'static str {
-    match precision {
-        Precision::F32 => "f32",
-        Precision::Bf16 => "bf16",
-        Precision::F16 => "f16",
-        Precision::Fp8(_) => "fp8",
-    }
+    precision.short_name()
 }
 
 /// Trains the [`Mlp`] on [`blobs`] through `SupervisedTraining` + `with_accelerate` on

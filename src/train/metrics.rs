@@ -60,7 +60,7 @@ pub struct AccelerateMetric {
 
 impl AccelerateMetric {
     fn new(kind: Kind, report: &TrainingReport) -> Self {
-        let precision = super::demo::flag_name(report.stats().precision);
+        let precision = report.stats().precision.short_name();
         let label = match kind {
             Kind::LossScale => "Loss Scale",
             Kind::SkippedSteps => "Skipped Steps",

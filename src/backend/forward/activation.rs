@@ -19,7 +19,7 @@ impl<B: Backend> ActivationOps<Self> for Accelerated<B> {
         B::leaky_relu(tensor, negative_slope)
     }
     fn relu(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        crate::backend::half_activation::relu::<B>(tensor)
+        crate::backend::kernels::relu::<B>(tensor)
     }
     fn relu_backward(output: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
         B::relu_backward(output, grad)

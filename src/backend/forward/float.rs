@@ -136,7 +136,7 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         let plan = CastPlan::new::<B>(Op::Matmul, &[CastInput::One(&lhs), CastInput::One(&rhs)]);
         let lhs = plan.cast_at::<B>(0, lhs);
         let rhs = plan.cast_at::<B>(1, rhs);
-        crate::backend::low_gemm::matmul::<B>(&plan, lhs, rhs)
+        crate::backend::lowered::matmul::<B>(&plan, lhs, rhs)
     }
     fn float_cross(
         lhs: FloatTensor<Self>,

@@ -49,7 +49,7 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         let x = plan.cast_at::<B>(0, x);
         let weight = plan.cast_at::<B>(1, weight);
         let bias = plan.cast_opt::<B>(bias);
-        crate::backend::low_gemm::linear::<B>(&plan, x, weight, bias)
+        crate::backend::lowered::linear::<B>(&plan, x, weight, bias)
     }
     fn linear_x_backward(
         weight: FloatTensor<Self>,
@@ -91,7 +91,7 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         let x = plan.cast_at::<B>(0, x);
         let weight = plan.cast_at::<B>(1, weight);
         let bias = plan.cast_opt::<B>(bias);
-        crate::backend::low_conv::conv1d::<B>(&plan, x, weight, bias, options)
+        crate::backend::lowered::conv1d::<B>(&plan, x, weight, bias, options)
     }
     fn conv1d_x_backward(
         x: FloatTensor<Self>,
@@ -141,7 +141,7 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         let x = plan.cast_at::<B>(0, x);
         let weight = plan.cast_at::<B>(1, weight);
         let bias = plan.cast_opt::<B>(bias);
-        crate::backend::low_conv::conv2d::<B>(&plan, x, weight, bias, options)
+        crate::backend::lowered::conv2d::<B>(&plan, x, weight, bias, options)
     }
     fn conv2d_x_backward(
         x: FloatTensor<Self>,

@@ -22,8 +22,7 @@ use super::auth::{self, HANDSHAKE_WITHIN, Hello};
 use super::frame::{self, Assembly, FrameHeader, ReadError};
 use crate::distributed::RunSecret;
 
-/// A stream of messages between two processes (0: the collectives).
-pub(crate) type Lane = u32;
+pub(crate) use crate::distributed::engine::Lane;
 
 /// The collectives' lane.
 pub(crate) const COLLECTIVES: Lane = 0;

@@ -10,13 +10,13 @@
 //! - the weight's gradient is `grad · patchesᵀ`, summed over chunks in f32, rounded once.
 //!
 //! Two kernels run the GEMMs (`low_gemm::Kernel`): bf16 patches on the dot-product GEMM of
-//! [`bf16_gemm`](super::bf16_gemm), or patches of either half type widened to f32 on Flex's
-//! f32 GEMM. Both sum exact products in f32, in another order than Flex's f32 convolution
-//! over the widened operands. Chunks have a fixed size for given shapes, so the result does
+//! [`bf16_gemm`], or patches of either half type widened to f32 on Flex's f32 GEMM. Both sum
+//! exact products in f32, in another order than Flex's f32 convolution over the widened
+//! operands. Chunks have a fixed size for given shapes, so the result does
 //! not depend on the number of threads.
 //!
-//! Flex's own f32 convolution (what [`low_conv`](super::low_conv) runs under
-//! `HalfPath::Widened`) expands 2-D tensors to 3-D with copies and takes the backward pass
+//! Flex's own f32 convolution (what [`low_conv`](super::low_conv) runs on
+//! `Route::Widened`) expands 2-D tensors to 3-D with copies and takes the backward pass
 //! through permuted copies and a transposed convolution; these took about half of a bf16 conv
 //! net's training step.
 

@@ -1,0 +1,546 @@
+//! Autocast's lower-class matmul and linear on Flex, whose own half-precision GEMMs are slow.
+//!
+//! Flex 0.21 multiplies bf16 matrices by copying both to contiguous f32 with a scalar loop,
+//! running its f32 GEMM, and rounding the result back, element by element
+//! (`matmul_bf16` in `burn-flex-0.21.0/src/ops/matmul.rs`; f16 goes through the `gemm` crate's
+//! f16 kernels, slower still). Here the product is computed one of two ways, into per-thread
+//! scratch, then rounded to the half type, a linear's bias added in the same pass:
+//!
+//! - bf16 on a CPU with AVX512-BF16: the dot-product GEMM of [`bf16_gemm`], which reads the
+//!   bf16 operands in place (transposed views too) and sums in f32, about 1.5–2× as fast as
+//!   the f32 GEMM;
+//! - otherwise (and on [`Route::Widened`]): the half operands widened to f32 in one
+//!   vectorised pass, a transposed view kept transposed, and multiplied by Flex's f32 GEMM
+//!   (the `gemm` crate, called directly): for bf16, Flex's own bits.
+//!
+//! Either way: the numbers of a half-precision GEMM with f32 accumulation, the operands kept
+//! in the half type (what autodiff saves for the backward pass stays half the size).
+//!
+//! As for the fast cast, the replacement under autodiff is a backward node of its own
+//! ([`gemm_tracked`], [`linear_tracked`]), which takes the forward's route for the backward
+//! GEMMs. The operands are half matrices of the same dtype, 2-D or batches of the same
+//! leading dimensions (no broadcasting); the decorator checks that, and which route the
+//! process runs, before it calls in (`crate::backend::lowered`).
+
+use std::cell::RefCell;
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, binary};
+use burn::backend::flex::{FlexTensor, Layout};
+use burn::backend::{Autodiff, Flex};
+use burn::tensor::Bytes;
+use burn_backend::DType;
+use burn_backend::ops::{FloatTensorOps, ModuleOps};
+use burn_backend::tensor::FloatTensor;
+use rayon::prelude::*;
+
+use super::bf16_gemm::{self, Bf16Matrix, release_large, scratch_of, with_scratch};
+use super::half_kernels::{add_row, round_add_row, sum_rows, widen_in_tasks, with_half};
+use super::{Route, several_threads};
+
+// Scratch for one GEMM's operands widened to f32 and its f32 product, kept per thread: a
+// fresh buffer is mapped and page-faulted in on every call, which costs as much again as
+// filling it.
+#[derive(Default)]
+struct Scratch {
+    widened: [Vec<f32>; 2],
+    product: Vec<f32>,
+}
+
+impl Scratch {
+    fn release_large(&mut self) {
+        self.widened.iter_mut().for_each(release_large);
+        release_large(&mut self.product);
+    }
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::default();
+    // The dot-product GEMM's packed operands, per thread: the matrices of a batch may be
+    // multiplied on several.
+    static PACKED: RefCell<[Vec<u32>; 2]> = RefCell::default();
+}
+
+/// Which GEMM multiplies half matrices (a matmul's, or a convolution's patches).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kernel {
+    /// The AVX512-BF16 dot-product GEMM (`bf16_gemm`): bf16 only, 1.5–2× as fast.
+    Bf16Dot,
+    /// Flex's f32 GEMM over the operands widened to f32: for a bf16 matmul, Flex's own
+    /// bits.
+    F32,
+}
+
+impl Kernel {
+    /// The bf16 kernel for bf16 where the CPU has it, unless the route is
+    /// [`Route::Widened`]; the f32 one otherwise.
+    pub(crate) fn for_dtype(dtype: DType, route: Route) -> Self {
+        let dot = dtype == DType::BF16 && route == Route::Fastest && bf16_gemm::available();
+        match dot {
+            true => Self::Bf16Dot,
+            false => Self::F32,
+        }
+    }
+}
+
+// The half matrix (or batch of matrices) `t` widened into `buf`, keeping a transposed (or
+// otherwise permuted) view as it is, since the GEMM reads strides: its strides in `buf`.
+fn widen_into(t: &FlexTensor, buf: &mut Vec<f32>) -> Vec<usize> {
+    let n = t.layout().num_elements();
+    let stored = with_half!(t.dtype(), H => t.storage::<H>().len(), _ => unreachable!());
+    let strides = t.layout().strides();
+    let ordered = strides.iter().all(|s| *s >= 0);
+    let dense = ordered && t.layout().start_offset() == 0 && stored == n;
+    let t = if dense { t.clone() } else { t.to_contiguous() };
+    let buf = scratch_of(buf, n);
+    with_half!(t.dtype(), H => widen_in_tasks::<H>(t.storage(), buf), _ => unreachable!());
+    t.layout()
+        .strides()
+        .iter()
+        .map(|s| s.unsigned_abs())
+        .collect()
+}
+
+/// Flex's rule for an `m × k` by `k × n` product: threads from 192³ multiply-adds up,
+/// where rayon has several (`several_threads`).
+pub(crate) fn parallel(m: usize, n: usize, k: usize) -> bool {
+    large(m, n, k) && several_threads()
+}
+
+fn large(m: usize, n: usize, k: usize) -> bool {
+    m.saturating_mul(n).saturating_mul(k) >= 192 * 192 * 192
+}
+
+// The sizes of a product of half matrices: its batch (the leading dimensions, the same
+// in both operands) and `m × k` by `k × n`.
+struct Dims {
+    batch: Vec<usize>,
+    m: usize,
+    k: usize,
+    n: usize,
+}
+
+impl Dims {
+    fn of(a: &FlexTensor, b: &FlexTensor) -> Self {
+        let (a, b) = (a.layout().shape(), b.layout().shape());
+        let d = a.num_dims();
+        Self {
+            batch: a[..d - 2].to_vec(),
+            m: a[d - 2],
+            k: a[d - 1],
+            n: b[d - 1],
+        }
+    }
+
+    fn matrices(&self) -> usize {
+        self.batch.iter().product()
+    }
+
+    // Where the `i`-th matrix of the batch starts in a tensor with `strides` (batch
+    // dimensions first), and its (row, column) strides.
+    fn matrix(&self, i: usize, strides: &[usize]) -> (usize, [usize; 2]) {
+        let mut rest = i;
+        let mut offset = 0;
+        for (size, stride) in self.batch.iter().zip(strides).rev() {
+            offset += rest % size * stride;
+            rest /= size;
+        }
+        let d = self.batch.len();
+        (offset, [strides[d], strides[d + 1]])
+    }
+}
+
+// A layout's strides, if none is negative.
+fn ordered_strides(t: &FlexTensor) -> Option<Vec<usize>> {
+    t.layout()
+        .strides()
+        .iter()
+        .map(|s| usize::try_from(*s).ok())
+        .collect()
+}
+
+// `product = a @ b` by the dot-product kernel, matrix by matrix of the batch, reading the
+// bf16 operands in place; false where it does not apply (negative strides).
+fn bf16_dot_product(a: &FlexTensor, b: &FlexTensor, dims: &Dims, scratch: &mut Scratch) -> bool {
+    let (Some(a_strides), Some(b_strides)) = (ordered_strides(a), ordered_strides(b)) else {
+        return false;
+    };
+    let (m, k, n) = (dims.m, dims.k, dims.n);
+    // The batch's `i`-th matrix of `t`, read in place.
+    fn matrix<'t>(
+        t: &'t FlexTensor,
+        (offset, strides): (usize, [usize; 2]),
+        shape: [usize; 2],
+    ) -> Option<Bf16Matrix<'t>> {
+        let offset = t.layout().start_offset() + offset;
+        Bf16Matrix::new(t.storage::<half::bf16>(), offset, shape, strides)
+    }
+    let product = scratch_of(&mut scratch.product, dims.matrices() * m * n);
+    each_matrix(product, dims, |i, c| {
+        let (Some(am), Some(bm)) = (
+            matrix(a, dims.matrix(i, &a_strides), [m, k]),
+            matrix(b, dims.matrix(i, &b_strides), [k, n]),
+        ) else {
+            return false;
+        };
+        let threads = parallel(m, n, k);
+        with_scratch(&PACKED, |packed| {
+            let done = bf16_gemm::gemm(am, bm, c, threads, packed);
+            packed.iter_mut().for_each(release_large);
+            done.is_some()
+        })
+    })
+}
+
+// `product = a @ b` by Flex's f32 GEMM over the operands widened to f32, matrix by matrix
+// of the batch.
+fn widened_product(a: &FlexTensor, b: &FlexTensor, dims: &Dims, scratch: &mut Scratch) {
+    let (m, k, n) = (dims.m, dims.k, dims.n);
+    let [wa, wb] = &mut scratch.widened;
+    let (a_strides, b_strides) = (widen_into(a, wa), widen_into(b, wb));
+    let product = scratch_of(&mut scratch.product, dims.matrices() * m * n);
+    let (wa, wb) = (&wa[..], &wb[..]);
+    let done = each_matrix(product, dims, |i, c| {
+        let (a_offset, a_matrix) = dims.matrix(i, &a_strides);
+        let (b_offset, b_matrix) = dims.matrix(i, &b_strides);
+        f32_gemm(
+            (&wa[a_offset..], a_matrix),
+            (&wb[b_offset..], b_matrix),
+            [m, k, n],
+            c,
+        )
+        .is_some()
+    });
+    assert!(done, "widened operands fit their buffers");
+}
+
+// `f(i, c)` for each matrix `i` of the batch and its block `c` of the product: matrix
+// after matrix where each GEMM takes all threads, on rayon's threads where the matrices
+// are too small to share out one by one (attention's, say). False if any `f` was.
+fn each_matrix(
+    product: &mut [f32],
+    dims: &Dims,
+    f: impl Fn(usize, &mut [f32]) -> bool + Sync,
+) -> bool {
+    let size = (dims.m * dims.n).max(1);
+    if dims.matrices() > 1 && several_threads() && !large(dims.m, dims.n, dims.k) {
+        let all = product.par_chunks_mut(size).enumerate();
+        all.map(|(i, c)| f(i, c)).reduce(|| true, |a, b| a && b)
+    } else {
+        product.chunks_mut(size).enumerate().all(|(i, c)| f(i, c))
+    }
+}
+
+/// `c = a @ b` of f32 matrices `[m, k]` and `[k, n]`, each given as a slice and the
+/// (row, column) strides of its values from the slice's start, by Flex's GEMM (the `gemm`
+/// crate, on rayon's threads for large products); `c` row-major. `None` where a matrix
+/// does not fit its slice or `c` is not `m × n`.
+pub(crate) fn f32_gemm(
+    (a, [a_rs, a_cs]): (&[f32], [usize; 2]),
+    (b, [b_rs, b_cs]): (&[f32], [usize; 2]),
+    [m, k, n]: [usize; 3],
+    c: &mut [f32],
+) -> Option<()> {
+    let fits = |len: usize, [rows, cols]: [usize; 2], [rs, cs]: [usize; 2]| {
+        rows == 0 || cols == 0 || (rows - 1) * rs + (cols - 1) * cs < len
+    };
+    if !fits(a.len(), [m, k], [a_rs, a_cs]) || !fits(b.len(), [k, n], [b_rs, b_cs]) {
+        return None;
+    }
+    if c.len() != m * n {
+        return None;
+    }
+    let parallelism = match parallel(m, n, k) {
+        true => gemm::Parallelism::Rayon(0),
+        false => gemm::Parallelism::None,
+    };
+    let stride = |s: usize| isize::try_from(s).ok();
+    let (a_rs, a_cs, b_rs, b_cs) = (stride(a_rs)?, stride(a_cs)?, stride(b_rs)?, stride(b_cs)?);
+    // SAFETY: `a` holds the `m×k` matrix at strides (a_rs, a_cs) from its start, `b` the
+    // `k×n` one likewise (both checked above), and `c` `m×n` row-major values; `c` is
+    // borrowed mutably, so it overlaps neither.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            c.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            a.as_ptr(),
+            a_cs,
+            a_rs,
+            b.as_ptr(),
+            b_cs,
+            b_rs,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
+    Some(())
+}
+
+/// `a @ b + bias` of half matrices: f32 sums of the products, rounded once to the half
+/// type, the bias (if any) added to the rounded product in the half type.
+fn half_gemm(
+    a: &FlexTensor,
+    b: &FlexTensor,
+    bias: Option<&FlexTensor>,
+    kernel: Kernel,
+) -> FlexTensor {
+    let dtype = a.dtype();
+    let dims = Dims::of(a, b);
+    let len = dims.matrices() * dims.m * dims.n;
+    let bias = bias.map(|b| b.to_contiguous());
+    let values = with_scratch(&SCRATCH, |scratch| {
+        if kernel != Kernel::Bf16Dot || !bf16_dot_product(a, b, &dims, scratch) {
+            widened_product(a, b, &dims, scratch);
+        }
+        let values = with_half!(dtype, H => {
+            let bias = bias.as_ref().map(|b| b.storage::<H>());
+            Bytes::from_elems(round_add_row::<H>(&scratch.product[..len], bias))
+        }, _ => unreachable!("the hooks admit half operands only"));
+        scratch.release_large();
+        values
+    });
+    let shape = [dims.batch, vec![dims.m, dims.n]].concat();
+    FlexTensor::new(values, Layout::contiguous(shape.into()), dtype)
+}
+
+/// `a @ b` of two half matrices: f32 products and sums, rounded once to the half type.
+pub(crate) fn gemm(a: FlexTensor, b: FlexTensor, route: Route) -> FlexTensor {
+    let kernel = Kernel::for_dtype(a.dtype(), route);
+    half_gemm(&a, &b, None, kernel)
+}
+
+/// `x @ w + b` of half matrices as Burn's default linear computes it: the product rounded,
+/// then the bias added in the half type; in one pass over the f32 product.
+pub(crate) fn linear(
+    x: FlexTensor,
+    weight: FlexTensor,
+    bias: Option<FlexTensor>,
+    route: Route,
+) -> FlexTensor {
+    let kernel = Kernel::for_dtype(x.dtype(), route);
+    half_gemm(&x, &weight, bias.as_ref(), kernel)
+}
+
+// `product + bias` of a half `[m, n]` product and an `[n]` bias, in the product's buffer
+// where nothing else holds it.
+fn add_bias(product: FlexTensor, bias: FlexTensor) -> FlexTensor {
+    let mut sum = product.to_contiguous();
+    let bias = bias.to_contiguous();
+    with_half!(sum.dtype(), H => {
+        add_row::<H>(sum.storage_mut::<H>(), bias.storage::<H>());
+    }, _ => unreachable!("the hooks admit half operands only"));
+    sum
+}
+
+// The bias's gradient: the output's summed over the batch, as Burn's
+// `linear_bias_backward`, in one vectorised pass where the gradient is contiguous.
+fn bias_grad(grad: FlexTensor) -> FlexTensor {
+    let n = grad.layout().shape()[1];
+    let sums = with_half!(grad.dtype(), H => {
+        sum_rows::<H>(&grad).map(Bytes::from_elems)
+    }, _ => None);
+    match sums {
+        Some(values) => FlexTensor::new(values, Layout::contiguous([n].into()), grad.dtype()),
+        None => Flex::linear_bias_backward(grad),
+    }
+}
+
+// The matrices of `t` transposed (its last two dimensions swapped), as a view.
+fn transposed(t: FlexTensor) -> FlexTensor {
+    let d = t.layout().shape().num_dims();
+    Flex::float_swap_dims(t, d - 2, d - 1)
+}
+
+/// [`gemm()`] as a node of Burn's autodiff: the gradients are GEMMs of the same route.
+pub(crate) fn gemm_tracked(
+    a: FloatTensor<Autodiff<Flex>>,
+    b: FloatTensor<Autodiff<Flex>>,
+    route: Route,
+) -> FloatTensor<Autodiff<Flex>> {
+    #[derive(Debug)]
+    struct Gemm {
+        route: Route,
+    }
+
+    impl Backward<Flex, 2> for Gemm {
+        type State = (Option<FlexTensor>, Option<FlexTensor>);
+
+        fn backward(
+            self,
+            ops: Ops<Self::State, 2>,
+            grads: &mut Gradients,
+            _checkpointer: &mut Checkpointer,
+        ) {
+            let (a, b) = ops.state;
+            let route = self.route;
+            binary::<Flex, _, _>(
+                ops.parents,
+                ops.node,
+                grads,
+                |grad| gemm(grad, transposed(b.expect("kept for a's gradient")), route),
+                |grad| gemm(transposed(a.expect("kept for b's gradient")), grad, route),
+            );
+        }
+    }
+
+    let (a_tracked, b_tracked) = (a.is_tracked(), b.is_tracked());
+    match (Gemm { route })
+        .prepare::<NoCheckpointing>([a.node.clone(), b.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => {
+            // Each operand is needed for the other's gradient only.
+            let state = (
+                b_tracked.then(|| a.primitive.clone()),
+                a_tracked.then(|| b.primitive.clone()),
+            );
+            prep.finish(state, gemm(a.primitive, b.primitive, route))
+        }
+        OpsKind::UnTracked(prep) => prep.finish(gemm(a.primitive, b.primitive, route)),
+    }
+}
+
+/// [`linear`] as nodes of Burn's autodiff: the product's, and the bias add's.
+pub(crate) fn linear_tracked(
+    x: FloatTensor<Autodiff<Flex>>,
+    weight: FloatTensor<Autodiff<Flex>>,
+    bias: Option<FloatTensor<Autodiff<Flex>>>,
+    route: Route,
+) -> FloatTensor<Autodiff<Flex>> {
+    let Some(bias) = bias else {
+        return gemm_tracked(x, weight, route);
+    };
+    #[derive(Debug)]
+    struct Bias;
+
+    // The bias's gradient is the sum of the output's over the batch, as Burn's
+    // `linear_bias_backward`; the product's goes on unchanged.
+    impl Backward<Flex, 2> for Bias {
+        type State = ();
+
+        fn backward(
+            self,
+            ops: Ops<Self::State, 2>,
+            grads: &mut Gradients,
+            _checkpointer: &mut Checkpointer,
+        ) {
+            binary::<Flex, _, _>(ops.parents, ops.node, grads, |grad| grad, bias_grad);
+        }
+    }
+
+    let product = gemm_tracked(x, weight, route);
+    let parents = [product.node.clone(), bias.node.clone()];
+    // The product's own node keeps no reference to it: the sum can take its place.
+    let output = add_bias(product.primitive, bias.primitive);
+    Bias.prepare::<NoCheckpointing>(parents)
+        .compute_bound()
+        .stateless(output)
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::TensorData;
+    use burn_backend::FloatDType;
+
+    use super::*;
+
+    fn half<const D: usize>(values: Vec<f32>, shape: [usize; D], dtype: FloatDType) -> FlexTensor {
+        Flex::float_cast(FlexTensor::from_data(TensorData::new(values, shape)), dtype)
+    }
+
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        (0..n as u32)
+            .map(|i| ((i.wrapping_mul(2_654_435_761) ^ seed) % 2000) as f32 / 300.0 - 3.3)
+            .collect()
+    }
+
+    fn bits(t: FlexTensor) -> Vec<u8> {
+        t.into_data().bytes.to_vec()
+    }
+
+    #[test]
+    fn bf16_gemm_widened_gives_flexs_own_bits_transposed_or_not() {
+        let a = half(values(6 * 5, 1), [6, 5], FloatDType::BF16);
+        let b = half(values(5 * 7, 2), [5, 7], FloatDType::BF16);
+        let widened = |a: &FlexTensor, b: &FlexTensor| half_gemm(a, b, None, Kernel::F32);
+        assert_eq!(
+            bits(widened(&a, &b)),
+            bits(Flex::float_matmul(a.clone(), b.clone()))
+        );
+        // Transposed views, as the backward pass multiplies them.
+        let at = transposed(half(values(5 * 6, 3), [5, 6], FloatDType::BF16));
+        let bt = transposed(half(values(7 * 5, 4), [7, 5], FloatDType::BF16));
+        assert_eq!(bits(widened(&at, &bt)), bits(Flex::float_matmul(at, bt)));
+        // A batch of matrices, one operand transposed, as attention multiplies them.
+        let q = half(values(2 * 3 * 6 * 5, 5), [2, 3, 6, 5], FloatDType::BF16);
+        let k = transposed(half(
+            values(2 * 3 * 7 * 5, 6),
+            [2, 3, 7, 5],
+            FloatDType::BF16,
+        ));
+        let product = widened(&q, &k);
+        assert_eq!(product.layout().shape().to_vec(), vec![2, 3, 6, 7]);
+        assert_eq!(bits(product), bits(Flex::float_matmul(q, k)));
+    }
+
+    #[test]
+    fn bf16_gemm_by_dot_products_is_within_a_bf16_rounding_of_widened() {
+        if !bf16_gemm::available() {
+            eprintln!("skipped: this CPU has no AVX512-BF16");
+            return;
+        }
+        // Positive values: no cancellation, so the two f32 sums (in different orders)
+        // differ far below a bf16 rounding, and their roundings by one bf16 step at most.
+        let positive = |n, seed| values(n, seed).iter().map(|v| v + 3.4).collect();
+        let a = half(positive(9 * 40, 1), [9, 40], FloatDType::BF16);
+        let b = half(positive(40 * 35, 2), [40, 35], FloatDType::BF16);
+        // A row view from the second row: a layout with an offset.
+        let a_rows = Flex::float_slice(a.clone(), &[burn::tensor::Slice::from(1..9)]);
+        let cases = [
+            (a.clone(), b.clone()),
+            (a_rows, b.clone()),
+            // A column-major b, as a transposed weight.
+            (a, transposed(transposed(b).to_contiguous())),
+            // A batch of matrices, one operand transposed, as attention multiplies them.
+            (
+                half(positive(2 * 3 * 9 * 40, 3), [2, 3, 9, 40], FloatDType::BF16),
+                transposed(half(
+                    positive(2 * 3 * 35 * 40, 4),
+                    [2, 3, 35, 40],
+                    FloatDType::BF16,
+                )),
+            ),
+        ];
+        for (a, b) in cases {
+            let values = |t: FlexTensor| t.into_data().convert::<f32>().to_vec::<f32>().unwrap();
+            let dot = values(half_gemm(&a, &b, None, Kernel::Bf16Dot));
+            let widened = values(half_gemm(&a, &b, None, Kernel::F32));
+            for (d, w) in dot.iter().zip(&widened) {
+                assert!((d - w).abs() <= w / 128.0, "{d} against {w}");
+            }
+        }
+    }
+
+    #[test]
+    fn f16_gemm_is_the_f32_product_rounded_once() {
+        let (av, bv) = (values(8 * 16, 5), values(16 * 3, 6));
+        let a = half(av.clone(), [8, 16], FloatDType::F16);
+        let b = half(bv.clone(), [16, 3], FloatDType::F16);
+        let wide = |t: &FlexTensor| Flex::float_cast(t.clone(), FloatDType::F32);
+        let exact = Flex::float_matmul(wide(&a), wide(&b));
+        let want = Flex::float_cast(exact, FloatDType::F16);
+        assert_eq!(bits(gemm(a, b, Route::Fastest)), bits(want));
+    }
+}

@@ -1,0 +1,82 @@
+//! The crate's own CPU kernels for half-precision ops on Flex, where Flex 0.21's are slow.
+//!
+//! Flex computes bf16 and f16 one scalar conversion at a time around its f32 kernels (or with
+//! the `gemm` crate's f16 kernels, which sum in f16), so that without these a bf16 training
+//! step on a CPU costs more than an f32 one. Each kernel here does the arithmetic of a
+//! half-precision op with f32 accumulation, on vectorised conversions and on every core, and
+//! comes in two forms: on `FlexTensor`s (for `Flex`), and as a node of Burn's autodiff (for
+//! `Autodiff<Flex>`, default checkpointing), since a backward node can only be built with the
+//! concrete backend in hand.
+//!
+//! Nothing here knows the decorator or autocast. The decorator reaches these kernels through
+//! one table, `crate::backend::kernels`, which registers them for `Flex` and `Autodiff<Flex>`;
+//! `crate::backend::lowered` decides when autocast's lower-class ops take them, and the
+//! capability probe times them against Flex's own (`crate::capability`). Every other backend,
+//! and every op or operand not listed below, keeps the backend's own kernel.
+//!
+//! What each kernel is for, and when it applies:
+//!
+//! - [`fast_cast`]: the casts autocast inserts between f32 and bf16 or f16. Taken for every
+//!   such cast on Flex (it gives Flex's bits, but for the rare f32 just past a rounding tie,
+//!   which it rounds correctly where Flex does not); casts between other dtypes go to Flex's.
+//! - [`half_activation`]: ReLU of bf16 and f16 tensors, with or without autocast (Flex's own
+//!   bits). Not for f32 tensors, nor for a view whose values are not contiguous in order
+//!   (Flex's own ReLU).
+//! - [`low_gemm`]: autocast's lower-class matmul (batched too, as in attention) and linear
+//!   (an input of any rank taken as the matrix of its rows). Applies under autocast to half
+//!   operands of one dtype, 2-D or batches with the same leading dimensions, where the probe
+//!   chose the crate's path or the process fixed it (`capability::set_half_path`). Not for
+//!   broadcast batches, vectors, mixed dtypes, outside autocast, under `HalfPath::Own`, or
+//!   where Flex's own half GEMM timed clearly faster.
+//! - [`low_conv`] (over [`half_conv`]'s `im2col` GEMMs): autocast's lower-class conv2d, and
+//!   conv1d as a convolution of one-pixel-high images, forward and backward, on the same
+//!   conditions as `low_gemm`. Grouped convolutions and [`Route::Widened`] run Flex's own f32
+//!   convolution over widened operands instead of the GEMMs. Not for conv3d, transposed or
+//!   deformable convolutions (Flex's own).
+//! - [`bf16_gemm`]: the GEMM on AVX512-BF16 dot products that `low_gemm` and `half_conv` use
+//!   for bf16 on [`Route::Fastest`], where the CPU has the instructions (x86-64: AMD Zen 4,
+//!   Intel Cooper Lake and later, detected at run time). Not for f16, on other CPUs or on
+//!   [`Route::Widened`]: there the operands are widened to f32 for Flex's f32 GEMM.
+//! - [`half_kernels`]: the elementwise blocks the others are built of (conversions, a
+//!   linear's epilogue, the bias gradient's row sums, ReLU's map), bit for bit Flex's
+//!   arithmetic.
+//!
+//! All of it is compiled with the `flex` feature only; [`Route`], which the decorator passes
+//! in, always.
+
+#[cfg(feature = "flex")]
+pub(crate) mod bf16_gemm;
+#[cfg(feature = "flex")]
+pub(crate) mod fast_cast;
+#[cfg(feature = "flex")]
+pub(crate) mod half_activation;
+#[cfg(feature = "flex")]
+pub(crate) mod half_conv;
+#[cfg(feature = "flex")]
+pub(crate) mod half_kernels;
+#[cfg(feature = "flex")]
+pub(crate) mod low_conv;
+#[cfg(feature = "flex")]
+pub(crate) mod low_gemm;
+
+/// How the GEMMs and convolutions compute: what the process fixed with
+/// `capability::set_half_path`, decided by the decorator at each op and kept by the op's
+/// backward node for its gradients.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Route {
+    /// The fastest this CPU has: bf16 on the dot-product GEMM where the CPU has AVX512-BF16,
+    /// convolutions as `im2col` GEMMs; sums in another order than Flex's.
+    Fastest,
+    /// The operands widened to f32 and Flex's own f32 kernels (its GEMM, its convolution): for
+    /// bf16 Flex's own bits, the same on every CPU (`HalfPath::Widened`).
+    Widened,
+}
+
+/// Whether rayon has several threads to share work among. The crate's CPU kernels run their
+/// parallel loops only then: from outside the pool, a loop in a pool of one thread only adds
+/// a hand-over to its worker and back (4% of a one-thread f16 step for the conversions, 6% of
+/// a bf16 step for the GEMMs), as the `gemm` crate knows.
+#[cfg(feature = "flex")]
+pub(crate) fn several_threads() -> bool {
+    rayon::current_num_threads() > 1
+}
