@@ -41,9 +41,22 @@ pub const ORCHESTRATOR: &str = "BURN_ACCELERATE_ORCHESTRATOR";
 /// The value of [`ORCHESTRATOR`] that says the launcher hosts the rendezvous.
 pub const ORCHESTRATOR_LAUNCHER: &str = "launcher";
 
+/// Slurm's rank of a task under `srun` (read when torchrun's variables are not set).
+pub const SLURM_PROCID: &str = "SLURM_PROCID";
+/// Slurm's number of tasks.
+pub const SLURM_NTASKS: &str = "SLURM_NTASKS";
+/// Slurm's rank of a task on its node.
+pub const SLURM_LOCALID: &str = "SLURM_LOCALID";
+/// Slurm's tasks per node (set with `--ntasks-per-node`; otherwise tasks over nodes).
+pub const SLURM_NTASKS_PER_NODE: &str = "SLURM_NTASKS_PER_NODE";
+/// Slurm's number of nodes.
+pub const SLURM_NNODES: &str = "SLURM_NNODES";
+/// Slurm's rank of a node.
+pub const SLURM_NODEID: &str = "SLURM_NODEID";
+
 /// Every variable above, for `burn-accelerate env` (which shows [`SECRET`] only as set) and for
 /// tests that must clear them.
-pub const ALL: [&str; 14] = [
+pub const ALL: [&str; 20] = [
     RANK,
     WORLD_SIZE,
     LOCAL_RANK,
@@ -58,6 +71,12 @@ pub const ALL: [&str; 14] = [
     SECRET,
     TORCHRUN_RUN_ID,
     ORCHESTRATOR,
+    SLURM_PROCID,
+    SLURM_NTASKS,
+    SLURM_LOCALID,
+    SLURM_NTASKS_PER_NODE,
+    SLURM_NNODES,
+    SLURM_NODEID,
 ];
 
 /// The rendezvous port when none is given (Accelerate's and torchrun's default).

@@ -94,15 +94,56 @@ impl ProcessState {
     /// # Errors
     /// As [`from_env`](Self::from_env).
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Self, DistributedError> {
-        let layout = [
-            env::RANK,
-            env::WORLD_SIZE,
-            env::LOCAL_RANK,
-            env::LOCAL_WORLD_SIZE,
-        ];
-        if layout.iter().all(|name| var(name).is_none()) {
-            return Ok(Self::single());
+        let set = |names: &Names| {
+            [names.rank, names.world_size, names.local_rank]
+                .iter()
+                .any(|name| var(name).is_some())
+        };
+        if set(&TORCHRUN) || var(env::LOCAL_WORLD_SIZE).is_some() {
+            return Self::from_layout(&var, &TORCHRUN);
         }
+        if set(&SLURM) {
+            // Slurm names the tasks per node only when asked to: otherwise they are its tasks
+            // over its nodes, which must then divide evenly.
+            let per_node = match (var(SLURM.local_world_size), var(env::SLURM_NNODES)) {
+                (None, Some(nodes)) => {
+                    let tasks = var(SLURM.world_size).and_then(|t| t.trim().parse::<usize>().ok());
+                    match (tasks, nodes.trim().parse::<usize>()) {
+                        (Some(tasks), Ok(n)) if n > 0 && tasks.is_multiple_of(n) => {
+                            Some((tasks / n).to_string())
+                        }
+                        (Some(tasks), _) => {
+                            return Err(DistributedError::InvalidVariable {
+                                name: env::SLURM_NNODES,
+                                value: nodes,
+                                expected: format!(
+                                    "a divisor of SLURM_NTASKS={tasks}: every node runs as many \
+                                     tasks (srun --ntasks-per-node)"
+                                ),
+                            });
+                        }
+                        (None, _) => None,
+                    }
+                }
+                (given, _) => given,
+            };
+            let slurm = |name: &str| {
+                if name == SLURM.local_world_size {
+                    per_node.clone()
+                } else {
+                    var(name)
+                }
+            };
+            return Self::from_layout(&slurm, &SLURM);
+        }
+        Ok(Self::single())
+    }
+
+    // The layout `var` gives under the variables `names`.
+    fn from_layout(
+        var: &impl Fn(&str) -> Option<String>,
+        names: &Names,
+    ) -> Result<Self, DistributedError> {
         let number = |name: &'static str| -> Result<Option<usize>, DistributedError> {
             var(name)
                 .map(|value| {
@@ -123,64 +164,76 @@ impl ProcessState {
                 because: "other process-layout variables are set",
             })
         };
-        let world = required(env::WORLD_SIZE)?;
-        let rank = required(env::RANK)?;
+        let Names {
+            rank: rank_name,
+            world_size: world_name,
+            local_rank: local_rank_name,
+            local_world_size: local_world_name,
+            machine_rank: machine_name,
+        } = *names;
+        let world = required(world_name)?;
+        let rank = required(rank_name)?;
         if world == 0 {
-            return Err(invalid(env::WORLD_SIZE, world, "at least 1".into()));
+            return Err(invalid(world_name, world, "at least 1".into()));
         }
         if rank >= world {
             return Err(invalid(
-                env::RANK,
+                rank_name,
                 rank,
-                format!("below WORLD_SIZE={world} (ranks are 0..{world})"),
+                format!("below {world_name}={world} (ranks are 0..{world})"),
             ));
         }
         // Set by hand without the local variables: one machine.
-        let local_world = number(env::LOCAL_WORLD_SIZE)?.unwrap_or(world);
+        let local_world = number(local_world_name)?.unwrap_or(world);
         if local_world == 0 || local_world > world || !world.is_multiple_of(local_world) {
             return Err(invalid(
-                env::LOCAL_WORLD_SIZE,
+                local_world_name,
                 local_world,
                 format!(
-                    "a divisor of WORLD_SIZE={world} (processes per machine, the same on every \
-                     machine)"
+                    "a divisor of {world_name}={world} (processes per machine, the same on \
+                     every machine)"
                 ),
             ));
         }
-        let local_rank = number(env::LOCAL_RANK)?.unwrap_or(rank % local_world);
+        let local_rank = number(local_rank_name)?.unwrap_or(rank % local_world);
         if local_rank >= local_world {
             return Err(invalid(
-                env::LOCAL_RANK,
+                local_rank_name,
                 local_rank,
-                format!("below LOCAL_WORLD_SIZE={local_world}"),
+                format!("below {local_world_name}={local_world}"),
             ));
         }
         let num_machines = world / local_world;
         let machine_rank = rank / local_world;
         if rank % local_world != local_rank {
             return Err(invalid(
-                env::LOCAL_RANK,
+                local_rank_name,
                 local_rank,
                 format!(
-                    "RANK mod LOCAL_WORLD_SIZE = {} (RANK={rank}, LOCAL_WORLD_SIZE={local_world}: \
-                     ranks are numbered machine by machine)",
-                    rank % local_world
+                    "{rank_name} mod {local_world_name} = {} ({rank_name}={rank}, \
+                     {local_world_name}={local_world}: ranks are numbered machine by machine{})",
+                    rank % local_world,
+                    if names.rank == SLURM.rank {
+                        "; use srun --distribution=block"
+                    } else {
+                        ""
+                    }
                 ),
             ));
         }
-        if let Some(group_rank) = number(env::GROUP_RANK)?
+        if let Some(group_rank) = number(machine_name)?
             && group_rank != machine_rank
         {
             return Err(invalid(
-                env::GROUP_RANK,
+                machine_name,
                 group_rank,
-                format!("RANK / LOCAL_WORLD_SIZE = {machine_rank} (RANK={rank})"),
+                format!("{rank_name} / {local_world_name} = {machine_rank} ({rank_name}={rank})"),
             ));
         }
         let rendezvous = if world == 1 {
             None
         } else {
-            Some(Self::read_rendezvous(&var, local_rank)?)
+            Some(Self::read_rendezvous(var, local_rank)?)
         };
         Ok(Self {
             num_processes: world,
@@ -201,7 +254,8 @@ impl ProcessState {
             .filter(|a| !a.trim().is_empty())
             .ok_or(DistributedError::MissingVariable {
                 name: env::MASTER_ADDR,
-                because: "WORLD_SIZE is above 1 and the processes must meet somewhere",
+                because: "the run has several processes and they must meet somewhere (under \
+                          srun, set MASTER_ADDR and MASTER_PORT in the job script)",
             })?;
         let port = |name: &'static str, value: String| {
             value
@@ -218,9 +272,39 @@ impl ProcessState {
         let main_port = var(env::MASTER_PORT)
             .ok_or(DistributedError::MissingVariable {
                 name: env::MASTER_PORT,
-                because: "WORLD_SIZE is above 1 and the processes must meet somewhere",
+                because: "the run has several processes and they must meet somewhere (under \
+                          srun, set MASTER_ADDR and MASTER_PORT in the job script)",
             })
             .and_then(|v| port(env::MASTER_PORT, v))?;
+        let hosted_by_launcher = match var(env::ORCHESTRATOR) {
+            None => false,
+            Some(v) if v == env::ORCHESTRATOR_LAUNCHER => true,
+            Some(value) => {
+                return Err(DistributedError::InvalidVariable {
+                    name: env::ORCHESTRATOR,
+                    value,
+                    expected: format!(
+                        "{:?} (the launcher hosts the rendezvous) or unset (rank 0 hosts it)",
+                        env::ORCHESTRATOR_LAUNCHER
+                    ),
+                });
+            }
+        };
+        // Under torchrun, its own store holds MASTER_PORT: rank 0's rendezvous takes the next
+        // port, and the processes the ones after it.
+        let under_torchrun = !hosted_by_launcher && var(env::TORCHRUN_RUN_ID).is_some();
+        let main_port = if under_torchrun {
+            main_port
+                .checked_add(1)
+                .ok_or_else(|| DistributedError::InvalidVariable {
+                    name: env::MASTER_PORT,
+                    value: main_port.to_string(),
+                    expected: "below 65535: under torchrun the rendezvous takes the next port"
+                        .into(),
+                })?
+        } else {
+            main_port
+        };
         let data_port = match var(env::DATA_PORT) {
             Some(value) => port(env::DATA_PORT, value)?,
             None => u16::try_from(usize::from(main_port) + 1 + local_rank).map_err(|_| {
@@ -251,20 +335,6 @@ impl ProcessState {
         };
         let timeout = seconds(env::TIMEOUT, env::DEFAULT_TIMEOUT_SECS)?;
         let liveness = seconds(env::LIVENESS_TIMEOUT, env::DEFAULT_LIVENESS_SECS)?;
-        let hosted_by_launcher = match var(env::ORCHESTRATOR) {
-            None => false,
-            Some(v) if v == env::ORCHESTRATOR_LAUNCHER => true,
-            Some(value) => {
-                return Err(DistributedError::InvalidVariable {
-                    name: env::ORCHESTRATOR,
-                    value,
-                    expected: format!(
-                        "{:?} (the launcher hosts the rendezvous) or unset (rank 0 hosts it)",
-                        env::ORCHESTRATOR_LAUNCHER
-                    ),
-                });
-            }
-        };
         Ok(Rendezvous {
             main_addr: main_addr.trim().to_string(),
             main_port,
@@ -328,6 +398,34 @@ impl ProcessState {
     }
 }
 
+/// The variables a launcher gives a process's place in.
+#[derive(Clone, Copy)]
+struct Names {
+    rank: &'static str,
+    world_size: &'static str,
+    local_rank: &'static str,
+    local_world_size: &'static str,
+    machine_rank: &'static str,
+}
+
+/// torchrun's (and `burn-accelerate launch`'s, and Accelerate's).
+const TORCHRUN: Names = Names {
+    rank: env::RANK,
+    world_size: env::WORLD_SIZE,
+    local_rank: env::LOCAL_RANK,
+    local_world_size: env::LOCAL_WORLD_SIZE,
+    machine_rank: env::GROUP_RANK,
+};
+
+/// Slurm's, under `srun` (with `MASTER_ADDR` and `MASTER_PORT` set by the job script).
+const SLURM: Names = Names {
+    rank: env::SLURM_PROCID,
+    world_size: env::SLURM_NTASKS,
+    local_rank: env::SLURM_LOCALID,
+    local_world_size: env::SLURM_NTASKS_PER_NODE,
+    machine_rank: env::SLURM_NODEID,
+};
+
 fn invalid(name: &'static str, value: usize, expected: String) -> DistributedError {
     DistributedError::InvalidVariable {
         name,
@@ -382,6 +480,109 @@ mod tests {
         );
         assert_eq!(r.timeout, Duration::from_secs(1800));
         assert!(!r.hosted_by_launcher);
+    }
+
+    fn layout(s: &ProcessState) -> [usize; 6] {
+        [
+            s.num_processes(),
+            s.process_index(),
+            s.local_process_index(),
+            s.local_num_processes(),
+            s.num_machines(),
+            s.machine_rank(),
+        ]
+    }
+
+    #[test]
+    fn under_torchrun_the_rendezvous_keeps_off_its_store_port() {
+        let mut vars = TWO_BY_TWO.to_vec();
+        vars.push(("TORCHELASTIC_RUN_ID", "a1b2"));
+        let s = state(&vars).unwrap();
+        let r = s.rendezvous().unwrap();
+        // torchrun's store holds 29500: the rendezvous takes 29501, local rank 1 29503.
+        assert_eq!((r.main_port, r.data_port), (29501, 29503));
+        assert_eq!(
+            r.secret,
+            Some(crate::distributed::RunSecret::from_text("torchrun:a1b2"))
+        );
+        // Under the launcher, torchrun's variables change nothing.
+        vars.push(("BURN_ACCELERATE_ORCHESTRATOR", "launcher"));
+        let r = state(&vars).unwrap().rendezvous().unwrap().clone();
+        assert_eq!((r.main_port, r.data_port), (29500, 29502));
+    }
+
+    const SLURM_2X2: [(&str, &str); 7] = [
+        ("SLURM_PROCID", "3"),
+        ("SLURM_NTASKS", "4"),
+        ("SLURM_LOCALID", "1"),
+        ("SLURM_NODEID", "1"),
+        ("SLURM_NNODES", "2"),
+        ("MASTER_ADDR", "node-0"),
+        ("MASTER_PORT", "29500"),
+    ];
+
+    #[test]
+    fn reads_a_slurm_layout() {
+        let s = state(&SLURM_2X2).unwrap();
+        assert_eq!(layout(&s), [4, 3, 1, 2, 2, 1]);
+        let r = s.rendezvous().unwrap();
+        assert_eq!(
+            (r.main_addr.as_str(), r.main_port, r.data_port),
+            ("node-0", 29500, 29502)
+        );
+        // --ntasks-per-node names the tasks per node itself.
+        let mut vars: Vec<_> = SLURM_2X2
+            .iter()
+            .filter(|(n, _)| *n != "SLURM_NNODES")
+            .copied()
+            .collect();
+        vars.push(("SLURM_NTASKS_PER_NODE", "2"));
+        assert_eq!(layout(&state(&vars).unwrap()), [4, 3, 1, 2, 2, 1]);
+        // One task: one process.
+        let one = state(&[
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "1"),
+            ("SLURM_LOCALID", "0"),
+            ("SLURM_NNODES", "1"),
+        ])
+        .unwrap();
+        assert!(!one.is_distributed() && one.rendezvous().is_none());
+        // torchrun's variables, where both are set (torchrun under srun), win.
+        let mut both = TWO_BY_TWO.to_vec();
+        both.extend([("SLURM_PROCID", "0"), ("SLURM_NTASKS", "1")]);
+        assert_eq!(layout(&state(&both).unwrap()), [4, 3, 1, 2, 2, 1]);
+    }
+
+    #[test]
+    fn a_bad_slurm_layout_names_slurm_variables() {
+        // Tasks dealt round the nodes (srun's cyclic distribution): rank 1 on node 1.
+        let cyclic = [
+            ("SLURM_PROCID", "1"),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_LOCALID", "0"),
+            ("SLURM_NODEID", "1"),
+            ("SLURM_NNODES", "2"),
+            ("MASTER_ADDR", "node-0"),
+            ("MASTER_PORT", "29500"),
+        ];
+        let msg = error_names(&cyclic, "SLURM_LOCALID");
+        assert!(msg.contains("--distribution=block"), "{msg}");
+        let msg = error_names(&[("SLURM_PROCID", "0")], "SLURM_NTASKS");
+        assert!(msg.contains("not set"), "{msg}");
+        let msg = error_names(
+            &[
+                ("SLURM_PROCID", "0"),
+                ("SLURM_NTASKS", "3"),
+                ("SLURM_NNODES", "2"),
+            ],
+            "SLURM_NNODES",
+        );
+        assert!(msg.contains("a divisor of SLURM_NTASKS=3"), "{msg}");
+        let msg = error_names(
+            &[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "2")],
+            "MASTER_ADDR",
+        );
+        assert!(msg.contains("not set"), "{msg}");
     }
 
     #[test]

@@ -347,3 +347,74 @@ fn strangers_are_refused_and_the_run_carries_on() {
     drop(idle);
     harness::clean(&dir);
 }
+
+// ---------------------------------------------------------------------------------------
+// torchrun.
+
+/// What the demo training ended with.
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
+struct Trained {
+    loss: f64,
+    accuracy: f64,
+}
+
+fn demo_worker() -> Trained {
+    type Train = burn_accelerate::Accelerated<burn::backend::Autodiff<burn::backend::Flex>>;
+    let config = burn_accelerate::train::demo::DemoConfig::new()
+        .with_epochs(1)
+        .with_train_items(512)
+        .with_valid_items(128)
+        .with_batch_size(32);
+    let outcome = burn_accelerate::train::demo::run::<Train>(&config, &Default::default()).unwrap();
+    Trained {
+        loss: outcome.loss as f64,
+        accuracy: outcome.accuracy as f64,
+    }
+}
+
+/// torchrun from the LibTorch tier's virtual environment (or `TORCHRUN`), if there is one.
+fn torchrun() -> Option<std::path::PathBuf> {
+    if let Some(path) = std::env::var_os("TORCHRUN") {
+        return Some(path.into());
+    }
+    let venv = std::env::var_os("TORCH_VENV")
+        .map(std::path::PathBuf::from)
+        .or_else(|| {
+            let home = std::env::var_os("HOME")?;
+            Some(std::path::Path::new(&home).join(".cache/burn-accelerate/torch-venv"))
+        })?;
+    let torchrun = venv.join("bin/torchrun");
+    torchrun.exists().then_some(torchrun)
+}
+
+#[test]
+fn torchrun_starts_the_program_as_the_launcher_does() {
+    const TEST: &str = "torchrun_starts_the_program_as_the_launcher_does";
+    if worker::<()>().is_some() {
+        return report(&demo_worker());
+    }
+    let Some(torchrun) = torchrun() else {
+        eprintln!(
+            "skipped: no torchrun (the LibTorch tier's venv, scripts/tch-env.sh, provides it; \
+             or set TORCHRUN)"
+        );
+        return;
+    };
+    let launched: Vec<Trained> = launch(TEST, 2, &(), &[]).assert_success().reports(2);
+    let _one = harness::exclusive();
+    let dir = harness::scratch_dir(TEST);
+    let mut command = std::process::Command::new(torchrun);
+    command
+        .args(["--standalone", "--nproc-per-node", "2", "--no-python"])
+        .arg(std::env::current_exe().unwrap())
+        .args([TEST, "--exact", "--nocapture", "--test-threads=1", "-q"])
+        .env(harness::WORKER_DIR, &dir)
+        .env("BURN_ACCELERATE_TEST_WORKER_ARGS", "null")
+        // As the launcher gives each of two processes on two cores.
+        .env("RAYON_NUM_THREADS", "1");
+    let run = harness::run(command, dir.clone());
+    assert!(run.status.success(), "{}", run.output());
+    let torchran: Vec<Trained> = run.reports(2);
+    assert_eq!(torchran, launched);
+    harness::clean(&dir);
+}
