@@ -418,3 +418,186 @@ fn torchrun_starts_the_program_as_the_launcher_does() {
     assert_eq!(torchran, launched);
     harness::clean(&dir);
 }
+
+// ---------------------------------------------------------------------------------------
+// A cut link between two machines.
+
+/// Two network namespaces joined by a veth pair: two "machines" on one host, on a private link
+/// of their own. Removed when dropped.
+struct TwoMachines {
+    names: [String; 2],
+    addresses: [&'static str; 2],
+    link: String,
+}
+
+impl TwoMachines {
+    /// `None` (and why) where namespaces cannot be made: not root, no `ip`.
+    fn make() -> Result<Self, String> {
+        let id = std::process::id();
+        let machines = Self {
+            names: [format!("bac-{id}-0"), format!("bac-{id}-1")],
+            addresses: ["10.213.7.1", "10.213.7.2"],
+            link: format!("bac{}", id % 100_000),
+        };
+        let (a, b) = (&machines.names[0], &machines.names[1]);
+        let (va, vb) = (format!("{}a", machines.link), format!("{}b", machines.link));
+        let steps: Vec<Vec<&str>> = vec![
+            vec!["netns", "add", a],
+            vec!["netns", "add", b],
+            vec!["link", "add", &va, "type", "veth", "peer", "name", &vb],
+            vec!["link", "set", &va, "netns", a],
+            vec!["link", "set", &vb, "netns", b],
+            vec!["-n", a, "addr", "add", "10.213.7.1/24", "dev", &va],
+            vec!["-n", b, "addr", "add", "10.213.7.2/24", "dev", &vb],
+            vec!["-n", a, "link", "set", &va, "up"],
+            vec!["-n", b, "link", "set", &vb, "up"],
+            vec!["-n", a, "link", "set", "lo", "up"],
+            vec!["-n", b, "link", "set", "lo", "up"],
+        ];
+        for step in steps {
+            let out = std::process::Command::new("ip")
+                .args(&step)
+                .output()
+                .map_err(|e| format!("`ip` cannot run ({e}): install iproute2"))?;
+            if !out.status.success() {
+                return Err(format!(
+                    "`ip {}` failed: {}",
+                    step.join(" "),
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ));
+            }
+        }
+        Ok(machines)
+    }
+
+    /// Cuts the link between them, as a pulled cable does: the link goes down, and each
+    /// machine keeps its address, so that its own processes still reach each other.
+    fn cut(&self) {
+        let link = format!("{}a", self.link);
+        let status = std::process::Command::new("ip")
+            .args(["-n", &self.names[0], "link", "set", &link, "down"])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+}
+
+impl Drop for TwoMachines {
+    fn drop(&mut self) {
+        for name in &self.names {
+            let _ = std::process::Command::new("ip")
+                .args(["netns", "del", name])
+                .status();
+        }
+    }
+}
+
+fn partitioned_worker() {
+    let state = ProcessState::from_env().unwrap();
+    let group = state.group().unwrap();
+    let dir = harness::worker_dir();
+    let start = Instant::now();
+    for step in 0.. {
+        let mut values = vec![1.0f32; 10_000];
+        if let Err(err) = group.all_reduce(&mut values, ReduceOp::Sum) {
+            report(&Seen {
+                error: err.to_string(),
+                seconds: start.elapsed().as_secs_f64(),
+            });
+            std::process::exit(1);
+        }
+        if step == 10 {
+            let rank = state.process_index();
+            std::fs::write(dir.join(format!("running-{rank}")), b"").unwrap();
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "the link was never cut"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_cut_link_ends_the_run_on_both_machines() {
+    const TEST: &str = "a_cut_link_ends_the_run_on_both_machines";
+    if worker::<()>().is_some() {
+        return partitioned_worker();
+    }
+    let machines = match TwoMachines::make() {
+        Ok(machines) => machines,
+        Err(why) => {
+            eprintln!("skipped: two network namespaces cannot be made here: {why}");
+            return;
+        }
+    };
+    let _one = harness::exclusive();
+    let dir = harness::scratch_dir(TEST);
+    let secret = dir.join("run.secret");
+    std::fs::write(&secret, "the partition test's secret").unwrap();
+    let port = harness::free_port().to_string();
+    let launchers: Vec<_> = (0..2)
+        .map(|machine| {
+            let mut command = std::process::Command::new("ip");
+            command
+                .args(["netns", "exec", &machines.names[machine]])
+                .arg(env!("CARGO_BIN_EXE_burn-accelerate"))
+                .args(["launch", "--num-machines", "2", "--num-processes", "4"])
+                .args(["--machine-rank", &machine.to_string()])
+                .args(["--main-process-ip", machines.addresses[0]])
+                .args(["--main-process-port", &port])
+                .arg("--secret-file")
+                .arg(&secret)
+                .args([
+                    "--liveness-timeout",
+                    "3",
+                    "--grace",
+                    "2",
+                    "--timeout",
+                    "600",
+                ])
+                .arg("--")
+                .arg(std::env::current_exe().unwrap())
+                .args([TEST, "--exact", "--nocapture", "--test-threads=1", "-q"])
+                .env(harness::WORKER_DIR, &dir)
+                .env("BURN_ACCELERATE_TEST_WORKER_ARGS", "null");
+            let dir = dir.clone();
+            std::thread::spawn(move || harness::run(command, dir))
+        })
+        .collect();
+    // Every process trains across the link...
+    let start = Instant::now();
+    while !(0..4).all(|rank| dir.join(format!("running-{rank}")).exists()) {
+        assert!(
+            start.elapsed() < Duration::from_secs(60) && !launchers.iter().any(|l| l.is_finished()),
+            "the run never got going"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // ...until the link is cut.
+    machines.cut();
+    let cut = Instant::now();
+    let runs: Vec<_> = launchers.into_iter().map(|l| l.join().unwrap()).collect();
+    let ended = cut.elapsed();
+
+    for (machine, run) in runs.iter().enumerate() {
+        assert!(!run.status.success(), "machine {machine}: {}", run.output());
+    }
+    // The liveness timeout (3 s) and the launchers' grace (2 s), with room for a busy machine.
+    assert!(ended < Duration::from_secs(15), "{ended:?}");
+    // A process on each side found one across the link silent (or heard it from a neighbour).
+    for rank in [1, 2] {
+        let seen: Seen = runs[0].report(rank);
+        let other = if rank == 1 {
+            "process 2 at 10.213.7.2:"
+        } else {
+            "process 1 at 10.213.7.1:"
+        };
+        assert!(
+            seen.error.contains(other) && seen.error.contains("has sent nothing for 3s"),
+            "rank {rank}: {}",
+            seen.error
+        );
+    }
+    harness::clean(&dir);
+}
