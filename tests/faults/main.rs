@@ -186,6 +186,26 @@ fn sockets() -> usize {
         .count()
 }
 
+/// The addresses listening on `port` in this network namespace (Linux), as `a.b.c.d`.
+fn listening_on(port: u16) -> Vec<String> {
+    let table = std::fs::read_to_string("/proc/self/net/tcp").unwrap_or_default();
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let (address, state) = (fields.get(1)?, fields.get(3)?);
+            let (ip, p) = address.split_once(':')?;
+            if *state != "0A" || u16::from_str_radix(p, 16).ok()? != port {
+                return None;
+            }
+            // Little-endian hex, as the kernel prints it.
+            let ip = u32::from_str_radix(ip, 16).ok()?.to_le_bytes();
+            Some(format!("{}.{}.{}.{}", ip[0], ip[1], ip[2], ip[3]))
+        })
+        .collect()
+}
+
 fn sockets_worker() -> (usize, usize) {
     let state = ProcessState::from_env().unwrap();
     let group = state.group().unwrap();
@@ -196,14 +216,20 @@ fn sockets_worker() -> (usize, usize) {
     assert_eq!(gathered, (0..16).collect::<Vec<u32>>());
     let _ = group.broadcast_object(&0u8, 5).unwrap();
     let count = sockets();
+    // A run of one machine listens on loopback only: the launcher's rendezvous and this
+    // process's own port.
+    for variable in ["MASTER_PORT", "BURN_ACCELERATE_DATA_PORT"] {
+        let port: u16 = std::env::var(variable).unwrap().parse().unwrap();
+        assert_eq!(listening_on(port), ["127.0.0.1"], "{variable}={port}");
+    }
     // No process ends (and closes its connections) before every one has counted.
     group.barrier().unwrap();
     (group.rank(), count)
 }
 
 #[test]
-fn sixteen_processes_hold_five_sockets_each() {
-    const TEST: &str = "sixteen_processes_hold_five_sockets_each";
+fn sixteen_processes_hold_five_sockets_each_on_loopback() {
+    const TEST: &str = "sixteen_processes_hold_five_sockets_each_on_loopback";
     if worker::<()>().is_some() {
         return report(&sockets_worker());
     }
@@ -600,4 +626,57 @@ fn a_cut_link_ends_the_run_on_both_machines() {
         );
     }
     harness::clean(&dir);
+}
+
+// ---------------------------------------------------------------------------------------
+// What a process starts stops with it.
+
+fn grandparent_worker() {
+    let state = ProcessState::from_env().unwrap();
+    let group = state.group().unwrap();
+    // A helper of its own, as a data-loading script or a shell would start.
+    let helper = std::process::Command::new("sleep")
+        .arg("600")
+        .spawn()
+        .unwrap();
+    let rank = group.rank();
+    let path = harness::worker_dir().join(format!("helper-{rank}"));
+    std::fs::write(path, helper.id().to_string()).unwrap();
+    group.barrier().unwrap();
+    if rank == 1 {
+        std::process::exit(1);
+    }
+    std::thread::sleep(Duration::from_secs(600));
+}
+
+#[test]
+fn stopping_a_run_stops_what_its_processes_started() {
+    const TEST: &str = "stopping_a_run_stops_what_its_processes_started";
+    if worker::<()>().is_some() {
+        return grandparent_worker();
+    }
+    let run = launch(TEST, 2, &(), &["--grace", "1"]);
+    assert!(!run.status.success());
+    let dir = run.dir();
+    for rank in 0..2 {
+        let pid: u32 = std::fs::read_to_string(dir.join(format!("helper-{rank}")))
+            .unwrap()
+            .parse()
+            .unwrap();
+        // Signalled with its process's group: gone, or a zombie its dead parent left.
+        let start = Instant::now();
+        loop {
+            let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok();
+            let gone =
+                state.is_none_or(|s| s.rsplit_once(") ").is_some_and(|(_, r)| r.starts_with('Z')));
+            if gone {
+                break;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "rank {rank}'s helper {pid} lives on"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
 }

@@ -73,6 +73,11 @@ impl Launched {
         serde_json::from_slice(&bytes).unwrap()
     }
 
+    /// The directory its processes reported to.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
     /// What it printed, both streams.
     pub fn output(&self) -> String {
         format!("--- stdout\n{}\n--- stderr\n{}", self.stdout, self.stderr)
