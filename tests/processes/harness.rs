@@ -74,6 +74,7 @@ impl Launched {
     }
 
     /// The directory its processes reported to.
+    #[allow(dead_code)] // The fault tests' (this file is shared).
     pub fn dir(&self) -> &Path {
         &self.dir
     }
