@@ -297,7 +297,7 @@ async fn read_control(reader: &mut OwnedReadHalf) -> Result<Option<(usize, Strin
     match header.fingerprint.op {
         Op::Heartbeat if header.total == 0 => Ok(None),
         Op::Abort => {
-            let (_, payload) = read_rest(reader, header).await?;
+            let payload = frame::read_rest(reader, header, REASON_LIMIT).await?;
             let origin = payload
                 .get(..4)
                 .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")) as usize)
@@ -312,33 +312,6 @@ async fn read_control(reader: &mut OwnedReadHalf) -> Result<Option<(usize, Strin
             header.fingerprint.during(header.seq)
         ))),
     }
-}
-
-// The rest of a message whose first header was read.
-async fn read_rest(
-    reader: &mut OwnedReadHalf,
-    first: FrameHeader,
-) -> Result<(FrameHeader, Vec<u8>), ReadError> {
-    if first.total > REASON_LIMIT {
-        return Err(ReadError::Malformed(format!(
-            "an abort of {} bytes",
-            first.total
-        )));
-    }
-    let mut assembly = frame::Assembly::start(first).map_err(ReadError::Malformed)?;
-    let mut message = Vec::new();
-    let mut piece = Vec::new();
-    frame::read_piece(reader, &first, &mut piece).await?;
-    message.extend_from_slice(&piece);
-    while !assembly.complete() {
-        let next = frame::read_header(reader)
-            .await
-            .map_err(ReadError::mid_message)?;
-        assembly.accept(&next).map_err(ReadError::Malformed)?;
-        frame::read_piece(reader, &next, &mut piece).await?;
-        message.extend_from_slice(&piece);
-    }
-    Ok((first, message))
 }
 
 /// Whether process `pid` of this machine has exited (a zombie not yet reaped counts).

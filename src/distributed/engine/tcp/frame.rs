@@ -349,22 +349,33 @@ pub(crate) async fn read_piece<R: AsyncRead + Unpin>(
     Ok(())
 }
 
-/// Reads a whole message (for small ones: hellos, the rendezvous); `limit` bounds its size.
+/// Reads a whole message (for small ones: the rendezvous's); `limit` bounds its size.
 pub(crate) async fn read_message<R: AsyncRead + Unpin>(
     reader: &mut R,
     limit: u64,
 ) -> Result<(FrameHeader, Vec<u8>), ReadError> {
     let header = read_header(reader).await?;
-    if header.total > limit {
+    let message = read_rest(reader, header, limit).await?;
+    Ok((header, message))
+}
+
+/// The whole payload of the message whose first header, `first`, was just read (for small
+/// ones); `limit` bounds its size.
+pub(crate) async fn read_rest<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    first: FrameHeader,
+    limit: u64,
+) -> Result<Vec<u8>, ReadError> {
+    if first.total > limit {
         return Err(ReadError::Malformed(format!(
             "a message of {} bytes where at most {limit} are expected",
-            header.total
+            first.total
         )));
     }
-    let mut assembly = Assembly::start(header).map_err(ReadError::Malformed)?;
-    let mut message = Vec::with_capacity(header.total as usize);
+    let mut assembly = Assembly::start(first).map_err(ReadError::Malformed)?;
+    let mut message = Vec::with_capacity(first.total as usize);
     let mut piece = Vec::new();
-    read_piece(reader, &header, &mut piece).await?;
+    read_piece(reader, &first, &mut piece).await?;
     message.extend_from_slice(&piece);
     while !assembly.complete() {
         let next = read_header(reader).await.map_err(ReadError::mid_message)?;
@@ -372,7 +383,7 @@ pub(crate) async fn read_message<R: AsyncRead + Unpin>(
         read_piece(reader, &next, &mut piece).await?;
         message.extend_from_slice(&piece);
     }
-    Ok((header, message))
+    Ok(message)
 }
 
 #[cfg(test)]
