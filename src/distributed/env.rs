@@ -54,9 +54,29 @@ pub const SLURM_NNODES: &str = "SLURM_NNODES";
 /// Slurm's rank of a node.
 pub const SLURM_NODEID: &str = "SLURM_NODEID";
 
+/// Open MPI's rank of a process under `mpirun` (read when neither torchrun's nor Slurm's are).
+pub const OMPI_RANK: &str = "OMPI_COMM_WORLD_RANK";
+/// Open MPI's number of processes.
+pub const OMPI_SIZE: &str = "OMPI_COMM_WORLD_SIZE";
+/// Open MPI's rank of a process on its node.
+pub const OMPI_LOCAL_RANK: &str = "OMPI_COMM_WORLD_LOCAL_RANK";
+/// Open MPI's number of processes on the node.
+pub const OMPI_LOCAL_SIZE: &str = "OMPI_COMM_WORLD_LOCAL_SIZE";
+/// PMI's rank (MPICH's Hydra, Slurm with PMI).
+pub const PMI_RANK: &str = "PMI_RANK";
+/// PMI's number of processes.
+pub const PMI_SIZE: &str = "PMI_SIZE";
+/// MPICH's rank of a process on its node.
+pub const MPI_LOCALRANKID: &str = "MPI_LOCALRANKID";
+/// MPICH's number of processes on the node.
+pub const MPI_LOCALNRANKS: &str = "MPI_LOCALNRANKS";
+/// Which engine carries the run's collectives: `mpi` (the default under an MPI launch, with
+/// the `mpi` feature) or `tcp` (the built-in one; the default otherwise).
+pub const ENGINE: &str = "BURN_ACCELERATE_ENGINE";
+
 /// Every variable above, for `burn-accelerate env` (which shows [`SECRET`] only as set) and for
 /// tests that must clear them.
-pub const ALL: [&str; 20] = [
+pub const ALL: [&str; 29] = [
     RANK,
     WORLD_SIZE,
     LOCAL_RANK,
@@ -77,6 +97,15 @@ pub const ALL: [&str; 20] = [
     SLURM_NTASKS_PER_NODE,
     SLURM_NNODES,
     SLURM_NODEID,
+    OMPI_RANK,
+    OMPI_SIZE,
+    OMPI_LOCAL_RANK,
+    OMPI_LOCAL_SIZE,
+    PMI_RANK,
+    PMI_SIZE,
+    MPI_LOCALRANKID,
+    MPI_LOCALNRANKS,
+    ENGINE,
 ];
 
 /// The rendezvous port when none is given (Accelerate's and torchrun's default).

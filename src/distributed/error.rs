@@ -167,6 +167,27 @@ pub enum DistributedError {
         reason: String,
     },
 
+    /// An MPI call failed (the `mpi` engine), with MPI's own message.
+    #[error("{call} failed (MPI error {code}): {message}")]
+    Mpi {
+        /// The MPI function.
+        call: &'static str,
+        /// Its error code.
+        code: i32,
+        /// MPI's description of it.
+        message: String,
+    },
+
+    /// The environment says MPI started this process, but this build has no MPI engine.
+    #[error(
+        "this process was started by MPI ({launcher}) but this program was built without MPI: \
+         build it with `--features mpi` (or start it with `burn-accelerate launch`)"
+    )]
+    MpiNotBuilt {
+        /// The variable that shows the MPI launch.
+        launcher: &'static str,
+    },
+
     /// A collective called with arguments that cannot work, whatever the other processes do.
     #[error("invalid collective call: {0}")]
     InvalidCall(String),

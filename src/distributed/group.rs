@@ -124,6 +124,7 @@ impl ProcessGroup {
             };
         }
         let engine: Option<Box<dyn Engine>> = match state.rendezvous() {
+            _ if state.over_mpi() => Some(mpi_engine(rank, world)?),
             Some(rendezvous) => Some(Box::new(TcpEngine::join(rank, world, rendezvous)?)),
             None => None,
         };
@@ -366,6 +367,21 @@ impl ProcessGroup {
             Err(err) => Err(err.clone()),
         };
         outcome
+    }
+}
+
+// The MPI engine; `ProcessState` never asks for it in a build without it.
+fn mpi_engine(rank: usize, world: usize) -> Result<Box<dyn Engine>, DistributedError> {
+    #[cfg(feature = "mpi")]
+    {
+        Ok(Box::new(super::engine::mpi::MpiEngine::join(rank, world)?))
+    }
+    #[cfg(not(feature = "mpi"))]
+    {
+        let _ = (rank, world);
+        Err(DistributedError::MpiNotBuilt {
+            launcher: super::env::OMPI_SIZE,
+        })
     }
 }
 

@@ -40,6 +40,8 @@ pub struct ProcessState {
     num_machines: usize,
     machine_rank: usize,
     rendezvous: Option<Rendezvous>,
+    /// The MPI launch whose MPI carries the collectives (the variable that shows it).
+    mpi: Option<&'static str>,
 }
 
 /// Where the processes of a run meet, and how long they wait for each other.
@@ -75,6 +77,7 @@ impl ProcessState {
             num_machines: 1,
             machine_rank: 0,
             rendezvous: None,
+            mpi: None,
         }
     }
 
@@ -100,7 +103,13 @@ impl ProcessState {
                 .any(|name| var(name).is_some())
         };
         if set(&TORCHRUN) || var(env::LOCAL_WORLD_SIZE).is_some() {
-            return Self::from_layout(&var, &TORCHRUN);
+            return Self::from_layout(&var, &TORCHRUN, true);
+        }
+        if let Some((names, launcher)) = [(&OPEN_MPI, env::OMPI_SIZE), (&PMI, env::PMI_SIZE)]
+            .into_iter()
+            .find(|(names, _)| set(names))
+        {
+            return Self::from_mpi(&var, names, launcher);
         }
         if set(&SLURM) {
             // Slurm names the tasks per node only when asked to: otherwise they are its tasks
@@ -134,15 +143,48 @@ impl ProcessState {
                     var(name)
                 }
             };
-            return Self::from_layout(&slurm, &SLURM);
+            return Self::from_layout(&slurm, &SLURM, true);
         }
         Ok(Self::single())
     }
 
-    // The layout `var` gives under the variables `names`.
+    // The layout of an MPI launch (`launcher` shows it), whose collectives go over MPI unless
+    // BURN_ACCELERATE_ENGINE=tcp asks for the built-in engine.
+    fn from_mpi(
+        var: &impl Fn(&str) -> Option<String>,
+        names: &Names,
+        launcher: &'static str,
+    ) -> Result<Self, DistributedError> {
+        let over_mpi = match var(env::ENGINE) {
+            None => true,
+            Some(engine) if engine.trim() == "mpi" => true,
+            Some(engine) if engine.trim() == "tcp" => false,
+            Some(value) => {
+                return Err(DistributedError::InvalidVariable {
+                    name: env::ENGINE,
+                    value,
+                    expected: "`mpi` or `tcp`".into(),
+                });
+            }
+        };
+        if !over_mpi {
+            return Self::from_layout(var, names, true);
+        }
+        if !cfg!(feature = "mpi") {
+            return Err(DistributedError::MpiNotBuilt { launcher });
+        }
+        // MPI's own wiring replaces the rendezvous: none is read.
+        let mut state = Self::from_layout(var, names, false)?;
+        state.mpi = (state.num_processes > 1).then_some(launcher);
+        Ok(state)
+    }
+
+    // The layout `var` gives under the variables `names`, with where the processes meet
+    // when `rendezvous`.
     fn from_layout(
         var: &impl Fn(&str) -> Option<String>,
         names: &Names,
+        rendezvous: bool,
     ) -> Result<Self, DistributedError> {
         let number = |name: &'static str| -> Result<Option<usize>, DistributedError> {
             var(name)
@@ -221,7 +263,8 @@ impl ProcessState {
                 ),
             ));
         }
-        if let Some(group_rank) = number(machine_name)?
+        if let Some(machine_name) = machine_name
+            && let Some(group_rank) = number(machine_name)?
             && group_rank != machine_rank
         {
             return Err(invalid(
@@ -230,10 +273,10 @@ impl ProcessState {
                 format!("{rank_name} / {local_world_name} = {machine_rank} ({rank_name}={rank})"),
             ));
         }
-        let rendezvous = if world == 1 {
-            None
-        } else {
+        let rendezvous = if world > 1 && rendezvous {
             Some(Self::read_rendezvous(var, local_rank)?)
+        } else {
+            None
         };
         Ok(Self {
             num_processes: world,
@@ -243,6 +286,7 @@ impl ProcessState {
             num_machines,
             machine_rank,
             rendezvous,
+            mpi: None,
         })
     }
 
@@ -392,9 +436,15 @@ impl ProcessState {
         self.num_processes > 1
     }
 
-    /// Where the processes meet (`None` for a single process).
+    /// Where the processes meet (`None` for a single process, and under MPI, whose own wiring
+    /// replaces it).
     pub fn rendezvous(&self) -> Option<&Rendezvous> {
         self.rendezvous.as_ref()
+    }
+
+    /// Whether MPI carries the run's collectives (an MPI launch, built with the `mpi` feature).
+    pub fn over_mpi(&self) -> bool {
+        self.mpi.is_some()
     }
 }
 
@@ -405,7 +455,8 @@ struct Names {
     world_size: &'static str,
     local_rank: &'static str,
     local_world_size: &'static str,
-    machine_rank: &'static str,
+    /// `None` where the launcher does not name it (it follows from the ranks).
+    machine_rank: Option<&'static str>,
 }
 
 /// torchrun's (and `burn-accelerate launch`'s, and Accelerate's).
@@ -414,7 +465,25 @@ const TORCHRUN: Names = Names {
     world_size: env::WORLD_SIZE,
     local_rank: env::LOCAL_RANK,
     local_world_size: env::LOCAL_WORLD_SIZE,
-    machine_rank: env::GROUP_RANK,
+    machine_rank: Some(env::GROUP_RANK),
+};
+
+/// Open MPI's, under its `mpirun`.
+const OPEN_MPI: Names = Names {
+    rank: env::OMPI_RANK,
+    world_size: env::OMPI_SIZE,
+    local_rank: env::OMPI_LOCAL_RANK,
+    local_world_size: env::OMPI_LOCAL_SIZE,
+    machine_rank: None,
+};
+
+/// PMI's (MPICH's Hydra `mpirun`, Slurm with PMI), with MPICH's local ranks.
+const PMI: Names = Names {
+    rank: env::PMI_RANK,
+    world_size: env::PMI_SIZE,
+    local_rank: env::MPI_LOCALRANKID,
+    local_world_size: env::MPI_LOCALNRANKS,
+    machine_rank: None,
 };
 
 /// Slurm's, under `srun` (with `MASTER_ADDR` and `MASTER_PORT` set by the job script).
@@ -423,7 +492,7 @@ const SLURM: Names = Names {
     world_size: env::SLURM_NTASKS,
     local_rank: env::SLURM_LOCALID,
     local_world_size: env::SLURM_NTASKS_PER_NODE,
-    machine_rank: env::SLURM_NODEID,
+    machine_rank: Some(env::SLURM_NODEID),
 };
 
 fn invalid(name: &'static str, value: usize, expected: String) -> DistributedError {
@@ -551,6 +620,58 @@ mod tests {
         let mut both = TWO_BY_TWO.to_vec();
         both.extend([("SLURM_PROCID", "0"), ("SLURM_NTASKS", "1")]);
         assert_eq!(layout(&state(&both).unwrap()), [4, 3, 1, 2, 2, 1]);
+    }
+
+    const OPEN_MPI_2X2: [(&str, &str); 4] = [
+        ("OMPI_COMM_WORLD_RANK", "3"),
+        ("OMPI_COMM_WORLD_SIZE", "4"),
+        ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+        ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+    ];
+
+    #[test]
+    fn an_mpi_launch_is_recognised_and_needs_the_mpi_build() {
+        let pmi = [
+            ("PMI_RANK", "1"),
+            ("PMI_SIZE", "2"),
+            ("MPI_LOCALRANKID", "1"),
+            ("MPI_LOCALNRANKS", "2"),
+        ];
+        if cfg!(feature = "mpi") {
+            let s = state(&OPEN_MPI_2X2).unwrap();
+            assert_eq!(layout(&s), [4, 3, 1, 2, 2, 1]);
+            assert!(s.over_mpi() && s.rendezvous().is_none());
+            let s = state(&pmi).unwrap();
+            assert_eq!(layout(&s), [2, 1, 1, 2, 1, 0]);
+            assert!(s.over_mpi());
+        } else {
+            let err = state(&OPEN_MPI_2X2).unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    DistributedError::MpiNotBuilt {
+                        launcher: "OMPI_COMM_WORLD_SIZE"
+                    }
+                ),
+                "{err}"
+            );
+            assert!(err.to_string().contains("--features mpi"), "{err}");
+            assert!(state(&pmi).is_err());
+        }
+        // The built-in engine on request, which then needs its rendezvous.
+        let mut tcp = OPEN_MPI_2X2.to_vec();
+        tcp.push(("BURN_ACCELERATE_ENGINE", "tcp"));
+        error_names(&tcp, "MASTER_ADDR");
+        tcp.extend([("MASTER_ADDR", "node-0"), ("MASTER_PORT", "29500")]);
+        let s = state(&tcp).unwrap();
+        assert!(!s.over_mpi() && s.rendezvous().is_some());
+        let mut bad = OPEN_MPI_2X2.to_vec();
+        bad.push(("BURN_ACCELERATE_ENGINE", "nccl"));
+        error_names(&bad, "BURN_ACCELERATE_ENGINE");
+        // torchrun's variables win over MPI's (torchrun started under mpirun).
+        let mut both = TWO_BY_TWO.to_vec();
+        both.extend(OPEN_MPI_2X2);
+        assert!(!state(&both).unwrap().over_mpi());
     }
 
     #[test]

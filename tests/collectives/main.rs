@@ -498,6 +498,10 @@ fn a_broken_collective_says_what_became_of_the_other_process() {
     if let Some(fault) = worker::<Fault>() {
         return report(&fault_worker(fault));
     }
+    if harness::under_mpi() {
+        // The built-in engine's errors, on processes started without a launcher.
+        return eprintln!("skipped under MPI: the built-in engine's errors");
+    }
     // Without the launcher (which would stop process 0 itself when process 1 exits), and the
     // timeout far away.
     let run = |fault: Fault| -> Vec<Seen> {
@@ -544,4 +548,35 @@ fn a_broken_collective_says_what_became_of_the_other_process() {
             "rank {rank}: {error}"
         );
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// Under MPI: a killed rank.
+
+fn killed_worker() {
+    let (_, group) = group();
+    group.barrier().unwrap();
+    if group.rank() == 1 {
+        nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL).unwrap();
+    }
+    loop {
+        group
+            .all_reduce(&mut [1.0f32; 1 << 16], ReduceOp::Sum)
+            .unwrap();
+    }
+}
+
+#[test]
+fn a_killed_rank_ends_the_mpi_job_within_seconds() {
+    const TEST: &str = "a_killed_rank_ends_the_mpi_job_within_seconds";
+    if worker::<()>().is_some() {
+        return killed_worker();
+    }
+    if !harness::under_mpi() {
+        // The built-in engine's case is the fault tests' (tests/faults, tests/processes).
+        return eprintln!("skipped: for the MPI engine (BURN_ACCELERATE_TEST_ENGINE=mpi)");
+    }
+    let run = launch(TEST, 3, &(), &[]);
+    assert!(!run.status.success(), "{}", run.output());
+    assert!(run.elapsed < Duration::from_secs(20), "{:?}", run.elapsed);
 }

@@ -41,7 +41,10 @@ pub fn worker<T: DeserializeOwned>() -> Option<T> {
 /// Writes this worker's findings for the parent test.
 pub fn report<T: Serialize>(value: &T) {
     let dir = worker_dir();
-    let rank = std::env::var("RANK").unwrap_or_else(|_| "single".into());
+    let rank = ["RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"]
+        .iter()
+        .find_map(|name| std::env::var(name).ok())
+        .unwrap_or_else(|| "single".into());
     let path = dir.join(format!("rank-{rank}.json"));
     std::fs::write(&path, serde_json::to_vec(value).unwrap()).unwrap();
 }
@@ -129,7 +132,15 @@ pub fn launch<T: Serialize>(
     run(command, dir)
 }
 
-/// The launcher's command for [`launch`], and the directory the reports go to.
+/// Whether the multi-process tests run under `mpirun` on the MPI engine
+/// (`BURN_ACCELERATE_TEST_ENGINE=mpi`, in a build with the `mpi` feature) rather than under
+/// `burn-accelerate launch` on the built-in one.
+pub fn under_mpi() -> bool {
+    std::env::var("BURN_ACCELERATE_TEST_ENGINE").is_ok_and(|e| e == "mpi")
+}
+
+/// The launcher's command for [`launch`] (`mpirun`'s [`under_mpi`]), and the directory the
+/// reports go to.
 pub fn launch_command<T: Serialize>(
     test: &str,
     processes: usize,
@@ -137,6 +148,27 @@ pub fn launch_command<T: Serialize>(
     launch_args: &[&str],
 ) -> (Command, PathBuf) {
     let dir = scratch_dir(test);
+    let args = serde_json::to_string(args).unwrap();
+    if under_mpi() {
+        // The same worker bodies under mpirun: the launcher's own flags do not apply.
+        let mut command = Command::new("mpirun");
+        command
+            .args(["--allow-run-as-root", "--oversubscribe", "--np"])
+            .arg(processes.to_string())
+            .args([
+                "-x",
+                WORKER_DIR,
+                "-x",
+                WORKER_ARGS,
+                "-x",
+                "RAYON_NUM_THREADS=1",
+            ])
+            .arg(std::env::current_exe().unwrap())
+            .args([test, "--exact", "--nocapture", "--test-threads=1", "-q"])
+            .env(WORKER_DIR, &dir)
+            .env(WORKER_ARGS, args);
+        return (command, dir);
+    }
     let mut command = launcher();
     command
         .arg("launch")
@@ -153,7 +185,7 @@ pub fn launch_command<T: Serialize>(
         .arg(std::env::current_exe().unwrap())
         .args([test, "--exact", "--nocapture", "--test-threads=1", "-q"])
         .env(WORKER_DIR, &dir)
-        .env(WORKER_ARGS, serde_json::to_string(args).unwrap());
+        .env(WORKER_ARGS, args);
     (command, dir)
 }
 

@@ -8,13 +8,16 @@
 //! [`ProcessGroup`](super::ProcessGroup). Byte buffers (not generic values) keep the trait a
 //! trait object, and map one to one onto MPI's `(buffer, count, datatype)` calls.
 //!
-//! Engines here: [`tcp`], the built-in transport (gloo's role).
+//! Engines here: [`tcp`], the built-in transport (gloo's role), and `mpi` (feature `mpi`),
+//! over the cluster's MPI.
 
 use std::ops::Range;
 
 use super::element::Element;
 use super::error::DistributedError;
 
+#[cfg(feature = "mpi")]
+pub(crate) mod mpi;
 pub(crate) mod tcp;
 
 /// A stream of point-to-point messages between two processes (the collectives have lane 0).
