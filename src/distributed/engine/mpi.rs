@@ -402,7 +402,6 @@ impl Engine for MpiEngine {
             "burn-accelerate: process {} ends the MPI job: {reason}",
             self.rank
         );
-        let _ = self.world_size;
         // SAFETY: MPI is initialised; MPI_Abort does not return.
         unsafe { ffi::MPI_Abort(ffi::RSMPI_COMM_WORLD, 1) };
     }
