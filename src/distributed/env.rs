@@ -66,6 +66,8 @@ pub const OMPI_LOCAL_SIZE: &str = "OMPI_COMM_WORLD_LOCAL_SIZE";
 pub const PMI_RANK: &str = "PMI_RANK";
 /// PMI's number of processes.
 pub const PMI_SIZE: &str = "PMI_SIZE";
+/// PMIx's rank, set by `srun --mpi=pmix` (the layout then comes from Slurm's variables).
+pub const PMIX_RANK: &str = "PMIX_RANK";
 /// MPICH's rank of a process on its node.
 pub const MPI_LOCALRANKID: &str = "MPI_LOCALRANKID";
 /// MPICH's number of processes on the node.
@@ -76,7 +78,7 @@ pub const ENGINE: &str = "BURN_ACCELERATE_ENGINE";
 
 /// Every variable above, for `burn-accelerate env` (which shows [`SECRET`] only as set) and for
 /// tests that must clear them.
-pub const ALL: [&str; 29] = [
+pub const ALL: [&str; 30] = [
     RANK,
     WORLD_SIZE,
     LOCAL_RANK,
@@ -103,6 +105,7 @@ pub const ALL: [&str; 29] = [
     OMPI_LOCAL_SIZE,
     PMI_RANK,
     PMI_SIZE,
+    PMIX_RANK,
     MPI_LOCALRANKID,
     MPI_LOCALNRANKS,
     ENGINE,

@@ -143,6 +143,10 @@ impl ProcessState {
                     var(name)
                 }
             };
+            // `srun --mpi=pmix` starts MPI programs itself: MPI carries the collectives.
+            if var(env::PMIX_RANK).is_some() {
+                return Self::from_mpi(&slurm, &SLURM, env::PMIX_RANK);
+            }
             return Self::from_layout(&slurm, &SLURM, true);
         }
         Ok(Self::single())
@@ -672,6 +676,28 @@ mod tests {
         let mut both = TWO_BY_TWO.to_vec();
         both.extend(OPEN_MPI_2X2);
         assert!(!state(&both).unwrap().over_mpi());
+    }
+
+    #[test]
+    fn srun_with_pmix_is_an_mpi_launch() {
+        let mut vars = SLURM_2X2.to_vec();
+        vars.push(("PMIX_RANK", "3"));
+        match state(&vars) {
+            Ok(s) => {
+                assert!(cfg!(feature = "mpi") && s.over_mpi());
+                assert_eq!(layout(&s), [4, 3, 1, 2, 2, 1]);
+            }
+            Err(err) => assert!(
+                !cfg!(feature = "mpi")
+                    && matches!(
+                        err,
+                        DistributedError::MpiNotBuilt {
+                            launcher: "PMIX_RANK"
+                        }
+                    ),
+                "{err}"
+            ),
+        }
     }
 
     #[test]
