@@ -580,3 +580,42 @@ fn a_killed_rank_ends_the_mpi_job_within_seconds() {
     assert!(!run.status.success(), "{}", run.output());
     assert!(run.elapsed < Duration::from_secs(20), "{:?}", run.elapsed);
 }
+
+// Under MPI: MPI's own errors.
+
+fn mpi_error_worker() -> String {
+    let (_, group) = group();
+    // Process 1 sends two values where process 0 makes room for one: MPI reports the
+    // truncation to process 0 (MPI_ERRORS_RETURN), instead of aborting the job.
+    let r = group.rank();
+    let counts = [1, 1 + r];
+    let mut buffer = vec![7u32; 2 + r];
+    let error = group
+        .all_gather_in_place(&mut buffer, &counts)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    report(&error);
+    // As a training script would: end on the error (the job then aborts).
+    std::process::exit(i32::from(!error.is_empty()));
+}
+
+#[test]
+fn an_mpi_error_is_a_typed_error_with_mpi_s_message() {
+    const TEST: &str = "an_mpi_error_is_a_typed_error_with_mpi_s_message";
+    if worker::<()>().is_some() {
+        mpi_error_worker();
+        return;
+    }
+    if !harness::under_mpi() {
+        return eprintln!("skipped: for the MPI engine (BURN_ACCELERATE_TEST_ENGINE=mpi)");
+    }
+    let run = launch(TEST, 2, &(), &[]);
+    let error: String = run.report(0);
+    assert!(
+        error.starts_with("MPI_Allgatherv failed (MPI error") && error.contains("TRUNCATE"),
+        "{error}\n{}",
+        run.output()
+    );
+    assert!(run.elapsed < Duration::from_secs(30), "{:?}", run.elapsed);
+}

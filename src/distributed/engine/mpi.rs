@@ -471,3 +471,18 @@ fn install_exit_handlers() {
     // SAFETY: registering a plain function with the C runtime.
     unsafe { nix::libc::atexit(at_exit) };
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_past_mpi_s_32_bits_are_refused() {
+        assert_eq!(count(8, 4, "MPI_Allgatherv").unwrap(), 2);
+        let err = count(1 << 33, 1, "MPI_Allgatherv").unwrap_err();
+        assert!(
+            err.to_string().contains("past MPI's 32-bit counts"),
+            "{err}"
+        );
+    }
+}
