@@ -2,26 +2,28 @@
 //! machines, as Accelerate's `accelerate launch` gives PyTorch scripts.
 //!
 //! - [`ProcessState`]: Accelerate's `PartialState`, read from the environment that
-//!   `burn-accelerate launch` (or torchrun) sets ([`mod@env`] names the variables); with none
-//!   set, a single process. `wait_for_everyone`, `main_process_first`,
-//!   `local_main_process_first`.
-//! - [`ProcessGroup`]: the run's collectives on flat buffers of any size: `all_reduce`,
-//!   `reduce_scatter`, `all_gather` (and in place), `barrier`; joined on first use. Every wait
-//!   has the run's timeout; a process that exits, or whose connection breaks, fails the
-//!   others' collectives at once with what became of it ([`DistributedError::PeerExited`],
-//!   [`DistributedError::PeerClosed`]) instead of hanging them.
+//!   `burn-accelerate launch`, torchrun, `srun` or `mpirun` sets ([`mod@env`] names the
+//!   variables); with none set, a single process.
+//! - `wait_for_everyone`, `main_process_first`, `local_main_process_first` (a panic inside the
+//!   latter two fails the waiting processes rather than releasing them).
+//! - [`ProcessGroup`]: the run's collectives on flat buffers of any size and element type
+//!   ([`Reducible`]): `all_reduce`, `reduce_scatter`, `all_gather` (and in place), `barrier`;
+//!   joined on first use. Every wait has the run's timeout, and a process that exits, freezes,
+//!   is cut off or fails ends every process's collectives with an error that says which and
+//!   what became of it ([`DistributedError`]) instead of hanging them.
 //! - [`all_reduce_gradients`]: the mean of a model's gradients over the processes, in a few
 //!   flat buckets; the [`Accelerator`](crate::Accelerator) and the training strategy call it
 //!   at every synchronising step, and never while accumulating (Accelerate's `no_sync`).
 //! - Accelerate's collectives on tensors, as methods of [`ProcessGroup`]: `gather`,
 //!   `gather_for_metrics`, `reduce`, `broadcast`, `broadcast_object`, `pad_across_processes`,
 //!   and `all_reduce_tensor` / `reduce_scatter_tensor` (any dtype, exactly).
+//! - [`RunSecret`]: what every connection of a run proves it knows.
 //! - [`set_seed`]: Accelerate's `set_seed(seed, device_specific)`.
 //!
-//! The layers, bottom up: the engine that carries bytes (the built-in TCP transport:
-//! framing, connections, rendezvous, the ring), [`ProcessGroup`] (numbering, means, typed
-//! buffers), the tensor collectives, the gradient sync. [`ProcessState`] reads the layout
-//! from the environment and does no I/O.
+//! The layers, bottom up: the engine that carries bytes (the built-in TCP transport: framing,
+//! connections, handshake, rendezvous, liveness, the ring; or MPI with the `mpi` feature),
+//! [`ProcessGroup`] (numbering, means, typed buffers), the tensor collectives, the gradient
+//! sync. [`ProcessState`] reads the layout from the environment and does no I/O.
 //!
 //! ```text
 //! burn-accelerate launch --num-processes 2 -- target/release/examples/train_mlp --batch-size 32

@@ -7,7 +7,7 @@
 //! count; its sequence number and step), so that processes making different calls are caught
 //! at the first frame instead of mixing buffers, and says where its piece lies in the message,
 //! so that a receiver checks the pieces come whole and in order. Values are in the machines'
-//! byte order, which the [`Hello`] checks is the same on both ends.
+//! byte order, which the handshake ([`auth`](super::auth)) checks is the same on both ends.
 
 use std::io::IoSlice;
 
