@@ -39,6 +39,7 @@ mod group;
 mod guard;
 mod secret;
 mod seed;
+mod sharding;
 mod state;
 
 pub use element::{Element, Reducible};
@@ -49,6 +50,7 @@ pub use group::{ProcessGroup, ReduceOp, shard_counts};
 pub use guard::FirstGuard;
 pub use secret::RunSecret;
 pub use seed::{seed_for, set_seed};
+pub use sharding::{ZeroStage, partition};
 pub use state::{ProcessState, Rendezvous};
 
 /// Serves the rendezvous (the run's orchestrator) on `host:port` until the process ends: what

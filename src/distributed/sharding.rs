@@ -1,0 +1,125 @@
+//! Sharded data parallel's arithmetic: which process owns which parameter (its optimizer
+//! state and, at stage 2, its averaged gradient), as pure functions.
+//!
+//! Parameters go whole to their owners, as torch's `ZeroRedundancyOptimizer` places them:
+//! largest first, each to the process that owns the fewest values so far (the lowest rank on a
+//! tie). Every process computes the same partition from the same model, with no
+//! communication.
+
+use serde::{Deserialize, Serialize};
+
+/// How much of the training state each process keeps for the whole model, and how much only
+/// for its own partition of the parameters.
+///
+/// | stage | DeepSpeed | FSDP | each process keeps |
+/// |---|---|---|---|
+/// | [`None`](Self::None) | ZeRO stage 0 | `NO_SHARD` (DDP) | every gradient and optimizer state |
+/// | [`OptimizerState`](Self::OptimizerState) | ZeRO stage 1 | — (torch's `ZeroRedundancyOptimizer`) | every gradient, its partition's optimizer state |
+/// | [`Gradients`](Self::Gradients) | ZeRO stage 2 | `SHARD_GRAD_OP` | its partition's averaged gradients and optimizer state |
+///
+/// Parameters stay whole on every process (ZeRO stage 3, FSDP's `FULL_SHARD`, is not
+/// offered).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ZeroStage {
+    /// Data parallel: every process steps the whole model.
+    #[default]
+    None,
+    /// Each process steps its own partition of the parameters, and keeps optimizer state for
+    /// it alone; gradients are averaged whole, the updated parameters shared back.
+    OptimizerState,
+    /// As [`OptimizerState`](Self::OptimizerState), with gradients reduce-scattered: each
+    /// process keeps only its partition's averaged gradients.
+    Gradients,
+}
+
+impl ZeroStage {
+    /// The stage's DeepSpeed number (0, 1 or 2).
+    pub fn number(self) -> u8 {
+        match self {
+            Self::None => 0,
+            Self::OptimizerState => 1,
+            Self::Gradients => 2,
+        }
+    }
+
+    /// The stage of DeepSpeed number `stage`, for a command line's `--zero-stage`.
+    pub fn from_number(stage: u8) -> Option<Self> {
+        [Self::None, Self::OptimizerState, Self::Gradients]
+            .into_iter()
+            .find(|s| s.number() == stage)
+    }
+}
+
+/// The owner of each parameter, for parameters of `sizes` values (in the model's visiting
+/// order) over `processes` processes.
+///
+/// ```
+/// use burn_accelerate::distributed::partition;
+/// // Largest first, each to the least-loaded process.
+/// assert_eq!(partition(&[10, 40, 30, 20], 2), [0, 0, 1, 1]);
+/// ```
+pub fn partition(sizes: &[usize], processes: usize) -> Vec<usize> {
+    let processes = processes.max(1);
+    let mut order: Vec<usize> = (0..sizes.len()).collect();
+    // Largest first; equal sizes in visiting order, so that every process agrees.
+    order.sort_by(|&a, &b| sizes[b].cmp(&sizes[a]).then(a.cmp(&b)));
+    let mut load = vec![0usize; processes];
+    let mut owners = vec![0; sizes.len()];
+    for param in order {
+        let owner = (0..processes)
+            .min_by_key(|&p| (load[p], p))
+            .expect("at least one process");
+        owners[param] = owner;
+        load[owner] += sizes[param];
+    }
+    owners
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    #[test]
+    fn stages_have_deepspeed_s_numbers() {
+        for n in 0..3 {
+            assert_eq!(ZeroStage::from_number(n).unwrap().number(), n);
+        }
+        assert_eq!(ZeroStage::from_number(3), None);
+        assert_eq!(ZeroStage::default(), ZeroStage::None);
+    }
+
+    #[test]
+    fn edge_cases() {
+        assert!(partition(&[], 4).is_empty());
+        assert_eq!(partition(&[5, 5, 5], 1), [0, 0, 0]);
+        // More processes than parameters: some own nothing.
+        assert_eq!(partition(&[3, 7], 4), [1, 0]);
+        // Equal sizes go round the processes in visiting order.
+        assert_eq!(partition(&[1, 1, 1, 1], 2), [0, 1, 0, 1]);
+    }
+
+    proptest! {
+        #[test]
+        fn every_parameter_has_one_owner_and_loads_are_balanced(
+            sizes in proptest::collection::vec(0usize..10_000, 0..40),
+            processes in 1usize..9,
+        ) {
+            let owners = partition(&sizes, processes);
+            prop_assert_eq!(owners.len(), sizes.len());
+            prop_assert!(owners.iter().all(|&o| o < processes));
+            let mut load = vec![0usize; processes];
+            for (size, owner) in sizes.iter().zip(&owners) {
+                load[*owner] += size;
+            }
+            // Greedy largest-first: no process is ahead of another by more than the largest
+            // parameter.
+            let largest = sizes.iter().copied().max().unwrap_or(0);
+            let (min, max) = (load.iter().min().unwrap(), load.iter().max().unwrap());
+            prop_assert!(max - min <= largest, "{load:?}");
+            // The same answer every time: every process computes it alone.
+            prop_assert_eq!(partition(&sizes, processes), owners);
+        }
+    }
+}
