@@ -38,12 +38,12 @@ use burn::config::Config;
 use burn::lr_scheduler::LrScheduler;
 use burn::module::AutodiffModule;
 use burn::optim::{GradientsParams, Optimizer};
-use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{ElementConversion, Tensor};
 use serde::{Deserialize, Serialize};
 
 use crate::autocast::{Autocast, AutocastConfig, AutocastGuard};
-use crate::distributed::{self, ProcessGroup, ProcessState};
+use crate::distributed::{self, Partition, ProcessGroup, ProcessState, ZeroStage};
 use crate::fp8::DelayedScaling;
 use crate::gradient_state::{Accumulate, GradientState, GradientStateSnapshot};
 use crate::grads::{self, OverflowCheck};
@@ -93,6 +93,11 @@ pub struct AccelerateConfig {
     /// `FP8RecipeKwargs`; Transformer Engine's defaults). fp8 needs no loss scaling.
     #[config(default = "DelayedScaling::default()")]
     pub fp8_recipe: DelayedScaling,
+    /// Sharded data parallel over several processes (DeepSpeed's ZeRO stages; see
+    /// [`ZeroStage`]): each process steps, and keeps optimizer state for, its own partition
+    /// of the parameters. Nothing changes for one process.
+    #[config(default = "ZeroStage::None")]
+    pub zero_stage: ZeroStage,
 }
 
 impl AccelerateConfig {
@@ -212,6 +217,8 @@ pub struct Accelerator<B: AutodiffBackend> {
     process: ProcessState,
     // The process group when there are several processes.
     group: Option<ProcessGroup>,
+    // The parameters' owners, once the first sharded step saw the model.
+    partition: Option<Partition>,
 }
 
 impl<B: AutodiffBackend> Accelerator<B> {
@@ -259,6 +266,7 @@ impl<B: AutodiffBackend> Accelerator<B> {
             unscaled: None,
             process,
             group,
+            partition: None,
         })
     }
 
@@ -394,8 +402,22 @@ impl<B: AutodiffBackend> Accelerator<B> {
         if self.unscaled.is_some() || !self.state.sync_gradients() {
             return Ok(());
         }
-        if let Some(group) = &self.group {
-            distributed::all_reduce_gradients::<B, M>(group, model, &mut self.grads)?;
+        match (&self.group, self.sharded()) {
+            (Some(group), Some(ZeroStage::Gradients)) => {
+                let partition = self
+                    .partition
+                    .get_or_insert_with(|| Partition::of::<B, M>(model, group.world_size()));
+                distributed::reduce_scatter_gradients::<B, M>(
+                    group,
+                    model,
+                    &mut self.grads,
+                    partition,
+                )?;
+            }
+            (Some(group), _) => {
+                distributed::all_reduce_gradients::<B, M>(group, model, &mut self.grads)?;
+            }
+            (None, _) => {}
         }
         let factor = self.unscale_factor();
         let check = if self.loss_scale.checks_overflow() {
@@ -446,11 +468,32 @@ impl<B: AutodiffBackend> Accelerator<B> {
             return Ok(None);
         }
         self.unscale_gradients(model)?;
-        Ok(grads::clip_grad_norm::<B, M>(
-            model,
-            &mut self.grads,
-            max_norm,
-        ))
+        let (Some(group), Some(ZeroStage::Gradients)) = (&self.group, self.sharded()) else {
+            return Ok(grads::clip_grad_norm::<B, M>(
+                model,
+                &mut self.grads,
+                max_norm,
+            ));
+        };
+        // Each process holds its partition's gradients: the global norm sums every process's
+        // part (ShardedGradScaler's and FSDP's clip_grad_norm_).
+        let local = grads::sum_of_squares::<B, M>(model, &self.grads);
+        let mut total = [local
+            .as_ref()
+            .map_or(0.0, |t| t.clone().into_scalar().elem::<f32>())];
+        group.all_reduce(&mut total, distributed::ReduceOp::Sum)?;
+        let Some(local) = local else {
+            return Ok(None);
+        };
+        let norm = Tensor::<B::InnerBackend, 1>::from_floats([total[0].sqrt()], &local.device());
+        grads::clip_to_norm::<B, M>(model, &mut self.grads, norm.clone(), max_norm);
+        Ok(Some(norm))
+    }
+
+    // The stage, when it shards anything (several processes).
+    fn sharded(&self) -> Option<ZeroStage> {
+        distributed::shards(self.config.zero_stage, self.group.as_ref())
+            .then_some(self.config.zero_stage)
     }
 
     /// Clamps the window's gradients to `[-clip_value, clip_value]` after unscaling them (as
@@ -514,17 +557,36 @@ impl<B: AutodiffBackend> Accelerator<B> {
             return Ok((model, StepOutcome::Accumulating));
         }
         self.unscale_gradients(&model)?;
-        let found_inf = self.unscaled.take().is_some_and(OverflowCheck::found_inf);
-        let grads = core::mem::take(&mut self.grads);
+        let mut found_inf = self.unscaled.take().is_some_and(OverflowCheck::found_inf);
+        let mut grads = core::mem::take(&mut self.grads);
+        let sharded = self.sharded();
+        if let (Some(group), Some(ZeroStage::Gradients)) = (&self.group, sharded) {
+            // An inf in any partition skips the step on every process (ShardedGradScaler).
+            let mut any = [u32::from(found_inf)];
+            group.all_reduce(&mut any, distributed::ReduceOp::Sum)?;
+            found_inf = any[0] > 0;
+        }
         self.loss_scale = self.loss_scale.adjust(found_inf);
         if found_inf {
             return Ok((model, StepOutcome::SkippedOverflow));
         }
+        let (Some(group), Some(stage)) = (&self.group, sharded) else {
+            let lr = scheduler.step();
+            return Ok((
+                optimizer.step(lr, model, grads),
+                StepOutcome::Applied { lr },
+            ));
+        };
+        let partition = self
+            .partition
+            .get_or_insert_with(|| Partition::of::<B, M>(&model, group.world_size()));
+        if stage == ZeroStage::OptimizerState {
+            distributed::keep_own::<B, M>(&model, &mut grads, partition, group.rank());
+        }
         let lr = scheduler.step();
-        Ok((
-            optimizer.step(lr, model, grads),
-            StepOutcome::Applied { lr },
-        ))
+        let model = optimizer.step(lr, model, grads);
+        let model = distributed::share_parameters::<B, M>(group, model, partition)?;
+        Ok((model, StepOutcome::Applied { lr }))
     }
 
     /// The loss scale and gradient-state position, for a checkpoint.

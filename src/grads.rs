@@ -167,9 +167,30 @@ pub fn clip_grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
     grads: &mut GradientsParams,
     max_norm: f32,
 ) -> Option<Tensor<B::InnerBackend, 1>> {
+    let norm = sum_of_squares::<B, M>(module, grads)?.sqrt();
+    clip_to_norm::<B, M>(module, grads, norm.clone(), max_norm);
+    Some(norm)
+}
+
+/// The sum of the squares of every gradient of `module` in `grads`, in f32, on the device
+/// (`None` without gradients): a sharded process's part of the global norm.
+pub(crate) fn sum_of_squares<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: &M,
+    grads: &GradientsParams,
+) -> Option<Tensor<B::InnerBackend, 1>> {
     let mut squares = SumOfSquares::<B> { grads, total: None };
     module.visit(&mut squares);
-    let norm = squares.total?.sqrt();
+    squares.total
+}
+
+/// Scales every gradient by the clip coefficient of a global 2-norm `norm` against
+/// `max_norm` (torch's, see [`clip_grad_norm`]).
+pub(crate) fn clip_to_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: &M,
+    grads: &mut GradientsParams,
+    norm: Tensor<B::InnerBackend, 1>,
+    max_norm: f32,
+) {
     let coef = norm
         .clone()
         .add_scalar(1e-6)
@@ -184,7 +205,6 @@ pub fn clip_grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
         };
         g * coef
     }));
-    Some(norm)
 }
 
 /// Clamps every gradient of `module` to `[-clip_value, clip_value]`

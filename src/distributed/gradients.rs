@@ -34,18 +34,18 @@ use super::group::{ProcessGroup, ReduceOp};
 /// larger parameter travels alone.
 pub const BUCKET_VALUES: usize = 25 * 1024 * 1024 / 4;
 
-type Inner<B> = <B as AutodiffBackend>::InnerBackend;
+pub(super) type Inner<B> = <B as AutodiffBackend>::InnerBackend;
 
 // A parameter's averaged gradient, flat, with the dtype and shape to give it back.
-type Reduced<B> = (Tensor<Inner<B>, 1>, DType, Vec<usize>);
+pub(super) type Reduced<B> = (Tensor<Inner<B>, 1>, DType, Vec<usize>);
 
-// One parameter's slot: its gradient flattened to f32 (None: no gradient here).
-struct Slot<B: AutodiffBackend> {
-    id: ParamId,
-    dims: Vec<usize>,
-    dtype: DType,
-    device: burn::tensor::Device<B>,
-    grad: Option<Tensor<Inner<B>, 1>>,
+/// One parameter's slot: its gradient flattened to f32 (None: no gradient here).
+pub(super) struct Slot<B: AutodiffBackend> {
+    pub(super) id: ParamId,
+    pub(super) dims: Vec<usize>,
+    pub(super) dtype: DType,
+    pub(super) device: burn::tensor::Device<B>,
+    pub(super) grad: Option<Tensor<Inner<B>, 1>>,
 }
 
 /// Replaces the gradients of `module`'s parameters in `grads` by their mean over the
@@ -62,58 +62,97 @@ pub fn all_reduce_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
     if group.world_size() == 1 {
         return Ok(());
     }
+    let slots = take_slots(module, grads);
+    let present = presence(group, &slots)?;
+    let mut reduced = HashMap::new();
+    for bucket in buckets(&slots) {
+        let (present, bucket) = (&present[bucket.clone()], &slots[bucket]);
+        let flat = group.all_reduce_tensor(pack(bucket.iter()), ReduceOp::Mean)?;
+        unpack(&flat, bucket.iter().zip(present), &mut reduced);
+    }
+    put_back(module, grads, reduced);
+    Ok(())
+}
+
+/// Every float parameter's gradient, taken out of `grads` and flattened to f32, in the
+/// module's visiting order.
+pub(super) fn take_slots<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: &M,
+    grads: &mut GradientsParams,
+) -> Vec<Slot<B>> {
     let mut take = TakeSlots::<B> {
         grads,
         slots: Vec::new(),
     };
     module.visit(&mut take);
-    let slots = take.slots;
-    // How many processes have each parameter's gradient: a parameter none of them has stays
-    // without one.
-    let mut present: Vec<u32> = slots.iter().map(|s| u32::from(s.grad.is_some())).collect();
-    group.all_reduce(&mut present, ReduceOp::Sum)?;
-    let mut reduced = HashMap::new();
-    for bucket in buckets(&slots) {
-        let (present, bucket) = (&present[bucket.clone()], &slots[bucket]);
-        let device = bucket[0].device.clone();
-        // A parameter alone in its bucket (a large one) travels as it is, without a copy.
-        let flat = match bucket {
-            [
-                Slot {
-                    grad: Some(grad), ..
-                },
-            ] => grad.clone(),
-            _ => Tensor::cat(
-                bucket
-                    .iter()
-                    .map(|s| {
-                        s.grad
-                            .clone()
-                            .unwrap_or_else(|| Tensor::zeros([numel(&s.dims)], &device))
-                    })
-                    .collect(),
-                0,
-            ),
-        };
-        let flat = group.all_reduce_tensor(flat, ReduceOp::Mean)?;
-        let mut offset = 0;
-        for (slot, present) in bucket.iter().zip(present) {
-            let n = numel(&slot.dims);
-            if *present != 0 {
-                let grad = flat.clone().slice(offset..offset + n);
-                reduced.insert(slot.id, (grad, slot.dtype, slot.dims.clone()));
-            }
-            offset += n;
-        }
-    }
-    module.visit(&mut PutBack::<B> {
-        grads: take.grads,
-        reduced,
-    });
-    Ok(())
+    take.slots
 }
 
-fn numel(dims: &[usize]) -> usize {
+/// How many processes have each parameter's gradient: a parameter none of them has stays
+/// without one.
+pub(super) fn presence<B: AutodiffBackend>(
+    group: &ProcessGroup,
+    slots: &[Slot<B>],
+) -> Result<Vec<u32>, DistributedError> {
+    let mut present: Vec<u32> = slots.iter().map(|s| u32::from(s.grad.is_some())).collect();
+    group.all_reduce(&mut present, ReduceOp::Sum)?;
+    Ok(present)
+}
+
+/// The slots' gradients in one flat f32 tensor, zeros for a missing one. A parameter alone (a
+/// large one) travels as it is, without a copy.
+pub(super) fn pack<'a, B: AutodiffBackend>(
+    slots: impl ExactSizeIterator<Item = &'a Slot<B>>,
+) -> Tensor<Inner<B>, 1> {
+    let slots: Vec<&Slot<B>> = slots.collect();
+    match slots.as_slice() {
+        [
+            Slot {
+                grad: Some(grad), ..
+            },
+        ] => grad.clone(),
+        _ => Tensor::cat(
+            slots
+                .iter()
+                .map(|s| {
+                    s.grad
+                        .clone()
+                        .unwrap_or_else(|| Tensor::zeros([numel(&s.dims)], &s.device))
+                })
+                .collect(),
+            0,
+        ),
+    }
+}
+
+/// Cuts `flat` back into the gradients of `slots` (in the order they were packed), keeping
+/// those some process had.
+pub(super) fn unpack<'a, B: AutodiffBackend>(
+    flat: &Tensor<Inner<B>, 1>,
+    slots: impl Iterator<Item = (&'a Slot<B>, &'a u32)>,
+    reduced: &mut HashMap<ParamId, Reduced<B>>,
+) {
+    let mut offset = 0;
+    for (slot, present) in slots {
+        let n = numel(&slot.dims);
+        if *present != 0 {
+            let grad = flat.clone().slice(offset..offset + n);
+            reduced.insert(slot.id, (grad, slot.dtype, slot.dims.clone()));
+        }
+        offset += n;
+    }
+}
+
+/// Registers the reduced gradients in `grads`, in their parameters' dtypes and shapes.
+pub(super) fn put_back<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: &M,
+    grads: &mut GradientsParams,
+    reduced: HashMap<ParamId, Reduced<B>>,
+) {
+    module.visit(&mut PutBack::<B> { grads, reduced });
+}
+
+pub(super) fn numel(dims: &[usize]) -> usize {
     dims.iter().product()
 }
 

@@ -39,6 +39,7 @@ mod group;
 mod guard;
 mod secret;
 mod seed;
+mod sharded;
 mod sharding;
 mod state;
 
@@ -50,6 +51,8 @@ pub use group::{ProcessGroup, ReduceOp, shard_counts};
 pub use guard::FirstGuard;
 pub use secret::RunSecret;
 pub use seed::{seed_for, set_seed};
+pub(crate) use sharded::shards;
+pub use sharded::{Partition, keep_own, reduce_scatter_gradients, share_parameters};
 pub use sharding::{ZeroStage, partition};
 pub use state::{ProcessState, Rendezvous};
 

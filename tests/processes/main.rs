@@ -122,6 +122,15 @@ struct HandLoop {
     precision: Precision,
     /// A rank whose loss is multiplied by 1e10 at batch `overflow_batch` (f16 overflows).
     overflow_rank: Option<usize>,
+    /// The ZeRO stage (DeepSpeed's number).
+    #[serde(default)]
+    zero_stage: u8,
+    /// Adam (with its per-parameter state) instead of SGD.
+    #[serde(default)]
+    adam: bool,
+    /// Clip the gradients to this global norm before each step.
+    #[serde(default)]
+    clip_norm: Option<f32>,
     overflow_batch: usize,
 }
 
@@ -133,6 +142,17 @@ struct HandLoopReport {
 }
 
 fn hand_loop<B: AutodiffBackend>(args: &HandLoop) -> HandLoopReport {
+    if args.adam {
+        hand_loop_with::<B, _>(args, burn::optim::AdamConfig::new().init())
+    } else {
+        hand_loop_with::<B, _>(args, SgdConfig::new().init())
+    }
+}
+
+fn hand_loop_with<B: AutodiffBackend, O: burn::optim::Optimizer<Net<B>, B>>(
+    args: &HandLoop,
+    mut optim: O,
+) -> HandLoopReport {
     let state = ProcessState::from_env().unwrap();
     let device = Default::default();
     let mut model = Net::<B>::new(&device);
@@ -148,9 +168,11 @@ fn hand_loop<B: AutodiffBackend>(args: &HandLoop) -> HandLoopReport {
     let mut accelerator = AccelerateConfig::new()
         .with_mixed_precision(args.precision)
         .with_gradient_accumulation_steps(args.grad_accum)
+        .with_zero_stage(
+            burn_accelerate::distributed::ZeroStage::from_number(args.zero_stage).unwrap(),
+        )
         .init::<B>(&Default::default())
         .unwrap();
-    let mut optim = SgdConfig::new().init();
     let mut outcomes = Vec::new();
     let mut batch_index = 0;
     for _ in 0..args.epochs {
@@ -164,6 +186,9 @@ fn hand_loop<B: AutodiffBackend>(args: &HandLoop) -> HandLoopReport {
                 loss = loss * 1e10;
             }
             accelerator.backward(loss, &model);
+            if let Some(max_norm) = args.clip_norm {
+                accelerator.clip_grad_norm(&model, max_norm).unwrap();
+            }
             let (next, outcome) = accelerator
                 .optimizer_step(&mut optim, model, &mut 0.5)
                 .unwrap();
@@ -194,6 +219,9 @@ fn processes_train_like_one_process_on_the_same_global_batches() {
             precision: Precision::F32,
             overflow_rank: None,
             overflow_batch: 0,
+            zero_stage: 0,
+            adam: false,
+            clip_norm: None,
         };
         let single: Vec<HandLoopReport> =
             launch(TEST, 1, &args(1), &[]).assert_success().reports(1);
@@ -245,6 +273,9 @@ fn two_machines_of_two_processes_train_like_one_process() {
         precision: Precision::F32,
         overflow_rank: None,
         overflow_batch: 0,
+        zero_stage: 0,
+        adam: false,
+        clip_norm: None,
     };
     let single: Vec<HandLoopReport> = launch(TEST, 1, &args(1), &[]).assert_success().reports(1);
     // Two launchers on this host stand for two machines; machine 0 hosts the rendezvous. Both
@@ -319,6 +350,9 @@ fn ndarray_processes_train_like_one_process() {
         precision: Precision::F32,
         overflow_rank: None,
         overflow_batch: 0,
+        zero_stage: 0,
+        adam: false,
+        clip_norm: None,
     };
     let single: Vec<HandLoopReport> = launch(TEST, 1, &args(1), &[]).assert_success().reports(1);
     let reports: Vec<HandLoopReport> = launch(TEST, 2, &args(2), &[]).assert_success().reports(2);
@@ -340,6 +374,9 @@ fn an_overflow_on_one_rank_skips_the_step_on_every_rank() {
         precision: Precision::F16,
         overflow_rank: Some(1),
         overflow_batch: 2,
+        zero_stage: 0,
+        adam: false,
+        clip_norm: None,
     };
     let reports: Vec<HandLoopReport> = launch(TEST, 2, &args, &[]).assert_success().reports(2);
     for r in &reports {
@@ -355,6 +392,66 @@ fn an_overflow_on_one_rank_skips_the_step_on_every_rank() {
     }
     assert_eq!(bits(&reports[0].parameters), bits(&reports[1].parameters));
     assert!(reports[0].parameters.iter().all(|p| p.is_finite()));
+}
+
+#[test]
+fn sharded_stages_end_where_stage_0_does() {
+    const TEST: &str = "sharded_stages_end_where_stage_0_does";
+    if let Some(args) = worker::<HandLoop>() {
+        return report(&hand_loop::<Accelerated<Autodiff<Flex>>>(&args));
+    }
+    for processes in [2, 3] {
+        // Adam (state per parameter, kept by each parameter's owner), clipping to a global
+        // norm, and f16 with an overflow on one rank: every stage skips the same step.
+        let cases = [
+            (Precision::F32, Some(0.5)),
+            (Precision::F32, None),
+            (Precision::F16, Some(0.5)),
+        ];
+        for (precision, clip_norm) in cases {
+            let args = |zero_stage: u8| HandLoop {
+                batch_size: 4,
+                grad_accum: 2,
+                epochs: 1,
+                precision,
+                overflow_rank: (precision == Precision::F16).then_some(1),
+                overflow_batch: 3,
+                zero_stage,
+                adam: true,
+                clip_norm,
+            };
+            let runs: Vec<Vec<HandLoopReport>> = (0..3)
+                .map(|stage| {
+                    launch(TEST, processes, &args(stage), &[])
+                        .assert_success()
+                        .reports(processes)
+                })
+                .collect();
+            let stage0 = &runs[0][0];
+            for (stage, reports) in runs.iter().enumerate() {
+                for (rank, r) in reports.iter().enumerate() {
+                    let what =
+                        format!("{processes} processes, {precision:?}, stage {stage}, rank {rank}");
+                    assert_eq!(r.outcomes, stage0.outcomes, "{what}");
+                    assert_eq!(r.loss_scale, stage0.loss_scale, "{what}");
+                    // Every process holds the whole model, the same bits on each.
+                    assert_eq!(bits(&r.parameters), bits(&reports[0].parameters), "{what}");
+                    // Stage 1 averages as stage 0 does. Stage 2's sums of two values do not
+                    // depend on their order, of three they do; its norm for clipping sums
+                    // partition by partition.
+                    if stage == 1 || (processes == 2 && stage == 2 && clip_norm.is_none()) {
+                        assert_eq!(bits(&r.parameters), bits(&stage0.parameters), "{what}");
+                    } else {
+                        let d = max_relative_difference(&r.parameters, &stage0.parameters);
+                        assert!(d < 1e-5, "{what}: {d:e}");
+                    }
+                }
+            }
+            if precision == Precision::F16 {
+                assert!(stage0.outcomes.iter().any(|o| o == "SkippedOverflow"));
+            }
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------
