@@ -124,6 +124,30 @@ mod flex {
     }
 
     #[test]
+    fn a_zero_stage_is_refused_not_ignored() {
+        use burn_accelerate::AccelerateConfig;
+        use burn_accelerate::distributed::ZeroStage;
+        use burn_accelerate::train::AccelerateStrategy;
+        use burn_accelerate::train::demo::MlpComponents;
+        let config = AccelerateConfig::new().with_zero_stage(ZeroStage::Gradients);
+        let err =
+            AccelerateStrategy::<MlpComponents<Autodiff<Flex>>>::new(config, &Default::default())
+                .err()
+                .expect("refused");
+        assert!(
+            matches!(
+                err,
+                AccelerateError::InvalidConfig {
+                    field: "zero_stage",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(err.to_string().contains("hand-written loops"), "{err}");
+    }
+
+    #[test]
     fn mixed_precision_on_a_plain_autodiff_backend_is_a_typed_error() {
         let err = train::<Autodiff<Flex>>(&small(Precision::Bf16)).unwrap_err();
         assert!(

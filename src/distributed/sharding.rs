@@ -19,6 +19,11 @@ use serde::{Deserialize, Serialize};
 ///
 /// Parameters stay whole on every process (ZeRO stage 3, FSDP's `FULL_SHARD`, is not
 /// offered).
+///
+/// Where it runs: the [`Accelerator`](crate::Accelerator)'s hand-written loops
+/// (`AccelerateConfig::with_zero_stage`); `with_accelerate` refuses a stage for now. An
+/// optimizer's record then holds the process's own partition's state only: save it on every
+/// process (consolidating it on the main process is not offered yet).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum ZeroStage {
     /// Data parallel: every process steps the whole model.

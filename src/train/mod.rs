@@ -310,8 +310,9 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
     /// A strategy training on `device` as `config` says.
     ///
     /// # Errors
-    /// [`AccelerateError::InvalidConfig`] for zero accumulation steps or an invalid scaler
-    /// setting; [`AccelerateError::UnsupportedPrecision`] when the device cannot run
+    /// [`AccelerateError::InvalidConfig`] for zero accumulation steps, an invalid scaler
+    /// setting, or a ZeRO stage (sharded training is the [`Accelerator`](crate::Accelerator)'s
+    /// for now); [`AccelerateError::UnsupportedPrecision`] when the device cannot run
     /// `mixed_precision` and `allow_fallback` is off;
     /// [`AccelerateError::NotAccelerated`] for bf16 or f16 on a training backend that is not
     /// [`Accelerated`](crate::Accelerated) (autocast would do nothing there);
@@ -321,6 +322,16 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
         config: AccelerateConfig,
         device: &Device<TrainingBackend<LC>>,
     ) -> Result<Self, AccelerateError> {
+        if config.zero_stage != crate::distributed::ZeroStage::None {
+            // Refused, not ignored: Burn's checkpoints here would save only the main
+            // process's partition of the optimizer state.
+            return Err(AccelerateError::InvalidConfig {
+                field: "zero_stage",
+                value: format!("{:?}", config.zero_stage),
+                fix: "sharded training runs in the Accelerator's hand-written loops for now; \
+                      with_accelerate trains with ZeroStage::None",
+            });
+        }
         let (autocast, initial_scale) =
             config.init_mixed_precision::<TrainingBackend<LC>>(device)?;
         ensure_accelerated::<TrainingBackend<LC>>(&autocast, device)?;
