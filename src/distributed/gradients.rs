@@ -157,7 +157,7 @@ pub(super) fn numel(dims: &[usize]) -> usize {
 }
 
 // Consecutive runs of slots of at most BUCKET_VALUES values (a larger slot alone).
-fn buckets<B: AutodiffBackend>(slots: &[Slot<B>]) -> Vec<std::ops::Range<usize>> {
+pub(super) fn buckets<B: AutodiffBackend>(slots: &[Slot<B>]) -> Vec<std::ops::Range<usize>> {
     let mut ranges = Vec::new();
     let (mut start, mut size) = (0, 0);
     for (i, slot) in slots.iter().enumerate() {

@@ -102,30 +102,38 @@ pub fn reduce_scatter_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
     partition: &Partition,
 ) -> Result<(), DistributedError> {
     let (rank, n) = (group.rank(), group.world_size());
-    let slots = gradients::take_slots(module, grads);
+    let mut slots = gradients::take_slots(module, grads);
     let present = gradients::presence(group, &slots)?;
-    // Owner by owner, each owner's parameters in visiting order: each process's partition is
-    // one block of the buffer.
     let owners: Vec<usize> = slots.iter().map(|s| partition.owner(s.id)).collect();
-    let sizes: Vec<usize> = slots.iter().map(|s| numel(&s.dims)).collect();
-    let (order, counts) = by_owner(&owners, &sizes, n);
-    let Some(first) = slots.first() else {
-        return Ok(());
-    };
-    let device = first.device.clone();
-    let mut data = gradients::pack(order.iter().map(|&i| &slots[i])).into_data();
-    let mine =
-        group.reduce_scatter_bytes(Element::F32, &mut data.bytes, &counts, ReduceOp::Mean)?;
-    let own = data.bytes[mine].to_vec();
-    drop(data);
-    let own = TensorData::from_bytes_vec(own, [counts[rank]], DType::F32);
-    let own = Tensor::<Inner<B>, 1>::from_data(own, &device);
     let mut reduced = HashMap::new();
-    let own_slots = order
-        .iter()
-        .filter(|&&i| owners[i] == rank)
-        .map(|&i| (&slots[i], &present[i]));
-    gradients::unpack(&own, own_slots, &mut reduced);
+    // Bucket by bucket (consecutive parameters, as stage 0's all-reduce goes), owner by owner
+    // within each: a process holds one bucket's packed copy at a time, and drops its own
+    // gradients of a bucket as soon as they are packed.
+    for bucket in gradients::buckets(&slots) {
+        let sizes: Vec<usize> = slots[bucket.clone()]
+            .iter()
+            .map(|s| numel(&s.dims))
+            .collect();
+        let (order, counts) = by_owner(&owners[bucket.clone()], &sizes, n);
+        let order: Vec<usize> = order.into_iter().map(|j| bucket.start + j).collect();
+        let device = slots[bucket.start].device.clone();
+        let flat = gradients::pack(order.iter().map(|&i| &slots[i]));
+        for i in bucket.clone() {
+            slots[i].grad = None;
+        }
+        let mut data = flat.into_data();
+        let mine =
+            group.reduce_scatter_bytes(Element::F32, &mut data.bytes, &counts, ReduceOp::Mean)?;
+        let own = data.bytes[mine].to_vec();
+        drop(data);
+        let own = TensorData::from_bytes_vec(own, [counts[rank]], DType::F32);
+        let own = Tensor::<Inner<B>, 1>::from_data(own, &device);
+        let own_slots = order
+            .iter()
+            .filter(|&&i| owners[i] == rank)
+            .map(|&i| (&slots[i], &present[i]));
+        gradients::unpack(&own, own_slots, &mut reduced);
+    }
     gradients::put_back(module, grads, reduced);
     Ok(())
 }

@@ -1,0 +1,114 @@
+//! What sharded training saves: a few Adam steps of an MLP of about `--params` parameters
+//! through the `Accelerator` at a ZeRO stage, under the launcher; the main process prints the
+//! largest peak resident memory over the processes.
+//!
+//! ```text
+//! cargo build --release --example zero_memory --bin burn-accelerate
+//! target/release/burn-accelerate launch --num-processes 4 -- \
+//!     target/release/examples/zero_memory --params 100000000 --zero-stage 2
+//! ```
+//!
+//! Printed: `zero_stage=S processes=P params=N peak_rss_mib=M final_loss=L`.
+
+use burn::backend::{Autodiff, Flex};
+use burn::module::Module;
+use burn::nn::{Linear, LinearConfig, Relu};
+use burn::optim::AdamConfig;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Distribution, Tensor};
+use burn_accelerate::distributed::ZeroStage;
+use burn_accelerate::{AccelerateConfig, Accelerator};
+use clap::Parser;
+
+type Train = Autodiff<Flex>;
+
+/// A few Adam steps of an MLP at a ZeRO stage, with the peak memory of every process.
+#[derive(Parser)]
+struct Args {
+    /// About how many parameters: square layers of width 2048 (4.2M parameters each), as many
+    /// as it takes.
+    #[arg(long, default_value_t = 20_000_000)]
+    params: usize,
+    /// The ZeRO stage: 0 (data parallel), 1 (optimizer state sharded), 2 (and gradients).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
+    zero_stage: u8,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 3)]
+    steps: usize,
+    /// Samples per process and step.
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+}
+
+const WIDTH: usize = 2048;
+
+#[derive(Module, Debug)]
+struct Mlp<B: Backend> {
+    layers: Vec<Linear<B>>,
+    act: Relu,
+}
+
+impl<B: Backend> Mlp<B> {
+    fn forward(&self, mut x: Tensor<B, 2>) -> Tensor<B, 2> {
+        for layer in &self.layers {
+            x = self.act.forward(layer.forward(x));
+        }
+        x
+    }
+}
+
+fn main() {
+    let args = Args::parse();
+    let stage = ZeroStage::from_number(args.zero_stage).expect("checked by clap");
+    let device = Default::default();
+    let mut accelerator: Accelerator<Train> = AccelerateConfig::new()
+        .with_zero_stage(stage)
+        .init(&device)
+        .expect("an accelerator");
+    Train::seed(&device, 5);
+    let layers = (args.params / (WIDTH * WIDTH + WIDTH)).max(1);
+    let mut model = Mlp::<Train> {
+        layers: (0..layers)
+            .map(|_| LinearConfig::new(WIDTH, WIDTH).init(&device))
+            .collect(),
+        act: Relu::new(),
+    };
+    let mut optim = AdamConfig::new().init();
+    let x = Tensor::<Train, 2>::random([args.batch, WIDTH], Distribution::Normal(0., 1.), &device);
+    let mut loss_value = 0.0;
+    for _ in 0..args.steps {
+        let loss = model.forward(x.clone()).powf_scalar(2.0).mean();
+        loss_value = loss.clone().into_scalar();
+        accelerator.backward(loss, &model);
+        let (next, _) = accelerator
+            .optimizer_step(&mut optim, model, &mut 1e-4)
+            .expect("a step");
+        model = next;
+    }
+    let process = accelerator.process().clone();
+    let peak = peak_memory_mib();
+    let peaks: Vec<f64> = match process.group() {
+        Ok(group) => group.all_gather(&[peak]).expect("all-gather"),
+        Err(_) => vec![peak],
+    };
+    if process.is_main_process() {
+        println!(
+            "zero_stage={} processes={} params={} peak_rss_mib={:.0} final_loss={loss_value}",
+            args.zero_stage,
+            process.num_processes(),
+            model.num_params(),
+            peaks.iter().copied().fold(0.0, f64::max),
+        );
+    }
+}
+
+/// The peak resident memory of this process, in MiB (Linux; 0 elsewhere).
+fn peak_memory_mib() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+            line.split_whitespace().nth(1)?.parse::<f64>().ok()
+        })
+        .map_or(0.0, |kib| kib / 1024.0)
+}
