@@ -13,10 +13,14 @@
 //! nccl-tests' measure, which does not depend on n for a ring), and the largest growth of the
 //! peak resident memory over the buffer on any process.
 
+#[path = "common/memory.rs"]
+mod memory;
+
 use std::time::{Duration, Instant};
 
 use burn_accelerate::distributed::{ProcessState, ReduceOp};
 use clap::Parser;
+use memory::{peak_memory_mib, reset_peak_memory};
 
 /// Time `ProcessGroup::all_reduce` of f32 buffers.
 #[derive(Parser)]
@@ -94,20 +98,4 @@ fn main() {
 fn median(times: &mut [Duration]) -> f64 {
     times.sort();
     times[times.len() / 2].as_secs_f64()
-}
-
-/// Resets the kernel's peak resident memory of this process to its current one (Linux).
-fn reset_peak_memory() {
-    let _ = std::fs::write("/proc/self/clear_refs", "5");
-}
-
-/// The peak resident memory of this process, in MiB (Linux; 0 elsewhere).
-fn peak_memory_mib() -> f64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|status| {
-            let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-            line.split_whitespace().nth(1)?.parse::<f64>().ok()
-        })
-        .map_or(0.0, |kib| kib / 1024.0)
 }

@@ -10,6 +10,9 @@
 //!
 //! Printed: `zero_stage=S processes=P params=N peak_rss_mib=M final_loss=L`.
 
+#[path = "common/memory.rs"]
+mod memory;
+
 use burn::backend::{Autodiff, Flex};
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig, Relu};
@@ -19,6 +22,7 @@ use burn::tensor::{Distribution, Tensor};
 use burn_accelerate::distributed::ZeroStage;
 use burn_accelerate::{AccelerateConfig, Accelerator};
 use clap::Parser;
+use memory::peak_memory_mib;
 
 type Train = Autodiff<Flex>;
 
@@ -100,15 +104,4 @@ fn main() {
             peaks.iter().copied().fold(0.0, f64::max),
         );
     }
-}
-
-/// The peak resident memory of this process, in MiB (Linux; 0 elsewhere).
-fn peak_memory_mib() -> f64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|status| {
-            let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-            line.split_whitespace().nth(1)?.parse::<f64>().ok()
-        })
-        .map_or(0.0, |kib| kib / 1024.0)
 }
