@@ -407,6 +407,7 @@ fn sharded_stages_end_where_stage_0_does() {
             (Precision::F32, Some(0.5)),
             (Precision::F32, None),
             (Precision::F16, Some(0.5)),
+            (Precision::Bf16, None),
         ];
         for (precision, clip_norm) in cases {
             let args = |zero_stage: u8| HandLoop {
