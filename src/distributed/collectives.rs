@@ -56,16 +56,13 @@ impl ProcessGroup {
             return Ok(tensor);
         }
         let (dtype, dims) = (tensor.dtype(), tensor.dims());
-        let metas = self.agree(tensor.dtype(), &dims, |theirs| {
-            (theirs.0 != dtype || theirs.1[1..] != dims[1..]).then(|| {
-                format!(
-                    "its tensor is {:?} of shape {:?} where this process's is {dtype:?} of \
-                     shape {dims:?}: gather needs the same dtype and the same shape beyond the \
-                     first dimension (see pad_across_processes)",
-                    theirs.0, theirs.1
-                )
-            })
-        })?;
+        let metas = self.agree(
+            dtype,
+            &dims,
+            |theirs| theirs.0 != dtype || theirs.1[1..] != dims[1..],
+            "gather needs the same dtype and the same shape beyond the first dimension (see \
+             pad_across_processes)",
+        )?;
         let row = dims[1..].iter().product::<usize>() * dtype.size();
         let counts: Vec<usize> = metas.iter().map(|(_, d)| d[0] * row).collect();
         let own: usize = counts[..self.rank()].iter().sum();
@@ -119,15 +116,12 @@ impl ProcessGroup {
             return Ok(tensor);
         }
         let (dtype, dims) = (tensor.dtype(), tensor.dims());
-        self.agree(dtype, &dims, |theirs| {
-            (theirs.0 != dtype || theirs.1 != dims).then(|| {
-                format!(
-                    "its tensor is {:?} of shape {:?} where this process's is {dtype:?} of \
-                     shape {dims:?}: reduce needs the same shape everywhere (and the same dtype)",
-                    theirs.0, theirs.1
-                )
-            })
-        })?;
+        self.agree(
+            dtype,
+            &dims,
+            |theirs| theirs.0 != dtype || theirs.1 != dims,
+            "reduce needs the same shape everywhere (and the same dtype)",
+        )?;
         self.all_reduce_tensor_data(tensor, op)
     }
 
@@ -321,13 +315,14 @@ impl ProcessGroup {
         Ok(Tensor::cat(parts, dim))
     }
 
-    // Every process's dtype and shape, once `differs` (given another process's) finds nothing
-    // wrong with any of them.
+    // Every process's dtype and shape, once `differs` (given another process's) finds none
+    // that cannot be combined with this one's; the error says what the call `needs`.
     fn agree(
         &self,
         dtype: DType,
         dims: &[usize],
-        differs: impl Fn(&Meta) -> Option<String>,
+        differs: impl Fn(&Meta) -> bool,
+        needs: &str,
     ) -> Result<Vec<Meta>, DistributedError> {
         let ours = serde_json::to_vec(&(dtype, dims)).expect("dtypes and shapes serialise");
         let all = self.all_gather_bytes(&ours)?;
@@ -339,10 +334,15 @@ impl ProcessGroup {
                         rank,
                         detail: format!("its tensor's dtype and shape are unreadable: {e}"),
                     })?;
-                match differs(&meta) {
-                    Some(detail) => Err(DistributedError::Mismatch { rank, detail }),
-                    None => Ok(meta),
+                if !differs(&meta) {
+                    return Ok(meta);
                 }
+                let detail = format!(
+                    "its tensor is {:?} of shape {:?} where this process's is {dtype:?} of \
+                     shape {dims:?}: {needs}",
+                    meta.0, meta.1
+                );
+                Err(DistributedError::Mismatch { rank, detail })
             })
             .collect()
     }
