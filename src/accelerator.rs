@@ -43,7 +43,9 @@ use burn::tensor::{ElementConversion, Tensor};
 use serde::{Deserialize, Serialize};
 
 use crate::autocast::{Autocast, AutocastConfig, AutocastGuard};
-use crate::distributed::{self, Partition, ProcessGroup, ProcessState, ZeroStage};
+use crate::distributed::{
+    self, ParamStateRecord, Partition, ProcessGroup, ProcessState, ZeroStage,
+};
 use crate::fp8::DelayedScaling;
 use crate::gradient_state::{Accumulate, GradientState, GradientStateSnapshot};
 use crate::grads::{self, OverflowCheck};
@@ -219,6 +221,8 @@ pub struct Accelerator<B: AutodiffBackend> {
     group: Option<ProcessGroup>,
     // The parameters' owners, once the first sharded step saw the model.
     partition: Option<Partition>,
+    // Where a consolidated optimizer state is read back to.
+    device: B::Device,
 }
 
 impl<B: AutodiffBackend> Accelerator<B> {
@@ -267,6 +271,7 @@ impl<B: AutodiffBackend> Accelerator<B> {
             process,
             group,
             partition: None,
+            device: device.clone(),
         })
     }
 
@@ -587,6 +592,79 @@ impl<B: AutodiffBackend> Accelerator<B> {
         let model = optimizer.step(lr, model, grads);
         let model = distributed::share_parameters::<B, M>(group, model, partition)?;
         Ok((model, StepOutcome::Applied { lr }))
+    }
+
+    /// The whole optimizer state on the main process, for a checkpoint (`None` on the other
+    /// processes): give it the model the optimizer steps and the optimizer's own record.
+    /// Every process must call it at the same step.
+    ///
+    /// At ZeRO stages 1 and 2 each process's optimizer holds its partition's state only: the
+    /// parts are merged on the main process (torch's `consolidate_state_dict`), so the record
+    /// is the one a stage 0 run saves, and resumes at any stage on any number of processes
+    /// ([`shard_optimizer_record`](Self::shard_optimizer_record)). Otherwise every process
+    /// holds the whole state already and nothing is sent.
+    ///
+    /// ```no_run
+    /// # use burn::backend::{Autodiff, Flex};
+    /// # use burn::module::Module;
+    /// # use burn::nn::{Linear, LinearConfig};
+    /// # use burn::optim::{AdamConfig, Optimizer};
+    /// # use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
+    /// # use burn_accelerate::{AccelerateConfig, distributed::ZeroStage};
+    /// # type B = Autodiff<Flex>;
+    /// # let device = Default::default();
+    /// # let model: Linear<B> = LinearConfig::new(4, 4).init(&device);
+    /// let accelerator = AccelerateConfig::new()
+    ///     .with_zero_stage(ZeroStage::Gradients)
+    ///     .init::<B>(&device)?;
+    /// let optimizer = AdamConfig::new().init::<B, Linear<B>>();
+    /// // ... training ...
+    /// let whole = accelerator.consolidate_optimizer_record(&model, optimizer.to_record())?;
+    /// if let Some(record) = whole {
+    ///     NamedMpkFileRecorder::<FullPrecisionSettings>::new().record(record, "optim".into())?;
+    /// }
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`AccelerateError::Distributed`] when a process left, or sent a state this process
+    /// cannot read.
+    pub fn consolidate_optimizer_record<M: AutodiffModule<B>, R: ParamStateRecord<B>>(
+        &self,
+        model: &M,
+        record: R,
+    ) -> Result<Option<R>, AccelerateError> {
+        match (&self.group, self.sharded()) {
+            (Some(group), Some(_)) => Ok(distributed::consolidate_state::<B, M, R>(
+                group,
+                model,
+                record,
+                0,
+                &self.device,
+            )?),
+            _ => Ok(self.is_main_process().then_some(record)),
+        }
+    }
+
+    /// The part of a whole optimizer state (a checkpoint's, from
+    /// [`consolidate_optimizer_record`](Self::consolidate_optimizer_record) or a stage 0 run)
+    /// that this process steps at this run's ZeRO stage, for the optimizer's `load_record`:
+    /// its own partition's at stages 1 and 2, whatever the number of processes that saved
+    /// it; all of it otherwise. `model` is the model the optimizer steps (loaded from the
+    /// same checkpoint: the state is keyed by its parameters' ids).
+    pub fn shard_optimizer_record<M: AutodiffModule<B>, R: ParamStateRecord<B>>(
+        &mut self,
+        model: &M,
+        record: R,
+    ) -> R {
+        let Some(group) = self.group.as_ref().filter(|_| self.sharded().is_some()) else {
+            return record;
+        };
+        // Anew: a model loaded from a checkpoint has the checkpoint's parameter ids.
+        let partition = Partition::of::<B, M>(model, group.world_size());
+        let own = distributed::keep_own_state(record, &partition, group.rank());
+        self.partition = Some(partition);
+        own
     }
 
     /// The loss scale and gradient-state position, for a checkpoint.

@@ -50,6 +50,11 @@ impl Partition {
     }
 }
 
+/// Every float parameter's id, in visiting order.
+pub(crate) fn param_ids<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M) -> Vec<ParamId> {
+    params(module).into_iter().map(|(id, _)| id).collect()
+}
+
 // Every float parameter's id and number of values, in visiting order.
 fn params<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M) -> Vec<(ParamId, usize)> {
     struct Sizes(Vec<(ParamId, usize)>);

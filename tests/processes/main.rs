@@ -132,6 +132,19 @@ struct HandLoop {
     #[serde(default)]
     clip_norm: Option<f32>,
     overflow_batch: usize,
+    /// Where the main process writes a checkpoint at the end (model, whole optimizer state,
+    /// accelerator and loader states).
+    #[serde(default)]
+    save_to: Option<PathBuf>,
+    /// The checkpoint to start from.
+    #[serde(default)]
+    resume_from: Option<PathBuf>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct HandCheckpoint {
+    accelerator: burn_accelerate::AcceleratorState,
+    loader: burn_accelerate::data::LoaderState,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -149,10 +162,14 @@ fn hand_loop<B: AutodiffBackend>(args: &HandLoop) -> HandLoopReport {
     }
 }
 
-fn hand_loop_with<B: AutodiffBackend, O: burn::optim::Optimizer<Net<B>, B>>(
-    args: &HandLoop,
-    mut optim: O,
-) -> HandLoopReport {
+fn hand_loop_with<B, O>(args: &HandLoop, mut optim: O) -> HandLoopReport
+where
+    B: AutodiffBackend,
+    O: burn::optim::Optimizer<Net<B>, B>,
+    O::Record: burn_accelerate::distributed::ParamStateRecord<B>,
+{
+    use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
+    let recorder = NamedMpkFileRecorder::<FullPrecisionSettings>::new();
     let state = ProcessState::from_env().unwrap();
     let device = Default::default();
     let mut model = Net::<B>::new(&device);
@@ -163,7 +180,7 @@ fn hand_loop_with<B: AutodiffBackend, O: burn::optim::Optimizer<Net<B>, B>>(
         InMemDataset::new((0..ITEMS).collect()),
         Samples,
     )
-    .build_for(&state, device)
+    .build_for(&state, device.clone())
     .unwrap();
     let mut accelerator = AccelerateConfig::new()
         .with_mixed_precision(args.precision)
@@ -173,6 +190,17 @@ fn hand_loop_with<B: AutodiffBackend, O: burn::optim::Optimizer<Net<B>, B>>(
         )
         .init::<B>(&Default::default())
         .unwrap();
+    if let Some(dir) = &args.resume_from {
+        model = model.load_record(recorder.load(dir.join("model"), &device).unwrap());
+        // The whole state, cut to this run's partition.
+        let whole = recorder.load(dir.join("optim"), &device).unwrap();
+        optim = optim.load_record(accelerator.shard_optimizer_record(&model, whole));
+        let saved: HandCheckpoint =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("state.json")).unwrap())
+                .unwrap();
+        accelerator.load_state(&saved.accelerator).unwrap();
+        loader.load_state(saved.loader).unwrap();
+    }
     let mut outcomes = Vec::new();
     let mut batch_index = 0;
     for _ in 0..args.epochs {
@@ -195,6 +223,27 @@ fn hand_loop_with<B: AutodiffBackend, O: burn::optim::Optimizer<Net<B>, B>>(
             model = next;
             outcomes.push(format!("{outcome:?}"));
             batch_index += 1;
+        }
+    }
+    if let Some(dir) = &args.save_to {
+        let whole = accelerator
+            .consolidate_optimizer_record(&model, optim.to_record())
+            .unwrap();
+        if let Some(whole) = whole {
+            std::fs::create_dir_all(dir).unwrap();
+            recorder
+                .record(model.clone().into_record(), dir.join("model"))
+                .unwrap();
+            recorder.record(whole, dir.join("optim")).unwrap();
+            let saved = HandCheckpoint {
+                accelerator: accelerator.state(),
+                loader: loader.state(),
+            };
+            std::fs::write(
+                dir.join("state.json"),
+                serde_json::to_string(&saved).unwrap(),
+            )
+            .unwrap();
         }
     }
     HandLoopReport {
@@ -222,6 +271,8 @@ fn processes_train_like_one_process_on_the_same_global_batches() {
             zero_stage: 0,
             adam: false,
             clip_norm: None,
+            save_to: None,
+            resume_from: None,
         };
         let single: Vec<HandLoopReport> =
             launch(TEST, 1, &args(1), &[]).assert_success().reports(1);
@@ -276,6 +327,8 @@ fn two_machines_of_two_processes_train_like_one_process() {
         zero_stage: 0,
         adam: false,
         clip_norm: None,
+        save_to: None,
+        resume_from: None,
     };
     let single: Vec<HandLoopReport> = launch(TEST, 1, &args(1), &[]).assert_success().reports(1);
     // Two launchers on this host stand for two machines; machine 0 hosts the rendezvous. Both
@@ -353,6 +406,8 @@ fn ndarray_processes_train_like_one_process() {
         zero_stage: 0,
         adam: false,
         clip_norm: None,
+        save_to: None,
+        resume_from: None,
     };
     let single: Vec<HandLoopReport> = launch(TEST, 1, &args(1), &[]).assert_success().reports(1);
     let reports: Vec<HandLoopReport> = launch(TEST, 2, &args(2), &[]).assert_success().reports(2);
@@ -377,6 +432,8 @@ fn an_overflow_on_one_rank_skips_the_step_on_every_rank() {
         zero_stage: 0,
         adam: false,
         clip_norm: None,
+        save_to: None,
+        resume_from: None,
     };
     let reports: Vec<HandLoopReport> = launch(TEST, 2, &args, &[]).assert_success().reports(2);
     for r in &reports {
@@ -420,6 +477,8 @@ fn sharded_stages_end_where_stage_0_does() {
                 zero_stage,
                 adam: true,
                 clip_norm,
+                save_to: None,
+                resume_from: None,
             };
             let runs: Vec<Vec<HandLoopReport>> = (0..3)
                 .map(|stage| {
@@ -453,6 +512,85 @@ fn sharded_stages_end_where_stage_0_does() {
             }
         }
     }
+}
+
+#[test]
+fn a_sharded_optimizer_state_resumes_on_any_number_of_processes_at_any_stage() {
+    const TEST: &str = "a_sharded_optimizer_state_resumes_on_any_number_of_processes_at_any_stage";
+    if let Some(args) = worker::<HandLoop>() {
+        return report(&hand_loop::<Autodiff<Flex>>(&args));
+    }
+    // A global batch of 12 whatever the number of processes; Adam, whose state is per
+    // parameter, so that each stage-2 process holds part of it.
+    let args = |processes: usize, zero_stage: u8, epochs: usize| HandLoop {
+        batch_size: 12 / processes,
+        grad_accum: 1,
+        epochs,
+        precision: Precision::F32,
+        overflow_rank: None,
+        overflow_batch: 0,
+        zero_stage,
+        adam: true,
+        clip_norm: None,
+        save_to: None,
+        resume_from: None,
+    };
+    let whole: Vec<HandLoopReport> = launch(TEST, 2, &args(2, 2, 2), &[])
+        .assert_success()
+        .reports(2);
+    let dir = harness::scratch_dir("sharded-optimizer-state");
+    let first = HandLoop {
+        save_to: Some(dir.clone()),
+        ..args(2, 2, 1)
+    };
+    launch(TEST, 2, &first, &[]).assert_success();
+    // The checkpoint holds the state of every parameter: the consolidated one.
+    {
+        use burn::optim::Optimizer;
+        use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
+        fn load<O: Optimizer<Net<Autodiff<Flex>>, Autodiff<Flex>>>(
+            _: O,
+            path: PathBuf,
+        ) -> O::Record {
+            NamedMpkFileRecorder::<FullPrecisionSettings>::new()
+                .load(path, &Default::default())
+                .unwrap()
+        }
+        let whole = load(burn::optim::AdamConfig::new().init(), dir.join("optim"));
+        assert_eq!(whole.len(), 4, "two weights and two biases");
+    }
+    let resume = |processes: usize, zero_stage: u8| HandLoop {
+        resume_from: Some(dir.clone()),
+        ..args(processes, zero_stage, 1)
+    };
+    // The same processes and stage: bit for bit.
+    let same: Vec<HandLoopReport> = launch(TEST, 2, &resume(2, 2), &[])
+        .assert_success()
+        .reports(2);
+    assert_eq!(bits(&same[0].parameters), bits(&whole[0].parameters));
+    assert_eq!(same[0].outcomes, whole[0].outcomes[8..]);
+    // Re-partitioned over other numbers of processes, and at other stages: the same training
+    // to rounding (sums in another order).
+    for (processes, zero_stage) in [(3, 1), (4, 2), (1, 0), (2, 0)] {
+        let resumed: Vec<HandLoopReport> =
+            launch(TEST, processes, &resume(processes, zero_stage), &[])
+                .assert_success()
+                .reports(processes);
+        for r in &resumed {
+            assert_eq!(bits(&r.parameters), bits(&resumed[0].parameters));
+        }
+        let d = max_relative_difference(&resumed[0].parameters, &whole[0].parameters);
+        assert!(
+            d < 1e-5,
+            "{processes} processes at stage {zero_stage}: {d:e}"
+        );
+    }
+    // Without its optimizer state the resumed run would differ: the check can fail.
+    let fresh: Vec<HandLoopReport> = launch(TEST, 2, &args(2, 2, 1), &[])
+        .assert_success()
+        .reports(2);
+    assert!(max_relative_difference(&fresh[0].parameters, &whole[0].parameters) > 1e-3);
+    harness::clean(&dir);
 }
 
 // ---------------------------------------------------------------------------------------
