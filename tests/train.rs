@@ -124,16 +124,27 @@ mod flex {
     }
 
     #[test]
-    fn a_zero_stage_is_refused_not_ignored() {
+    fn a_zero_stage_over_the_devices_of_one_process_is_refused_not_ignored() {
+        use burn::data::dataset::InMemDataset;
         use burn_accelerate::AccelerateConfig;
+        use burn_accelerate::data::{DataLoaderConfig, ShardLoaderBuilder};
         use burn_accelerate::distributed::ZeroStage;
         use burn_accelerate::train::AccelerateStrategy;
-        use burn_accelerate::train::demo::MlpComponents;
+        use burn_accelerate::train::demo::{BlobBatcher, Mlp, MlpComponents, blobs};
+        type B = Autodiff<Flex>;
+        let device = Default::default();
+        let shards = ShardLoaderBuilder::new(
+            DataLoaderConfig::new(8),
+            InMemDataset::new(blobs(16, 1)),
+            BlobBatcher,
+        )
+        .build(&[device, device])
+        .unwrap();
         let config = AccelerateConfig::new().with_zero_stage(ZeroStage::Gradients);
-        let err =
-            AccelerateStrategy::<MlpComponents<Autodiff<Flex>>>::new(config, &Default::default())
-                .err()
-                .expect("refused");
+        let model = Mlp::<B>::new(4, &device);
+        let err = AccelerateStrategy::<MlpComponents<B>>::data_parallel(config, shards, &model)
+            .err()
+            .expect("refused");
         assert!(
             matches!(
                 err,
@@ -144,7 +155,7 @@ mod flex {
             ),
             "{err}"
         );
-        assert!(err.to_string().contains("hand-written loops"), "{err}");
+        assert!(err.to_string().contains("shard across processes"), "{err}");
     }
 
     #[test]

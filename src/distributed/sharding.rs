@@ -20,10 +20,14 @@ use serde::{Deserialize, Serialize};
 /// Parameters stay whole on every process (ZeRO stage 3, FSDP's `FULL_SHARD`, is not
 /// offered).
 ///
-/// Where it runs: the [`Accelerator`](crate::Accelerator)'s hand-written loops
-/// (`AccelerateConfig::with_zero_stage`); `with_accelerate` refuses a stage for now. An
-/// optimizer's record then holds the process's own partition's state only: save it on every
-/// process (consolidating it on the main process is not offered yet).
+/// Where it runs: the [`Accelerator`](crate::Accelerator)'s hand-written loops and
+/// `with_accelerate` (`AccelerateConfig::with_zero_stage`), across processes (a
+/// data-parallel strategy over one process's devices refuses a stage). Each process's
+/// optimizer then holds its own partition's state only; checkpoints hold the whole state,
+/// merged on the main process ([`consolidate_state`](crate::distributed::consolidate_state);
+/// `with_accelerate` does it for Burn's checkpoints, a hand-written loop calls
+/// `Accelerator::consolidate_optimizer_record`), so a run resumes at any stage on any number
+/// of processes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum ZeroStage {
     /// Data parallel: every process steps the whole model.

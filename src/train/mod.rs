@@ -52,6 +52,15 @@
 //! every process the same directory); every process restores them, and stops when the main
 //! process's early stopping says so.
 //!
+//! With a ZeRO stage ([`AccelerateConfig::zero_stage`], see
+//! [`ZeroStage`](crate::distributed::ZeroStage)), each process's optimizer steps and keeps
+//! state for its own partition of the parameters, and the updated parameters are shared back
+//! after each step; at stage 2 each process keeps only its partition's averaged gradients,
+//! and an overflow in any partition skips the step on every process. Burn's checkpoints hold
+//! the whole optimizer state, gathered on the main process before it writes, so a run
+//! resumes at any stage and on any number of processes. The optimizer's record must keep its
+//! state per parameter ([`ParamStateRecord`]: every Burn optimizer's does).
+//!
 //! Burn's own DDP (`ExecutionStrategy::DistributedDataParallel`) is not used: its gradient
 //! all-reduce is `DistributedBackend::all_reduce`, which only cubecl's CUDA runtime
 //! implements (NCCL), and which Flex and NdArray do not implement at all.
@@ -59,6 +68,7 @@
 pub mod demo;
 pub mod metrics;
 mod replicas;
+mod sharded;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -66,26 +76,29 @@ use std::sync::{Arc, Mutex, PoisonError};
 use burn::config::Config;
 
 use burn::data::dataloader::{DataLoaderIterator, Progress};
-use burn::module::AutodiffModule;
+use burn::module::{AutodiffModule, Module};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Device, Tensor};
 use burn::train::{
     EventProcessorTraining, InferenceStep, Interrupter, Learner, LearnerEvent,
-    LearningComponentsTypes, SupervisedLearningStrategy, SupervisedTraining,
-    SupervisedTrainingEventProcessor, TrainLoader, TrainingBackend, TrainingComponents,
-    TrainingItem, TrainingModel, TrainingStrategy, ValidLoader,
+    LearnerOptimizerRecord, LearningComponentsTypes, SupervisedLearningStrategy,
+    SupervisedTraining, SupervisedTrainingEventProcessor, TrainLoader, TrainingBackend,
+    TrainingComponents, TrainingItem, TrainingModel, TrainingStrategy, ValidLoader,
 };
 
 use crate::autocast::{self, Autocast};
 use crate::data::{DataLoaderError, LoaderState, ShardLoader};
-use crate::distributed::{self, ProcessGroup, ProcessState};
+use crate::distributed::{
+    self, ParamStateRecord, Partition, ProcessGroup, ProcessState, ZeroStage,
+};
 use crate::gradient_state::GradientState;
 use crate::grads;
 use crate::placement::check_data_parallel;
 use crate::scaler::{ArmedLossScale, LossScale};
 use crate::{AccelerateConfig, AccelerateError, AcceleratorState, Precision};
 use replicas::{DeviceWorkers, StepInput};
+use sharded::OptimizerTap;
 
 /// Adds [`with_accelerate`](WithAccelerate::with_accelerate) to Burn's training builder.
 pub trait WithAccelerate<LC: LearningComponentsTypes>: Sized {
@@ -94,7 +107,11 @@ pub trait WithAccelerate<LC: LearningComponentsTypes>: Sized {
     fn with_accelerate(self, strategy: AccelerateStrategy<LC>) -> Self;
 }
 
-impl<LC: LearningComponentsTypes + 'static> WithAccelerate<LC> for SupervisedTraining<LC> {
+impl<LC> WithAccelerate<LC> for SupervisedTraining<LC>
+where
+    LC: LearningComponentsTypes + 'static,
+    LearnerOptimizerRecord<LC>: ParamStateRecord<TrainingBackend<LC>>,
+{
     fn with_accelerate(self, strategy: AccelerateStrategy<LC>) -> Self {
         self.with_training_strategy(TrainingStrategy::Custom(Arc::new(strategy)))
     }
@@ -310,9 +327,8 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
     /// A strategy training on `device` as `config` says.
     ///
     /// # Errors
-    /// [`AccelerateError::InvalidConfig`] for zero accumulation steps, an invalid scaler
-    /// setting, or a ZeRO stage (sharded training is the [`Accelerator`](crate::Accelerator)'s
-    /// for now); [`AccelerateError::UnsupportedPrecision`] when the device cannot run
+    /// [`AccelerateError::InvalidConfig`] for zero accumulation steps or an invalid scaler
+    /// setting; [`AccelerateError::UnsupportedPrecision`] when the device cannot run
     /// `mixed_precision` and `allow_fallback` is off;
     /// [`AccelerateError::NotAccelerated`] for bf16 or f16 on a training backend that is not
     /// [`Accelerated`](crate::Accelerated) (autocast would do nothing there);
@@ -322,16 +338,6 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
         config: AccelerateConfig,
         device: &Device<TrainingBackend<LC>>,
     ) -> Result<Self, AccelerateError> {
-        if config.zero_stage != crate::distributed::ZeroStage::None {
-            // Refused, not ignored: Burn's checkpoints here would save only the main
-            // process's partition of the optimizer state.
-            return Err(AccelerateError::InvalidConfig {
-                field: "zero_stage",
-                value: format!("{:?}", config.zero_stage),
-                fix: "sharded training runs in the Accelerator's hand-written loops for now; \
-                      with_accelerate trains with ZeroStage::None",
-            });
-        }
         let (autocast, initial_scale) =
             config.init_mixed_precision::<TrainingBackend<LC>>(device)?;
         ensure_accelerated::<TrainingBackend<LC>>(&autocast, device)?;
@@ -396,6 +402,7 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
     /// What [`new`](Self::new) returns, for any of the devices (they must all run the same
     /// precision: autocast is process-wide); [`AccelerateError::InvalidConfig`] when `shards`
     /// is empty or is not one complete set of shards in process order;
+    /// [`AccelerateError::InvalidConfig`] for a ZeRO stage (it shards across processes);
     /// [`AccelerateError::Placement`] ([`SpreadForDataParallel`](crate::placement::PlacementError::SpreadForDataParallel))
     /// when `model`'s parameters live on several devices; [`AccelerateError::InvalidConfig`]
     /// when the process was launched as one of several (run one process per device instead).
@@ -430,6 +437,19 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
                           in its order",
                 });
             }
+        }
+        if config.zero_stage != ZeroStage::None {
+            // Replicas on one process's devices share its one optimizer: nothing to shard.
+            return Err(AccelerateError::InvalidConfig {
+                field: "zero_stage",
+                value: format!(
+                    "{:?} on {} devices of one process",
+                    config.zero_stage,
+                    shards.len()
+                ),
+                fix: "shard across processes (burn-accelerate launch, one device each, with \
+                      AccelerateStrategy::new), or train data-parallel with ZeroStage::None",
+            });
         }
         let devices: Vec<_> = shards.iter().map(|s| s.device().clone()).collect();
         check_data_parallel(model, &devices)?;
@@ -690,11 +710,13 @@ impl Drop for DefaultAutocast {
 }
 
 // The loss scale and the window's gradients, carried across epochs (windows do cross epochs
-// when `sync_with_dataloader` is off).
+// when `sync_with_dataloader` is off), and the parameters' owners when the optimizer is
+// sharded.
 struct Scaling {
     loss_scale: LossScale,
     armed: Option<ArmedLossScale>,
     window: GradientsParams,
+    partition: Option<Partition>,
 }
 
 // The batches of one training step: one per device whose shard still has one (index into the
@@ -722,6 +744,81 @@ fn next_step<LC: LearningComponentsTypes>(
 }
 
 impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
+    // The stage, when it shards anything (several processes).
+    fn sharded(&self) -> Option<(&ProcessGroup, ZeroStage)> {
+        let group = self.group.as_ref()?;
+        distributed::shards(self.config.zero_stage, Some(group))
+            .then_some((group, self.config.zero_stage))
+    }
+
+    // The window's gradients averaged over the processes: whole, or at ZeRO stage 2 this
+    // process's partition's only.
+    fn sync_window(
+        &self,
+        model: &TrainingModel<LC>,
+        scaling: &mut Scaling,
+    ) -> Result<(), distributed::DistributedError> {
+        let Some(group) = &self.group else {
+            return Ok(());
+        };
+        match (self.sharded(), &scaling.partition) {
+            (Some((_, ZeroStage::Gradients)), Some(partition)) => {
+                distributed::reduce_scatter_gradients::<TrainingBackend<LC>, _>(
+                    group,
+                    model,
+                    &mut scaling.window,
+                    partition,
+                )
+            }
+            _ => distributed::all_reduce_gradients::<TrainingBackend<LC>, _>(
+                group,
+                model,
+                &mut scaling.window,
+            ),
+        }
+    }
+
+    // At stage 2 each process checked its own partition: an inf in any skips the step on
+    // every process (ShardedGradScaler). Elsewhere every process checked the same gradients.
+    fn agree_on_overflow(&self, found_inf: bool) -> Result<bool, distributed::DistributedError> {
+        let Some((group, ZeroStage::Gradients)) = self.sharded() else {
+            return Ok(found_inf);
+        };
+        let mut any = [u32::from(found_inf)];
+        group.all_reduce(&mut any, distributed::ReduceOp::Sum)?;
+        Ok(any[0] > 0)
+    }
+
+    // The optimizer's step; sharded, on this process's partition only, after which every
+    // parameter comes from its owner.
+    fn optimizer_step(
+        &self,
+        learner: &mut Learner<LC>,
+        mut grads: GradientsParams,
+        scaling: &Scaling,
+    ) -> Result<(), distributed::DistributedError> {
+        let (Some((group, stage)), Some(partition)) = (self.sharded(), &scaling.partition) else {
+            learner.optimizer_step(grads);
+            return Ok(());
+        };
+        if stage == ZeroStage::OptimizerState {
+            distributed::keep_own::<TrainingBackend<LC>, _>(
+                &learner.model(),
+                &mut grads,
+                partition,
+                group.rank(),
+            );
+        }
+        learner.optimizer_step(grads);
+        let model = distributed::share_parameters::<TrainingBackend<LC>, _>(
+            group,
+            learner.model(),
+            partition,
+        )?;
+        learner.load_model(model.into_record());
+        Ok(())
+    }
+
     #[allow(clippy::too_many_arguments)] // the pieces of Burn's loop, as its own epoch takes
     fn train_epoch(
         &self,
@@ -784,16 +881,10 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
             }
 
             if batch.sync_gradients() {
-                if let Some(group) = &self.group {
+                if let Err(err) = self.sync_window(&model, scaling) {
                     // Burn's `fit` has no error channel; a process that left ends this one
                     // too, with the reason.
-                    if let Err(err) = distributed::all_reduce_gradients::<TrainingBackend<LC>, _>(
-                        group,
-                        &model,
-                        &mut scaling.window,
-                    ) {
-                        panic!("burn-accelerate: cannot average the gradients: {err}");
-                    }
+                    panic!("burn-accelerate: cannot average the gradients: {err}");
                 }
                 let window = batch.window_batches();
                 let divisor = if self.config.divide_partial_window_by_length && window < steps {
@@ -817,6 +908,9 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
                     grads::scale::<TrainingBackend<LC>, _>(&model, &mut scaling.window, factor);
                     false
                 };
+                let found_inf = self.agree_on_overflow(found_inf).unwrap_or_else(|err| {
+                    panic!("burn-accelerate: cannot agree on skipping the step: {err}")
+                });
                 scaling.loss_scale = scaling.loss_scale.adjust(found_inf);
                 if let Some(armed) = &scaling.armed {
                     armed.set(scaling.loss_scale.loss_scale());
@@ -833,7 +927,9 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
                 } else {
                     learner.lr_step();
                     report.scheduler_steps += 1;
-                    learner.optimizer_step(grads);
+                    if let Err(err) = self.optimizer_step(learner, grads, scaling) {
+                        panic!("burn-accelerate: cannot share the updated parameters: {err}");
+                    }
                     report.optimizer_steps += 1;
                 }
             }
@@ -891,7 +987,11 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
     }
 }
 
-impl<LC: LearningComponentsTypes> SupervisedLearningStrategy<LC> for AccelerateStrategy<LC> {
+impl<LC> SupervisedLearningStrategy<LC> for AccelerateStrategy<LC>
+where
+    LC: LearningComponentsTypes,
+    LearnerOptimizerRecord<LC>: ParamStateRecord<TrainingBackend<LC>>,
+{
     fn fit(
         &self,
         training_components: TrainingComponents<LC>,
@@ -943,11 +1043,25 @@ impl<LC: LearningComponentsTypes> SupervisedLearningStrategy<LC> for AccelerateS
         // After the default is set, so the workers start in the fit's precision too.
         let workers =
             (devices.len() > 1).then(|| DeviceWorkers::<LC>::start(&devices, self.autocast));
+        // Sharded, this process's optimizer keeps its partition's state only (a resumed run's
+        // learner was just given the whole state), and the tap reads it for checkpoints.
+        let mut tap = self.sharded().map(|_| OptimizerTap::<LC>::new());
+        let partition = match (self.sharded(), tap.as_mut()) {
+            (Some((group, _)), Some(tap)) => {
+                let partition =
+                    Partition::of::<TrainingBackend<LC>, _>(&learner.model(), group.world_size());
+                let whole = tap.record(&learner, &training_components.event_store);
+                learner.load_optim(distributed::keep_own_state(whole, &partition, group.rank()));
+                Some(partition)
+            }
+            _ => None,
+        };
         let mut scaling = Scaling {
             armed: (loss_scale != LossScale::None)
                 .then(|| ArmedLossScale::arm(loss_scale.loss_scale())),
             loss_scale,
             window: GradientsParams::new(),
+            partition,
         };
 
         for epoch in starting_epoch..=training_components.num_epochs {
@@ -990,12 +1104,38 @@ impl<LC: LearningComponentsTypes> SupervisedLearningStrategy<LC> for AccelerateS
                 );
             }
             // Only the main process writes: every process holds the same model, and they
-            // share the directory.
+            // share the directory. Sharded, it first gathers the whole optimizer state, so
+            // that the checkpoint is the one a stage 0 run writes.
+            let own = match (self.sharded(), tap.as_mut(), &checkpointer) {
+                (Some((group, _)), Some(tap), Some(_)) => {
+                    // Read twice: records need not be `Clone`, and their tensors are shared.
+                    let own = tap.record(&learner, &training_components.event_store);
+                    let part = tap.record(&learner, &training_components.event_store);
+                    let whole = distributed::consolidate_state::<TrainingBackend<LC>, _, _>(
+                        group,
+                        &learner.model(),
+                        part,
+                        0,
+                        &self.device,
+                    )
+                    .unwrap_or_else(|err| {
+                        panic!("burn-accelerate: cannot gather the optimizer state: {err}")
+                    });
+                    if let Some(whole) = whole {
+                        learner.load_optim(whole);
+                    }
+                    Some(own)
+                }
+                _ => None,
+            };
             if let Some(checkpointer) = checkpointer
                 .as_mut()
                 .filter(|_| self.process.is_main_process())
             {
                 checkpointer.checkpoint(&learner, epoch, &training_components.event_store);
+                if let Some(own) = own {
+                    learner.load_optim(own);
+                }
                 if let Some(dir) = &self.checkpoint_dir
                     && let Err(err) = self.checkpoint(&scaling).save_epoch(dir, epoch)
                 {

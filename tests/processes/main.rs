@@ -605,6 +605,7 @@ mod supervised {
     use burn::train::metric::LossMetric;
     use burn::train::metric::store::EventStoreClient;
     use burn::train::{EarlyStoppingStrategy, Learner, SupervisedTraining};
+    use burn_accelerate::distributed::ZeroStage;
     use burn_accelerate::train::demo::{BlobBatcher, Mlp, MlpComponents, QuietRenderer, blobs};
     use burn_accelerate::train::{AccelerateStrategy, WithAccelerate};
 
@@ -624,6 +625,13 @@ mod supervised {
         /// Stop after epoch 2, as decided on the main process alone.
         #[serde(default)]
         pub early_stopping: bool,
+        /// The ZeRO stage (DeepSpeed's number).
+        #[serde(default)]
+        pub zero_stage: u8,
+        /// f16 starts at a loss scale of 2^30, so that its first steps overflow and are
+        /// skipped, and grows it every 4 steps.
+        #[serde(default)]
+        pub f16: bool,
     }
 
     #[derive(Debug, Serialize, Deserialize)]
@@ -634,6 +642,8 @@ mod supervised {
         /// Burn's logged validation losses, per epoch (none where the process did not
         /// validate).
         pub valid_losses: Vec<Vec<f64>>,
+        pub skipped_steps: usize,
+        pub loss_scale: f32,
     }
 
     /// Stops after an epoch, on the main process only: Burn's own strategies read metrics the
@@ -663,11 +673,19 @@ mod supervised {
         let valid = DataLoaderBuilder::<Accelerated<Flex>, _, _>::new(BlobBatcher)
             .batch_size(64)
             .build(InMemDataset::new(blobs(64, 2)));
-        let mut strategy = AccelerateStrategy::<Components>::new(
-            AccelerateConfig::new().with_gradient_accumulation_steps(args.grad_accum),
-            &device,
-        )
-        .unwrap();
+        let mut config = AccelerateConfig::new()
+            .with_gradient_accumulation_steps(args.grad_accum)
+            .with_zero_stage(ZeroStage::from_number(args.zero_stage).unwrap());
+        if args.f16 {
+            config = config
+                .with_mixed_precision(Precision::F16)
+                .with_grad_scaler(
+                    burn_accelerate::scaler::GradScalerConfig::new()
+                        .with_init_scale(2f64.powi(30))
+                        .with_growth_interval(4),
+                );
+        }
+        let mut strategy = AccelerateStrategy::<Components>::new(config, &device).unwrap();
         let dir = match &args.dir {
             Some(dir) => {
                 strategy = strategy
@@ -723,6 +741,8 @@ mod supervised {
             optimizer_steps: stats.optimizer_steps(),
             epochs: stats.epochs.iter().map(|e| e.epoch).collect(),
             valid_losses,
+            skipped_steps: stats.skipped_steps(),
+            loss_scale: stats.loss_scale.loss_scale(),
         }
     }
 }
@@ -741,6 +761,8 @@ fn supervised_training_on_processes_matches_one_process() {
             dir: None,
             resume_from: None,
             early_stopping: false,
+            zero_stage: 0,
+            f16: false,
         };
         let single: Vec<supervised::RunReport> =
             launch(TEST, 1, &run(1), &[]).assert_success().reports(1);
@@ -767,6 +789,8 @@ fn the_main_process_validates_as_one_process_would_and_decides_early_stopping() 
         dir: None,
         resume_from: None,
         early_stopping: true,
+        zero_stage: 0,
+        f16: false,
     };
     let single: Vec<supervised::RunReport> =
         launch(TEST, 1, &run(1), &[]).assert_success().reports(1);
@@ -808,6 +832,8 @@ fn a_resumed_run_of_processes_ends_where_the_uninterrupted_one_did() {
         dir: Some(dir.clone()),
         resume_from,
         early_stopping: false,
+        zero_stage: 0,
+        f16: false,
     };
     let whole_dir = dir("whole");
     let whole: Vec<supervised::RunReport> = launch(TEST, 2, &run(2, 3, &whole_dir, None), &[])
@@ -859,6 +885,107 @@ fn a_resumed_run_of_processes_ends_where_the_uninterrupted_one_did() {
         "{}",
         refused.stderr
     );
+    harness::clean(&whole_dir);
+    harness::clean(&parts_dir);
+}
+
+#[test]
+fn sharded_supervised_training_ends_where_stage_0_does() {
+    const TEST: &str = "sharded_supervised_training_ends_where_stage_0_does";
+    if let Some(args) = worker::<supervised::Run>() {
+        return report(&supervised::train(&args));
+    }
+    // Adam through Burn's Learner; f16 with steps skipped on overflow and the scale growing.
+    for (processes, f16) in [(2, false), (2, true), (4, false)] {
+        let run = |zero_stage: u8| supervised::Run {
+            batch_size: 32 / processes,
+            grad_accum: 2,
+            epochs: 2,
+            dir: None,
+            resume_from: None,
+            early_stopping: false,
+            zero_stage,
+            f16,
+        };
+        let runs: Vec<Vec<supervised::RunReport>> = (0..3)
+            .map(|stage| {
+                launch(TEST, processes, &run(stage), &[])
+                    .assert_success()
+                    .reports(processes)
+            })
+            .collect();
+        let stage0 = &runs[0][0];
+        if f16 {
+            assert!(stage0.skipped_steps > 0, "no step overflowed");
+        }
+        for (stage, reports) in runs.iter().enumerate() {
+            for (rank, r) in reports.iter().enumerate() {
+                let what = format!("{processes} processes, f16 {f16}, stage {stage}, rank {rank}");
+                assert_eq!(r.optimizer_steps, stage0.optimizer_steps, "{what}");
+                assert_eq!(r.skipped_steps, stage0.skipped_steps, "{what}");
+                assert_eq!(r.loss_scale, stage0.loss_scale, "{what}");
+                assert_eq!(bits(&r.parameters), bits(&reports[0].parameters), "{what}");
+                // Sums of two values do not depend on their order; stage 2 sums four in
+                // another order than stage 0's all-reduce.
+                if stage == 1 || processes == 2 {
+                    assert_eq!(bits(&r.parameters), bits(&stage0.parameters), "{what}");
+                } else {
+                    let d = max_relative_difference(&r.parameters, &stage0.parameters);
+                    assert!(d < 1e-5, "{what}: {d:e}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_sharded_supervised_run_resumes_on_other_process_counts_and_stages() {
+    const TEST: &str = "a_sharded_supervised_run_resumes_on_other_process_counts_and_stages";
+    if let Some(args) = worker::<supervised::Run>() {
+        return report(&supervised::train(&args));
+    }
+    let run = |processes: usize, zero_stage: u8, epochs: usize, dir: &PathBuf, resume_from| {
+        supervised::Run {
+            batch_size: 32 / processes,
+            grad_accum: 1,
+            epochs,
+            dir: Some(dir.clone()),
+            resume_from,
+            early_stopping: false,
+            zero_stage,
+            f16: false,
+        }
+    };
+    let whole_dir = harness::scratch_dir("sharded-resume-whole");
+    let whole: Vec<supervised::RunReport> = launch(TEST, 2, &run(2, 2, 3, &whole_dir, None), &[])
+        .assert_success()
+        .reports(2);
+    let parts_dir = harness::scratch_dir("sharded-resume-parts");
+    launch(TEST, 2, &run(2, 2, 2, &parts_dir, None), &[]).assert_success();
+    // The same processes and stage: bit for bit.
+    let same: Vec<supervised::RunReport> = launch(TEST, 2, &run(2, 2, 3, &parts_dir, Some(2)), &[])
+        .assert_success()
+        .reports(2);
+    assert_eq!(same[0].epochs, [3]);
+    for r in &same {
+        assert_eq!(bits(&r.parameters), bits(&whole[0].parameters));
+    }
+    // Re-partitioned: the whole optimizer state was saved, whatever each process held.
+    for (processes, zero_stage) in [(4, 1), (1, 0), (4, 2)] {
+        let resumed: Vec<supervised::RunReport> = launch(
+            TEST,
+            processes,
+            &run(processes, zero_stage, 3, &parts_dir, Some(2)),
+            &[],
+        )
+        .assert_success()
+        .reports(processes);
+        let d = max_relative_difference(&resumed[0].parameters, &whole[0].parameters);
+        assert!(
+            d < 1e-5,
+            "{processes} processes at stage {zero_stage}: {d:e}"
+        );
+    }
     harness::clean(&whole_dir);
     harness::clean(&parts_dir);
 }
