@@ -4,6 +4,7 @@
 //! ```text
 //! cargo run --release --example train_mlp -- --precision bf16 --grad-accum 2 --epochs 8 --seed 42
 //! burn-accelerate launch --num-processes 2 -- target/release/examples/train_mlp --batch-size 32
+//! burn-accelerate launch --num-processes 4 -- target/release/examples/train_mlp --zero-stage 2
 //! ```
 //!
 //! The last line printed (by the main process only, under the launcher) is
@@ -13,7 +14,7 @@
 use std::process::ExitCode;
 
 use burn::backend::Autodiff;
-use burn_accelerate::distributed::ProcessState;
+use burn_accelerate::distributed::{ProcessState, ZeroStage};
 use burn_accelerate::train::demo::{self, DemoConfig, DemoOutcome};
 use burn_accelerate::{Accelerated, Precision};
 use clap::{Parser, ValueEnum};
@@ -40,6 +41,10 @@ struct Args {
     /// The backend (among those compiled in).
     #[arg(long, value_enum, default_value_t = BackendName::Flex)]
     backend: BackendName,
+    /// Shards the training state across processes as DeepSpeed's ZeRO stage does: 0 data
+    /// parallel, 1 the optimizer state, 2 also the gradients.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
+    zero_stage: u8,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -80,7 +85,8 @@ fn main() -> ExitCode {
         .with_grad_accum(args.grad_accum as usize)
         .with_epochs(args.epochs)
         .with_seed(args.seed)
-        .with_batch_size(args.batch_size as usize);
+        .with_batch_size(args.batch_size as usize)
+        .with_zero_stage(ZeroStage::from_number(args.zero_stage).expect("0, 1 or 2 by clap"));
     let main_process = match ProcessState::from_env() {
         Ok(state) => state.is_main_process(),
         Err(err) => {

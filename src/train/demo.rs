@@ -29,7 +29,7 @@ use burn::train::{
 use super::metrics::AccelerateMetric;
 use super::{AccelerateStrategy, TrainingStats, WithAccelerate};
 use crate::data::{DataLoaderConfig, ShardLoaderBuilder};
-use crate::distributed::ProcessState;
+use crate::distributed::{ProcessState, ZeroStage};
 use crate::scaler::GradScalerConfig;
 use crate::{AccelerateConfig, AccelerateError, Precision};
 
@@ -280,6 +280,9 @@ pub struct DemoConfig {
     /// The loss scale to start from (f16), instead of torch's 2^16; a huge one makes the
     /// first steps overflow, to watch the scaler back off.
     pub init_scale: Option<f64>,
+    /// How the training state is sharded across processes.
+    #[config(default = "ZeroStage::None")]
+    pub zero_stage: ZeroStage,
 }
 
 /// What a demo run ended with.
@@ -330,7 +333,8 @@ pub fn run<B: AutodiffBackend>(
     let accelerate = AccelerateConfig::new()
         .with_mixed_precision(config.precision)
         .with_gradient_accumulation_steps(config.grad_accum)
-        .with_allow_fallback(config.allow_fallback);
+        .with_allow_fallback(config.allow_fallback)
+        .with_zero_stage(config.zero_stage);
     let accelerate = match config.init_scale {
         Some(scale) => accelerate.with_grad_scaler(GradScalerConfig::new().with_init_scale(scale)),
         None => accelerate,

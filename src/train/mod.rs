@@ -53,7 +53,7 @@
 //! process's early stopping says so.
 //!
 //! With a ZeRO stage ([`AccelerateConfig::zero_stage`], see
-//! [`ZeroStage`](crate::distributed::ZeroStage)), each process's optimizer steps and keeps
+//! [`ZeroStage`]), each process's optimizer steps and keeps
 //! state for its own partition of the parameters, and the updated parameters are shared back
 //! after each step; at stage 2 each process keeps only its partition's averaged gradients,
 //! and an overflow in any partition skips the step on every process. Burn's checkpoints hold
