@@ -786,38 +786,42 @@ fn the_main_process_validates_as_one_process_would_and_decides_early_stopping() 
     if let Some(args) = worker::<supervised::Run>() {
         return report(&supervised::train(&args));
     }
-    let run = |processes: usize| supervised::Run {
+    let run = |processes: usize, zero_stage: u8| supervised::Run {
         batch_size: 32 / processes,
         grad_accum: 1,
         epochs: 4,
         dir: None,
         resume_from: None,
         early_stopping: true,
-        zero_stage: 0,
+        zero_stage,
         f16: false,
     };
     let single: Vec<supervised::RunReport> =
-        launch(TEST, 1, &run(1), &[]).assert_success().reports(1);
-    let reports: Vec<supervised::RunReport> =
-        launch(TEST, 2, &run(2), &[]).assert_success().reports(2);
-    // Every process stops after epoch 2, though only the main one decided so.
+        launch(TEST, 1, &run(1, 0), &[]).assert_success().reports(1);
     assert_eq!(single[0].epochs, [1, 2]);
-    for r in &reports {
-        assert_eq!(r.epochs, [1, 2]);
-    }
-    // The main process logged what one process logs; the other did not validate.
-    let (main, other) = (&reports[0].valid_losses, &reports[1].valid_losses);
-    assert_eq!(main.len(), 2);
-    assert!(other.iter().all(Vec::is_empty), "{other:?}");
-    for (epoch, (got, want)) in main.iter().zip(&single[0].valid_losses).enumerate() {
-        assert!(!want.is_empty());
-        assert_eq!(got.len(), want.len(), "epoch {}", epoch + 1);
-        for (g, w) in got.iter().zip(want) {
-            assert!(
-                (g - w).abs() <= 1e-5 * w.abs(),
-                "epoch {}: {g} vs {w}",
-                epoch + 1
-            );
+    // Data parallel, and with the optimizer and gradients sharded.
+    for zero_stage in [0, 2] {
+        let reports: Vec<supervised::RunReport> = launch(TEST, 2, &run(2, zero_stage), &[])
+            .assert_success()
+            .reports(2);
+        // Every process stops after epoch 2, though only the main one decided so.
+        for r in &reports {
+            assert_eq!(r.epochs, [1, 2], "stage {zero_stage}");
+        }
+        // The main process logged what one process logs; the other did not validate.
+        let (main, other) = (&reports[0].valid_losses, &reports[1].valid_losses);
+        assert_eq!(main.len(), 2);
+        assert!(other.iter().all(Vec::is_empty), "{other:?}");
+        for (epoch, (got, want)) in main.iter().zip(&single[0].valid_losses).enumerate() {
+            assert!(!want.is_empty());
+            assert_eq!(got.len(), want.len(), "epoch {}", epoch + 1);
+            for (g, w) in got.iter().zip(want) {
+                assert!(
+                    (g - w).abs() <= 1e-5 * w.abs(),
+                    "stage {zero_stage}, epoch {}: {g} vs {w}",
+                    epoch + 1
+                );
+            }
         }
     }
 }
