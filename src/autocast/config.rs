@@ -36,10 +36,11 @@ pub struct AutocastConfig {
     #[config(default = "DelayedScaling::default()")]
     pub fp8_recipe: DelayedScaling,
     /// Which lower-class ops run in f32 because they are too small for the half type to pay
-    /// (see [`SmallOps`]): by default those below the threshold the probe measured, unlike
-    /// PyTorch, which casts every one ([`SmallOps::Cast`]). Process-wide once `init` succeeds.
-    #[config(default = "SmallOps::KeepF32")]
-    pub small_ops: SmallOps,
+    /// (see [`SmallOps`]), made the process's rule by `init`. `None` (the default) leaves the
+    /// rule in force: [`SmallOps::KeepF32`] (those below the threshold the probe measured)
+    /// unless [`set_small_ops`] changed it. PyTorch casts every one: [`SmallOps::Cast`].
+    #[config(default = "None")]
+    pub small_ops: Option<SmallOps>,
 }
 
 impl AutocastConfig {
@@ -59,7 +60,7 @@ impl AutocastConfig {
     ///   without a registered fp8 cast;
     /// - [`AccelerateError::InvalidConfig`] for an invalid `small_ops` ([`SmallOps::validate`]).
     ///
-    /// It also makes `small_ops` the process's rule ([`set_small_ops`]).
+    /// It also makes `small_ops`, if set, the process's rule ([`set_small_ops`]).
     ///
     /// ```
     /// use burn_accelerate::fp8::{DelayedScaling, Fp8Mode};
@@ -76,7 +77,9 @@ impl AutocastConfig {
     /// # }
     /// ```
     pub fn init<B: Backend>(&self, device: &B::Device) -> Result<Autocast, AccelerateError> {
-        self.small_ops.validate()?;
+        if let Some(rule) = self.small_ops {
+            rule.validate()?;
+        }
         if self.precision.fp8_mode().is_some() {
             self.fp8_recipe.validate()?;
             if fp8::needs_registration::<B>(device) {
@@ -96,7 +99,9 @@ impl AutocastConfig {
                 Precision::F32
             }
         };
-        set_small_ops(self.small_ops)?;
+        if let Some(rule) = self.small_ops {
+            set_small_ops(rule)?;
+        }
         Ok(Autocast {
             requested: self.precision,
             effective,

@@ -32,7 +32,9 @@ pub use config::{Autocast, AutocastConfig};
 pub use ops::Op;
 pub use plan::{CastInput, CastPlan};
 pub use policy::{OpClass, op_class, reset_op_classes, set_op_class};
-pub use small_ops::{SMALL_OP_TIME, SmallOps, estimated_flops, set_small_ops, small_ops};
+pub use small_ops::{
+    SMALL_OP_TIME, SmallOps, applies_to, estimated_flops, set_small_ops, small_ops,
+};
 
 use core::cell::Cell;
 use core::marker::PhantomData;

@@ -7,12 +7,19 @@
 //! (products of 32 rows) trained 1.8–4.4× slower under bf16 autocast than in f32 on Flex
 //! (BENCHMARKS.md, issue 28).
 //!
-//! So, by default ([`SmallOps::KeepF32`]), a lower-class op whose work is below a threshold
-//! runs as an fp32-class op does: its half inputs are cast up to f32 (f32 inputs are left
+//! So, by default ([`SmallOps::KeepF32`]), a lower-class op with a parameter (linear, the
+//! convolutions, prelu: [`applies_to`]) whose work is below a threshold runs as an fp32-class
+//! op does: its half inputs are cast up to f32 (f32 inputs are left
 //! alone) and **its result is f32**, bit for bit the op's f32 result. Downstream ops see an
 //! f32 tensor, as after any fp32-class op; a promote-class op that meets it and a half tensor
 //! runs in f32. Numerically such ops are more precise than PyTorch's, never less: they stay
 //! f32.
+//!
+//! A bare matmul and attention are cast whatever their size, as PyTorch does: their operands
+//! are usually activations that earlier lower-class ops already made half (attention's
+//! queries, keys and values), where keeping them in f32 would add casts instead of saving
+//! them. (The training hook also recognises the decorator by the dtype of a tiny matmul under
+//! autocast.)
 //!
 //! The work is the op's flops, estimated from its inputs' shapes ([`estimated_flops`]). The
 //! threshold is a cost model calibrated by the capability probe: the flops the device's f32
@@ -25,7 +32,7 @@
 //! ```
 //! use burn_accelerate::autocast::{self, Op, SmallOps};
 //!
-//! // An LSTM gate's product at batch 32, hidden 256: 8.4 MFLOP.
+//! // An LSTM gate's linear at batch 32, hidden 256: 8.4 MFLOP.
 //! assert_eq!(autocast::estimated_flops(Op::Linear, &[&[32, 512], &[512, 256]]), Some(8_388_608));
 //! autocast::set_small_ops(SmallOps::KeepF32Below { flops: 1_000_000 }).unwrap();
 //! assert_eq!(autocast::small_ops(), SmallOps::KeepF32Below { flops: 1_000_000 });
@@ -217,6 +224,30 @@ pub fn estimated_flops(op: Op, shapes: &[&[usize]]) -> Option<u64> {
     }
 }
 
+/// Whether the small-op rule may keep `op` in f32: the lower-class ops with a parameter (a
+/// weight autocast casts on every call), not a bare matmul or attention.
+///
+/// ```
+/// use burn_accelerate::autocast::{Op, applies_to};
+///
+/// assert!(applies_to(Op::Linear) && applies_to(Op::Conv2d));
+/// assert!(!applies_to(Op::Matmul) && !applies_to(Op::Attention));
+/// ```
+pub fn applies_to(op: Op) -> bool {
+    matches!(
+        op,
+        Op::Linear
+            | Op::Conv1d
+            | Op::Conv2d
+            | Op::Conv3d
+            | Op::ConvTranspose1d
+            | Op::ConvTranspose2d
+            | Op::ConvTranspose3d
+            | Op::DeformConv2d
+            | Op::Prelu
+    )
+}
+
 /// Whether the rule in force keeps this call of lower-class `op` in f32: its work is below
 /// the threshold (the probe's, for [`SmallOps::KeepF32`]).
 #[inline]
@@ -225,6 +256,9 @@ pub(crate) fn keeps_f32<B: Backend>(
     op: Op,
     inputs: &[CastInput<'_, FloatTensor<B>>],
 ) -> bool {
+    if !applies_to(op) {
+        return false;
+    }
     let threshold = match small_ops() {
         SmallOps::Cast => return false,
         SmallOps::KeepF32 => match capability::probe::<B>(device).min_half_flops {
