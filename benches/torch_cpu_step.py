@@ -5,8 +5,11 @@ one run, on the same thread count, the steps interleaved one by one.
 Our side is `examples/autocast_ab --serve` (built first: `cargo build --release --example
 autocast_ab`), which times one step per precision named on its stdin; this script builds the
 same model in torch, and each round times ours f32, torch's f32, ours bf16, torch's bf16 (the
-order rotating every round), with a short pause between steps so that neither side's idle
-threads still spin while the other runs. Both sides time a step the same way: forward (under
+order rotating every round), with a short pause between variants so that neither side's idle
+threads still spin while the other runs, and `--repeat` steps of a variant in a row of which
+the last is timed (the first after a switch ran 1.5-2x slower on our side: the other process's
+traces in the caches, and its threads). Run torch with `OMP_WAIT_POLICY=PASSIVE`: its OpenMP
+threads otherwise spin on the cores after each step. Both sides time a step the same way: forward (under
 autocast or not), the mean square of the output minus a target, backward, and the gradients
 dropped (`set_to_none`), so a step allocates them afresh, as Burn's does.
 
@@ -18,7 +21,7 @@ Models (as examples/autocast_ab.rs):
 - `lstm`: two bidirectional LSTM layers (hidden `--hidden`), 32 sequences of 10 steps of one
   feature, a linear head on the last step.
 
-    RAYON_NUM_THREADS=2 ~/.cache/burn-accelerate/torch-venv/bin/python \
+    RAYON_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE ~/.cache/burn-accelerate/torch-venv/bin/python \
         benches/torch_cpu_step.py --model mlp --rounds 21 [--threads 2]
 
 Printed: each variant's median and fastest step, and their ratios to torch's step of the same
@@ -115,7 +118,11 @@ def main():
     parser.add_argument("--threads", type=int,
                         default=int(os.environ.get("RAYON_NUM_THREADS", os.cpu_count())))
     parser.add_argument("--pause", type=float, default=0.02,
-                        help="seconds between steps (idle threads stop spinning)")
+                        help="seconds between variants (idle threads stop spinning)")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="steps per variant and round, the last one timed: the first "
+                             "after a switch pays for the other process's traces (caches, "
+                             "its threads waking and sleeping)")
     parser.add_argument("--binary",
                         default=os.path.join(os.environ.get("CARGO_TARGET_DIR",
                                                             os.path.join(ROOT, "target")),
@@ -155,7 +162,9 @@ def main():
         for i in range(len(names)):
             name = names[(i + r) % len(names)]
             time.sleep(args.pause)
-            times[name].append(variants[name]())
+            for _ in range(args.repeat):
+                t = variants[name]()
+            times[name].append(t)
     ours.stdin.close()
     ours.wait()
 
