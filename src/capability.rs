@@ -154,6 +154,11 @@ pub struct Capabilities {
     pub f16_via_f32: bool,
     /// The same for bf16.
     pub bf16_via_f32: bool,
+    /// The flops below which a lower-class op runs in f32 under
+    /// [`SmallOps::KeepF32`](crate::autocast::SmallOps::KeepF32): what the f32 matmul does in
+    /// [`SMALL_OP_TIME`](crate::autocast::SMALL_OP_TIME) at the rate the probe timed. `None`
+    /// where nothing was timed (no half type runs).
+    pub min_half_flops: Option<u64>,
 }
 
 impl Capabilities {
@@ -218,7 +223,7 @@ impl Capabilities {
     /// let gpu = Capabilities {
     ///     f16: true, bf16: true, f16_slowdown: None, bf16_slowdown: None,
     ///     f16_time_pct: Some(30), bf16_time_pct: Some(31),
-    ///     f16_via_f32: false, bf16_via_f32: false,
+    ///     f16_via_f32: false, bf16_via_f32: false, min_half_flops: None,
     /// };
     /// assert_eq!(gpu.fastest(), Precision::Bf16);
     /// let cpu = Capabilities { f16_time_pct: Some(97), bf16_time_pct: Some(85), ..gpu };
@@ -327,6 +332,7 @@ pub fn probe<B: Backend>(device: &B::Device) -> Capabilities {
             bf16_time_pct: timed.bf16.map(|t| t.time_pct),
             f16_via_f32: timed.f16.is_some_and(|t| t.via_f32),
             bf16_via_f32: timed.bf16.is_some_and(|t| t.via_f32),
+            min_half_flops: timed.f32.map(min_half_flops),
         };
         cache()
             .write()
@@ -426,6 +432,15 @@ struct Timed {
 struct Timings {
     f16: Option<Timed>,
     bf16: Option<Timed>,
+    // The f32 matmul's time.
+    f32: Option<Duration>,
+}
+
+// The flops the f32 matmul, timed at `f32_time`, does in `SMALL_OP_TIME`.
+fn min_half_flops(f32_time: Duration) -> u64 {
+    let n = TIMED_MATMUL_SIZE as f64;
+    let rate = 2.0 * n * n * n / f32_time.as_secs_f64().max(1e-9);
+    (rate * crate::autocast::SMALL_OP_TIME.as_secs_f64()) as u64
 }
 
 // How much faster than the f32 path the backend's own half matmul must be for autocast to
@@ -481,6 +496,7 @@ fn timings<B: Backend>(device: &B::Device, f16: bool, bf16: bool) -> Timings {
     Timings {
         f16: of(FloatDType::F16),
         bf16: of(FloatDType::BF16),
+        f32: Some(times[0]),
     }
 }
 
@@ -674,6 +690,7 @@ mod tests {
         bf16_time_pct: Some(1200),
         f16_via_f32: false,
         bf16_via_f32: false,
+        min_half_flops: None,
     };
 
     #[test]

@@ -14,6 +14,7 @@ use burn::optim::{Optimizer, SgdConfig};
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Device, Distribution, ElementConversion, Tensor, TensorData};
+use burn_accelerate::autocast::{self, SmallOps};
 use burn_accelerate::{
     AccelerateConfig, AccelerateError, Accelerated, Accelerator, AcceleratorState,
     GradScalerConfig, GradientState, LossScale, Precision, StepOutcome, grads,
@@ -632,6 +633,8 @@ struct F16Run {
 }
 
 fn train_f16(scaler: GradScalerConfig, steps: usize) -> F16Run {
+    // These products are tiny: cast them all, as PyTorch does, so that the forward runs in f16.
+    autocast::set_small_ops(SmallOps::Cast).unwrap();
     let device = Default::default();
     let config = AccelerateConfig::new()
         .with_mixed_precision(Precision::F16)

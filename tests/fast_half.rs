@@ -10,7 +10,9 @@
 //!
 //! The paths are fixed with `capability::set_half_path`, one test at a time (the setting is
 //! the process's): left to the probe's timing, an unoptimised test build of this crate can
-//! find Flex's own kernels faster.
+//! find Flex's own kernels faster. Every lower-class op is cast whatever its size
+//! (`SmallOps::Cast`, PyTorch's rule): these products are small, and the half paths are what
+//! is tested.
 #![cfg(feature = "flex")]
 
 use std::sync::Mutex;
@@ -20,6 +22,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::module::{conv1d, conv2d};
 use burn::tensor::ops::ConvOptions;
 use burn::tensor::{FloatDType, Tensor, TensorData};
+use burn_accelerate::autocast::SmallOps;
 use burn_accelerate::capability::{self, HalfPath};
 use burn_accelerate::{Accelerated, Precision, autocast};
 
@@ -95,6 +98,7 @@ fn on_path<R>(path: HalfPath, run: impl FnOnce() -> R) -> R {
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
     capability::set_half_path(path);
+    autocast::set_small_ops(SmallOps::Cast).expect("a valid rule");
     run()
 }
 

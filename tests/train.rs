@@ -6,6 +6,7 @@
 use std::sync::Mutex;
 
 use burn::backend::Autodiff;
+use burn_accelerate::autocast::{self, SmallOps};
 use burn_accelerate::train::demo::{self, DemoConfig, DemoOutcome};
 use burn_accelerate::{AccelerateError, Accelerated, Precision};
 
@@ -15,6 +16,9 @@ fn train<B: burn::tensor::backend::AutodiffBackend>(
     config: &DemoConfig,
 ) -> Result<DemoOutcome, AccelerateError> {
     let _one = ONE_TRAINING.lock().unwrap_or_else(|e| e.into_inner());
+    // The demo's model is tiny: cast all its lower-class ops (PyTorch's rule), so that the
+    // half precisions and their loss scaling are what is tested.
+    autocast::set_small_ops(SmallOps::Cast).expect("a valid rule");
     demo::run::<B>(config, &Default::default())
 }
 
@@ -283,6 +287,7 @@ mod burn_machinery {
         strategy: AccelerateStrategy<Components>,
     ) -> (TrainingStats, Vec<f32>) {
         let _one = ONE_TRAINING.lock().unwrap_or_else(|e| e.into_inner());
+        autocast::set_small_ops(SmallOps::Cast).expect("a valid rule");
         let report = strategy.report();
         let model = builder.with_accelerate(strategy).launch(learner()).model;
         let batch = burn::data::dataloader::batcher::Batcher::<Accelerated<Flex>, _, _>::batch(

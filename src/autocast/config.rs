@@ -3,7 +3,7 @@
 use burn::config::Config;
 use burn_backend::Backend;
 
-use super::{AutocastGuard, set_default};
+use super::{AutocastGuard, SmallOps, set_default, set_small_ops};
 use crate::capability::{self, Capabilities};
 use crate::fp8::{self, DelayedScaling};
 use crate::{AccelerateError, Precision};
@@ -35,6 +35,12 @@ pub struct AutocastConfig {
     /// How fp8 tensors are scaled, when `precision` is fp8 (Transformer Engine's defaults).
     #[config(default = "DelayedScaling::default()")]
     pub fp8_recipe: DelayedScaling,
+    /// Which lower-class ops run in f32 because they are too small for the half type to pay
+    /// (see [`SmallOps`]), made the process's rule by `init`. `None` (the default) leaves the
+    /// rule in force: [`SmallOps::KeepF32`] (those below the threshold the probe measured)
+    /// unless [`set_small_ops`] changed it. PyTorch casts every one: [`SmallOps::Cast`].
+    #[config(default = "None")]
+    pub small_ops: Option<SmallOps>,
 }
 
 impl AutocastConfig {
@@ -51,7 +57,10 @@ impl AutocastConfig {
     ///   neither `allow_slow` nor `allow_fallback` is on;
     /// - [`AccelerateError::InvalidFp8Recipe`] for an fp8 precision with an invalid recipe;
     /// - [`AccelerateError::Fp8NotRegistered`] for an fp8 precision on an autodiff backend
-    ///   without a registered fp8 cast.
+    ///   without a registered fp8 cast;
+    /// - [`AccelerateError::InvalidConfig`] for an invalid `small_ops` ([`SmallOps::validate`]).
+    ///
+    /// It also makes `small_ops`, if set, the process's rule ([`set_small_ops`]).
     ///
     /// ```
     /// use burn_accelerate::fp8::{DelayedScaling, Fp8Mode};
@@ -68,6 +77,9 @@ impl AutocastConfig {
     /// # }
     /// ```
     pub fn init<B: Backend>(&self, device: &B::Device) -> Result<Autocast, AccelerateError> {
+        if let Some(rule) = self.small_ops {
+            rule.validate()?;
+        }
         if self.precision.fp8_mode().is_some() {
             self.fp8_recipe.validate()?;
             if fp8::needs_registration::<B>(device) {
@@ -87,6 +99,9 @@ impl AutocastConfig {
                 Precision::F32
             }
         };
+        if let Some(rule) = self.small_ops {
+            set_small_ops(rule)?;
+        }
         Ok(Autocast {
             requested: self.precision,
             effective,

@@ -25,12 +25,16 @@ mod config;
 mod ops;
 mod plan;
 mod policy;
+mod small_ops;
 
 pub use crate::Precision;
 pub use config::{Autocast, AutocastConfig};
 pub use ops::Op;
 pub use plan::{CastInput, CastPlan};
 pub use policy::{OpClass, op_class, reset_op_classes, set_op_class};
+pub use small_ops::{
+    SMALL_OP_TIME, SmallOps, applies_to, estimated_flops, set_small_ops, small_ops,
+};
 
 use core::cell::Cell;
 use core::marker::PhantomData;

@@ -3,6 +3,7 @@
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, DType, FloatDType, TensorMetadata};
 
+use super::small_ops::keeps_f32;
 use super::{Op, OpClass, current, op_class};
 use crate::capability;
 use crate::fp8::Fp8Site;
@@ -54,8 +55,16 @@ impl CastPlan {
                     fp8 = Some(Fp8Site::new(mode, op));
                     Some(FloatDType::F32)
                 }
-                Some(precision) => first_input(inputs)
-                    .map(|t| capability::lower_dtype::<B>(&B::float_device(t), precision, op)),
+                Some(precision) => first_input(inputs).map(|t| {
+                    let device = B::float_device(t);
+                    match capability::lower_dtype::<B>(&device, precision, op) {
+                        // Too small for the half type to pay: run as an fp32-class op.
+                        low if low != FloatDType::F32 && keeps_f32::<B>(&device, op, inputs) => {
+                            FloatDType::F32
+                        }
+                        low => low,
+                    }
+                }),
                 None => None,
             },
         };

@@ -156,6 +156,9 @@ struct HandLoopReport {
 }
 
 fn hand_loop<B: AutodiffBackend>(args: &HandLoop) -> HandLoopReport {
+    // The net is tiny: cast all its lower-class ops (PyTorch's rule), so that f16 overflows.
+    burn_accelerate::autocast::set_small_ops(burn_accelerate::autocast::SmallOps::Cast)
+        .expect("a valid rule");
     if args.adam {
         hand_loop_with::<B, _>(args, burn::optim::AdamConfig::new().init())
     } else {

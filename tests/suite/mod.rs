@@ -18,9 +18,13 @@ use models::{ConvNet, Mlp};
 ///
 /// Backends' random generators are process-wide and tests run in parallel: without the lock
 /// another test's draws interleave with this one's and its data changes from run to run.
+///
+/// The suite checks PyTorch's autocast classes on tiny models, so every lower-class op is cast
+/// whatever its size (`SmallOps::Cast`; the default keeps small ones in f32).
 pub fn seeded<B: Backend>(device: &B::Device, seed: u64) -> std::sync::MutexGuard<'static, ()> {
     static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let guard = RNG.lock().unwrap_or_else(|e| e.into_inner());
+    autocast::set_small_ops(autocast::SmallOps::Cast).expect("a valid rule");
     B::seed(device, seed);
     guard
 }
