@@ -157,7 +157,8 @@ pub struct Capabilities {
     /// The flops below which a lower-class op runs in f32 under
     /// [`SmallOps::KeepF32`](crate::autocast::SmallOps::KeepF32): what the f32 matmul does in
     /// [`SMALL_OP_TIME`](crate::autocast::SMALL_OP_TIME) at the rate the probe timed. `None`
-    /// where nothing was timed (no half type runs).
+    /// where nothing was timed (no half type runs), and on a GPU, where every lower-class op
+    /// is cast, as PyTorch does.
     pub min_half_flops: Option<u64>,
 }
 
@@ -332,7 +333,12 @@ pub fn probe<B: Backend>(device: &B::Device) -> Capabilities {
             bf16_time_pct: timed.bf16.map(|t| t.time_pct),
             f16_via_f32: timed.f16.is_some_and(|t| t.via_f32),
             bf16_via_f32: timed.bf16.is_some_and(|t| t.via_f32),
-            min_half_flops: timed.f32.map(min_half_flops),
+            // On an accelerator, small ops are cheap to cast and gain from its half units:
+            // the rule is the CPU's (issue 28), and PyTorch's there.
+            min_half_flops: timed
+                .f32
+                .filter(|_| on_host_cpu(&B::name(device)))
+                .map(min_half_flops),
         };
         cache()
             .write()
@@ -434,6 +440,15 @@ struct Timings {
     bf16: Option<Timed>,
     // The f32 matmul's time.
     f32: Option<Duration>,
+}
+
+// Whether a backend named `name` (`Backend::name`, through any decorators) computes on the
+// host's CPU: Flex, NdArray, and the `<cpu>` devices of LibTorch, Candle and cubecl.
+fn on_host_cpu(name: &str) -> bool {
+    let name = name.to_ascii_lowercase();
+    ["flex", "ndarray", "<cpu>"]
+        .iter()
+        .any(|n| name.contains(n))
 }
 
 // The flops the f32 matmul, timed at `f32_time`, does in `SMALL_OP_TIME`.
@@ -736,6 +751,27 @@ mod tests {
         assert_eq!(slowdown(ms(10), ms(80)), Some(8));
         assert_eq!(slowdown(ms(10), ms(505)), Some(50));
         assert_eq!(slowdown(Duration::ZERO, ms(1)), Some(u32::MAX));
+    }
+
+    #[test]
+    fn the_small_op_rule_is_the_host_cpu_s() {
+        for cpu in [
+            "flex",
+            "autodiff<flex>",
+            "ndarray",
+            "libtorch<cpu>",
+            "candle<cpu>",
+        ] {
+            assert!(on_host_cpu(cpu), "{cpu}");
+        }
+        for gpu in [
+            "libtorch<cuda>",
+            "cubecl<cuda>",
+            "cubecl<wgpu<vulkan>>",
+            "candle<metal>",
+        ] {
+            assert!(!on_host_cpu(gpu), "{gpu}");
+        }
     }
 
     #[test]

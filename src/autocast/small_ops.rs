@@ -25,7 +25,10 @@
 //! threshold is a cost model calibrated by the capability probe: the flops the device's f32
 //! matmul does in [`SMALL_OP_TIME`] at the rate the probe measured
 //! ([`Capabilities::min_half_flops`](crate::capability::Capabilities::min_half_flops)); on the
-//! 2-core machine of BENCHMARKS.md about 30 MFLOP on two threads and 15 on one. It is set
+//! 2-core machine of BENCHMARKS.md about 30 MFLOP on two threads and 15 on one. On a GPU
+//! (any backend that does not compute on the host's CPU) the probe gives no threshold and
+//! every op is cast, as PyTorch does: there small ops are cheap to cast and gain from the
+//! half-precision units. It is set
 //! for the process ([`set_small_ops`], or [`AutocastConfig::small_ops`](crate::AutocastConfig)),
 //! and [`SmallOps::Cast`] gives PyTorch's rule back.
 //!

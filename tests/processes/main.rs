@@ -684,6 +684,10 @@ mod supervised {
             .with_gradient_accumulation_steps(args.grad_accum)
             .with_zero_stage(ZeroStage::from_number(args.zero_stage).unwrap());
         if args.f16 {
+            // The net is tiny: cast all its lower-class ops (PyTorch's rule), so that f16
+            // overflows.
+            burn_accelerate::autocast::set_small_ops(burn_accelerate::autocast::SmallOps::Cast)
+                .expect("a valid rule");
             config = config
                 .with_mixed_precision(Precision::F16)
                 .with_grad_scaler(
