@@ -182,20 +182,15 @@ pub fn estimated_flops(op: Op, shapes: &[&[usize]]) -> Option<u64> {
             let rows = prod(&x[..x.len() - 1]);
             Some(mul(&[rows, k as u64, *w.last()? as u64]))
         }
-        Op::Conv1d | Op::Conv2d | Op::Conv3d | Op::DeformConv2d => {
-            let (x, w) = (shapes.first()?, shapes.get(1)?);
-            if x.len() < 3 || w.len() != x.len() {
-                return None;
-            }
-            Some(mul(&[
-                x[0] as u64,
-                w[0] as u64,
-                w[1] as u64,
-                prod(&w[2..]),
-                prod(&x[2..]),
-            ]))
-        }
-        Op::ConvTranspose1d | Op::ConvTranspose2d | Op::ConvTranspose3d => {
+        // A transposed convolution's weight is `[in, out / groups, k...]`, a convolution's
+        // `[out, in / groups, k...]`: the same product either way.
+        Op::Conv1d
+        | Op::Conv2d
+        | Op::Conv3d
+        | Op::DeformConv2d
+        | Op::ConvTranspose1d
+        | Op::ConvTranspose2d
+        | Op::ConvTranspose3d => {
             let (x, w) = (shapes.first()?, shapes.get(1)?);
             if x.len() < 3 || w.len() != x.len() {
                 return None;
