@@ -621,7 +621,7 @@ mod supervised {
     type Train = Accelerated<Autodiff<Flex>>;
     type Components = MlpComponents<Train>;
 
-    #[derive(Debug, Clone, Serialize, Deserialize)]
+    #[derive(Debug, Clone, Default, Serialize, Deserialize)]
     pub struct Run {
         pub batch_size: usize,
         pub grad_accum: usize,
@@ -769,11 +769,7 @@ fn supervised_training_on_processes_matches_one_process() {
             batch_size: 32 / processes,
             grad_accum,
             epochs: 2,
-            dir: None,
-            resume_from: None,
-            early_stopping: false,
-            zero_stage: 0,
-            f16: false,
+            ..Default::default()
         };
         let single: Vec<supervised::RunReport> =
             launch(TEST, 1, &run(1), &[]).assert_success().reports(1);
@@ -797,11 +793,9 @@ fn the_main_process_validates_as_one_process_would_and_decides_early_stopping() 
         batch_size: 32 / processes,
         grad_accum: 1,
         epochs: 4,
-        dir: None,
-        resume_from: None,
         early_stopping: true,
         zero_stage,
-        f16: false,
+        ..Default::default()
     };
     let single: Vec<supervised::RunReport> =
         launch(TEST, 1, &run(1, 0), &[]).assert_success().reports(1);
@@ -846,9 +840,7 @@ fn a_resumed_run_of_processes_ends_where_the_uninterrupted_one_did() {
         epochs,
         dir: Some(dir.clone()),
         resume_from,
-        early_stopping: false,
-        zero_stage: 0,
-        f16: false,
+        ..Default::default()
     };
     let whole_dir = dir("whole");
     let whole: Vec<supervised::RunReport> = launch(TEST, 2, &run(2, 3, &whole_dir, None), &[])
@@ -916,11 +908,9 @@ fn sharded_supervised_training_ends_where_stage_0_does() {
             batch_size: 32 / processes,
             grad_accum: 2,
             epochs: 2,
-            dir: None,
-            resume_from: None,
-            early_stopping: false,
             zero_stage,
             f16,
+            ..Default::default()
         };
         let runs: Vec<Vec<supervised::RunReport>> = (0..3)
             .map(|stage| {
@@ -966,9 +956,8 @@ fn a_sharded_supervised_run_resumes_on_other_process_counts_and_stages() {
             epochs,
             dir: Some(dir.clone()),
             resume_from,
-            early_stopping: false,
             zero_stage,
-            f16: false,
+            ..Default::default()
         }
     };
     let whole_dir = harness::scratch_dir("sharded-resume-whole");
