@@ -117,6 +117,24 @@ impl Geometry {
             .filter(|&at| at < self.size[i])
     }
 
+    // The output columns that read inside the input at kernel column `kw` (a range, the
+    // others read padding), and the input column the first of them reads; the next ones read
+    // every `stride[1]`-th column from there.
+    fn columns(&self, kw: usize) -> (std::ops::Range<usize>, usize) {
+        let (offset, pad, stride) = (kw * self.dilation[1], self.padding[1], self.stride[1]);
+        let end = match (self.size[1] + pad).checked_sub(offset + 1) {
+            Some(last) => self.out[1].min(last / stride + 1),
+            None => 0,
+        };
+        let start = pad.saturating_sub(offset).div_ceil(stride).min(end);
+        let first = if start < end {
+            start * stride + offset - pad
+        } else {
+            0
+        };
+        (start..end, first)
+    }
+
     // For each patch row `(ci, kh, kw)`, output row `oh` and its input row (if any): `visit`
     // gets the row's index in the patch matrix, the output row, and the input row's start in
     // the image.
@@ -290,8 +308,18 @@ fn patches_of<P: Patch>(g: &Geometry, image: &[P], patches: &mut [P], row_len: u
             return out.fill(P::ZERO);
         };
         let input = &image[start..][..g.size[1]];
-        for (ow, value) in out.iter_mut().enumerate() {
-            *value = g.input_at(1, ow, kw).map_or(P::ZERO, |iw| input[iw]);
+        // A slice copy where the stride is 1 (most convolutions), every other value or so
+        // otherwise; padding's zeros on either side.
+        let (inside, first) = g.columns(kw);
+        out[..inside.start].fill(P::ZERO);
+        out[inside.end..].fill(P::ZERO);
+        let (out, input) = (&mut out[inside.clone()], &input[first..]);
+        match g.stride[1] {
+            1 => out.copy_from_slice(&input[..inside.len()]),
+            step => out
+                .iter_mut()
+                .zip(input.iter().step_by(step))
+                .for_each(|(value, x)| *value = *x),
         }
     });
 }
@@ -305,10 +333,10 @@ fn add_patches(g: &Geometry, patches: &[f32], row_len: usize, at: usize, image: 
         let kw = g.kw(row);
         let grads = &patches[row * row_len + at + oh * ow_n..][..ow_n];
         let input = &mut image[start..][..g.size[1]];
-        for (ow, grad) in grads.iter().enumerate() {
-            if let Some(iw) = g.input_at(1, ow, kw) {
-                input[iw] += grad;
-            }
+        let (inside, first) = g.columns(kw);
+        let (grads, input) = (&grads[inside], &mut input[first..]);
+        for (x, grad) in input.iter_mut().step_by(g.stride[1]).zip(grads) {
+            *x += grad;
         }
     });
 }
@@ -491,6 +519,37 @@ mod tests {
             [dilation, dilation],
             1,
         )
+    }
+
+    #[test]
+    fn columns_inside_the_input_are_those_input_at_finds() {
+        for (w, k, stride, padding, dilation) in geometries() {
+            let options = options(stride, padding, dilation);
+            let Some(g) = Geometry::new(&[1, 1, 3, w], &[1, 1, 1, k], &options) else {
+                continue;
+            };
+            for kw in 0..k {
+                let (inside, first) = g.columns(kw);
+                for ow in 0..g.out[1] {
+                    let want = g.input_at(1, ow, kw);
+                    let got = inside
+                        .contains(&ow)
+                        .then(|| first + (ow - inside.start) * stride);
+                    assert_eq!(got, want, "w {w} k {k} {stride}/{padding}/{dilation}: {ow}");
+                }
+            }
+        }
+    }
+
+    // Input widths, kernel widths, strides, paddings and dilations, every combination.
+    fn geometries() -> impl Iterator<Item = (usize, usize, usize, usize, usize)> {
+        (1..9).flat_map(|w| {
+            (1..5).flat_map(move |k| {
+                (1..4).flat_map(move |s| {
+                    (0..4).flat_map(move |p| (1..3).map(move |d| (w, k, s, p, d)))
+                })
+            })
+        })
     }
 
     fn values<H: Half>(n: usize, seed: u32) -> Vec<H> {
