@@ -316,10 +316,13 @@ fn patches_of<P: Patch>(g: &Geometry, image: &[P], patches: &mut [P], row_len: u
         let (out, input) = (&mut out[inside.clone()], &input[first..]);
         match g.stride[1] {
             1 => out.copy_from_slice(&input[..inside.len()]),
-            step => out
-                .iter_mut()
-                .zip(input.iter().step_by(step))
-                .for_each(|(value, x)| *value = *x),
+            // By index: a `step_by` iterator divides for its length (a fifth of the strided
+            // convolution's patches).
+            step => {
+                for (i, value) in out.iter_mut().enumerate() {
+                    *value = input[i * step];
+                }
+            }
         }
     });
 }
@@ -334,9 +337,9 @@ fn add_patches(g: &Geometry, patches: &[f32], row_len: usize, at: usize, image: 
         let grads = &patches[row * row_len + at + oh * ow_n..][..ow_n];
         let input = &mut image[start..][..g.size[1]];
         let (inside, first) = g.columns(kw);
-        let (grads, input) = (&grads[inside], &mut input[first..]);
-        for (x, grad) in input.iter_mut().step_by(g.stride[1]).zip(grads) {
-            *x += grad;
+        let (grads, input, step) = (&grads[inside], &mut input[first..], g.stride[1]);
+        for (i, grad) in grads.iter().enumerate() {
+            input[i * step] += grad;
         }
     });
 }
