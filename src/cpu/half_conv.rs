@@ -26,7 +26,7 @@ use burn_backend::ops::ConvOptions;
 use half::bf16;
 
 use super::bf16_gemm::{self, Bf16Matrix, release_large, scratch_of, with_scratch};
-use super::half_kernels::{Half, as_half, half_buffer};
+use super::half_kernels::{Half, TASK, as_half, half_buffer, in_tasks_of};
 use super::low_gemm::{Kernel, f32_gemm, parallel};
 
 /// The sizes of one convolution: input `[batch, channels_in, height, width]`, weight
@@ -135,28 +135,22 @@ impl Geometry {
         (start..end, first)
     }
 
-    // For each patch row `(ci, kh, kw)`, output row `oh` and its input row (if any): `visit`
-    // gets the row's index in the patch matrix, the output row, and the input row's start in
-    // the image.
-    fn rows(&self, mut visit: impl FnMut(usize, usize, Option<usize>)) {
-        let [kh_n, kw_n] = self.kernel;
-        let [h, w] = self.size;
-        for ci in 0..self.channels_in {
-            for kh in 0..kh_n {
-                for kw in 0..kw_n {
-                    let row = (ci * kh_n + kh) * kw_n + kw;
-                    for oh in 0..self.out[0] {
-                        let input = self.input_at(0, oh, kh).map(|ih| (ci * h + ih) * w);
-                        visit(row, oh, input);
-                    }
-                }
-            }
-        }
+    // `columns` for every kernel column, computed once per pass over the patches.
+    fn column_spans(&self) -> Vec<(std::ops::Range<usize>, usize)> {
+        (0..self.kernel[1]).map(|kw| self.columns(kw)).collect()
     }
 
-    // The kernel column of patch row `row`.
-    fn kw(&self, row: usize) -> usize {
-        row % self.kernel[1]
+    // Patch row `row`'s input channel and kernel offsets `(ci, kh, kw)`.
+    fn row_parts(&self, row: usize) -> (usize, usize, usize) {
+        let [kh_n, kw_n] = self.kernel;
+        (row / (kh_n * kw_n), row / kw_n % kh_n, row % kw_n)
+    }
+
+    // Where, in an image, the input row read by output row `oh` at channel `ci` and kernel
+    // row `kh` starts (`None` where it is padding).
+    fn input_row(&self, ci: usize, kh: usize, oh: usize) -> Option<usize> {
+        let [h, w] = self.size;
+        self.input_at(0, oh, kh).map(|ih| (ci * h + ih) * w)
     }
 }
 
@@ -245,7 +239,7 @@ impl Patch for f32 {
 }
 
 // A kernel's buffers of patch values: the chunk's patches, its output gradient in GEMM order,
-// the weight, and one image (or one image's output gradient) converted.
+// the weight, and the chunk's images converted (f32 patches of half images).
 #[derive(Default)]
 struct Buffers<P> {
     patches: Vec<P>,
@@ -254,11 +248,10 @@ struct Buffers<P> {
     image: Vec<P>,
 }
 
-// Buffers of either kernel: an f32 product, an image's f32 gradient, the packed operands.
+// Buffers of either kernel: an f32 product, the packed operands.
 #[derive(Default)]
 struct Shared {
     product: Vec<f32>,
-    image: Vec<f32>,
     packed: [Vec<u32>; 2],
 }
 
@@ -288,7 +281,6 @@ impl Scratch {
         self.bf16.release_large();
         self.f32.release_large();
         release_large(&mut self.shared.product);
-        release_large(&mut self.shared.image);
         self.shared.packed.iter_mut().for_each(release_large);
     }
 }
@@ -297,76 +289,84 @@ thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::default();
 }
 
-// The patches of `image` into columns `at..at + positions` of the patch matrix `patches`,
-// whose rows are `row_len` long.
-fn patches_of<P: Patch>(g: &Geometry, image: &[P], patches: &mut [P], row_len: usize, at: usize) {
-    let ow_n = g.out[1];
-    g.rows(|row, oh, input| {
-        let kw = g.kw(row);
-        let out = &mut patches[row * row_len + at + oh * ow_n..][..ow_n];
-        let Some(start) = input else {
-            return out.fill(P::ZERO);
-        };
-        let input = &image[start..][..g.size[1]];
-        // A slice copy where the stride is 1 (most convolutions), every other value or so
-        // otherwise; padding's zeros on either side.
-        let (inside, first) = g.columns(kw);
-        out[..inside.start].fill(P::ZERO);
-        out[inside.end..].fill(P::ZERO);
-        let (out, input) = (&mut out[inside.clone()], &input[first..]);
-        match g.stride[1] {
-            1 => out.copy_from_slice(&input[..inside.len()]),
-            // By index: a `step_by` iterator divides for its length (a fifth of the strided
-            // convolution's patches).
-            step => {
-                for (i, value) in out.iter_mut().enumerate() {
-                    *value = input[i * step];
+// Row `row` of the patch matrix of `images` (side by side, `positions` columns each) into
+// `out`: for each output row, the input row's columns inside the input (`spans`, a slice copy
+// where the stride is 1, most convolutions), padding's zeros on either side.
+fn patch_row<P: Patch>(g: &Geometry, spans: &[Span], images: &[P], row: usize, out: &mut [P]) {
+    let (ci, kh, kw) = g.row_parts(row);
+    let (inside, first) = &spans[kw];
+    let (ow_n, step) = (g.out[1], g.stride[1]);
+    for (image, out) in images.chunks(g.image()).zip(out.chunks_mut(g.positions())) {
+        for (oh, out) in out.chunks_mut(ow_n).enumerate() {
+            let Some(start) = g.input_row(ci, kh, oh) else {
+                out.fill(P::ZERO);
+                continue;
+            };
+            out[..inside.start].fill(P::ZERO);
+            out[inside.end..].fill(P::ZERO);
+            let (out, input) = (&mut out[inside.clone()], &image[start + first..]);
+            match step {
+                1 => out.copy_from_slice(&input[..out.len()]),
+                // By index: a `step_by` iterator divides for its length.
+                step => {
+                    for (i, value) in out.iter_mut().enumerate() {
+                        *value = input[i * step];
+                    }
                 }
             }
         }
-    });
+    }
 }
 
-// The reverse of `patches_of` for gradients: columns `at..at + positions` of `patches` added
-// onto the pixels of `image` they were read from.
-fn add_patches(g: &Geometry, patches: &[f32], row_len: usize, at: usize, image: &mut [f32]) {
-    let ow_n = g.out[1];
-    g.rows(|row, oh, input| {
-        let Some(start) = input else { return };
-        let kw = g.kw(row);
-        let grads = &patches[row * row_len + at + oh * ow_n..][..ow_n];
-        let input = &mut image[start..][..g.size[1]];
-        let (inside, first) = g.columns(kw);
-        let (grads, input, step) = (&grads[inside], &mut input[first..], g.stride[1]);
-        for (i, grad) in grads.iter().enumerate() {
-            input[i * step] += grad;
+// The output columns inside the input at one kernel column, and the input column the first
+// of them reads (`Geometry::columns`).
+type Span = (std::ops::Range<usize>, usize);
+
+// The reverse of `patch_row` for gradients, for one image: columns `at..at + positions` of
+// every row of `patches` (rows `row_len` long) added onto the pixels of `image` they were
+// read from.
+fn add_patches(
+    g: &Geometry,
+    spans: &[Span],
+    patches: &[f32],
+    row_len: usize,
+    at: usize,
+    image: &mut [f32],
+) {
+    let (ow_n, step) = (g.out[1], g.stride[1]);
+    for (row, grads) in patches.chunks(row_len).take(g.patch()).enumerate() {
+        let (ci, kh, kw) = g.row_parts(row);
+        let (inside, first) = &spans[kw];
+        for (oh, grads) in grads[at..][..g.positions()].chunks(ow_n).enumerate() {
+            let Some(start) = g.input_row(ci, kh, oh) else {
+                continue;
+            };
+            let input = &mut image[start + first..];
+            for (i, grad) in grads[inside.clone()].iter().enumerate() {
+                input[i * step] += grad;
+            }
         }
-    });
+    }
 }
 
 // The patch matrix of images `first..first + images` of `x` into `patches`, `columns` long
-// rows.
+// rows, in tasks of whole rows on rayon's threads where it is large.
 fn patches_of_chunk<H: Half, P: Patch>(
     g: &Geometry,
     x: &[H],
     first: usize,
     images: usize,
-    (patches, image): (&mut [P], &mut Vec<P>),
+    (patches, buf): (&mut [P], &mut Vec<P>),
 ) -> Option<()> {
     let columns = images * g.positions();
-    for (n, values) in x[first * g.image()..]
-        .chunks(g.image())
-        .take(images)
-        .enumerate()
-    {
-        patches_of(
-            g,
-            P::from_half(values, image)?,
-            patches,
-            columns,
-            n * g.positions(),
-        );
-    }
+    let x = P::from_half(&x[first * g.image()..][..images * g.image()], buf)?;
+    let spans = g.column_spans();
+    let task = (TASK / columns).max(1) * columns;
+    in_tasks_of(task, &mut patches[..g.patch() * columns], |start, rows| {
+        for (i, out) in rows.chunks_mut(columns).enumerate() {
+            patch_row(g, &spans, x, start / columns + i, out);
+        }
+    });
     Some(())
 }
 
@@ -479,13 +479,20 @@ fn backward_in_chunks<H: Half, P: Patch>(
                 let product = scratch_of(&mut shared.product, patch * columns);
                 let weight_t = (weight, [patch, channels], [1, patch]);
                 P::gemm(weight_t, grads, product, &mut shared.packed)?;
-                let dx = as_half::<H>(dx);
-                for n in 0..images {
-                    let image = scratch_of(&mut shared.image, g.image());
-                    image.fill(0.0);
-                    add_patches(g, product, columns, n * positions, image);
-                    H::round(image, &mut dx[(first + n) * g.image()..][..g.image()]);
-                }
+                // Image by image (each a task where there are several), each summed in an f32
+                // buffer of its task's and rounded once.
+                let dx = &mut as_half::<H>(dx)[first * g.image()..][..images * g.image()];
+                let (spans, product) = (g.column_spans(), &*product);
+                let task = (TASK / g.image()).max(1) * g.image();
+                in_tasks_of(task, dx, |start, dx| {
+                    let mut image = vec![0.0; g.image()];
+                    for (i, dx) in dx.chunks_mut(g.image()).enumerate() {
+                        image.fill(0.0);
+                        let at = (start / g.image() + i) * positions;
+                        add_patches(g, &spans, product, columns, at, &mut image);
+                        H::round(&image, dx);
+                    }
+                });
             }
             if let Some(sums) = dw_sums.as_mut() {
                 let patches = scratch_of(&mut buffers.patches, patch * columns);
@@ -639,8 +646,9 @@ mod tests {
     }
 
     // The output and both gradients on `kernel` against the direct convolution: plain,
-    // strided and padded as in a small conv net, dilated, a 1×1 kernel, one image; each also
-    // in chunks of one image (a budget of one value).
+    // strided and padded as in a small conv net, dilated, a 1×1 kernel, one image, and two
+    // large enough for the patches and the input's gradient to be split into several tasks
+    // (`TASK` values each); each also in chunks of one image (a budget of one value).
     fn check<H: Half, P: Patch>(half_ulp: f64) {
         let cases = [
             ([2, 3, 7, 6], [4, 3, 3, 3], 1, 0, 1),
@@ -648,6 +656,8 @@ mod tests {
             ([2, 2, 9, 9], [3, 2, 3, 2], 1, 2, 2),
             ([2, 7, 4, 5], [5, 7, 1, 1], 1, 0, 1),
             ([1, 3, 6, 6], [2, 3, 5, 5], 3, 2, 1),
+            ([6, 4, 66, 70], [2, 4, 3, 3], 1, 1, 1),
+            ([5, 4, 70, 66], [3, 4, 3, 3], 2, 1, 1),
         ];
         for (xs, ws, stride, padding, dilation) in cases {
             let g = Geometry::new(&xs, &ws, &options(stride, padding, dilation)).unwrap();

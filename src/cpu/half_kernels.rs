@@ -229,7 +229,7 @@ pub(crate) fn half_buffer(len: usize) -> Vec<u16> {
 /// tasks up, so that on two cores the conversions autocast adds around a GEMM take half the
 /// time the GEMM's threads would wait for them. Every value is computed alone, so the bits
 /// do not depend on the split.
-const TASK: usize = 1 << 16;
+pub(crate) const TASK: usize = 1 << 16;
 
 /// `f(start, chunk)` for the chunks of `TASK` values of `values` (`start` the chunk's first
 /// index), on rayon's threads where there are several chunks and several threads
@@ -239,7 +239,11 @@ fn in_tasks<T: Send>(values: &mut [T], f: impl Fn(usize, &mut [T]) + Sync) {
 }
 
 /// [`in_tasks`] with tasks of `task` values (for a kernel whose tasks must start at a row).
-fn in_tasks_of<T: Send>(task: usize, values: &mut [T], f: impl Fn(usize, &mut [T]) + Sync) {
+pub(crate) fn in_tasks_of<T: Send>(
+    task: usize,
+    values: &mut [T],
+    f: impl Fn(usize, &mut [T]) + Sync,
+) {
     match values.len() > task && several_threads() {
         true => values
             .par_chunks_mut(task)
