@@ -103,12 +103,14 @@ fn conv2d_by_gemm(
     Some(half_tensor(out, &geometry.output_shape(), x.dtype()))
 }
 
-// The bias's gradient: the half output gradient's summed over batch and positions, one
-// f32 sum per channel taken in Flex's order (batch, then position), rounded once. Each
-// plane is widened into a buffer of its own as it is summed, not the whole gradient.
+// The bias's gradient: the half output gradient's summed over batch and positions, one f32
+// sum per channel, rounded once. Each plane is widened into a buffer of its own as it is
+// summed, not the whole gradient. On `Route::Widened` each sum is taken in Flex's order
+// (batch, then position: Flex's bits); on `Route::Fastest` each plane is summed in 16 lanes
+// that vectorise (a single chain of dependent additions was 6% of a bf16 conv net's step).
 //
 // `grad` is contiguous.
-fn bias_grad(grad: &FlexTensor) -> FlexTensor {
+fn bias_grad(grad: &FlexTensor, route: Route) -> FlexTensor {
     let dtype = grad.dtype();
     let shape = grad.layout().shape();
     let (batch, channels) = (shape[0], shape[1]);
@@ -121,7 +123,10 @@ fn bias_grad(grad: &FlexTensor) -> FlexTensor {
             for (sum, plane) in sums.iter_mut().zip(image.chunks(positions.max(1))) {
                 let wide = &mut wide[..plane.len()];
                 H::widen(plane, wide);
-                *sum = wide.iter().fold(*sum, |acc, g| acc + g);
+                *sum = match route {
+                    Route::Widened => wide.iter().fold(*sum, |acc, g| acc + g),
+                    Route::Fastest => *sum + sum_in_lanes(wide),
+                };
             }
         }
         let mut out = vec![H::default(); channels];
@@ -129,6 +134,17 @@ fn bias_grad(grad: &FlexTensor) -> FlexTensor {
         Bytes::from_elems(out)
     }, _ => unreachable!("the hook admits half tensors only"));
     FlexTensor::new(bytes, Layout::contiguous([channels].into()), dtype)
+}
+
+// The sum of `values` in 16 running sums (one vector's worth), then across them.
+fn sum_in_lanes(values: &[f32]) -> f32 {
+    let mut lanes = [0f32; 16];
+    let chunks = values.chunks_exact(16);
+    let rest = chunks.remainder().iter().sum::<f32>();
+    for chunk in chunks {
+        lanes.iter_mut().zip(chunk).for_each(|(lane, v)| *lane += v);
+    }
+    lanes.iter().sum::<f32>() + rest
 }
 
 // The node's state: the half operands, the options and the route of the forward pass.
@@ -144,7 +160,7 @@ struct Saved {
 fn backward(saved: Saved, parents: &[Option<NodeId>], grad: FlexTensor, grads: &mut Gradients) {
     let (dtype, grad) = (grad.dtype(), grad.to_contiguous());
     if let Some(Some(id)) = parents.get(2) {
-        grads.register::<Flex>(*id, bias_grad(&grad));
+        grads.register::<Flex>(*id, bias_grad(&grad, saved.route));
     }
     let Saved {
         x,
