@@ -305,10 +305,20 @@ fn patch_row<P: Patch>(g: &Geometry, spans: &[Span], images: &[P], row: usize, o
             out[..inside.start].fill(P::ZERO);
             out[inside.end..].fill(P::ZERO);
             let (out, input) = (&mut out[inside.clone()], &image[start + first..]);
-            match step {
-                1 => out.copy_from_slice(&input[..out.len()]),
+            match (step, out.len()) {
+                (_, 0) => {}
+                (1, n) => out.copy_from_slice(&input[..n]),
+                // Pairs, the first of each read, all but the last whole in the input: a loop
+                // the compiler vectorises (most strided convolutions have stride 2).
+                (2, n) => {
+                    let (head, last) = out.split_at_mut(n - 1);
+                    for (value, pair) in head.iter_mut().zip(input[..2 * (n - 1)].chunks_exact(2)) {
+                        *value = pair[0];
+                    }
+                    last[0] = input[2 * (n - 1)];
+                }
                 // By index: a `step_by` iterator divides for its length.
-                step => {
+                (step, _) => {
                     for (i, value) in out.iter_mut().enumerate() {
                         *value = input[i * step];
                     }
@@ -341,9 +351,22 @@ fn add_patches(
             let Some(start) = g.input_row(ci, kh, oh) else {
                 continue;
             };
-            let input = &mut image[start + first..];
-            for (i, grad) in grads[inside.clone()].iter().enumerate() {
-                input[i * step] += grad;
+            let (input, grads) = (&mut image[start + first..], &grads[inside.clone()]);
+            match (step, grads.len()) {
+                (_, 0) => {}
+                // As in `patch_row`.
+                (2, n) => {
+                    let pairs = input[..2 * (n - 1)].chunks_exact_mut(2);
+                    for (pair, grad) in pairs.zip(&grads[..n - 1]) {
+                        pair[0] += grad;
+                    }
+                    input[2 * (n - 1)] += grads[n - 1];
+                }
+                (step, _) => {
+                    for (i, grad) in grads.iter().enumerate() {
+                        input[i * step] += grad;
+                    }
+                }
             }
         }
     }
