@@ -13,7 +13,9 @@
 //! [`bf16_gemm`], or patches of either half type widened to f32 on Flex's f32 GEMM. Both sum
 //! exact products in f32, in another order than Flex's f32 convolution over the widened
 //! operands. Chunks have a fixed size for given shapes, so the result does
-//! not depend on the number of threads.
+//! not depend on the number of threads. The patch matrix is filled in tasks of whole rows,
+//! and the input's gradient summed in tasks of whole images, on rayon's threads: each value is
+//! written, or each pixel's sum taken, by one task in a fixed order.
 //!
 //! Flex's own f32 convolution (what [`low_conv`](super::low_conv) runs on
 //! `Route::Widened`) expands 2-D tensors to 3-D with copies and takes the backward pass
