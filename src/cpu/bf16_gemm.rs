@@ -21,6 +21,8 @@
 use half::bf16;
 
 #[cfg(target_arch = "x86_64")]
+mod dots;
+#[cfg(target_arch = "x86_64")]
 mod x86;
 
 /// A bf16 matrix read in place: `data[offset + i * row_stride + j * col_stride]` is its
@@ -117,9 +119,14 @@ pub(crate) fn gemm(
         return None;
     }
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: the CPU has AVX512-F and AVX512-BF16 (`available`); the shapes match.
+    // SAFETY: the CPU has AVX512-F and AVX512-BF16 (`available`), and AVX512-BW for the
+    // inner-product kernel (`dots::available`), whose layout `dots::applies` checked; the
+    // shapes match.
     unsafe {
-        x86::gemm(a, b, c, parallel, packed)
+        match dots::applies(&a, &b) && dots::available() {
+            true => dots::gemm(a, b, c, parallel),
+            false => x86::gemm(a, b, c, parallel, packed),
+        }
     };
     Some(())
 }
@@ -192,13 +199,19 @@ mod tests {
     }
 
     // Shapes with edges on every side: a row panel, a column panel and a k block each partly
-    // filled, an odd k, and one that spans several k blocks and tasks.
-    const SHAPES: [[usize; 3]; 5] = [
+    // filled, an odd k, and one that spans several k blocks and tasks. The last three have k
+    // long enough for the inner-product kernel where both operands run along it: a group of
+    // rows and of columns partly filled, k shorter than one vector, several k blocks with a
+    // partial vector at the end.
+    const SHAPES: [[usize; 3]; 8] = [
         [1, 1, 1],
         [13, 7, 33],
         [12, 256, 32],
         [50, 301, 300],
         [3, 2, 70],
+        [5, 300, 7],
+        [4, 17, 1],
+        [9, 8200, 6],
     ];
 
     #[test]
@@ -225,6 +238,12 @@ mod tests {
                     Bf16Matrix::new(&a, 1, [m, k], [2 * k, 2]),
                     Bf16Matrix::new(&b, 1, [k, n], [2, 2 * k]),
                 ),
+                // A's rows and B's columns running along k, as in a convolution's weight
+                // gradient (the inner-product kernel where k is long).
+                (
+                    Bf16Matrix::new(&a, 0, [m, k], [k, 1]),
+                    Bf16Matrix::new(&b, 0, [k, n], [1, k]),
+                ),
             ];
             for (a, b) in layouts {
                 let (a, b) = (a.unwrap(), b.unwrap());
@@ -239,6 +258,21 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn the_inner_product_kernel_takes_long_contiguous_k_only() {
+        let data = matrix(&values(2 * 9 * 8200 + 1, 1));
+        let [m, k, n] = SHAPES[SHAPES.len() - 1];
+        let a = Bf16Matrix::new(&data, 0, [m, k], [k, 1]).unwrap();
+        let b = Bf16Matrix::new(&data, 0, [k, n], [1, k]).unwrap();
+        assert!(dots::applies(&a, &b));
+        let row_major_b = Bf16Matrix::new(&data, 0, [k, n], [n, 1]).unwrap();
+        assert!(!dots::applies(&a, &row_major_b));
+        let short = Bf16Matrix::new(&data, 0, [m, 30], [30, 1]).unwrap();
+        let short_b = Bf16Matrix::new(&data, 0, [30, n], [1, 30]).unwrap();
+        assert!(!dots::applies(&short, &short_b));
     }
 
     #[test]

@@ -1,0 +1,123 @@
+//! The bf16 GEMM's inner-product kernel, for products whose k is long and runs contiguously in
+//! both operands: a convolution's weight gradient, `grad · patchesᵀ`, where k is every output
+//! position of a chunk of images (thousands) and m, n are channels and patch sizes (tens to
+//! hundreds).
+//!
+//! The packing kernel (`x86`) lays both operands out anew, k-pair by k-pair, before it
+//! multiplies: for such shapes that is a transpose of two long matrices for few products per
+//! value (12% of a bf16 conv net's step). Here each product value is a dot product of an A row
+//! and a B column as they lie, 32 bf16 values a `vdpbf16ps`, `R × R` of them at once, summed
+//! across the vector's lanes at the end of each k block. Each value is computed by one task in
+//! a fixed order, so the bits do not depend on the thread count.
+
+use std::arch::x86_64::*;
+
+use half::bf16;
+use rayon::prelude::*;
+
+use super::Bf16Matrix;
+
+/// A rows and B columns of one kernel call: `R × R` dot products, 16 accumulators.
+const R: usize = 4;
+/// k values per block: the block's runs of A's and B's values stay in L2 while every
+/// `R × R` group of the product's rows takes its share.
+const KB: usize = 4096;
+
+/// Whether the kernel takes `a @ b`: both operands contiguous along k, and k long enough
+/// against m and n for packing to cost more than it saves.
+pub(super) fn applies(a: &Bf16Matrix, b: &Bf16Matrix) -> bool {
+    a.col_stride == 1 && b.row_stride == 1 && a.cols >= 4 * a.rows.max(b.cols)
+}
+
+/// Whether the CPU has AVX512-BW too (the masked loads of a block's last values), checked
+/// once.
+pub(super) fn available() -> bool {
+    use std::sync::OnceLock;
+    static AVAILABLE: OnceLock<bool> = OnceLock::new();
+    *AVAILABLE.get_or_init(|| std::is_x86_feature_detected!("avx512bw"))
+}
+
+/// `c = a @ b`, as [`super::gemm`], in tasks of `R` product rows where `parallel`.
+///
+/// # Safety
+///
+/// The CPU has AVX512-F, AVX512-BW and AVX512-BF16; `a.col_stride == 1`, `b.row_stride == 1`,
+/// `a.cols == b.rows` and `c.len() == a.rows * b.cols`.
+pub(super) unsafe fn gemm(a: Bf16Matrix, b: Bf16Matrix, c: &mut [f32], parallel: bool) {
+    if c.is_empty() {
+        return;
+    }
+    let n = b.cols;
+    // SAFETY: the caller's promises; tasks own disjoint rows of `c`.
+    let task = |(block, c): (usize, &mut [f32])| unsafe { rows(a, b, block * R, c) };
+    match parallel {
+        true => c.par_chunks_mut(R * n).enumerate().for_each(task),
+        false => c.chunks_mut(R * n).enumerate().for_each(task),
+    }
+}
+
+// The product's rows from `i0` (up to `R` of them: `c`), k block by k block.
+//
+// SAFETY: as for `gemm`; `i0 < a.rows`.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn rows(a: Bf16Matrix, b: Bf16Matrix, i0: usize, c: &mut [f32]) {
+    let (k, n) = (a.cols, b.cols);
+    let rows = R.min(a.rows - i0);
+    // Where A's row `r` of the group (the last one standing in past the edge: its sums are
+    // computed and dropped) and B's column `s` start; k runs along each.
+    let a_row = |r: usize| a.offset + (i0 + r.min(rows - 1)) * a.row_stride;
+    for k0 in (0..k).step_by(KB) {
+        let len = KB.min(k - k0);
+        for j0 in (0..n).step_by(R) {
+            let cols = R.min(n - j0);
+            let b_col = |s: usize| b.offset + (j0 + s.min(cols - 1)) * b.col_stride;
+            // SAFETY: each run of `len` values from `k0` lies inside its matrix, which lies in
+            // its data (`Bf16Matrix::new`).
+            let sums = unsafe {
+                dots(
+                    std::array::from_fn(|r| a.data.as_ptr().add(a_row(r) + k0)),
+                    std::array::from_fn(|s| b.data.as_ptr().add(b_col(s) + k0)),
+                    len,
+                )
+            };
+            for (r, sums) in sums.iter().enumerate().take(rows) {
+                let c = &mut c[r * n + j0..][..cols];
+                for (c, sum) in c.iter_mut().zip(sums) {
+                    *c = if k0 == 0 { *sum } else { *c + sum };
+                }
+            }
+        }
+    }
+}
+
+// The `R × R` dot products of the runs of `len` values at `a[r]` and `b[s]`.
+//
+// SAFETY: the CPU has the features; `len` values are readable from each pointer.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn dots(a: [*const bf16; R], b: [*const bf16; R], len: usize) -> [[f32; R]; R] {
+    // 32 bf16 values: a `__m512i` and a `__m512bh` are the same 512 bits.
+    let pairs = |v: __m512i| unsafe { std::mem::transmute::<__m512i, __m512bh>(v) };
+    let mut acc = [[_mm512_setzero_ps(); R]; R];
+    let mut step = |av: [__m512bh; R], bv: [__m512bh; R]| {
+        for (acc, a) in acc.iter_mut().zip(av) {
+            for (acc, b) in acc.iter_mut().zip(bv) {
+                *acc = _mm512_dpbf16_ps(*acc, a, b);
+            }
+        }
+    };
+    let whole = len / 32 * 32;
+    for t in (0..whole).step_by(32) {
+        // SAFETY: values `t..t + 32` are readable (`t + 32 <= len`).
+        let load = |p: *const bf16| pairs(unsafe { _mm512_loadu_si512(p.add(t).cast()) });
+        step(a.map(load), b.map(load));
+    }
+    if whole < len {
+        // The last values, zeros past them (masked lanes are neither read nor faulted on).
+        let mask: __mmask32 = (1 << (len - whole)) - 1;
+        // SAFETY: the unmasked lanes are values `whole..len`.
+        let load =
+            |p: *const bf16| pairs(unsafe { _mm512_maskz_loadu_epi16(mask, p.add(whole).cast()) });
+        step(a.map(load), b.map(load));
+    }
+    acc.map(|row| row.map(|v| _mm512_reduce_add_ps(v)))
+}
