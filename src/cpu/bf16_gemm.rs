@@ -16,7 +16,11 @@
 //! The layout is the classic one (Goto and van de Geijn): both operands packed once into
 //! k-pair interleaved panels, the product computed in `MR × NR` tiles held in registers, the
 //! k dimension in blocks of `KC` pairs so that a tile's panels stay in L1, and tiles of `C`
-//! shared among threads by blocks of `MC × NC`.
+//! shared among threads by blocks of `MC × NC`. Where k is long and runs contiguously in both
+//! operands (a convolution's weight gradient: k is every output position of a chunk of
+//! images) packing costs more than it saves, and an inner-product kernel (`dots`) takes the
+//! product: each value a dot product of an A row and a B column as they lie, in f32 lanes
+//! summed across at the end of each k block.
 
 use half::bf16;
 
