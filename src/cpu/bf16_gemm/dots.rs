@@ -23,11 +23,16 @@ const R: usize = 4;
 /// `R × R` group of the product's rows takes its share.
 const KB: usize = 4096;
 
-/// Whether the kernel takes `a @ b`: both operands contiguous along k, and k long enough
-/// against m and n for packing to cost more than it saves.
+/// Whether the kernel takes `a @ b`: both operands contiguous along k, k long against m and n,
+/// and m and n small (packing's share of the work falls as they grow; this kernel was timed
+/// against it on a conv net's weight gradients, m and n 27–288, only).
 pub(super) fn applies(a: &Bf16Matrix, b: &Bf16Matrix) -> bool {
-    a.col_stride == 1 && b.row_stride == 1 && a.cols >= 4 * a.rows.max(b.cols)
+    let widest = a.rows.max(b.cols);
+    a.col_stride == 1 && b.row_stride == 1 && widest <= MAX_SIDE && a.cols >= 4 * widest
 }
+
+/// The largest m or n the kernel takes.
+const MAX_SIDE: usize = 512;
 
 /// Whether the CPU has AVX512-BW too (the masked loads of a block's last values), checked
 /// once.
