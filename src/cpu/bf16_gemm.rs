@@ -277,6 +277,14 @@ mod tests {
         let short = Bf16Matrix::new(&data, 0, [m, 30], [30, 1]).unwrap();
         let short_b = Bf16Matrix::new(&data, 0, [30, n], [1, 30]).unwrap();
         assert!(!dots::applies(&short, &short_b));
+        // m past the kernel's widest side, however long k.
+        let (m, k) = (513, 4 * 513);
+        let data = vec![bf16::ONE; m * k];
+        let wide = Bf16Matrix::new(&data, 0, [m, k], [k, 1]).unwrap();
+        let column = Bf16Matrix::new(&data, 0, [k, 1], [1, k]).unwrap();
+        assert!(!dots::applies(&wide, &column));
+        let fewer = Bf16Matrix::new(&data, 0, [m - 1, k], [k, 1]).unwrap();
+        assert!(dots::applies(&fewer, &column));
     }
 
     #[test]
