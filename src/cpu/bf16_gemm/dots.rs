@@ -100,29 +100,38 @@ unsafe fn rows(a: Bf16Matrix, b: Bf16Matrix, i0: usize, c: &mut [f32]) {
 // SAFETY: the CPU has the features; `len` values are readable from each pointer.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 unsafe fn dots(a: [*const bf16; R], b: [*const bf16; R], len: usize) -> [[f32; R]; R] {
-    // 32 bf16 values: a `__m512i` and a `__m512bh` are the same 512 bits.
-    let pairs = |v: __m512i| unsafe { std::mem::transmute::<__m512i, __m512bh>(v) };
     let mut acc = [[_mm512_setzero_ps(); R]; R];
-    let mut step = |av: [__m512bh; R], bv: [__m512bh; R]| {
-        for (acc, a) in acc.iter_mut().zip(av) {
-            for (acc, b) in acc.iter_mut().zip(bv) {
-                *acc = _mm512_dpbf16_ps(*acc, a, b);
+    let whole = len / 32 * 32;
+    let mut t = 0;
+    // Whole vectors, then the last values with zeros past them (masked lanes are neither read
+    // nor faulted on). Plain loops, not closures: the loads must inline into this function.
+    while t < len {
+        let mask: __mmask32 = match t < whole {
+            true => !0,
+            false => (1 << (len - whole)) - 1,
+        };
+        let mut av = [_mm512_setzero_si512(); R];
+        let mut bv = [_mm512_setzero_si512(); R];
+        for r in 0..R {
+            // SAFETY: the unmasked lanes are values `t..len.min(t + 32)`, all readable.
+            unsafe {
+                av[r] = _mm512_maskz_loadu_epi16(mask, a[r].add(t).cast());
+                bv[r] = _mm512_maskz_loadu_epi16(mask, b[r].add(t).cast());
             }
         }
-    };
-    let whole = len / 32 * 32;
-    for t in (0..whole).step_by(32) {
-        // SAFETY: values `t..t + 32` are readable (`t + 32 <= len`).
-        let load = |p: *const bf16| pairs(unsafe { _mm512_loadu_si512(p.add(t).cast()) });
-        step(a.map(load), b.map(load));
-    }
-    if whole < len {
-        // The last values, zeros past them (masked lanes are neither read nor faulted on).
-        let mask: __mmask32 = (1 << (len - whole)) - 1;
-        // SAFETY: the unmasked lanes are values `whole..len`.
-        let load =
-            |p: *const bf16| pairs(unsafe { _mm512_maskz_loadu_epi16(mask, p.add(whole).cast()) });
-        step(a.map(load), b.map(load));
+        for (acc, a) in acc.iter_mut().zip(av) {
+            for (acc, b) in acc.iter_mut().zip(bv) {
+                *acc = _mm512_dpbf16_ps(*acc, pairs(a), pairs(b));
+            }
+        }
+        t += 32;
     }
     acc.map(|row| row.map(|v| _mm512_reduce_add_ps(v)))
+}
+
+// 32 bf16 values: a `__m512i` and a `__m512bh` are the same 512 bits.
+#[inline(always)]
+fn pairs(v: __m512i) -> __m512bh {
+    // SAFETY: both are 512 bits of plain data.
+    unsafe { std::mem::transmute::<__m512i, __m512bh>(v) }
 }
