@@ -304,8 +304,8 @@ fn patch_row<P: Patch>(g: &Geometry, spans: &[Span], images: &[P], row: usize, o
                 out.fill(P::ZERO);
                 continue;
             };
-            out[..inside.start].fill(P::ZERO);
-            out[inside.end..].fill(P::ZERO);
+            zero(&mut out[..inside.start]);
+            zero(&mut out[inside.end..]);
             let (out, input) = (&mut out[inside.clone()], &image[start + first..]);
             match (step, out.len()) {
                 (_, 0) => {}
@@ -327,6 +327,16 @@ fn patch_row<P: Patch>(g: &Geometry, spans: &[Span], images: &[P], row: usize, o
                 }
             }
         }
+    }
+}
+
+// Padding's zeros: most often one value or none, where `fill` would call `memset`.
+#[inline(always)]
+fn zero<P: Patch>(values: &mut [P]) {
+    match values {
+        [] => {}
+        [value] => *value = P::ZERO,
+        values => values.fill(P::ZERO),
     }
 }
 
