@@ -28,7 +28,7 @@ use burn_backend::ops::ConvOptions;
 use half::bf16;
 
 use super::bf16_gemm::{self, Bf16Matrix, release_large, scratch_of, with_scratch};
-use super::half_kernels::{Half, TASK, as_half, half_buffer, in_tasks_of};
+use super::half_kernels::{Half, as_half, half_buffer, in_row_tasks};
 use super::low_gemm::{Kernel, f32_gemm, parallel};
 
 /// The sizes of one convolution: input `[batch, channels_in, height, width]`, weight
@@ -122,7 +122,7 @@ impl Geometry {
     // The output columns that read inside the input at kernel column `kw` (a range, the
     // others read padding), and the input column the first of them reads; the next ones read
     // every `stride[1]`-th column from there.
-    fn columns(&self, kw: usize) -> (std::ops::Range<usize>, usize) {
+    fn columns(&self, kw: usize) -> Span {
         let (offset, pad, stride) = (kw * self.dilation[1], self.padding[1], self.stride[1]);
         let end = match (self.size[1] + pad).checked_sub(offset + 1) {
             Some(last) => self.out[1].min(last / stride + 1),
@@ -138,7 +138,7 @@ impl Geometry {
     }
 
     // `columns` for every kernel column, computed once per pass over the patches.
-    fn column_spans(&self) -> Vec<(std::ops::Range<usize>, usize)> {
+    fn column_spans(&self) -> Vec<Span> {
         (0..self.kernel[1]).map(|kw| self.columns(kw)).collect()
     }
 
@@ -155,6 +155,10 @@ impl Geometry {
         self.input_at(0, oh, kh).map(|ih| (ci * h + ih) * w)
     }
 }
+
+// The output columns inside the input at one kernel column, and the input column the first
+// of them reads (`Geometry::columns`).
+type Span = (std::ops::Range<usize>, usize);
 
 // What a kernel's patches are made of (bf16 or f32), and how it multiplies them.
 trait Patch: Copy + Default + Send + Sync + 'static {
@@ -340,10 +344,6 @@ fn zero<P: Patch>(values: &mut [P]) {
     }
 }
 
-// The output columns inside the input at one kernel column, and the input column the first
-// of them reads (`Geometry::columns`).
-type Span = (std::ops::Range<usize>, usize);
-
 // The reverse of `patch_row` for gradients, for one image: columns `at..at + positions` of
 // every row of `patches` (rows `row_len` long) added onto the pixels of `image` they were
 // read from.
@@ -396,12 +396,15 @@ fn patches_of_chunk<H: Half, P: Patch>(
     let columns = images * g.positions();
     let x = P::from_half(&x[first * g.image()..][..images * g.image()], buf)?;
     let spans = g.column_spans();
-    let task = (TASK / columns).max(1) * columns;
-    in_tasks_of(task, &mut patches[..g.patch() * columns], |start, rows| {
-        for (i, out) in rows.chunks_mut(columns).enumerate() {
-            patch_row(g, &spans, x, start / columns + i, out);
-        }
-    });
+    in_row_tasks(
+        columns,
+        &mut patches[..g.patch() * columns],
+        |first, rows| {
+            for (i, out) in rows.chunks_mut(columns).enumerate() {
+                patch_row(g, &spans, x, first + i, out);
+            }
+        },
+    );
     Some(())
 }
 
@@ -518,12 +521,11 @@ fn backward_in_chunks<H: Half, P: Patch>(
                 // buffer of its task's and rounded once.
                 let dx = &mut as_half::<H>(dx)[first * g.image()..][..images * g.image()];
                 let (spans, product) = (g.column_spans(), &*product);
-                let task = (TASK / g.image()).max(1) * g.image();
-                in_tasks_of(task, dx, |start, dx| {
+                in_row_tasks(g.image(), dx, |first, dx| {
                     let mut image = vec![0.0; g.image()];
                     for (i, dx) in dx.chunks_mut(g.image()).enumerate() {
                         image.fill(0.0);
-                        let at = (start / g.image() + i) * positions;
+                        let at = (first + i) * positions;
                         add_patches(g, &spans, product, columns, at, &mut image);
                         H::round(&image, dx);
                     }

@@ -229,26 +229,30 @@ pub(crate) fn half_buffer(len: usize) -> Vec<u16> {
 /// tasks up, so that on two cores the conversions autocast adds around a GEMM take half the
 /// time the GEMM's threads would wait for them. Every value is computed alone, so the bits
 /// do not depend on the split.
-pub(crate) const TASK: usize = 1 << 16;
+const TASK: usize = 1 << 16;
 
 /// `f(start, chunk)` for the chunks of `TASK` values of `values` (`start` the chunk's first
 /// index), on rayon's threads where there are several chunks and several threads
 /// ([`several_threads`]).
 fn in_tasks<T: Send>(values: &mut [T], f: impl Fn(usize, &mut [T]) + Sync) {
-    in_tasks_of(TASK, values, f);
+    in_row_tasks(1, values, f);
 }
 
-/// [`in_tasks`] with tasks of `task` values (for a kernel whose tasks must start at a row).
-pub(crate) fn in_tasks_of<T: Send>(
-    task: usize,
+/// [`in_tasks`] for values in rows of `row` values, each task whole rows (about `TASK` values,
+/// one row at least): `f(first, rows)`, `first` the index of the chunk's first row.
+pub(crate) fn in_row_tasks<T: Send>(
+    row: usize,
     values: &mut [T],
     f: impl Fn(usize, &mut [T]) + Sync,
 ) {
+    let row = row.max(1);
+    let rows = (TASK / row).max(1);
+    let task = rows * row;
     match values.len() > task && several_threads() {
         true => values
             .par_chunks_mut(task)
             .enumerate()
-            .for_each(|(i, chunk)| f(i * task, chunk)),
+            .for_each(|(i, chunk)| f(i * rows, chunk)),
         false => f(0, values),
     }
 }
@@ -395,8 +399,6 @@ pub(crate) fn add_row<H: Half>(rows: &mut [H], bias: &[H]) {
     let n = bias.len().max(1);
     let mut wide_bias = vec![0f32; bias.len()];
     H::widen(bias, &mut wide_bias);
-    // Whole rows per task, so that each task's rows start at the bias's first value.
-    let rows_per_task = (TASK / n).max(1);
     let add = |rows: &mut [H]| {
         let mut buf = [0f32; BLOCK];
         for row in rows.chunks_mut(n) {
@@ -408,7 +410,8 @@ pub(crate) fn add_row<H: Half>(rows: &mut [H], bias: &[H]) {
             }
         }
     };
-    in_tasks_of(rows_per_task * n, rows, |_, rows| add(rows));
+    // Whole rows per task, so that each task's rows start at the bias's first value.
+    in_row_tasks(n, rows, |_, rows| add(rows));
 }
 
 /// The sum over the rows of a contiguous `[m, n]` half tensor, `n` values: f32 sums taken row
