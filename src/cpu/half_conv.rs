@@ -252,6 +252,7 @@ struct Buffers<P> {
     grad: Vec<P>,
     weight: Vec<P>,
     image: Vec<P>,
+    phases: Vec<P>,
 }
 
 // Buffers of either kernel: an f32 product, the packed operands.
@@ -276,6 +277,7 @@ impl<P> Buffers<P> {
             &mut self.grad,
             &mut self.weight,
             &mut self.image,
+            &mut self.phases,
         ] {
             release_large(buf);
         }
@@ -293,43 +295,185 @@ impl Scratch {
 
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::default();
+    // A task's f32 sums of one image's gradient, in phases and rejoined (`image_gradient`),
+    // kept apart from `SCRATCH`, which the thread that started the tasks holds. A fresh
+    // buffer a task was 128 KiB for a small conv net: mapped, faulted in and unmapped each
+    // time (3% of its bf16 step).
+    static IMAGE_SUMS: RefCell<[Vec<f32>; 2]> = RefCell::default();
 }
 
-// Row `row` of the patch matrix of `images` (side by side, `positions` columns each) into
-// `out`: for each output row, the input row's columns inside the input (`spans`, a slice copy
-// where the stride is 1, most convolutions), padding's zeros on either side.
-fn patch_row<P: Patch>(g: &Geometry, spans: &[Span], images: &[P], row: usize, out: &mut [P]) {
+// The input's columns grouped by their remainder modulo the column stride, so that the
+// columns a kernel column reads for one output row lie side by side: each input row (of any
+// image and channel) becomes `stride` phase rows of `width` values, phase `r` holding columns
+// `r, r + stride, …`. With stride 1 this is the input itself. Read with a stride of 2, the
+// patch rows and their gradients went one value at a time, in loops of 15 or 16: 18% of a
+// bf16 conv net's step.
+#[derive(Clone, Copy)]
+struct Phases {
+    stride: usize,
+    width: usize,
+}
+
+impl Phases {
+    fn of(g: &Geometry) -> Self {
+        let stride = g.stride[1];
+        Self {
+            stride,
+            width: g.size[1].div_ceil(stride),
+        }
+    }
+
+    // Values of `rows` input rows in phases.
+    fn len(&self, rows: usize) -> usize {
+        rows * self.stride * self.width
+    }
+
+    // Where input row `row`'s column `column` lies.
+    fn at(&self, row: usize, column: usize) -> usize {
+        (row * self.stride + column % self.stride) * self.width + column / self.stride
+    }
+
+    // One input row into its phase rows (`stride · width` values; what no column fills is
+    // left as it was, never read).
+    fn split<P: Copy>(&self, row: &[P], out: &mut [P]) {
+        match self.stride {
+            2 => {
+                let (even, odd) = out.split_at_mut(self.width);
+                let (pairs, last) = row.as_chunks::<2>();
+                for ((pair, even), odd) in pairs.iter().zip(even.iter_mut()).zip(odd) {
+                    (*even, *odd) = (pair[0], pair[1]);
+                }
+                if let [value] = last {
+                    even[pairs.len()] = *value;
+                }
+            }
+            stride => {
+                for (r, out) in out.chunks_mut(self.width).enumerate() {
+                    for (out, value) in out.iter_mut().zip(row.iter().skip(r).step_by(stride)) {
+                        *out = *value;
+                    }
+                }
+            }
+        }
+    }
+
+    // The reverse of `split`, for sums.
+    fn join(&self, phases: &[f32], row: &mut [f32]) {
+        match self.stride {
+            2 => {
+                let (even, odd) = phases.split_at(self.width);
+                let (pairs, last) = row.as_chunks_mut::<2>();
+                for ((pair, even), odd) in pairs.iter_mut().zip(even).zip(odd) {
+                    *pair = [*even, *odd];
+                }
+                if let [value] = last {
+                    *value = even[pairs.len()];
+                }
+            }
+            stride => {
+                for (r, phase) in phases.chunks(self.width).enumerate() {
+                    for (value, sum) in row.iter_mut().skip(r).step_by(stride).zip(phase) {
+                        *value = *sum;
+                    }
+                }
+            }
+        }
+    }
+}
+
+// Row `row` of the patch matrix of images side by side (`positions` columns each) into `out`,
+// read from `input`, the images in `phases`: for each output row, the input row's columns
+// inside the input (`spans`), padding's zeros on either side.
+fn patch_row<P: Patch>(
+    g: &Geometry,
+    spans: &[Span],
+    (phases, input): (Phases, &[P]),
+    row: usize,
+    out: &mut [P],
+) {
+    if g.stride == [1, 1] && g.out[1] == g.size[1] {
+        return patch_row_as_plane(g, spans, input, row, out);
+    }
     let (ci, kh, kw) = g.row_parts(row);
     let (inside, first) = &spans[kw];
-    let (ow_n, step) = (g.out[1], g.stride[1]);
-    for (image, out) in images.chunks(g.image()).zip(out.chunks_mut(g.positions())) {
-        for (oh, out) in out.chunks_mut(ow_n).enumerate() {
-            let Some(start) = g.input_row(ci, kh, oh) else {
+    for (n, out) in out.chunks_mut(g.positions()).enumerate() {
+        for (oh, out) in out.chunks_mut(g.out[1]).enumerate() {
+            let Some(ih) = g.input_at(0, oh, kh) else {
                 out.fill(P::ZERO);
                 continue;
             };
             zero(&mut out[..inside.start]);
             zero(&mut out[inside.end..]);
-            let (out, input) = (&mut out[inside.clone()], &image[start + first..]);
-            match (step, out.len()) {
-                (_, 0) => {}
-                (1, n) => out.copy_from_slice(&input[..n]),
-                // Pairs, the first of each read, all but the last whole in the input: a loop
-                // the compiler vectorises (most strided convolutions have stride 2).
-                (2, n) => {
-                    let (head, last) = out.split_at_mut(n - 1);
-                    for (value, pair) in head.iter_mut().zip(input[..2 * (n - 1)].chunks_exact(2)) {
-                        *value = pair[0];
-                    }
-                    last[0] = input[2 * (n - 1)];
-                }
-                // By index: a `step_by` iterator divides for its length.
-                (step, _) => {
-                    for (i, value) in out.iter_mut().enumerate() {
-                        *value = input[i * step];
-                    }
-                }
-            }
+            let at = phases.at((n * g.channels_in + ci) * g.size[0] + ih, *first);
+            copy_short(&mut out[inside.clone()], &input[at..]);
+        }
+    }
+}
+
+// The first `out.len()` values of `input` into `out`, for the tens of values of a patch's row
+// segment: in blocks of 8, where `copy_from_slice` calls `memmove` (the call cost more than
+// the copy).
+#[inline(always)]
+fn copy_short<P: Copy>(out: &mut [P], input: &[P]) {
+    let (input, n) = (&input[..out.len()], out.len());
+    if n < 8 {
+        return out.iter_mut().zip(input).for_each(|(o, i)| *o = *i);
+    }
+    for (out, input) in out
+        .as_chunks_mut::<8>()
+        .0
+        .iter_mut()
+        .zip(input.as_chunks::<8>().0)
+    {
+        *out = *input;
+    }
+    // The last block, overlapping the one before where `n` is not a multiple of 8.
+    let (out, input): (&mut [P; 8], &[P; 8]) = (
+        (&mut out[n - 8..]).try_into().expect("8 values"),
+        input[n - 8..].try_into().expect("8 values"),
+    );
+    *out = *input;
+}
+
+// `patch_row` where the stride is 1 and the output as wide as the input (`same` padding, most
+// stride-1 convolutions): the output rows that read inside the input read one run of the
+// input plane, shifted by the kernel offset, so it is copied at once and only the padding
+// columns zeroed after (one a row for a 3×3 kernel). Copying row by row spent more in calls to
+// `memmove` for 32 values than in the copies.
+fn patch_row_as_plane<P: Patch>(
+    g: &Geometry,
+    spans: &[Span],
+    images: &[P],
+    row: usize,
+    out: &mut [P],
+) {
+    let (ci, kh, kw) = g.row_parts(row);
+    let (inside, first) = &spans[kw];
+    let width = g.out[1];
+    let mut rows = (0..g.out[0]).filter_map(|oh| Some((oh, g.input_row(ci, kh, oh)?)));
+    let Some((top, start)) = rows.next() else {
+        return out.fill(P::ZERO);
+    };
+    let bottom = rows.next_back().map_or(top, |(oh, _)| oh) + 1;
+    // Where, in the image, the first of these rows' first output column reads (`first` is
+    // where its first column inside the input reads); negative offsets read off the image's
+    // start, which only its padding columns do.
+    let from = (start + first) as isize - inside.start as isize;
+    for (image, out) in images.chunks(g.image()).zip(out.chunks_mut(g.positions())) {
+        let (above, rest) = out.split_at_mut(top * width);
+        let (run, below) = rest.split_at_mut((bottom - top) * width);
+        above.fill(P::ZERO);
+        below.fill(P::ZERO);
+        // The part of the run inside the image; what is left out is padding, zeroed below.
+        let skip = from.min(0).unsigned_abs();
+        let end = run.len().min((image.len() as isize - from).max(0) as usize);
+        if skip < end {
+            let at = (from + skip as isize) as usize;
+            run[skip..end].copy_from_slice(&image[at..][..end - skip]);
+        }
+        for row in run.chunks_mut(width) {
+            zero(&mut row[..inside.start]);
+            zero(&mut row[inside.end..]);
         }
     }
 }
@@ -345,63 +489,85 @@ fn zero<P: Patch>(values: &mut [P]) {
 }
 
 // The reverse of `patch_row` for gradients, for one image: columns `at..at + positions` of
-// every row of `patches` (rows `row_len` long) added onto the pixels of `image` they were
-// read from.
+// every row of `patches` (rows `row_len` long) added onto the sums, in phases, of the pixels
+// they were read from.
 fn add_patches(
     g: &Geometry,
     spans: &[Span],
     patches: &[f32],
-    row_len: usize,
-    at: usize,
-    image: &mut [f32],
+    (row_len, at): (usize, usize),
+    (phases, sums): (Phases, &mut [f32]),
 ) {
-    let (ow_n, step) = (g.out[1], g.stride[1]);
     for (row, grads) in patches.chunks(row_len).take(g.patch()).enumerate() {
         let (ci, kh, kw) = g.row_parts(row);
         let (inside, first) = &spans[kw];
-        for (oh, grads) in grads[at..][..g.positions()].chunks(ow_n).enumerate() {
-            let Some(start) = g.input_row(ci, kh, oh) else {
+        for (oh, grads) in grads[at..][..g.positions()].chunks(g.out[1]).enumerate() {
+            let Some(ih) = g.input_at(0, oh, kh) else {
                 continue;
             };
-            let (input, grads) = (&mut image[start + first..], &grads[inside.clone()]);
-            match (step, grads.len()) {
-                (_, 0) => {}
-                // As in `patch_row`.
-                (2, n) => {
-                    let pairs = input[..2 * (n - 1)].chunks_exact_mut(2);
-                    for (pair, grad) in pairs.zip(&grads[..n - 1]) {
-                        pair[0] += grad;
-                    }
-                    input[2 * (n - 1)] += grads[n - 1];
-                }
-                (step, _) => {
-                    for (i, grad) in grads.iter().enumerate() {
-                        input[i * step] += grad;
-                    }
-                }
+            let grads = &grads[inside.clone()];
+            let to = phases.at(ci * g.size[0] + ih, *first);
+            for (sum, grad) in sums[to..][..grads.len()].iter_mut().zip(grads) {
+                *sum += grad;
             }
         }
     }
 }
 
+// The input's gradient of one image from the input-gradient product of its chunk (`columns`
+// long rows, the image's from column `at`): summed in phases, rejoined, rounded once.
+fn image_gradient<H: Half>(g: &Geometry, product: &[f32], columns: usize, at: usize, dx: &mut [H]) {
+    let phases = Phases::of(g);
+    let rows = g.channels_in * g.size[0];
+    IMAGE_SUMS.with_borrow_mut(|[sums, image]| {
+        let sums = scratch_of(sums, phases.len(rows));
+        sums.fill(0.0);
+        let spans = g.column_spans();
+        add_patches(g, &spans, product, (columns, at), (phases, sums));
+        if phases.stride == 1 {
+            return H::round(sums, dx);
+        }
+        let image = scratch_of(image, g.image());
+        for (row, phase_rows) in image.chunks_mut(g.size[1]).zip(sums.chunks(phases.len(1))) {
+            phases.join(phase_rows, row);
+        }
+        H::round(image, dx);
+    });
+}
+
 // The patch matrix of images `first..first + images` of `x` into `patches`, `columns` long
-// rows, in tasks of whole rows on rayon's threads where it is large.
+// rows, in tasks of whole rows on rayon's threads where it is large; the images are first
+// converted (into `buf`) where the patches are of another type, and split into phases (into
+// `phase_buf`) where the column stride is not 1.
 fn patches_of_chunk<H: Half, P: Patch>(
     g: &Geometry,
     x: &[H],
-    first: usize,
-    images: usize,
-    (patches, buf): (&mut [P], &mut Vec<P>),
+    (first, images): (usize, usize),
+    (patches, buf, phase_buf): (&mut [P], &mut Vec<P>, &mut Vec<P>),
 ) -> Option<()> {
     let columns = images * g.positions();
     let x = P::from_half(&x[first * g.image()..][..images * g.image()], buf)?;
+    let phases = Phases::of(g);
+    let input = match phases.stride {
+        1 => x,
+        _ => {
+            let split = scratch_of(phase_buf, phases.len(x.len() / g.size[1]));
+            in_row_tasks(phases.len(1), split, |first, out| {
+                let rows = x[first * g.size[1]..].chunks(g.size[1]);
+                for (row, out) in rows.zip(out.chunks_mut(phases.len(1))) {
+                    phases.split(row, out);
+                }
+            });
+            &*split
+        }
+    };
     let spans = g.column_spans();
     in_row_tasks(
         columns,
         &mut patches[..g.patch() * columns],
         |first, rows| {
             for (i, out) in rows.chunks_mut(columns).enumerate() {
-                patch_row(g, &spans, x, first + i, out);
+                patch_row(g, &spans, (phases, input), first + i, out);
             }
         },
     );
@@ -440,7 +606,12 @@ fn forward_in_chunks<H: Half, P: Patch>(
         for (first, images) in g.chunks(budget) {
             let columns = images * positions;
             let patches = scratch_of(&mut buffers.patches, patch * columns);
-            patches_of_chunk(g, x, first, images, (&mut *patches, &mut buffers.image))?;
+            patches_of_chunk(
+                g,
+                x,
+                (first, images),
+                (&mut *patches, &mut buffers.image, &mut buffers.phases),
+            )?;
             let product = scratch_of(&mut shared.product, channels * columns);
             P::gemm(
                 (weight, [channels, patch], [patch, 1]),
@@ -448,22 +619,37 @@ fn forward_in_chunks<H: Half, P: Patch>(
                 product,
                 &mut shared.packed,
             )?;
-            // The product is `[channels, images · positions]`; the output `[images, channels,
-            // positions]`.
-            for (c, row) in product.chunks_mut(columns).enumerate() {
-                if let Some(bias) = bias {
-                    row.iter_mut().for_each(|v| *v += bias[c]);
-                }
-                for (n, sums) in row.chunks(positions).enumerate() {
-                    let at = ((first + n) * channels + c) * positions;
-                    H::round(sums, &mut out_values[at..][..positions]);
-                }
-            }
+            let out = &mut out_values[first * channels * positions..][..channels * columns];
+            round_output(g, product, bias, out);
         }
         scratch.release_large();
         Some(())
     })?;
     Some(out)
+}
+
+// The chunk's product `[channels, images · positions]` into its output `[images, channels,
+// positions]`, `bias` added to the f32 sums, each rounded once: in tasks of whole images, as
+// one thread this was 4% of a bf16 conv net's step.
+fn round_output<H: Half>(g: &Geometry, product: &[f32], bias: Option<&[f32]>, out: &mut [H]) {
+    let (positions, channels) = (g.positions(), g.channels_out);
+    let columns = product.len() / channels;
+    in_row_tasks(channels * positions, out, |first, out| {
+        let mut sums = Vec::new();
+        for (n, image) in out.chunks_mut(channels * positions).enumerate() {
+            for (c, plane) in image.chunks_mut(positions).enumerate() {
+                let row = &product[c * columns + (first + n) * positions..][..positions];
+                match bias {
+                    Some(bias) => {
+                        sums.clear();
+                        sums.extend(row.iter().map(|v| v + bias[c]));
+                        H::round(&sums, plane);
+                    }
+                    None => H::round(row, plane),
+                }
+            }
+        }
+    });
 }
 
 /// The gradients of `x` and of `weight` (each where asked for) of the convolution that gave
@@ -520,20 +706,22 @@ fn backward_in_chunks<H: Half, P: Patch>(
                 // Image by image (each a task where there are several), each summed in an f32
                 // buffer of its task's and rounded once.
                 let dx = &mut as_half::<H>(dx)[first * g.image()..][..images * g.image()];
-                let (spans, product) = (g.column_spans(), &*product);
+                let product = &*product;
                 in_row_tasks(g.image(), dx, |first, dx| {
-                    let mut image = vec![0.0; g.image()];
                     for (i, dx) in dx.chunks_mut(g.image()).enumerate() {
-                        image.fill(0.0);
                         let at = (first + i) * positions;
-                        add_patches(g, &spans, product, columns, at, &mut image);
-                        H::round(&image, dx);
+                        image_gradient(g, product, columns, at, dx);
                     }
                 });
             }
             if let Some(sums) = dw_sums.as_mut() {
                 let patches = scratch_of(&mut buffers.patches, patch * columns);
-                patches_of_chunk(g, x, first, images, (&mut *patches, &mut buffers.image))?;
+                patches_of_chunk(
+                    g,
+                    x,
+                    (first, images),
+                    (&mut *patches, &mut buffers.image, &mut buffers.phases),
+                )?;
                 let product = scratch_of(&mut shared.product, channels * patch);
                 let patches_t = (&*patches, [columns, patch], [1, columns]);
                 P::gemm(grads, patches_t, product, &mut shared.packed)?;
@@ -695,6 +883,12 @@ mod tests {
             ([1, 3, 6, 6], [2, 3, 5, 5], 3, 2, 1),
             ([6, 4, 66, 70], [2, 4, 3, 3], 1, 1, 1),
             ([5, 4, 70, 66], [3, 4, 3, 3], 2, 1, 1),
+            // Odd widths, column strides of 2 and 3: the last phase shorter.
+            ([2, 3, 7, 9], [4, 3, 3, 3], 2, 1, 1),
+            ([2, 2, 8, 7], [3, 2, 2, 3], 3, 1, 1),
+            // Stride 1, output as wide as the input: patch rows copied as planes.
+            ([2, 3, 8, 7], [2, 3, 3, 3], 1, 2, 2),
+            ([1, 2, 5, 6], [2, 2, 5, 5], 1, 2, 1),
         ];
         for (xs, ws, stride, padding, dilation) in cases {
             let g = Geometry::new(&xs, &ws, &options(stride, padding, dilation)).unwrap();
