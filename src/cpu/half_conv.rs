@@ -23,6 +23,7 @@
 //! net's training step.
 
 use std::cell::RefCell;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn_backend::ops::ConvOptions;
 use half::bf16;
@@ -171,12 +172,14 @@ trait Patch: Copy + Default + Send + Sync + 'static {
     // `values` written as patch values into `out` (as long), with `from_half`'s `None`.
     fn write_from_half<H: Half>(values: &[H], out: &mut [Self]) -> Option<()>;
 
-    // `c = a @ b`, each operand a slice with its shape and (row, column) strides.
+    // `c = a @ b`, each operand a slice with its shape and (row, column) strides, on rayon's
+    // threads where `parallel`.
     fn gemm(
         a: Operand<Self>,
         b: Operand<Self>,
         c: &mut [f32],
         scratch: &mut [Vec<u32>; 2],
+        parallel: bool,
     ) -> Option<()>;
 
     // This type's buffers in the scratch.
@@ -203,11 +206,12 @@ impl Patch for bf16 {
         b: Operand<Self>,
         c: &mut [f32],
         scratch: &mut [Vec<u32>; 2],
+        parallel: bool,
     ) -> Option<()> {
         let ((a, [m, k], a_strides), (b, [_, n], b_strides)) = (a, b);
         let a = Bf16Matrix::new(a, 0, [m, k], a_strides)?;
         let b = Bf16Matrix::new(b, 0, [k, n], b_strides)?;
-        bf16_gemm::gemm(a, b, c, parallel(m, n, k), scratch)
+        bf16_gemm::gemm(a, b, c, parallel, scratch)
     }
 
     fn buffers(scratch: &mut Scratch) -> (&mut Buffers<Self>, &mut Shared) {
@@ -234,9 +238,10 @@ impl Patch for f32 {
         b: Operand<Self>,
         c: &mut [f32],
         _: &mut [Vec<u32>; 2],
+        parallel: bool,
     ) -> Option<()> {
         let ((a, [m, k], a_strides), (b, [_, n], b_strides)) = (a, b);
-        f32_gemm((a, a_strides), (b, b_strides), [m, k, n], c)
+        f32_gemm((a, a_strides), (b, b_strides), [m, k, n], c, parallel)
     }
 
     fn buffers(scratch: &mut Scratch) -> (&mut Buffers<Self>, &mut Shared) {
@@ -295,11 +300,29 @@ impl Scratch {
 
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::default();
-    // A task's f32 sums of one image's gradient, in phases and rejoined (`image_gradient`),
-    // kept apart from `SCRATCH`, which the thread that started the tasks holds. A fresh
-    // buffer a task was 128 KiB for a small conv net: mapped, faulted in and unmapped each
-    // time (3% of its bf16 step).
-    static IMAGE_SUMS: RefCell<[Vec<f32>; 2]> = RefCell::default();
+    // A task's buffers for the input's gradient (`ImageWork`), apart from `SCRATCH`, which
+    // the thread that started the tasks holds.
+    static IMAGE_WORK: RefCell<ImageWork> = RefCell::default();
+}
+
+// One image's product of the weight and its output gradient, its f32 sums in phases and
+// rejoined (`image_gradient`), kept by each thread: a fresh sum buffer a task was 128 KiB
+// for a small conv net, mapped, faulted in and unmapped each time (3% of its bf16 step).
+#[derive(Default)]
+struct ImageWork {
+    product: Vec<f32>,
+    packed: [Vec<u32>; 2],
+    sums: Vec<f32>,
+    image: Vec<f32>,
+}
+
+impl ImageWork {
+    fn release_large(&mut self) {
+        release_large(&mut self.product);
+        release_large(&mut self.sums);
+        release_large(&mut self.image);
+        self.packed.iter_mut().for_each(release_large);
+    }
 }
 
 // The input's columns grouped by their remainder modulo the column stride, so that the
@@ -488,20 +511,19 @@ fn zero<P: Patch>(values: &mut [P]) {
     }
 }
 
-// The reverse of `patch_row` for gradients, for one image: columns `at..at + positions` of
-// every row of `patches` (rows `row_len` long) added onto the sums, in phases, of the pixels
-// they were read from.
+// The reverse of `patch_row` for gradients, for one image: the rows of its `patches`
+// (`positions` columns each) added onto the sums, in phases, of the pixels they were read
+// from.
 fn add_patches(
     g: &Geometry,
     spans: &[Span],
     patches: &[f32],
-    (row_len, at): (usize, usize),
     (phases, sums): (Phases, &mut [f32]),
 ) {
-    for (row, grads) in patches.chunks(row_len).take(g.patch()).enumerate() {
+    for (row, grads) in patches.chunks(g.positions()).take(g.patch()).enumerate() {
         let (ci, kh, kw) = g.row_parts(row);
         let (inside, first) = &spans[kw];
-        for (oh, grads) in grads[at..][..g.positions()].chunks(g.out[1]).enumerate() {
+        for (oh, grads) in grads.chunks(g.out[1]).enumerate() {
             let Some(ih) = g.input_at(0, oh, kh) else {
                 continue;
             };
@@ -514,25 +536,34 @@ fn add_patches(
     }
 }
 
-// The input's gradient of one image from the input-gradient product of its chunk (`columns`
-// long rows, the image's from column `at`): summed in phases, rejoined, rounded once.
-fn image_gradient<H: Half>(g: &Geometry, product: &[f32], columns: usize, at: usize, dx: &mut [H]) {
+// One image's gradient `dx` from its output gradient `grads` (`[channels_out, positions]` at
+// the row stride of the chunk's `columns`): the weight's transpose times `grads`, each
+// column's values summed onto the pixels it was read from, in phases, rejoined, rounded
+// once. Image by image, so that the product stays in cache for the sums: as one product for
+// a chunk (8 MiB for a small conv net), it went out to memory and back.
+fn image_gradient<H: Half, P: Patch>(
+    g: &Geometry,
+    (weight_t, grads): (Operand<P>, Operand<P>),
+    parallel: bool,
+    work: &mut ImageWork,
+    dx: &mut [H],
+) -> Option<()> {
+    let product = scratch_of(&mut work.product, g.patch() * g.positions());
+    P::gemm(weight_t, grads, product, &mut work.packed, parallel)?;
     let phases = Phases::of(g);
-    let rows = g.channels_in * g.size[0];
-    IMAGE_SUMS.with_borrow_mut(|[sums, image]| {
-        let sums = scratch_of(sums, phases.len(rows));
-        sums.fill(0.0);
-        let spans = g.column_spans();
-        add_patches(g, &spans, product, (columns, at), (phases, sums));
-        if phases.stride == 1 {
-            return H::round(sums, dx);
-        }
-        let image = scratch_of(image, g.image());
-        for (row, phase_rows) in image.chunks_mut(g.size[1]).zip(sums.chunks(phases.len(1))) {
-            phases.join(phase_rows, row);
-        }
-        H::round(image, dx);
-    });
+    let sums = scratch_of(&mut work.sums, phases.len(g.channels_in * g.size[0]));
+    sums.fill(0.0);
+    add_patches(g, &g.column_spans(), product, (phases, sums));
+    if phases.stride == 1 {
+        H::round(sums, dx);
+        return Some(());
+    }
+    let image = scratch_of(&mut work.image, g.image());
+    for (row, phase_rows) in image.chunks_mut(g.size[1]).zip(sums.chunks(phases.len(1))) {
+        phases.join(phase_rows, row);
+    }
+    H::round(image, dx);
+    Some(())
 }
 
 // The patch matrix of images `first..first + images` of `x` into `patches`, `columns` long
@@ -618,6 +649,7 @@ fn forward_in_chunks<H: Half, P: Patch>(
                 (patches, [patch, columns], [columns, 1]),
                 product,
                 &mut shared.packed,
+                parallel(channels, columns, patch),
             )?;
             let out = &mut out_values[first * channels * positions..][..channels * columns];
             round_output(g, product, bias, out);
@@ -698,22 +730,32 @@ fn backward_in_chunks<H: Half, P: Patch>(
                     P::write_from_half(plane, out)?;
                 }
             }
-            let grads: Operand<P> = (grads, [channels, columns], [columns, 1]);
             if let Some(dx) = dx.as_mut() {
-                let product = scratch_of(&mut shared.product, patch * columns);
                 let weight_t = (weight, [patch, channels], [1, patch]);
-                P::gemm(weight_t, grads, product, &mut shared.packed)?;
-                // Image by image (each a task where there are several), each summed in an f32
-                // buffer of its task's and rounded once.
                 let dx = &mut as_half::<H>(dx)[first * g.image()..][..images * g.image()];
-                let product = &*product;
+                // Image by image, each a task where there are several; the GEMMs on threads
+                // of their own only where the images are too few to keep them all busy.
+                let parallel =
+                    parallel(patch, positions, channels) && images < rayon::current_num_threads();
+                let (grads, failed) = (&*grads, AtomicBool::new(false));
                 in_row_tasks(g.image(), dx, |first, dx| {
-                    for (i, dx) in dx.chunks_mut(g.image()).enumerate() {
-                        let at = (first + i) * positions;
-                        image_gradient(g, product, columns, at, dx);
-                    }
+                    with_scratch(&IMAGE_WORK, |work| {
+                        for (i, dx) in dx.chunks_mut(g.image()).enumerate() {
+                            let grads = &grads[(first + i) * positions..];
+                            let grads = (grads, [channels, positions], [columns, 1]);
+                            let done = image_gradient(g, (weight_t, grads), parallel, work, dx);
+                            if done.is_none() {
+                                failed.store(true, Ordering::Relaxed);
+                            }
+                        }
+                        work.release_large();
+                    })
                 });
+                if failed.into_inner() {
+                    return None;
+                }
             }
+            let grads: Operand<P> = (grads, [channels, columns], [columns, 1]);
             if let Some(sums) = dw_sums.as_mut() {
                 let patches = scratch_of(&mut buffers.patches, patch * columns);
                 patches_of_chunk(
@@ -724,7 +766,8 @@ fn backward_in_chunks<H: Half, P: Patch>(
                 )?;
                 let product = scratch_of(&mut shared.product, channels * patch);
                 let patches_t = (&*patches, [columns, patch], [1, columns]);
-                P::gemm(grads, patches_t, product, &mut shared.packed)?;
+                let parallel = parallel(channels, patch, columns);
+                P::gemm(grads, patches_t, product, &mut shared.packed, parallel)?;
                 sums.iter_mut()
                     .zip(product.iter())
                     .for_each(|(sum, p)| *sum += p);

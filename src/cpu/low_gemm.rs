@@ -210,6 +210,7 @@ fn widened_product(a: &FlexTensor, b: &FlexTensor, dims: &Dims, scratch: &mut Sc
             (&wb[b_offset..], b_matrix),
             [m, k, n],
             c,
+            parallel(m, n, k),
         )
         .is_some()
     });
@@ -235,13 +236,14 @@ fn each_matrix(
 
 /// `c = a @ b` of f32 matrices `[m, k]` and `[k, n]`, each given as a slice and the
 /// (row, column) strides of its values from the slice's start, by Flex's GEMM (the `gemm`
-/// crate, on rayon's threads for large products); `c` row-major. `None` where a matrix
+/// crate, on rayon's threads where `parallel`); `c` row-major. `None` where a matrix
 /// does not fit its slice or `c` is not `m × n`.
 pub(crate) fn f32_gemm(
     (a, [a_rs, a_cs]): (&[f32], [usize; 2]),
     (b, [b_rs, b_cs]): (&[f32], [usize; 2]),
     [m, k, n]: [usize; 3],
     c: &mut [f32],
+    parallel: bool,
 ) -> Option<()> {
     let fits = |len: usize, [rows, cols]: [usize; 2], [rs, cs]: [usize; 2]| {
         rows == 0 || cols == 0 || (rows - 1) * rs + (cols - 1) * cs < len
@@ -252,7 +254,7 @@ pub(crate) fn f32_gemm(
     if c.len() != m * n {
         return None;
     }
-    let parallelism = match parallel(m, n, k) {
+    let parallelism = match parallel {
         true => gemm::Parallelism::Rayon(0),
         false => gemm::Parallelism::None,
     };
