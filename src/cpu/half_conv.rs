@@ -6,8 +6,13 @@
 //! - the output is `W · patches` (`W` the weight as `[out channels, ci·kh·kw]`), the bias added
 //!   to the f32 sums, rounded once;
 //! - the input's gradient is `Wᵀ · grad`, its columns added back onto the input's pixels in f32
-//!   (`col2im`), rounded once;
+//!   (`col2im`), rounded once; this one image by image, so that each image's product is
+//!   summed while it is in cache;
 //! - the weight's gradient is `grad · patchesᵀ`, summed over chunks in f32, rounded once.
+//!
+//! Where the column stride is not 1, the input is first split into phases (its columns
+//! grouped by their remainder modulo the stride, `Phases`), so that the columns a patch row
+//! reads, and those its gradient adds onto, lie side by side.
 //!
 //! Two kernels run the GEMMs (`low_gemm::Kernel`): bf16 patches on the dot-product GEMM of
 //! [`bf16_gemm`], or patches of either half type widened to f32 on Flex's f32 GEMM. Both sum
