@@ -22,6 +22,8 @@
 //! product: each value a dot product of an A row and a B column as they lie, in f32 lanes
 //! summed across at the end of each k block.
 
+use std::mem::MaybeUninit;
+
 use half::bf16;
 
 #[cfg(target_arch = "x86_64")]
@@ -107,19 +109,46 @@ pub(crate) fn available() -> bool {
     false
 }
 
-/// `c = a @ b`, `c` the `a.rows × b.cols` product in row-major order, computed on rayon's
-/// threads when `parallel`; `packed` is scratch for the packed operands, kept by the caller
-/// (whatever it holds is overwritten). `None` (and `c` untouched) where the CPU lacks
-/// AVX512-BF16 or the shapes do not match.
+/// Rounds a run of a product row's f32 sums into bf16 values (as long): `finish(column, sums,
+/// out)`, `column` the run's first column. It may add a bias as it rounds.
+pub(crate) type Finish<'a> = &'a (dyn Fn(usize, &[f32], &mut [bf16]) + Sync);
+
+/// Where a GEMM puts its product, `a.rows × b.cols` values in row-major order.
+pub(crate) enum Product<'a> {
+    /// The f32 sums.
+    F32(&'a mut [f32]),
+    /// Values rounded from the sums by `finish`, each run as soon as a task has summed it: no
+    /// f32 product goes out to memory (for a linear's `4096 × 1024` output, 16 MiB written,
+    /// mapped afresh and read back to be rounded). Every value of `out` is written where
+    /// [`gemm`] returns `Some`.
+    Bf16 {
+        out: &'a mut [MaybeUninit<bf16>],
+        finish: Finish<'a>,
+    },
+}
+
+impl Product<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Self::F32(c) => c.len(),
+            Self::Bf16 { out, .. } => out.len(),
+        }
+    }
+}
+
+/// The product of `a @ b` into `product`, computed on rayon's threads when `parallel`;
+/// `packed` is scratch for the packed operands, kept by the caller (whatever it holds is
+/// overwritten). `None` (and `product` untouched) where the CPU lacks AVX512-BF16 or the
+/// shapes do not match.
 pub(crate) fn gemm(
     a: Bf16Matrix,
     b: Bf16Matrix,
-    c: &mut [f32],
+    product: Product,
     parallel: bool,
     packed: &mut [Vec<u32>; 2],
 ) -> Option<()> {
     let (m, k, n) = (a.rows, a.cols, b.cols);
-    if !available() || b.rows != k || c.len() != m * n {
+    if !available() || b.rows != k || product.len() != m * n {
         return None;
     }
     #[cfg(target_arch = "x86_64")]
@@ -127,12 +156,42 @@ pub(crate) fn gemm(
     // inner-product kernel (`dots::available`), whose layout `dots::applies` checked; the
     // shapes match.
     unsafe {
-        match dots::applies(&a, &b) && dots::available() {
-            true => dots::gemm(a, b, c, parallel),
-            false => x86::gemm(a, b, c, parallel, packed),
+        match (dots::applies(&a, &b) && dots::available(), product) {
+            (true, Product::F32(c)) => dots::gemm(a, b, c, parallel),
+            // The kernel's products are small (m and n at most 512): through an f32 buffer.
+            (true, Product::Bf16 { out, finish }) => {
+                let mut c = vec![0.0; m * n];
+                dots::gemm(a, b, &mut c, parallel);
+                finish_rows(&c, n, out, finish);
+            }
+            (false, product) => x86::gemm(a, b, product, parallel, packed),
         }
     };
     Some(())
+}
+
+/// `finish` over the rows of `n` sums in `sums`, into `out` (as long), a run of at most
+/// `RUN` values at a time.
+fn finish_rows(sums: &[f32], n: usize, out: &mut [MaybeUninit<bf16>], finish: Finish) {
+    for (sums, out) in sums.chunks(n.max(1)).zip(out.chunks_mut(n.max(1))) {
+        for (run, (sums, out)) in sums.chunks(RUN).zip(out.chunks_mut(RUN)).enumerate() {
+            finish_run(run * RUN, sums, out, finish);
+        }
+    }
+}
+
+/// The longest run passed to a [`Finish`] at once.
+const RUN: usize = 256;
+
+/// `finish` of one run of at most `RUN` sums, through a buffer on the stack: `out` may not be
+/// initialised yet, and a `&mut [bf16]` must be.
+fn finish_run(column: usize, sums: &[f32], out: &mut [MaybeUninit<bf16>], finish: Finish) {
+    let mut rounded = [bf16::ZERO; RUN];
+    let rounded = &mut rounded[..sums.len()];
+    finish(column, sums, rounded);
+    for (out, value) in out.iter_mut().zip(rounded.iter()) {
+        out.write(*value);
+    }
 }
 
 /// The largest scratch buffer kept between GEMMs, in bytes (8 MiB). Larger ones go back after
@@ -254,12 +313,80 @@ mod tests {
                 let want = reference(&a, &b);
                 for parallel in [false, true] {
                     let mut c = vec![f32::NAN; m * n];
-                    gemm(a, b, &mut c, parallel, &mut Default::default()).unwrap();
+                    gemm(
+                        a,
+                        b,
+                        Product::F32(&mut c),
+                        parallel,
+                        &mut Default::default(),
+                    )
+                    .unwrap();
                     for (got, (sum, bound)) in c.iter().zip(&want) {
                         let err = (f64::from(*got) - sum).abs();
                         assert!(err <= *bound, "{m}×{k}×{n}: {got} against {sum} ± {bound}");
                     }
                 }
+            }
+        }
+    }
+
+    // The f32 product of `a @ b` and the bf16 one, rounded by `finish`.
+    fn both_products(a: Bf16Matrix, b: Bf16Matrix, finish: Finish) -> (Vec<f32>, Vec<bf16>) {
+        let len = a.rows * b.cols;
+        let mut c = vec![f32::NAN; len];
+        gemm(a, b, Product::F32(&mut c), true, &mut Default::default()).unwrap();
+        let mut out = vec![MaybeUninit::new(bf16::NAN); len];
+        let product = Product::Bf16 {
+            out: &mut out,
+            finish,
+        };
+        gemm(a, b, product, true, &mut Default::default()).unwrap();
+        // SAFETY: every value was initialised (with NaN) before the GEMM.
+        (c, out.iter().map(|v| unsafe { v.assume_init() }).collect())
+    }
+
+    #[test]
+    fn a_product_rounded_as_summed_is_the_f32_product_rounded() {
+        if !available() {
+            eprintln!("skipped: this CPU has no AVX512-BF16");
+            return;
+        }
+        let round = |_: usize, sums: &[f32], out: &mut [bf16]| {
+            out.iter_mut()
+                .zip(sums)
+                .for_each(|(o, s)| *o = bf16::from_f32(*s));
+        };
+        // Each value's column as `finish` is told it, for bits: every run lands where it
+        // belongs.
+        let column = |column: usize, sums: &[f32], out: &mut [bf16]| {
+            for (t, o) in out.iter_mut().enumerate().take(sums.len()) {
+                *o = bf16::from_bits((column + t) as u16);
+            }
+        };
+        // Wider than a task's columns and taller than its rows, with edges, for both kernels
+        // (the last shape takes the inner-product one), and k = 0.
+        for [m, k, n] in [
+            [13, 7, 33],
+            [50, 301, 300],
+            [100, 20, 600],
+            [9, 8200, 6],
+            [3, 0, 5],
+        ] {
+            let a = matrix(&values(m * k + 1, 1));
+            let b = matrix(&values(k * n + 1, 2));
+            let a = Bf16Matrix::new(&a, 0, [m, k], [k, 1]).unwrap();
+            let b = Bf16Matrix::new(&b, 0, [k, n], [1, k]).unwrap();
+            let (c, rounded) = both_products(a, b, &round);
+            for (i, (c, r)) in c.iter().zip(&rounded).enumerate() {
+                assert_eq!(
+                    r.to_bits(),
+                    bf16::from_f32(*c).to_bits(),
+                    "{m}×{k}×{n} at {i}"
+                );
+            }
+            let (_, columns) = both_products(a, b, &column);
+            for (i, v) in columns.iter().enumerate() {
+                assert_eq!(usize::from(v.to_bits()), i % n, "{m}×{k}×{n} at {i}");
             }
         }
     }
@@ -303,7 +430,7 @@ mod tests {
         let a = Bf16Matrix::new(&a, 0, [m, k], [k, 1]).unwrap();
         let b = Bf16Matrix::new(&b, 0, [k, n], [n, 1]).unwrap();
         let mut c = vec![0.0; m * n];
-        gemm(a, b, &mut c, true, &mut Default::default()).unwrap();
+        gemm(a, b, Product::F32(&mut c), true, &mut Default::default()).unwrap();
         for i in 0..m {
             for j in 0..n {
                 let want: f32 = (0..k).map(|t| av[i * k + t] * bv[t * n + j]).sum();
@@ -334,7 +461,16 @@ mod tests {
         assert!(Bf16Matrix::new(&data, 0, [usize::MAX, 2], [usize::MAX, 1]).is_none());
         let a = Bf16Matrix::new(&data, 0, [2, 3], [3, 1]).unwrap();
         let packed = &mut Default::default();
-        assert!(gemm(a, a, &mut [0.0; 6], false, packed).is_none());
-        assert!(gemm(a, a.transposed(), &mut [0.0; 3], false, packed).is_none());
+        assert!(gemm(a, a, Product::F32(&mut [0.0; 6]), false, packed).is_none());
+        assert!(
+            gemm(
+                a,
+                a.transposed(),
+                Product::F32(&mut [0.0; 3]),
+                false,
+                packed
+            )
+            .is_none()
+        );
     }
 }

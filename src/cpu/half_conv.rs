@@ -33,7 +33,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use burn_backend::ops::ConvOptions;
 use half::bf16;
 
-use super::bf16_gemm::{self, Bf16Matrix, release_large, scratch_of, with_scratch};
+use super::bf16_gemm::{self, Bf16Matrix, Product, release_large, scratch_of, with_scratch};
 use super::half_kernels::{Half, as_half, half_buffer, in_row_tasks};
 use super::low_gemm::{Kernel, f32_gemm, parallel};
 
@@ -216,7 +216,7 @@ impl Patch for bf16 {
         let ((a, [m, k], a_strides), (b, [_, n], b_strides)) = (a, b);
         let a = Bf16Matrix::new(a, 0, [m, k], a_strides)?;
         let b = Bf16Matrix::new(b, 0, [k, n], b_strides)?;
-        bf16_gemm::gemm(a, b, c, parallel, scratch)
+        bf16_gemm::gemm(a, b, Product::F32(c), parallel, scratch)
     }
 
     fn buffers(scratch: &mut Scratch) -> (&mut Buffers<Self>, &mut Shared) {

@@ -397,21 +397,39 @@ pub(crate) fn round_add_row<H: Half>(product: &[f32], bias: Option<&[H]>) -> Vec
 /// rounded to `H`, as Flex adds a broadcast row on half tensors.
 pub(crate) fn add_row<H: Half>(rows: &mut [H], bias: &[H]) {
     let n = bias.len().max(1);
-    let mut wide_bias = vec![0f32; bias.len()];
-    H::widen(bias, &mut wide_bias);
-    let add = |rows: &mut [H]| {
-        let mut buf = [0f32; BLOCK];
-        for row in rows.chunks_mut(n) {
-            for (dst, bias) in row.chunks_mut(BLOCK).zip(wide_bias.chunks(BLOCK)) {
-                let buf = &mut buf[..dst.len()];
-                H::widen(dst, buf);
-                buf.iter_mut().zip(bias).for_each(|(x, b)| *x += b);
-                H::round(buf, dst);
-            }
-        }
-    };
+    let wide_bias = widened(bias);
     // Whole rows per task, so that each task's rows start at the bias's first value.
-    in_row_tasks(n, rows, |_, rows| add(rows));
+    in_row_tasks(n, rows, |_, rows| {
+        rows.chunks_mut(n)
+            .for_each(|row| add_widened(row, &wide_bias))
+    });
+}
+
+/// `values` widened to f32.
+pub(crate) fn widened<H: Half>(values: &[H]) -> Vec<f32> {
+    let mut wide = vec![0f32; values.len()];
+    H::widen(values, &mut wide);
+    wide
+}
+
+/// Rounds `sums` into `out` (as long), then adds the widened `bias` (as long, if any) as
+/// [`add_row`] does: a run of a linear's output row, rounded as it is summed.
+pub(crate) fn round_add<H: Half>(sums: &[f32], bias: Option<&[f32]>, out: &mut [H]) {
+    H::round(sums, out);
+    if let Some(bias) = bias {
+        add_widened(out, bias);
+    }
+}
+
+// `row[i] + bias[i]` for each value of `row`, summed in f32 and rounded to `H`.
+fn add_widened<H: Half>(row: &mut [H], bias: &[f32]) {
+    let mut buf = [0f32; BLOCK];
+    for (dst, bias) in row.chunks_mut(BLOCK).zip(bias.chunks(BLOCK)) {
+        let buf = &mut buf[..dst.len()];
+        H::widen(dst, buf);
+        buf.iter_mut().zip(bias).for_each(|(x, b)| *x += b);
+        H::round(buf, dst);
+    }
 }
 
 /// The sum over the rows of a contiguous `[m, n]` half tensor, `n` values: f32 sums taken row

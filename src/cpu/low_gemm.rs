@@ -3,15 +3,17 @@
 //! Flex 0.21 multiplies bf16 matrices by copying both to contiguous f32 with a scalar loop,
 //! running its f32 GEMM, and rounding the result back, element by element
 //! (`matmul_bf16` in `burn-flex-0.21.0/src/ops/matmul.rs`; f16 goes through the `gemm` crate's
-//! f16 kernels, slower still). Here the product is computed one of two ways, into per-thread
-//! scratch, then rounded to the half type, a linear's bias added in the same pass:
+//! f16 kernels, slower still). Here the product is computed one of two ways, and rounded to
+//! the half type, a linear's bias added as it is rounded:
 //!
 //! - bf16 on a CPU with AVX512-BF16: the dot-product GEMM of [`bf16_gemm`], which reads the
-//!   bf16 operands in place (transposed views too) and sums in f32, about 1.5–2× as fast as
-//!   the f32 GEMM;
+//!   bf16 operands in place (transposed views too), sums in f32, about 1.5–2× as fast as the
+//!   f32 GEMM, and rounds each block of the product as the task that summed it ends, so that
+//!   no f32 product goes out to memory;
 //! - otherwise (and on [`Route::Widened`]): the half operands widened to f32 in one
 //!   vectorised pass, a transposed view kept transposed, and multiplied by Flex's f32 GEMM
-//!   (the `gemm` crate, called directly): for bf16, Flex's own bits.
+//!   (the `gemm` crate, called directly) into per-thread scratch, then rounded in one pass:
+//!   for bf16, Flex's own bits.
 //!
 //! Either way: the numbers of a half-precision GEMM with f32 accumulation, the operands kept
 //! in the half type (what autodiff saves for the backward pass stays half the size).
@@ -34,10 +36,13 @@ use burn::tensor::Bytes;
 use burn_backend::DType;
 use burn_backend::ops::{FloatTensorOps, ModuleOps};
 use burn_backend::tensor::FloatTensor;
+use half::bf16;
 use rayon::prelude::*;
 
-use super::bf16_gemm::{self, Bf16Matrix, release_large, scratch_of, with_scratch};
-use super::half_kernels::{add_row, round_add_row, sum_rows, widen_in_tasks, with_half};
+use super::bf16_gemm::{self, Bf16Matrix, Product, release_large, scratch_of, with_scratch};
+use super::half_kernels::{
+    add_row, round_add, round_add_row, sum_rows, widen_in_tasks, widened, with_half,
+};
 use super::{Route, several_threads};
 
 // Scratch for one GEMM's operands widened to f32 and its f32 product, kept per thread: a
@@ -161,12 +166,16 @@ fn ordered_strides(t: &FlexTensor) -> Option<Vec<usize>> {
         .collect()
 }
 
-// `product = a @ b` by the dot-product kernel, matrix by matrix of the batch, reading the
-// bf16 operands in place; false where it does not apply (negative strides).
-fn bf16_dot_product(a: &FlexTensor, b: &FlexTensor, dims: &Dims, scratch: &mut Scratch) -> bool {
-    let (Some(a_strides), Some(b_strides)) = (ordered_strides(a), ordered_strides(b)) else {
-        return false;
-    };
+// `a @ b` (+ `bias`) of bf16 operands by the dot-product kernel, matrix by matrix of the
+// batch, reading the operands in place and rounding each value (adding the bias) as its
+// task sums it; `None` where it does not apply (negative strides).
+fn bf16_dot_product(
+    a: &FlexTensor,
+    b: &FlexTensor,
+    bias: Option<&FlexTensor>,
+    dims: &Dims,
+) -> Option<Vec<bf16>> {
+    let (a_strides, b_strides) = (ordered_strides(a)?, ordered_strides(b)?);
     let (m, k, n) = (dims.m, dims.k, dims.n);
     // The batch's `i`-th matrix of `t`, read in place.
     fn matrix<'t>(
@@ -175,10 +184,15 @@ fn bf16_dot_product(a: &FlexTensor, b: &FlexTensor, dims: &Dims, scratch: &mut S
         shape: [usize; 2],
     ) -> Option<Bf16Matrix<'t>> {
         let offset = t.layout().start_offset() + offset;
-        Bf16Matrix::new(t.storage::<half::bf16>(), offset, shape, strides)
+        Bf16Matrix::new(t.storage::<bf16>(), offset, shape, strides)
     }
-    let product = scratch_of(&mut scratch.product, dims.matrices() * m * n);
-    each_matrix(product, dims, |i, c| {
+    let bias = bias.map(|bias| widened(bias.storage::<bf16>()));
+    let finish = |column: usize, sums: &[f32], out: &mut [bf16]| {
+        round_add(sums, bias.as_ref().map(|bias| &bias[column..]), out)
+    };
+    let len = dims.matrices() * m * n;
+    let mut values = Vec::with_capacity(len);
+    let done = each_matrix(&mut values.spare_capacity_mut()[..len], dims, |i, out| {
         let (Some(am), Some(bm)) = (
             matrix(a, dims.matrix(i, &a_strides), [m, k]),
             matrix(b, dims.matrix(i, &b_strides), [k, n]),
@@ -187,10 +201,20 @@ fn bf16_dot_product(a: &FlexTensor, b: &FlexTensor, dims: &Dims, scratch: &mut S
         };
         let threads = parallel(m, n, k);
         with_scratch(&PACKED, |packed| {
-            let done = bf16_gemm::gemm(am, bm, c, threads, packed);
+            let product = Product::Bf16 {
+                out,
+                finish: &finish,
+            };
+            let done = bf16_gemm::gemm(am, bm, product, threads, packed);
             packed.iter_mut().for_each(release_large);
             done.is_some()
         })
+    });
+    // SAFETY: each matrix's GEMM wrote all its values (it returned `Some`), and the matrices
+    // cover the product.
+    done.then(|| unsafe {
+        values.set_len(len);
+        values
     })
 }
 
@@ -220,10 +244,10 @@ fn widened_product(a: &FlexTensor, b: &FlexTensor, dims: &Dims, scratch: &mut Sc
 // `f(i, c)` for each matrix `i` of the batch and its block `c` of the product: matrix
 // after matrix where each GEMM takes all threads, on rayon's threads where the matrices
 // are too small to share out one by one (attention's, say). False if any `f` was.
-fn each_matrix(
-    product: &mut [f32],
+fn each_matrix<T: Send>(
+    product: &mut [T],
     dims: &Dims,
-    f: impl Fn(usize, &mut [f32]) -> bool + Sync,
+    f: impl Fn(usize, &mut [T]) -> bool + Sync,
 ) -> bool {
     let size = (dims.m * dims.n).max(1);
     if dims.matrices() > 1 && several_threads() && !large(dims.m, dims.n, dims.k) {
@@ -301,16 +325,20 @@ fn half_gemm(
     let dims = Dims::of(a, b);
     let len = dims.matrices() * dims.m * dims.n;
     let bias = bias.map(|b| b.to_contiguous());
-    let values = with_scratch(&SCRATCH, |scratch| {
-        if kernel != Kernel::Bf16Dot || !bf16_dot_product(a, b, &dims, scratch) {
+    let rounded = match kernel == Kernel::Bf16Dot && dtype == DType::BF16 {
+        true => bf16_dot_product(a, b, bias.as_ref(), &dims).map(Bytes::from_elems),
+        false => None,
+    };
+    let values = rounded.unwrap_or_else(|| {
+        with_scratch(&SCRATCH, |scratch| {
             widened_product(a, b, &dims, scratch);
-        }
-        let values = with_half!(dtype, H => {
-            let bias = bias.as_ref().map(|b| b.storage::<H>());
-            Bytes::from_elems(round_add_row::<H>(&scratch.product[..len], bias))
-        }, _ => unreachable!("the hooks admit half operands only"));
-        scratch.release_large();
-        values
+            let values = with_half!(dtype, H => {
+                let bias = bias.as_ref().map(|b| b.storage::<H>());
+                Bytes::from_elems(round_add_row::<H>(&scratch.product[..len], bias))
+            }, _ => unreachable!("the hooks admit half operands only"));
+            scratch.release_large();
+            values
+        })
     });
     let shape = [dims.batch, vec![dims.m, dims.n]].concat();
     FlexTensor::new(values, Layout::contiguous(shape.into()), dtype)
@@ -532,6 +560,30 @@ mod tests {
             for (d, w) in dot.iter().zip(&widened) {
                 assert!((d - w).abs() <= w / 128.0, "{d} against {w}");
             }
+        }
+    }
+
+    #[test]
+    fn a_linears_bias_is_added_to_the_rounded_product_as_flex_adds_it_on_either_kernel() {
+        // Wider than a task of the dot-product kernel (256 columns), so that runs of a row
+        // start past the bias's first value.
+        let (m, k, n) = (50, 40, 300);
+        let x = half(values(m * k, 7), [m, k], FloatDType::BF16);
+        let w = half(values(k * n, 8), [k, n], FloatDType::BF16);
+        let bias = half(values(n, 9), [n], FloatDType::BF16);
+        for kernel in [Kernel::Bf16Dot, Kernel::F32] {
+            if kernel == Kernel::Bf16Dot && !bf16_gemm::available() {
+                eprintln!("skipped the dot-product kernel: this CPU has no AVX512-BF16");
+                continue;
+            }
+            let product = half_gemm(&x, &w, None, kernel);
+            let row = Flex::float_reshape(bias.clone(), [1, n].into());
+            let want = Flex::float_add(product, row);
+            assert_eq!(
+                bits(half_gemm(&x, &w, Some(&bias), kernel)),
+                bits(want),
+                "{kernel:?}"
+            );
         }
     }
 

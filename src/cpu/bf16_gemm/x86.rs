@@ -1,11 +1,12 @@
 //! The bf16 GEMM's x86-64 parts: packing the operands, and the `vdpbf16ps` kernel.
 
 use std::arch::x86_64::*;
+use std::mem::MaybeUninit;
 
 use half::bf16;
 use rayon::prelude::*;
 
-use super::{Bf16Matrix, scratch_of};
+use super::{Bf16Matrix, Finish, Product, RUN, finish_rows, finish_run, scratch_of};
 
 /// Rows of the product one micro-kernel call computes.
 const MR: usize = 12;
@@ -20,6 +21,8 @@ const KC: usize = 128;
 const MC: usize = 4 * MR;
 /// Columns of the product per parallel task (8 B panels).
 const NC: usize = 8 * NR;
+// A task's rows of a rounded product are finished a run at a time.
+const _: () = assert!(NC <= RUN);
 
 /// `c = a @ b`, as [`super::gemm`] (which checked the shapes).
 ///
@@ -29,13 +32,16 @@ const NC: usize = 8 * NR;
 pub(super) unsafe fn gemm(
     a: Bf16Matrix,
     b: Bf16Matrix,
-    c: &mut [f32],
+    product: Product,
     parallel: bool,
     packed: &mut [Vec<u32>; 2],
 ) {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     if k == 0 {
-        c.fill(0.0);
+        match product {
+            Product::F32(c) => c.fill(0.0),
+            Product::Bf16 { out, finish } => finish_rows(&vec![0.0; m * n], n, out, finish),
+        }
         return;
     }
     let pairs = k.div_ceil(2);
@@ -46,10 +52,14 @@ pub(super) unsafe fn gemm(
         pack(a, pairs, MR, packed_a, parallel);
         pack(b.transposed(), pairs, NR, packed_b, parallel);
     }
+    let out = match product {
+        Product::F32(c) => Out::F32(CPtr(c.as_mut_ptr())),
+        Product::Bf16 { out, finish } => Out::Bf16(BPtr(out.as_mut_ptr()), finish),
+    };
     let blocks = Blocks {
         packed_a,
         packed_b,
-        c: CPtr(c.as_mut_ptr()),
+        out,
         m,
         n,
         pairs,
@@ -213,22 +223,64 @@ unsafe impl Send for CPtr {}
 // SAFETY: as above.
 unsafe impl Sync for CPtr {}
 
+// Likewise for a product rounded to bf16.
+#[derive(Clone, Copy)]
+struct BPtr(*mut MaybeUninit<bf16>);
+// SAFETY: as for `CPtr`.
+unsafe impl Send for BPtr {}
+// SAFETY: as above.
+unsafe impl Sync for BPtr {}
+
+// Where the tasks put the product (see `Product`).
+#[derive(Clone, Copy)]
+enum Out<'a> {
+    F32(CPtr),
+    Bf16(BPtr, Finish<'a>),
+}
+
 #[derive(Clone, Copy)]
 struct Blocks<'a> {
     packed_a: &'a [u32],
     packed_b: &'a [u32],
-    c: CPtr,
+    out: Out<'a>,
     m: usize,
     n: usize,
     pairs: usize,
 }
 
 impl Blocks<'_> {
-    // The `MC × NC` block of the product at row `i0` and column `j0`, over all k blocks.
+    // The `MC × NC` block of the product at row `i0` and column `j0`: summed in place in an
+    // f32 product, or in a buffer of the task's own and then finished row by row.
     //
     // SAFETY: the CPU has AVX512-F and AVX512-BF16; no other thread writes this block.
     #[target_feature(enable = "avx512f,avx512bf16")]
     unsafe fn block(&self, i0: usize, j0: usize) {
+        let (rows, cols) = (MC.min(self.m - i0), NC.min(self.n - j0));
+        match self.out {
+            // SAFETY: `(i0, j0)` is inside the `m × n` product, rows `n` apart.
+            Out::F32(c) => unsafe { self.sums(i0, j0, c.0.add(i0 * self.n + j0), self.n) },
+            Out::Bf16(out, finish) => {
+                let mut sums = [0f32; MC * NC];
+                // SAFETY: `sums` holds the block, rows `NC` apart.
+                unsafe { self.sums(i0, j0, sums.as_mut_ptr(), NC) };
+                for (r, sums) in sums.chunks_exact(NC).take(rows).enumerate() {
+                    // SAFETY: row `i0 + r` of the product has `cols` values from `j0`, which
+                    // only this task writes.
+                    let out = unsafe {
+                        std::slice::from_raw_parts_mut(out.0.add((i0 + r) * self.n + j0), cols)
+                    };
+                    finish_run(j0, &sums[..cols], out, finish);
+                }
+            }
+        }
+    }
+
+    // The sums of the block at `(i0, j0)` over all k blocks, into `block`, the block's
+    // corner, rows `ld` apart.
+    //
+    // SAFETY: as for `block`; `block` holds the block's rows, `ld` apart.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    unsafe fn sums(&self, i0: usize, j0: usize, block: *mut f32, ld: usize) {
         let (rows, cols) = ((i0..(i0 + MC).min(self.m)), (j0..(j0 + NC).min(self.n)));
         for p0 in (0..self.pairs).step_by(KC) {
             let kc = KC.min(self.pairs - p0);
@@ -236,35 +288,48 @@ impl Blocks<'_> {
                 let b = &self.packed_b[(j / NR) * self.pairs * NR + p0 * NR..];
                 for i in rows.clone().step_by(MR) {
                     let a = &self.packed_a[(i / MR) * self.pairs * MR + p0 * MR..];
-                    // SAFETY: the panels hold `kc` pairs from `p0`; the tile lies in `c`.
-                    unsafe { self.tile(kc, a, b, i, j, p0 > 0) };
+                    // SAFETY: the panels hold `kc` pairs from `p0`; the tile lies in the
+                    // block.
+                    let corner = unsafe { block.add((i - i0) * ld + (j - j0)) };
+                    unsafe { self.tile(kc, a, b, [i, j], corner, ld, p0 > 0) };
                 }
             }
         }
     }
 
-    // One `MR × NR` tile at `(i, j)`, straight into the product where it lies whole, through
-    // a local tile at the right and bottom edges.
+    // One `MR × NR` tile at `(i, j)` of the product, whose values lie at `corner`, rows `ld`
+    // apart: summed there where the tile lies whole, through a local tile at the right and
+    // bottom edges.
+    //
+    // SAFETY: as for `block`; `corner` holds the tile's rows and columns inside the product.
+    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f,avx512bf16")]
-    unsafe fn tile(&self, kc: usize, a: &[u32], b: &[u32], i: usize, j: usize, add: bool) {
+    unsafe fn tile(
+        &self,
+        kc: usize,
+        a: &[u32],
+        b: &[u32],
+        [i, j]: [usize; 2],
+        corner: *mut f32,
+        ld: usize,
+        add: bool,
+    ) {
         let (rows, cols) = (MR.min(self.m - i), NR.min(self.n - j));
-        // SAFETY: (for every pointer below) `(i, j)` is inside the `m × n` product.
-        let corner = unsafe { self.c.0.add(i * self.n + j) };
         if rows == MR && cols == NR {
-            // SAFETY: the whole tile lies in the product, rows `n` apart.
-            return unsafe { kernel(kc, a, b, corner, self.n, add) };
+            // SAFETY: the whole tile lies at `corner`, rows `ld` apart.
+            return unsafe { kernel(kc, a, b, corner, ld, add) };
         }
         let mut local = [0f32; MR * NR];
         for r in 0..rows {
-            // SAFETY: row `r` of the tile has `cols` values inside the product.
-            let row = unsafe { std::slice::from_raw_parts_mut(corner.add(r * self.n), cols) };
+            // SAFETY: row `r` of the tile has `cols` values at `corner`.
+            let row = unsafe { std::slice::from_raw_parts_mut(corner.add(r * ld), cols) };
             local[r * NR..][..cols].copy_from_slice(row);
         }
         // SAFETY: `local` is a whole tile, rows `NR` apart.
         unsafe { kernel(kc, a, b, local.as_mut_ptr(), NR, add) };
         for r in 0..rows {
             // SAFETY: as above.
-            let row = unsafe { std::slice::from_raw_parts_mut(corner.add(r * self.n), cols) };
+            let row = unsafe { std::slice::from_raw_parts_mut(corner.add(r * ld), cols) };
             row.copy_from_slice(&local[r * NR..][..cols]);
         }
     }
