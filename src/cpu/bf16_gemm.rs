@@ -145,7 +145,7 @@ pub(crate) fn gemm(
     b: Bf16Matrix,
     product: Product,
     parallel: bool,
-    packed: &mut [Vec<u32>; 2],
+    packed: &mut Packed,
 ) -> Option<()> {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     if !available() || b.rows != k || product.len() != m * n {
@@ -193,6 +193,12 @@ fn finish_run(column: usize, sums: &[f32], out: &mut [MaybeUninit<bf16>], finish
         out.write(*value);
     }
 }
+
+/// Scratch for a GEMM's two packed operands, kept by its caller between GEMMs. Not zeroed:
+/// packing writes every word before the kernel reads it, and zeroing an 8 MiB panel buffer
+/// afresh (larger than `SCRATCH_KEPT`, it goes back after each GEMM) took 1% of a step on the
+/// calling thread alone.
+pub(crate) type Packed = [Vec<MaybeUninit<u32>>; 2];
 
 /// The largest scratch buffer kept between GEMMs, in bytes (8 MiB). Larger ones go back after
 /// their GEMM: kept, they would sit beside the activations autocast halves (13 MiB of a 200 MiB

@@ -33,7 +33,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use burn_backend::ops::ConvOptions;
 use half::bf16;
 
-use super::bf16_gemm::{self, Bf16Matrix, Product, release_large, scratch_of, with_scratch};
+use super::bf16_gemm::{
+    self, Bf16Matrix, Packed, Product, release_large, scratch_of, with_scratch,
+};
 use super::half_kernels::{Half, as_half, half_buffer, in_row_tasks};
 use super::low_gemm::{Kernel, f32_gemm, parallel};
 
@@ -183,7 +185,7 @@ trait Patch: Copy + Default + Send + Sync + 'static {
         a: Operand<Self>,
         b: Operand<Self>,
         c: &mut [f32],
-        scratch: &mut [Vec<u32>; 2],
+        scratch: &mut Packed,
         parallel: bool,
     ) -> Option<()>;
 
@@ -210,7 +212,7 @@ impl Patch for bf16 {
         a: Operand<Self>,
         b: Operand<Self>,
         c: &mut [f32],
-        scratch: &mut [Vec<u32>; 2],
+        scratch: &mut Packed,
         parallel: bool,
     ) -> Option<()> {
         let ((a, [m, k], a_strides), (b, [_, n], b_strides)) = (a, b);
@@ -242,7 +244,7 @@ impl Patch for f32 {
         a: Operand<Self>,
         b: Operand<Self>,
         c: &mut [f32],
-        _: &mut [Vec<u32>; 2],
+        _: &mut Packed,
         parallel: bool,
     ) -> Option<()> {
         let ((a, [m, k], a_strides), (b, [_, n], b_strides)) = (a, b);
@@ -269,7 +271,7 @@ struct Buffers<P> {
 #[derive(Default)]
 struct Shared {
     product: Vec<f32>,
-    packed: [Vec<u32>; 2],
+    packed: Packed,
 }
 
 // Per-thread scratch, kept between calls up to 8 MiB a buffer (`release_large`).
@@ -316,7 +318,7 @@ thread_local! {
 #[derive(Default)]
 struct ImageWork {
     product: Vec<f32>,
-    packed: [Vec<u32>; 2],
+    packed: Packed,
     sums: Vec<f32>,
     image: Vec<f32>,
 }

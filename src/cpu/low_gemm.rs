@@ -39,7 +39,9 @@ use burn_backend::tensor::FloatTensor;
 use half::bf16;
 use rayon::prelude::*;
 
-use super::bf16_gemm::{self, Bf16Matrix, Product, release_large, scratch_of, with_scratch};
+use super::bf16_gemm::{
+    self, Bf16Matrix, Packed, Product, release_large, scratch_of, with_scratch,
+};
 use super::half_kernels::{
     add_row, round_add, round_add_row, sum_rows, widen_in_tasks, widened, with_half,
 };
@@ -65,7 +67,7 @@ thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::default();
     // The dot-product GEMM's packed operands, per thread: the matrices of a batch may be
     // multiplied on several.
-    static PACKED: RefCell<[Vec<u32>; 2]> = RefCell::default();
+    static PACKED: RefCell<Packed> = RefCell::default();
 }
 
 /// Which GEMM multiplies half matrices (a matmul's, or a convolution's patches).

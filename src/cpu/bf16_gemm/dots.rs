@@ -76,15 +76,18 @@ unsafe fn rows(a: Bf16Matrix, b: Bf16Matrix, i0: usize, c: &mut [f32]) {
         for j0 in (0..n).step_by(R) {
             let cols = R.min(n - j0);
             let b_col = |s: usize| b.offset + (j0 + s.min(cols - 1)) * b.col_stride;
+            let mut acc = [[_mm512_setzero_ps(); R]; R];
             // SAFETY: each run of `len` values from `k0` lies inside its matrix, which lies in
             // its data (`Bf16Matrix::new`).
-            let sums = unsafe {
+            unsafe {
                 dots(
                     std::array::from_fn(|r| a.data.as_ptr().add(a_row(r) + k0)),
                     std::array::from_fn(|s| b.data.as_ptr().add(b_col(s) + k0)),
                     len,
+                    &mut acc,
                 )
             };
+            let sums = acc.map(|row| row.map(|v| _mm512_reduce_add_ps(v)));
             for (r, sums) in sums.iter().enumerate().take(rows) {
                 let c = &mut c[r * n + j0..][..cols];
                 for (c, sum) in c.iter_mut().zip(sums) {
@@ -95,38 +98,54 @@ unsafe fn rows(a: Bf16Matrix, b: Bf16Matrix, i0: usize, c: &mut [f32]) {
     }
 }
 
-// The `R × R` dot products of the runs of `len` values at `a[r]` and `b[s]`.
+// The `R × R` dot products of the runs of `len` values at `a[r]` and `b[s]`, into `out`: a
+// vector of 16 partial sums each, for the caller to sum across.
 //
 // SAFETY: the CPU has the features; `len` values are readable from each pointer.
+//
+// Never inlined, and the lanes summed across by the caller: inlined into `rows`, or summing
+// its accumulators across itself, the loop's 21 live vectors were at the mercy of the
+// register allocator, and builds spilled an accumulator or more to the stack on every
+// iteration (the weight gradient's GEMM took 1.6× as long in one).
+#[inline(never)]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn dots(a: [*const bf16; R], b: [*const bf16; R], len: usize) -> [[f32; R]; R] {
+unsafe fn dots(a: [*const bf16; R], b: [*const bf16; R], len: usize, out: &mut [[__m512; R]; R]) {
     let mut acc = [[_mm512_setzero_ps(); R]; R];
+    // The products of the 32 values from `t` of each run, `$load` reading the 32 values at
+    // `$p`: A's four vectors, then B's one at a time (21 live vectors). A macro, not a
+    // closure: the loads must inline into this function.
+    macro_rules! step {
+        ($t:expr, |$p:ident| $load:expr) => {
+            let mut av = [_mm512_setzero_si512(); R];
+            for (av, a) in av.iter_mut().zip(a) {
+                let $p = a.wrapping_add($t);
+                *av = $load;
+            }
+            for b in b.iter().enumerate() {
+                let (s, $p) = (b.0, b.1.wrapping_add($t));
+                let bv = pairs($load);
+                for (acc, a) in acc.iter_mut().zip(av) {
+                    acc[s] = _mm512_dpbf16_ps(acc[s], pairs(a), bv);
+                }
+            }
+        };
+    }
     let whole = len / 32 * 32;
     let mut t = 0;
-    // Whole vectors, then the last values with zeros past them (masked lanes are neither read
-    // nor faulted on). Plain loops, not closures: the loads must inline into this function.
-    while t < len {
-        let mask: __mmask32 = match t < whole {
-            true => !0,
-            false => (1 << (len - whole)) - 1,
-        };
-        let mut av = [_mm512_setzero_si512(); R];
-        let mut bv = [_mm512_setzero_si512(); R];
-        for r in 0..R {
-            // SAFETY: the unmasked lanes are values `t..len.min(t + 32)`, all readable.
-            unsafe {
-                av[r] = _mm512_maskz_loadu_epi16(mask, a[r].add(t).cast());
-                bv[r] = _mm512_maskz_loadu_epi16(mask, b[r].add(t).cast());
-            }
-        }
-        for (acc, a) in acc.iter_mut().zip(av) {
-            for (acc, b) in acc.iter_mut().zip(bv) {
-                *acc = _mm512_dpbf16_ps(*acc, pairs(a), pairs(b));
-            }
-        }
+    while t < whole {
+        // SAFETY: values `t..t + 32` of each run are readable.
+        step!(t, |p| unsafe { _mm512_loadu_si512(p.cast()) });
         t += 32;
     }
-    acc.map(|row| row.map(|v| _mm512_reduce_add_ps(v)))
+    if whole < len {
+        // The last values, zero past them: masked lanes are neither read nor faulted on.
+        let mask: __mmask32 = (1 << (len - whole)) - 1;
+        // SAFETY: the unmasked lanes are values `whole..len` of each run, all readable.
+        step!(whole, |p| unsafe {
+            _mm512_maskz_loadu_epi16(mask, p.cast())
+        });
+    }
+    *out = acc;
 }
 
 // 32 bf16 values: a `__m512i` and a `__m512bh` are the same 512 bits.

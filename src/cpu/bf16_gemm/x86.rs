@@ -6,7 +6,7 @@ use std::mem::MaybeUninit;
 use half::bf16;
 use rayon::prelude::*;
 
-use super::{Bf16Matrix, Finish, Product, RUN, finish_rows, finish_run, scratch_of};
+use super::{Bf16Matrix, Finish, Packed, Product, RUN, finish_rows, finish_run};
 
 /// Rows of the product one micro-kernel call computes.
 const MR: usize = 12;
@@ -34,7 +34,7 @@ pub(super) unsafe fn gemm(
     b: Bf16Matrix,
     product: Product,
     parallel: bool,
-    packed: &mut [Vec<u32>; 2],
+    packed: &mut Packed,
 ) {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     if k == 0 {
@@ -48,10 +48,12 @@ pub(super) unsafe fn gemm(
     // A is packed by rows and B by columns alike: B's columns are the rows of its transpose.
     let [packed_a, packed_b] = packed;
     // SAFETY: the CPU has AVX512-F (the caller's promise).
-    unsafe {
-        pack(a, pairs, MR, packed_a, parallel);
-        pack(b.transposed(), pairs, NR, packed_b, parallel);
-    }
+    let (packed_a, packed_b) = unsafe {
+        (
+            pack(a, pairs, MR, packed_a, parallel),
+            pack(b.transposed(), pairs, NR, packed_b, parallel),
+        )
+    };
     let out = match product {
         Product::F32(c) => Out::F32(CPtr(c.as_mut_ptr())),
         Product::Bf16 { out, finish } => Out::Bf16(BPtr(out.as_mut_ptr()), finish),
@@ -79,47 +81,131 @@ pub(super) unsafe fn gemm(
 // `m`'s rows (A's rows, or B's columns through its transpose) in panels of `width` rows, into
 // `packed`: panel `q` holds, for each k-pair `p`, `width` words `(m[r][2p] | m[r][2p + 1] << 16)`
 // for its rows `r`, zero past the last row and the last column. One instruction then reads a
-// panel's pair for a row (a broadcast) or for 16 columns (a vector). Every word is written,
-// so `packed` may come with old values.
+// panel's pair for a row (a broadcast) or for 16 columns (a vector). Every word is written
+// (so `packed` may come with old values, or none), and the packed words are returned.
 //
 // SAFETY: the CPU has AVX512-F.
-unsafe fn pack(m: Bf16Matrix, pairs: usize, width: usize, packed: &mut Vec<u32>, parallel: bool) {
+unsafe fn pack<'p>(
+    m: Bf16Matrix,
+    pairs: usize,
+    width: usize,
+    packed: &'p mut Vec<MaybeUninit<u32>>,
+    parallel: bool,
+) -> &'p [u32] {
     let panel_len = pairs * width;
-    let packed = scratch_of(packed, m.rows.div_ceil(width) * panel_len);
+    let len = m.rows.div_ceil(width) * panel_len;
+    if packed.len() < len {
+        packed.resize(len, MaybeUninit::uninit());
+    }
+    let packed = &mut packed[..len];
+    let group = (GROUP_ROWS / width).max(1);
     // SAFETY: as for `pack`.
-    let fill = |(q, panel): (usize, &mut [u32])| unsafe { pack_panel(m, q * width, width, panel) };
+    let fill = |(g, panels): (usize, &mut [MaybeUninit<u32>])| unsafe {
+        pack_panels(m, g * group * width, width, panel_len, panels)
+    };
     match parallel {
-        true => packed.par_chunks_mut(panel_len).enumerate().for_each(fill),
-        false => packed.chunks_mut(panel_len).enumerate().for_each(fill),
+        true => packed
+            .par_chunks_mut(group * panel_len)
+            .enumerate()
+            .for_each(fill),
+        false => packed
+            .chunks_mut(group * panel_len)
+            .enumerate()
+            .for_each(fill),
+    }
+    // SAFETY: the panels cover `packed`, and each wrote every word of its own.
+    unsafe { &*(packed as *const [MaybeUninit<u32>] as *const [u32]) }
+}
+
+/// Rows of `m` a packing task takes: whole panels of them (8 of A's, 3 of B's).
+const GROUP_ROWS: usize = 96;
+const _: () = assert!(GROUP_ROWS.is_multiple_of(MR) && GROUP_ROWS.is_multiple_of(NR));
+/// Pairs ahead of the one `zip_panels` zips whose values it asks the cache for.
+const AHEAD: usize = 4;
+
+// The panels of `width` rows from row `i0`, each `panel_len` words, as `pack` lays them out.
+//
+// SAFETY: the CPU has AVX512-F and AVX512-BW.
+unsafe fn pack_panels(
+    m: Bf16Matrix,
+    i0: usize,
+    width: usize,
+    panel_len: usize,
+    panels: &mut [MaybeUninit<u32>],
+) {
+    if m.row_stride == 1 {
+        // SAFETY: the caller's promise.
+        return unsafe { zip_panels(m, i0, width, panel_len, panels) };
+    }
+    for (q, panel) in panels.chunks_mut(panel_len).enumerate() {
+        // SAFETY: the caller's promise.
+        unsafe { pack_panel(m, i0 + q * width, width, panel) };
     }
 }
 
-// The panel of `width` rows from row `i0`, as `pack` lays it out.
+// `pack_panels` where the panels' rows lie side by side (B's columns of a row-major B, A's
+// rows of a transposed A): each pair's words zip two runs of values, 96 of them at once
+// for all the task's panels (a panel's 12 took a 64-byte line for 24 bytes, and the loop
+// did not vectorise past SSE2), then split among the panels.
+//
+// SAFETY: the CPU has AVX512-F and AVX512-BW; `m.row_stride == 1`.
+#[target_feature(enable = "avx512f,avx512bw")]
+fn zip_panels(
+    m: Bf16Matrix,
+    i0: usize,
+    width: usize,
+    panel_len: usize,
+    panels: &mut [MaybeUninit<u32>],
+) {
+    // The high halves of a last, odd column's words.
+    const ZEROS: [bf16; GROUP_ROWS] = [bf16::ZERO; GROUP_ROWS];
+    let group = panels.len() / panel_len;
+    let rows = (group * width).min(m.rows - i0);
+    let run = |j: usize| &m.data[m.offset + i0 + j * m.col_stride..][..rows];
+    // The pair's words for the group's rows, zero past the last row of `m`.
+    let mut words = [0u32; GROUP_ROWS];
+    let pairs = panel_len / width;
+    for p in 0..pairs {
+        // The lines of the rows `AHEAD` pairs on: read `col_stride` apart, they are not
+        // fetched ahead by the CPU, and waiting on them took most of this loop's time.
+        for j in [2 * (p + AHEAD), 2 * (p + AHEAD) + 1]
+            .into_iter()
+            .filter(|j| *j < m.cols)
+        {
+            let run = run(j);
+            for line in (0..rows).step_by(32) {
+                _mm_prefetch::<_MM_HINT_T0>(run[line..].as_ptr().cast());
+            }
+        }
+        let high = match 2 * p + 1 < m.cols {
+            true => run(2 * p + 1),
+            false => &ZEROS[..rows],
+        };
+        for (w, (lo, hi)) in words.iter_mut().zip(run(2 * p).iter().zip(high)) {
+            *w = u32::from(lo.to_bits()) | u32::from(hi.to_bits()) << 16;
+        }
+        let words = words[..group * width].chunks_exact(width);
+        for (panel, words) in panels.chunks_exact_mut(panel_len).zip(words) {
+            for (dst, word) in panel[p * width..][..width].iter_mut().zip(words) {
+                dst.write(*word);
+            }
+        }
+    }
+}
+
+// The panel of `width` rows from row `i0`, as `pack` lays it out, where its rows do not lie
+// side by side.
 //
 // SAFETY: the CPU has AVX512-F.
-unsafe fn pack_panel(m: Bf16Matrix, i0: usize, width: usize, panel: &mut [u32]) {
+unsafe fn pack_panel(m: Bf16Matrix, i0: usize, width: usize, panel: &mut [MaybeUninit<u32>]) {
     // The high halves of a last, odd column's words.
     const ZEROS: [bf16; NR] = [bf16::ZERO; NR];
     let rows = width.min(m.rows - i0);
     if rows < width {
-        panel.fill(0);
+        panel.fill(MaybeUninit::new(0));
     }
     let word = |lo: &bf16, hi: &bf16| u32::from(lo.to_bits()) | u32::from(hi.to_bits()) << 16;
-    if m.row_stride == 1 {
-        // The panel's rows lie side by side (B's columns of a row-major B, A's rows of a
-        // transposed A): each pair's words zip two runs of `rows` values, which vectorises.
-        let run = |j: usize| &m.data[m.offset + i0 + j * m.col_stride..][..rows];
-        for (p, words) in panel.chunks_exact_mut(width).enumerate() {
-            let high = if 2 * p + 1 < m.cols {
-                run(2 * p + 1)
-            } else {
-                &ZEROS[..rows]
-            };
-            for (w, (lo, hi)) in words.iter_mut().zip(run(2 * p).iter().zip(high)) {
-                *w = word(lo, hi);
-            }
-        }
-    } else if m.col_stride == 1 {
+    if m.col_stride == 1 {
         // Each row's pairs lie side by side (A's rows of a row-major A, B's columns of a
         // transposed B): the panel is their transpose, taken 16 × 16 words at a time with
         // vector shuffles (scalar stores `width` apart cost 3× as much), the rest one by one.
@@ -129,13 +215,13 @@ unsafe fn pack_panel(m: Bf16Matrix, i0: usize, width: usize, panel: &mut [u32]) 
             let row = &m.data[m.offset + (i0 + r) * m.row_stride..][..m.cols];
             let words = panel[done * width..].chunks_exact_mut(width);
             for (pair, words) in row[2 * done..].chunks(2).zip(words) {
-                words[r] = word(&pair[0], pair.get(1).unwrap_or(&ZEROS[0]));
+                words[r].write(word(&pair[0], pair.get(1).unwrap_or(&ZEROS[0])));
             }
         }
     } else {
         for r in 0..rows {
             for (p, w) in panel[r..].iter_mut().step_by(width).enumerate() {
-                *w = m.bits(i0 + r, 2 * p) | m.bits(i0 + r, 2 * p + 1) << 16;
+                w.write(m.bits(i0 + r, 2 * p) | m.bits(i0 + r, 2 * p + 1) << 16);
             }
         }
     }
@@ -153,7 +239,7 @@ unsafe fn transpose_pairs(
     i0: usize,
     rows: usize,
     width: usize,
-    panel: &mut [u32],
+    panel: &mut [MaybeUninit<u32>],
 ) -> usize {
     let blocks = m.cols / 32;
     assert!(panel.len() >= blocks * 16 * width);
@@ -260,23 +346,29 @@ impl Blocks<'_> {
             // SAFETY: `(i0, j0)` is inside the `m × n` product, rows `n` apart.
             Out::F32(c) => unsafe { self.sums(i0, j0, c.0.add(i0 * self.n + j0), self.n) },
             Out::Bf16(out, finish) => {
-                let mut sums = [0f32; MC * NC];
+                // Not zeroed (16 MiB of stores for a 4096 × 1024 product): the first k block
+                // writes each sum before any is read.
+                let mut sums = [MaybeUninit::<f32>::uninit(); MC * NC];
                 // SAFETY: `sums` holds the block, rows `NC` apart.
-                unsafe { self.sums(i0, j0, sums.as_mut_ptr(), NC) };
-                for (r, sums) in sums.chunks_exact(NC).take(rows).enumerate() {
-                    // SAFETY: row `i0 + r` of the product has `cols` values from `j0`, which
-                    // only this task writes.
-                    let out = unsafe {
-                        std::slice::from_raw_parts_mut(out.0.add((i0 + r) * self.n + j0), cols)
+                unsafe { self.sums(i0, j0, sums.as_mut_ptr().cast(), NC) };
+                for r in 0..rows {
+                    // SAFETY: `sums` wrote the block's `rows × cols` values, rows `NC` apart;
+                    // row `i0 + r` of the product has `cols` values from `j0`, which only
+                    // this task writes.
+                    let (sums, out) = unsafe {
+                        (
+                            std::slice::from_raw_parts(sums.as_ptr().add(r * NC).cast(), cols),
+                            std::slice::from_raw_parts_mut(out.0.add((i0 + r) * self.n + j0), cols),
+                        )
                     };
-                    finish_run(j0, &sums[..cols], out, finish);
+                    finish_run(j0, sums, out, finish);
                 }
             }
         }
     }
 
     // The sums of the block at `(i0, j0)` over all k blocks, into `block`, the block's
-    // corner, rows `ld` apart.
+    // corner, rows `ld` apart (written by the first k block, before any is read).
     //
     // SAFETY: as for `block`; `block` holds the block's rows, `ld` apart.
     #[target_feature(enable = "avx512f,avx512bf16")]
@@ -320,9 +412,11 @@ impl Blocks<'_> {
             return unsafe { kernel(kc, a, b, corner, ld, add) };
         }
         let mut local = [0f32; MR * NR];
-        for r in 0..rows {
-            // SAFETY: row `r` of the tile has `cols` values at `corner`.
-            let row = unsafe { std::slice::from_raw_parts_mut(corner.add(r * ld), cols) };
+        // The first k block's tile starts from zero (and its values are not written yet).
+        for r in (0..rows).filter(|_| add) {
+            // SAFETY: row `r` of the tile has `cols` values at `corner`, written by an
+            // earlier k block.
+            let row = unsafe { std::slice::from_raw_parts(corner.add(r * ld), cols) };
             local[r * NR..][..cols].copy_from_slice(row);
         }
         // SAFETY: `local` is a whole tile, rows `NR` apart.
@@ -341,6 +435,9 @@ impl Blocks<'_> {
 //
 // SAFETY: the CPU has AVX512-F and AVX512-BF16; `a` and `b` hold `kc` pairs; `c` points at
 // `MR` rows of `NR` writable values, `ldc` apart.
+//
+// Never inlined, for its 26 vectors' sake (see `dots::dots`).
+#[inline(never)]
 #[target_feature(enable = "avx512f,avx512bf16")]
 unsafe fn kernel(kc: usize, a: &[u32], b: &[u32], c: *mut f32, ldc: usize, add: bool) {
     let (a, b) = (&a[..kc * MR], &b[..kc * NR]);
