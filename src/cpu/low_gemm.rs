@@ -367,7 +367,17 @@ pub(crate) fn linear(
 // `product + bias` of a half `[m, n]` product and an `[n]` bias, in the product's buffer
 // where nothing else holds it.
 fn add_bias(product: FlexTensor, bias: FlexTensor) -> FlexTensor {
-    let mut sum = product.to_contiguous();
+    // `to_contiguous` of a contiguous tensor is a second handle on its buffer: while `product`
+    // lived too, writing the sum copied the whole product first (8 MiB a layer of the deep
+    // MLP, on the calling thread).
+    let layout = product.layout();
+    let stored = with_half!(product.dtype(), H => product.storage::<H>().len(), _ => 0);
+    let whole =
+        layout.is_contiguous() && layout.start_offset() == 0 && stored == layout.num_elements();
+    let mut sum = match whole {
+        true => product,
+        false => product.to_contiguous(),
+    };
     let bias = bias.to_contiguous();
     with_half!(sum.dtype(), H => {
         add_row::<H>(sum.storage_mut::<H>(), bias.storage::<H>());
@@ -587,6 +597,24 @@ mod tests {
                 "{kernel:?}"
             );
         }
+    }
+
+    #[test]
+    fn a_bias_is_added_in_the_products_own_buffer_where_it_is_whole() {
+        let (m, n) = (6, 5);
+        let bias = half(values(n, 1), [n], FloatDType::BF16);
+        let row = Flex::float_reshape(bias.clone(), [1, n].into());
+        let product = half(values(m * n, 2), [m, n], FloatDType::BF16);
+        let want = bits(Flex::float_add(product.clone(), row.clone()));
+        let at = product.storage::<bf16>().as_ptr();
+        let sum = add_bias(product, bias.clone());
+        assert_eq!(sum.storage::<bf16>().as_ptr(), at, "the product's buffer was copied");
+        assert_eq!(bits(sum), want);
+        // Rows 1.. of a larger product: a view past its buffer's start, summed into a copy.
+        let rows = half(values((m + 1) * n, 3), [m + 1, n], FloatDType::BF16);
+        let view = Flex::float_slice(rows, &[burn::tensor::Slice::from(1..m + 1)]);
+        let want = bits(Flex::float_add(view.clone(), row));
+        assert_eq!(bits(add_bias(view, bias)), want);
     }
 
     #[test]
