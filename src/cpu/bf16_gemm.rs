@@ -26,6 +26,8 @@ use std::mem::MaybeUninit;
 
 use half::bf16;
 
+use super::half_kernels::Half;
+
 #[cfg(target_arch = "x86_64")]
 mod dots;
 #[cfg(target_arch = "x86_64")]
@@ -109,21 +111,21 @@ pub(crate) fn available() -> bool {
     false
 }
 
-/// Rounds a run of a product row's f32 sums into bf16 values (as long): `finish(column, sums,
-/// out)`, `column` the run's first column. It may add a bias as it rounds.
-pub(crate) type Finish<'a> = &'a (dyn Fn(usize, &[f32], &mut [bf16]) + Sync);
+/// Alters a run of a product row's values in place once rounded to bf16:
+/// `epilogue(column, values)`, `column` the run's first column (a linear adds its bias).
+pub(crate) type Epilogue<'a> = &'a (dyn Fn(usize, &mut [bf16]) + Sync);
 
 /// Where a GEMM puts its product, `a.rows × b.cols` values in row-major order.
 pub(crate) enum Product<'a> {
     /// The f32 sums.
     F32(&'a mut [f32]),
-    /// Values rounded from the sums by `finish`, each run as soon as a task has summed it: no
-    /// f32 product goes out to memory (for a linear's `4096 × 1024` output, 16 MiB written,
-    /// mapped afresh and read back to be rounded). Every value of `out` is written where
-    /// [`gemm`] returns `Some`.
+    /// The sums rounded to bf16 (to nearest even, `half`'s bits), then passed through
+    /// `epilogue` if any, each run as soon as a task has summed it: no f32 product goes out to
+    /// memory (for a linear's `4096 × 1024` output, 16 MiB written, mapped afresh and read back
+    /// to be rounded). Every value of `out` is written where [`gemm`] returns `Some`.
     Bf16 {
         out: &'a mut [MaybeUninit<bf16>],
-        finish: Finish<'a>,
+        epilogue: Option<Epilogue<'a>>,
     },
 }
 
@@ -159,10 +161,10 @@ pub(crate) fn gemm(
         match (dots::applies(&a, &b) && dots::available(), product) {
             (true, Product::F32(c)) => dots::gemm(a, b, c, parallel),
             // The kernel's products are small (m and n at most 512): through an f32 buffer.
-            (true, Product::Bf16 { out, finish }) => {
+            (true, Product::Bf16 { out, epilogue }) => {
                 let mut c = vec![0.0; m * n];
                 dots::gemm(a, b, &mut c, parallel);
-                finish_rows(&c, n, out, finish);
+                finish_rows(&c, n, out, epilogue);
             }
             (false, product) => x86::gemm(a, b, product, parallel, packed),
         }
@@ -170,25 +172,34 @@ pub(crate) fn gemm(
     Some(())
 }
 
-/// `finish` over the rows of `n` sums in `sums`, into `out` (as long), a run of at most
-/// `RUN` values at a time.
-fn finish_rows(sums: &[f32], n: usize, out: &mut [MaybeUninit<bf16>], finish: Finish) {
+/// The rows of `n` sums in `sums` rounded into `out` (as long) as `half` rounds, through
+/// `epilogue`, a run of at most `RUN` values at a time.
+fn finish_rows(sums: &[f32], n: usize, out: &mut [MaybeUninit<bf16>], epilogue: Option<Epilogue>) {
     for (sums, out) in sums.chunks(n.max(1)).zip(out.chunks_mut(n.max(1))) {
         for (run, (sums, out)) in sums.chunks(RUN).zip(out.chunks_mut(RUN)).enumerate() {
-            finish_run(run * RUN, sums, out, finish);
+            let mut rounded = [bf16::ZERO; RUN];
+            let rounded = &mut rounded[..sums.len()];
+            bf16::round(sums, rounded);
+            finish_rounded(run * RUN, rounded, out, epilogue);
         }
     }
 }
 
-/// The longest run passed to a [`Finish`] at once.
+/// The longest run `finish_rows` rounds at once.
 const RUN: usize = 256;
 
-/// `finish` of one run of at most `RUN` sums, through a buffer on the stack: `out` may not be
-/// initialised yet, and a `&mut [bf16]` must be.
-fn finish_run(column: usize, sums: &[f32], out: &mut [MaybeUninit<bf16>], finish: Finish) {
-    let mut rounded = [bf16::ZERO; RUN];
-    let rounded = &mut rounded[..sums.len()];
-    finish(column, sums, rounded);
+/// `epilogue` of a run of rounded values from `column`, then the run into `out` (as long),
+/// which may not be initialised yet: rounded into a buffer first, since a `&mut [bf16]` must
+/// be.
+fn finish_rounded(
+    column: usize,
+    rounded: &mut [bf16],
+    out: &mut [MaybeUninit<bf16>],
+    epilogue: Option<Epilogue>,
+) {
+    if let Some(epilogue) = epilogue {
+        epilogue(column, rounded);
+    }
     for (out, value) in out.iter_mut().zip(rounded.iter()) {
         out.write(*value);
     }
@@ -336,15 +347,19 @@ mod tests {
         }
     }
 
-    // The f32 product of `a @ b` and the bf16 one, rounded by `finish`.
-    fn both_products(a: Bf16Matrix, b: Bf16Matrix, finish: Finish) -> (Vec<f32>, Vec<bf16>) {
+    // The f32 product of `a @ b` and the bf16 one, through `epilogue`.
+    fn both_products(
+        a: Bf16Matrix,
+        b: Bf16Matrix,
+        epilogue: Option<Epilogue>,
+    ) -> (Vec<f32>, Vec<bf16>) {
         let len = a.rows * b.cols;
         let mut c = vec![f32::NAN; len];
         gemm(a, b, Product::F32(&mut c), true, &mut Default::default()).unwrap();
         let mut out = vec![MaybeUninit::new(bf16::NAN); len];
         let product = Product::Bf16 {
             out: &mut out,
-            finish,
+            epilogue,
         };
         gemm(a, b, product, true, &mut Default::default()).unwrap();
         // SAFETY: every value was initialised (with NaN) before the GEMM.
@@ -357,20 +372,15 @@ mod tests {
             eprintln!("skipped: this CPU has no AVX512-BF16");
             return;
         }
-        let round = |_: usize, sums: &[f32], out: &mut [bf16]| {
-            out.iter_mut()
-                .zip(sums)
-                .for_each(|(o, s)| *o = bf16::from_f32(*s));
-        };
-        // Each value's column as `finish` is told it, for bits: every run lands where it
+        // Each value's column as the epilogue is told it, for bits: every run lands where it
         // belongs.
-        let column = |column: usize, sums: &[f32], out: &mut [bf16]| {
-            for (t, o) in out.iter_mut().enumerate().take(sums.len()) {
-                *o = bf16::from_bits((column + t) as u16);
+        let column = |column: usize, values: &mut [bf16]| {
+            for (t, v) in values.iter_mut().enumerate() {
+                *v = bf16::from_bits((column + t) as u16);
             }
         };
         // Wider than a task's columns and taller than its rows, with edges, for both kernels
-        // (the last shape takes the inner-product one), and k = 0.
+        // (the next to last shape takes the inner-product one), and k = 0.
         for [m, k, n] in [
             [13, 7, 33],
             [50, 301, 300],
@@ -382,7 +392,7 @@ mod tests {
             let b = matrix(&values(k * n + 1, 2));
             let a = Bf16Matrix::new(&a, 0, [m, k], [k, 1]).unwrap();
             let b = Bf16Matrix::new(&b, 0, [k, n], [1, k]).unwrap();
-            let (c, rounded) = both_products(a, b, &round);
+            let (c, rounded) = both_products(a, b, None);
             for (i, (c, r)) in c.iter().zip(&rounded).enumerate() {
                 assert_eq!(
                     r.to_bits(),
@@ -390,10 +400,35 @@ mod tests {
                     "{m}×{k}×{n} at {i}"
                 );
             }
-            let (_, columns) = both_products(a, b, &column);
+            let (_, columns) = both_products(a, b, Some(&column));
             for (i, v) in columns.iter().enumerate() {
                 assert_eq!(usize::from(v.to_bits()), i % n, "{m}×{k}×{n} at {i}");
             }
+        }
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn the_kernels_sums_round_as_half_rounds() {
+        if !available() {
+            eprintln!("skipped: this CPU has no AVX512-BF16");
+            return;
+        }
+        // What `vdpbf16ps` can leave: every normal f32 around ties and near-ties, at the
+        // edges of the range, infinities and NaNs (no subnormals: it flushes them).
+        let highs = [
+            0x3F80u32, 0xBF80, 0x7F7F, 0xFF7F, 0x0080, 0x7F80, 0xFF80, 0x7FC0, 0xFFA0,
+        ];
+        let sums: Vec<f32> = highs
+            .into_iter()
+            .flat_map(|h| (0..=0xFFFFu32).map(move |l| f32::from_bits((h << 16) | l)))
+            .collect();
+        let mut rounded = vec![bf16::ZERO; sums.len()];
+        // SAFETY: the CPU has AVX512-F and AVX512-BF16 (`available`).
+        unsafe { x86::round_sums(&sums, &mut rounded) };
+        for (s, r) in sums.iter().zip(&rounded) {
+            let want = bf16::from_f32(*s).to_bits();
+            assert_eq!(r.to_bits(), want, "{:#010x}", s.to_bits());
         }
     }
 

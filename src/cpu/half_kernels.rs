@@ -447,17 +447,9 @@ pub(crate) fn widened<H: Half>(values: &[H]) -> Vec<f32> {
     wide
 }
 
-/// Rounds `sums` into `out` (as long), then adds the widened `bias` (as long, if any) as
-/// [`add_row`] does: a run of a linear's output row, rounded as it is summed.
-pub(crate) fn round_add<H: Half>(sums: &[f32], bias: Option<&[f32]>, out: &mut [H]) {
-    H::round(sums, out);
-    if let Some(bias) = bias {
-        add_widened(out, bias);
-    }
-}
-
-// `row[i] + bias[i]` for each value of `row`, summed in f32 and rounded to `H`.
-fn add_widened<H: Half>(row: &mut [H], bias: &[f32]) {
+/// `row[i] + bias[i]` for each value of `row`, summed in f32 and rounded to `H`, as
+/// [`add_row`] adds a row: a run of a linear's output, its bias widened once.
+pub(crate) fn add_widened<H: Half>(row: &mut [H], bias: &[f32]) {
     let mut buf = [0f32; BLOCK];
     for (dst, bias) in row.chunks_mut(BLOCK).zip(bias.chunks(BLOCK)) {
         let buf = &mut buf[..dst.len()];

@@ -43,7 +43,7 @@ use super::bf16_gemm::{
     self, Bf16Matrix, Packed, Product, release_large, scratch_of, with_scratch,
 };
 use super::half_kernels::{
-    add_row, round_add, round_add_row, sum_rows, widen_in_tasks, widened, with_half,
+    add_row, add_widened, round_add_row, sum_rows, widen_in_tasks, widened, with_half,
 };
 use super::{Route, several_threads};
 
@@ -189,8 +189,10 @@ fn bf16_dot_product(
         Bf16Matrix::new(t.storage::<bf16>(), offset, shape, strides)
     }
     let bias = bias.map(|bias| widened(bias.storage::<bf16>()));
-    let finish = |column: usize, sums: &[f32], out: &mut [bf16]| {
-        round_add(sums, bias.as_ref().map(|bias| &bias[column..]), out)
+    let add_bias = |column: usize, values: &mut [bf16]| {
+        if let Some(bias) = &bias {
+            add_widened(values, &bias[column..]);
+        }
     };
     let len = dims.matrices() * m * n;
     let mut values = Vec::with_capacity(len);
@@ -205,7 +207,7 @@ fn bf16_dot_product(
         with_scratch(&PACKED, |packed| {
             let product = Product::Bf16 {
                 out,
-                finish: &finish,
+                epilogue: bias.is_some().then_some(&add_bias),
             };
             let done = bf16_gemm::gemm(am, bm, product, threads, packed);
             packed.iter_mut().for_each(release_large);
@@ -608,7 +610,11 @@ mod tests {
         let want = bits(Flex::float_add(product.clone(), row.clone()));
         let at = product.storage::<bf16>().as_ptr();
         let sum = add_bias(product, bias.clone());
-        assert_eq!(sum.storage::<bf16>().as_ptr(), at, "the product's buffer was copied");
+        assert_eq!(
+            sum.storage::<bf16>().as_ptr(),
+            at,
+            "the product's buffer was copied"
+        );
         assert_eq!(bits(sum), want);
         // Rows 1.. of a larger product: a view past its buffer's start, summed into a copy.
         let rows = half(values((m + 1) * n, 3), [m + 1, n], FloatDType::BF16);
