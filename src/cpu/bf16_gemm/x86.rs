@@ -1,7 +1,7 @@
 //! The bf16 GEMM's x86-64 parts: packing the operands, and the `vdpbf16ps` kernel.
 
 use std::arch::x86_64::*;
-use std::mem::MaybeUninit;
+use std::mem::{MaybeUninit, transmute};
 
 use half::bf16;
 use rayon::prelude::*;
@@ -447,7 +447,10 @@ pub(super) fn round_sums(sums: &[f32], rounded: &mut [bf16]) {
         // SAFETY: 16 f32 read, 16 bf16 (256 bits) written, in bounds.
         unsafe {
             let halves = _mm512_cvtneps_pbh(_mm512_loadu_ps(sums.as_ptr()));
-            _mm256_storeu_si256(rounded.as_mut_ptr().cast(), std::mem::transmute(halves));
+            _mm256_storeu_si256(
+                rounded.as_mut_ptr().cast(),
+                transmute::<__m256bh, __m256i>(halves),
+            );
         }
     }
     // The last values through a whole vector.
@@ -456,8 +459,9 @@ pub(super) fn round_sums(sums: &[f32], rounded: &mut [bf16]) {
         let mut wide = [0f32; 16];
         wide[..sums.len()].copy_from_slice(sums);
         // SAFETY: `wide` holds 16 f32, as a vector; a `__m256bh` is 16 bf16.
-        let halves: [bf16; 16] =
-            unsafe { std::mem::transmute(_mm512_cvtneps_pbh(_mm512_loadu_ps(wide.as_ptr()))) };
+        let halves: [bf16; 16] = unsafe {
+            transmute::<__m256bh, [bf16; 16]>(_mm512_cvtneps_pbh(_mm512_loadu_ps(wide.as_ptr())))
+        };
         rounded.copy_from_slice(&halves[..rounded.len()]);
     }
 }
