@@ -279,15 +279,18 @@ mod tests {
     }
 
     // Shapes with edges on every side: a row panel, a column panel and a k block each partly
-    // filled, an odd k, and one that spans several k blocks and tasks. The last three have k
-    // long enough for the inner-product kernel where both operands run along it: a group of
-    // rows and of columns partly filled, k shorter than one vector, several k blocks with a
-    // partial vector at the end.
-    const SHAPES: [[usize; 3]; 8] = [
+    // filled, an odd k, one that spans several k blocks and tasks, and products of 8-row
+    // tiles. The last three have k long enough for the inner-product kernel where both
+    // operands run along it: a group of rows and of columns partly filled, k shorter than one
+    // vector, several k blocks with a partial vector at the end.
+    const SHAPES: [[usize; 3]; 10] = [
         [1, 1, 1],
         [13, 7, 33],
         [12, 256, 32],
         [50, 301, 300],
+        // 8-row tiles: one task's rows, and two tasks'.
+        [32, 29, 70],
+        [64, 300, 40],
         [3, 2, 70],
         [5, 300, 7],
         [4, 17, 1],

@@ -87,11 +87,12 @@ unsafe fn rows(a: Bf16Matrix, b: Bf16Matrix, i0: usize, c: &mut [f32]) {
                     &mut acc,
                 )
             };
-            let sums = acc.map(|row| row.map(|v| _mm512_reduce_add_ps(v)));
-            for (r, sums) in sums.iter().enumerate().take(rows) {
+            // Loops, not `map`'s closures: one build called a closure per sum.
+            for (r, acc) in acc.iter().enumerate().take(rows) {
                 let c = &mut c[r * n + j0..][..cols];
-                for (c, sum) in c.iter_mut().zip(sums) {
-                    *c = if k0 == 0 { *sum } else { *c + sum };
+                for (c, acc) in c.iter_mut().zip(acc) {
+                    let sum = _mm512_reduce_add_ps(*acc);
+                    *c = if k0 == 0 { sum } else { *c + sum };
                 }
             }
         }

@@ -8,16 +8,32 @@ use rayon::prelude::*;
 
 use super::{Bf16Matrix, Epilogue, Packed, Product, finish_rounded, finish_rows};
 
-/// Rows of the product one micro-kernel call computes.
+/// Rows of the product one micro-kernel call computes, at most.
 const MR: usize = 12;
 /// Columns of the product one micro-kernel call computes: two vectors of 16 f32 lanes. With
 /// `MR` rows that is 24 accumulators of the 32 vector registers, enough in flight to hide
 /// the instruction's latency (6 cycles) at one issue a cycle.
 const NR: usize = 32;
+/// The other height of a tile, for products whose rows fit whole 8-row tiles only (a
+/// convolution's 32 or 64 output channels): 16 accumulators, still enough in flight. With
+/// 12-row tiles, a third or a sixth of such a product's tiles were edge tiles, summed in
+/// full through a copy.
+const MR_SHORT: usize = 8;
+
+/// The tile height for a product of `m` rows: `MR`, unless its edge would waste more than
+/// 1/32 of the work where `MR_SHORT` divides `m`.
+fn tile_rows(m: usize) -> usize {
+    let waste = m.div_ceil(MR) * MR - m;
+    match 32 * waste > m && m.is_multiple_of(MR_SHORT) {
+        true => MR_SHORT,
+        false => MR,
+    }
+}
 /// k-pairs per block: a B panel of `KC × NR` pairs (16 KiB) and an A panel (6 KiB) stay in
 /// L1 while a tile is computed.
 const KC: usize = 128;
-/// Rows of the product per parallel task (4 A panels, 48 KiB of packed A per k block).
+/// Rows of the product per parallel task, at most (4 A panels, 48 KiB of packed A per k
+/// block): 4 tiles high.
 const MC: usize = 4 * MR;
 /// Columns of the product per parallel task (8 B panels).
 const NC: usize = 8 * NR;
@@ -43,12 +59,13 @@ pub(super) unsafe fn gemm(
         return;
     }
     let pairs = k.div_ceil(2);
+    let mr = tile_rows(m);
     // A is packed by rows and B by columns alike: B's columns are the rows of its transpose.
     let [packed_a, packed_b] = packed;
     // SAFETY: the CPU has AVX512-F (the caller's promise).
     let (packed_a, packed_b) = unsafe {
         (
-            pack(a, pairs, MR, packed_a, parallel),
+            pack(a, pairs, mr, packed_a, parallel),
             pack(b.transposed(), pairs, NR, packed_b, parallel),
         )
     };
@@ -63,12 +80,14 @@ pub(super) unsafe fn gemm(
         m,
         n,
         pairs,
+        mr,
     };
-    let (row_blocks, col_blocks) = (m.div_ceil(MC), n.div_ceil(NC));
+    let mc = 4 * mr;
+    let (row_blocks, col_blocks) = (m.div_ceil(mc), n.div_ceil(NC));
     let task = |t: usize| {
         // SAFETY: the CPU has the kernel's features (the caller's promise), and tasks own
         // disjoint blocks of `c`.
-        unsafe { blocks.block(t / col_blocks * MC, t % col_blocks * NC) }
+        unsafe { blocks.block(t / col_blocks * mc, t % col_blocks * NC) }
     };
     match parallel {
         true => (0..row_blocks * col_blocks).into_par_iter().for_each(task),
@@ -117,7 +136,11 @@ unsafe fn pack<'p>(
 
 /// Rows of `m` a packing task takes: whole panels of them (8 of A's, 3 of B's).
 const GROUP_ROWS: usize = 96;
-const _: () = assert!(GROUP_ROWS.is_multiple_of(MR) && GROUP_ROWS.is_multiple_of(NR));
+const _: () = assert!(
+    GROUP_ROWS.is_multiple_of(MR)
+        && GROUP_ROWS.is_multiple_of(MR_SHORT)
+        && GROUP_ROWS.is_multiple_of(NR)
+);
 /// Pairs ahead of the one `zip_panels` zips whose values it asks the cache for.
 const AHEAD: usize = 4;
 
@@ -184,9 +207,23 @@ fn zip_panels(
         }
         let words = words[..group * width].chunks_exact(width);
         for (panel, words) in panels.chunks_exact_mut(panel_len).zip(words) {
-            for (dst, word) in panel[p * width..][..width].iter_mut().zip(words) {
-                dst.write(*word);
-            }
+            copy_words(words, &mut panel[p * width..][..width]);
+        }
+    }
+}
+
+// `src` into `dst` (as long), 16 words a vector, the last ones masked: a few words at a
+// time, the compiler's copy was a call to `memmove` (a tenth of a conv net's packing).
+#[target_feature(enable = "avx512f")]
+fn copy_words(src: &[u32], dst: &mut [MaybeUninit<u32>]) {
+    assert_eq!(src.len(), dst.len());
+    for (at, src) in src.chunks(16).enumerate() {
+        let lanes: __mmask16 = ((1u32 << src.len()) - 1) as u16;
+        // SAFETY: the masked lanes are the `src.len()` words of `src`, and as many of `dst`
+        // from the same place.
+        unsafe {
+            let v = _mm512_maskz_loadu_epi32(lanes, src.as_ptr().cast());
+            _mm512_mask_storeu_epi32(dst.as_mut_ptr().add(16 * at).cast(), lanes, v);
         }
     }
 }
@@ -330,6 +367,8 @@ struct Blocks<'a> {
     m: usize,
     n: usize,
     pairs: usize,
+    /// The tiles' height (`MR` or `MR_SHORT`), and so A's panels'.
+    mr: usize,
 }
 
 impl Blocks<'_> {
@@ -339,7 +378,7 @@ impl Blocks<'_> {
     // SAFETY: the CPU has AVX512-F and AVX512-BF16; no other thread writes this block.
     #[target_feature(enable = "avx512f,avx512bf16")]
     unsafe fn block(&self, i0: usize, j0: usize) {
-        let (rows, cols) = (MC.min(self.m - i0), NC.min(self.n - j0));
+        let (rows, cols) = ((4 * self.mr).min(self.m - i0), NC.min(self.n - j0));
         match self.out {
             // SAFETY: `(i0, j0)` is inside the `m × n` product, rows `n` apart.
             Out::F32(c) => unsafe { self.sums(i0, j0, c.0.add(i0 * self.n + j0), self.n) },
@@ -374,13 +413,14 @@ impl Blocks<'_> {
     // SAFETY: as for `block`; `block` holds the block's rows, `ld` apart.
     #[target_feature(enable = "avx512f,avx512bf16")]
     unsafe fn sums(&self, i0: usize, j0: usize, block: *mut f32, ld: usize) {
-        let (rows, cols) = ((i0..(i0 + MC).min(self.m)), (j0..(j0 + NC).min(self.n)));
+        let mr = self.mr;
+        let (rows, cols) = ((i0..(i0 + 4 * mr).min(self.m)), (j0..(j0 + NC).min(self.n)));
         for p0 in (0..self.pairs).step_by(KC) {
             let kc = KC.min(self.pairs - p0);
             for j in cols.clone().step_by(NR) {
                 let b = &self.packed_b[(j / NR) * self.pairs * NR + p0 * NR..];
-                for i in rows.clone().step_by(MR) {
-                    let a = &self.packed_a[(i / MR) * self.pairs * MR + p0 * MR..];
+                for i in rows.clone().step_by(mr) {
+                    let a = &self.packed_a[(i / mr) * self.pairs * mr + p0 * mr..];
                     // SAFETY: the panels hold `kc` pairs from `p0`; the tile lies in the
                     // block.
                     let corner = unsafe { block.add((i - i0) * ld + (j - j0)) };
@@ -390,7 +430,7 @@ impl Blocks<'_> {
         }
     }
 
-    // One `MR × NR` tile at `(i, j)` of the product, whose values lie at `corner`, rows `ld`
+    // One `mr × NR` tile at `(i, j)` of the product, whose values lie at `corner`, rows `ld`
     // apart: summed there where the tile lies whole, through a local tile at the right and
     // bottom edges.
     //
@@ -407,10 +447,16 @@ impl Blocks<'_> {
         ld: usize,
         add: bool,
     ) {
-        let (rows, cols) = (MR.min(self.m - i), NR.min(self.n - j));
-        if rows == MR && cols == NR {
+        let mr = self.mr;
+        // SAFETY: (for both) the caller's promises for `kernel`.
+        let kernel = |c: *mut f32, ld: usize| match mr {
+            MR => unsafe { kernel::<MR>(kc, a, b, c, ld, add) },
+            _ => unsafe { kernel::<MR_SHORT>(kc, a, b, c, ld, add) },
+        };
+        let (rows, cols) = (mr.min(self.m - i), NR.min(self.n - j));
+        if rows == mr && cols == NR {
             // SAFETY: the whole tile lies at `corner`, rows `ld` apart.
-            return unsafe { kernel(kc, a, b, corner, ld, add) };
+            return kernel(corner, ld);
         }
         let mut local = [0f32; MR * NR];
         // The first k block's tile starts from zero (and its values are not written yet).
@@ -420,8 +466,8 @@ impl Blocks<'_> {
             let row = unsafe { std::slice::from_raw_parts(corner.add(r * ld), cols) };
             local[r * NR..][..cols].copy_from_slice(row);
         }
-        // SAFETY: `local` is a whole tile, rows `NR` apart.
-        unsafe { kernel(kc, a, b, local.as_mut_ptr(), NR, add) };
+        // `local` holds a whole tile, rows `NR` apart.
+        kernel(local.as_mut_ptr(), NR);
         for r in 0..rows {
             // SAFETY: as above.
             let row = unsafe { std::slice::from_raw_parts_mut(corner.add(r * ld), cols) };
@@ -466,19 +512,27 @@ pub(super) fn round_sums(sums: &[f32], rounded: &mut [bf16]) {
     }
 }
 
-// `c (+)= a · b` for one tile: `a` the A panel from its first pair (`MR` words a pair), `b`
+// `c (+)= a · b` for one tile of `ROWS` rows: `a` the A panel from its first pair (`ROWS`
+// words a pair), `b`
 // the B panel likewise (`NR` words), `c` the tile's corner with rows `ldc` apart; the sums
 // start from the tile's values when `add` (a later k block), from zero otherwise.
 //
 // SAFETY: the CPU has AVX512-F and AVX512-BF16; `a` and `b` hold `kc` pairs; `c` points at
-// `MR` rows of `NR` writable values, `ldc` apart.
+// `ROWS` rows of `NR` writable values, `ldc` apart.
 //
 // Never inlined, for its 26 vectors' sake (see `dots::dots`).
 #[inline(never)]
 #[target_feature(enable = "avx512f,avx512bf16")]
-unsafe fn kernel(kc: usize, a: &[u32], b: &[u32], c: *mut f32, ldc: usize, add: bool) {
-    let (a, b) = (&a[..kc * MR], &b[..kc * NR]);
-    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+unsafe fn kernel<const ROWS: usize>(
+    kc: usize,
+    a: &[u32],
+    b: &[u32],
+    c: *mut f32,
+    ldc: usize,
+    add: bool,
+) {
+    let (a, b) = (&a[..kc * ROWS], &b[..kc * NR]);
+    let mut acc = [[_mm512_setzero_ps(); 2]; ROWS];
     if add {
         for (r, acc) in acc.iter_mut().enumerate() {
             // SAFETY: row `r` of the tile holds `NR` values.
@@ -490,7 +544,7 @@ unsafe fn kernel(kc: usize, a: &[u32], b: &[u32], c: *mut f32, ldc: usize, add: 
     }
     // 32 bf16 values from 16 words: a `__m512i` and a `__m512bh` are the same 512 bits.
     let pairs = |words: __m512i| unsafe { std::mem::transmute::<__m512i, __m512bh>(words) };
-    for (a, b) in a.chunks_exact(MR).zip(b.chunks_exact(NR)) {
+    for (a, b) in a.chunks_exact(ROWS).zip(b.chunks_exact(NR)) {
         // SAFETY: `b` holds `NR` = 32 words, two vectors of 16.
         let (b0, b1) = unsafe {
             let b = b.as_ptr().cast::<__m512i>();
@@ -510,6 +564,23 @@ unsafe fn kernel(kc: usize, a: &[u32], b: &[u32], c: *mut f32, ldc: usize, add: 
         unsafe {
             _mm512_storeu_ps(c.add(r * ldc), acc[0]);
             _mm512_storeu_ps(c.add(r * ldc + 16), acc[1]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn short_tiles_take_products_whose_rows_they_divide_where_tall_ones_waste() {
+        // A conv net's channels: 8-row tiles.
+        for m in [8, 16, 32, 40, 64, 80] {
+            assert_eq!(tile_rows(m), MR_SHORT, "{m}");
+        }
+        // Whole 12-row tiles, edges too small to matter, or rows 8 does not divide.
+        for m in [12, 24, 96, 1024, 4096, 27, 10, 1] {
+            assert_eq!(tile_rows(m), MR, "{m}");
         }
     }
 }
