@@ -97,14 +97,17 @@ impl<'a> Bf16Matrix<'a> {
     }
 }
 
-/// Whether this CPU runs the kernel (AVX512-F and AVX512-BF16), checked once.
+/// Whether this CPU runs the kernel (AVX512-F, AVX512-BW for packing, and AVX512-BF16: every
+/// CPU with the last has the others), checked once.
 pub(crate) fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         use std::sync::OnceLock;
         static AVAILABLE: OnceLock<bool> = OnceLock::new();
         *AVAILABLE.get_or_init(|| {
-            std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bf16")
+            std::is_x86_feature_detected!("avx512f")
+                && std::is_x86_feature_detected!("avx512bw")
+                && std::is_x86_feature_detected!("avx512bf16")
         })
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -154,11 +157,10 @@ pub(crate) fn gemm(
         return None;
     }
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: the CPU has AVX512-F and AVX512-BF16 (`available`), and AVX512-BW for the
-    // inner-product kernel (`dots::available`), whose layout `dots::applies` checked; the
-    // shapes match.
+    // SAFETY: the CPU has AVX512-F, AVX512-BW and AVX512-BF16 (`available`); the
+    // inner-product kernel's layout `dots::applies` checked; the shapes match.
     unsafe {
-        match (dots::applies(&a, &b) && dots::available(), product) {
+        match (dots::applies(&a, &b), product) {
             (true, Product::F32(c)) => dots::gemm(a, b, c, parallel),
             // The kernel's products are small (m and n at most 512): through an f32 buffer.
             (true, Product::Bf16 { out, epilogue }) => {

@@ -34,14 +34,6 @@ pub(super) fn applies(a: &Bf16Matrix, b: &Bf16Matrix) -> bool {
 /// The largest m or n the kernel takes.
 const MAX_SIDE: usize = 512;
 
-/// Whether the CPU has AVX512-BW too (the masked loads of a block's last values), checked
-/// once.
-pub(super) fn available() -> bool {
-    use std::sync::OnceLock;
-    static AVAILABLE: OnceLock<bool> = OnceLock::new();
-    *AVAILABLE.get_or_init(|| std::is_x86_feature_detected!("avx512bw"))
-}
-
 /// `c = a @ b`, as [`super::gemm`], in tasks of `R` product rows where `parallel`.
 ///
 /// # Safety

@@ -42,7 +42,8 @@ const NC: usize = 8 * NR;
 ///
 /// # Safety
 ///
-/// The CPU has AVX512-F and AVX512-BF16; `a.cols == b.rows` and `c.len() == a.rows * b.cols`.
+/// The CPU has AVX512-F, AVX512-BW and AVX512-BF16; `a.cols == b.rows` and the product holds
+/// `a.rows * b.cols` values.
 pub(super) unsafe fn gemm(
     a: Bf16Matrix,
     b: Bf16Matrix,
@@ -62,7 +63,7 @@ pub(super) unsafe fn gemm(
     let mr = tile_rows(m);
     // A is packed by rows and B by columns alike: B's columns are the rows of its transpose.
     let [packed_a, packed_b] = packed;
-    // SAFETY: the CPU has AVX512-F (the caller's promise).
+    // SAFETY: the CPU has AVX512-F and AVX512-BW (the caller's promise).
     let (packed_a, packed_b) = unsafe {
         (
             pack(a, pairs, mr, packed_a, parallel),
