@@ -1,11 +1,12 @@
 //! The bf16 GEMM's x86-64 parts: packing the operands, and the `vdpbf16ps` kernel.
 
 use std::arch::x86_64::*;
-use std::mem::{MaybeUninit, transmute};
+use std::mem::MaybeUninit;
 
 use half::bf16;
 use rayon::prelude::*;
 
+use super::super::half_kernels::Half;
 use super::{Bf16Matrix, Epilogue, Packed, Product, finish_rounded, finish_rows};
 
 /// Rows of the product one micro-kernel call computes, at most.
@@ -401,7 +402,7 @@ impl Blocks<'_> {
                     };
                     let mut rounded = [bf16::ZERO; NC];
                     let rounded = &mut rounded[..cols];
-                    round_sums(sums, rounded);
+                    bf16::round(sums, rounded);
                     finish_rounded(j0, rounded, out, epilogue);
                 }
             }
@@ -474,42 +475,6 @@ impl Blocks<'_> {
             let row = unsafe { std::slice::from_raw_parts_mut(corner.add(r * ld), cols) };
             row.copy_from_slice(&local[r * NR..][..cols]);
         }
-    }
-}
-
-// `sums` rounded into `rounded` (as long) to nearest even by `vcvtneps2bf16`, 16 at a time.
-// The instruction takes subnormal inputs for zero where `half` rounds them; `vdpbf16ps`
-// never leaves a subnormal sum (it flushes them to zero), so for the kernel's sums the two
-// give the same bits, NaNs included (both keep the high half, made quiet). The scalar
-// rounding, with its compares and selects, was 2% of a deep MLP's step.
-//
-#[target_feature(enable = "avx512f,avx512bf16")]
-pub(super) fn round_sums(sums: &[f32], rounded: &mut [bf16]) {
-    assert_eq!(sums.len(), rounded.len());
-    let whole = sums.len() / 16 * 16;
-    for (sums, rounded) in sums[..whole]
-        .chunks_exact(16)
-        .zip(rounded.chunks_exact_mut(16))
-    {
-        // SAFETY: 16 f32 read, 16 bf16 (256 bits) written, in bounds.
-        unsafe {
-            let halves = _mm512_cvtneps_pbh(_mm512_loadu_ps(sums.as_ptr()));
-            _mm256_storeu_si256(
-                rounded.as_mut_ptr().cast(),
-                transmute::<__m256bh, __m256i>(halves),
-            );
-        }
-    }
-    // The last values through a whole vector.
-    let (sums, rounded) = (&sums[whole..], &mut rounded[whole..]);
-    if !sums.is_empty() {
-        let mut wide = [0f32; 16];
-        wide[..sums.len()].copy_from_slice(sums);
-        // SAFETY: `wide` holds 16 f32, as a vector; a `__m256bh` is 16 bf16.
-        let halves: [bf16; 16] = unsafe {
-            transmute::<__m256bh, [bf16; 16]>(_mm512_cvtneps_pbh(_mm512_loadu_ps(wide.as_ptr())))
-        };
-        rounded.copy_from_slice(&halves[..rounded.len()]);
     }
 }
 
