@@ -417,8 +417,11 @@ impl Blocks<'_> {
     unsafe fn sums(&self, i0: usize, j0: usize, block: *mut f32, ld: usize) {
         let mr = self.mr;
         let (rows, cols) = ((i0..(i0 + 4 * mr).min(self.m)), (j0..(j0 + NC).min(self.n)));
-        for p0 in (0..self.pairs).step_by(KC) {
-            let kc = KC.min(self.pairs - p0);
+        // k in blocks of at most `KC` pairs, as even as they go: a short last block (16 pairs
+        // of a conv net's 144) paid a load and a store of every sum for few products.
+        let block_pairs = self.pairs.div_ceil(self.pairs.div_ceil(KC));
+        for p0 in (0..self.pairs).step_by(block_pairs) {
+            let kc = block_pairs.min(self.pairs - p0);
             for j in cols.clone().step_by(NR) {
                 let b = &self.packed_b[(j / NR) * self.pairs * NR + p0 * NR..];
                 for i in rows.clone().step_by(mr) {
