@@ -117,7 +117,10 @@ unsafe fn pack<'p>(
         packed.resize(len, MaybeUninit::uninit());
     }
     let packed = &mut packed[..len];
-    let group = (GROUP_ROWS / width).max(1);
+    // As many panels a task as `GROUP_ROWS` rows hold, but 8 tasks at least where there are
+    // enough panels, for the threads to share.
+    let panels = m.rows.div_ceil(width);
+    let group = (GROUP_ROWS / width).min(panels.div_ceil(8)).max(1);
     // SAFETY: as for `pack`.
     let fill = |(g, panels): (usize, &mut [MaybeUninit<u32>])| unsafe {
         pack_panels(m, g * group * width, width, panel_len, panels)
@@ -136,8 +139,9 @@ unsafe fn pack<'p>(
     unsafe { &*(packed as *const [MaybeUninit<u32>] as *const [u32]) }
 }
 
-/// Rows of `m` a packing task takes: whole panels of them (8 of A's, 3 of B's).
-const GROUP_ROWS: usize = 96;
+/// Rows of `m` a packing task takes at most: whole panels of them (32 of A's, 12 of B's).
+/// Side-by-side rows are read `GROUP_ROWS` values at a time, 12 cache lines a row and pair.
+const GROUP_ROWS: usize = 384;
 const _: () = assert!(
     GROUP_ROWS.is_multiple_of(MR)
         && GROUP_ROWS.is_multiple_of(MR_SHORT)
