@@ -14,13 +14,17 @@
 //! and flushes subnormal sums to zero (Intel SDM, `VDPBF16PS`), as oneDNN's bf16 GEMM does.
 //!
 //! The layout is the classic one (Goto and van de Geijn): both operands packed once into
-//! k-pair interleaved panels, the product computed in `MR × NR` tiles held in registers, the
-//! k dimension in blocks of `KC` pairs so that a tile's panels stay in L1, and tiles of `C`
-//! shared among threads by blocks of `MC × NC`. Where k is long and runs contiguously in both
-//! operands (a convolution's weight gradient: k is every output position of a chunk of
-//! images) packing costs more than it saves, and an inner-product kernel (`dots`) takes the
-//! product: each value a dot product of an A row and a B column as they lie, in f32 lanes
-//! summed across at the end of each k block.
+//! k-pair interleaved panels, the product computed in `MR × NR` tiles held in registers (12 or
+//! 8 rows, whichever wastes less on the product's rows), the k dimension in blocks of at most
+//! `KC` pairs so that a tile's panels stay in L1, and tiles of `C` shared among threads by
+//! blocks of `MC × NC`. Where k is long and runs contiguously in both operands (a
+//! convolution's weight gradient: k is every output position of a chunk of images) packing
+//! costs more than it saves, and an inner-product kernel (`dots`) takes the product: each
+//! value a dot product of an A row and a B column as they lie, in f32 lanes summed across at
+//! the end of each k block.
+//!
+//! The product comes out as f32 sums, or rounded to bf16 as each task completes its block
+//! ([`Product::Bf16`]): a linear's output then never exists in f32 outside the cache.
 
 use std::mem::MaybeUninit;
 
@@ -217,7 +221,7 @@ pub(crate) type Packed = [Vec<MaybeUninit<u32>>; 2];
 /// their GEMM: kept, they would sit beside the activations autocast halves (13 MiB of a 200 MiB
 /// peak on `examples/autocast_memory`), and a GEMM that large costs enough that mapping its
 /// buffers afresh is lost in it.
-const SCRATCH_KEPT: usize = 8 << 20;
+pub(crate) const SCRATCH_KEPT: usize = 8 << 20;
 
 /// `f` of this thread's scratch in `key`, or of a fresh one where the thread's is in use: a
 /// rayon worker waiting on its own GEMM's tasks may run another caller's job meanwhile, and

@@ -40,7 +40,8 @@ use half::bf16;
 use rayon::prelude::*;
 
 use super::bf16_gemm::{
-    self, Bf16Matrix, Packed, Product, release_large, scratch_of, with_scratch,
+    self, Bf16Matrix, Epilogue, Packed, Product, SCRATCH_KEPT, release_large, scratch_of,
+    with_scratch,
 };
 use super::half_kernels::{
     add_row, add_widened, round_add_row, sum_rows, widen_in_tasks, widened, with_half,
@@ -168,16 +169,19 @@ fn ordered_strides(t: &FlexTensor) -> Option<Vec<usize>> {
         .collect()
 }
 
-// `a @ b` (+ `bias`) of bf16 operands by the dot-product kernel, matrix by matrix of the
-// batch, reading the operands in place and rounding each value (adding the bias) as its
-// task sums it; `None` where it does not apply (negative strides).
-fn bf16_dot_product(
+// `gemm(a_i, b_i, out_i)` for each matrix `i` of the batch of bf16 operands and its block
+// `out_i` of `out`, the operands read in place, with the calling thread's packing scratch;
+// false where it does not apply (negative strides) or a GEMM failed.
+fn bf16_dot<T: Send>(
     a: &FlexTensor,
     b: &FlexTensor,
-    bias: Option<&FlexTensor>,
     dims: &Dims,
-) -> Option<Vec<bf16>> {
-    let (a_strides, b_strides) = (ordered_strides(a)?, ordered_strides(b)?);
+    out: &mut [T],
+    gemm: impl Fn(Bf16Matrix, Bf16Matrix, &mut [T], bool, &mut Packed) -> Option<()> + Sync,
+) -> bool {
+    let (Some(a_strides), Some(b_strides)) = (ordered_strides(a), ordered_strides(b)) else {
+        return false;
+    };
     let (m, k, n) = (dims.m, dims.k, dims.n);
     // The batch's `i`-th matrix of `t`, read in place.
     fn matrix<'t>(
@@ -188,34 +192,48 @@ fn bf16_dot_product(
         let offset = t.layout().start_offset() + offset;
         Bf16Matrix::new(t.storage::<bf16>(), offset, shape, strides)
     }
-    let bias = bias.map(|bias| widened(bias.storage::<bf16>()));
-    let add_bias = |column: usize, values: &mut [bf16]| {
-        if let Some(bias) = &bias {
-            add_widened(values, &bias[column..]);
-        }
-    };
-    let len = dims.matrices() * m * n;
-    let mut values = Vec::with_capacity(len);
-    let done = each_matrix(&mut values.spare_capacity_mut()[..len], dims, |i, out| {
+    each_matrix(out, dims, |i, out| {
         let (Some(am), Some(bm)) = (
             matrix(a, dims.matrix(i, &a_strides), [m, k]),
             matrix(b, dims.matrix(i, &b_strides), [k, n]),
         ) else {
             return false;
         };
-        let threads = parallel(m, n, k);
         with_scratch(&PACKED, |packed| {
-            let product = Product::Bf16 {
-                out,
-                epilogue: bias.is_some().then_some(&add_bias),
-            };
-            let done = bf16_gemm::gemm(am, bm, product, threads, packed);
+            let done = gemm(am, bm, out, parallel(m, n, k), packed);
             packed.iter_mut().for_each(release_large);
             done.is_some()
         })
+    })
+}
+
+// `a @ b` (+ `bias`) of bf16 operands by the dot-product kernel, each value rounded (and the
+// bias added) as its task sums it; `None` where it does not apply (see `bf16_dot`).
+fn bf16_dot_rounded(
+    a: &FlexTensor,
+    b: &FlexTensor,
+    bias: Option<&FlexTensor>,
+    dims: &Dims,
+) -> Option<Vec<bf16>> {
+    let bias = bias.map(|bias| widened(bias.storage::<bf16>()));
+    let add_bias = |column: usize, values: &mut [bf16]| {
+        if let Some(bias) = &bias {
+            add_widened(values, &bias[column..]);
+        }
+    };
+    let epilogue: Option<Epilogue> = match bias {
+        Some(_) => Some(&add_bias),
+        None => None,
+    };
+    let len = dims.matrices() * dims.m * dims.n;
+    let mut values = Vec::with_capacity(len);
+    let out = &mut values.spare_capacity_mut()[..len];
+    let done = bf16_dot(a, b, dims, out, |am, bm, out, threads, packed| {
+        let product = Product::Bf16 { out, epilogue };
+        bf16_gemm::gemm(am, bm, product, threads, packed)
     });
-    // SAFETY: each matrix's GEMM wrote all its values (it returned `Some`), and the matrices
-    // cover the product.
+    // SAFETY: each matrix's GEMM wrote all its values (none failed), and the matrices cover
+    // the product.
     done.then(|| unsafe {
         values.set_len(len);
         values
@@ -329,13 +347,26 @@ fn half_gemm(
     let dims = Dims::of(a, b);
     let len = dims.matrices() * dims.m * dims.n;
     let bias = bias.map(|b| b.to_contiguous());
-    let rounded = match kernel == Kernel::Bf16Dot && dtype == DType::BF16 {
-        true => bf16_dot_product(a, b, bias.as_ref(), &dims).map(Bytes::from_elems),
+    let dot = kernel == Kernel::Bf16Dot && dtype == DType::BF16;
+    // A product larger than the kept scratch is rounded as summed (its f32 sums would be
+    // mapped afresh for each GEMM, 16 MiB for a `4096 × 1024` one); a smaller one goes
+    // through the scratch. Rounded as summed too, the MLP's step in `examples/autocast_ab`
+    // took 7% longer under glibc's default allocator, which then mapped and faulted in a
+    // fresh buffer 500 more times a step (and 2% less time where freed memory is kept).
+    let rounded = match dot && len * size_of::<f32>() > SCRATCH_KEPT {
+        true => bf16_dot_rounded(a, b, bias.as_ref(), &dims).map(Bytes::from_elems),
         false => None,
     };
     let values = rounded.unwrap_or_else(|| {
         with_scratch(&SCRATCH, |scratch| {
-            widened_product(a, b, &dims, scratch);
+            let summed =
+                |am: Bf16Matrix, bm: Bf16Matrix, c: &mut [f32], threads, packed: &mut _| {
+                    bf16_gemm::gemm(am, bm, Product::F32(c), threads, packed)
+                };
+            let product = scratch_of(&mut scratch.product, len);
+            if !dot || !bf16_dot(a, b, &dims, product, summed) {
+                widened_product(a, b, &dims, scratch);
+            }
             let values = with_half!(dtype, H => {
                 let bias = bias.as_ref().map(|b| b.storage::<H>());
                 Bytes::from_elems(round_add_row::<H>(&scratch.product[..len], bias))
@@ -598,6 +629,33 @@ mod tests {
                 bits(want),
                 "{kernel:?}"
             );
+        }
+    }
+
+    #[test]
+    fn a_product_rounded_as_summed_has_the_bits_of_one_rounded_after() {
+        if !bf16_gemm::available() {
+            eprintln!("skipped: this CPU has no AVX512-BF16");
+            return;
+        }
+        // Past a task's 256 columns; with and without a bias; a batch with one operand
+        // transposed.
+        let (m, k, n) = (50, 40, 300);
+        let x = half(values(m * k, 7), [m, k], FloatDType::BF16);
+        let w = half(values(k * n, 8), [k, n], FloatDType::BF16);
+        let bias = half(values(n, 9), [n], FloatDType::BF16);
+        let q = half(values(2 * 3 * 6 * 5, 5), [2, 3, 6, 5], FloatDType::BF16);
+        let kt = transposed(half(
+            values(2 * 3 * 7 * 5, 6),
+            [2, 3, 7, 5],
+            FloatDType::BF16,
+        ));
+        let cases = [(&x, &w, Some(&bias)), (&x, &w, None), (&q, &kt, None)];
+        for (a, b, bias) in cases {
+            let dims = Dims::of(a, b);
+            let rounded = bf16_dot_rounded(a, b, bias, &dims).unwrap();
+            let after = half_gemm(a, b, bias, Kernel::Bf16Dot);
+            assert_eq!(bytemuck::cast_slice::<_, u8>(&rounded), &bits(after)[..]);
         }
     }
 
