@@ -88,25 +88,31 @@ fn round_bf16(src: &[f32], dst: &mut [bf16]) {
     }
 }
 
-// The bf16 loops compiled for AVX2, chosen at run time: the crate is built for baseline
-// x86-64, whose SSE2 lacks the unsigned compares these loops vectorise to.
+// `widen_bf16` and `round_bf16` compiled for the target features `$features`, to be chosen
+// at run time: the crate is built for baseline x86-64, whose SSE2 lacks the unsigned compares
+// these loops vectorise to.
+macro_rules! bf16_loops_for {
+    ($features:literal) => {
+        /// # Safety
+        /// The CPU must have the module's target features.
+        #[target_feature(enable = $features)]
+        pub(super) unsafe fn widen_bf16(src: &[half::bf16], dst: &mut [f32]) {
+            super::widen_bf16(src, dst);
+        }
+
+        /// # Safety
+        /// The CPU must have the module's target features.
+        #[target_feature(enable = $features)]
+        pub(super) unsafe fn round_bf16(src: &[f32], dst: &mut [half::bf16]) {
+            super::round_bf16(src, dst);
+        }
+    };
+}
+
+// The bf16 loops for AVX2.
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use half::bf16;
-
-    /// # Safety
-    /// The CPU must have AVX2.
-    #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn widen_bf16(src: &[bf16], dst: &mut [f32]) {
-        super::widen_bf16(src, dst);
-    }
-
-    /// # Safety
-    /// The CPU must have AVX2.
-    #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn round_bf16(src: &[f32], dst: &mut [bf16]) {
-        super::round_bf16(src, dst);
-    }
+    bf16_loops_for!("avx2");
 }
 
 // The same loops compiled for AVX-512, where 32-bit lanes narrow to 16 bits in one
@@ -156,19 +162,7 @@ mod avx512 {
         super::round_bf16(&src[whole..], &mut dst[whole..]);
     }
 
-    /// # Safety
-    /// The CPU must have AVX512-F and AVX512-BW.
-    #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) unsafe fn widen_bf16(src: &[bf16], dst: &mut [f32]) {
-        super::widen_bf16(src, dst);
-    }
-
-    /// # Safety
-    /// The CPU must have AVX512-F and AVX512-BW.
-    #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) unsafe fn round_bf16(src: &[f32], dst: &mut [bf16]) {
-        super::round_bf16(src, dst);
-    }
+    bf16_loops_for!("avx512f,avx512bw");
 }
 
 // f32 bits to bf16 bits, nearest even, NaN kept quiet with its high payload: `half`'s
