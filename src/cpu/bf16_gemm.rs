@@ -178,31 +178,31 @@ pub(crate) fn gemm(
     Some(())
 }
 
-/// The rows of `n` sums in `sums` rounded into `out` (as long) as `half` rounds, through
-/// `epilogue`, a run of at most `RUN` values at a time.
+/// The rows of `n` sums in `sums` into `out` (as long) by [`finish_run`], a run of at most
+/// `RUN` values at a time.
 fn finish_rows(sums: &[f32], n: usize, out: &mut [MaybeUninit<bf16>], epilogue: Option<Epilogue>) {
     for (sums, out) in sums.chunks(n.max(1)).zip(out.chunks_mut(n.max(1))) {
         for (run, (sums, out)) in sums.chunks(RUN).zip(out.chunks_mut(RUN)).enumerate() {
-            let mut rounded = [bf16::ZERO; RUN];
-            let rounded = &mut rounded[..sums.len()];
-            bf16::round(sums, rounded);
-            finish_rounded(run * RUN, rounded, out, epilogue);
+            finish_run(run * RUN, sums, out, epilogue);
         }
     }
 }
 
-/// The longest run `finish_rows` rounds at once.
+/// The longest run [`finish_run`] takes.
 const RUN: usize = 256;
 
-/// `epilogue` of a run of rounded values from `column`, then the run into `out` (as long),
-/// which may not be initialised yet: rounded into a buffer first, since a `&mut [bf16]` must
-/// be.
-fn finish_rounded(
+/// A run of at most `RUN` sums from `column` rounded as `half` rounds, through `epilogue`,
+/// into `out` (as long), which may not be initialised yet: rounded into a buffer first, since
+/// a `&mut [bf16]` must be.
+fn finish_run(
     column: usize,
-    rounded: &mut [bf16],
+    sums: &[f32],
     out: &mut [MaybeUninit<bf16>],
     epilogue: Option<Epilogue>,
 ) {
+    let mut rounded = [bf16::ZERO; RUN];
+    let rounded = &mut rounded[..sums.len()];
+    bf16::round(sums, rounded);
     if let Some(epilogue) = epilogue {
         epilogue(column, rounded);
     }

@@ -6,8 +6,7 @@ use std::mem::MaybeUninit;
 use half::bf16;
 use rayon::prelude::*;
 
-use super::super::half_kernels::Half;
-use super::{Bf16Matrix, Epilogue, Packed, Product, finish_rounded, finish_rows};
+use super::{Bf16Matrix, Epilogue, Packed, Product, RUN, finish_rows, finish_run};
 
 /// Rows of the product one micro-kernel call computes, at most.
 const MR: usize = 12;
@@ -38,6 +37,8 @@ const KC: usize = 128;
 const MC: usize = 4 * MR;
 /// Columns of the product per parallel task (8 B panels).
 const NC: usize = 8 * NR;
+// A task's rows of a rounded product are finished a run at a time.
+const _: () = assert!(NC <= RUN);
 
 /// `c = a @ b`, as [`super::gemm`] (which checked the shapes).
 ///
@@ -171,9 +172,9 @@ unsafe fn pack_panels(
 }
 
 // `pack_panels` where the panels' rows lie side by side (B's columns of a row-major B, A's
-// rows of a transposed A): each pair's words zip two runs of values, 96 of them at once
-// for all the task's panels (a panel's 12 took a 64-byte line for 24 bytes, and the loop
-// did not vectorise past SSE2), then split among the panels.
+// rows of a transposed A): each pair's words zip two runs of values, up to `GROUP_ROWS` of
+// them at once for all the task's panels (a panel's 12 took a 64-byte line for 24 bytes, and
+// the loop did not vectorise past SSE2), then split among the panels.
 //
 // SAFETY: the CPU has AVX512-F and AVX512-BW; `m.row_stride == 1`.
 #[target_feature(enable = "avx512f,avx512bw")]
@@ -404,10 +405,7 @@ impl Blocks<'_> {
                             std::slice::from_raw_parts_mut(out.0.add((i0 + r) * self.n + j0), cols),
                         )
                     };
-                    let mut rounded = [bf16::ZERO; NC];
-                    let rounded = &mut rounded[..cols];
-                    bf16::round(sums, rounded);
-                    finish_rounded(j0, rounded, out, epilogue);
+                    finish_run(j0, sums, out, epilogue);
                 }
             }
         }
@@ -486,9 +484,9 @@ impl Blocks<'_> {
 }
 
 // `c (+)= a · b` for one tile of `ROWS` rows: `a` the A panel from its first pair (`ROWS`
-// words a pair), `b`
-// the B panel likewise (`NR` words), `c` the tile's corner with rows `ldc` apart; the sums
-// start from the tile's values when `add` (a later k block), from zero otherwise.
+// words a pair), `b` the B panel likewise (`NR` words), `c` the tile's corner with rows `ldc`
+// apart; the sums start from the tile's values when `add` (a later k block), from zero
+// otherwise.
 //
 // SAFETY: the CPU has AVX512-F and AVX512-BF16; `a` and `b` hold `kc` pairs; `c` points at
 // `ROWS` rows of `NR` writable values, `ldc` apart.
