@@ -11,6 +11,7 @@
 //! cargo run --release --example autocast_ab -- --rounds 15
 //! cargo run --release --example autocast_ab -- --rounds 15 --model conv
 //! cargo run --release --example autocast_ab -- --rounds 31 --model lstm --hidden 64
+//! cargo run --release --example autocast_ab -- --rounds 15 --use-current-thread
 //! ```
 //!
 //! Printed: each variant's median and fastest step time and their ratios to f32's (below 1.0
@@ -31,7 +32,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Tensor};
 use burn_accelerate::autocast::SmallOps;
 use burn_accelerate::capability::{self, HalfPath};
-use burn_accelerate::{Accelerated, Precision, autocast};
+use burn_accelerate::{Accelerated, Precision, autocast, threads};
 use clap::Parser;
 
 type Acc = Accelerated<Autodiff<Flex>>;
@@ -68,6 +69,11 @@ struct Args {
     /// of keeping those too small to gain in f32 (the default, `SmallOps::KeepF32`).
     #[arg(long)]
     cast_small: bool,
+    /// Compute on the thread that runs the steps too, as the first thread of rayon's pool
+    /// (`threads::use_current_thread`), instead of handing every parallel op to the pool's
+    /// threads and waiting.
+    #[arg(long)]
+    use_current_thread: bool,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -290,6 +296,9 @@ fn median(mut times: Vec<Duration>) -> Duration {
 
 fn main() {
     let args = Args::parse();
+    if args.use_current_thread {
+        threads::use_current_thread(None).expect("no op has run yet");
+    }
     if args.widened {
         capability::set_half_path(HalfPath::Widened);
     }

@@ -98,6 +98,18 @@ pub enum AccelerateError {
         fix: &'static str,
     },
 
+    /// The calling thread could not be made one of rayon's global pool's threads
+    /// ([`threads::use_current_thread`](crate::threads::use_current_thread)).
+    #[error(
+        "cannot compute on the calling thread: {reason}. Call \
+         `burn_accelerate::threads::use_current_thread` once, first thing in `main`, before any \
+         op runs on Flex (the first parallel op builds rayon's global pool)"
+    )]
+    ThreadPool {
+        /// Rayon's reason.
+        reason: String,
+    },
+
     /// Saved state that does not fit the object it is loaded into.
     #[error(
         "cannot restore {what}: the checkpoint was saved with {saved}, this accelerator has \

@@ -30,6 +30,8 @@
 //!   Burn's own training loop, with its metrics, checkpoints and early stopping.
 //! - [`distributed`]: the same script on several processes or machines (`burn-accelerate
 //!   launch`): the process state, the process group, gradients averaged at synchronising steps.
+//! - `threads` (with the `flex` feature): the thread that runs the training step made one of
+//!   the CPU threads its ops compute on.
 //! - [`placement`]: where a model's parameters live, device maps under memory budgets, running
 //!   a model placed over several devices, and refusing data-parallel training of one.
 //!
@@ -68,6 +70,8 @@ pub mod grads;
 pub mod placement;
 mod precision;
 pub mod scaler;
+#[cfg(feature = "flex")]
+pub mod threads;
 pub mod train;
 
 pub use accelerator::{AccelerateConfig, Accelerator, AcceleratorState, StepOutcome};
