@@ -122,17 +122,17 @@ pub(crate) fn available() -> bool {
 /// `epilogue(column, values)`, `column` the run's first column (a linear adds its bias).
 pub(crate) type Epilogue<'a> = &'a (dyn Fn(usize, &mut [bf16]) + Sync);
 
-/// Where a GEMM puts its product, `a.rows × b.cols` values in row-major order.
+/// Where a GEMM puts its product of `a.rows × b.cols` values.
 pub(crate) enum Product<'a> {
-    /// The f32 sums.
+    /// The f32 sums, in row-major order.
     F32(&'a mut [f32]),
-    /// The sums rounded to bf16 (to nearest even, `half`'s bits), then passed through
-    /// `epilogue` if any, each run as soon as a task has summed it: no f32 product goes out to
+    /// The sums rounded to bf16 (to nearest even, `half`'s bits), laid out and altered as
+    /// `finish` says, each run as soon as a task has summed it: no f32 product goes out to
     /// memory (for a linear's `4096 × 1024` output, 16 MiB written, mapped afresh and read back
     /// to be rounded). Every value of `out` is written where [`gemm`] returns `Some`.
     Bf16 {
         out: &'a mut [MaybeUninit<bf16>],
-        epilogue: Option<Epilogue<'a>>,
+        finish: Finish<'a>,
     },
 }
 
@@ -142,6 +142,53 @@ impl Product<'_> {
             Self::F32(c) => c.len(),
             Self::Bf16 { out, .. } => out.len(),
         }
+    }
+}
+
+/// How a product rounded to bf16 is laid out, and what is done to it on the way.
+#[derive(Clone, Copy)]
+pub(crate) enum Finish<'a> {
+    /// In row-major order, each run passed through the epilogue once rounded (a linear adds
+    /// its bias, in bf16 as Flex does).
+    Rows(Option<Epilogue<'a>>),
+    /// A convolution's output `[images, m, positions]` from its product `[m, images ·
+    /// positions]` (the weight times the patches of images side by side): row `i`'s column
+    /// `j` at `((j / positions) · m + i) · positions + j % positions`, the row's `bias` added
+    /// to the f32 sums before they are rounded. Rounded once written to memory as f32, the
+    /// product of a conv net's first layer was 4 MiB out and back.
+    Planes {
+        positions: usize,
+        bias: Option<&'a [f32]>,
+    },
+}
+
+impl Finish<'_> {
+    /// Where the values of row `i` from column `j` go, `len` of them, for a product of `m`
+    /// rows and `n` columns: `(first column, values, first index in the output)` for each
+    /// run that lies whole in the output, in order.
+    fn runs(
+        self,
+        [m, n]: [usize; 2],
+        i: usize,
+        j: usize,
+        len: usize,
+    ) -> impl Iterator<Item = (usize, usize, usize)> {
+        let mut at = j;
+        std::iter::from_fn(move || {
+            let left = j + len - at;
+            if left == 0 {
+                return None;
+            }
+            let run = match self {
+                Finish::Rows(_) => (at, left, i * n + at),
+                Finish::Planes { positions, .. } => {
+                    let (image, p) = (at / positions, at % positions);
+                    (at, left.min(positions - p), (image * m + i) * positions + p)
+                }
+            };
+            at += run.1;
+            Some(run)
+        })
     }
 }
 
@@ -167,10 +214,10 @@ pub(crate) fn gemm(
         match (dots::applies(&a, &b), product) {
             (true, Product::F32(c)) => dots::gemm(a, b, c, parallel),
             // The kernel's products are small (m and n at most 512): through an f32 buffer.
-            (true, Product::Bf16 { out, epilogue }) => {
+            (true, Product::Bf16 { out, finish }) => {
                 let mut c = vec![0.0; m * n];
                 dots::gemm(a, b, &mut c, parallel);
-                finish_rows(&c, n, out, epilogue);
+                finish_rows(&c, n, out, finish);
             }
             (false, product) => x86::gemm(a, b, product, parallel, packed),
         }
@@ -178,12 +225,23 @@ pub(crate) fn gemm(
     Some(())
 }
 
-/// The rows of `n` sums in `sums` into `out` (as long) by [`finish_run`], a run of at most
-/// `RUN` values at a time.
-fn finish_rows(sums: &[f32], n: usize, out: &mut [MaybeUninit<bf16>], epilogue: Option<Epilogue>) {
-    for (sums, out) in sums.chunks(n.max(1)).zip(out.chunks_mut(n.max(1))) {
-        for (run, (sums, out)) in sums.chunks(RUN).zip(out.chunks_mut(RUN)).enumerate() {
-            finish_run(run * RUN, sums, out, epilogue);
+/// The product's rows of `n` sums in `sums` into `out` as `finish` lays them out, by
+/// [`finish_run`], a run of at most `RUN` values at a time.
+fn finish_rows(sums: &[f32], n: usize, out: &mut [MaybeUninit<bf16>], finish: Finish) {
+    let m = sums.len() / n.max(1);
+    for (i, row) in sums.chunks(n.max(1)).enumerate() {
+        for (column, len, at) in finish.runs([m, n], i, 0, n) {
+            for start in (0..len).step_by(RUN) {
+                let len = RUN.min(len - start);
+                let sums = &row[column + start..][..len];
+                finish_run(
+                    i,
+                    column + start,
+                    sums,
+                    &mut out[at + start..][..len],
+                    finish,
+                );
+            }
         }
     }
 }
@@ -191,20 +249,37 @@ fn finish_rows(sums: &[f32], n: usize, out: &mut [MaybeUninit<bf16>], epilogue: 
 /// The longest run [`finish_run`] takes.
 const RUN: usize = 256;
 
-/// A run of at most `RUN` sums from `column` rounded as `half` rounds, through `epilogue`,
-/// into `out` (as long), which may not be initialised yet: rounded into a buffer first, since
-/// a `&mut [bf16]` must be.
+/// A run of at most `RUN` sums of row `row` from `column`, rounded as `half` rounds and
+/// finished as `finish` says, into `out` (as long), which may not be initialised yet: rounded
+/// into a buffer first, since a `&mut [bf16]` must be.
 fn finish_run(
+    row: usize,
     column: usize,
     sums: &[f32],
     out: &mut [MaybeUninit<bf16>],
-    epilogue: Option<Epilogue>,
+    finish: Finish,
 ) {
     let mut rounded = [bf16::ZERO; RUN];
     let rounded = &mut rounded[..sums.len()];
-    bf16::round(sums, rounded);
-    if let Some(epilogue) = epilogue {
-        epilogue(column, rounded);
+    match finish {
+        Finish::Rows(epilogue) => {
+            bf16::round(sums, rounded);
+            if let Some(epilogue) = epilogue {
+                epilogue(column, rounded);
+            }
+        }
+        Finish::Planes { bias: None, .. } => bf16::round(sums, rounded),
+        Finish::Planes {
+            bias: Some(bias), ..
+        } => {
+            let mut biased = [0f32; RUN];
+            let biased = &mut biased[..sums.len()];
+            biased
+                .iter_mut()
+                .zip(sums)
+                .for_each(|(b, s)| *b = s + bias[row]);
+            bf16::round(biased, rounded);
+        }
     }
     for (out, value) in out.iter_mut().zip(rounded.iter()) {
         out.write(*value);
@@ -368,11 +443,65 @@ mod tests {
         let mut out = vec![MaybeUninit::new(bf16::NAN); len];
         let product = Product::Bf16 {
             out: &mut out,
-            epilogue,
+            finish: Finish::Rows(epilogue),
         };
         gemm(a, b, product, true, &mut Default::default()).unwrap();
         // SAFETY: every value was initialised (with NaN) before the GEMM.
         (c, out.iter().map(|v| unsafe { v.assume_init() }).collect())
+    }
+
+    #[test]
+    fn a_product_finished_as_planes_is_the_f32_product_biased_rounded_and_moved() {
+        if !available() {
+            eprintln!("skipped: this CPU has no AVX512-BF16");
+            return;
+        }
+        // `[m, k, positions, images]`: planes shorter than a task's columns, longer ones that
+        // runs cross, one plane of one position; the next to last shape takes the
+        // inner-product kernel; k = 0.
+        for [m, k, positions, images] in [
+            [16, 27, 100, 3],
+            [8, 40, 300, 2],
+            [13, 7, 1, 33],
+            [5, 9000, 3, 2],
+            [4, 0, 5, 2],
+        ] {
+            let n = positions * images;
+            let a = matrix(&values(m * k + 1, 1));
+            let b = matrix(&values(k * n + 1, 2));
+            let a = Bf16Matrix::new(&a, 0, [m, k], [k, 1]).unwrap();
+            let b = match k > 4 * m.max(n) {
+                true => Bf16Matrix::new(&b, 0, [k, n], [1, k]),
+                false => Bf16Matrix::new(&b, 0, [k, n], [n, 1]),
+            }
+            .unwrap();
+            let bias: Vec<f32> = (0..m).map(|i| i as f32 * 0.37 - 1.1).collect();
+            let mut c = vec![f32::NAN; m * n];
+            gemm(a, b, Product::F32(&mut c), true, &mut Default::default()).unwrap();
+            for bias in [None, Some(&bias[..])] {
+                let mut out = vec![MaybeUninit::new(bf16::NAN); m * n];
+                let finish = Finish::Planes { positions, bias };
+                let product = Product::Bf16 {
+                    out: &mut out,
+                    finish,
+                };
+                gemm(a, b, product, true, &mut Default::default()).unwrap();
+                for (i, row) in c.chunks(n).enumerate() {
+                    for (j, sum) in row.iter().enumerate() {
+                        let at = ((j / positions) * m + i) * positions + j % positions;
+                        let want = bf16::from_f32(sum + bias.map_or(0.0, |b| b[i]));
+                        // SAFETY: every value was initialised (with NaN) before the GEMM.
+                        let got = unsafe { out[at].assume_init() };
+                        assert_eq!(
+                            got.to_bits(),
+                            want.to_bits(),
+                            "{m}×{k}×{positions}·{images}, bias {}, row {i} column {j}",
+                            bias.is_some()
+                        );
+                    }
+                }
+            }
+        }
     }
 
     #[test]

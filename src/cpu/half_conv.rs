@@ -28,13 +28,14 @@
 //! net's training step.
 
 use std::cell::RefCell;
+use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn_backend::ops::ConvOptions;
 use half::bf16;
 
 use super::bf16_gemm::{
-    self, Bf16Matrix, Packed, Product, release_large, scratch_of, with_scratch,
+    self, Bf16Matrix, Finish, Packed, Product, release_large, scratch_of, with_scratch,
 };
 use super::half_kernels::{Half, as_half, half_buffer, in_row_tasks};
 use super::low_gemm::{Kernel, f32_gemm, parallel};
@@ -189,6 +190,26 @@ trait Patch: Copy + Default + Send + Sync + 'static {
         parallel: bool,
     ) -> Option<()>;
 
+    // A chunk's output: `weight · patches` (`[channels, images · positions]`), `bias` added
+    // to the f32 sums, each rounded once to `H` into `out` (`[images, channels, positions]`),
+    // on rayon's threads where `parallel`. By default through an f32 product in `shared`,
+    // rounded by `round_output`.
+    #[allow(clippy::too_many_arguments)]
+    fn output<H: Half>(
+        g: &Geometry,
+        weight: Operand<Self>,
+        patches: Operand<Self>,
+        bias: Option<&[f32]>,
+        out: &mut [H],
+        shared: &mut Shared,
+        parallel: bool,
+    ) -> Option<()> {
+        let product = scratch_of(&mut shared.product, weight.1[0] * patches.1[1]);
+        Self::gemm(weight, patches, product, &mut shared.packed, parallel)?;
+        round_output(g, product, bias, out);
+        Some(())
+    }
+
     // This type's buffers in the scratch.
     fn buffers(scratch: &mut Scratch) -> (&mut Buffers<Self>, &mut Shared);
 }
@@ -219,6 +240,35 @@ impl Patch for bf16 {
         let a = Bf16Matrix::new(a, 0, [m, k], a_strides)?;
         let b = Bf16Matrix::new(b, 0, [k, n], b_strides)?;
         bf16_gemm::gemm(a, b, Product::F32(c), parallel, scratch)
+    }
+
+    // Rounded as the tasks sum it (`Finish::Planes`): an f32 product was 4 MiB written and read
+    // back for a conv net's first layer.
+    fn output<H: Half>(
+        g: &Geometry,
+        (weight, [m, k], weight_strides): Operand<Self>,
+        (patches, [_, n], patch_strides): Operand<Self>,
+        bias: Option<&[f32]>,
+        out: &mut [H],
+        shared: &mut Shared,
+        parallel: bool,
+    ) -> Option<()> {
+        // bf16 patches come of bf16 images only (`from_half`).
+        let out: &mut [bf16] = match H::dtype() {
+            burn::tensor::DType::BF16 => bytemuck::cast_slice_mut(out),
+            _ => return None,
+        };
+        // SAFETY: `MaybeUninit<bf16>` has `bf16`'s layout, and the GEMM writes only
+        // initialised values through it.
+        let out = unsafe { &mut *(out as *mut [bf16] as *mut [MaybeUninit<bf16>]) };
+        let a = Bf16Matrix::new(weight, 0, [m, k], weight_strides)?;
+        let b = Bf16Matrix::new(patches, 0, [k, n], patch_strides)?;
+        let finish = Finish::Planes {
+            positions: g.positions(),
+            bias,
+        };
+        let product = Product::Bf16 { out, finish };
+        bf16_gemm::gemm(a, b, product, parallel, &mut shared.packed)
     }
 
     fn buffers(scratch: &mut Scratch) -> (&mut Buffers<Self>, &mut Shared) {
@@ -650,16 +700,15 @@ fn forward_in_chunks<H: Half, P: Patch>(
                 (first, images),
                 (&mut *patches, &mut buffers.image, &mut buffers.phases),
             )?;
-            let product = scratch_of(&mut shared.product, channels * columns);
-            P::gemm(
+            P::output(
+                g,
                 (weight, [channels, patch], [patch, 1]),
                 (patches, [patch, columns], [columns, 1]),
-                product,
-                &mut shared.packed,
+                bias,
+                &mut out_values[first * channels * positions..][..channels * columns],
+                shared,
                 parallel(channels, columns, patch),
             )?;
-            let out = &mut out_values[first * channels * positions..][..channels * columns];
-            round_output(g, product, bias, out);
         }
         scratch.release_large();
         Some(())

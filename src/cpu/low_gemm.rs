@@ -40,7 +40,7 @@ use half::bf16;
 use rayon::prelude::*;
 
 use super::bf16_gemm::{
-    self, Bf16Matrix, Epilogue, Packed, Product, SCRATCH_KEPT, release_large, scratch_of,
+    self, Bf16Matrix, Epilogue, Finish, Packed, Product, SCRATCH_KEPT, release_large, scratch_of,
     with_scratch,
 };
 use super::half_kernels::{
@@ -229,7 +229,10 @@ fn bf16_dot_rounded(
     let mut values = Vec::with_capacity(len);
     let out = &mut values.spare_capacity_mut()[..len];
     let done = bf16_dot(a, b, dims, out, |am, bm, out, threads, packed| {
-        let product = Product::Bf16 { out, epilogue };
+        let product = Product::Bf16 {
+            out,
+            finish: Finish::Rows(epilogue),
+        };
         bf16_gemm::gemm(am, bm, product, threads, packed)
     });
     // SAFETY: each matrix's GEMM wrote all its values (none failed), and the matrices cover

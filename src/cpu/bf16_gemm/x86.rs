@@ -6,7 +6,7 @@ use std::mem::MaybeUninit;
 use half::bf16;
 use rayon::prelude::*;
 
-use super::{Bf16Matrix, Epilogue, Packed, Product, RUN, finish_rows, finish_run};
+use super::{Bf16Matrix, Finish, Packed, Product, RUN, finish_rows, finish_run};
 
 /// Rows of the product one micro-kernel call computes, at most.
 const MR: usize = 12;
@@ -57,7 +57,7 @@ pub(super) unsafe fn gemm(
     if k == 0 {
         match product {
             Product::F32(c) => c.fill(0.0),
-            Product::Bf16 { out, epilogue } => finish_rows(&vec![0.0; m * n], n, out, epilogue),
+            Product::Bf16 { out, finish } => finish_rows(&vec![0.0; m * n], n, out, finish),
         }
         return;
     }
@@ -74,7 +74,7 @@ pub(super) unsafe fn gemm(
     };
     let out = match product {
         Product::F32(c) => Out::F32(CPtr(c.as_mut_ptr())),
-        Product::Bf16 { out, epilogue } => Out::Bf16(BPtr(out.as_mut_ptr()), epilogue),
+        Product::Bf16 { out, finish } => Out::Bf16(BPtr(out.as_mut_ptr()), finish),
     };
     let blocks = Blocks {
         packed_a,
@@ -363,7 +363,7 @@ unsafe impl Sync for BPtr {}
 #[derive(Clone, Copy)]
 enum Out<'a> {
     F32(CPtr),
-    Bf16(BPtr, Option<Epilogue<'a>>),
+    Bf16(BPtr, Finish<'a>),
 }
 
 #[derive(Clone, Copy)]
@@ -389,23 +389,30 @@ impl Blocks<'_> {
         match self.out {
             // SAFETY: `(i0, j0)` is inside the `m × n` product, rows `n` apart.
             Out::F32(c) => unsafe { self.sums(i0, j0, c.0.add(i0 * self.n + j0), self.n) },
-            Out::Bf16(out, epilogue) => {
+            Out::Bf16(out, finish) => {
                 // Not zeroed (16 MiB of stores for a 4096 × 1024 product): the first k block
                 // writes each sum before any is read.
                 let mut sums = [MaybeUninit::<f32>::uninit(); MC * NC];
                 // SAFETY: `sums` holds the block, rows `NC` apart.
                 unsafe { self.sums(i0, j0, sums.as_mut_ptr().cast(), NC) };
+                let shape = [self.m, self.n];
                 for r in 0..rows {
-                    // SAFETY: `sums` wrote the block's `rows × cols` values, rows `NC` apart;
-                    // row `i0 + r` of the product has `cols` values from `j0`, which only
-                    // this task writes.
-                    let (sums, out) = unsafe {
-                        (
-                            std::slice::from_raw_parts(sums.as_ptr().add(r * NC).cast(), cols),
-                            std::slice::from_raw_parts_mut(out.0.add((i0 + r) * self.n + j0), cols),
-                        )
-                    };
-                    finish_run(j0, sums, out, epilogue);
+                    for (column, len, at) in finish.runs(shape, i0 + r, j0, cols) {
+                        // SAFETY: `sums` wrote the block's `rows × cols` values, rows `NC`
+                        // apart; the run's `len` values lie in the output from `at`, where
+                        // only this task writes (`runs` maps each value of the product to
+                        // one place of its own).
+                        let (sums, out) = unsafe {
+                            (
+                                std::slice::from_raw_parts(
+                                    sums.as_ptr().add(r * NC + column - j0).cast(),
+                                    len,
+                                ),
+                                std::slice::from_raw_parts_mut(out.0.add(at), len),
+                            )
+                        };
+                        finish_run(i0 + r, column, sums, out, finish);
+                    }
                 }
             }
         }
