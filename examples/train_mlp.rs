@@ -16,7 +16,7 @@ use std::process::ExitCode;
 use burn::backend::Autodiff;
 use burn_accelerate::distributed::{ProcessState, ZeroStage};
 use burn_accelerate::train::demo::{self, DemoConfig, DemoOutcome};
-use burn_accelerate::{Accelerated, Precision};
+use burn_accelerate::{Accelerated, Precision, threads};
 use clap::{Parser, ValueEnum};
 
 /// Train an MLP classifier with Burn's SupervisedTraining and `with_accelerate`.
@@ -80,6 +80,13 @@ fn train(config: &DemoConfig, backend: BackendName) -> Result<DemoOutcome, Strin
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    // This thread, which runs the training steps, computes its share of every parallel CPU
+    // op instead of handing it to rayon's threads and sleeping (`burn_accelerate::threads`):
+    // first thing, before an op builds rayon's pool.
+    if let Err(err) = threads::use_current_thread(None) {
+        eprintln!("{err}");
+        return ExitCode::FAILURE;
+    }
     let config = DemoConfig::new()
         .with_precision(args.precision)
         .with_grad_accum(args.grad_accum as usize)
