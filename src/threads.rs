@@ -8,8 +8,10 @@
 //! thread: it computes its share of each op itself, as an OpenMP program's main thread does
 //! (PyTorch's CPU ops), and a step runs on as many threads as the pool has, not one more.
 //!
-//! On a 2-core virtual machine (AMD Zen 4), a bf16 step of the README's MLP took 0.77× as
-//! long, its f32 step 0.83×, and the conv net's fastest steps 0.88× (BENCHMARKS.md, issue 28).
+//! On a 2-core virtual machine (AMD Zen 4), a bf16 step of the small conv net took 0.90× as
+//! long, and one of the README's MLP 0.77–0.98× (the more the host is loaded, the more a
+//! wake-up costs); Burn's LSTM, whose ops are too small to run in parallel, is unchanged
+//! (BENCHMARKS.md, issue 28).
 //!
 //! It is a choice for the whole process, so the crate never makes it on its own: rayon's
 //! global pool is built once, by whichever comes first, this call or the first parallel op.

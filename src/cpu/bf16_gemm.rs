@@ -24,7 +24,8 @@
 //! the end of each k block.
 //!
 //! The product comes out as f32 sums, or rounded to bf16 as each task completes its block
-//! ([`Product::Bf16`]): a linear's output then never exists in f32 outside the cache.
+//! ([`Product::Bf16`]): a linear's output, or a convolution's laid out in its images' planes
+//! ([`Finish::Planes`]), then never exists in f32 outside the cache.
 
 use std::mem::MaybeUninit;
 

@@ -4,7 +4,8 @@
 //! of the patch matrix holds input channel `ci` at kernel offset `(kh, kw)` for every output
 //! position. Then, over a batch chunk of images side by side:
 //! - the output is `W · patches` (`W` the weight as `[out channels, ci·kh·kw]`), the bias added
-//!   to the f32 sums, rounded once;
+//!   to the f32 sums, rounded once (on the bf16 kernel as each task sums its block, sent
+//!   straight to the images' planes);
 //! - the input's gradient is `Wᵀ · grad`, its columns added back onto the input's pixels in f32
 //!   (`col2im`), rounded once; this one image by image, so that each image's product is
 //!   summed while it is in cache;
