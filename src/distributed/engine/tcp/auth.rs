@@ -98,6 +98,41 @@ where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
+    verify(reader, writer, secret).await?.prove(writer).await
+}
+
+/// A connection that proved it knows the run's secret, not yet sent this side's proof: its
+/// handshake ends, and it may send, once [`prove`](Self::prove) has sent it.
+pub(crate) struct Verified {
+    /// Who it proved to be.
+    pub(crate) hello: Hello,
+    proof: [u8; TAG],
+}
+
+impl Verified {
+    /// Sends this side's proof, ending the handshake.
+    pub(crate) async fn prove<W: AsyncWrite + Unpin>(
+        self,
+        writer: &mut W,
+    ) -> Result<Hello, String> {
+        writer
+            .write_all(&self.proof)
+            .await
+            .map_err(|e| format!("it left before the proof ({e})"))?;
+        Ok(self.hello)
+    }
+}
+
+/// The accepting side's first part: challenges the connection and checks its answer.
+pub(crate) async fn verify<R, W>(
+    reader: &mut R,
+    writer: &mut W,
+    secret: &RunSecret,
+) -> Result<Verified, String>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
     let ours = nonce()?;
     let mut challenge = [0u8; CHALLENGE_LEN];
     challenge[..4].copy_from_slice(CHALLENGE);
@@ -123,12 +158,12 @@ where
         })?;
     let proof = mac(secret, &[b"server", theirs, &ours])
         .finalize()
-        .into_bytes();
-    writer
-        .write_all(&proof)
-        .await
-        .map_err(|e| format!("it left before the proof ({e})"))?;
-    Ok(parsed)
+        .into_bytes()
+        .into();
+    Ok(Verified {
+        hello: parsed,
+        proof,
+    })
 }
 
 /// The connecting side: answers the challenge as `hello` and checks that the other side,

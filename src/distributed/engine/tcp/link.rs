@@ -157,6 +157,14 @@ pub(crate) enum DialError {
 
 type Key = (usize, Lane);
 
+// Ends the handshake of `verified`, within the handshake's time.
+async fn prove(verified: auth::Verified, writer: &mut OwnedWriteHalf) -> Result<(), String> {
+    tokio::time::timeout(HANDSHAKE_WITHIN, verified.prove(writer))
+        .await
+        .map_err(|_| format!("it did not take the proof within {HANDSHAKE_WITHIN:?}"))?
+        .map(drop)
+}
+
 /// This process's connections.
 pub(crate) struct Links {
     rank: usize,
@@ -233,12 +241,13 @@ impl Links {
     async fn accept(self: Arc<Self>, stream: tokio::net::TcpStream) -> Result<(), String> {
         let _ = stream.set_nodelay(true);
         let (mut reader, mut writer) = stream.into_split();
-        let handshake = auth::accept(&mut reader, &mut writer, &self.secret);
-        let hello = tokio::time::timeout(HANDSHAKE_WITHIN, handshake)
+        let handshake = auth::verify(&mut reader, &mut writer, &self.secret);
+        let verified = tokio::time::timeout(HANDSHAKE_WITHIN, handshake)
             .await
             .map_err(|_| {
                 format!("it did not finish the handshake within {HANDSHAKE_WITHIN:?}")
             })??;
+        let hello = verified.hello;
         let mut run = self.run.subscribe();
         let ours = tokio::time::timeout(HANDSHAKE_WITHIN, run.wait_for(Option::is_some))
             .await
@@ -257,10 +266,11 @@ impl Links {
         }
         let key = (peer, hello.lane);
         if hello.lane == CONTROL {
-            let mut table = lock(&self.incoming);
-            if table.raw.contains_key(&key) {
+            if lock(&self.incoming).raw.contains_key(&key) {
                 return Err(format!("rank {peer} connected twice on the control lane"));
             }
+            prove(verified, &mut writer).await?;
+            let mut table = lock(&self.incoming);
             table.raw.insert(key, (reader, writer));
             drop(table);
             self.arrived.notify_waiters();
@@ -284,6 +294,16 @@ impl Links {
                 .insert(key, Arc::new(tokio::sync::Mutex::new(incoming)));
         }
         self.arrived.notify_waiters();
+        // Proved only once the connection is in the table: the peer may send on it, and then
+        // exit, as soon as it has the proof. Proved first, a peer that sent its last message
+        // and exited could end its other connections before this one was in the table, and
+        // a `recv` waiting for this one took the peer for gone before its message was read
+        // (a 4-process test under load).
+        if let Err(why) = prove(verified, &mut writer).await {
+            lock(&self.incoming).gone.insert(peer, ReadError::Closed);
+            self.arrived.notify_waiters();
+            return Err(why);
+        }
         let end = read_pieces(reader, sender).await;
         drop(writer);
         if let Some(end) = end {
