@@ -52,6 +52,11 @@ impl<LC: LearningComponentsTypes> OptimizerTap<LC> {
     }
 }
 
+// What the tap's checkpointers say when asked to restore: they keep nothing to restore.
+fn keeps_no(epoch: usize) -> CheckpointerError {
+    CheckpointerError::Unknown(format!("the optimizer tap keeps no epoch {epoch}"))
+}
+
 // Hands each record saved to it over the channel.
 struct Hand<R>(Mutex<Sender<R>>);
 
@@ -68,9 +73,7 @@ impl<R: Record<B>, B: Backend> Checkpointer<R, B> for Hand<R> {
     }
 
     fn restore(&self, epoch: usize, _device: &B::Device) -> Result<R, CheckpointerError> {
-        Err(CheckpointerError::Unknown(format!(
-            "the optimizer tap keeps no epoch {epoch}"
-        )))
+        Err(keeps_no(epoch))
     }
 }
 
@@ -87,9 +90,7 @@ impl<R: Record<B>, B: Backend> Checkpointer<R, B> for Discard {
     }
 
     fn restore(&self, epoch: usize, _device: &B::Device) -> Result<R, CheckpointerError> {
-        Err(CheckpointerError::Unknown(format!(
-            "the optimizer tap keeps no epoch {epoch}"
-        )))
+        Err(keeps_no(epoch))
     }
 }
 
