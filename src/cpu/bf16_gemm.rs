@@ -31,7 +31,7 @@ use std::mem::MaybeUninit;
 
 use half::bf16;
 
-use super::half_kernels::Half;
+use super::half_kernels::round_bf16_into;
 
 #[cfg(target_arch = "x86_64")]
 mod dots;
@@ -251,8 +251,7 @@ fn finish_rows(sums: &[f32], n: usize, out: &mut [MaybeUninit<bf16>], finish: Fi
 const RUN: usize = 256;
 
 /// A run of at most `RUN` sums of row `row` from `column`, rounded as `half` rounds and
-/// finished as `finish` says, into `out` (as long), which may not be initialised yet: rounded
-/// into a buffer first, since a `&mut [bf16]` must be.
+/// finished as `finish` says, into `out` (as long), which may not be initialised yet.
 fn finish_run(
     row: usize,
     column: usize,
@@ -260,16 +259,15 @@ fn finish_run(
     out: &mut [MaybeUninit<bf16>],
     finish: Finish,
 ) {
-    let mut rounded = [bf16::ZERO; RUN];
-    let rounded = &mut rounded[..sums.len()];
     match finish {
         Finish::Rows(epilogue) => {
-            bf16::round(sums, rounded);
+            round_bf16_into(sums, out);
             if let Some(epilogue) = epilogue {
-                epilogue(column, rounded);
+                // SAFETY: `round_bf16_into` wrote every value of `out`.
+                epilogue(column, unsafe { &mut *(out as *mut [_] as *mut [bf16]) });
             }
         }
-        Finish::Planes { bias: None, .. } => bf16::round(sums, rounded),
+        Finish::Planes { bias: None, .. } => round_bf16_into(sums, out),
         Finish::Planes {
             bias: Some(bias), ..
         } => {
@@ -279,11 +277,8 @@ fn finish_run(
                 .iter_mut()
                 .zip(sums)
                 .for_each(|(b, s)| *b = s + bias[row]);
-            bf16::round(biased, rounded);
+            round_bf16_into(biased, out);
         }
-    }
-    for (out, value) in out.iter_mut().zip(rounded.iter()) {
-        out.write(*value);
     }
 }
 
