@@ -17,6 +17,10 @@
 //! global pool is built once, by whichever comes first, this call or the first parallel op.
 //!
 //! What it changes beyond speed:
+//! - Call it on the thread that runs the training steps. `with_accelerate` and Burn's
+//!   single-device training run them on the thread that calls `fit`; Burn's multi-device
+//!   strategies run each device's steps on a thread of its own, and there the call would only
+//!   take a thread from their ops.
 //! - The calling thread runs pool jobs only while it is inside a parallel op itself (rayon
 //!   steals no work for it otherwise). Parallel work that other threads start while it runs
 //!   serial code is shared among the other threads of the pool.
