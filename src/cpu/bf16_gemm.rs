@@ -144,6 +144,18 @@ impl Product<'_> {
             Self::Bf16 { out, .. } => out.len(),
         }
     }
+
+    // Whether its layout holds an `m × n` product: planes of `positions` values that the
+    // columns fill whole, and a bias value per row.
+    fn fits(&self, m: usize, n: usize) -> bool {
+        match self {
+            Self::Bf16 {
+                finish: Finish::Planes { positions, bias },
+                ..
+            } => *positions > 0 && n % positions == 0 && bias.is_none_or(|b| b.len() >= m),
+            _ => true,
+        }
+    }
 }
 
 /// How a product rounded to bf16 is laid out, and what is done to it on the way.
@@ -205,7 +217,7 @@ pub(crate) fn gemm(
     packed: &mut Packed,
 ) -> Option<()> {
     let (m, k, n) = (a.rows, a.cols, b.cols);
-    if !available() || b.rows != k || product.len() != m * n {
+    if !available() || b.rows != k || product.len() != m * n || !product.fits(m, n) {
         return None;
     }
     #[cfg(target_arch = "x86_64")]
@@ -622,5 +634,24 @@ mod tests {
             )
             .is_none()
         );
+        // A 3 × 3 product in planes its columns do not fill, in none at all, or with too
+        // short a bias; the last, whole planes, is taken where the CPU runs the kernel.
+        let b = a.transposed();
+        let mut out = [MaybeUninit::new(bf16::ZERO); 9];
+        let one = [1.0];
+        for (positions, bias, taken) in [
+            (2, None, false),
+            (0, None, false),
+            (3, Some(&one[..]), false),
+            (3, None, available()),
+        ] {
+            let finish = Finish::Planes { positions, bias };
+            let product = Product::Bf16 {
+                out: &mut out,
+                finish,
+            };
+            let done = gemm(b, a, product, false, packed).is_some();
+            assert_eq!(done, taken, "{positions} {bias:?}");
+        }
     }
 }
