@@ -152,7 +152,9 @@ impl Product<'_> {
             Self::Bf16 {
                 finish: Finish::Planes { positions, bias },
                 ..
-            } => *positions > 0 && n % positions == 0 && bias.is_none_or(|b| b.len() >= m),
+            } => {
+                *positions > 0 && n.is_multiple_of(*positions) && bias.is_none_or(|b| b.len() >= m)
+            }
             _ => true,
         }
     }
