@@ -370,15 +370,16 @@ mod tests {
     }
 
     // Shapes with edges on every side: a row panel, a column panel and a k block each partly
-    // filled, an odd k, one that spans several k blocks and tasks, and products of 8-row
-    // tiles. The last three have k long enough for the inner-product kernel where both
-    // operands run along it: a group of rows and of columns partly filled, k shorter than one
-    // vector, several k blocks with a partial vector at the end.
-    const SHAPES: [[usize; 3]; 10] = [
+    // filled, an odd k, one that spans several tasks, one that spans several k blocks, and
+    // products of 8-row tiles. The last three have k long enough for the inner-product kernel
+    // where both operands run along it: a group of rows and of columns partly filled, k
+    // shorter than one vector, several k blocks with a partial vector at the end.
+    const SHAPES: [[usize; 3]; 11] = [
         [1, 1, 1],
         [13, 7, 33],
         [12, 256, 32],
         [50, 301, 300],
+        [20, 1101, 70],
         // 8-row tiles: one task's rows, and two tasks'.
         [32, 29, 70],
         [64, 300, 40],
