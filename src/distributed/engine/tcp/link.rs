@@ -266,11 +266,13 @@ impl Links {
         }
         let key = (peer, hello.lane);
         if hello.lane == CONTROL {
-            if lock(&self.incoming).raw.contains_key(&key) {
-                return Err(format!("rank {peer} connected twice on the control lane"));
-            }
+            // The control lane's halves go into the table whole, so it is proved first; its
+            // waiter (`take_raw`) does not give up on a peer that is gone.
             prove(verified, &mut writer).await?;
             let mut table = lock(&self.incoming);
+            if table.raw.contains_key(&key) {
+                return Err(format!("rank {peer} connected twice on the control lane"));
+            }
             table.raw.insert(key, (reader, writer));
             drop(table);
             self.arrived.notify_waiters();
