@@ -327,7 +327,7 @@ pub(crate) fn half_buffer(len: usize) -> Vec<u16> {
 /// tasks up, so that on two cores the conversions autocast adds around a GEMM take half the
 /// time the GEMM's threads would wait for them. Every value is computed alone, so the bits
 /// do not depend on the split.
-const TASK: usize = 1 << 16;
+pub(crate) const TASK: usize = 1 << 16;
 
 /// `f(start, chunk)` for the chunks of `TASK` values of `values` (`start` the chunk's first
 /// index), on rayon's threads where there are several chunks and several threads

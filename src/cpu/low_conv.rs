@@ -38,7 +38,7 @@ use rayon::prelude::*;
 
 use super::fast_cast::convert;
 use super::half_conv::{self, Geometry};
-use super::half_kernels::{Half, with_half};
+use super::half_kernels::{Half, TASK, with_half};
 use super::low_gemm::Kernel;
 use super::{Route, several_threads};
 
@@ -121,7 +121,8 @@ fn bias_grad(grad: &FlexTensor, route: Route) -> FlexTensor {
     let sizes = [shape[0], shape[1], shape[2] * shape[3]];
     let bytes = with_half!(dtype, H => {
         let values: &[H] = grad.storage();
-        let parallel = values.len() > PARALLEL_VALUES && several_threads();
+        // On threads from two tasks' worth up, as the elementwise kernels.
+        let parallel = values.len() > TASK && several_threads();
         let sums = channel_sums(values, sizes, route, parallel);
         let mut out = vec![H::default(); sums.len()];
         H::round(&sums, &mut out);
@@ -159,9 +160,6 @@ fn channel_sums<H: Half>(
         }
     }
 }
-
-// Values of an output gradient from which its bias's gradient is summed on several threads.
-const PARALLEL_VALUES: usize = 1 << 16;
 
 // The sum of `values` in 16 running sums (one vector's worth), then across them.
 fn sum_in_lanes(values: &[f32]) -> f32 {
