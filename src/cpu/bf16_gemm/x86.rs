@@ -35,9 +35,11 @@ fn tile_rows(m: usize) -> usize {
 /// L1 instead (the tiles' A panels then coming from L2), a 4096 × 1024 × 1024 GEMM ran at
 /// 380 GFLOP/s on 2 cores against 405–421 so.
 const KC: usize = 256;
+/// Row tiles per parallel task.
+const TILES: usize = 4;
 /// Rows of the product per parallel task, at most (4 A panels, 48 KiB of packed A per k
-/// block): 4 tiles high.
-const MC: usize = 4 * MR;
+/// block).
+const MC: usize = TILES * MR;
 /// Columns of the product per parallel task (8 B panels).
 const NC: usize = 8 * NR;
 // A task's rows of a rounded product are finished a run at a time.
@@ -88,7 +90,7 @@ pub(super) unsafe fn gemm(
         pairs,
         mr,
     };
-    let mc = 4 * mr;
+    let mc = blocks.rows();
     let (row_blocks, col_blocks) = (m.div_ceil(mc), n.div_ceil(NC));
     let task = |t: usize| {
         // SAFETY: the CPU has the kernel's features (the caller's promise), and tasks own
@@ -382,13 +384,18 @@ struct Blocks<'a> {
 }
 
 impl Blocks<'_> {
+    // Rows of the product per task: `TILES` tiles of `mr` rows (`MC` at most).
+    fn rows(&self) -> usize {
+        TILES * self.mr
+    }
+
     // The `MC × NC` block of the product at row `i0` and column `j0`: summed in place in an
     // f32 product, or in a buffer of the task's own and then finished row by row.
     //
     // SAFETY: the CPU has AVX512-F and AVX512-BF16; no other thread writes this block.
     #[target_feature(enable = "avx512f,avx512bf16")]
     unsafe fn block(&self, i0: usize, j0: usize) {
-        let (rows, cols) = ((4 * self.mr).min(self.m - i0), NC.min(self.n - j0));
+        let (rows, cols) = (self.rows().min(self.m - i0), NC.min(self.n - j0));
         match self.out {
             // SAFETY: `(i0, j0)` is inside the `m × n` product, rows `n` apart.
             Out::F32(c) => unsafe { self.sums(i0, j0, c.0.add(i0 * self.n + j0), self.n) },
@@ -428,7 +435,10 @@ impl Blocks<'_> {
     #[target_feature(enable = "avx512f,avx512bf16")]
     unsafe fn sums(&self, i0: usize, j0: usize, block: *mut f32, ld: usize) {
         let mr = self.mr;
-        let (rows, cols) = ((i0..(i0 + 4 * mr).min(self.m)), (j0..(j0 + NC).min(self.n)));
+        let (rows, cols) = (
+            (i0..(i0 + self.rows()).min(self.m)),
+            (j0..(j0 + NC).min(self.n)),
+        );
         // k in blocks of at most `KC` pairs, as even as they go: a short last block (16 pairs
         // of a conv net's 144) paid a load and a store of every sum for few products.
         let block_pairs = self.pairs.div_ceil(self.pairs.div_ceil(KC));
