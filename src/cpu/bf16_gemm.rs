@@ -17,11 +17,11 @@
 //! k-pair interleaved panels, the product computed in `MR × NR` tiles held in registers (12 or
 //! 8 rows, whichever wastes less on the product's rows), the k dimension in blocks of at most
 //! `KC` pairs so that a tile's A panel stays in L1 while B's panels stream past it, and tiles
-//! of `C` shared among threads by blocks of `MC × NC`. Where k is long and runs contiguously in both operands (a
-//! convolution's weight gradient: k is every output position of a chunk of images) packing
-//! costs more than it saves, and an inner-product kernel (`dots`) takes the product: each
-//! value a dot product of an A row and a B column as they lie, in f32 lanes summed across at
-//! the end of each k block.
+//! of `C` shared among threads by blocks of `MC × NC`. Where k is long and runs contiguously
+//! in both operands (a convolution's weight gradient: k is every output position of a chunk
+//! of images) packing costs more than it saves, and an inner-product kernel (`dots`) takes
+//! the product: each value a dot product of an A row and a B column as they lie, in f32
+//! lanes summed across at the end of each k block.
 //!
 //! The product comes out as f32 sums, or rounded to bf16 as each task completes its block
 //! ([`Product::Bf16`]): a linear's output, or a convolution's laid out in its images' planes
