@@ -12,6 +12,7 @@
 //! cargo run --release --example autocast_ab -- --rounds 15 --model conv
 //! cargo run --release --example autocast_ab -- --rounds 31 --model lstm --hidden 64
 //! cargo run --release --example autocast_ab -- --rounds 15 --use-current-thread
+//! cargo run --release --example autocast_ab -- --rounds 15 --model conv --pin-threads
 //! ```
 //!
 //! Printed: each variant's median and fastest step time and their ratios to f32's (below 1.0
@@ -74,6 +75,10 @@ struct Args {
     /// threads and waiting.
     #[arg(long)]
     use_current_thread: bool,
+    /// As `--use-current-thread`, with each of the pool's threads pinned to a CPU of its own
+    /// (`threads::StepThreadsConfig::pin`).
+    #[arg(long)]
+    pin_threads: bool,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -296,7 +301,16 @@ fn median(mut times: Vec<Duration>) -> Duration {
 
 fn main() {
     let args = Args::parse();
-    if args.use_current_thread {
+    if args.pin_threads {
+        let pinned = threads::StepThreadsConfig::new().with_pin(true).install();
+        match pinned {
+            Ok(pool) => eprintln!("{} threads pinned to CPUs {:?}", pool.count(), pool.cpus()),
+            Err(error) => {
+                eprintln!("{error}");
+                std::process::exit(2);
+            }
+        }
+    } else if args.use_current_thread {
         threads::use_current_thread(None).expect("no op has run yet");
     }
     if args.widened {

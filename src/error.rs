@@ -110,6 +110,16 @@ pub enum AccelerateError {
         reason: String,
     },
 
+    /// The step's threads could not each be pinned to a CPU of their own
+    /// ([`threads::StepThreadsConfig::pin`](crate::threads::StepThreadsConfig::pin)).
+    #[error("cannot pin the step's threads to CPUs: {reason}; {fix}")]
+    ThreadPinning {
+        /// What stood in the way.
+        reason: String,
+        /// What to change.
+        fix: String,
+    },
+
     /// Saved state that does not fit the object it is loaded into.
     #[error(
         "cannot restore {what}: the checkpoint was saved with {saved}, this accelerator has \

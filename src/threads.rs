@@ -30,6 +30,17 @@
 //! - The numbers do not change: the crate's kernels and Flex's split work so that each value
 //!   is computed the same way whichever thread computes it.
 //!
+//! [`StepThreadsConfig`] can also pin each of the pool's threads to a CPU of its own
+//! (`pin: true`). Unpinned, the kernel may put two of them on one core for a while and leave
+//! the other core idle: it decides where to run a thread when it wakes, and a step wakes its
+//! threads tens of times. On the shared 2-core VM of BENCHMARKS.md, the conv net's median bf16
+//! step went from 6.0–10.5 ms to 5.9–6.1 ms over four runs pinned. Pinning suits a machine the
+//! run has to itself: pinned threads cannot move away from another program's busy CPU. Under a
+//! launcher, the processes on one machine split its CPUs between them by `LOCAL_RANK` and
+//! `LOCAL_WORLD_SIZE` (or MPI's and Slurm's equivalents), whole cores each where there are
+//! enough, and each process's threads take one hardware thread per core before any core's
+//! second; a process restricted by `taskset` or a cpuset splits only the CPUs it may use.
+//!
 //! ```no_run
 //! fn main() -> Result<(), burn_accelerate::AccelerateError> {
 //!     // First thing, before any op runs on Flex; `None`: RAYON_NUM_THREADS, else one
@@ -39,12 +50,207 @@
 //!     Ok(())
 //! }
 //! ```
+//!
+//! Pinned, reading where the threads went:
+//!
+//! ```no_run
+//! use burn_accelerate::threads::StepThreadsConfig;
+//!
+//! fn main() -> Result<(), burn_accelerate::AccelerateError> {
+//!     let threads = StepThreadsConfig::new().with_pin(true).install()?;
+//!     println!("{} threads on CPUs {:?}", threads.count(), threads.cpus());
+//!     Ok(())
+//! }
+//! ```
+
+mod affinity;
+mod cores;
+
+use std::sync::mpsc;
+use std::time::Duration;
+
+use burn::config::Config;
 
 use crate::AccelerateError;
+use crate::distributed::ProcessState;
+use cores::ShareError;
+
+/// How long the pool's threads may take to start and pin themselves.
+const START_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The pool the training step computes on: its size, and whether each thread is pinned to a CPU
+/// of its own. [`install`](Self::install) builds it, with the calling thread as its first
+/// thread; see the [module](self) for what that changes.
+#[derive(Config, Debug, PartialEq, Eq)]
+pub struct StepThreadsConfig {
+    /// Threads in all, the calling one included. `None`: `RAYON_NUM_THREADS` where set, else
+    /// one per CPU of this process's share when pinned, one per logical CPU when not.
+    pub threads: Option<usize>,
+    /// Pin each thread to a CPU of its own, from this process's share of the machine (Linux).
+    #[config(default = false)]
+    pub pin: bool,
+}
+
+/// The pool [`StepThreadsConfig::install`] built.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepThreads {
+    count: usize,
+    cpus: Option<Vec<usize>>,
+}
+
+impl StepThreads {
+    /// Its threads, the calling one included.
+    pub fn count(&self) -> usize {
+        self.count
+    }
+
+    /// The CPU each thread is pinned to, the calling thread's first; `None` when unpinned.
+    pub fn cpus(&self) -> Option<&[usize]> {
+        self.cpus.as_deref()
+    }
+}
+
+impl StepThreadsConfig {
+    /// Builds rayon's global pool with the calling thread as its first thread, pinning each
+    /// thread first where asked.
+    ///
+    /// # Errors
+    ///
+    /// - [`AccelerateError::InvalidConfig`] for `threads: Some(0)`.
+    /// - [`AccelerateError::ThreadPool`] where the global pool exists already: a parallel op
+    ///   ran first (in this thread or another), or this was called before.
+    /// - [`AccelerateError::ThreadPinning`] when pinning, for more threads than CPUs in this
+    ///   process's share, more processes on the machine than CPUs, or a system that refuses
+    ///   (or, off Linux, lacks) thread affinity.
+    /// - [`AccelerateError::Distributed`] when pinning under a launcher whose variables
+    ///   (`LOCAL_RANK`, ...) do not make sense.
+    pub fn install(&self) -> Result<StepThreads, AccelerateError> {
+        if self.threads == Some(0) {
+            return Err(AccelerateError::InvalidConfig {
+                field: "threads",
+                value: "0".into(),
+                fix: "give at least 1 (the calling thread), or None for rayon's default",
+            });
+        }
+        let builder = rayon::ThreadPoolBuilder::new().use_current_thread();
+        if !self.pin {
+            builder
+                .num_threads(self.threads.unwrap_or(0))
+                .build_global()
+                .map_err(pool_error)?;
+            return Ok(StepThreads {
+                count: rayon::current_num_threads(),
+                cpus: None,
+            });
+        }
+        let cpus = self.pinned_cpus()?;
+        build_pinned(builder, &cpus)?;
+        Ok(StepThreads {
+            count: cpus.len(),
+            cpus: Some(cpus),
+        })
+    }
+
+    // Each thread's CPU: this process's share of the CPUs it may run on, one per thread.
+    fn pinned_cpus(&self) -> Result<Vec<usize>, AccelerateError> {
+        let process = ProcessState::from_env()?;
+        let (index, count) = (process.local_process_index(), process.local_num_processes());
+        let cpus = affinity::allowed_cpus().map_err(|reason| unpinnable(reason, no_pin()))?;
+        let share = cores::process_share(&cpus, index, count)
+            .map_err(|error| explain_share(error, index, count, "-"))?;
+        let threads = self
+            .threads
+            .map(|threads| (threads, "the config's `threads`"))
+            .or_else(|| rayon_num_threads().map(|threads| (threads, "RAYON_NUM_THREADS")));
+        match threads {
+            None => Ok(share),
+            Some((threads, asked_by)) => cores::thread_cpus(&share, threads)
+                .map_err(|error| explain_share(error, index, count, asked_by)),
+        }
+    }
+}
+
+// Pins the calling thread, builds the pool (whose threads pin themselves as they start), and
+// waits for every thread to say it is pinned.
+fn build_pinned(builder: rayon::ThreadPoolBuilder, cpus: &[usize]) -> Result<(), AccelerateError> {
+    let unpinned = |reason| unpinnable(reason, no_pin());
+    let original = affinity::current_mask().map_err(unpinned)?;
+    affinity::pin_current(cpus[0]).map_err(unpinned)?;
+    let (sender, started) = mpsc::channel();
+    let worker_cpus = cpus.to_vec();
+    let built = builder
+        .num_threads(cpus.len())
+        .start_handler(move |index| {
+            // The receiver is gone only after install returned an error for an earlier thread.
+            let _ = sender.send((index, affinity::pin_current(worker_cpus[index])));
+        })
+        .build_global();
+    if let Err(error) = built {
+        // Nothing was built: the calling thread runs where it ran before.
+        let _ = affinity::restore(&original);
+        return Err(pool_error(error));
+    }
+    for _ in 1..cpus.len() {
+        match started.recv_timeout(START_TIMEOUT) {
+            Ok((_, Ok(()))) => {}
+            Ok((index, Err(reason))) => {
+                return Err(unpinned(format!("thread {index} of the pool: {reason}")));
+            }
+            Err(_) => {
+                return Err(unpinned(format!(
+                    "the pool's threads did not all start within {START_TIMEOUT:?}"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+// `asked_by`: where a thread count that does not fit came from.
+fn explain_share(error: ShareError, index: usize, count: usize, asked_by: &str) -> AccelerateError {
+    match error {
+        ShareError::TooManyProcesses { processes, cpus } => unpinnable(
+            format!("{processes} processes on this machine share the {cpus} CPUs it may run on"),
+            format!("run at most {cpus} processes per machine, or {}", no_pin()),
+        ),
+        ShareError::TooManyThreads { threads, cpus } => unpinnable(
+            format!(
+                "{threads} threads asked for (by {asked_by}) and {cpus} CPUs in this \
+                 process's share (local process {index} of {count})"
+            ),
+            format!("ask for at most {cpus} threads, or {}", no_pin()),
+        ),
+    }
+}
+
+// Rayon's own reading of RAYON_NUM_THREADS: a positive count, anything else ignored.
+fn rayon_num_threads() -> Option<usize> {
+    std::env::var("RAYON_NUM_THREADS")
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+        .filter(|&threads| threads > 0)
+}
+
+fn no_pin() -> String {
+    "leave `pin` off".into()
+}
+
+fn unpinnable(reason: String, fix: String) -> AccelerateError {
+    AccelerateError::ThreadPinning { reason, fix }
+}
+
+fn pool_error(error: rayon::ThreadPoolBuildError) -> AccelerateError {
+    AccelerateError::ThreadPool {
+        reason: error.to_string(),
+    }
+}
 
 /// Makes the calling thread the first thread of rayon's global pool, with `threads` in all,
 /// this one included (`None`: rayon's default, `RAYON_NUM_THREADS` where set, else one per
-/// logical CPU). See the [module](self) for what it changes.
+/// logical CPU), unpinned. See the [module](self) for what it changes, and
+/// [`StepThreadsConfig`] to pin the threads too.
 ///
 /// # Errors
 ///
@@ -52,18 +258,10 @@ use crate::AccelerateError;
 /// - [`AccelerateError::ThreadPool`] where the global pool exists already: a parallel op ran
 ///   first (in this thread or another), or this was called before.
 pub fn use_current_thread(threads: Option<usize>) -> Result<(), AccelerateError> {
-    if threads == Some(0) {
-        return Err(AccelerateError::InvalidConfig {
-            field: "threads",
-            value: "0".into(),
-            fix: "give at least 1 (the calling thread), or None for rayon's default",
-        });
+    StepThreadsConfig {
+        threads,
+        pin: false,
     }
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads.unwrap_or(0))
-        .use_current_thread()
-        .build_global()
-        .map_err(|error| AccelerateError::ThreadPool {
-            reason: error.to_string(),
-        })
+    .install()
+    .map(|_| ())
 }

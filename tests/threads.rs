@@ -101,4 +101,27 @@ fn the_calling_thread_computes_in_the_pool_with_the_same_bits() {
         message.contains("use_current_thread") && message.contains("before any op runs"),
         "{message}"
     );
+
+    // Pinning once the pool exists: refused, and the calling thread, pinned for the attempt,
+    // runs where it ran before.
+    #[cfg(target_os = "linux")]
+    {
+        let mask = || {
+            let set = nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(0)).unwrap();
+            (0..nix::sched::CpuSet::count())
+                .filter(|&cpu| set.is_set(cpu).unwrap_or(false))
+                .collect::<Vec<_>>()
+        };
+        let before = mask();
+        let pinned = threads::StepThreadsConfig::new()
+            .with_threads(Some(1))
+            .with_pin(true)
+            .install()
+            .unwrap_err();
+        assert!(
+            matches!(pinned, AccelerateError::ThreadPool { .. }),
+            "{pinned}"
+        );
+        assert_eq!(mask(), before);
+    }
 }
