@@ -73,7 +73,7 @@ use burn::config::Config;
 
 use crate::AccelerateError;
 use crate::distributed::ProcessState;
-use cores::ShareError;
+use cores::{TooManyProcesses, TooManyThreads};
 
 /// How long the pool's threads may take to start and pin themselves.
 const START_TIMEOUT: Duration = Duration::from_secs(10);
@@ -156,17 +156,33 @@ impl StepThreadsConfig {
         let process = ProcessState::from_env()?;
         let (index, count) = (process.local_process_index(), process.local_num_processes());
         let cpus = affinity::allowed_cpus().map_err(|reason| unpinnable(reason, no_pin()))?;
-        let share = cores::process_share(&cpus, index, count)
-            .map_err(|error| explain_share(error, index, count, "-"))?;
+        let share = cores::process_share(&cpus, index, count).map_err(
+            |TooManyProcesses { processes, cpus }| {
+                unpinnable(
+                    format!(
+                        "{processes} processes on this machine share the {cpus} CPUs it may run \
+                         on"
+                    ),
+                    format!("run at most {cpus} processes per machine, or {}", no_pin()),
+                )
+            },
+        )?;
         let threads = self
             .threads
             .map(|threads| (threads, "the config's `threads`"))
             .or_else(|| rayon_num_threads().map(|threads| (threads, "RAYON_NUM_THREADS")));
-        match threads {
-            None => Ok(share),
-            Some((threads, asked_by)) => cores::thread_cpus(&share, threads)
-                .map_err(|error| explain_share(error, index, count, asked_by)),
-        }
+        let Some((threads, asked_by)) = threads else {
+            return Ok(share);
+        };
+        cores::thread_cpus(&share, threads).map_err(|TooManyThreads { threads, cpus }| {
+            unpinnable(
+                format!(
+                    "{threads} threads asked for (by {asked_by}) and {cpus} CPUs in this \
+                     process's share (local process {index} of {count})"
+                ),
+                format!("ask for at most {cpus} threads, or {}", no_pin()),
+            )
+        })
     }
 }
 
@@ -194,7 +210,10 @@ fn build_pinned(builder: rayon::ThreadPoolBuilder, cpus: &[usize]) -> Result<(),
         match started.recv_timeout(START_TIMEOUT) {
             Ok((_, Ok(()))) => {}
             Ok((index, Err(reason))) => {
-                return Err(unpinned(format!("thread {index} of the pool: {reason}")));
+                return Err(unpinned(format!(
+                    "thread {index} of the pool: {reason} (the pool is built, that thread \
+                     unpinned)"
+                )));
             }
             Err(_) => {
                 return Err(unpinned(format!(
@@ -204,23 +223,6 @@ fn build_pinned(builder: rayon::ThreadPoolBuilder, cpus: &[usize]) -> Result<(),
         }
     }
     Ok(())
-}
-
-// `asked_by`: where a thread count that does not fit came from.
-fn explain_share(error: ShareError, index: usize, count: usize, asked_by: &str) -> AccelerateError {
-    match error {
-        ShareError::TooManyProcesses { processes, cpus } => unpinnable(
-            format!("{processes} processes on this machine share the {cpus} CPUs it may run on"),
-            format!("run at most {cpus} processes per machine, or {}", no_pin()),
-        ),
-        ShareError::TooManyThreads { threads, cpus } => unpinnable(
-            format!(
-                "{threads} threads asked for (by {asked_by}) and {cpus} CPUs in this \
-                 process's share (local process {index} of {count})"
-            ),
-            format!("ask for at most {cpus} threads, or {}", no_pin()),
-        ),
-    }
 }
 
 // Rayon's own reading of RAYON_NUM_THREADS: a positive count, anything else ignored.

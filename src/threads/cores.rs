@@ -20,13 +20,18 @@ pub(crate) struct Cpu {
     pub core: (usize, usize),
 }
 
-/// Why a process's threads cannot each have a CPU of their own.
+/// More processes on this machine than CPUs they may run on.
 #[derive(Debug, PartialEq, Eq)]
-pub(crate) enum ShareError {
-    /// More processes on this machine than CPUs they may run on.
-    TooManyProcesses { processes: usize, cpus: usize },
-    /// More threads asked for than CPUs in this process's share.
-    TooManyThreads { threads: usize, cpus: usize },
+pub(crate) struct TooManyProcesses {
+    pub processes: usize,
+    pub cpus: usize,
+}
+
+/// More threads asked for than CPUs in this process's share.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct TooManyThreads {
+    pub threads: usize,
+    pub cpus: usize,
 }
 
 /// The CPUs of process `local_index` of the `local_count` a launcher started on this machine,
@@ -35,7 +40,7 @@ pub(crate) fn process_share(
     cpus: &[Cpu],
     local_index: usize,
     local_count: usize,
-) -> Result<Vec<usize>, ShareError> {
+) -> Result<Vec<usize>, TooManyProcesses> {
     let mut by_core = BTreeMap::<(usize, usize), Vec<usize>>::new();
     for cpu in cpus {
         by_core.entry(cpu.core).or_default().push(cpu.id);
@@ -64,7 +69,7 @@ pub(crate) fn process_share(
         let siblings_together = cores.concat();
         Ok(siblings_together[split(siblings_together.len())].to_vec())
     } else {
-        Err(ShareError::TooManyProcesses {
+        Err(TooManyProcesses {
             processes: local_count,
             cpus: cpus.len(),
         })
@@ -72,11 +77,11 @@ pub(crate) fn process_share(
 }
 
 /// The CPU of each of `threads` threads, thread `i` on `share[i]`.
-pub(crate) fn thread_cpus(share: &[usize], threads: usize) -> Result<Vec<usize>, ShareError> {
+pub(crate) fn thread_cpus(share: &[usize], threads: usize) -> Result<Vec<usize>, TooManyThreads> {
     share
         .get(..threads)
         .map(<[usize]>::to_vec)
-        .ok_or(ShareError::TooManyThreads {
+        .ok_or(TooManyThreads {
             threads,
             cpus: share.len(),
         })
@@ -142,7 +147,7 @@ mod tests {
         assert_eq!(shares, [vec![0], vec![2], vec![1], vec![3]]);
         assert_eq!(
             process_share(&cpus, 0, 5),
-            Err(ShareError::TooManyProcesses {
+            Err(TooManyProcesses {
                 processes: 5,
                 cpus: 4
             })
@@ -174,7 +179,7 @@ mod tests {
         assert_eq!(thread_cpus(&[0, 1, 4, 5], 4), Ok(vec![0, 1, 4, 5]));
         assert_eq!(
             thread_cpus(&[2, 3], 3),
-            Err(ShareError::TooManyThreads {
+            Err(TooManyThreads {
                 threads: 3,
                 cpus: 2
             })
