@@ -5,6 +5,7 @@
 //! cargo run --release --example train_mlp -- --precision bf16 --grad-accum 2 --epochs 8 --seed 42
 //! burn-accelerate launch --num-processes 2 -- target/release/examples/train_mlp --batch-size 32
 //! burn-accelerate launch --num-processes 4 -- target/release/examples/train_mlp --zero-stage 2
+//! burn-accelerate launch --num-processes 2 -- target/release/examples/train_mlp --pin-threads
 //! ```
 //!
 //! The last line printed (by the main process only, under the launcher) is
@@ -15,8 +16,9 @@ use std::process::ExitCode;
 
 use burn::backend::Autodiff;
 use burn_accelerate::distributed::{ProcessState, ZeroStage};
+use burn_accelerate::threads::StepThreadsConfig;
 use burn_accelerate::train::demo::{self, DemoConfig, DemoOutcome};
-use burn_accelerate::{Accelerated, Precision, threads};
+use burn_accelerate::{Accelerated, Precision};
 use clap::{Parser, ValueEnum};
 
 /// Train an MLP classifier with Burn's SupervisedTraining and `with_accelerate`.
@@ -45,6 +47,10 @@ struct Args {
     /// parallel, 1 the optimizer state, 2 also the gradients.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
     zero_stage: u8,
+    /// Pin each CPU thread to a core of its own (Linux; under the launcher, the processes on
+    /// a machine split its cores): for a machine the run has to itself.
+    #[arg(long)]
+    pin_threads: bool,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -83,9 +89,19 @@ fn main() -> ExitCode {
     // This thread, which runs the training steps, computes its share of every parallel CPU
     // op instead of handing it to rayon's threads and sleeping (`burn_accelerate::threads`):
     // first thing, before an op builds rayon's pool.
-    if let Err(err) = threads::use_current_thread(None) {
-        eprintln!("{err}");
-        return ExitCode::FAILURE;
+    let pool = StepThreadsConfig::new()
+        .with_pin(args.pin_threads)
+        .install();
+    match pool {
+        Ok(pool) => {
+            if let Some(cpus) = pool.cpus() {
+                eprintln!("{} CPU threads pinned to CPUs {cpus:?}", pool.count());
+            }
+        }
+        Err(err) => {
+            eprintln!("{err}");
+            return ExitCode::FAILURE;
+        }
     }
     let config = DemoConfig::new()
         .with_precision(args.precision)
