@@ -34,12 +34,22 @@
 //! (`pin: true`). Unpinned, the kernel may put two of them on one core for a while and leave
 //! the other core idle: it decides where to run a thread when it wakes, and a step wakes its
 //! threads tens of times. On the shared 2-core VM of BENCHMARKS.md, the conv net's median bf16
-//! step went from 6.0–10.5 ms to 5.9–6.1 ms over four runs pinned. Pinning suits a machine the
-//! run has to itself: pinned threads cannot move away from another program's busy CPU. Under a
-//! launcher, the processes on one machine split its CPUs between them by `LOCAL_RANK` and
-//! `LOCAL_WORLD_SIZE` (or MPI's and Slurm's equivalents), whole cores each where there are
-//! enough, and each process's threads take one hardware thread per core before any core's
-//! second; a process restricted by `taskset` or a cpuset splits only the CPUs it may use.
+//! step went from 6.0–10.5 ms to 5.8–7.1 ms pinned (ten runs each way). Pinning suits a
+//! machine the run has to itself: pinned threads cannot move away from another program's busy
+//! CPU.
+//!
+//! Which CPUs: those the process may run on (its mask: `taskset`, a container's cpuset), and
+//! of those its share.
+//! - Under `burn-accelerate launch` and torchrun, which leave every process free to run on
+//!   every CPU, the processes on a machine split them by `LOCAL_RANK` and `LOCAL_WORLD_SIZE`,
+//!   whole cores each where there are enough.
+//! - Under `mpirun` and `srun`, the launcher binds each process to CPUs of its own, and its
+//!   mask is its share, as OpenMP programs under them take it. Ask them to bind enough CPUs
+//!   for the threads: `mpirun --map-by slot:PE=<threads> --bind-to core`, `srun
+//!   --cpus-per-task=<threads> --cpu-bind=cores`. Unbound (`--bind-to none`), each process
+//!   would pin to every CPU of the machine, as the other processes do.
+//! - Within its share, a process's threads take one hardware thread of every core before any
+//!   core's second.
 //!
 //! ```no_run
 //! fn main() -> Result<(), burn_accelerate::AccelerateError> {
@@ -154,7 +164,13 @@ impl StepThreadsConfig {
     // Each thread's CPU: this process's share of the CPUs it may run on, one per thread.
     fn pinned_cpus(&self) -> Result<Vec<usize>, AccelerateError> {
         let process = ProcessState::from_env()?;
-        let (index, count) = (process.local_process_index(), process.local_num_processes());
+        // mpirun and srun give each process CPUs of its own (as OpenMP programs under them
+        // expect): its mask is its share. Under torchrun and ours every process may run on
+        // every CPU, so the processes split them.
+        let (index, count) = match process.bound_by_launcher() {
+            true => (0, 1),
+            false => (process.local_process_index(), process.local_num_processes()),
+        };
         let cpus = affinity::allowed_cpus().map_err(|reason| unpinnable(reason, no_pin()))?;
         let share = cores::process_share(&cpus, index, count).map_err(
             |TooManyProcesses { processes, cpus }| {

@@ -42,6 +42,9 @@ pub struct ProcessState {
     rendezvous: Option<Rendezvous>,
     /// The MPI launch whose MPI carries the collectives (the variable that shows it).
     mpi: Option<&'static str>,
+    /// Started by `mpirun` or `srun`, which bind each process to CPUs of its own (by default,
+    /// or when asked), rather than by torchrun or this crate's launcher, which bind none.
+    bound_by_launcher: bool,
 }
 
 /// Where the processes of a run meet, and how long they wait for each other.
@@ -78,6 +81,7 @@ impl ProcessState {
             machine_rank: 0,
             rendezvous: None,
             mpi: None,
+            bound_by_launcher: false,
         }
     }
 
@@ -216,6 +220,7 @@ impl ProcessState {
             local_rank: local_rank_name,
             local_world_size: local_world_name,
             machine_rank: machine_name,
+            binds_processes,
         } = *names;
         let world = required(world_name)?;
         let rank = required(rank_name)?;
@@ -291,6 +296,7 @@ impl ProcessState {
             machine_rank,
             rendezvous,
             mpi: None,
+            bound_by_launcher: binds_processes,
         })
     }
 
@@ -450,6 +456,14 @@ impl ProcessState {
     pub fn over_mpi(&self) -> bool {
         self.mpi.is_some()
     }
+
+    /// Whether the launcher (`mpirun`, `srun`) binds each process to CPUs of its own, so that
+    /// a process's CPU mask is its share of the machine; torchrun and this crate's launcher
+    /// bind none, and their processes share the machine's.
+    #[cfg_attr(not(feature = "flex"), allow(dead_code))] // Read by `threads` only.
+    pub(crate) fn bound_by_launcher(&self) -> bool {
+        self.bound_by_launcher
+    }
 }
 
 /// The variables a launcher gives a process's place in.
@@ -461,6 +475,8 @@ struct Names {
     local_world_size: &'static str,
     /// `None` where the launcher does not name it (it follows from the ranks).
     machine_rank: Option<&'static str>,
+    /// Whether the launcher binds each process to CPUs of its own.
+    binds_processes: bool,
 }
 
 /// torchrun's (and `burn-accelerate launch`'s, and Accelerate's).
@@ -470,6 +486,7 @@ const TORCHRUN: Names = Names {
     local_rank: env::LOCAL_RANK,
     local_world_size: env::LOCAL_WORLD_SIZE,
     machine_rank: Some(env::GROUP_RANK),
+    binds_processes: false,
 };
 
 /// Open MPI's, under its `mpirun`.
@@ -479,6 +496,7 @@ const OPEN_MPI: Names = Names {
     local_rank: env::OMPI_LOCAL_RANK,
     local_world_size: env::OMPI_LOCAL_SIZE,
     machine_rank: None,
+    binds_processes: true,
 };
 
 /// PMI's (MPICH's Hydra `mpirun`, Slurm with PMI), with MPICH's local ranks.
@@ -488,6 +506,7 @@ const PMI: Names = Names {
     local_rank: env::MPI_LOCALRANKID,
     local_world_size: env::MPI_LOCALNRANKS,
     machine_rank: None,
+    binds_processes: true,
 };
 
 /// Slurm's, under `srun` (with `MASTER_ADDR` and `MASTER_PORT` set by the job script).
@@ -497,6 +516,7 @@ const SLURM: Names = Names {
     local_rank: env::SLURM_LOCALID,
     local_world_size: env::SLURM_NTASKS_PER_NODE,
     machine_rank: Some(env::SLURM_NODEID),
+    binds_processes: true,
 };
 
 fn invalid(name: &'static str, value: usize, expected: String) -> DistributedError {
@@ -676,6 +696,24 @@ mod tests {
         let mut both = TWO_BY_TWO.to_vec();
         both.extend(OPEN_MPI_2X2);
         assert!(!state(&both).unwrap().over_mpi());
+    }
+
+    #[test]
+    fn mpirun_and_srun_bind_their_processes_torchrun_and_ours_do_not() {
+        let mut mpi = OPEN_MPI_2X2.to_vec();
+        mpi.extend([
+            ("BURN_ACCELERATE_ENGINE", "tcp"),
+            ("MASTER_ADDR", "node-0"),
+            ("MASTER_PORT", "29500"),
+        ]);
+        assert!(state(&mpi).unwrap().bound_by_launcher());
+        assert!(state(&SLURM_2X2).unwrap().bound_by_launcher());
+        assert!(!state(&TWO_BY_TWO).unwrap().bound_by_launcher());
+        assert!(!state(&[]).unwrap().bound_by_launcher());
+        // torchrun started under srun: torchrun's processes share the node.
+        let mut both = TWO_BY_TWO.to_vec();
+        both.extend([("SLURM_PROCID", "0"), ("SLURM_NTASKS", "1")]);
+        assert!(!state(&both).unwrap().bound_by_launcher());
     }
 
     #[test]

@@ -2136,3 +2136,78 @@ fn train_mlp_on_two_processes_ends_with_one_process_accuracy() {
         );
     }
 }
+
+#[derive(Debug, Serialize, Deserialize)]
+struct PinnedRun {
+    /// The CPUs `install` pinned the pool's threads to.
+    cpus: Vec<usize>,
+    /// The CPUs each pool thread's kernel mask allows, read back on that thread.
+    masks: Vec<Vec<usize>>,
+    /// The CPUs the process could run on before it pinned anything.
+    allowed: Vec<usize>,
+}
+
+// The CPUs the calling thread may run on, as the kernel says.
+#[cfg(target_os = "linux")]
+fn thread_mask() -> Vec<usize> {
+    use nix::sched::{CpuSet, sched_getaffinity};
+    let mask = sched_getaffinity(nix::unistd::Pid::from_raw(0)).expect("sched_getaffinity");
+    (0..CpuSet::count())
+        .filter(|&cpu| mask.is_set(cpu).unwrap_or(false))
+        .collect()
+}
+
+// Two processes on one machine, each pinning its step threads (`StepThreadsConfig::pin`) from
+// the variables its launcher set (ours: LOCAL_RANK and LOCAL_WORLD_SIZE; mpirun: Open MPI's
+// local rank and size): every thread runs on the CPU it was given, and the two processes' CPUs
+// do not overlap. With one CPU there is nothing to split, and both processes say so.
+#[cfg(target_os = "linux")]
+#[test]
+fn processes_on_one_machine_pin_their_threads_to_disjoint_cpus() {
+    const TEST: &str = "processes_on_one_machine_pin_their_threads_to_disjoint_cpus";
+    if worker::<()>().is_some() {
+        let allowed = thread_mask();
+        // One thread each, whatever RAYON_NUM_THREADS the test was run with (tests/threads_pinned
+        // checks the pool's other threads, and the share's default size).
+        let pool = burn_accelerate::threads::StepThreadsConfig::new()
+            .with_threads(Some(1))
+            .with_pin(true)
+            .install();
+        let run = match pool {
+            Ok(pool) => PinnedRun {
+                cpus: pool.cpus().expect("pinned").to_vec(),
+                masks: rayon::broadcast(|_| thread_mask()),
+                allowed,
+            },
+            Err(error) => {
+                eprintln!("{error}");
+                std::process::exit(3);
+            }
+        };
+        return report(&run);
+    }
+    let launched = launch(TEST, 2, &(), &[]);
+    let allowed = thread_mask();
+    if allowed.len() < 2 {
+        assert!(
+            !launched.status.success() && launched.stderr.contains("2 processes on this machine"),
+            "{}",
+            launched.output()
+        );
+        return;
+    }
+    let runs: Vec<PinnedRun> = launched.assert_success().reports(2);
+    for (rank, run) in runs.iter().enumerate() {
+        assert!(!run.cpus.is_empty(), "rank {rank}: {run:?}");
+        let one_each = run.cpus.iter().map(|&cpu| vec![cpu]).collect::<Vec<_>>();
+        assert_eq!(run.masks, one_each, "rank {rank}: each thread on its CPU");
+        assert!(
+            run.cpus.iter().all(|cpu| run.allowed.contains(cpu)),
+            "rank {rank}: {run:?}"
+        );
+    }
+    assert!(
+        runs[0].cpus.iter().all(|cpu| !runs[1].cpus.contains(cpu)),
+        "{runs:?}"
+    );
+}
