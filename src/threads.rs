@@ -34,7 +34,7 @@
 //! (`pin: true`). Unpinned, the kernel may put two of them on one core for a while and leave
 //! the other core idle: it decides where to run a thread when it wakes, and a step wakes its
 //! threads tens of times. On the shared 2-core VM of BENCHMARKS.md, the conv net's median bf16
-//! step went from 6.0–10.5 ms to 5.8–7.1 ms pinned (ten runs each way). Pinning suits a
+//! step took 5.9–10.4 ms unpinned and 5.8–7.1 ms pinned (ten runs each way). Pinning suits a
 //! machine the run has to itself: pinned threads cannot move away from another program's busy
 //! CPU.
 //!
