@@ -46,8 +46,10 @@
 //! - Under `mpirun` and `srun`, the launcher binds each process to CPUs of its own, and its
 //!   mask is its share, as OpenMP programs under them take it. Ask them to bind enough CPUs
 //!   for the threads: `mpirun --map-by slot:PE=<threads> --bind-to core`, `srun
-//!   --cpus-per-task=<threads> --cpu-bind=cores`. Unbound (`--bind-to none`), each process
-//!   would pin to every CPU of the machine, as the other processes do.
+//!   --cpus-per-task=<threads> --cpu-bind=cores`. Where a process may run on every CPU of
+//!   the machine (`mpirun --bind-to none`), the processes split them as above; where they
+//!   share a part of it unbound (`srun` without binding, in a partial allocation), each
+//!   would pin to the same CPUs.
 //! - Within its share, a process's threads take one hardware thread of every core before any
 //!   core's second.
 //!
@@ -164,14 +166,16 @@ impl StepThreadsConfig {
     // Each thread's CPU: this process's share of the CPUs it may run on, one per thread.
     fn pinned_cpus(&self) -> Result<Vec<usize>, AccelerateError> {
         let process = ProcessState::from_env()?;
+        let cpus = affinity::allowed_cpus().map_err(|reason| unpinnable(reason, no_pin()))?;
         // mpirun and srun give each process CPUs of its own (as OpenMP programs under them
-        // expect): its mask is its share. Under torchrun and ours every process may run on
-        // every CPU, so the processes split them.
-        let (index, count) = match process.bound_by_launcher() {
+        // expect): its mask is its share. Under torchrun and ours, and under an mpirun told
+        // not to bind (whose processes may each run on every CPU of the machine), the
+        // processes split them.
+        let unbound = affinity::online_cpus() == Some(cpus.len());
+        let (index, count) = match process.bound_by_launcher() && !unbound {
             true => (0, 1),
             false => (process.local_process_index(), process.local_num_processes()),
         };
-        let cpus = affinity::allowed_cpus().map_err(|reason| unpinnable(reason, no_pin()))?;
         let share = cores::process_share(&cpus, index, count).map_err(
             |TooManyProcesses { processes, cpus }| {
                 unpinnable(

@@ -9,6 +9,27 @@ pub(crate) fn allowed_cpus() -> Result<Vec<Cpu>, String> {
     imp::allowed_cpus()
 }
 
+/// How many CPUs the machine has online (`/sys/devices/system/cpu/online`), whichever this
+/// process may use; `None` where the kernel does not say.
+pub(crate) fn online_cpus() -> Option<usize> {
+    let list = std::fs::read_to_string("/sys/devices/system/cpu/online").ok()?;
+    count_cpu_list(&list)
+}
+
+// The CPUs in a kernel CPU list such as `0-3,8-11` or `0`.
+fn count_cpu_list(list: &str) -> Option<usize> {
+    list.trim().split(',').try_fold(0, |count, range| {
+        let (first, last) = match range.split_once('-') {
+            Some((first, last)) => (first.parse::<usize>().ok()?, last.parse::<usize>().ok()?),
+            None => {
+                let cpu = range.parse::<usize>().ok()?;
+                (cpu, cpu)
+            }
+        };
+        Some(count + last.checked_sub(first)? + 1)
+    })
+}
+
 /// The calling thread's affinity mask, to put back with [`restore`].
 pub(crate) fn current_mask() -> Result<Vec<usize>, String> {
     imp::allowed_cpus().map(|cpus| cpus.iter().map(|cpu| cpu.id).collect())
@@ -82,5 +103,20 @@ mod imp {
 
     pub(super) fn set_current(_cpus: &[usize]) -> Result<(), String> {
         Err(UNSUPPORTED.into())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::count_cpu_list;
+
+    #[test]
+    fn kernel_cpu_lists_are_counted() {
+        assert_eq!(count_cpu_list("0-1\n"), Some(2));
+        assert_eq!(count_cpu_list("0"), Some(1));
+        assert_eq!(count_cpu_list("0-3,8-11,16"), Some(9));
+        assert_eq!(count_cpu_list(""), None);
+        assert_eq!(count_cpu_list("3-1"), None);
+        assert_eq!(count_cpu_list("0-x"), None);
     }
 }
