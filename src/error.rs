@@ -99,11 +99,13 @@ pub enum AccelerateError {
     },
 
     /// The calling thread could not be made one of rayon's global pool's threads
-    /// ([`threads::use_current_thread`](crate::threads::use_current_thread)).
+    /// ([`threads::use_current_thread`](crate::threads::use_current_thread),
+    /// [`threads::StepThreadsConfig::install`](crate::threads::StepThreadsConfig::install)).
     #[error(
         "cannot compute on the calling thread: {reason}. Call \
-         `burn_accelerate::threads::use_current_thread` once, first thing in `main`, before any \
-         op runs on Flex (the first parallel op builds rayon's global pool)"
+         `burn_accelerate::threads::use_current_thread` (or `StepThreadsConfig::install`) once, \
+         first thing in `main`, before any op runs on Flex (the first parallel op builds \
+         rayon's global pool)"
     )]
     ThreadPool {
         /// Rayon's reason.

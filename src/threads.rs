@@ -155,18 +155,20 @@ impl StepThreadsConfig {
                 cpus: None,
             });
         }
-        let cpus = self.pinned_cpus()?;
-        build_pinned(builder, &cpus)?;
+        let allowed = affinity::allowed_cpus().map_err(|reason| unpinnable(reason, no_pin()))?;
+        let cpus = self.pinned_cpus(&allowed)?;
+        let mask = allowed.iter().map(|cpu| cpu.id).collect::<Vec<_>>();
+        build_pinned(builder, &cpus, &mask)?;
         Ok(StepThreads {
             count: cpus.len(),
             cpus: Some(cpus),
         })
     }
 
-    // Each thread's CPU: this process's share of the CPUs it may run on, one per thread.
-    fn pinned_cpus(&self) -> Result<Vec<usize>, AccelerateError> {
+    // Each thread's CPU: this process's share of `cpus`, the CPUs it may run on, one per
+    // thread.
+    fn pinned_cpus(&self, cpus: &[cores::Cpu]) -> Result<Vec<usize>, AccelerateError> {
         let process = ProcessState::from_env()?;
-        let cpus = affinity::allowed_cpus().map_err(|reason| unpinnable(reason, no_pin()))?;
         // mpirun and srun give each process CPUs of its own (as OpenMP programs under them
         // expect): its mask is its share. Under torchrun and ours, and under an mpirun told
         // not to bind (whose processes may each run on every CPU of the machine), the
@@ -176,7 +178,7 @@ impl StepThreadsConfig {
             true => (0, 1),
             false => (process.local_process_index(), process.local_num_processes()),
         };
-        let share = cores::process_share(&cpus, index, count).map_err(
+        let share = cores::process_share(cpus, index, count).map_err(
             |TooManyProcesses { processes, cpus }| {
                 unpinnable(
                     format!(
@@ -207,10 +209,14 @@ impl StepThreadsConfig {
 }
 
 // Pins the calling thread, builds the pool (whose threads pin themselves as they start), and
-// waits for every thread to say it is pinned.
-fn build_pinned(builder: rayon::ThreadPoolBuilder, cpus: &[usize]) -> Result<(), AccelerateError> {
+// waits for every thread to say it is pinned; `original`, the calling thread's mask, is put
+// back where no pool was built.
+fn build_pinned(
+    builder: rayon::ThreadPoolBuilder,
+    cpus: &[usize],
+    original: &[usize],
+) -> Result<(), AccelerateError> {
     let unpinned = |reason| unpinnable(reason, no_pin());
-    let original = affinity::current_mask().map_err(unpinned)?;
     affinity::pin_current(cpus[0]).map_err(unpinned)?;
     let (sender, started) = mpsc::channel();
     let worker_cpus = cpus.to_vec();
@@ -223,7 +229,7 @@ fn build_pinned(builder: rayon::ThreadPoolBuilder, cpus: &[usize]) -> Result<(),
         .build_global();
     if let Err(error) = built {
         // Nothing was built: the calling thread runs where it ran before.
-        let _ = affinity::restore(&original);
+        let _ = affinity::restore(original);
         return Err(pool_error(error));
     }
     for _ in 1..cpus.len() {

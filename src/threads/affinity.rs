@@ -30,17 +30,12 @@ fn count_cpu_list(list: &str) -> Option<usize> {
     })
 }
 
-/// The calling thread's affinity mask, to put back with [`restore`].
-pub(crate) fn current_mask() -> Result<Vec<usize>, String> {
-    imp::allowed_cpus().map(|cpus| cpus.iter().map(|cpu| cpu.id).collect())
-}
-
 /// Runs the calling thread on CPU `cpu` only.
 pub(crate) fn pin_current(cpu: usize) -> Result<(), String> {
     imp::set_current(&[cpu])
 }
 
-/// Puts back a mask read by [`current_mask`].
+/// Lets the calling thread run on the CPUs `mask` again (as [`allowed_cpus`] read them).
 pub(crate) fn restore(mask: &[usize]) -> Result<(), String> {
     imp::set_current(mask)
 }
