@@ -301,17 +301,21 @@ fn median(mut times: Vec<Duration>) -> Duration {
 
 fn main() {
     let args = Args::parse();
-    if args.pin_threads {
-        let pinned = threads::StepThreadsConfig::new().with_pin(true).install();
-        match pinned {
-            Ok(pool) => eprintln!("{} threads pinned to CPUs {:?}", pool.count(), pool.cpus()),
+    if args.use_current_thread || args.pin_threads {
+        let pool = threads::StepThreadsConfig::new()
+            .with_pin(args.pin_threads)
+            .install();
+        match pool {
+            Ok(pool) => {
+                if let Some(cpus) = pool.cpus() {
+                    eprintln!("{} threads pinned to CPUs {cpus:?}", pool.count());
+                }
+            }
             Err(error) => {
                 eprintln!("{error}");
                 std::process::exit(2);
             }
         }
-    } else if args.use_current_thread {
-        threads::use_current_thread(None).expect("no op has run yet");
     }
     if args.widened {
         capability::set_half_path(HalfPath::Widened);
