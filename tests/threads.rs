@@ -13,6 +13,9 @@ use burn::tensor::ops::ConvOptions;
 use burn::tensor::{Tensor, TensorData};
 use burn_accelerate::{AccelerateError, Accelerated, Precision, autocast, threads};
 
+#[cfg(target_os = "linux")]
+mod cpu_mask;
+
 type B = Accelerated<Autodiff<Flex>>;
 
 fn data(shape: &[usize], seed: f32) -> TensorData {
@@ -106,13 +109,7 @@ fn the_calling_thread_computes_in_the_pool_with_the_same_bits() {
     // runs where it ran before.
     #[cfg(target_os = "linux")]
     {
-        let mask = || {
-            let set = nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(0)).unwrap();
-            (0..nix::sched::CpuSet::count())
-                .filter(|&cpu| set.is_set(cpu).unwrap_or(false))
-                .collect::<Vec<_>>()
-        };
-        let before = mask();
+        let before = cpu_mask::thread_mask();
         let pinned = threads::StepThreadsConfig::new()
             .with_threads(Some(1))
             .with_pin(true)
@@ -122,6 +119,6 @@ fn the_calling_thread_computes_in_the_pool_with_the_same_bits() {
             matches!(pinned, AccelerateError::ThreadPool { .. }),
             "{pinned}"
         );
-        assert_eq!(mask(), before);
+        assert_eq!(cpu_mask::thread_mask(), before);
     }
 }

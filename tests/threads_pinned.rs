@@ -11,26 +11,19 @@ use std::process::Command;
 
 use burn_accelerate::AccelerateError;
 use burn_accelerate::threads::StepThreadsConfig;
-use nix::sched::{CpuSet, sched_getaffinity};
-use nix::unistd::Pid;
+use cpu_mask::thread_mask;
+
+mod cpu_mask;
 
 /// Set in the processes `launched_processes_split_the_machine` starts.
 const CHILD: &str = "BURN_ACCELERATE_PINNED_CHILD";
-
-// The CPUs the calling thread may run on, as the kernel says.
-fn own_mask() -> Vec<usize> {
-    let mask = sched_getaffinity(Pid::from_raw(0)).expect("sched_getaffinity");
-    (0..CpuSet::count())
-        .filter(|&cpu| mask.is_set(cpu).unwrap_or(false))
-        .collect()
-}
 
 #[test]
 fn each_thread_runs_on_its_own_cpu() {
     if std::env::var_os(CHILD).is_some() {
         return;
     }
-    let allowed = own_mask();
+    let allowed = thread_mask();
     let refused = StepThreadsConfig::new()
         .with_threads(Some(allowed.len() + 1))
         .with_pin(true)
@@ -42,7 +35,7 @@ fn each_thread_runs_on_its_own_cpu() {
             && message.contains(&format!("ask for at most {} threads", allowed.len())),
         "{message}"
     );
-    assert_eq!(own_mask(), allowed, "a refused config pins nothing");
+    assert_eq!(thread_mask(), allowed, "a refused config pins nothing");
 
     let wanted = allowed.len().min(2);
     let threads = StepThreadsConfig::new()
@@ -61,7 +54,7 @@ fn each_thread_runs_on_its_own_cpu() {
     );
     assert!(cpus.iter().all(|cpu| allowed.contains(cpu)), "{cpus:?}");
     // Every thread of the pool reports the mask the kernel holds for it.
-    let masks = rayon::broadcast(|context| (context.index(), own_mask()));
+    let masks = rayon::broadcast(|context| (context.index(), thread_mask()));
     for (index, mask) in masks {
         assert_eq!(mask, [cpus[index]], "thread {index}");
     }
@@ -81,7 +74,7 @@ fn each_thread_runs_on_its_own_cpu() {
         "{again}"
     );
     assert_eq!(
-        own_mask(),
+        thread_mask(),
         [cpus[0]],
         "the refused call left the thread where it was"
     );
@@ -100,7 +93,7 @@ fn launched_processes_split_the_machine() {
         }
         return;
     }
-    let allowed = own_mask();
+    let allowed = thread_mask();
     let exe = std::env::current_exe().expect("this test binary");
     let shares = (0..2)
         .map(|rank| {

@@ -2147,15 +2147,11 @@ struct PinnedRun {
     allowed: Vec<usize>,
 }
 
-// The CPUs the calling thread may run on, as the kernel says.
 #[cfg(target_os = "linux")]
-fn thread_mask() -> Vec<usize> {
-    use nix::sched::{CpuSet, sched_getaffinity};
-    let mask = sched_getaffinity(nix::unistd::Pid::from_raw(0)).expect("sched_getaffinity");
-    (0..CpuSet::count())
-        .filter(|&cpu| mask.is_set(cpu).unwrap_or(false))
-        .collect()
-}
+#[path = "../cpu_mask/mod.rs"]
+mod cpu_mask;
+#[cfg(target_os = "linux")]
+use cpu_mask::thread_mask;
 
 // Two processes on one machine, each pinning its step threads (`StepThreadsConfig::pin`) from
 // the variables its launcher set (ours: LOCAL_RANK and LOCAL_WORLD_SIZE; mpirun: Open MPI's
