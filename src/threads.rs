@@ -275,6 +275,42 @@ fn pool_error(error: rayon::ThreadPoolBuildError) -> AccelerateError {
     }
 }
 
+/// Runs `work`, a training loop, on the first thread of a rayon pool of its own, with as many
+/// threads as rayon's global pool; the calling thread waits for it. Where the calling thread
+/// is a pool's thread already ([`use_current_thread`], [`StepThreadsConfig::install`], or
+/// inside a pool), `work` runs right here.
+///
+/// It gives a program that never called [`use_current_thread`] what that call gives (see the
+/// [module](self)): the thread that runs the steps computes its share of each parallel op
+/// instead of handing it over and sleeping. `with_accelerate` runs its `fit` through it. A
+/// pool of its own, not the global one, because a thread of the global pool that waits
+/// inside a parallel op runs whatever other job the pool holds, and another training loop
+/// (tests run several at once) would then run on the same thread, inside this one's op,
+/// sharing its thread-local state. Flex's and this crate's parallel ops run on the pool of
+/// the thread that calls them, so the loop's ops stay on its pool.
+///
+/// ```
+/// let sum: u64 = burn_accelerate::threads::run_on_step_pool(|| (1..=10).sum());
+/// assert_eq!(sum, 55);
+/// ```
+pub fn run_on_step_pool<R: Send>(work: impl FnOnce() -> R + Send) -> R {
+    if rayon::current_thread_index().is_some() {
+        return work();
+    }
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(rayon::current_num_threads())
+        .thread_name(|i| format!("burn-accelerate-step-{i}"))
+        .build();
+    match pool {
+        Ok(pool) => pool.install(work),
+        // No threads to be had: the loop runs as it would have without this.
+        Err(err) => {
+            log::warn!("burn-accelerate: training on the calling thread: {err}");
+            work()
+        }
+    }
+}
+
 /// Makes the calling thread the first thread of rayon's global pool, with `threads` in all,
 /// this one included (`None`: rayon's default, `RAYON_NUM_THREADS` where set, else one per
 /// logical CPU), unpinned. See the [module](self) for what it changes, and

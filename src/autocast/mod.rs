@@ -26,6 +26,7 @@ mod ops;
 mod plan;
 mod policy;
 mod small_ops;
+mod tally;
 
 pub use crate::Precision;
 pub use config::{Autocast, AutocastConfig};
@@ -35,6 +36,7 @@ pub use policy::{OpClass, op_class, reset_op_classes, set_op_class};
 pub use small_ops::{
     SMALL_OP_TIME, SmallOps, applies_to, estimated_flops, set_small_ops, small_ops,
 };
+pub use tally::{LowerOpTally, thread_tally};
 
 use core::cell::Cell;
 use core::marker::PhantomData;

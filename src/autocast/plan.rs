@@ -3,7 +3,8 @@
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, DType, FloatDType, TensorMetadata};
 
-use super::small_ops::keeps_f32;
+use super::small_ops::{call_flops, keeps_f32};
+use super::tally::{self, Kept};
 use super::{Op, OpClass, current, op_class};
 use crate::capability;
 use crate::fp8::Fp8Site;
@@ -57,12 +58,21 @@ impl CastPlan {
                 }
                 Some(precision) => first_input(inputs).map(|t| {
                     let device = B::float_device(t);
+                    let flops = call_flops::<B>(op, inputs);
                     match capability::lower_dtype::<B>(&device, precision, op) {
                         // Too small for the half type to pay: run as an fp32-class op.
-                        low if low != FloatDType::F32 && keeps_f32::<B>(&device, op, inputs) => {
+                        low if low != FloatDType::F32 && keeps_f32::<B>(&device, op, flops) => {
+                            tally::record(Some(Kept::Small), flops);
                             FloatDType::F32
                         }
-                        low => low,
+                        FloatDType::F32 => {
+                            tally::record(Some(Kept::Unsupported), flops);
+                            FloatDType::F32
+                        }
+                        low => {
+                            tally::record(None, flops);
+                            low
+                        }
                     }
                 }),
                 None => None,

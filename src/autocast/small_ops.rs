@@ -246,14 +246,11 @@ pub fn applies_to(op: Op) -> bool {
     )
 }
 
-/// Whether the rule in force keeps this call of lower-class `op` in f32: its work is below
-/// the threshold (the probe's, for [`SmallOps::KeepF32`]).
+/// Whether the rule in force keeps a call of lower-class `op` of `flops` work
+/// ([`call_flops`]) in f32: its work is below the threshold (the probe's, for
+/// [`SmallOps::KeepF32`]).
 #[inline]
-pub(crate) fn keeps_f32<B: Backend>(
-    device: &B::Device,
-    op: Op,
-    inputs: &[CastInput<'_, FloatTensor<B>>],
-) -> bool {
+pub(crate) fn keeps_f32<B: Backend>(device: &B::Device, op: Op, flops: Option<u64>) -> bool {
     if !applies_to(op) {
         return false;
     }
@@ -265,6 +262,15 @@ pub(crate) fn keeps_f32<B: Backend>(
         },
         SmallOps::KeepF32Below { flops } => flops,
     };
+    flops.is_some_and(|flops| flops < threshold)
+}
+
+/// The flops of this call of lower-class `op` ([`estimated_flops`] of its required inputs'
+/// shapes).
+pub(crate) fn call_flops<B: Backend>(
+    op: Op,
+    inputs: &[CastInput<'_, FloatTensor<B>>],
+) -> Option<u64> {
     // The required inputs, in order: an optional one (a bias) is not part of the shapes.
     let mut shapes: [Option<burn_backend::Shape>; 3] = [None, None, None];
     let mut count = 0;
@@ -281,7 +287,7 @@ pub(crate) fn keeps_f32<B: Backend>(
         .flatten()
         .map(|s| s.as_slice())
         .collect();
-    estimated_flops(op, &dims).is_some_and(|flops| flops < threshold)
+    estimated_flops(op, &dims)
 }
 
 #[cfg(test)]

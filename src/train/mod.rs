@@ -66,6 +66,7 @@
 //! implements (NCCL), and which Flex and NdArray do not implement at all.
 
 pub mod demo;
+pub mod lm;
 pub mod metrics;
 mod replicas;
 mod sharded;
@@ -87,7 +88,7 @@ use burn::train::{
     TrainingComponents, TrainingItem, TrainingModel, TrainingStrategy, ValidLoader,
 };
 
-use crate::autocast::{self, Autocast};
+use crate::autocast::{self, Autocast, LowerOpTally};
 use crate::data::{DataLoaderError, LoaderState, ShardLoader};
 use crate::distributed::{
     self, ParamStateRecord, Partition, ProcessGroup, ProcessState, ZeroStage,
@@ -147,6 +148,9 @@ pub struct TrainingStats {
     pub loss_scale: LossScale,
     /// Every epoch trained, in order.
     pub epochs: Vec<EpochReport>,
+    /// The lower-class ops of the training and validation steps (on the thread that runs
+    /// them: the main device's) by what they ran in: half type, or f32 and why.
+    pub lower_ops: LowerOpTally,
     // Skipped steps so far, the current epoch included (for the live metric).
     skipped_live: usize,
 }
@@ -360,6 +364,7 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
                 fell_back: autocast.fell_back(),
                 loss_scale: initial_scale,
                 epochs: Vec::new(),
+                lower_ops: LowerOpTally::default(),
                 skipped_live: 0,
             })),
         };
@@ -995,12 +1000,53 @@ where
     fn fit(
         &self,
         training_components: TrainingComponents<LC>,
+        learner: Learner<LC>,
+        dataloader_train: TrainLoader<LC>,
+        dataloader_valid: ValidLoader<LC>,
+        starting_epoch: usize,
+    ) -> (TrainingModel<LC>, SupervisedTrainingEventProcessor<LC>) {
+        // Burn calls `fit` on the builder's thread, outside rayon's pool: on a pool's thread
+        // the steps' parallel ops are computed there too (`threads::run_on_step_pool`).
+        on_step_thread(|| {
+            self.fit_here(
+                training_components,
+                learner,
+                dataloader_train,
+                dataloader_valid,
+                starting_epoch,
+            )
+        })
+    }
+}
+
+#[cfg(feature = "flex")]
+fn on_step_thread<R: Send>(work: impl FnOnce() -> R + Send) -> R {
+    crate::threads::run_on_step_pool(work)
+}
+
+// Without Flex, no CPU kernel of ours or the backend's runs on rayon's pool.
+#[cfg(not(feature = "flex"))]
+fn on_step_thread<R: Send>(work: impl FnOnce() -> R + Send) -> R {
+    work()
+}
+
+impl<LC> AccelerateStrategy<LC>
+where
+    LC: LearningComponentsTypes,
+    LearnerOptimizerRecord<LC>: ParamStateRecord<TrainingBackend<LC>>,
+{
+    // The fit, on the thread that runs the steps.
+    fn fit_here(
+        &self,
+        training_components: TrainingComponents<LC>,
         mut learner: Learner<LC>,
         dataloader_train: TrainLoader<LC>,
         dataloader_valid: ValidLoader<LC>,
         starting_epoch: usize,
     ) -> (TrainingModel<LC>, SupervisedTrainingEventProcessor<LC>) {
         use burn::tensor::backend::DeviceOps;
+
+        let tally_start = autocast::thread_tally();
 
         let devices = self.devices();
         // Before the fork below would gather a spread model onto the main device. Burn's `fit`
@@ -1082,6 +1128,7 @@ where
                 let mut stats = self.report.lock();
                 stats.epochs.push(report);
                 stats.loss_scale = scaling.loss_scale;
+                stats.lower_ops = autocast::thread_tally().since(&tally_start);
             }
             if interrupter.should_stop() {
                 let reason = interrupter
@@ -1145,6 +1192,7 @@ where
                     AccelerateCheckpoint::prune(dir, epoch);
                 }
             }
+            self.report.lock().lower_ops = autocast::thread_tally().since(&tally_start);
             if let Some(early_stopping) = &mut early_stopping {
                 let stop = validates
                     && early_stopping.should_stop(epoch, &training_components.event_store);
