@@ -2207,3 +2207,115 @@ fn processes_on_one_machine_pin_their_threads_to_disjoint_cpus() {
         "{runs:?}"
     );
 }
+
+/// The transformer language model of `examples/train_lm.rs` (`train::lm`), small, on processes.
+mod lm_run {
+    use super::*;
+    use burn_accelerate::autocast::{self, SmallOps};
+    use burn_accelerate::train::lm::{self, LmConfig};
+
+    #[derive(Debug, Serialize, Deserialize)]
+    pub struct Run {
+        pub precision: String,
+        pub batch_size: usize,
+        pub dropout: f64,
+    }
+
+    #[derive(Debug, Serialize, Deserialize)]
+    pub struct RunReport {
+        pub processes: usize,
+        pub steps: usize,
+        pub initial_loss: f64,
+        pub train_loss: f64,
+        /// The main process's alone (JSON has no NaN).
+        pub valid_loss: Option<f64>,
+        pub half_ops: u64,
+    }
+
+    pub fn train(args: &Run) -> RunReport {
+        let precision: Precision = args.precision.parse().unwrap();
+        // The model is tiny: cast every lower-class op (PyTorch's rule), so that the half
+        // precisions are what runs.
+        autocast::set_small_ops(SmallOps::Cast).expect("a valid rule");
+        let config = LmConfig::new()
+            .with_precision(precision)
+            .with_d_model(32)
+            .with_layers(2)
+            .with_heads(4)
+            .with_d_ff(64)
+            .with_seq_len(32)
+            .with_batch_size(args.batch_size)
+            .with_dropout(args.dropout)
+            .with_steps(Some(30))
+            .with_lr(3e-3)
+            .with_warmup(5)
+            .with_allow_fallback(false)
+            .with_progress_every(0);
+        let text = include_bytes!("../../README.md");
+        let outcome =
+            lm::run::<Accelerated<Autodiff<Flex>>>(&config, text, &Default::default()).unwrap();
+        RunReport {
+            processes: outcome.processes,
+            steps: outcome.steps,
+            initial_loss: outcome.initial_loss,
+            train_loss: outcome.train_loss,
+            valid_loss: Some(outcome.valid_loss).filter(|v| !v.is_nan()),
+            half_ops: outcome.stats.lower_ops.half_ops,
+        }
+    }
+}
+
+#[test]
+fn the_transformer_lm_trains_on_two_processes_as_on_one_in_every_precision() {
+    const TEST: &str = "the_transformer_lm_trains_on_two_processes_as_on_one_in_every_precision";
+    if let Some(args) = worker::<lm_run::Run>() {
+        return report(&lm_run::train(&args));
+    }
+    let run = |precision: &str, processes: usize, dropout: f64| lm_run::Run {
+        precision: precision.into(),
+        batch_size: 8 / processes,
+        dropout,
+    };
+    // Without dropout, two processes of 4 sequences take one process's steps of 8: the same
+    // losses but for the order of the gradient sums.
+    let single: Vec<lm_run::RunReport> = launch(TEST, 1, &run("f32", 1, 0.0), &[])
+        .assert_success()
+        .reports(1);
+    let pair: Vec<lm_run::RunReport> = launch(TEST, 2, &run("f32", 2, 0.0), &[])
+        .assert_success()
+        .reports(2);
+    assert_eq!((pair[0].processes, pair[0].steps), (2, 30), "{pair:?}");
+    let valid = |report: &lm_run::RunReport| report.valid_loss.expect("the main process's");
+    let rel = (valid(&pair[0]) - valid(&single[0])).abs() / valid(&single[0]);
+    assert!(rel < 1e-4, "{pair:?} vs {single:?}");
+    assert!(
+        pair[1].valid_loss.is_none(),
+        "only the main process validates"
+    );
+    assert_eq!(
+        pair[0].train_loss, pair[1].train_loss,
+        "averaged over the processes"
+    );
+    // With dropout, in each precision: the loss falls, and the half precisions end within 3%
+    // of f32 (other dropout draws under autocast, and half-precision products).
+    let reference: Vec<lm_run::RunReport> = launch(TEST, 2, &run("f32", 2, 0.1), &[])
+        .assert_success()
+        .reports(2);
+    for precision in ["bf16", "f16"] {
+        let half: Vec<lm_run::RunReport> = launch(TEST, 2, &run(precision, 2, 0.1), &[])
+            .assert_success()
+            .reports(2);
+        let main = &half[0];
+        assert!(main.half_ops > 0, "{precision}: {main:?}");
+        assert!(
+            main.train_loss < main.initial_loss - 1.0,
+            "{precision}: {main:?}"
+        );
+        let rel = (valid(main) - valid(&reference[0])).abs() / valid(&reference[0]);
+        assert!(
+            rel < 0.03,
+            "{precision}: {main:?} vs f32 {:?}",
+            reference[0]
+        );
+    }
+}
