@@ -8,9 +8,9 @@ default, see `src/backend/placement.rs`) and their float-tensor arguments throug
 required ones are numbered (`cast_at`), since fp8 autocast scales each input of a call
 separately. The device moves named in `MOVE_HOOKS` go to hand-written functions in
 `src/backend/placement.rs` (host-staged moves where the inner backend has no direct copy);
-the ops named in `LOW_PATHS` and `HALF_PATHS` go to `src/backend/lowered.rs` and
-`src/backend/kernels.rs`, where the crate's own CPU kernels (`src/cpu/`) take them where they
-apply.
+the ops named in `LOW_PATHS`, `FUSED_PATHS` and `HALF_PATHS` go to `src/backend/lowered.rs`
+and `src/backend/kernels.rs`, where the crate's own CPU kernels (`src/cpu/`) take them where
+they apply.
 
 Usage: python3 scripts/gen_forwarding.py [path/to/burn-backend-0.21.0]
 """
@@ -159,10 +159,24 @@ LOW_PATHS = {
     "conv2d": "lowered::conv2d",
 }
 
+# Op-table ops whose call, once the plan has cast the inputs, goes through a function of
+# `crate::backend` with the same arguments (the crate's own fused kernel under autocast where
+# the backend has one, see src/backend/kernels.rs), as "module::function".
+FUSED_PATHS = {
+    "softmax": "kernels::softmax",
+    "log_softmax": "kernels::log_softmax",
+}
+
 # Ops outside the op table forwarded through a function of `crate::backend` (the crate's own
-# kernel for half tensors where the backend has one, see src/backend/kernels.rs), as
+# kernel where the backend has one and it applies, see src/backend/kernels.rs), as
 # "module::function".
-HALF_PATHS = {"relu": "kernels::relu"}
+HALF_PATHS = {
+    "relu": "kernels::relu",
+    "gelu": "kernels::gelu",
+    "float_random": "kernels::random",
+    "float_mask_fill": "kernels::mask_fill",
+    "float_reshape": "kernels::reshape",
+}
 
 # How the co-locate rule moves each kind of tensor argument of a table op.
 COLOCATE = {
@@ -232,6 +246,8 @@ def emit(name, generics, params, ret, where, op):
             lines.append("        let %s = plan.%s::<B>(%s);\n" % (p, method, p))
     if name in LOW_PATHS:
         call = "crate::backend::%s::<B>(&plan, %s)" % (LOW_PATHS[name], args)
+    elif name in FUSED_PATHS:
+        call = "crate::backend::%s::<B>(%s)" % (FUSED_PATHS[name], args)
     return head + "".join(lines) + "        %s\n    }\n" % call
 
 
@@ -281,6 +297,10 @@ def main():
         sys.exit("half paths must name methods outside the op table: %s" % sorted(HALF_PATHS))
     if set(LOW_PATHS) - seen:
         sys.exit("low paths name ops outside the op table: %s" % sorted(set(LOW_PATHS) - seen))
+    if set(FUSED_PATHS) - seen:
+        sys.exit("fused paths name ops outside the op table: %s" % sorted(set(FUSED_PATHS) - seen))
+    if set(FUSED_PATHS) & set(LOW_PATHS):
+        sys.exit("an op is both a low and a fused path: %s" % sorted(set(FUSED_PATHS) & set(LOW_PATHS)))
     missing_hooks = (MOVE_HOOKS | set(HALF_PATHS)) - hooked
     if missing_hooks:
         sys.exit("move hooks or half paths name methods Burn does not have: %s" % sorted(missing_hooks))

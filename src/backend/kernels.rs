@@ -4,13 +4,15 @@
 //! nodes, while the decorator only sees a generic `B: Backend`. So they are registered here,
 //! per backend type, as one [`Kernels`] table looked up by `TypeId` (see [`Hooks`]): a lookup
 //! for any other backend finds nothing and the backend's own op runs. Only this file calls
-//! into `crate::cpu`; the forwarding reaches the kernels through [`cast`] and [`relu`] here,
-//! and through [`lowered`](super::lowered) for autocast's lower-class ops, and the capability
-//! probe times the registered matmul against the backend's own.
+//! into `crate::cpu`; the forwarding reaches the kernels through [`cast`], [`relu`],
+//! [`random`], [`softmax`], [`log_softmax`] and [`gelu`] here, and through
+//! [`lowered`](super::lowered) for autocast's lower-class ops, and the capability probe times
+//! the registered matmul against the backend's own. [`seed`] is the decorator's
+//! `Backend::seed` reaching the random kernel's generator.
 
 use burn_backend::ops::ConvOptions;
-use burn_backend::tensor::FloatTensor;
-use burn_backend::{Backend, DType, FloatDType, TensorMetadata};
+use burn_backend::tensor::{BoolTensor, FloatTensor};
+use burn_backend::{Backend, DType, Distribution, FloatDType, Scalar, Shape, TensorMetadata};
 
 use super::hooks::Hooks;
 pub(crate) use crate::cpu::Route;
@@ -27,6 +29,11 @@ type Conv2d<B> = fn(
     Route,
 ) -> FloatTensor<B>;
 type Relu<B> = fn(FloatTensor<B>) -> FloatTensor<B>;
+type Contiguous<B> = fn(FloatTensor<B>) -> FloatTensor<B>;
+type MaskFill<B> = fn(FloatTensor<B>, BoolTensor<B>, Scalar) -> FloatTensor<B>;
+type Random<B> = fn(&Shape, Distribution, FloatDType) -> Option<FloatTensor<B>>;
+type Softmax<B> = fn(FloatTensor<B>, usize) -> FloatTensor<B>;
+type Gelu<B> = fn(FloatTensor<B>) -> FloatTensor<B>;
 
 /// The kernels registered for one backend type `B`.
 pub(crate) struct Kernels<B: Backend> {
@@ -41,6 +48,22 @@ pub(crate) struct Kernels<B: Backend> {
     pub(crate) conv2d: Conv2d<B>,
     /// ReLU (half tensors in the kernels, any other through the backend's own).
     pub(crate) relu: Relu<B>,
+    /// `mask_fill` with a mask broadcast to the tensor (the backend's own bits; any other
+    /// through the backend's own).
+    pub(crate) mask_fill: MaskFill<B>,
+    /// A view copied out to contiguous memory where the backend's reshape would copy it (the
+    /// same values; the tensor itself otherwise).
+    pub(crate) contiguous: Contiguous<B>,
+    /// A random tensor from the crate's counter-based generator (`crate::cpu::counter_rng`),
+    /// `None` for a distribution or dtype it leaves to the backend's own.
+    pub(crate) random: Random<B>,
+    /// Softmax along a dimension (f32 along the last one in the kernel, anything else through
+    /// the backend's own).
+    pub(crate) softmax: Softmax<B>,
+    /// Log-softmax along a dimension, as `softmax`.
+    pub(crate) log_softmax: Softmax<B>,
+    /// GELU (f32, bf16 and f16 in the kernel, anything else through the backend's own).
+    pub(crate) gelu: Gelu<B>,
 }
 
 // By hand: a derive would ask `B: Copy`.
@@ -59,7 +82,10 @@ static KERNELS: Hooks = Hooks::new(register_known);
 fn register_known() {
     #[cfg(feature = "flex")]
     {
-        use crate::cpu::{fast_cast, half_activation, low_conv, low_gemm};
+        use crate::cpu::{
+            counter_rng, fast_cast, gelu, half_activation, low_conv, low_gemm, masked_fill,
+            softmax, strided_copy,
+        };
         use burn::backend::{Autodiff, Flex};
 
         KERNELS.insert::<Flex, _>(Kernels::<Flex> {
@@ -68,6 +94,12 @@ fn register_known() {
             linear: low_gemm::linear,
             conv2d: low_conv::conv2d,
             relu: half_activation::relu,
+            mask_fill: masked_fill::mask_fill,
+            contiguous: strided_copy::contiguous,
+            random: counter_rng::random,
+            softmax: softmax::softmax,
+            log_softmax: softmax::log_softmax,
+            gelu: gelu::gelu,
         });
         KERNELS.insert::<Autodiff<Flex>, _>(Kernels::<Autodiff<Flex>> {
             cast: fast_cast::convert_tracked,
@@ -75,6 +107,12 @@ fn register_known() {
             linear: low_gemm::linear_tracked,
             conv2d: low_conv::conv2d_tracked,
             relu: half_activation::relu_tracked,
+            mask_fill: masked_fill::mask_fill_tracked,
+            contiguous: strided_copy::contiguous_tracked,
+            random: counter_rng::random_tracked,
+            softmax: softmax::softmax_tracked,
+            log_softmax: softmax::log_softmax_tracked,
+            gelu: gelu::gelu_tracked,
         });
     }
 }
@@ -115,4 +153,108 @@ pub(crate) fn relu<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
         return (kernels.relu)(tensor);
     }
     B::relu(tensor)
+}
+
+/// `B::float_mask_fill`, through the registered kernel for f32, bf16 and f16 tensors, with or
+/// without autocast: its values are `B`'s own bits (a copy or the fill value), read through
+/// a broadcast mask where it lies instead of copied out to the tensor's shape first.
+#[inline]
+pub(crate) fn mask_fill<B: Backend>(
+    tensor: FloatTensor<B>,
+    mask: BoolTensor<B>,
+    value: Scalar,
+) -> FloatTensor<B> {
+    if matches!(tensor.dtype(), DType::F32 | DType::BF16 | DType::F16)
+        && let Some(kernels) = of::<B>()
+    {
+        return (kernels.mask_fill)(tensor, mask, value);
+    }
+    B::float_mask_fill(tensor, mask, value)
+}
+
+/// `B::float_reshape`, of a copy made by the registered kernel where `B`'s reshape would copy
+/// the view itself: the same values, with or without autocast.
+#[inline]
+pub(crate) fn reshape<B: Backend>(tensor: FloatTensor<B>, shape: Shape) -> FloatTensor<B> {
+    match of::<B>() {
+        Some(kernels) => B::float_reshape((kernels.contiguous)(tensor), shape),
+        None => B::float_reshape(tensor, shape),
+    }
+}
+
+/// `B::float_random`, drawn by the registered generator under autocast where it takes the
+/// distribution and dtype, else by `B`'s own.
+///
+/// Under autocast the values are not `B`'s for the same seed (another generator, whose values
+/// do not depend on the number of threads): a mixed-precision run's values already differ from
+/// its f32 run's, and dropout asks for independent masks, not for Flex's. With autocast off the
+/// call is `B`'s own, so the decorator then draws `B`'s values for a seed, bit for bit.
+#[inline]
+pub(crate) fn random<B: Backend>(
+    shape: Shape,
+    distribution: Distribution,
+    device: &B::Device,
+    dtype: FloatDType,
+) -> FloatTensor<B> {
+    if crate::autocast::current().is_some()
+        && let Some(kernels) = of::<B>()
+        && let Some(tensor) = (kernels.random)(&shape, distribution, dtype)
+    {
+        return tensor;
+    }
+    B::float_random(shape, distribution, device, dtype)
+}
+
+/// Whether a softmax of `tensor` along `dim` goes to the registered kernel: under autocast
+/// (with autocast off the call is `B`'s own, bit for bit), of an f32 tensor (autocast's plan
+/// has cast it: softmax is of its fp32 class) along its last dimension.
+#[inline]
+fn fused_softmax<T: TensorMetadata>(tensor: &T, dim: usize) -> bool {
+    crate::autocast::current().is_some() && tensor.dtype() == DType::F32 && dim + 1 == tensor.rank()
+}
+
+/// `B::softmax` of an autocast call (its input already cast), through the registered kernel
+/// under autocast for f32 along the last dimension; the kernel hands a strided view to `B`'s
+/// own.
+#[inline]
+pub(crate) fn softmax<B: Backend>(tensor: FloatTensor<B>, dim: usize) -> FloatTensor<B> {
+    if fused_softmax(&tensor, dim)
+        && let Some(kernels) = of::<B>()
+    {
+        return (kernels.softmax)(tensor, dim);
+    }
+    B::softmax(tensor, dim)
+}
+
+/// `B::log_softmax` of an autocast call, as [`softmax`].
+#[inline]
+pub(crate) fn log_softmax<B: Backend>(tensor: FloatTensor<B>, dim: usize) -> FloatTensor<B> {
+    if fused_softmax(&tensor, dim)
+        && let Some(kernels) = of::<B>()
+    {
+        return (kernels.log_softmax)(tensor, dim);
+    }
+    B::log_softmax(tensor, dim)
+}
+
+/// `B::gelu`, through the registered kernel under autocast for f32, bf16 and f16 tensors. With
+/// autocast off the call is `B`'s own, bit for bit: the kernel's `erf` is not libm's.
+#[inline]
+pub(crate) fn gelu<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
+    if crate::autocast::current().is_some()
+        && matches!(tensor.dtype(), DType::F32 | DType::BF16 | DType::F16)
+        && let Some(kernels) = of::<B>()
+    {
+        return (kernels.gelu)(tensor);
+    }
+    B::gelu(tensor)
+}
+
+/// Restarts the registered generator at `seed`, stream 0, beside `B::seed`: a run seeded the
+/// same way draws the same tensors under autocast too.
+pub(crate) fn seed(seed: u64) {
+    #[cfg(feature = "flex")]
+    crate::cpu::counter_rng::seed(seed);
+    #[cfg(not(feature = "flex"))]
+    let _ = seed;
 }

@@ -37,6 +37,27 @@
 //!   for bf16 on [`Route::Fastest`], where the CPU has the instructions (x86-64: AMD Zen 4,
 //!   Intel Cooper Lake and later, detected at run time). Not for f16, on other CPUs or on
 //!   [`Route::Widened`]: there the operands are widened to f32 for Flex's f32 GEMM.
+//! - [`counter_rng`]: random tensors (`float_random`: Bernoulli, uniform) from a counter-based
+//!   generator (Philox4x32-10) on every core, written in f32, bf16 or f16 directly: dropout's
+//!   masks, which Flex draws one value at a time. Taken under autocast only, with the
+//!   decorator's `seed` resetting it; not for `Normal`, f64 or parameters Burn's sampler
+//!   rejects (Flex's own), nor with autocast off (Flex's own, so Flex's values for a seed).
+//! - [`softmax`]: autocast's softmax and log-softmax (f32, its fp32 class) along the last
+//!   dimension, one fused pass per row on every core with a vectorised `exp` (within 1 ulp),
+//!   and backward nodes that keep the output; [`gelu`]: GELU (Burn's erf form) of f32, bf16
+//!   and f16 tensors, on a vectorised normal CDF, half values widened in-register and rounded
+//!   once, with a fused backward. Both are compiled for AVX-512, AVX2 and a portable fallback
+//!   that give the same bits. Taken under autocast only (with autocast off the decorator is
+//!   Flex's own, bit for bit), for contiguous tensors (softmax: f32 along the last dimension);
+//!   anything else goes to Flex's own, or Burn's composition on `Autodiff<Flex>`.
+//! - [`masked_fill`]: `mask_fill` of f32, bf16 and f16 tensors through a mask broadcast to
+//!   them (attention's causal mask), read by its own strides on every core, with or without
+//!   autocast (Flex's own bits: a copy or the fill value). Not for f64 or a mask that does not
+//!   broadcast (Flex's own, which copies the mask out to the tensor's shape first).
+//! - [`strided_copy`]: a view of three or more (merged) dimensions copied out before a
+//!   reshape that Flex would copy it for (attention's head transposes), in runs of its last
+//!   dimension on every core, with or without autocast (the same values). Not for flipped
+//!   views or those of one or two dimensions (Flex's own copy, already tiled).
 //! - [`half_kernels`]: the elementwise blocks the others are built of (conversions, a
 //!   linear's epilogue, the bias gradient's row sums, ReLU's map), bit for bit Flex's
 //!   arithmetic.
@@ -47,7 +68,11 @@
 #[cfg(feature = "flex")]
 pub(crate) mod bf16_gemm;
 #[cfg(feature = "flex")]
+pub(crate) mod counter_rng;
+#[cfg(feature = "flex")]
 pub(crate) mod fast_cast;
+#[cfg(feature = "flex")]
+pub(crate) mod gelu;
 #[cfg(feature = "flex")]
 pub(crate) mod half_activation;
 #[cfg(feature = "flex")]
@@ -58,6 +83,12 @@ pub(crate) mod half_kernels;
 pub(crate) mod low_conv;
 #[cfg(feature = "flex")]
 pub(crate) mod low_gemm;
+#[cfg(feature = "flex")]
+pub(crate) mod masked_fill;
+#[cfg(feature = "flex")]
+pub(crate) mod softmax;
+#[cfg(feature = "flex")]
+pub(crate) mod strided_copy;
 
 /// How the GEMMs and convolutions compute: what the process fixed with
 /// `capability::set_half_path`, decided by the decorator at each op and kept by the op's

@@ -25,7 +25,7 @@ impl<B: Backend> ActivationOps<Self> for Accelerated<B> {
         B::relu_backward(output, grad)
     }
     fn gelu(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        B::gelu(tensor)
+        crate::backend::kernels::gelu::<B>(tensor)
     }
     fn prelu(tensor: FloatTensor<Self>, alpha: FloatTensor<Self>) -> FloatTensor<Self> {
         let colocate = Colocate::<B>::new(&[CastInput::One(&tensor), CastInput::One(&alpha)]);
@@ -59,12 +59,12 @@ impl<B: Backend> ActivationOps<Self> for Accelerated<B> {
     fn softmax(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::Softmax, &[CastInput::One(&tensor)]);
         let tensor = plan.cast_at::<B>(0, tensor);
-        B::softmax(tensor, dim)
+        crate::backend::kernels::softmax::<B>(tensor, dim)
     }
     fn log_softmax(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::LogSoftmax, &[CastInput::One(&tensor)]);
         let tensor = plan.cast_at::<B>(0, tensor);
-        B::log_softmax(tensor, dim)
+        crate::backend::kernels::log_softmax::<B>(tensor, dim)
     }
     fn softmin(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::Softmin, &[CastInput::One(&tensor)]);

@@ -24,7 +24,7 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         device: &Device<Self>,
         dtype: FloatDType,
     ) -> FloatTensor<Self> {
-        B::float_random(shape, distribution, device, dtype)
+        crate::backend::kernels::random::<B>(shape, distribution, device, dtype)
     }
     fn float_zeros(shape: Shape, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> {
         B::float_zeros(shape, device, dtype)
@@ -172,7 +172,7 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         B::float_flip(tensor, axes)
     }
     fn float_reshape(tensor: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {
-        B::float_reshape(tensor, shape)
+        crate::backend::kernels::reshape::<B>(tensor, shape)
     }
     fn float_gather(
         dim: usize,
@@ -276,7 +276,7 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         mask: BoolTensor<Self>,
         value: Scalar,
     ) -> FloatTensor<Self> {
-        B::float_mask_fill(tensor, mask, value)
+        crate::backend::kernels::mask_fill::<B>(tensor, mask, value)
     }
     fn float_equal(
         lhs: FloatTensor<Self>,

@@ -1,0 +1,894 @@
+//! Softmax and log-softmax along the last dimension on Flex, one fused pass per row on every
+//! core, with their autodiff nodes; and the vectorised `exp` they (and [`gelu`](super::gelu))
+//! are built on.
+//!
+//! Autocast runs softmax in f32 (its fp32 class). On `Autodiff<Flex>`, Burn computes it as
+//! the default composition of `ActivationOps`: `max_dim`, `sub`, `exp`, `sum_dim` and `div`,
+//! five passes over the tensor through Flex's one-threaded `unary_op` with libm's scalar
+//! `expf`, and a backward of as many more. For a transformer's attention weights
+//! (`[batch, heads, seq, seq]`) that was a large share of a training step. Here each row is
+//! one task: its max, `exp(x - max)` written in place, the sum, the scaling, all while the
+//! row is in L1, rows spread over rayon's threads; the backward node keeps the output `y` and
+//! computes `dx = y · (g - Σ g·y)` row by row, in one pass. Log-softmax likewise:
+//! `y = (x - max) - ln Σ exp(x - max)`, and `dx = g - exp(y) · Σ g`.
+//!
+//! # Accuracy
+//!
+//! [`exp`] is within 1 ulp of the exact value over the whole f32 range (tested against f64's
+//! `exp`, subnormal results included); it is `+∞` above 88.72, `0` below -103.97, and NaN
+//! for NaN. A softmax output then differs from the f64 softmax of the same f32 input by at
+//! most `(6 + n/16 + |x - max|) · 2⁻²⁴` relative (`n` the row's length): the exp, the
+//! row sum in sixteen running lanes, the scaling, and the rounding of `x - max` in f32,
+//! which every f32 softmax (Flex's own included) makes. Masked entries (`-1e4`, `-∞`) give
+//! exact zeros. A row that is entirely `-∞` gives NaN, as Flex's softmax and Burn's default
+//! composition do (and PyTorch's): `-∞ - (-∞)` is NaN; so does a row with a NaN or a `+∞`.
+//!
+//! # Vectorisation
+//!
+//! The arithmetic is written once, as scalar code without branches, and compiled three times
+//! ([`Isa`]): for AVX-512 and for AVX2 with FMA (chosen at run time where the CPU has them,
+//! the loops vectorised by the compiler) and for the baseline target (the portable fallback,
+//! every other CPU). Each value sees the same operations in the same order, sums are taken in
+//! sixteen lanes whatever the vector width, and fused multiply-adds round once on every path
+//! (the portable code calls libm's `fmaf`: exact everywhere, slow only on x86 CPUs without
+//! FMA, from before 2013), so the three give the same bits, on any number of threads.
+//!
+//! Taken for contiguous f32 tensors along their last dimension; anything else (another
+//! dimension, a strided view, f64, half tensors) goes to Flex's own softmax or to Burn's
+//! composition on `Autodiff<Flex>`.
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
+use burn::backend::flex::{FlexTensor, Layout};
+use burn::backend::{Autodiff, Flex};
+use burn::tensor::{Bytes, DType};
+use burn_backend::ops::{ActivationOps, FloatTensorOps};
+use burn_backend::tensor::FloatTensor;
+
+use super::half_kernels::in_row_tasks;
+
+/// The instruction set a kernel's loops run on, detected at run time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Isa {
+    /// AVX-512 F with FMA: sixteen f32 lanes.
+    Avx512,
+    /// AVX2 with FMA: eight f32 lanes.
+    Avx2,
+    /// The baseline target's code: the fallback on every other CPU.
+    Portable,
+}
+
+impl Isa {
+    /// The widest this CPU has.
+    pub(crate) fn best() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if Isa::Avx512.supported() {
+                return Isa::Avx512;
+            }
+            if Isa::Avx2.supported() {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Portable
+    }
+
+    /// Whether this CPU runs `self`'s code.
+    pub(crate) fn supported(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let fma = std::is_x86_feature_detected!("fma");
+            match self {
+                Isa::Avx512 => fma && std::is_x86_feature_detected!("avx512f"),
+                Isa::Avx2 => fma && std::is_x86_feature_detected!("avx2"),
+                Isa::Portable => true,
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        matches!(self, Isa::Portable)
+    }
+
+    /// `self` where the CPU runs it, else [`Isa::Portable`]: what the dispatch matches on, so
+    /// that an `Isa` named by hand never runs instructions the CPU lacks.
+    pub(crate) fn checked(self) -> Isa {
+        if self.supported() {
+            self
+        } else {
+            Isa::Portable
+        }
+    }
+}
+
+/// Compiles the listed functions of the enclosing module (`#[inline(always)]`, on slices) for
+/// each [`Isa`]: `on::f(isa, args)` runs `f` as compiled for `isa` (checked against the CPU).
+macro_rules! isa_variants {
+    ($($(#[$attr:meta])* fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)?;)+) => {
+        #[cfg(target_arch = "x86_64")]
+        mod avx512 {
+            #[allow(unused_imports)]
+            use super::*;
+            $(
+                /// # Safety
+                /// The CPU must have AVX-512 F and FMA.
+                $(#[$attr])*
+                #[target_feature(enable = "avx512f,fma")]
+                pub(super) unsafe fn $name($($arg: $ty),*) $(-> $ret)? {
+                    super::$name($($arg),*)
+                }
+            )+
+        }
+
+        #[cfg(target_arch = "x86_64")]
+        mod avx2 {
+            #[allow(unused_imports)]
+            use super::*;
+            $(
+                /// # Safety
+                /// The CPU must have AVX2 and FMA.
+                $(#[$attr])*
+                #[target_feature(enable = "avx2,fma")]
+                pub(super) unsafe fn $name($($arg: $ty),*) $(-> $ret)? {
+                    super::$name($($arg),*)
+                }
+            )+
+        }
+
+        /// The functions above, on the instruction set named.
+        mod on {
+            #[allow(unused_imports)]
+            use super::*;
+            use $crate::cpu::softmax::Isa;
+            $(
+                $(#[$attr])*
+                #[inline]
+                pub(super) fn $name(isa: Isa, $($arg: $ty),*) $(-> $ret)? {
+                    match isa.checked() {
+                        #[cfg(target_arch = "x86_64")]
+                        // SAFETY: `checked` gives `Avx512` only where the CPU has AVX-512 F
+                        // and FMA.
+                        Isa::Avx512 => unsafe { super::avx512::$name($($arg),*) },
+                        #[cfg(target_arch = "x86_64")]
+                        // SAFETY: `checked` gives `Avx2` only where the CPU has AVX2 and FMA.
+                        Isa::Avx2 => unsafe { super::avx2::$name($($arg),*) },
+                        _ => super::$name($($arg),*),
+                    }
+                }
+            )+
+        }
+    };
+}
+pub(crate) use isa_variants;
+
+// exp(x) = 2ⁿ · exp(r), n = round(x / ln 2), r = x - n · ln 2 in two steps (Cody and Waite;
+// `LN2_HI` has 9 significant bits, so `n · LN2_HI` is exact), |r| ≤ ln 2 / 2.
+const LOG2E: f32 = std::f32::consts::LOG2_E;
+const LN2_HI: f32 = 0.693_359_4;
+const LN2_LO: f32 = -2.121_944_4e-4;
+// 1.5 · 2²³: added to a value below 2²² in magnitude, rounds it to an integer (to nearest
+// even), which then sits in the low bits of the sum's representation.
+const ROUNDER: f32 = 12_582_912.0;
+// Past these exp is +∞ (above 88.72) or rounds to 0 (below -103.97) anyway; clamping keeps n
+// small enough for two normal powers of two.
+const EXP_MIN: f32 = -110.0;
+const EXP_MAX: f32 = 89.0;
+// Cephes' `expf` polynomial, its coefficients in f32: exp(r) ≈ 1 + r + r² · P(r) on
+// |r| ≤ ln 2 / 2.
+const EXP_P: [f32; 6] = [
+    1.987_569_1e-4,
+    1.398_199_9e-3,
+    8.333_452e-3,
+    4.166_579_6e-2,
+    0.166_666_66,
+    0.5,
+];
+
+/// `2^k` for `k` in `-126..=127`, from its bits.
+#[inline(always)]
+fn pow2(k: i32) -> f32 {
+    f32::from_bits(((k + 127) as u32) << 23)
+}
+
+/// `e^x` in f32, within 1 ulp, without branches (see the [module docs](self)).
+#[inline(always)]
+pub(crate) fn exp(x: f32) -> f32 {
+    exp_scaled(x, 0.0, 0)
+}
+
+/// `e^(hi + lo)` times `2^scale`, rounded once, for an argument carried as an unevaluated sum
+/// (`|lo|` at most half an ulp of `hi`: the low half of a product from a fused multiply-add),
+/// the low part entering after the range reduction, where it is not lost; the scaling keeps
+/// a result that would be subnormal whole for a later product. `scale` is 0, or in `1..=64`
+/// with `hi ≤ 0`. NaN in `hi` gives NaN.
+#[inline(always)]
+pub(crate) fn exp_scaled(hi: f32, lo: f32, scale: i32) -> f32 {
+    // Comparisons that keep a NaN (`f32::max` would drop it).
+    let x = if hi < EXP_MIN { EXP_MIN } else { hi };
+    let x = if x > EXP_MAX { EXP_MAX } else { x };
+    let v = x.mul_add(LOG2E, ROUNDER);
+    let n = v - ROUNDER;
+    let r = (-n).mul_add(LN2_HI, x);
+    let r = (-n).mul_add(LN2_LO, r) + lo;
+    let mut p = EXP_P[0];
+    for c in &EXP_P[1..] {
+        p = p.mul_add(r, *c);
+    }
+    let p = p.mul_add(r * r, r) + 1.0;
+    // n as an integer, from the sum's low bits; 2ⁿ as two factors, so that n from -159 to
+    // 128 needs no subnormal or infinite power: the first product is exact, the second rounds
+    // once (to a subnormal, infinity or zero where the result is one).
+    let k = (v.to_bits() as i32).wrapping_sub(ROUNDER.to_bits() as i32);
+    let k1 = k >> 1;
+    p * pow2(k1) * pow2(k - k1 + scale)
+}
+
+/// Lanes of the running maxima and sums: one AVX-512 register, two AVX2 ones; the same lanes
+/// on every path, so the same sums.
+const LANES: usize = 16;
+/// Values per block of [`log_softmax_rows`]'s exponentials (a stack buffer in L1).
+const BLOCK: usize = 256;
+
+// `acc` folded in halves, lane `i` with lane `i + half`: a fixed order.
+#[inline(always)]
+fn fold(mut acc: [f32; LANES], op: impl Fn(f32, f32) -> f32) -> f32 {
+    let mut half = LANES / 2;
+    while half > 0 {
+        let (low, high) = acc.split_at_mut(half);
+        for (a, b) in low.iter_mut().zip(high.iter()) {
+            *a = op(*a, *b);
+        }
+        half /= 2;
+    }
+    acc[0]
+}
+
+// `acc[i % LANES] = op(acc[i % LANES], values[i])` over `values`, in order.
+#[inline(always)]
+fn accumulate(acc: &mut [f32; LANES], values: &[f32], op: impl Fn(f32, f32) -> f32) {
+    let mut chunks = values.chunks_exact(LANES);
+    for chunk in &mut chunks {
+        for (a, v) in acc.iter_mut().zip(chunk) {
+            *a = op(*a, *v);
+        }
+    }
+    for (a, v) in acc.iter_mut().zip(chunks.remainder()) {
+        *a = op(*a, *v);
+    }
+}
+
+// The larger, ignoring a NaN in `b` (a NaN in a row reaches every output through the sum).
+#[inline(always)]
+fn larger(a: f32, b: f32) -> f32 {
+    if b > a { b } else { a }
+}
+
+#[inline(always)]
+fn row_max(row: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; LANES];
+    accumulate(&mut acc, row, larger);
+    fold(acc, larger)
+}
+
+#[inline(always)]
+fn row_sum(row: &[f32]) -> f32 {
+    let mut acc = [0.0; LANES];
+    accumulate(&mut acc, row, |a, v| a + v);
+    fold(acc, |a, b| a + b)
+}
+
+/// Softmax of each row of `len` values of `rows`, in place.
+#[inline(always)]
+fn softmax_rows(rows: &mut [f32], len: usize) {
+    for row in rows.chunks_exact_mut(len) {
+        let max = row_max(row);
+        for v in row.iter_mut() {
+            *v = exp(*v - max);
+        }
+        let scale = 1.0 / row_sum(row);
+        for v in row.iter_mut() {
+            *v *= scale;
+        }
+    }
+}
+
+/// Log-softmax of each row of `len` values of `rows`, in place: `(x - max) - ln Σ e^(x - max)`,
+/// Burn's order of operations.
+#[inline(always)]
+fn log_softmax_rows(rows: &mut [f32], len: usize) {
+    let mut block = [0f32; BLOCK];
+    for row in rows.chunks_exact_mut(len) {
+        let max = row_max(row);
+        let mut acc = [0.0; LANES];
+        for chunk in row.chunks_mut(BLOCK) {
+            let block = &mut block[..chunk.len()];
+            for (e, v) in block.iter_mut().zip(chunk.iter_mut()) {
+                *v -= max;
+                *e = exp(*v);
+            }
+            accumulate(&mut acc, block, |a, v| a + v);
+        }
+        let log_sum = fold(acc, |a, b| a + b).ln();
+        for v in row.iter_mut() {
+            *v -= log_sum;
+        }
+    }
+}
+
+/// Softmax's gradient row by row, in place in `grads`: `y · (g - Σ g·y)`.
+#[inline(always)]
+fn softmax_backward_rows(outputs: &[f32], grads: &mut [f32], len: usize) {
+    for (y, g) in outputs.chunks_exact(len).zip(grads.chunks_exact_mut(len)) {
+        let mut acc = [0.0; LANES];
+        let mut ys = y.chunks_exact(LANES);
+        let mut gs = g.chunks_exact(LANES);
+        for (y, g) in (&mut ys).zip(&mut gs) {
+            for ((a, y), g) in acc.iter_mut().zip(y).zip(g) {
+                *a = g.mul_add(*y, *a);
+            }
+        }
+        for ((a, y), g) in acc.iter_mut().zip(ys.remainder()).zip(gs.remainder()) {
+            *a = g.mul_add(*y, *a);
+        }
+        let dot = fold(acc, |a, b| a + b);
+        for (g, y) in g.iter_mut().zip(y) {
+            *g = y * (*g - dot);
+        }
+    }
+}
+
+/// Log-softmax's gradient row by row, in place in `grads`: `g - e^y · Σ g`.
+#[inline(always)]
+fn log_softmax_backward_rows(outputs: &[f32], grads: &mut [f32], len: usize) {
+    for (y, g) in outputs.chunks_exact(len).zip(grads.chunks_exact_mut(len)) {
+        let sum = row_sum(g);
+        for (g, y) in g.iter_mut().zip(y) {
+            *g = (-exp(*y)).mul_add(sum, *g);
+        }
+    }
+}
+
+// `e^x` of each value in place: the loop the tests hold against f64.
+#[cfg(test)]
+#[inline(always)]
+fn exp_values(values: &mut [f32]) {
+    for v in values {
+        *v = exp(*v);
+    }
+}
+
+isa_variants! {
+    fn softmax_rows(rows: &mut [f32], len: usize);
+    fn log_softmax_rows(rows: &mut [f32], len: usize);
+    fn softmax_backward_rows(outputs: &[f32], grads: &mut [f32], len: usize);
+    fn log_softmax_backward_rows(outputs: &[f32], grads: &mut [f32], len: usize);
+    #[cfg(test)]
+    fn exp_values(values: &mut [f32]);
+}
+
+/// Which of the two the kernels compute.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Softmax,
+    LogSoftmax,
+}
+
+/// The length of `t`'s rows where the kernels take a softmax of `t` along `dim`: an f32 tensor
+/// whose values lie contiguous, in order, `dim` its last, not empty.
+fn rows_of(t: &FlexTensor, dim: usize) -> Option<usize> {
+    let shape = t.layout().shape();
+    let rank = shape.num_dims();
+    let takes = t.dtype() == DType::F32
+        && rank >= 1
+        && dim + 1 == rank
+        && t.layout().is_contiguous()
+        && shape.num_elements() > 0;
+    takes.then(|| shape[rank - 1])
+}
+
+/// `t`'s values where nothing else holds its buffer, to be written in place.
+fn values_mut(t: &mut FlexTensor) -> Option<&mut [f32]> {
+    let (start, end) = t.layout().contiguous_offsets()?;
+    t.try_storage_mut::<f32>()
+        .map(|storage| &mut storage[start..end])
+}
+
+/// `f(rows)` on every whole-row chunk of `t`'s values (rows of `len`), in place where `t`'s
+/// buffer is its own, else on a copy, which each task makes of its own rows.
+/// `f(first, rows)`: `first` the chunk's first row.
+fn rows_in_place(
+    mut t: FlexTensor,
+    len: usize,
+    f: impl Fn(usize, &mut [f32]) + Sync,
+) -> FlexTensor {
+    if let Some(values) = values_mut(&mut t) {
+        in_row_tasks(len, values, f);
+        return t;
+    }
+    let src = t
+        .as_slice::<f32>()
+        .expect("rows_of took a contiguous f32 tensor");
+    // Zeros from `calloc`: fresh pages cost nothing until the tasks write them.
+    let mut out = vec![0f32; src.len()];
+    in_row_tasks(len, &mut out, |first, rows| {
+        rows.copy_from_slice(&src[first * len..][..rows.len()]);
+        f(first, rows)
+    });
+    FlexTensor::new(
+        Bytes::from_elems(out),
+        Layout::contiguous(t.layout().shape().clone()),
+        DType::F32,
+    )
+}
+
+fn forward(t: FlexTensor, len: usize, kind: Kind, isa: Isa) -> FlexTensor {
+    rows_in_place(t, len, |_, rows| match kind {
+        Kind::Softmax => on::softmax_rows(isa, rows, len),
+        Kind::LogSoftmax => on::log_softmax_rows(isa, rows, len),
+    })
+}
+
+/// Softmax along `dim`: the fused kernel for a contiguous f32 tensor along its last dimension,
+/// Flex's own otherwise.
+pub(crate) fn softmax(tensor: FlexTensor, dim: usize) -> FlexTensor {
+    match rows_of(&tensor, dim) {
+        Some(len) => forward(tensor, len, Kind::Softmax, Isa::best()),
+        None => Flex::softmax(tensor, dim),
+    }
+}
+
+/// Log-softmax along `dim`, as [`softmax`] (Flex's own, Burn's composition, otherwise).
+pub(crate) fn log_softmax(tensor: FlexTensor, dim: usize) -> FlexTensor {
+    match rows_of(&tensor, dim) {
+        Some(len) => forward(tensor, len, Kind::LogSoftmax, Isa::best()),
+        None => Flex::log_softmax(tensor, dim),
+    }
+}
+
+/// The gradient of the input of a softmax (or log-softmax) along the last dimension, from its
+/// output `y` and the output's gradient `grad`.
+fn backward(y: FlexTensor, grad: FlexTensor, kind: Kind, isa: Isa) -> FlexTensor {
+    let shape = y.layout().shape().clone();
+    let last = shape.num_dims() - 1;
+    let fits = grad.dtype() == DType::F32 && grad.layout().shape() == &shape;
+    let (Some(len), true) = (rows_of(&y, last), fits) else {
+        // Never for the outputs the kernels make and the f32 gradients Burn hands back; for
+        // anything else, the same formula in Flex's ops.
+        return composed_backward(y, grad, kind);
+    };
+    let grad = match grad.layout().is_contiguous() {
+        true => grad,
+        false => grad.to_contiguous(),
+    };
+    let ys = y
+        .as_slice::<f32>()
+        .expect("rows_of took a contiguous f32 tensor");
+    rows_in_place(grad, len, |first, rows| {
+        let ys = &ys[first * len..][..rows.len()];
+        match kind {
+            Kind::Softmax => on::softmax_backward_rows(isa, ys, rows, len),
+            Kind::LogSoftmax => on::log_softmax_backward_rows(isa, ys, rows, len),
+        }
+    })
+}
+
+fn composed_backward(y: FlexTensor, grad: FlexTensor, kind: Kind) -> FlexTensor {
+    let last = y.layout().shape().num_dims() - 1;
+    let grad = Flex::float_cast(grad, y.dtype().into());
+    match kind {
+        Kind::Softmax => {
+            let dot = Flex::float_sum_dim(Flex::float_mul(grad.clone(), y.clone()), last);
+            Flex::float_mul(y, Flex::float_sub(grad, dot))
+        }
+        Kind::LogSoftmax => {
+            let sum = Flex::float_sum_dim(grad.clone(), last);
+            Flex::float_sub(grad, Flex::float_mul(Flex::float_exp(y), sum))
+        }
+    }
+}
+
+/// The node both tracked forms record: it keeps the output.
+#[derive(Debug)]
+struct Node {
+    kind: Kind,
+}
+
+impl Backward<Flex, 1> for Node {
+    type State = FlexTensor;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let output = ops.state;
+        let kind = self.kind;
+        unary::<Flex, _>(ops.parents, ops.node, grads, |grad| {
+            backward(output, grad, kind, Isa::best())
+        });
+    }
+}
+
+fn tracked(
+    tensor: FloatTensor<Autodiff<Flex>>,
+    len: usize,
+    kind: Kind,
+) -> FloatTensor<Autodiff<Flex>> {
+    let node = tensor.node.clone();
+    let output = forward(tensor.primitive, len, kind, Isa::best());
+    let backward = Node { kind };
+    match backward
+        .prepare::<NoCheckpointing>([node])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => prep.finish(output.clone(), output),
+        OpsKind::UnTracked(prep) => prep.finish(output),
+    }
+}
+
+/// [`softmax`] as a node of Burn's autodiff, keeping the output for the backward pass; Burn's
+/// own composition for what the kernel does not take.
+pub(crate) fn softmax_tracked(
+    tensor: FloatTensor<Autodiff<Flex>>,
+    dim: usize,
+) -> FloatTensor<Autodiff<Flex>> {
+    match rows_of(&tensor.primitive, dim) {
+        Some(len) => tracked(tensor, len, Kind::Softmax),
+        None => Autodiff::<Flex>::softmax(tensor, dim),
+    }
+}
+
+/// [`log_softmax`] as a node of Burn's autodiff, as [`softmax_tracked`].
+pub(crate) fn log_softmax_tracked(
+    tensor: FloatTensor<Autodiff<Flex>>,
+    dim: usize,
+) -> FloatTensor<Autodiff<Flex>> {
+    match rows_of(&tensor.primitive, dim) {
+        Some(len) => tracked(tensor, len, Kind::LogSoftmax),
+        None => Autodiff::<Flex>::log_softmax(tensor, dim),
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use burn::tensor::TensorData;
+
+    use super::*;
+
+    /// Every path this CPU runs: the portable fallback always.
+    pub(crate) fn paths() -> Vec<Isa> {
+        [Isa::Avx512, Isa::Avx2, Isa::Portable]
+            .into_iter()
+            .filter(|isa| isa.supported())
+            .collect()
+    }
+
+    fn tensor(values: Vec<f32>, shape: &[usize]) -> FlexTensor {
+        FlexTensor::from_data(TensorData::new(values, shape.to_vec()))
+    }
+
+    fn values(t: FlexTensor) -> Vec<f32> {
+        t.into_data().to_vec::<f32>().unwrap()
+    }
+
+    fn bits(t: FlexTensor) -> Vec<u32> {
+        values(t).iter().map(|v| v.to_bits()).collect()
+    }
+
+    /// The distance from `got` to `want` in ulps of `want` rounded to f32 (2⁻¹⁴⁹ for
+    /// subnormals).
+    pub(crate) fn ulps(got: f32, want: f64) -> f64 {
+        if got as f64 == want {
+            return 0.0;
+        }
+        let rounded = (want as f32).abs();
+        let ulp = if rounded < f32::MIN_POSITIVE {
+            f64::from(f32::from_bits(1))
+        } else {
+            let next = f32::from_bits(rounded.to_bits() + 1);
+            f64::from(next) - f64::from(rounded)
+        };
+        (f64::from(got) - want).abs() / ulp
+    }
+
+    #[test]
+    fn exp_is_within_one_ulp_of_f64_on_every_path() {
+        // Every 64th f32 from -104 to 89 (one in 64 of all the values there), and the values
+        // where the result leaves the normal range or overflows.
+        let (low, high) = ((-104.0f32).to_bits(), 89.0f32.to_bits());
+        let mut xs: Vec<f32> = (0..high)
+            .step_by(64)
+            .chain((0x8000_0000..=low).step_by(64))
+            .map(f32::from_bits)
+            .collect();
+        xs.extend([
+            0.0,
+            -0.0,
+            88.722_83,
+            88.722_84,
+            -87.336_55,
+            -103.972_08,
+            -103.972_09,
+            f32::MIN_POSITIVE,
+        ]);
+        let mut first: Option<Vec<u32>> = None;
+        for isa in paths() {
+            let mut got = xs.clone();
+            on::exp_values(isa, &mut got);
+            let mut worst = 0f64;
+            for (x, e) in xs.iter().zip(&got) {
+                let want = f64::from(*x).exp();
+                let err = match want > f64::from(f32::MAX) {
+                    true => {
+                        assert_eq!(*e, f32::INFINITY, "exp({x}) on {isa:?}");
+                        0.0
+                    }
+                    false => ulps(*e, want),
+                };
+                assert!(
+                    err <= 1.0,
+                    "exp({x}) = {e}, not {want}: {err} ulp on {isa:?}"
+                );
+                worst = worst.max(err);
+            }
+            eprintln!("exp on {isa:?}: at most {worst:.3} ulp");
+            let got: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
+            match &first {
+                None => first = Some(got),
+                Some(first) => assert!(first == &got, "{isa:?} gives other bits"),
+            }
+        }
+        let mut special = [
+            f32::NEG_INFINITY,
+            f32::INFINITY,
+            f32::NAN,
+            -1e4,
+            1e4,
+            -200.0,
+        ];
+        on::exp_values(Isa::Portable, &mut special);
+        assert_eq!(special[..2], [0.0, f32::INFINITY]);
+        assert!(special[2].is_nan());
+        assert_eq!(special[3..], [0.0, f32::INFINITY, 0.0]);
+    }
+
+    // Rows of `len` values, the kind attention makes: ordinary scores, large magnitudes,
+    // masked entries (-1e4 and -∞), a fully masked row of each kind, a row of one value.
+    fn rows(len: usize, count: usize, seed: u32) -> Vec<f32> {
+        let mut v: Vec<f32> = (0..(len * count) as u32)
+            .map(|i| {
+                let h = i.wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(40_503);
+                (h % 20_000) as f32 / 1000.0 - 10.0
+            })
+            .collect();
+        for (r, row) in v.chunks_mut(len).enumerate() {
+            match r % 6 {
+                1 => row.iter_mut().step_by(3).for_each(|x| *x = -1e4),
+                2 => row
+                    .iter_mut()
+                    .skip(1)
+                    .step_by(2)
+                    .for_each(|x| *x = f32::NEG_INFINITY),
+                3 => row
+                    .iter_mut()
+                    .enumerate()
+                    .for_each(|(i, x)| *x = [80.0, -80.0, 1e4, -1e4][i % 4] * (1.0 + *x / 100.0)),
+                4 if r == 4 => row.fill(-1e4),
+                _ => {}
+            }
+        }
+        v
+    }
+
+    fn softmax64(row: &[f32]) -> (Vec<f64>, f64, f64) {
+        let max = row
+            .iter()
+            .fold(f64::NEG_INFINITY, |m, x| m.max(f64::from(*x)));
+        let exps: Vec<f64> = row.iter().map(|x| (f64::from(*x) - max).exp()).collect();
+        let sum: f64 = exps.iter().sum();
+        (exps.iter().map(|e| e / sum).collect(), max, sum)
+    }
+
+    const LENGTHS: [usize; 7] = [1, 7, 16, 17, 255, 257, 1000];
+
+    #[test]
+    fn softmax_and_log_softmax_against_f64() {
+        for (len, count) in LENGTHS.iter().flat_map(|&len| [(len, 1), (len, 13)]) {
+            let x = rows(len, count, len as u32);
+            let mut by_path: Vec<(Vec<u32>, Vec<u32>)> = vec![];
+            for isa in paths() {
+                let t = || tensor(x.clone(), &[count, len]);
+                let y = values(forward(t(), len, Kind::Softmax, isa));
+                let log_y = values(forward(t(), len, Kind::LogSoftmax, isa));
+                for (r, row) in x.chunks(len).enumerate() {
+                    let (want, max, sum) = softmax64(row);
+                    let n = len as f64;
+                    for i in 0..len {
+                        let (got, want) = (y[r * len + i], want[i]);
+                        let shift = (f64::from(row[i]) - max).abs();
+                        if shift.is_infinite() {
+                            assert_eq!(got, 0.0, "a masked entry of row {r}");
+                            assert_eq!(log_y[r * len + i], f32::NEG_INFINITY);
+                            continue;
+                        }
+                        let tol = (6.0 + n / 16.0 + shift) * want * 2f64.powi(-24) + 1e-44;
+                        assert!(
+                            (f64::from(got) - want).abs() <= tol,
+                            "softmax row {r} [{i}] of {len}: {got}, not {want} on {isa:?}"
+                        );
+                        let want_log = f64::from(row[i]) - max - sum.ln();
+                        let got_log = log_y[r * len + i];
+                        let tol = (shift + want_log.abs() + 2.0 * sum.ln() + n / 16.0 + 4.0)
+                            * 2f64.powi(-24);
+                        assert!(
+                            (f64::from(got_log) - want_log).abs() <= tol,
+                            "log_softmax row {r} [{i}] of {len}: {got_log}, not {want_log}"
+                        );
+                    }
+                }
+                let b = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect();
+                by_path.push((b(&y), b(&log_y)));
+            }
+            assert!(
+                by_path.windows(2).all(|w| w[0] == w[1]),
+                "paths differ at {len}"
+            );
+        }
+    }
+
+    #[test]
+    fn masked_rows_follow_flex() {
+        // -1e4 masks give exact zeros; a fully -1e4 row is uniform; a fully -∞ row is NaN,
+        // in Flex's softmax (and Burn's composition) as here.
+        let x = vec![
+            1.0,
+            -1e4,
+            2.0,
+            f32::NEG_INFINITY,
+            -1e4,
+            -1e4,
+            -1e4,
+            -1e4,
+            f32::NEG_INFINITY,
+            f32::NEG_INFINITY,
+            f32::NEG_INFINITY,
+            f32::NEG_INFINITY,
+        ];
+        let ours = values(softmax(tensor(x.clone(), &[3, 4]), 1));
+        let flex = values(Flex::softmax(tensor(x.clone(), &[3, 4]), 1));
+        assert_eq!(ours[1], 0.0);
+        assert_eq!(ours[3], 0.0);
+        assert_eq!(ours[4..8], [0.25; 4]);
+        assert!(ours[8..].iter().all(|v| v.is_nan()));
+        assert!(flex[8..].iter().all(|v| v.is_nan()), "Flex's too");
+        let log = values(log_softmax(tensor(x, &[3, 4]), 1));
+        assert_eq!(log[3], f32::NEG_INFINITY);
+        assert!(log[8..].iter().all(|v| v.is_nan()));
+    }
+
+    #[test]
+    fn backward_against_f64() {
+        for len in LENGTHS {
+            let count = 9;
+            let x = rows(len, count, 7);
+            let g: Vec<f32> = rows(len, count, 11)
+                .iter()
+                .map(|v| if v.abs() > 10.0 { 0.5 } else { *v })
+                .collect();
+            let mut by_path = vec![];
+            for isa in paths() {
+                let y = forward(tensor(x.clone(), &[count, len]), len, Kind::Softmax, isa);
+                let log_y = forward(tensor(x.clone(), &[count, len]), len, Kind::LogSoftmax, isa);
+                let (ys, log_ys) = (values(y.clone()), values(log_y.clone()));
+                let dx = values(backward(
+                    y,
+                    tensor(g.clone(), &[count, len]),
+                    Kind::Softmax,
+                    isa,
+                ));
+                let log_dx = values(backward(
+                    log_y,
+                    tensor(g.clone(), &[count, len]),
+                    Kind::LogSoftmax,
+                    isa,
+                ));
+                let n = len as f64;
+                for r in 0..count {
+                    let at = r * len..(r + 1) * len;
+                    let (y, g, ly) = (&ys[at.clone()], &g[at.clone()], &log_ys[at.clone()]);
+                    if y.iter().any(|v| v.is_nan()) {
+                        continue;
+                    }
+                    let dot: f64 = y
+                        .iter()
+                        .zip(g)
+                        .map(|(y, g)| f64::from(*y) * f64::from(*g))
+                        .sum();
+                    let dot_abs: f64 = y.iter().zip(g).map(|(y, g)| f64::from(*y * *g).abs()).sum();
+                    let sum: f64 = g.iter().map(|g| f64::from(*g)).sum();
+                    let sum_abs: f64 = g.iter().map(|g| f64::from(*g).abs()).sum();
+                    for i in 0..len {
+                        let (yi, gi) = (f64::from(y[i]), f64::from(g[i]));
+                        let want = yi * (gi - dot);
+                        let tol = 2f64.powi(-24)
+                            * yi
+                            * (2.0 * gi.abs() + 2.0 * dot.abs() + (n / 16.0 + 4.0) * dot_abs)
+                            + 1e-44;
+                        let got = f64::from(dx[r * len + i]);
+                        assert!((got - want).abs() <= tol, "softmax' {r} [{i}] of {len}");
+                        let e = f64::from(ly[i]).exp();
+                        let want = gi - e * sum;
+                        let tol = 2f64.powi(-24)
+                            * (2.0 * gi.abs()
+                                + 2.0 * (e * sum).abs()
+                                + e * (n / 16.0 + 6.0) * sum_abs);
+                        let got = f64::from(log_dx[r * len + i]);
+                        assert!((got - want).abs() <= tol, "log_softmax' {r} [{i}] of {len}");
+                    }
+                }
+                by_path.push((dx, log_dx));
+            }
+            let b = |v: &Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            for w in by_path.windows(2) {
+                assert_eq!((b(&w[0].0), b(&w[0].1)), (b(&w[1].0), b(&w[1].1)), "{len}");
+            }
+        }
+    }
+
+    #[test]
+    fn in_place_or_not_on_any_number_of_threads_the_same_bits() {
+        // More than one parallel task of rows, the last one short.
+        let (count, len) = (301, 257);
+        let x = rows(len, count, 3);
+        let g = rows(len, count, 5);
+        let run = |threads: usize, shared: bool| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            pool.install(|| {
+                let t = tensor(x.clone(), &[count, len]);
+                let keep = shared.then(|| t.clone());
+                let y = softmax(t, 1);
+                let log_y = log_softmax(tensor(x.clone(), &[count, len]), 1);
+                let dx = backward(
+                    y.clone(),
+                    tensor(g.clone(), &[count, len]),
+                    Kind::Softmax,
+                    Isa::best(),
+                );
+                if let Some(kept) = keep {
+                    assert_eq!(values(kept), x, "the input is left as it was");
+                }
+                (bits(y), bits(log_y), bits(dx))
+            })
+        };
+        let one = run(1, false);
+        assert!(one == run(2, false), "two threads");
+        assert!(one == run(2, true), "a shared input");
+    }
+
+    #[test]
+    fn other_dims_views_and_dtypes_are_flexs() {
+        let x = rows(6, 20, 9);
+        let t = tensor(x, &[4, 5, 6]);
+        let b = |t: FlexTensor| t.into_data().bytes.to_vec();
+        assert_eq!(b(softmax(t.clone(), 1)), b(Flex::softmax(t.clone(), 1)));
+        let view = Flex::float_swap_dims(t.clone(), 1, 2);
+        assert_eq!(
+            b(softmax(view.clone(), 2)),
+            b(Flex::softmax(view.clone(), 2))
+        );
+        assert_eq!(
+            b(log_softmax(view.clone(), 2)),
+            b(Flex::log_softmax(view, 2))
+        );
+        let f64s = Flex::float_cast(t.clone(), burn_backend::FloatDType::F64);
+        assert_eq!(b(softmax(f64s.clone(), 2)), b(Flex::softmax(f64s, 2)));
+        let halves = Flex::float_cast(t, burn_backend::FloatDType::BF16);
+        assert_eq!(b(softmax(halves.clone(), 2)), b(Flex::softmax(halves, 2)));
+        // A slice of rows at an offset is contiguous, and taken.
+        let t = tensor(rows(6, 20, 9), &[20, 6]);
+        let slice = Flex::float_slice(t.clone(), &[burn::tensor::Slice::new(3, Some(9), 1)]);
+        assert_eq!(rows_of(&slice, 1), Some(6));
+        let want = values(softmax(tensor(values(t)[18..54].to_vec(), &[6, 6]), 1));
+        assert_eq!(values(softmax(slice, 1)), want);
+    }
+}

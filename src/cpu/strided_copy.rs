@@ -1,0 +1,210 @@
+//! Strided views copied out to contiguous memory on every core, where Flex walks them one
+//! value at a time.
+//!
+//! Multi-head attention reshapes transposed views: `[batch, heads, seq, d_k]` back to
+//! `[batch, seq, d_model]` after the context product, and the gradients of the head splits
+//! in the backward pass. Flex 0.21 copies a view of more than two dimensions (after merging
+//! the ones that lie contiguous) through its strided iterator, one index computation per
+//! value, on one thread: about a tenth of a transformer's bf16 step. Here the view's rows
+//! (its last dimension) are copied as runs, on rayon's threads.
+//!
+//! A copy is exact, so the decorator takes this path with or without autocast: before a
+//! reshape that Flex would have to copy anyway (a view that is not contiguous from its
+//! buffer's start), the copy is made here and Flex's reshape of it is free. Negative strides
+//! (flipped views) and views Flex copies quickly itself (one or two dimensions after merging)
+//! stay Flex's.
+
+use burn::backend::flex::{FlexTensor, Layout};
+use burn::backend::{Autodiff, Flex};
+use burn::tensor::{Bytes, Shape};
+use burn_backend::tensor::FloatTensor;
+
+use super::half_kernels::filled;
+
+/// Whether Flex's reshape copies `t` (it is a view only of a tensor contiguous from its
+/// buffer's start).
+pub(crate) fn reshape_copies(t: &FlexTensor) -> bool {
+    !(t.layout().is_contiguous() && t.layout().start_offset() == 0)
+}
+
+// The view's dimensions without those of size 1, adjacent ones merged where they lie
+// contiguous: (sizes, strides), outermost first. `None` for a negative stride.
+fn collapsed(layout: &Layout) -> Option<(Vec<usize>, Vec<usize>)> {
+    let (mut sizes, mut strides): (Vec<usize>, Vec<usize>) = (Vec::new(), Vec::new());
+    for (&size, &stride) in layout.shape().iter().zip(layout.strides()) {
+        let stride = usize::try_from(stride).ok()?;
+        if size == 1 {
+            continue;
+        }
+        match (sizes.last_mut(), strides.last()) {
+            (Some(outer), Some(&outer_stride)) if outer_stride == stride * size => {
+                *outer *= size;
+                *strides.last_mut().expect("pushed with its size") = stride;
+            }
+            _ => {
+                sizes.push(size);
+                strides.push(stride);
+            }
+        }
+    }
+    Some((sizes, strides))
+}
+
+/// `t`'s values in order, in a contiguous tensor of its shape: `t` itself where it is
+/// contiguous from its buffer's start, Flex's own copy where that is quick, this module's
+/// otherwise.
+pub(crate) fn contiguous(t: FlexTensor) -> FlexTensor {
+    if !reshape_copies(&t) {
+        return t;
+    }
+    let copied = match collapsed(t.layout()) {
+        Some((sizes, strides)) if sizes.len() > 2 => match t.dtype().size() {
+            2 => Some(copy::<u16>(&t, &sizes, &strides)),
+            4 => Some(copy::<u32>(&t, &sizes, &strides)),
+            8 => Some(copy::<u64>(&t, &sizes, &strides)),
+            _ => None,
+        },
+        _ => None,
+    };
+    match copied {
+        Some(bytes) => FlexTensor::new(
+            bytes,
+            Layout::contiguous(Shape::from(t.layout().shape().to_vec())),
+            t.dtype(),
+        ),
+        None => t.to_contiguous(),
+    }
+}
+
+fn copy<T: bytemuck::Pod + Send + Sync>(
+    t: &FlexTensor,
+    sizes: &[usize],
+    strides: &[usize],
+) -> Bytes {
+    let src: &[T] = bytemuck::cast_slice(t.bytes());
+    let start = t.layout().start_offset();
+    let rank = sizes.len();
+    let (last, last_stride) = (sizes[rank - 1], strides[rank - 1]);
+    let len: usize = sizes.iter().product();
+    // Where row `row` (a run of the last dimension) starts in `src`.
+    let row_start = |mut row: usize| {
+        let mut offset = start;
+        for d in (0..rank - 1).rev() {
+            offset += (row % sizes[d]) * strides[d];
+            row /= sizes[d];
+        }
+        offset
+    };
+    let out = filled::<T>(len, |begin, block| {
+        let (mut row, mut col) = (begin / last, begin % last);
+        let mut done = 0;
+        while done < block.len() {
+            let run = (last - col).min(block.len() - done);
+            let from = row_start(row) + col * last_stride;
+            let dst = &mut block[done..done + run];
+            match last_stride {
+                1 => dst.copy_from_slice(&src[from..from + run]),
+                s => dst
+                    .iter_mut()
+                    .enumerate()
+                    .for_each(|(i, v)| *v = src[from + i * s]),
+            }
+            done += run;
+            (row, col) = (row + 1, 0);
+        }
+    });
+    Bytes::from_elems(out)
+}
+
+/// [`contiguous`] of an `Autodiff<Flex>` tensor: the same node (the values are the same, so
+/// is the gradient), its primitive copied out.
+pub(crate) fn contiguous_tracked(
+    mut tensor: FloatTensor<Autodiff<Flex>>,
+) -> FloatTensor<Autodiff<Flex>> {
+    tensor.primitive = contiguous(tensor.primitive);
+    tensor
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::TensorData;
+    use burn_backend::FloatDType;
+    use burn_backend::ops::FloatTensorOps;
+
+    use super::*;
+
+    fn tensor(shape: &[usize], dtype: FloatDType) -> FlexTensor {
+        let len: usize = shape.iter().product();
+        let values: Vec<f32> = (0..len).map(|i| i as f32 * 0.25 - 7.0).collect();
+        Flex::float_cast(
+            FlexTensor::from_data(TensorData::new(values, shape.to_vec())),
+            dtype,
+        )
+    }
+
+    fn bits(t: FlexTensor) -> (Vec<usize>, Vec<u8>) {
+        (t.layout().shape().to_vec(), t.into_data().bytes.to_vec())
+    }
+
+    #[test]
+    fn views_copy_out_to_flexs_values() {
+        for dtype in [
+            FloatDType::F32,
+            FloatDType::BF16,
+            FloatDType::F16,
+            FloatDType::F64,
+        ] {
+            let heads = |shape: [usize; 4]| {
+                // `[b, s, h, d]` → `[b, h, s, d]`: attention's head split.
+                Flex::float_swap_dims(tensor(&shape, dtype), 1, 2)
+            };
+            let views = [
+                heads([2, 17, 3, 5]),
+                heads([3, 64, 12, 32]),
+                // The last dimension strided too.
+                Flex::float_permute(tensor(&[4, 5, 6, 7], dtype), &[3, 1, 0, 2]),
+                // An offset view (a slice) of a transposed one.
+                Flex::float_slice(
+                    heads([2, 9, 4, 3]),
+                    &[
+                        burn::tensor::Slice::from(1..2),
+                        burn::tensor::Slice::from(1..4),
+                    ],
+                ),
+                // Two dimensions and contiguous ones: Flex's own, or none.
+                Flex::float_swap_dims(tensor(&[9, 7], dtype), 0, 1),
+                tensor(&[3, 4, 5], dtype),
+                Flex::float_swap_dims(tensor(&[1, 6, 1, 5], dtype), 0, 2),
+            ];
+            for view in views {
+                let want = bits(view.to_contiguous());
+                let copy = contiguous(view.clone());
+                assert!(!reshape_copies(&copy), "{dtype:?}");
+                assert_eq!(bits(copy), want, "{dtype:?} {:?}", view.layout());
+            }
+        }
+    }
+
+    #[test]
+    fn dimensions_merge_where_they_lie_contiguous() {
+        let layout = |t: FlexTensor| t.layout().clone();
+        let t = Flex::float_swap_dims(tensor(&[2, 3, 4, 5], FloatDType::F32), 1, 2);
+        // Strides [60, 5, 20, 1]: nothing merges with its neighbour.
+        assert_eq!(
+            collapsed(&layout(t)),
+            Some((vec![2, 4, 3, 5], vec![60, 5, 20, 1]))
+        );
+        let t = Flex::float_swap_dims(tensor(&[2, 3, 4, 5], FloatDType::F32), 0, 1);
+        // [3, 2, 4, 5] with strides [20, 60, 5, 1]: the last two merge.
+        assert_eq!(
+            collapsed(&layout(t)),
+            Some((vec![3, 2, 20], vec![20, 60, 1]))
+        );
+        let flipped = Flex::float_flip(tensor(&[3, 4], FloatDType::F32), &[0]);
+        assert_eq!(collapsed(&layout(flipped.clone())), None);
+        assert_eq!(
+            bits(contiguous(flipped.clone())),
+            bits(flipped.to_contiguous())
+        );
+    }
+}
