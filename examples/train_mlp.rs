@@ -9,8 +9,10 @@
 //! ```
 //!
 //! The last line printed (by the main process only, under the launcher) is
-//! `final loss=<f> accuracy=<f> skipped_steps=<n> precision=<p>`, where `precision` is the one
-//! the ops really ran in (f32 after a fallback, which is also reported on stderr).
+//! `final loss=<f> accuracy=<f> skipped_steps=<n> precision=<p> half_ops=<n>/<all> …`, where
+//! `precision` is the one the ops really ran in (f32 after a fallback, which is also reported on
+//! stderr), and the rest says how many of the linears ran in it and how many autocast kept in
+//! f32 as too small to gain from it (at the default batch, all of them).
 
 use std::process::ExitCode;
 

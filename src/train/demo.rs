@@ -299,14 +299,18 @@ pub struct DemoOutcome {
 }
 
 impl DemoOutcome {
-    /// The example's last line: `final loss=<f> accuracy=<f> skipped_steps=<n> precision=<p>`.
+    /// The example's last line: `final loss=<f> accuracy=<f> skipped_steps=<n> precision=<p>`,
+    /// then how many of the lower-class ops ran in the half type and how many autocast kept
+    /// in f32 (`half_ops=<n>/<all> half_flops=<pct>% kept_f32=<n> small,<n> unsupported`):
+    /// the MLP's are small, and the default small-op rule keeps them in f32.
     pub fn summary_line(&self) -> String {
         format!(
-            "final loss={:.6} accuracy={:.4} skipped_steps={} precision={}",
+            "final loss={:.6} accuracy={:.4} skipped_steps={} precision={} {}",
             self.loss,
             self.accuracy,
             self.stats.skipped_steps(),
-            flag_name(self.stats.precision)
+            flag_name(self.stats.precision),
+            self.stats.lower_ops.summary()
         )
     }
 }
