@@ -160,11 +160,16 @@ LOW_PATHS = {
 }
 
 # Op-table ops whose call, once the plan has cast the inputs, goes through a function of
-# `crate::backend` with the same arguments (the crate's own fused kernel under autocast where
-# the backend has one, see src/backend/kernels.rs), as "module::function".
+# `crate::backend` with the same arguments (the crate's own kernel where the backend has one
+# and it applies, see src/backend/kernels.rs: softmax's under autocast; the elementwise
+# arithmetic's, given the promoted operands, with or without), as "module::function".
 FUSED_PATHS = {
     "softmax": "kernels::softmax",
     "log_softmax": "kernels::log_softmax",
+    "float_add": "kernels::add",
+    "float_sub": "kernels::sub",
+    "float_mul": "kernels::mul",
+    "float_div": "kernels::div",
 }
 
 # Ops outside the op table forwarded through a function of `crate::backend` (the crate's own
@@ -176,6 +181,10 @@ HALF_PATHS = {
     "float_random": "kernels::random",
     "float_mask_fill": "kernels::mask_fill",
     "float_reshape": "kernels::reshape",
+    "float_add_scalar": "kernels::add_scalar",
+    "float_sub_scalar": "kernels::sub_scalar",
+    "float_mul_scalar": "kernels::mul_scalar",
+    "float_div_scalar": "kernels::div_scalar",
 }
 
 # How the co-locate rule moves each kind of tensor argument of a table op.

@@ -5,9 +5,10 @@
 //! per backend type, as one [`Kernels`] table looked up by `TypeId` (see [`Hooks`]): a lookup
 //! for any other backend finds nothing and the backend's own op runs. Only this file calls
 //! into `crate::cpu`; the forwarding reaches the kernels through [`cast`], [`relu`],
-//! [`random`], [`softmax`], [`log_softmax`] and [`gelu`] here, and through
-//! [`lowered`](super::lowered) for autocast's lower-class ops, and the capability probe times
-//! the registered matmul against the backend's own. [`seed`] is the decorator's
+//! [`random`], [`softmax`], [`log_softmax`], [`gelu`] and the elementwise arithmetic ([`add`],
+//! [`mul_scalar`], ...) here, and through [`lowered`](super::lowered) for autocast's
+//! lower-class ops, and the capability probe times the registered matmul against the
+//! backend's own. [`seed`] is the decorator's
 //! `Backend::seed` reaching the random kernel's generator.
 
 use burn_backend::ops::ConvOptions;
@@ -29,11 +30,13 @@ type Conv2d<B> = fn(
     Route,
 ) -> FloatTensor<B>;
 type Relu<B> = fn(FloatTensor<B>) -> FloatTensor<B>;
-type Contiguous<B> = fn(FloatTensor<B>) -> FloatTensor<B>;
+type Reshape<B> = fn(FloatTensor<B>, Shape) -> FloatTensor<B>;
 type MaskFill<B> = fn(FloatTensor<B>, BoolTensor<B>, Scalar) -> FloatTensor<B>;
 type Random<B> = fn(&Shape, Distribution, FloatDType) -> Option<FloatTensor<B>>;
 type Softmax<B> = fn(FloatTensor<B>, usize) -> FloatTensor<B>;
 type Gelu<B> = fn(FloatTensor<B>) -> FloatTensor<B>;
+type Binary<B> = fn(FloatTensor<B>, FloatTensor<B>) -> FloatTensor<B>;
+type WithScalar<B> = fn(FloatTensor<B>, Scalar) -> FloatTensor<B>;
 
 /// The kernels registered for one backend type `B`.
 pub(crate) struct Kernels<B: Backend> {
@@ -51,9 +54,9 @@ pub(crate) struct Kernels<B: Backend> {
     /// `mask_fill` with a mask broadcast to the tensor (the backend's own bits; any other
     /// through the backend's own).
     pub(crate) mask_fill: MaskFill<B>,
-    /// A view copied out to contiguous memory where the backend's reshape would copy it (the
-    /// same values; the tensor itself otherwise).
-    pub(crate) contiguous: Contiguous<B>,
+    /// A reshape, of a view copied out to contiguous memory where the backend's reshape would
+    /// copy it (the same values), and the same for its gradient.
+    pub(crate) reshape: Reshape<B>,
     /// A random tensor from the crate's counter-based generator (`crate::cpu::counter_rng`),
     /// `None` for a distribution or dtype it leaves to the backend's own.
     pub(crate) random: Random<B>,
@@ -64,6 +67,24 @@ pub(crate) struct Kernels<B: Backend> {
     pub(crate) log_softmax: Softmax<B>,
     /// GELU (f32, bf16 and f16 in the kernel, anything else through the backend's own).
     pub(crate) gelu: Gelu<B>,
+    /// `lhs + rhs` of two half tensors of one dtype and shape (the backend's own bits; any
+    /// other through the backend's own).
+    pub(crate) add: Binary<B>,
+    /// `lhs - rhs`, as `add`.
+    pub(crate) sub: Binary<B>,
+    /// `lhs * rhs`, as `add`.
+    pub(crate) mul: Binary<B>,
+    /// `lhs / rhs`, as `add`.
+    pub(crate) div: Binary<B>,
+    /// `lhs + rhs` of a half tensor and a scalar (the backend's own bits; any other through
+    /// the backend's own).
+    pub(crate) add_scalar: WithScalar<B>,
+    /// `lhs - rhs` of a scalar, as `add_scalar`.
+    pub(crate) sub_scalar: WithScalar<B>,
+    /// `lhs * rhs` of a scalar, as `add_scalar`.
+    pub(crate) mul_scalar: WithScalar<B>,
+    /// `lhs / rhs` of a scalar, as `add_scalar`.
+    pub(crate) div_scalar: WithScalar<B>,
 }
 
 // By hand: a derive would ask `B: Copy`.
@@ -83,8 +104,8 @@ fn register_known() {
     #[cfg(feature = "flex")]
     {
         use crate::cpu::{
-            counter_rng, fast_cast, gelu, half_activation, low_conv, low_gemm, masked_fill,
-            softmax, strided_copy,
+            counter_rng, fast_cast, gelu, half_activation, half_elementwise, low_conv, low_gemm,
+            masked_fill, softmax, strided_copy,
         };
         use burn::backend::{Autodiff, Flex};
 
@@ -95,11 +116,19 @@ fn register_known() {
             conv2d: low_conv::conv2d,
             relu: half_activation::relu,
             mask_fill: masked_fill::mask_fill,
-            contiguous: strided_copy::contiguous,
+            reshape: strided_copy::reshape,
             random: counter_rng::random,
             softmax: softmax::softmax,
             log_softmax: softmax::log_softmax,
             gelu: gelu::gelu,
+            add: half_elementwise::add,
+            sub: half_elementwise::sub,
+            mul: half_elementwise::mul,
+            div: half_elementwise::div,
+            add_scalar: half_elementwise::add_scalar,
+            sub_scalar: half_elementwise::sub_scalar,
+            mul_scalar: half_elementwise::mul_scalar,
+            div_scalar: half_elementwise::div_scalar,
         });
         KERNELS.insert::<Autodiff<Flex>, _>(Kernels::<Autodiff<Flex>> {
             cast: fast_cast::convert_tracked,
@@ -108,11 +137,19 @@ fn register_known() {
             conv2d: low_conv::conv2d_tracked,
             relu: half_activation::relu_tracked,
             mask_fill: masked_fill::mask_fill_tracked,
-            contiguous: strided_copy::contiguous_tracked,
+            reshape: strided_copy::reshape_tracked,
             random: counter_rng::random_tracked,
             softmax: softmax::softmax_tracked,
             log_softmax: softmax::log_softmax_tracked,
             gelu: gelu::gelu_tracked,
+            add: half_elementwise::add_tracked,
+            sub: half_elementwise::sub_tracked,
+            mul: half_elementwise::mul_tracked,
+            div: half_elementwise::div_tracked,
+            add_scalar: half_elementwise::add_scalar_tracked,
+            sub_scalar: half_elementwise::sub_scalar_tracked,
+            mul_scalar: half_elementwise::mul_scalar_tracked,
+            div_scalar: half_elementwise::div_scalar_tracked,
         });
     }
 }
@@ -172,12 +209,76 @@ pub(crate) fn mask_fill<B: Backend>(
     B::float_mask_fill(tensor, mask, value)
 }
 
+/// Whether the registered elementwise kernels may take `lhs` and `rhs`: one half dtype, one
+/// shape (the kernel itself hands strided views to the backend's own).
+#[inline]
+fn half_pair<T: TensorMetadata>(lhs: &T, rhs: &T) -> bool {
+    let dtype = lhs.dtype();
+    matches!(dtype, DType::BF16 | DType::F16) && rhs.dtype() == dtype && lhs.shape() == rhs.shape()
+}
+
+// The forwarding of `float_add`, `float_sub`, `float_mul` and `float_div` (after autocast's
+// plan has promoted mixed dtypes), and of their `_scalar` forms: through the registered kernel
+// for half tensors, with or without autocast, as the values are `B`'s own bits (each rounded
+// once from the f32 op); broadcast shapes, f32 and f64 through `B`'s own.
+macro_rules! elementwise_routes {
+    ($($(#[$doc:meta])* $name:ident => $own:ident;)*) => {$(
+        $(#[$doc])*
+        #[inline]
+        pub(crate) fn $name<B: Backend>(lhs: FloatTensor<B>, rhs: FloatTensor<B>) -> FloatTensor<B> {
+            if half_pair(&lhs, &rhs)
+                && let Some(kernels) = of::<B>()
+            {
+                return (kernels.$name)(lhs, rhs);
+            }
+            B::$own(lhs, rhs)
+        }
+    )*};
+}
+
+macro_rules! scalar_routes {
+    ($($(#[$doc:meta])* $name:ident => $own:ident;)*) => {$(
+        $(#[$doc])*
+        #[inline]
+        pub(crate) fn $name<B: Backend>(lhs: FloatTensor<B>, rhs: Scalar) -> FloatTensor<B> {
+            if matches!(lhs.dtype(), DType::BF16 | DType::F16)
+                && let Some(kernels) = of::<B>()
+            {
+                return (kernels.$name)(lhs, rhs);
+            }
+            B::$own(lhs, rhs)
+        }
+    )*};
+}
+
+elementwise_routes! {
+    /// `B::float_add`, through the registered kernel for two half tensors of one shape.
+    add => float_add;
+    /// `B::float_sub`, as [`add`].
+    sub => float_sub;
+    /// `B::float_mul`, as [`add`].
+    mul => float_mul;
+    /// `B::float_div`, as [`add`].
+    div => float_div;
+}
+
+scalar_routes! {
+    /// `B::float_add_scalar`, through the registered kernel for half tensors.
+    add_scalar => float_add_scalar;
+    /// `B::float_sub_scalar`, as [`add_scalar`].
+    sub_scalar => float_sub_scalar;
+    /// `B::float_mul_scalar`, as [`add_scalar`].
+    mul_scalar => float_mul_scalar;
+    /// `B::float_div_scalar`, as [`add_scalar`].
+    div_scalar => float_div_scalar;
+}
+
 /// `B::float_reshape`, of a copy made by the registered kernel where `B`'s reshape would copy
 /// the view itself: the same values, with or without autocast.
 #[inline]
 pub(crate) fn reshape<B: Backend>(tensor: FloatTensor<B>, shape: Shape) -> FloatTensor<B> {
     match of::<B>() {
-        Some(kernels) => B::float_reshape((kernels.contiguous)(tensor), shape),
+        Some(kernels) => (kernels.reshape)(tensor, shape),
         None => B::float_reshape(tensor, shape),
     }
 }

@@ -22,6 +22,11 @@
 //! - [`half_activation`]: ReLU of bf16 and f16 tensors, with or without autocast (Flex's own
 //!   bits). Not for f32 tensors, nor for a view whose values are not contiguous in order
 //!   (Flex's own ReLU).
+//! - [`half_elementwise`]: add, sub, mul and div of two bf16 or two f16 tensors of one shape,
+//!   and their `_scalar` forms (dropout's `x * mask` and `* (1 / keep)`, attention's scaling),
+//!   with autodiff nodes giving Burn's own gradients; with or without autocast (Flex's own bits,
+//!   each value rounded once from f32). Not for broadcast shapes, strided views, mixed dtypes,
+//!   f32 or f64 (Flex's own, and Burn's own node on `Autodiff<Flex>`).
 //! - [`low_gemm`]: autocast's lower-class matmul (batched too, as in attention) and linear
 //!   (an input of any rank taken as the matrix of its rows). Applies under autocast to half
 //!   operands of one dtype, 2-D or batches with the same leading dimensions, where the probe
@@ -77,6 +82,8 @@ pub(crate) mod gelu;
 pub(crate) mod half_activation;
 #[cfg(feature = "flex")]
 pub(crate) mod half_conv;
+#[cfg(feature = "flex")]
+pub(crate) mod half_elementwise;
 #[cfg(feature = "flex")]
 pub(crate) mod half_kernels;
 #[cfg(feature = "flex")]

@@ -14,9 +14,15 @@
 //! (flipped views) and views Flex copies quickly itself (one or two dimensions after merging)
 //! stay Flex's.
 
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
 use burn::backend::flex::{FlexTensor, Layout};
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::{Bytes, Shape};
+use burn_backend::TensorMetadata;
+use burn_backend::ops::FloatTensorOps;
 use burn_backend::tensor::FloatTensor;
 
 use super::half_kernels::filled;
@@ -116,20 +122,61 @@ fn copy<T: bytemuck::Pod + Send + Sync>(
     Bytes::from_elems(out)
 }
 
-/// [`contiguous`] of an `Autodiff<Flex>` tensor: the same node (the values are the same, so
-/// is the gradient), its primitive copied out.
-pub(crate) fn contiguous_tracked(
-    mut tensor: FloatTensor<Autodiff<Flex>>,
+/// `Flex::float_reshape` of `t`, copied out by [`contiguous`] first where Flex would copy it.
+pub(crate) fn reshape(t: FlexTensor, shape: Shape) -> FlexTensor {
+    Flex::float_reshape(contiguous(t), shape)
+}
+
+/// [`reshape`] as a node of Burn's autodiff: the gradient is reshaped back the same way (the
+/// gradient of a reshaped transposed view is itself a transposed view, which Burn's own node
+/// hands to Flex's copy). As Burn's node, a gradient broadcast along a dimension of size 1 is
+/// summed along it first.
+pub(crate) fn reshape_tracked(
+    tensor: FloatTensor<Autodiff<Flex>>,
+    shape: Shape,
 ) -> FloatTensor<Autodiff<Flex>> {
-    tensor.primitive = contiguous(tensor.primitive);
-    tensor
+    #[derive(Debug)]
+    struct Reshape;
+
+    impl Backward<Flex, 1> for Reshape {
+        type State = (Shape, Shape);
+
+        fn backward(
+            self,
+            ops: Ops<Self::State, 1>,
+            grads: &mut Gradients,
+            _checkpointer: &mut Checkpointer,
+        ) {
+            let (original, shape) = ops.state;
+            unary::<Flex, _>(ops.parents, ops.node, grads, |mut grad| {
+                let grad_shape = grad.shape();
+                for i in 0..shape.num_dims() {
+                    if shape[i] == 1 && grad_shape[i] != 1 {
+                        grad = Flex::float_sum_dim(grad, i);
+                    }
+                }
+                reshape(grad, original)
+            });
+        }
+    }
+
+    match Reshape
+        .prepare::<NoCheckpointing>([tensor.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => prep.finish(
+            (tensor.primitive.shape(), shape.clone()),
+            reshape(tensor.primitive, shape),
+        ),
+        OpsKind::UnTracked(prep) => prep.finish(reshape(tensor.primitive, shape)),
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use burn::tensor::TensorData;
     use burn_backend::FloatDType;
-    use burn_backend::ops::FloatTensorOps;
 
     use super::*;
 
@@ -183,6 +230,46 @@ mod tests {
                 assert_eq!(bits(copy), want, "{dtype:?} {:?}", view.layout());
             }
         }
+    }
+
+    #[test]
+    fn the_autodiff_node_gives_burns_values_and_gradient() {
+        use burn::tensor::{Tensor, TensorPrimitive};
+        type A = Autodiff<Flex>;
+        let device = Default::default();
+        let shape = [2, 5, 3, 4];
+        let len: usize = shape.iter().product();
+        let x: Vec<f32> = (0..len)
+            .map(|i| ((i * 37) % 101) as f32 / 10.0 - 5.0)
+            .collect();
+        let w: Vec<f32> = (0..len)
+            .map(|i| ((i * 53) % 97) as f32 / 9.0 - 5.0)
+            .collect();
+        let run = |ours: bool| {
+            let x = Tensor::<A, 4>::from_data(TensorData::new(x.clone(), shape), &device)
+                .require_grad();
+            // Attention's merge of the heads: `[b, h, s, d]` → `[b, s, h, d]` → `[b, s, h·d]`.
+            let heads = x.clone().swap_dims(1, 2);
+            let y: Tensor<A, 3> = match ours {
+                true => Tensor::from_primitive(TensorPrimitive::Float(reshape_tracked(
+                    heads.into_primitive().tensor(),
+                    Shape::from([2, 3, 20]),
+                ))),
+                false => heads.reshape([2, 3, 20]),
+            };
+            let weights =
+                Tensor::<A, 3>::from_data(TensorData::new(w.clone(), [2, 3, 20]), &device);
+            // Through a transposed view again, so that the gradient arrives strided.
+            let grads = (y.clone().swap_dims(0, 1) * weights.swap_dims(0, 1))
+                .sum()
+                .backward();
+            let grad = x.grad(&grads).expect("x is tracked");
+            (
+                y.into_data().bytes.to_vec(),
+                grad.into_data().bytes.to_vec(),
+            )
+        };
+        assert_eq!(run(true), run(false));
     }
 
     #[test]

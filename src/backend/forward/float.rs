@@ -67,10 +67,10 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         let plan = CastPlan::new::<B>(Op::Add, &[CastInput::One(&lhs), CastInput::One(&rhs)]);
         let lhs = plan.cast_at::<B>(0, lhs);
         let rhs = plan.cast_at::<B>(1, rhs);
-        B::float_add(lhs, rhs)
+        crate::backend::kernels::add::<B>(lhs, rhs)
     }
     fn float_add_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
-        B::float_add_scalar(lhs, rhs)
+        crate::backend::kernels::add_scalar::<B>(lhs, rhs)
     }
     fn float_clamp_min(tensor: FloatTensor<Self>, min: Scalar) -> FloatTensor<Self> {
         B::float_clamp_min(tensor, min)
@@ -88,10 +88,10 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         let plan = CastPlan::new::<B>(Op::Sub, &[CastInput::One(&lhs), CastInput::One(&rhs)]);
         let lhs = plan.cast_at::<B>(0, lhs);
         let rhs = plan.cast_at::<B>(1, rhs);
-        B::float_sub(lhs, rhs)
+        crate::backend::kernels::sub::<B>(lhs, rhs)
     }
     fn float_sub_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
-        B::float_sub_scalar(lhs, rhs)
+        crate::backend::kernels::sub_scalar::<B>(lhs, rhs)
     }
     fn float_mul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let colocate = Colocate::<B>::new(&[CastInput::One(&lhs), CastInput::One(&rhs)]);
@@ -100,10 +100,10 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         let plan = CastPlan::new::<B>(Op::Mul, &[CastInput::One(&lhs), CastInput::One(&rhs)]);
         let lhs = plan.cast_at::<B>(0, lhs);
         let rhs = plan.cast_at::<B>(1, rhs);
-        B::float_mul(lhs, rhs)
+        crate::backend::kernels::mul::<B>(lhs, rhs)
     }
     fn float_mul_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
-        B::float_mul_scalar(lhs, rhs)
+        crate::backend::kernels::mul_scalar::<B>(lhs, rhs)
     }
     fn float_div(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let colocate = Colocate::<B>::new(&[CastInput::One(&lhs), CastInput::One(&rhs)]);
@@ -112,10 +112,10 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         let plan = CastPlan::new::<B>(Op::Div, &[CastInput::One(&lhs), CastInput::One(&rhs)]);
         let lhs = plan.cast_at::<B>(0, lhs);
         let rhs = plan.cast_at::<B>(1, rhs);
-        B::float_div(lhs, rhs)
+        crate::backend::kernels::div::<B>(lhs, rhs)
     }
     fn float_div_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
-        B::float_div_scalar(lhs, rhs)
+        crate::backend::kernels::div_scalar::<B>(lhs, rhs)
     }
     fn float_remainder(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         let colocate = Colocate::<B>::new(&[CastInput::One(&lhs), CastInput::One(&rhs)]);
