@@ -15,10 +15,14 @@
 //!
 //! It is a choice for the whole process, so the crate never makes it on its own: rayon's
 //! global pool is built once, by whichever comes first, this call or the first parallel op.
+//! What the crate does on its own is [`run_on_step_pool`]: `with_accelerate` runs its fit on
+//! the first thread of a pool of its own, which gives its steps the same without touching the
+//! global pool.
 //!
 //! What it changes beyond speed:
-//! - Call it on the thread that runs the training steps. `with_accelerate` and Burn's
-//!   single-device training run them on the thread that calls `fit`; Burn's multi-device
+//! - Call it on the thread that runs the training steps. Burn's single-device training runs
+//!   them on the thread that calls `fit` (`with_accelerate` on its own pool's thread, where
+//!   this call changes nothing); Burn's multi-device
 //!   strategies run each device's steps on a thread of its own, and there the call would only
 //!   take a thread from their ops.
 //! - The calling thread runs pool jobs only while it is inside a parallel op itself (rayon
