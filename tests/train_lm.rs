@@ -19,7 +19,11 @@ type Train = Accelerated<Autodiff<Flex>>;
 
 static ONE_TRAINING: Mutex<()> = Mutex::new(());
 
-const TEXT: &[u8] = include_bytes!("../README.md");
+/// Text that does not change from one commit to the next (the README does), so that the
+/// losses below stay where they were measured: 354 windows of 33 bytes, 319 for training.
+fn text() -> Vec<u8> {
+    include_bytes!("../LICENSE-APACHE").to_vec()
+}
 
 /// A few thousand parameters, tens of steps.
 fn small(precision: Precision) -> LmConfig {
@@ -31,7 +35,7 @@ fn small(precision: Precision) -> LmConfig {
         .with_d_ff(64)
         .with_seq_len(32)
         .with_batch_size(8)
-        .with_steps(Some(40))
+        .with_steps(Some(36))
         .with_lr(3e-3)
         .with_warmup(5)
         .with_allow_fallback(false)
@@ -41,7 +45,7 @@ fn small(precision: Precision) -> LmConfig {
 fn train(config: &LmConfig, small_ops: SmallOps) -> Result<LmOutcome, AccelerateError> {
     let _one = ONE_TRAINING.lock().unwrap_or_else(|e| e.into_inner());
     autocast::set_small_ops(small_ops).expect("a valid rule");
-    let outcome = lm::run::<Train>(config, TEXT, &Default::default());
+    let outcome = lm::run::<Train>(config, &text(), &Default::default());
     autocast::set_small_ops(SmallOps::KeepF32).expect("the default");
     outcome
 }
@@ -50,9 +54,9 @@ fn train(config: &LmConfig, small_ops: SmallOps) -> Result<LmOutcome, Accelerate
 fn the_lm_learns_in_f32_and_the_half_precisions_end_near_it() {
     let f32_run = train(&small(Precision::F32), SmallOps::KeepF32).unwrap();
     let line = f32_run.summary_line();
-    assert_eq!(f32_run.steps, 40, "{line}");
+    assert_eq!(f32_run.steps, 36, "{line}");
     assert_eq!(f32_run.processes, 1);
-    // Bytes from a uniform guess cost ln 256 = 5.55 nats; README text, learned for 40 steps,
+    // Bytes from a uniform guess cost ln 256 = 5.55 nats; English text, learned for 36 steps,
     // far less.
     assert!(f32_run.initial_loss > 4.0, "{line}");
     assert!(f32_run.valid_loss < 3.6, "{line}");
@@ -73,7 +77,7 @@ fn the_lm_learns_in_f32_and_the_half_precisions_end_near_it() {
         let ops = run.stats.lower_ops;
         assert!(ops.half_ops > 0 && ops.small_ops == 0, "{line}");
         assert_eq!(ops.half_flops, ops.flops(), "{line}");
-        // Stated tolerance: 3% of f32's validation loss after the same 40 steps (the same
+        // Stated tolerance: 3% of f32's validation loss after the same 36 steps (the same
         // data order, other dropout draws under autocast, and half-precision products).
         let rel = (run.valid_loss - f32_run.valid_loss).abs() / f32_run.valid_loss;
         assert!(
@@ -121,7 +125,7 @@ fn a_run_too_long_for_its_text_or_a_bad_model_is_refused_with_the_setting_to_cha
         "{err}"
     );
     let err =
-        lm::run::<Train>(&small(Precision::F32), &TEXT[..40], &Default::default()).unwrap_err();
+        lm::run::<Train>(&small(Precision::F32), &text()[..40], &Default::default()).unwrap_err();
     assert!(
         matches!(
             err,
