@@ -24,14 +24,14 @@ use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, binary, unary};
-use burn::backend::flex::{FlexTensor, Layout};
+use burn::backend::flex::FlexTensor;
 use burn::backend::{Autodiff, Flex};
-use burn::tensor::{Bytes, DType, Shape};
+use burn::tensor::DType;
 use burn_backend::Scalar;
 use burn_backend::ops::FloatTensorOps;
 use burn_backend::tensor::FloatTensor;
 
-use super::half_kernels::{Half, as_half, filled, fits, map, with_half, zip};
+use super::half_kernels::{Half, fits, map, with_half, zip};
 
 type Tracked = FloatTensor<Autodiff<Flex>>;
 
@@ -82,9 +82,10 @@ fn binary_op(
 ) -> FlexTensor {
     if takes_pair(&lhs, &rhs) {
         let nan = NanFrom::of_flex(lhs.dtype(), commutes);
+        // `zip` writes into its second operand: `lhs`, the left operand of `op`.
         with_half!(lhs.dtype(), H => return match nan {
-            NanFrom::Left => pair::<H>(lhs, rhs, move |l, r| if l.is_nan() { l } else { op(l, r) }),
-            NanFrom::Right => pair::<H>(lhs, rhs, move |l, r| if r.is_nan() { r } else { op(l, r) }),
+            NanFrom::Left => zip::<H>(&rhs, lhs, move |r, l| if l.is_nan() { l } else { op(l, r) }),
+            NanFrom::Right => zip::<H>(&rhs, lhs, move |r, l| if r.is_nan() { r } else { op(l, r) }),
         }, _ => {});
     }
     flex(lhs, rhs)
@@ -104,74 +105,10 @@ fn scalar_op(
         with_half!(tensor.dtype(), H => {
             let s = in_dtype::<H>(wide);
             // The tensor's NaN where both are NaN, as Flex's loop returns it (see `NanFrom`).
-            return single::<H>(tensor, move |x| if x.is_nan() { x } else { op(x, s) });
+            return map::<H>(tensor, move |x| if x.is_nan() { x } else { op(x, s) });
         }, _ => {});
     }
     flex(tensor, scalar)
-}
-
-// Values per block: the f32 buffers stay in L1 beside the data they stream.
-const BLOCK: usize = 256;
-
-/// `f(l, r)` of two half tensors that [`takes_pair`]: in place in `lhs`'s buffer where it is
-/// not shared, else into a new buffer written block by block, not zeroed first (the allocator
-/// hands back freed tensors' memory, which `vec![0; len]` would zero in a pass of its own).
-fn pair<H: Half>(
-    mut lhs: FlexTensor,
-    rhs: FlexTensor,
-    f: impl Fn(f32, f32) -> f32 + Sync,
-) -> FlexTensor {
-    if lhs.try_storage_mut::<H>().is_some() {
-        // `zip` writes into its second operand: `lhs`, the left operand of `f`.
-        return zip::<H>(&rhs, lhs, move |r, l| f(l, r));
-    }
-    let (Some(ls), Some(rs)) = (lhs.as_slice::<H>(), rhs.as_slice::<H>()) else {
-        unreachable!("`takes_pair` checked both are contiguous");
-    };
-    let out = filled::<u16>(ls.len(), |start, block| {
-        let (mut bl, mut br) = ([0f32; BLOCK], [0f32; BLOCK]);
-        for (i, dst) in as_half::<H>(block).chunks_mut(BLOCK).enumerate() {
-            let (at, n) = (start + i * BLOCK, dst.len());
-            let (bl, br) = (&mut bl[..n], &mut br[..n]);
-            H::widen(&ls[at..][..n], bl);
-            H::widen(&rs[at..][..n], br);
-            bl.iter_mut()
-                .zip(br.iter())
-                .for_each(|(l, r)| *l = f(*l, *r));
-            H::round(bl, dst);
-        }
-    });
-    output::<H>(out, lhs.layout().shape().clone())
-}
-
-/// `f(x)` of a half tensor that [`takes_one`], as [`pair`]: in place where its buffer is not
-/// shared, else into a new one.
-fn single<H: Half>(mut tensor: FlexTensor, f: impl Fn(f32) -> f32 + Sync) -> FlexTensor {
-    if tensor.try_storage_mut::<H>().is_some() {
-        return map::<H>(tensor, f);
-    }
-    let Some(xs) = tensor.as_slice::<H>() else {
-        unreachable!("`takes_one` checked it is contiguous");
-    };
-    let out = filled::<u16>(xs.len(), |start, block| {
-        let mut buf = [0f32; BLOCK];
-        for (i, dst) in as_half::<H>(block).chunks_mut(BLOCK).enumerate() {
-            let (at, n) = (start + i * BLOCK, dst.len());
-            let buf = &mut buf[..n];
-            H::widen(&xs[at..][..n], buf);
-            buf.iter_mut().for_each(|x| *x = f(*x));
-            H::round(buf, dst);
-        }
-    });
-    output::<H>(out, tensor.layout().shape().clone())
-}
-
-fn output<H: Half>(values: Vec<u16>, shape: Shape) -> FlexTensor {
-    FlexTensor::new(
-        Bytes::from_elems(values),
-        Layout::contiguous(shape),
-        H::dtype(),
-    )
 }
 
 // `x` rounded to `H` and widened back, by the conversions the kernels round with (`half`'s).

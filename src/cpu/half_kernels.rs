@@ -422,9 +422,9 @@ pub(crate) fn map<H: Half>(mut t: FlexTensor, f: impl Fn(f32) -> f32 + Sync) -> 
         return t;
     }
     let src = values::<H>(&t).expect("map takes tensors that fit");
-    let mut out = half_buffer(src.len());
-    in_tasks(as_half::<H>(&mut out), |start, task| {
-        apply(Some(&src[start..][..task.len()]), task)
+    // Written in order: no pass to zero the buffer first.
+    let out = filled(src.len(), |start, block: &mut [u16]| {
+        apply(Some(&src[start..][..block.len()]), as_half::<H>(block))
     });
     output::<H>(out, Layout::contiguous(t.layout().shape().clone()))
 }
@@ -466,10 +466,14 @@ pub(crate) fn zip<H: Half>(
         return b;
     }
     let ys = values::<H>(&b).expect("zip takes tensors that fit");
-    let mut out = half_buffer(xs.len());
-    in_tasks(as_half::<H>(&mut out), |start, task| {
-        let n = task.len();
-        apply(&xs[start..][..n], Some(&ys[start..][..n]), task)
+    // Written in order: no pass to zero the buffer first.
+    let out = filled(xs.len(), |start, block: &mut [u16]| {
+        let n = block.len();
+        apply(
+            &xs[start..][..n],
+            Some(&ys[start..][..n]),
+            as_half::<H>(block),
+        )
     });
     output::<H>(out, Layout::contiguous(b.layout().shape().clone()))
 }
