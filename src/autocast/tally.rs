@@ -62,18 +62,6 @@ impl LowerOpTally {
         }
     }
 
-    /// Both tallies added (several threads' or processes').
-    pub fn plus(&self, other: &LowerOpTally) -> LowerOpTally {
-        LowerOpTally {
-            half_ops: self.half_ops.wrapping_add(other.half_ops),
-            half_flops: self.half_flops.wrapping_add(other.half_flops),
-            small_ops: self.small_ops.wrapping_add(other.small_ops),
-            small_flops: self.small_flops.wrapping_add(other.small_flops),
-            unsupported_ops: self.unsupported_ops.wrapping_add(other.unsupported_ops),
-            unsupported_flops: self.unsupported_flops.wrapping_add(other.unsupported_flops),
-        }
-    }
-
     /// Every lower-class call counted.
     pub fn ops(&self) -> u64 {
         self.half_ops + self.small_ops + self.unsupported_ops
@@ -171,7 +159,6 @@ mod tests {
             ran.summary(),
             "half_ops=2/4 half_flops=89.3% kept_f32=1 small,1 unsupported"
         );
-        assert_eq!(ran.plus(&ran).half_ops, 4);
         // Another thread's calls are its own.
         std::thread::spawn(|| record(None, Some(1))).join().unwrap();
         assert_eq!(thread_tally().since(&before), ran);

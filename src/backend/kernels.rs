@@ -5,8 +5,8 @@
 //! per backend type, as one [`Kernels`] table looked up by `TypeId` (see [`Hooks`]): a lookup
 //! for any other backend finds nothing and the backend's own op runs. Only this file calls
 //! into `crate::cpu`; the forwarding reaches the kernels through [`cast`], [`relu`],
-//! [`random`], [`softmax`], [`log_softmax`], [`gelu`] and the elementwise arithmetic ([`add`],
-//! [`mul_scalar`], ...) here, and through [`lowered`](super::lowered) for autocast's
+//! [`mask_fill`], [`reshape`], [`random`], [`softmax`], [`log_softmax`], [`gelu`] and the
+//! elementwise arithmetic ([`add`], [`mul_scalar`], ...) here, and through [`lowered`](super::lowered) for autocast's
 //! lower-class ops, and the capability probe times the registered matmul against the
 //! backend's own. [`seed`] is the decorator's
 //! `Backend::seed` reaching the random kernel's generator.

@@ -290,11 +290,6 @@ impl<B: Backend> CausalLm<B> {
             .forward(logits.clone(), targets.clone());
         ClassificationOutput::new(loss, logits, targets)
     }
-
-    /// Parameters, in all.
-    pub fn parameters(&self) -> usize {
-        self.num_params()
-    }
 }
 
 impl<B: AutodiffBackend> TrainStep for CausalLm<B> {
@@ -362,15 +357,6 @@ impl LrScheduler for WarmupLr {
         Self { steps, ..self }
     }
 }
-
-/// The learning components of a [`CausalLm`] trained by Adam with [`WarmupLr`], in Burn's
-/// terms.
-pub type LmComponents<B> = burn::train::LearningComponentsMarker<
-    B,
-    WarmupLr,
-    CausalLm<B>,
-    burn::optim::adaptor::OptimizerAdaptor<burn::optim::Adam, CausalLm<B>, B>,
->;
 
 // What the renderer saw of the training items: when each ended and its loss.
 #[derive(Debug, Default)]
@@ -618,7 +604,7 @@ pub fn run<B: AutodiffBackend>(
 
     B::seed(device, config.seed);
     let model = CausalLm::<B>::new(config, device);
-    let parameters = model.parameters();
+    let parameters = model.num_params();
     let optimizer = AdamConfig::new().with_epsilon(1e-8).init();
     let learner = Learner::new(model, optimizer, WarmupLr::new(config.lr, config.warmup));
     let clock = StepClock {
@@ -652,14 +638,11 @@ pub fn run<B: AutodiffBackend>(
     let timed: f64 = times.iter().sum();
     let tokens_per_step = config.batch_size * config.grad_accum * processes * config.seq_len;
     let tail = &items[items.len().saturating_sub(10)..];
-    let mut losses = [
-        tail.iter().map(|i| i.2).sum::<f64>() / tail.len().max(1) as f64,
-        items.first().map_or(f64::NAN, |i| i.2),
-    ];
+    let mut train_loss = [tail.iter().map(|i| i.2).sum::<f64>() / tail.len().max(1) as f64];
     let mut peak = peak_rss_mib();
     if processes > 1 {
         let group = process.group()?;
-        group.all_reduce(&mut losses[..1], ReduceOp::Mean)?;
+        group.all_reduce(&mut train_loss, ReduceOp::Mean)?;
         peak = group.all_gather(&[peak])?.into_iter().fold(0.0, f64::max);
     }
     let valid_loss = if process.is_main_process() {
@@ -668,12 +651,13 @@ pub fn run<B: AutodiffBackend>(
     } else {
         f64::NAN
     };
+    let stats = report.stats();
     Ok(LmOutcome {
         parameters,
         processes,
-        steps: report.stats().optimizer_steps(),
-        initial_loss: losses[1],
-        train_loss: losses[0],
+        steps: stats.optimizer_steps(),
+        initial_loss: items.first().map_or(f64::NAN, |i| i.2),
+        train_loss: train_loss[0],
         valid_loss,
         step_ms: median(&times) * 1e3,
         tokens_per_s: if timed > 0.0 {
@@ -682,7 +666,7 @@ pub fn run<B: AutodiffBackend>(
             f64::NAN
         },
         peak_rss_mib: peak,
-        stats: report.stats(),
+        stats,
     })
 }
 

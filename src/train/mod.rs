@@ -149,7 +149,8 @@ pub struct TrainingStats {
     /// Every epoch trained, in order.
     pub epochs: Vec<EpochReport>,
     /// The lower-class ops of the training and validation steps (on the thread that runs
-    /// them: the main device's) by what they ran in: half type, or f32 and why.
+    /// them: the main device's) by what they ran in: half type, or f32 and why; set when the
+    /// fit ends.
     pub lower_ops: LowerOpTally,
     // Skipped steps so far, the current epoch included (for the live metric).
     skipped_live: usize,
@@ -1128,7 +1129,6 @@ where
                 let mut stats = self.report.lock();
                 stats.epochs.push(report);
                 stats.loss_scale = scaling.loss_scale;
-                stats.lower_ops = autocast::thread_tally().since(&tally_start);
             }
             if interrupter.should_stop() {
                 let reason = interrupter
@@ -1192,7 +1192,6 @@ where
                     AccelerateCheckpoint::prune(dir, epoch);
                 }
             }
-            self.report.lock().lower_ops = autocast::thread_tally().since(&tally_start);
             if let Some(early_stopping) = &mut early_stopping {
                 let stop = validates
                     && early_stopping.should_stop(epoch, &training_components.event_store);
@@ -1209,6 +1208,8 @@ where
                 }
             }
         }
+        // Once, however the epochs ended (an interrupt, early stopping).
+        self.report.lock().lower_ops = autocast::thread_tally().since(&tally_start);
         (learner.model(), event_processor)
     }
 }
