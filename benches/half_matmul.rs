@@ -56,7 +56,7 @@ fn variants<const D: usize>(c: &mut Criterion, name: &str, a: Tensor<Acc, D>, b:
             bench.iter(|| black_box(al.clone().matmul(bl.clone())).into_data())
         });
     }
-    capability::set_half_path(HalfPath::Measured);
+    capability::set_half_path(HalfPath::ViaF32);
 }
 
 fn matmuls(c: &mut Criterion, name: &str, [m, k, n]: [usize; 3], transposed_a: bool) {

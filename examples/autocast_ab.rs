@@ -334,7 +334,7 @@ fn main() {
         .collect();
     let caps = capability::probe::<Acc>(&Default::default());
     println!(
-        "small ops: {:?}, the probe's threshold {:.1} MFLOP",
+        "small ops: {:?}, the device's threshold {:.1} MFLOP",
         autocast::small_ops(),
         caps.min_half_flops.unwrap_or(0) as f64 / 1e6
     );

@@ -2,7 +2,7 @@
 //! Gaussian blobs this crate makes (nothing is downloaded).
 //!
 //! ```text
-//! cargo run --release --example train_mlp -- --precision bf16 --grad-accum 2 --epochs 8 --seed 42
+//! cargo run --release --example train_mlp -- --precision bf16 --hidden 512 --grad-accum 2 --epochs 8 --seed 42
 //! burn-accelerate launch --num-processes 2 -- target/release/examples/train_mlp --batch-size 32
 //! burn-accelerate launch --num-processes 4 -- target/release/examples/train_mlp --zero-stage 2
 //! burn-accelerate launch --num-processes 2 -- target/release/examples/train_mlp --pin-threads
@@ -12,7 +12,8 @@
 //! `final loss=<f> accuracy=<f> skipped_steps=<n> precision=<p> half_ops=<n>/<all> …`, where
 //! `precision` is the one the ops really ran in (f32 after a fallback, which is also reported on
 //! stderr), and the rest says how many of the linears ran in it and how many autocast kept in
-//! f32 as too small to gain from it (at the default batch, all of them).
+//! f32 as too small to gain from it: at the default width (64) all of them, which the line
+//! then says; at `--hidden 512` the hidden layer runs in the half type.
 
 use std::process::ExitCode;
 
@@ -39,6 +40,11 @@ struct Args {
     /// Seeds the model's initialisation and the data order.
     #[arg(long, default_value_t = 42)]
     seed: u64,
+    /// Width of the two hidden layers. From 256 on, at the default batch, the hidden layer's
+    /// product is large enough (2·64·256² = 8.4 MFLOP is not; 2·64·512² = 33.5 is) for
+    /// autocast to run it in the half type; smaller ones stay in f32, as the last line says.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
+    hidden: u32,
     /// Samples per batch on each process (a step over N processes sees N times as many).
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
     batch_size: u32,
@@ -111,6 +117,7 @@ fn main() -> ExitCode {
         .with_epochs(args.epochs)
         .with_seed(args.seed)
         .with_batch_size(args.batch_size as usize)
+        .with_hidden(args.hidden as usize)
         .with_zero_stage(ZeroStage::from_number(args.zero_stage).expect("0, 1 or 2 by clap"));
     let main_process = match ProcessState::from_env() {
         Ok(state) => state.is_main_process(),

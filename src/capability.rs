@@ -8,14 +8,26 @@
 //! Running is not enough either: LibTorch on a CPU runs f16 correctly but has no f16 matmul
 //! kernel there, so f16 is about 50× slower than f32. The probe therefore also times a
 //! square matmul in f32 and in each low dtype that runs, and flags a dtype
-//! [`SLOW_FACTOR`] times slower or worse, so that autocast never picks it silently.
+//! [`SLOW_FACTOR`] times slower or worse, so that autocast never picks it silently. That is
+//! the only decision a timing takes, and its margin is wide: dtypes with real kernels measure
+//! 0.4–1.3× f32's time, those without 12× and more.
 //!
-//! Where the crate has an f32 path for a backend's half-precision ops (Flex's: f32 sums over
-//! operands rounded to the half type, rounded once after; bf16 on the CPU's dot-product
-//! instructions where it has them, see [`HalfPath`]), the probe times that too, and autocast
-//! takes it unless the backend's own kernels measured clearly faster (at most 0.8× its time).
-//! The time recorded for a dtype is that of the path autocast takes;
-//! [`Capabilities::fastest`] picks a precision from those times.
+//! **Nothing else depends on a timing.** Which path a half-precision op takes, whether a small
+//! op stays in f32 and which precision [`Capabilities::fastest`] picks are rules over the
+//! backend, the device's kind, the CPU's instruction set and the op's shapes, so that the same
+//! program on the same machine makes the same cast decisions and ends with the same bits
+//! however busy the machine was when it started:
+//! - where the crate has an f32 path for a backend's half-precision ops (Flex's: f32 sums over
+//!   operands rounded to the half type, rounded once after; bf16 on the CPU's dot-product
+//!   instructions where it has them, see [`HalfPath`]), autocast takes it;
+//! - on the host's CPU a lower-class op below
+//!   [`HOST_CPU_MIN_HALF_FLOPS`](crate::autocast::HOST_CPU_MIN_HALF_FLOPS) stays in f32
+//!   ([`SmallOps`](crate::autocast::SmallOps)); on an accelerator every one is cast;
+//! - [`Capabilities::fastest`] picks bf16 on a CPU only where the crate runs it on bf16
+//!   dot-product instructions, and on an accelerator the first half type that runs at speed.
+//!
+//! The times measured are kept ([`Capabilities::time_ratio`]) for `burn-accelerate env` to
+//! print.
 
 use std::any::TypeId;
 use std::collections::{HashMap, HashSet};
@@ -41,16 +53,13 @@ use crate::{AccelerateError, Precision};
 /// Intel Cooper Lake and later): about twice as fast as the f32 GEMM, the sums in another
 /// order. Elsewhere they widen the operands and run Flex's f32 kernels, which give Flex's own
 /// bf16 bits. For f16 neither matches the backend's own kernels (Flex's f16 kernels sum in f16).
-/// A run that must give the same numbers on every machine, or a test of one path, fixes it
-/// with [`set_half_path`].
+/// The choice is a rule, never a timing: a run that must give the same numbers on every
+/// machine, or a test of one path, fixes it with [`set_half_path`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 #[non_exhaustive]
 pub enum HalfPath {
-    /// The probe's choice ([`Capabilities::via_f32`]): the crate's path unless the backend's
-    /// own kernels timed clearly faster.
+    /// The crate's path wherever it has one, bf16 dot products included (the default).
     #[default]
-    Measured,
-    /// Always the crate's path, where it has one, bf16 dot products included.
     ViaF32,
     /// Always the crate's path with operands widened to f32 and Flex's f32 kernels (its GEMM,
     /// its convolution): the same bits on every CPU (for bf16, Flex's own), and slower.
@@ -69,25 +78,23 @@ static HALF_PATH: AtomicU8 = AtomicU8::new(0);
 ///
 /// capability::set_half_path(HalfPath::Widened);
 /// assert_eq!(capability::half_path(), HalfPath::Widened);
-/// capability::set_half_path(HalfPath::Measured);
+/// capability::set_half_path(HalfPath::ViaF32);
 /// ```
 pub fn set_half_path(path: HalfPath) {
     let code = match path {
-        HalfPath::Measured => 0,
-        HalfPath::ViaF32 => 1,
+        HalfPath::ViaF32 => 0,
         HalfPath::Own => 2,
         HalfPath::Widened => 3,
     };
     HALF_PATH.store(code, Ordering::Relaxed);
 }
 
-/// The path set by [`set_half_path`] ([`HalfPath::Measured`] unless set).
+/// The path set by [`set_half_path`] ([`HalfPath::ViaF32`] unless set).
 pub fn half_path() -> HalfPath {
     match HALF_PATH.load(Ordering::Relaxed) {
-        1 => HalfPath::ViaF32,
         2 => HalfPath::Own,
         3 => HalfPath::Widened,
-        _ => HalfPath::Measured,
+        _ => HalfPath::ViaF32,
     }
 }
 
@@ -95,7 +102,7 @@ pub fn half_path() -> HalfPath {
 pub(crate) fn route() -> Route {
     match half_path() {
         HalfPath::Widened => Route::Widened,
-        HalfPath::Measured | HalfPath::ViaF32 | HalfPath::Own => Route::Fastest,
+        HalfPath::ViaF32 | HalfPath::Own => Route::Fastest,
     }
 }
 
@@ -118,19 +125,6 @@ pub const SLOW_FACTOR: f32 = 8.0;
 // f32), small enough to cost milliseconds where one exists.
 const TIMED_MATMUL_SIZE: usize = 512;
 
-/// The most of f32's matmul time a half precision may take for [`Capabilities::fastest`] to
-/// pick it.
-///
-/// A real half-precision GEMM takes half of f32's time or less (Flex's bf16 on AVX512-BF16
-/// dot products measured 0.44–0.55). Where a half precision runs the same f32 GEMM (Flex's
-/// f16, or its bf16 on other CPUs), repeated probes measured 0.71–1.24, from noise and from the
-/// half-sized output the probe reads back, while a training step's best rounds ran at f32's
-/// speed (its median at 0.72–0.99× of f32's, from the conversions around the GEMM). The
-/// margin lies between the two, so that a model moves to a lower precision only for a real
-/// speed-up. (It was 0.8 until f16 on the f32 GEMM measured 0.76–0.89 on the 2-core Zen 4
-/// this crate is built on.)
-pub const AUTO_MAX_TIME_RATIO: f32 = 0.65;
-
 /// Whether a device ran a low-precision dtype in the probe, and how fast.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Capabilities {
@@ -150,16 +144,21 @@ pub struct Capabilities {
     /// bf16's matmul time as a percentage of f32's, as `f16_time_pct`.
     pub bf16_time_pct: Option<u32>,
     /// Autocast runs f16's lower-class ops in f32 over operands rounded to f16, rounded once
-    /// after: the probe did not time the backend's own f16 kernels clearly faster.
+    /// after: f16 runs and the crate has that path for the backend (Flex).
     pub f16_via_f32: bool,
     /// The same for bf16.
     pub bf16_via_f32: bool,
     /// The flops below which a lower-class op runs in f32 under
-    /// [`SmallOps::KeepF32`](crate::autocast::SmallOps::KeepF32): what the f32 matmul does in
-    /// [`SMALL_OP_TIME`](crate::autocast::SMALL_OP_TIME) at the rate the probe timed. `None`
-    /// where nothing was timed (no half type runs), and on a GPU, where every lower-class op
-    /// is cast, as PyTorch does.
+    /// [`SmallOps::KeepF32`](crate::autocast::SmallOps::KeepF32):
+    /// [`HOST_CPU_MIN_HALF_FLOPS`](crate::autocast::HOST_CPU_MIN_HALF_FLOPS) on the host's CPU;
+    /// `None` on an accelerator, where every lower-class op is cast, as PyTorch does.
     pub min_half_flops: Option<u64>,
+    /// The device computes on the host's CPU (Flex, NdArray, LibTorch's and Candle's CPU
+    /// devices), by the backend's name.
+    pub host_cpu: bool,
+    /// The crate's path runs bf16 matmuls and convolutions on this CPU's bf16 dot-product
+    /// instructions (AVX512-BF16): `bf16_via_f32` and the CPU has them.
+    pub bf16_dot_products: bool,
 }
 
 impl Capabilities {
@@ -199,8 +198,8 @@ impl Capabilities {
     }
 
     /// Whether autocast runs `precision`'s lower-class ops in f32 over operands rounded to
-    /// its dtype (rounded once after): where the crate has that path for the backend and the
-    /// probe did not time the backend's own half-precision kernels clearly faster.
+    /// its dtype (rounded once after): where it runs and the crate has that path for the
+    /// backend.
     pub fn via_f32(&self, precision: Precision) -> bool {
         match precision.low_dtype() {
             Some(FloatDType::F16) => self.f16_via_f32,
@@ -209,13 +208,14 @@ impl Capabilities {
         }
     }
 
-    /// The fastest precision this device runs, by the probe's matmul times.
+    /// The fastest precision this device runs, by rule (never by a timing, which would let
+    /// the machine's load choose a model's precision).
     ///
-    /// The rule: a half precision is picked only if it runs, is not flagged slow, and its
-    /// matmul took at most [`AUTO_MAX_TIME_RATIO`] (0.65) of f32's time (a margin, so that
-    /// timing noise on a busy machine never moves a model to low precision for nothing); of bf16 and
-    /// f16, the faster, bf16 on a tie within 10% (f32's range, no loss scaling). Otherwise
-    /// f32. fp8 is emulated in f32 here and never faster, so it is never picked.
+    /// On an accelerator, the first of bf16 (f32's range, no loss scaling) and f16 that runs
+    /// and is not flagged slow; on the host's CPU, bf16 where the crate runs it on the CPU's
+    /// bf16 dot-product instructions (about twice f32's GEMM rate), else f32: without them a
+    /// half precision runs the f32 GEMM plus its conversions, never faster. fp8 is emulated
+    /// in f32 and never picked.
     ///
     /// ```
     /// use burn_accelerate::Precision;
@@ -225,24 +225,31 @@ impl Capabilities {
     ///     f16: true, bf16: true, f16_slowdown: None, bf16_slowdown: None,
     ///     f16_time_pct: Some(30), bf16_time_pct: Some(31),
     ///     f16_via_f32: false, bf16_via_f32: false, min_half_flops: None,
+    ///     host_cpu: false, bf16_dot_products: false,
     /// };
     /// assert_eq!(gpu.fastest(), Precision::Bf16);
-    /// let cpu = Capabilities { f16_time_pct: Some(97), bf16_time_pct: Some(85), ..gpu };
-    /// assert_eq!(cpu.fastest(), Precision::F32);
-    /// let f16_gpu = Capabilities { f16_time_pct: Some(25), bf16_time_pct: Some(60), ..gpu };
+    /// let f16_gpu = Capabilities { bf16: false, ..gpu };
     /// assert_eq!(f16_gpu.fastest(), Precision::F16);
+    /// let cpu = Capabilities {
+    ///     host_cpu: true, f16_via_f32: true, bf16_via_f32: true,
+    ///     min_half_flops: Some(16_000_000), ..gpu
+    /// };
+    /// assert_eq!(cpu.fastest(), Precision::F32);
+    /// let zen4 = Capabilities { bf16_dot_products: true, ..cpu };
+    /// assert_eq!(zen4.fastest(), Precision::Bf16);
     /// ```
     pub fn fastest(&self) -> Precision {
-        let candidate = |p: Precision| {
-            let ratio = self.time_ratio(p)?;
-            (self.runs_fast(p) && ratio <= AUTO_MAX_TIME_RATIO).then_some(ratio)
-        };
-        match (candidate(Precision::Bf16), candidate(Precision::F16)) {
-            (Some(bf16), Some(f16)) if f16 < bf16 / 1.1 => Precision::F16,
-            (Some(_), _) => Precision::Bf16,
-            (None, Some(_)) => Precision::F16,
-            (None, None) => Precision::F32,
+        if self.host_cpu {
+            return if self.bf16_dot_products && self.runs_fast(Precision::Bf16) {
+                Precision::Bf16
+            } else {
+                Precision::F32
+            };
         }
+        [Precision::Bf16, Precision::F16]
+            .into_iter()
+            .find(|p| self.runs_fast(*p))
+            .unwrap_or(Precision::F32)
     }
 
     /// Whether `precision` runs and is not flagged slow: what autocast may pick unasked.
@@ -323,7 +330,9 @@ pub fn probe<B: Backend>(device: &B::Device) -> Capabilities {
     let caps = cached.unwrap_or_else(|| {
         let f16 = runs_dtype::<B>(device, FloatDType::F16);
         let bf16 = runs_dtype::<B>(device, FloatDType::BF16);
-        let timed = timings::<B>(device, f16, bf16);
+        let own_path = kernels::of::<B>().is_some();
+        let timed = timings::<B>(device, f16, bf16, own_path);
+        let host_cpu = on_host_cpu(&B::name(device));
         let caps = Capabilities {
             f16,
             bf16,
@@ -331,14 +340,13 @@ pub fn probe<B: Backend>(device: &B::Device) -> Capabilities {
             bf16_slowdown: timed.bf16.and_then(|t| t.slowdown),
             f16_time_pct: timed.f16.map(|t| t.time_pct),
             bf16_time_pct: timed.bf16.map(|t| t.time_pct),
-            f16_via_f32: timed.f16.is_some_and(|t| t.via_f32),
-            bf16_via_f32: timed.bf16.is_some_and(|t| t.via_f32),
+            f16_via_f32: f16 && own_path,
+            bf16_via_f32: bf16 && own_path,
             // On an accelerator, small ops are cheap to cast and gain from its half units:
             // the rule is the CPU's (issue 28), and PyTorch's there.
-            min_half_flops: timed
-                .f32
-                .filter(|_| on_host_cpu(&B::name(device)))
-                .map(min_half_flops),
+            min_half_flops: host_cpu.then_some(crate::autocast::HOST_CPU_MIN_HALF_FLOPS),
+            host_cpu,
+            bf16_dot_products: bf16 && own_path && kernels::has_bf16_dot_products(),
         };
         cache()
             .write()
@@ -426,20 +434,17 @@ fn runs_dtype<B: Backend>(device: &B::Device, dtype: FloatDType) -> bool {
     matches!(result, Ok(Ok(v)) if v == [6.0, 13.0, 14.0, 29.0])
 }
 
-// What the probe timed of one half dtype, on the faster of its paths.
+// What the probe timed of one half dtype, on the path autocast takes.
 #[derive(Clone, Copy)]
 struct Timed {
     time_pct: u32,
     slowdown: Option<u32>,
-    via_f32: bool,
 }
 
 #[derive(Default)]
 struct Timings {
     f16: Option<Timed>,
     bf16: Option<Timed>,
-    // The f32 matmul's time.
-    f32: Option<Duration>,
 }
 
 // Whether a backend named `name` (`Backend::name`, through any decorators) computes on the
@@ -451,17 +456,6 @@ fn on_host_cpu(name: &str) -> bool {
         .any(|n| name.contains(n))
 }
 
-// The flops the f32 matmul, timed at `f32_time`, does in `SMALL_OP_TIME`.
-fn min_half_flops(f32_time: Duration) -> u64 {
-    let n = TIMED_MATMUL_SIZE as f64;
-    let rate = 2.0 * n * n * n / f32_time.as_secs_f64().max(1e-9);
-    (rate * crate::autocast::SMALL_OP_TIME.as_secs_f64()) as u64
-}
-
-// How much faster than the f32 path the backend's own half matmul must be for autocast to
-// take it instead.
-const OWN_PATH_MARGIN: f64 = 0.8;
-
 // How to run the timed matmul: the backend's own op, or the crate's f32 path.
 #[derive(Clone, Copy, PartialEq)]
 enum Path {
@@ -469,49 +463,33 @@ enum Path {
     ViaF32,
 }
 
-// The times of f16 and bf16 against f32, for those that run.
-fn timings<B: Backend>(device: &B::Device, f16: bool, bf16: bool) -> Timings {
-    let via_f32 = kernels::of::<B>();
+// The times of f16 and bf16 against f32, for those that run, each on the path autocast takes
+// for it (the crate's where `own_path`, by rule).
+fn timings<B: Backend>(device: &B::Device, f16: bool, bf16: bool, own_path: bool) -> Timings {
+    let path = if own_path { Path::ViaF32 } else { Path::Own };
     let mut runs = vec![(FloatDType::F32, Path::Own)];
-    for dtype in [(FloatDType::F16, f16), (FloatDType::BF16, bf16)]
-        .into_iter()
-        .filter_map(|(dtype, runs)| runs.then_some(dtype))
-    {
-        runs.push((dtype, Path::Own));
-        if via_f32.is_some() {
-            runs.push((dtype, Path::ViaF32));
-        }
-    }
+    runs.extend(
+        [(FloatDType::F16, f16), (FloatDType::BF16, bf16)]
+            .into_iter()
+            .filter_map(|(dtype, runs)| runs.then_some((dtype, path))),
+    );
     if runs.len() == 1 {
         return Timings::default();
     }
-    let Some(times) = matmul_times::<B>(device, &runs, via_f32) else {
+    let Some(times) = matmul_times::<B>(device, &runs, kernels::of::<B>()) else {
         return Timings::default();
     };
     let of = |dtype: FloatDType| {
-        let time = |path: Path| {
-            let i = runs.iter().position(|run| *run == (dtype, path))?;
-            Some(times[i])
-        };
-        let own = time(Path::Own)?;
-        // The f32 path unless the backend's own is clearly faster: on a tie it sums in f32
-        // (f16's own kernels may not), and a square matmul alone does not see what it saves
-        // around the GEMM (the in-place epilogue, the half-sized saved operands).
-        let (best, via_f32) = match time(Path::ViaF32) {
-            Some(ours) if own.as_secs_f64() >= OWN_PATH_MARGIN * ours.as_secs_f64() => (ours, true),
-            _ => (own, false),
-        };
-        let ratio = best.as_secs_f64() / times[0].as_secs_f64().max(f64::MIN_POSITIVE);
+        let i = runs.iter().position(|(d, _)| *d == dtype)?;
+        let ratio = times[i].as_secs_f64() / times[0].as_secs_f64().max(f64::MIN_POSITIVE);
         Some(Timed {
             time_pct: (ratio * 100.0).round().min(u32::MAX as f64) as u32,
-            slowdown: slowdown(times[0], best),
-            via_f32,
+            slowdown: slowdown(times[0], times[i]),
         })
     };
     Timings {
         f16: of(FloatDType::F16),
         bf16: of(FloatDType::BF16),
-        f32: Some(times[0]),
     }
 }
 
@@ -706,10 +684,12 @@ mod tests {
         f16_via_f32: false,
         bf16_via_f32: false,
         min_half_flops: None,
+        host_cpu: true,
+        bf16_dot_products: false,
     };
 
     #[test]
-    fn the_fastest_precision_needs_a_clear_margin_and_prefers_bf16() {
+    fn the_fastest_precision_is_a_rule_not_a_timing() {
         let timed = |f16: Option<u32>, bf16: Option<u32>| Capabilities {
             f16_slowdown: None,
             bf16_slowdown: None,
@@ -717,20 +697,28 @@ mod tests {
             bf16_time_pct: bf16,
             ..SLOW_HALVES
         };
-        assert_eq!(timed(Some(66), Some(95)).fastest(), Precision::F32);
-        assert_eq!(timed(Some(65), Some(95)).fastest(), Precision::F16);
-        // A half precision on the same GEMM as f32, less traffic: not a speed-up.
-        assert_eq!(timed(Some(76), Some(80)).fastest(), Precision::F32);
-        assert_eq!(timed(Some(40), Some(42)).fastest(), Precision::Bf16);
-        assert_eq!(timed(Some(30), Some(42)).fastest(), Precision::F16);
-        assert_eq!(timed(None, None).fastest(), Precision::F32);
-        // Slow or not running: never picked, whatever the time says.
-        assert_eq!(SLOW_HALVES.fastest(), Precision::F32);
+        let gpu = |caps: Capabilities| Capabilities {
+            host_cpu: false,
+            ..caps
+        };
+        // Whatever the times say: on an accelerator bf16 first, then f16.
+        for (f16, bf16) in [(Some(30), Some(42)), (Some(95), Some(99)), (None, None)] {
+            assert_eq!(gpu(timed(f16, bf16)).fastest(), Precision::Bf16);
+        }
         let no_bf16 = Capabilities {
             bf16: false,
-            ..timed(Some(90), Some(10))
+            ..gpu(timed(Some(90), Some(10)))
         };
-        assert_eq!(no_bf16.fastest(), Precision::F32);
+        assert_eq!(no_bf16.fastest(), Precision::F16);
+        // Slow or not running: never picked.
+        assert_eq!(gpu(SLOW_HALVES).fastest(), Precision::F32);
+        // On the CPU, bf16 only on its dot-product instructions, however fast it timed.
+        assert_eq!(timed(Some(40), Some(40)).fastest(), Precision::F32);
+        let dot = Capabilities {
+            bf16_dot_products: true,
+            ..timed(Some(95), Some(120))
+        };
+        assert_eq!(dot.fastest(), Precision::Bf16);
         assert_eq!(
             timed(Some(50), Some(97)).time_ratio(Precision::F16),
             Some(0.5)

@@ -15,10 +15,17 @@ static ONE_TRAINING: Mutex<()> = Mutex::new(());
 fn train<B: burn::tensor::backend::AutodiffBackend>(
     config: &DemoConfig,
 ) -> Result<DemoOutcome, AccelerateError> {
-    let _one = ONE_TRAINING.lock().unwrap_or_else(|e| e.into_inner());
     // The demo's model is tiny: cast all its lower-class ops (PyTorch's rule), so that the
     // half precisions and their loss scaling are what is tested.
-    autocast::set_small_ops(SmallOps::Cast).expect("a valid rule");
+    train_with_rule::<B>(config, SmallOps::Cast)
+}
+
+fn train_with_rule<B: burn::tensor::backend::AutodiffBackend>(
+    config: &DemoConfig,
+    rule: SmallOps,
+) -> Result<DemoOutcome, AccelerateError> {
+    let _one = ONE_TRAINING.lock().unwrap_or_else(|e| e.into_inner());
+    autocast::set_small_ops(rule).expect("a valid rule");
     demo::run::<B>(config, &Default::default())
 }
 
@@ -57,6 +64,39 @@ mod flex {
                 rel * 100.0
             );
         }
+    }
+
+    #[test]
+    fn the_last_line_says_when_small_ops_kept_everything_in_f32() {
+        // The example's defaults under the default rule: at width 64 every linear is small,
+        // so bf16 runs nothing in bf16 and ends at f32's bits, and the line says why.
+        let tiny = |precision| {
+            DemoConfig::new()
+                .with_precision(precision)
+                .with_epochs(1)
+                .with_train_items(256)
+                .with_valid_items(64)
+        };
+        let keep = SmallOps::KeepF32;
+        let f32_run = train_with_rule::<Train>(&tiny(Precision::F32), keep).unwrap();
+        let bf16_run = train_with_rule::<Train>(&tiny(Precision::Bf16), keep).unwrap();
+        let line = bf16_run.summary_line();
+        assert_eq!(bf16_run.stats.lower_ops.half_ops, 0, "{line}");
+        assert!(
+            line.contains("below autocast's small-op threshold"),
+            "{line}"
+        );
+        assert_eq!(bf16_run.loss.to_bits(), f32_run.loss.to_bits(), "{line}");
+        // At `--hidden 512` the hidden layer (2·64·512² flops) runs in bf16: the line counts
+        // it, has nothing to explain, and the loss moves off f32's.
+        let wide = |precision| tiny(precision).with_hidden(512);
+        let f32_run = train_with_rule::<Train>(&wide(Precision::F32), keep).unwrap();
+        let bf16_run = train_with_rule::<Train>(&wide(Precision::Bf16), keep).unwrap();
+        let line = bf16_run.summary_line();
+        let ops = bf16_run.stats.lower_ops;
+        assert!(ops.half_ops > 0 && ops.small_ops > 0, "{line}");
+        assert!(!line.contains("threshold"), "{line}");
+        assert_ne!(bf16_run.loss.to_bits(), f32_run.loss.to_bits(), "{line}");
     }
 
     #[test]

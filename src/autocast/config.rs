@@ -120,8 +120,9 @@ pub struct Autocast {
 
 impl Autocast {
     /// Probes `device` and returns the autocast of the fastest precision it runs, by the rule
-    /// of [`Capabilities::fastest`]: a half precision only where its measured matmul time is
-    /// clearly below f32's, else f32. For an `Accelerator` or `with_accelerate`, pass
+    /// of [`Capabilities::fastest`] (never a timing): on an accelerator bf16 or f16, on a CPU
+    /// bf16 where the crate runs it on bf16 dot-product instructions, else f32. For an
+    /// `Accelerator` or `with_accelerate`, pass
     /// `capability::probe::<B>(&device).fastest()` as the mixed precision.
     ///
     /// ```

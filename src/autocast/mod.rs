@@ -34,7 +34,7 @@ pub use ops::Op;
 pub use plan::{CastInput, CastPlan};
 pub use policy::{OpClass, op_class, reset_op_classes, set_op_class};
 pub use small_ops::{
-    SMALL_OP_TIME, SmallOps, applies_to, estimated_flops, set_small_ops, small_ops,
+    HOST_CPU_MIN_HALF_FLOPS, SmallOps, applies_to, estimated_flops, set_small_ops, small_ops,
 };
 pub use tally::{LowerOpTally, thread_tally};
 

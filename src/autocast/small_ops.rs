@@ -22,15 +22,14 @@
 //! autocast.)
 //!
 //! The work is the op's flops, estimated from its inputs' shapes ([`estimated_flops`]). The
-//! threshold is a cost model calibrated by the capability probe: the flops the device's f32
-//! matmul does in [`SMALL_OP_TIME`] at the rate the probe measured
-//! ([`Capabilities::min_half_flops`](crate::capability::Capabilities::min_half_flops)); on the
-//! 2-core machine of BENCHMARKS.md about 30 MFLOP on two threads and 15 on one. On a GPU
-//! (any backend that does not compute on the host's CPU) the probe gives no threshold and
-//! every op is cast, as PyTorch does: there small ops are cheap to cast and gain from the
-//! half-precision units. It is set
-//! for the process ([`set_small_ops`], or [`AutocastConfig::small_ops`](crate::AutocastConfig)),
-//! and [`SmallOps::Cast`] gives PyTorch's rule back.
+//! threshold is fixed per kind of device, never timed, so that the same program makes the same
+//! cast decisions on every start however busy the machine is: on the host's CPU
+//! [`HOST_CPU_MIN_HALF_FLOPS`] (16.8 MFLOP, chosen from the measurements in its docs); on a
+//! GPU (any backend that does not compute on the host's CPU) none, and every op is cast, as
+//! PyTorch does: there small ops are cheap to cast and gain from the half-precision units. It
+//! is set for the process ([`set_small_ops`], or
+//! [`AutocastConfig::small_ops`](crate::AutocastConfig)); [`SmallOps::Cast`] gives PyTorch's
+//! rule back and [`SmallOps::KeepF32Below`] sets a threshold of one's own.
 //!
 //! ```
 //! use burn_accelerate::autocast::{self, Op, SmallOps};
@@ -43,7 +42,6 @@
 //! ```
 
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
-use std::time::Duration;
 
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, TensorMetadata};
@@ -53,24 +51,30 @@ use super::{CastInput, Op};
 use crate::AccelerateError;
 use crate::capability;
 
-/// How long a lower-class op's f32 run must take, at the probe's measured f32 matmul rate, for
-/// [`SmallOps::KeepF32`] to run it in the half type.
+/// The flops ([`estimated_flops`]) from which a lower-class op runs in the half type on the
+/// host's CPU under [`SmallOps::KeepF32`]: 2^24, about 16.8 MFLOP.
 ///
-/// Chosen from step times on Flex (BENCHMARKS.md): an LSTM at batch 32 stays slower in bf16
-/// than in f32 up to hidden 256 at least, whose largest product (`[32, 512] × [512, 256]`,
-/// 8.4 MFLOP) takes about 60 µs in f32 on two cores, while a conv net's first convolution
-/// (32 images of 32×32, 3 → 32 channels, 57 MFLOP) gains from bf16. 200 µs puts the threshold
-/// between the two on one thread (about 15 MFLOP) and on two (about 30).
-pub const SMALL_OP_TIME: Duration = Duration::from_micros(200);
+/// Chosen from step times on Flex (BENCHMARKS.md, issues 28 and 37): an LSTM at batch 32 trains
+/// 1.8–4.3× slower in bf16 than in f32 when its gates are cast, up to hidden 256 at least,
+/// whose largest product (`[32, 512] × [512, 256]`) is 8.4 MFLOP; a conv net's first
+/// convolution (57 MFLOP) and an MLP's `[8, 512] × [512, 2048]` linear (16.8 MFLOP) and larger
+/// gain from bf16 (0.49× and 0.52× f32's step). The threshold sits at twice the LSTM's product.
+/// (Ops with large weights gain below it too: the MLP at 4 rows, 8.4 MFLOP, took 0.41× f32's
+/// step. Flops alone cannot tell the two apart; a lower threshold would slow the LSTM, and
+/// keeping an op in f32 is never slower than f32.) It is a constant, not a timing: until issue
+/// 37 it was the probe's measured f32 rate times 200 µs, which moved with the load (15–41
+/// MFLOP on the same machine) and could change a run's numbers from one start to the next.
+pub const HOST_CPU_MIN_HALF_FLOPS: u64 = 1 << 24;
 
 /// Which lower-class ops autocast runs in the half type, by their size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
 pub enum SmallOps {
     /// Every lower-class op runs in the half type, whatever its size: PyTorch's rule.
     Cast,
-    /// Ops of less work than the device's measured threshold
-    /// ([`Capabilities::min_half_flops`](crate::capability::Capabilities::min_half_flops))
-    /// run in f32 and return f32; the others in the half type (the default).
+    /// Ops of less work than the device's threshold
+    /// ([`Capabilities::min_half_flops`](crate::capability::Capabilities::min_half_flops):
+    /// [`HOST_CPU_MIN_HALF_FLOPS`] on the host's CPU, none on an accelerator) run in f32 and
+    /// return f32; the others in the half type (the default).
     #[default]
     KeepF32,
     /// Ops of fewer than `flops` ([`estimated_flops`]) run in f32 and return f32.
@@ -247,7 +251,7 @@ pub fn applies_to(op: Op) -> bool {
 }
 
 /// Whether the rule in force keeps a call of lower-class `op` of `flops` work
-/// ([`call_flops`]) in f32: its work is below the threshold (the probe's, for
+/// ([`call_flops`]) in f32: its work is below the threshold (the device kind's, for
 /// [`SmallOps::KeepF32`]).
 #[inline]
 pub(crate) fn keeps_f32<B: Backend>(device: &B::Device, op: Op, flops: Option<u64>) -> bool {

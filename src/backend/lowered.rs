@@ -8,9 +8,8 @@
 //! - the operands are what the kernel takes (half tensors of one dtype; for a matmul, 2-D or
 //!   batches with the same leading dimensions);
 //! - `B` has the kernel (Flex and `Autodiff<Flex>`);
-//! - the process's half path takes it: the capability probe's choice
-//!   ([`Capabilities::via_f32`](crate::capability::Capabilities::via_f32)), unless fixed with
-//!   `capability::set_half_path`.
+//! - the process's half path takes it: always, by rule (never by a timing), unless
+//!   `capability::set_half_path` fixed the backend's own.
 
 use burn_backend::ops::ConvOptions;
 use burn_backend::tensor::FloatTensor;
@@ -38,21 +37,13 @@ fn eligible<T: TensorMetadata>(a: &T, b: &T) -> bool {
         && a_shape[..dims - 2] == b_shape[..dims - 2]
 }
 
-// The kernels for `B` and the route they take for `tensor`'s dtype on its device, where
-// autocast takes them: the capability probe's choice, unless the process fixed the path.
-fn chosen<B: Backend>(tensor: &FloatTensor<B>) -> Option<(Kernels<B>, Route)> {
+// The kernels for `B` and the route they take, where autocast takes them: always, unless the
+// process fixed the backend's own path (a rule, see `capability`'s docs).
+fn chosen<B: Backend>() -> Option<(Kernels<B>, Route)> {
     let kernels = kernels::of::<B>()?;
     let take = match capability::half_path() {
         HalfPath::ViaF32 | HalfPath::Widened => true,
         HalfPath::Own => false,
-        HalfPath::Measured => {
-            let caps = capability::probe::<B>(&B::float_device(tensor));
-            match tensor.dtype() {
-                DType::BF16 => caps.bf16_via_f32,
-                DType::F16 => caps.f16_via_f32,
-                _ => false,
-            }
-        }
     };
     take.then(|| (kernels, capability::route()))
 }
@@ -67,7 +58,7 @@ pub(crate) fn matmul<B: Backend>(
 ) -> FloatTensor<B> {
     if plan.target().is_some()
         && eligible(&a, &b)
-        && let Some((kernels, route)) = chosen::<B>(&a)
+        && let Some((kernels, route)) = chosen::<B>()
     {
         return (kernels.matmul)(a, b, route);
     }
@@ -90,7 +81,7 @@ pub(crate) fn linear<B: Backend>(
         && dims >= 2
         && weight.shape().num_dims() == 2
         && half_operands(&x, &weight, bias.as_ref())
-        && let Some((kernels, route)) = chosen::<B>(&x)
+        && let Some((kernels, route)) = chosen::<B>()
     {
         if dims == 2 {
             return (kernels.linear)(x, weight, bias, route);
@@ -115,7 +106,7 @@ fn conv_kernel<B: Backend>(
     bias: Option<&FloatTensor<B>>,
 ) -> Option<(Kernels<B>, Route)> {
     let applies = plan.target().is_some() && half_operands(x, weight, bias);
-    applies.then(|| chosen::<B>(x)).flatten()
+    applies.then(chosen::<B>).flatten()
 }
 
 /// `B::conv2d` of an autocast call, on the registered kernel where it applies (see the

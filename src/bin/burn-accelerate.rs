@@ -667,20 +667,23 @@ mod backends {
             };
             let dot = precision == Precision::Bf16 && capability::bf16_dot_products();
             let path = match (caps.via_f32(precision), dot) {
-                (true, true) => {
-                    "on the CPU's bf16 dot products, summed in f32 (the backend's own not clearly faster)"
-                }
-                (true, false) => {
-                    "as f32 GEMMs over rounded operands (the backend's own not clearly faster)"
-                }
+                (true, true) => "on the CPU's bf16 dot products, summed in f32",
+                (true, false) => "as f32 GEMMs over rounded operands",
                 (false, _) => "with the backend's own kernels",
             };
             println!("    {precision}: matmul in {ratio:.2}× f32's time, {path}");
         }
         println!(
-            "    fastest precision (Autocast::fastest): {}",
+            "    fastest precision (Autocast::fastest, by rule): {}",
             caps.fastest()
         );
+        match caps.min_half_flops {
+            Some(flops) => println!(
+                "    lower-class ops under {:.1} MFLOP stay in f32 (SmallOps::KeepF32)",
+                flops as f64 / 1e6
+            ),
+            None => println!("    every lower-class op is cast (an accelerator)"),
+        }
     }
 
     pub(super) fn report_all() {

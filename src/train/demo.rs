@@ -301,16 +301,23 @@ pub struct DemoOutcome {
 impl DemoOutcome {
     /// The example's last line: `final loss=<f> accuracy=<f> skipped_steps=<n> precision=<p>`,
     /// then how many of the lower-class ops ran in the half type and how many autocast kept
-    /// in f32 (`half_ops=<n>/<all> half_flops=<pct>% kept_f32=<n> small,<n> unsupported`):
-    /// the MLP's are small, and the default small-op rule keeps them in f32.
+    /// in f32 (`half_ops=<n>/<all> half_flops=<pct>% kept_f32=<n> small,<n> unsupported`),
+    /// and, where a half precision ran none of them because all were small, why.
     pub fn summary_line(&self) -> String {
+        let ops = &self.stats.lower_ops;
+        let why = if ops.half_ops == 0 && ops.small_ops > 0 {
+            " (every linear is below autocast's small-op threshold and ran in f32, so the \
+             precisions end alike: --hidden 512 runs the hidden layer in the half type)"
+        } else {
+            ""
+        };
         format!(
-            "final loss={:.6} accuracy={:.4} skipped_steps={} precision={} {}",
+            "final loss={:.6} accuracy={:.4} skipped_steps={} precision={} {}{why}",
             self.loss,
             self.accuracy,
             self.stats.skipped_steps(),
             flag_name(self.stats.precision),
-            self.stats.lower_ops.summary()
+            ops.summary()
         )
     }
 }
