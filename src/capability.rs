@@ -7,8 +7,9 @@
 //!
 //! Running is not enough either: LibTorch on a CPU runs f16 correctly but has no f16 matmul
 //! kernel there, so f16 is about 50× slower than f32. The probe therefore also times a
-//! square matmul in f32 and in each low dtype that runs, and flags a dtype
-//! [`SLOW_FACTOR`] times slower or worse, so that autocast never picks it silently. That is
+//! square matmul in f32 and in each low dtype that runs, on the backend's own kernels, and
+//! flags a dtype [`SLOW_FACTOR`] times slower or worse, so that autocast never picks it
+//! silently. That is
 //! the only decision a timing takes, and its margin is wide: dtypes with real kernels measure
 //! 0.4–1.3× f32's time, those without 12× and more.
 //!
@@ -36,13 +37,13 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Mutex, Once, OnceLock, RwLock};
 use std::time::{Duration, Instant};
 
-use burn::tensor::{Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{Tensor, TensorData};
 use burn_backend::{Backend, DeviceId, DeviceOps, FloatDType};
 use core::cell::Cell;
 use core::fmt;
 
 use crate::autocast::Op;
-use crate::backend::kernels::{self, Kernels, Route};
+use crate::backend::kernels::{self, Route};
 use crate::{AccelerateError, Precision};
 
 /// Which path autocast takes for a half-precision op where the crate has an f32 one for the
@@ -138,7 +139,7 @@ pub struct Capabilities {
     /// bf16 ran, but its matmul took this many times (rounded down) as long as f32's, at least
     /// [`SLOW_FACTOR`].
     pub bf16_slowdown: Option<u32>,
-    /// f16's matmul time as a percentage of f32's, on the path autocast takes; `None` where
+    /// f16's matmul time as a percentage of f32's, on the backend's own kernels; `None` where
     /// f16 does not run or could not be timed.
     pub f16_time_pct: Option<u32>,
     /// bf16's matmul time as a percentage of f32's, as `f16_time_pct`.
@@ -182,8 +183,8 @@ impl Capabilities {
         }
     }
 
-    /// `precision`'s matmul time over f32's, as the probe measured it on the path autocast
-    /// takes (1.0 for f32; `None` where it does not run or was not timed). Below 1.0 is
+    /// `precision`'s matmul time over f32's, as the probe measured it on the backend's own
+    /// kernels (1.0 for f32; `None` where it does not run or was not timed). Below 1.0 is
     /// faster. fp8 is emulated in f32, so it is never timed.
     pub fn time_ratio(&self, precision: Precision) -> Option<f32> {
         let pct = match precision {
@@ -331,7 +332,7 @@ pub fn probe<B: Backend>(device: &B::Device) -> Capabilities {
         let f16 = runs_dtype::<B>(device, FloatDType::F16);
         let bf16 = runs_dtype::<B>(device, FloatDType::BF16);
         let own_path = kernels::of::<B>().is_some();
-        let timed = timings::<B>(device, f16, bf16, own_path);
+        let timed = timings::<B>(device, f16, bf16);
         let host_cpu = on_host_cpu(&B::name(device));
         let caps = Capabilities {
             f16,
@@ -434,7 +435,7 @@ fn runs_dtype<B: Backend>(device: &B::Device, dtype: FloatDType) -> bool {
     matches!(result, Ok(Ok(v)) if v == [6.0, 13.0, 14.0, 29.0])
 }
 
-// What the probe timed of one half dtype, on the path autocast takes.
+// What the probe timed of one half dtype, on the backend's own kernels.
 #[derive(Clone, Copy)]
 struct Timed {
     time_pct: u32,
@@ -456,31 +457,25 @@ fn on_host_cpu(name: &str) -> bool {
         .any(|n| name.contains(n))
 }
 
-// How to run the timed matmul: the backend's own op, or the crate's f32 path.
-#[derive(Clone, Copy, PartialEq)]
-enum Path {
-    Own,
-    ViaF32,
-}
-
-// The times of f16 and bf16 against f32, for those that run, each on the path autocast takes
-// for it (the crate's where `own_path`, by rule).
-fn timings<B: Backend>(device: &B::Device, f16: bool, bf16: bool, own_path: bool) -> Timings {
-    let path = if own_path { Path::ViaF32 } else { Path::Own };
-    let mut runs = vec![(FloatDType::F32, Path::Own)];
-    runs.extend(
+// The times of f16 and bf16 against f32, for those that run, on the backend's own kernels:
+// whether the device has half-precision kernels at all. (Where the crate has a path of its
+// own, autocast takes it by rule; timing it would say more about the build, an unoptimised
+// debug build of this crate running it tens of times slower, than about the device.)
+fn timings<B: Backend>(device: &B::Device, f16: bool, bf16: bool) -> Timings {
+    let mut dtypes = vec![FloatDType::F32];
+    dtypes.extend(
         [(FloatDType::F16, f16), (FloatDType::BF16, bf16)]
             .into_iter()
-            .filter_map(|(dtype, runs)| runs.then_some((dtype, path))),
+            .filter_map(|(dtype, runs)| runs.then_some(dtype)),
     );
-    if runs.len() == 1 {
+    if dtypes.len() == 1 {
         return Timings::default();
     }
-    let Some(times) = matmul_times::<B>(device, &runs, kernels::of::<B>()) else {
+    let Some(times) = matmul_times::<B>(device, &dtypes) else {
         return Timings::default();
     };
     let of = |dtype: FloatDType| {
-        let i = runs.iter().position(|(d, _)| *d == dtype)?;
+        let i = dtypes.iter().position(|d| *d == dtype)?;
         let ratio = times[i].as_secs_f64() / times[0].as_secs_f64().max(f64::MIN_POSITIVE);
         Some(Timed {
             time_pct: (ratio * 100.0).round().min(u32::MAX as f64) as u32,
@@ -493,37 +488,24 @@ fn timings<B: Backend>(device: &B::Device, f16: bool, bf16: bool, own_path: bool
     }
 }
 
-// The best of six timed N×N matmuls per run, each read back to the host (which waits for
-// lazy and asynchronous backends). The runs take turns, so that a burst of load elsewhere
+// The best of six timed N×N matmuls per dtype, each read back to the host (which waits for
+// lazy and asynchronous backends). The dtypes take turns, so that a burst of load elsewhere
 // on the machine slows them alike; an untimed first round pays for kernel compilation and
-// allocation. `via_f32` runs the `Path::ViaF32` runs. `None` if any panicked.
-fn matmul_times<B: Backend>(
-    device: &B::Device,
-    runs: &[(FloatDType, Path)],
-    via_f32: Option<Kernels<B>>,
-) -> Option<Vec<Duration>> {
+// allocation. `None` if any panicked.
+fn matmul_times<B: Backend>(device: &B::Device, dtypes: &[FloatDType]) -> Option<Vec<Duration>> {
     silence_probe_panics();
     PROBING.with(|p| p.set(true));
     let result = panic::catch_unwind(AssertUnwindSafe(|| {
         let n = TIMED_MATMUL_SIZE;
-        let inputs: Vec<Tensor<B, 2>> = runs
+        let inputs: Vec<Tensor<B, 2>> = dtypes
             .iter()
-            .map(|(dtype, _)| Tensor::<B, 2>::ones([n, n], device).cast(*dtype))
+            .map(|dtype| Tensor::<B, 2>::ones([n, n], device).cast(*dtype))
             .collect();
-        let route = route();
-        let run = |x: &Tensor<B, 2>, path: Path| match (path, via_f32) {
-            (Path::ViaF32, Some(kernels)) => {
-                let x = x.clone().into_primitive().tensor();
-                let product = (kernels.matmul)(x.clone(), x, route);
-                Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(product)).into_data()
-            }
-            _ => x.clone().matmul(x.clone()).into_data(),
-        };
-        let mut best = vec![Duration::MAX; runs.len()];
+        let mut best = vec![Duration::MAX; dtypes.len()];
         for round in 0..7 {
-            for ((x, (_, path)), best) in inputs.iter().zip(runs).zip(&mut best) {
+            for (x, best) in inputs.iter().zip(&mut best) {
                 let start = Instant::now();
-                run(x, *path);
+                x.clone().matmul(x.clone()).into_data();
                 if round > 0 {
                     *best = (*best).min(start.elapsed());
                 }

@@ -667,11 +667,11 @@ mod backends {
             };
             let dot = precision == Precision::Bf16 && capability::bf16_dot_products();
             let path = match (caps.via_f32(precision), dot) {
-                (true, true) => "on the CPU's bf16 dot products, summed in f32",
-                (true, false) => "as f32 GEMMs over rounded operands",
-                (false, _) => "with the backend's own kernels",
+                (true, true) => "; autocast runs it on the CPU's bf16 dot products, summed in f32",
+                (true, false) => "; autocast runs it as f32 GEMMs over rounded operands",
+                (false, _) => "",
             };
-            println!("    {precision}: matmul in {ratio:.2}× f32's time, {path}");
+            println!("    {precision}: the backend's matmul in {ratio:.2}× f32's time{path}");
         }
         println!(
             "    fastest precision (Autocast::fastest, by rule): {}",
