@@ -1,5 +1,6 @@
 //! The sharded loader: one Burn [`DataLoader`] per process, over a shared dataset and batcher.
 
+use std::cell::Cell;
 use std::hash::{BuildHasher, RandomState};
 use std::ops::Range;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -469,7 +470,14 @@ where
         self.epoch_shape(None, (0, None)).num_items()
     }
 
+    /// Also records, on the calling thread, that a per-process loader was moved: the
+    /// `with_accelerate` strategy must not shard it again (see
+    /// [`AccelerateStrategy::prepare_loader`](crate::train::AccelerateStrategy::prepare_loader)).
     fn to_device(&self, device: &B::Device) -> Arc<dyn DataLoader<B, O>> {
+        mark_moved(ProcessShare {
+            num_processes: Some(self.spec().num_processes()),
+            process_index: self.spec().process_index(),
+        });
         let mut loader = self.clone();
         loader.device = device.clone();
         Arc::new(loader)
@@ -658,5 +666,138 @@ where
 {
     fn drop(&mut self) {
         self.close();
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The crate's per-process loaders told apart from any other `DataLoader`.
+//
+// Burn hands a training strategy its loader as `Arc<dyn DataLoader<B, O>>`, a trait with no
+// `Any` to downcast through; but every loader implements `to_device`, and a strategy moves
+// its training loader to its device anyway. The crate's per-process loaders (`ShardLoader`,
+// `StreamLoader`, and the `ProcessSlice` the strategy makes of anyone else's) record on the
+// calling thread which process's data they hold when they are moved; a wrapper that forwards
+// `to_device` to one of them is per-process too, and records the same.
+
+/// Which process's data one of the crate's per-process loaders holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ProcessShare {
+    /// Processes the data was divided between; `None` where the loader does not say.
+    pub(crate) num_processes: Option<usize>,
+    /// The process whose share it is.
+    pub(crate) process_index: usize,
+}
+
+thread_local! {
+    // The share of the last per-process loader moved on this thread since the last
+    // `move_and_identify`.
+    static MOVED: Cell<Option<ProcessShare>> = const { Cell::new(None) };
+}
+
+/// Records that one of the crate's per-process loaders holding `share` is being moved with
+/// `to_device` on this thread.
+pub(crate) fn mark_moved(share: ProcessShare) {
+    MOVED.with(|moved| moved.set(Some(share)));
+}
+
+/// `loader` moved to `device`, and the process share it holds when it is one of the crate's
+/// per-process loaders (`None`: a loader of the whole data set, Burn's `DataLoaderBuilder`'s
+/// for one).
+pub(crate) fn move_and_identify<B: Backend, O>(
+    loader: &Arc<dyn DataLoader<B, O>>,
+    device: &B::Device,
+) -> (Arc<dyn DataLoader<B, O>>, Option<ProcessShare>) {
+    MOVED.with(Cell::take);
+    let moved = loader.to_device(device);
+    (moved, MOVED.with(Cell::take))
+}
+
+/// One process's part of a loader of the whole data set, as Burn's multi-device loop splits
+/// one (`split_dataloader`), except that every process gets the same number of items, so that
+/// every process runs the same number of steps (a process with one step more would wait for
+/// the others in its gradient all-reduce forever).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct EvenSplit {
+    /// The first item of this process's part.
+    pub(crate) start: usize,
+    /// One past its last item.
+    pub(crate) end: usize,
+    /// Items at the end of the data set no process reads (fewer than the processes).
+    pub(crate) dropped: usize,
+}
+
+impl EvenSplit {
+    /// Process `process_index`'s contiguous part of `num_items` items over `num_processes`,
+    /// in process order, `num_items / num_processes` items each; `None` when there are fewer
+    /// items than processes.
+    pub(crate) fn of(num_items: usize, num_processes: usize, process_index: usize) -> Option<Self> {
+        let each = num_items.checked_div(num_processes)?;
+        if each == 0 || process_index >= num_processes {
+            return None;
+        }
+        let start = process_index * each;
+        Some(Self {
+            start,
+            end: start + each,
+            dropped: num_items - each * num_processes,
+        })
+    }
+}
+
+/// The part of another loader one process reads: its [`DataLoader::slice`], which records
+/// itself as per-process when moved, so that it is not sliced again.
+pub(crate) struct ProcessSlice<B: Backend, O> {
+    inner: Arc<dyn DataLoader<B, O>>,
+    share: ProcessShare,
+}
+
+impl<B: Backend, O> ProcessSlice<B, O> {
+    /// `inner`, already sliced, as the part of the process `share` names.
+    pub(crate) fn new(inner: Arc<dyn DataLoader<B, O>>, share: ProcessShare) -> Self {
+        Self { inner, share }
+    }
+}
+
+impl<B: Backend, O: 'static> DataLoader<B, O> for ProcessSlice<B, O> {
+    fn iter<'a>(&'a self) -> Box<dyn DataLoaderIterator<O> + 'a> {
+        self.inner.iter()
+    }
+
+    fn num_items(&self) -> usize {
+        self.inner.num_items()
+    }
+
+    fn to_device(&self, device: &B::Device) -> Arc<dyn DataLoader<B, O>> {
+        let inner = self.inner.to_device(device);
+        mark_moved(self.share);
+        Arc::new(Self::new(inner, self.share))
+    }
+
+    fn slice(&self, start: usize, end: usize) -> Arc<dyn DataLoader<B, O>> {
+        Arc::new(Self::new(self.inner.slice(start, end), self.share))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::EvenSplit;
+
+    #[test]
+    fn every_process_gets_as_many_items_in_order_and_the_rest_is_dropped() {
+        let parts: Vec<_> = (0..3).map(|p| EvenSplit::of(11, 3, p).unwrap()).collect();
+        let ranges: Vec<_> = parts.iter().map(|s| (s.start, s.end)).collect();
+        assert_eq!(ranges, [(0, 3), (3, 6), (6, 9)]);
+        assert!(parts.iter().all(|s| s.dropped == 2));
+        assert_eq!(
+            EvenSplit::of(8, 2, 1),
+            Some(EvenSplit {
+                start: 4,
+                end: 8,
+                dropped: 0
+            })
+        );
+        assert_eq!(EvenSplit::of(1, 2, 0), None);
+        assert_eq!(EvenSplit::of(4, 0, 0), None);
+        assert_eq!(EvenSplit::of(4, 2, 2), None);
     }
 }

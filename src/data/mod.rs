@@ -35,6 +35,7 @@ mod stream_loader;
 
 pub use config::DataLoaderConfig;
 pub use error::DataLoaderError;
+pub(crate) use loader::{EvenSplit, ProcessShare, ProcessSlice, move_and_identify};
 pub use loader::{ShardIter, ShardLoader, ShardLoaderBuilder};
 pub use metrics::{drop_padding, drop_padding_tensor, gather_for_metrics};
 pub use observer::{GradientStateObserver, LoaderObserver};

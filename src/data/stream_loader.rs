@@ -463,6 +463,11 @@ where
     }
 
     fn to_device(&self, device: &B::Device) -> Arc<dyn DataLoader<B, O>> {
+        // Per-process already: the `with_accelerate` strategy must not shard it again.
+        super::loader::mark_moved(super::loader::ProcessShare {
+            num_processes: None,
+            process_index: self.process,
+        });
         let mut loader = self.clone();
         loader.device = device.clone();
         Arc::new(loader)

@@ -23,7 +23,13 @@
 //!   armed scale ([`ArmedLossScale`]), the window's gradients are unscaled and checked with one
 //!   host read, and on overflow neither the optimizer nor the scheduler steps;
 //! - autocast is the process default for the whole fit, so training and validation, on any
-//!   thread, run in the precision asked for.
+//!   thread, run in the precision asked for;
+//! - Burn's own `SupervisedTraining::grads_accumulation(n)` is honoured with Burn's meaning:
+//!   the window's gradients are summed, not divided by `n` (Burn's text-generation example
+//!   divides its learning rate by `n` for that); they are still averaged over the devices and
+//!   processes, and the window still completes at the end of an epoch. It cannot be combined
+//!   with [`AccelerateConfig::gradient_accumulation_steps`] (which averages over the window):
+//!   a fit given both is refused at its start.
 //!
 //! Autocast and the armed loss scale are process-wide: run one accelerated training per
 //! process at a time (tests that train must not run in parallel with each other).
@@ -44,13 +50,19 @@
 //! On several processes (started by `burn-accelerate launch`, see
 //! [`crate::distributed`]), every process runs the same training over its own
 //! shard (a [`ShardLoader`] built with
-//! [`ShardLoaderBuilder::build_for`](crate::data::ShardLoaderBuilder::build_for)); at each
+//! [`ShardLoaderBuilder::build_for`](crate::data::ShardLoaderBuilder::build_for); any other
+//! training loader, Burn's `DataLoaderBuilder`'s for one, is sliced per process as
+//! [`AccelerateStrategy::prepare_loader`] says); at each
 //! synchronising step the window's gradients are averaged over the processes (never while
 //! accumulating), then unscaled and checked, so every process applies the same step or skips
 //! the same overflowing one, on any backend. Only the main process validates (its metrics are
 //! the single-process run's: the processes hold the same model) and writes checkpoints (give
 //! every process the same directory); every process restores them, and stops when the main
-//! process's early stopping says so.
+//! process's early stopping says so. Burn's metric log files and learner summary are the
+//! main process's too: the other processes keep their metric logs in memory
+//! ([`WithAccelerate::with_accelerate`]) and make no summary (they would write the same log
+//! files of the same directory as the main process, and read them while it writes: Burn's
+//! summary then fails to parse them); their renderers still see their own training items.
 //!
 //! With a ZeRO stage ([`AccelerateConfig::zero_stage`], see
 //! [`ZeroStage`]), each process's optimizer steps and keeps
@@ -81,15 +93,20 @@ use burn::module::{AutodiffModule, Module};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Device, Tensor};
+use burn::train::logger::InMemoryMetricLogger;
+use burn::train::metric::store::{Aggregate, EventStoreClient, Split};
 use burn::train::{
     EventProcessorTraining, InferenceStep, Interrupter, Learner, LearnerEvent,
-    LearnerOptimizerRecord, LearningComponentsTypes, SupervisedLearningStrategy,
+    LearnerOptimizerRecord, LearningComponentsTypes, LearningResult, SupervisedLearningStrategy,
     SupervisedTraining, SupervisedTrainingEventProcessor, TrainLoader, TrainingBackend,
     TrainingComponents, TrainingItem, TrainingModel, TrainingStrategy, ValidLoader,
 };
 
 use crate::autocast::{self, Autocast, LowerOpTally};
-use crate::data::{DataLoaderError, LoaderState, ShardLoader};
+use crate::data::{
+    DataLoaderError, EvenSplit, LoaderState, ProcessShare, ProcessSlice, ShardLoader,
+    move_and_identify,
+};
 use crate::distributed::{
     self, ParamStateRecord, Partition, ProcessGroup, ProcessState, ZeroStage,
 };
@@ -113,8 +130,24 @@ where
     LC: LearningComponentsTypes + 'static,
     LearnerOptimizerRecord<LC>: ParamStateRecord<TrainingBackend<LC>>,
 {
+    /// On a process other than the main one, also keeps Burn's metric logs in memory
+    /// (`InMemoryMetricLogger`) instead of Burn's default files in the artifact directory,
+    /// which the processes of a run share: there every process would truncate and write the
+    /// same files, which Burn's summary then cannot parse. A metric logger registered with
+    /// `with_metric_logger` is the user's own, on every process.
     fn with_accelerate(self, strategy: AccelerateStrategy<LC>) -> Self {
-        self.with_training_strategy(TrainingStrategy::Custom(Arc::new(strategy)))
+        let builder = if strategy.process.is_main_process() {
+            self
+        } else {
+            log::info!(
+                "burn-accelerate: process {} of {}: Burn's metric logs are kept in memory here, \
+                 not written to the artifact directory (the main process writes them)",
+                strategy.process.process_index(),
+                strategy.process.num_processes()
+            );
+            self.with_metric_logger(InMemoryMetricLogger::new())
+        };
+        builder.with_training_strategy(TrainingStrategy::Custom(Arc::new(strategy)))
     }
 }
 
@@ -527,6 +560,121 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
         }
     }
 
+    /// Accelerate's `prepare(dataloader)` for a training loader: the loader this process
+    /// trains on, moved to the main device. The fit does this itself with the loader given to
+    /// `SupervisedTraining::new` (panicking where this returns an error, since Burn's `fit`
+    /// has no error channel); call it first to get the error as a value, and pass Burn's
+    /// builder what it returns.
+    ///
+    /// - One of the crate's loaders ([`ShardLoader`], `StreamLoader`, or what this returned)
+    ///   is per-process already and is only moved.
+    /// - On one process, and in a [`data_parallel`](Self::data_parallel) training (which
+    ///   reads its own shards), any loader is only moved.
+    /// - On several processes, any other loader (Burn's `DataLoaderBuilder`'s) holds the
+    ///   whole data set: each process takes its [`DataLoader::slice`], as Burn's multi-device
+    ///   loop splits one: contiguous parts in process order, of `num_items / num_processes`
+    ///   items each, so that every process runs the same number of steps. The last
+    ///   `num_items % num_processes` items are not read (a warning says how many). Burn's
+    ///   shuffle then shuffles within each part, and the parts stay the same from epoch to
+    ///   epoch; for Accelerate's sharding of the shuffled order, build the loader with
+    ///   [`ShardLoaderBuilder::build_for`](crate::data::ShardLoaderBuilder::build_for).
+    ///
+    /// [`DataLoader::slice`]: burn::data::dataloader::DataLoader::slice
+    ///
+    /// # Errors
+    /// [`AccelerateError::InvalidConfig`] (`dataloader_train`) for a loader of the whole
+    /// data set with fewer items than processes.
+    pub fn prepare_loader(
+        &self,
+        loader: &TrainLoader<LC>,
+    ) -> Result<TrainLoader<LC>, AccelerateError> {
+        let (moved, share) = move_and_identify(loader, &self.device);
+        let processes = self.process.num_processes();
+        let rank = self.process.process_index();
+        if let Some(share) = share {
+            if share.num_processes.is_some_and(|n| n != processes)
+                || (processes > 1 && share.process_index != rank)
+            {
+                log::warn!(
+                    "burn-accelerate: the training loader holds the data of process {} of {} \
+                     but this is process {rank} of {processes}: build it with \
+                     `ShardLoaderBuilder::build_for` and this process's `ProcessState`",
+                    share.process_index,
+                    share
+                        .num_processes
+                        .map_or_else(|| "?".into(), |n| n.to_string()),
+                );
+            }
+            return Ok(moved);
+        }
+        if processes == 1 || self.shards.is_some() {
+            return Ok(moved);
+        }
+        let items = moved.num_items();
+        let Some(part) = EvenSplit::of(items, processes, rank) else {
+            return Err(AccelerateError::InvalidConfig {
+                field: "dataloader_train",
+                value: format!("a loader of {items} items for {processes} processes"),
+                fix: "give every process at least one item, or build the training loader with \
+                      `ShardLoaderBuilder::build_for` (Accelerate's sharding, which pads a \
+                      short data set so that every process gets a batch)",
+            });
+        };
+        log::info!(
+            "burn-accelerate: the training loader holds the whole data set ({items} items): \
+             process {rank} of {processes} trains on its items {}..{} (Burn's \
+             `DataLoader::slice`, {} items per process)",
+            part.start,
+            part.end,
+            part.end - part.start,
+        );
+        if part.dropped > 0 {
+            log::warn!(
+                "burn-accelerate: the last {} of the training loader's {items} items are not \
+                 read: {items} items do not divide between {processes} processes, and every \
+                 process must take as many steps (`ShardLoaderBuilder` pads instead)",
+                part.dropped,
+            );
+        }
+        let share = ProcessShare {
+            num_processes: Some(processes),
+            process_index: rank,
+        };
+        Ok(Arc::new(ProcessSlice::new(
+            moved.slice(part.start, part.end),
+            share,
+        )))
+    }
+
+    /// The accumulation window the fit runs: Accelerate's
+    /// ([`AccelerateConfig::gradient_accumulation_steps`], averaged), or Burn's builder's
+    /// `grads_accumulation` (`burn`; summed, as Burn's loop sums it).
+    fn accumulation(&self, burn: Option<usize>) -> Result<Accumulation, AccelerateError> {
+        let ours = self.config.gradient_accumulation_steps;
+        // Burn's loop steps the optimizer every batch for 0 or 1.
+        match burn.filter(|&n| n > 1) {
+            None => Ok(Accumulation {
+                steps: ours,
+                sums: false,
+            }),
+            Some(n) if ours == 1 => Ok(Accumulation {
+                steps: n,
+                sums: true,
+            }),
+            Some(n) => Err(AccelerateError::InvalidConfig {
+                field: "grads_accumulation",
+                value: format!(
+                    "{n} in Burn's `SupervisedTraining::grads_accumulation` and {ours} in \
+                     `AccelerateConfig::gradient_accumulation_steps`"
+                ),
+                fix: "set one of them, preferably `AccelerateConfig::gradient_accumulation_steps` \
+                      (drop `.grads_accumulation(..)` from Burn's builder): they differ by the \
+                      window's length, Burn's sums the window's gradients (so its users divide \
+                      the learning rate by it) and Accelerate's averages them",
+            }),
+        }
+    }
+
     /// Saves the loss scale and gradient state of every epoch Burn checkpoints into `dir`
     /// (an [`AccelerateCheckpoint`]; Burn's own checkpoint directory, `<dir>/checkpoint`, is a
     /// good place), and restores them when the training resumes with `.checkpoint(epoch)`.
@@ -723,6 +871,18 @@ struct Scaling {
     armed: Option<ArmedLossScale>,
     window: GradientsParams,
     partition: Option<Partition>,
+    // Burn's `grads_accumulation`: the window's gradients are summed (divided by the replicas
+    // only), not averaged over the window.
+    sums_window: bool,
+}
+
+// The gradient-accumulation window of a fit (see `AccelerateStrategy::accumulation`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Accumulation {
+    // Batches per window.
+    steps: usize,
+    // Summed (Burn's `grads_accumulation`) rather than averaged (Accelerate's).
+    sums: bool,
 }
 
 // The batches of one training step: one per device whose shard still has one (index into the
@@ -893,7 +1053,9 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
                     panic!("burn-accelerate: cannot average the gradients: {err}");
                 }
                 let window = batch.window_batches();
-                let divisor = if self.config.divide_partial_window_by_length && window < steps {
+                let divisor = if scaling.sums_window {
+                    1
+                } else if self.config.divide_partial_window_by_length && window < steps {
                     window
                 } else {
                     steps
@@ -998,6 +1160,32 @@ where
     LC: LearningComponentsTypes,
     LearnerOptimizerRecord<LC>: ParamStateRecord<TrainingBackend<LC>>,
 {
+    /// Burn's own `train`, without the summary on processes other than the main one: it reads
+    /// the metric logs of the artifact directory, which only the main process writes (see
+    /// [`WithAccelerate::with_accelerate`]), while the main process may still be writing them.
+    fn train(
+        &self,
+        learner: Learner<LC>,
+        dataloader_train: TrainLoader<LC>,
+        dataloader_valid: ValidLoader<LC>,
+        mut training_components: TrainingComponents<LC>,
+    ) -> LearningResult<<LC as LearningComponentsTypes>::InferenceModel> {
+        if !self.process.is_main_process() && training_components.summary.take().is_some() {
+            log::info!(
+                "burn-accelerate: process {} of {}: no learner summary here (the main process \
+                 makes it from the metric logs it alone writes)",
+                self.process.process_index(),
+                self.process.num_processes()
+            );
+        }
+        BurnTrain(self).train(
+            learner,
+            dataloader_train,
+            dataloader_valid,
+            training_components,
+        )
+    }
+
     fn fit(
         &self,
         training_components: TrainingComponents<LC>,
@@ -1018,6 +1206,52 @@ where
             )
         })
     }
+}
+
+// Burn's default `SupervisedLearningStrategy::train` around the strategy's `fit` (an
+// overriding `train` cannot call the default it overrides).
+struct BurnTrain<'a, S>(&'a S);
+
+impl<LC> SupervisedLearningStrategy<LC> for BurnTrain<'_, AccelerateStrategy<LC>>
+where
+    LC: LearningComponentsTypes,
+    LearnerOptimizerRecord<LC>: ParamStateRecord<TrainingBackend<LC>>,
+{
+    fn fit(
+        &self,
+        training_components: TrainingComponents<LC>,
+        learner: Learner<LC>,
+        dataloader_train: TrainLoader<LC>,
+        dataloader_valid: ValidLoader<LC>,
+        starting_epoch: usize,
+    ) -> (TrainingModel<LC>, SupervisedTrainingEventProcessor<LC>) {
+        self.0.fit(
+            training_components,
+            learner,
+            dataloader_train,
+            dataloader_valid,
+            starting_epoch,
+        )
+    }
+}
+
+// Waits until Burn's event processor has handed the fit's events to the event store, and the
+// store has written them to the metric logs: Burn's `train` makes its summary from the log
+// files as soon as `fit` returns (Burn's own strategies do not wait, and their summaries can
+// miss the last validation epoch).
+fn flush_events<LC: LearningComponentsTypes>(
+    processor: &mut SupervisedTrainingEventProcessor<LC>,
+    store: &EventStoreClient,
+) {
+    // The processor's worker takes one event at a time from a channel that holds one, and a
+    // validation `Start` does nothing there (burn-train 0.21): once the second is in the
+    // channel, the worker took the first, so it had processed every event before it.
+    processor.process_valid(LearnerEvent::Start);
+    processor.process_valid(LearnerEvent::Start);
+    // The store handles its messages in order, and this query (of no metric: nothing read,
+    // nothing cached) answers after the events sent before it, among them each epoch's end,
+    // which closes its log files and joins their writers.
+    let _ = store.find_metric("burn-accelerate flush", 1, Aggregate::Mean, &Split::Valid);
 }
 
 #[cfg(feature = "flex")]
@@ -1049,6 +1283,28 @@ where
 
         let tally_start = autocast::thread_tally();
 
+        // Burn's `fit` has no error channel: a setting that cannot be honoured ends it here,
+        // before anything process-wide is set.
+        let accumulation = self
+            .accumulation(training_components.grad_accumulation)
+            .unwrap_or_else(|err| panic!("burn-accelerate: {err}"));
+        if accumulation.sums {
+            log::info!(
+                "burn-accelerate: Burn's grads_accumulation({}): the gradients of {0} batches \
+                 are summed before each optimizer step, as Burn's loop sums them \
+                 (`AccelerateConfig::gradient_accumulation_steps` would average them)",
+                accumulation.steps
+            );
+        }
+        // Set for every fit, so that a strategy fitted again without Burn's setting goes back
+        // to its own.
+        if let Err(err) = self
+            .state
+            .configure(accumulation.steps, self.config.sync_with_dataloader)
+        {
+            panic!("burn-accelerate: {err}");
+        }
+
         let devices = self.devices();
         // Before the fork below would gather a spread model onto the main device. Burn's `fit`
         // has no error channel: `data_parallel` checked the model it was given; this catches a
@@ -1064,7 +1320,12 @@ where
                 );
                 shards.iter().map(|s| s.loader.clone()).collect()
             }
-            None => vec![dataloader_train.to_device(&self.device)],
+            None => vec![
+                self.prepare_loader(&dataloader_train)
+                    .unwrap_or_else(|err| {
+                        panic!("burn-accelerate: cannot shard the training loader: {err}")
+                    }),
+            ],
         };
         let dataloader_valid = dataloader_valid.to_device(self.device.inner());
         learner.fork(&self.device);
@@ -1109,6 +1370,7 @@ where
             loss_scale,
             window: GradientsParams::new(),
             partition,
+            sums_window: accumulation.sums,
         };
 
         for epoch in starting_epoch..=training_components.num_epochs {
@@ -1210,6 +1472,9 @@ where
         }
         // Once, however the epochs ended (an interrupt, early stopping).
         self.report.lock().lower_ops = autocast::thread_tally().since(&tally_start);
+        if self.process.is_main_process() {
+            flush_events::<LC>(&mut event_processor, &training_components.event_store);
+        }
         (learner.model(), event_processor)
     }
 }
