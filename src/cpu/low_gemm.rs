@@ -574,11 +574,12 @@ mod tests {
     }
 
     #[test]
+    #[ignore = "needs a CPU with AVX512-BF16: .ci/run runs it with --ignored where the CPU has it"]
     fn bf16_gemm_by_dot_products_is_within_a_bf16_rounding_of_widened() {
-        if !bf16_gemm::available() {
-            eprintln!("skipped: this CPU has no AVX512-BF16");
-            return;
-        }
+        assert!(
+            bf16_gemm::available(),
+            "not run: this test needs a CPU with AVX512-BF16"
+        );
         // Positive values: no cancellation, so the two f32 sums (in different orders)
         // differ far below a bf16 rounding, and their roundings by one bf16 step at most.
         let positive = |n, seed| values(n, seed).iter().map(|v| v + 3.4).collect();
@@ -611,36 +612,46 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_linears_bias_is_added_to_the_rounded_product_as_flex_adds_it_on_either_kernel() {
+    /// A linear's bias is added to `kernel`'s rounded product as Flex adds it.
+    fn assert_bias_added_as_flex_adds_it(kernel: Kernel) {
         // Wider than a task of the dot-product kernel (256 columns), so that runs of a row
         // start past the bias's first value.
         let (m, k, n) = (50, 40, 300);
         let x = half(values(m * k, 7), [m, k], FloatDType::BF16);
         let w = half(values(k * n, 8), [k, n], FloatDType::BF16);
         let bias = half(values(n, 9), [n], FloatDType::BF16);
-        for kernel in [Kernel::Bf16Dot, Kernel::F32] {
-            if kernel == Kernel::Bf16Dot && !bf16_gemm::available() {
-                eprintln!("skipped the dot-product kernel: this CPU has no AVX512-BF16");
-                continue;
-            }
-            let product = half_gemm(&x, &w, None, kernel);
-            let row = Flex::float_reshape(bias.clone(), [1, n].into());
-            let want = Flex::float_add(product, row);
-            assert_eq!(
-                bits(half_gemm(&x, &w, Some(&bias), kernel)),
-                bits(want),
-                "{kernel:?}"
-            );
-        }
+        let product = half_gemm(&x, &w, None, kernel);
+        let row = Flex::float_reshape(bias.clone(), [1, n].into());
+        let want = Flex::float_add(product, row);
+        assert_eq!(
+            bits(half_gemm(&x, &w, Some(&bias), kernel)),
+            bits(want),
+            "{kernel:?}"
+        );
     }
 
     #[test]
+    fn a_linears_bias_is_added_to_the_rounded_product_as_flex_adds_it_on_the_widened_kernel() {
+        assert_bias_added_as_flex_adds_it(Kernel::F32);
+    }
+
+    #[test]
+    #[ignore = "needs a CPU with AVX512-BF16: .ci/run runs it with --ignored where the CPU has it"]
+    fn a_linears_bias_is_added_to_the_rounded_product_as_flex_adds_it_on_the_dot_kernel() {
+        assert!(
+            bf16_gemm::available(),
+            "not run: this test needs a CPU with AVX512-BF16"
+        );
+        assert_bias_added_as_flex_adds_it(Kernel::Bf16Dot);
+    }
+
+    #[test]
+    #[ignore = "needs a CPU with AVX512-BF16: .ci/run runs it with --ignored where the CPU has it"]
     fn a_product_rounded_as_summed_has_the_bits_of_one_rounded_after() {
-        if !bf16_gemm::available() {
-            eprintln!("skipped: this CPU has no AVX512-BF16");
-            return;
-        }
+        assert!(
+            bf16_gemm::available(),
+            "not run: this test needs a CPU with AVX512-BF16"
+        );
         // Past a task's 256 columns; with and without a bias; a batch with one operand
         // transposed.
         let (m, k, n) = (50, 40, 300);

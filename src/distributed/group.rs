@@ -16,10 +16,16 @@
 //! then "cleared" through a copy (`self.syncing_peers.lock().unwrap().to_vec()` ...
 //! `syncing_peers.clear()`), so the shared list keeps every id, and at the next sync it holds
 //! duplicates and never equals the node ids again. (Burn's `multinode-tests` run one
-//! all-reduce per registration, which is why they pass.) Registering again for each step
-//! races in the orchestrator's node numbering (`global/orchestrator/state.rs`: a node id is
-//! the count of registered nodes, reused while another node is still finishing). Upstream
-//! deleted the crate since.
+//! all-reduce per registration, which is why they pass.) The same `sync` can also lose a
+//! wake-up and hang the first all-reduce now and then: it checks the list, then waits on
+//! `self.sync_notif.notified()`, a future created after the check, while
+//! `handle_sync_connection` wakes with `notify_waiters()`, which reaches only the futures that
+//! already exist. Registering again for each step races in the orchestrator's node numbering
+//! (`global/orchestrator/state.rs`: a node id is the count of registered nodes, reused while
+//! another node is still finishing). Upstream deleted the crate since. A test in
+//! `tests/processes` (two processes, the second all-reduce never returned) showed this until
+//! it was removed with the burn-collective dev-dependency, which every build of an example or
+//! test compiled (axum, tungstenite and their tree); it is in the git history.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicU32, Ordering};

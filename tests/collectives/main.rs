@@ -12,6 +12,8 @@
 #[allow(dead_code)]
 #[path = "../processes/harness.rs"]
 mod harness;
+#[path = "../needs/mod.rs"]
+mod needs;
 
 use std::time::{Duration, Instant};
 
@@ -500,7 +502,9 @@ fn a_broken_collective_says_what_became_of_the_other_process() {
     }
     if harness::under_mpi() {
         // The built-in engine's errors, on processes started without a launcher.
-        return eprintln!("skipped under MPI: the built-in engine's errors");
+        needs::missing(
+            "the built-in engine rather than MPI (BURN_ACCELERATE_TEST_ENGINE=mpi is set)",
+        );
     }
     // Without the launcher (which would stop process 0 itself when process 1 exits), and the
     // timeout far away.
@@ -567,6 +571,7 @@ fn killed_worker() {
 }
 
 #[test]
+#[ignore = "needs the MPI engine: BURN_ACCELERATE_TEST_ENGINE=mpi --features mpi, with --ignored"]
 fn a_killed_rank_ends_the_mpi_job_within_seconds() {
     const TEST: &str = "a_killed_rank_ends_the_mpi_job_within_seconds";
     if worker::<()>().is_some() {
@@ -574,7 +579,7 @@ fn a_killed_rank_ends_the_mpi_job_within_seconds() {
     }
     if !harness::under_mpi() {
         // The built-in engine's case is the fault tests' (tests/faults, tests/processes).
-        return eprintln!("skipped: for the MPI engine (BURN_ACCELERATE_TEST_ENGINE=mpi)");
+        needs::missing("the MPI engine (BURN_ACCELERATE_TEST_ENGINE=mpi, --features mpi)");
     }
     let run = launch(TEST, 3, &(), &[]);
     assert!(!run.status.success(), "{}", run.output());
@@ -601,6 +606,7 @@ fn mpi_error_worker() -> String {
 }
 
 #[test]
+#[ignore = "needs the MPI engine: BURN_ACCELERATE_TEST_ENGINE=mpi --features mpi, with --ignored"]
 fn an_mpi_error_is_a_typed_error_with_mpi_s_message() {
     const TEST: &str = "an_mpi_error_is_a_typed_error_with_mpi_s_message";
     if worker::<()>().is_some() {
@@ -608,7 +614,7 @@ fn an_mpi_error_is_a_typed_error_with_mpi_s_message() {
         return;
     }
     if !harness::under_mpi() {
-        return eprintln!("skipped: for the MPI engine (BURN_ACCELERATE_TEST_ENGINE=mpi)");
+        needs::missing("the MPI engine (BURN_ACCELERATE_TEST_ENGINE=mpi, --features mpi)");
     }
     let run = launch(TEST, 2, &(), &[]);
     let error: String = run.report(0);

@@ -7,6 +7,8 @@
 #[allow(dead_code)]
 #[path = "../processes/harness.rs"]
 mod harness;
+#[path = "../needs/mod.rs"]
+mod needs;
 
 use std::time::{Duration, Instant};
 
@@ -314,7 +316,8 @@ fn strangers_are_refused_and_the_run_carries_on() {
         .map(|rank| {
             let mut command = std::process::Command::new(std::env::current_exe().unwrap());
             command
-                .args([TEST, "--exact", "--nocapture", "--test-threads=1", "-q"])
+                .arg(TEST)
+                .args(harness::WORKER_FLAGS)
                 .env(harness::WORKER_DIR, &dir)
                 .env("BURN_ACCELERATE_TEST_WORKER_ARGS", "null")
                 .env("RANK", rank.to_string())
@@ -414,17 +417,16 @@ fn torchrun() -> Option<std::path::PathBuf> {
 }
 
 #[test]
+#[ignore = "needs torchrun (the LibTorch tier's venv, or TORCHRUN): .ci/run runs it with --ignored"]
 fn torchrun_starts_the_program_as_the_launcher_does() {
     const TEST: &str = "torchrun_starts_the_program_as_the_launcher_does";
     if worker::<()>().is_some() {
         return report(&demo_worker());
     }
     let Some(torchrun) = torchrun() else {
-        eprintln!(
-            "skipped: no torchrun (the LibTorch tier's venv, scripts/tch-env.sh, provides it; \
-             or set TORCHRUN)"
+        needs::missing(
+            "torchrun (the LibTorch tier's venv, scripts/tch-env.sh, provides it; or set TORCHRUN)",
         );
-        return;
     };
     let launched: Vec<Trained> = launch(TEST, 2, &(), &[]).assert_success().reports(2);
     let _one = harness::exclusive();
@@ -433,7 +435,8 @@ fn torchrun_starts_the_program_as_the_launcher_does() {
     command
         .args(["--standalone", "--nproc-per-node", "2", "--no-python"])
         .arg(std::env::current_exe().unwrap())
-        .args([TEST, "--exact", "--nocapture", "--test-threads=1", "-q"])
+        .arg(TEST)
+        .args(harness::WORKER_FLAGS)
         .env(harness::WORKER_DIR, &dir)
         .env("BURN_ACCELERATE_TEST_WORKER_ARGS", "null")
         // As the launcher gives each of two processes on two cores.
@@ -457,7 +460,7 @@ struct TwoMachines {
 }
 
 impl TwoMachines {
-    /// `None` (and why) where namespaces cannot be made: not root, no `ip`.
+    /// Why not, where namespaces cannot be made: not root, no `ip`.
     fn make() -> Result<Self, String> {
         let id = std::process::id();
         let machines = Self {
@@ -545,18 +548,17 @@ fn partitioned_worker() {
 }
 
 #[test]
+#[ignore = "needs root and iproute2's `ip` to make network namespaces: .ci/run runs it with --ignored"]
 fn a_cut_link_ends_the_run_on_both_machines() {
     const TEST: &str = "a_cut_link_ends_the_run_on_both_machines";
     if worker::<()>().is_some() {
         return partitioned_worker();
     }
-    let machines = match TwoMachines::make() {
-        Ok(machines) => machines,
-        Err(why) => {
-            eprintln!("skipped: two network namespaces cannot be made here: {why}");
-            return;
-        }
-    };
+    let machines = TwoMachines::make().unwrap_or_else(|why| {
+        needs::missing(&format!(
+            "two network namespaces (root and iproute2's `ip`), which cannot be made: {why}"
+        ))
+    });
     let _one = harness::exclusive();
     let dir = harness::scratch_dir(TEST);
     let secret = dir.join("run.secret");
@@ -584,7 +586,8 @@ fn a_cut_link_ends_the_run_on_both_machines() {
                 ])
                 .arg("--")
                 .arg(std::env::current_exe().unwrap())
-                .args([TEST, "--exact", "--nocapture", "--test-threads=1", "-q"])
+                .arg(TEST)
+                .args(harness::WORKER_FLAGS)
                 .env(harness::WORKER_DIR, &dir)
                 .env("BURN_ACCELERATE_TEST_WORKER_ARGS", "null");
             let dir = dir.clone();

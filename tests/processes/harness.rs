@@ -21,6 +21,16 @@ use serde::de::DeserializeOwned;
 pub const WORKER_DIR: &str = "BURN_ACCELERATE_TEST_WORKER_DIR";
 const WORKER_ARGS: &str = "BURN_ACCELERATE_TEST_WORKER_ARGS";
 
+/// What a worker process runs of the test binary, after the test's name: that test alone,
+/// whether or not it is `#[ignore]`d (an ignored test's parent runs only with `--ignored`).
+pub const WORKER_FLAGS: [&str; 5] = [
+    "--exact",
+    "--include-ignored",
+    "--nocapture",
+    "--test-threads=1",
+    "-q",
+];
+
 /// A launch must end within this, or the test fails (and the processes are killed).
 pub const DEADLINE: Duration = Duration::from_secs(240);
 
@@ -134,7 +144,8 @@ pub fn launch<T: Serialize>(
 
 /// Whether the multi-process tests run under `mpirun` on the MPI engine
 /// (`BURN_ACCELERATE_TEST_ENGINE=mpi`, in a build with the `mpi` feature) rather than under
-/// `burn-accelerate launch` on the built-in one.
+/// `burn-accelerate launch` on the built-in one. The tests of the launcher and of the built-in
+/// engine fail under it, saying so (`tests/needs/mod.rs`): the MPI tier `--skip`s them.
 pub fn under_mpi() -> bool {
     std::env::var("BURN_ACCELERATE_TEST_ENGINE").is_ok_and(|e| e == "mpi")
 }
@@ -164,7 +175,8 @@ pub fn launch_command<T: Serialize>(
                 "RAYON_NUM_THREADS=1",
             ])
             .arg(std::env::current_exe().unwrap())
-            .args([test, "--exact", "--nocapture", "--test-threads=1", "-q"])
+            .arg(test)
+            .args(WORKER_FLAGS)
             .env(WORKER_DIR, &dir)
             .env(WORKER_ARGS, args);
         return (command, dir);
@@ -183,7 +195,8 @@ pub fn launch_command<T: Serialize>(
         .args(launch_args)
         .arg("--")
         .arg(std::env::current_exe().unwrap())
-        .args([test, "--exact", "--nocapture", "--test-threads=1", "-q"])
+        .arg(test)
+        .args(WORKER_FLAGS)
         .env(WORKER_DIR, &dir)
         .env(WORKER_ARGS, args);
     (command, dir)
@@ -207,7 +220,8 @@ pub fn launch_direct<T: Serialize>(
         .map(|rank| {
             let mut command = Command::new(std::env::current_exe().unwrap());
             command
-                .args([test, "--exact", "--nocapture", "--test-threads=1", "-q"])
+                .arg(test)
+                .args(WORKER_FLAGS)
                 .env(WORKER_DIR, &dir)
                 .env(WORKER_ARGS, &args)
                 .env("RANK", rank.to_string())

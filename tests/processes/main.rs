@@ -6,6 +6,8 @@
 #![cfg(feature = "flex")]
 
 mod harness;
+#[path = "../needs/mod.rs"]
+mod needs;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -319,7 +321,9 @@ fn two_machines_of_two_processes_train_like_one_process() {
         return report(&hand_loop::<Autodiff<Flex>>(&args));
     }
     if harness::under_mpi() {
-        return eprintln!("skipped under MPI: the launcher's own behaviour");
+        needs::missing(
+            "burn-accelerate's launcher rather than mpirun (BURN_ACCELERATE_TEST_ENGINE=mpi is set)",
+        );
     }
     let args = |processes: usize| HandLoop {
         batch_size: 16 / processes,
@@ -1276,7 +1280,9 @@ fn a_rank_that_panics_or_exits_ends_the_launch_within_seconds() {
         return dying_worker(death);
     }
     if harness::under_mpi() {
-        return eprintln!("skipped under MPI: the launcher's own behaviour");
+        needs::missing(
+            "burn-accelerate's launcher rather than mpirun (BURN_ACCELERATE_TEST_ENGINE=mpi is set)",
+        );
     }
     for (death, status) in [
         (
@@ -1469,7 +1475,9 @@ fn ctrl_c_on_the_launcher_reaches_every_process() {
         return sleeping_worker();
     }
     if harness::under_mpi() {
-        return eprintln!("skipped under MPI: the launcher's own behaviour");
+        needs::missing(
+            "burn-accelerate's launcher rather than mpirun (BURN_ACCELERATE_TEST_ENGINE=mpi is set)",
+        );
     }
     use nix::sys::signal::{Signal, kill};
     use nix::unistd::Pid;
@@ -1513,108 +1521,6 @@ fn ctrl_c_on_the_launcher_reaches_every_process() {
         interrupted.elapsed()
     );
     harness::clean(&dir);
-}
-
-// ---------------------------------------------------------------------------------------
-// Why the process group does not use burn-collective's global all-reduce (see
-// `distributed::ProcessGroup`): at the pinned 0.21 a registration completes one global
-// all-reduce, and the second never returns. When this test fails, upstream has fixed it and
-// the process group can move onto burn-collective.
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct Collective {
-    orchestrator_port: u16,
-    data_ports: Vec<u16>,
-}
-
-#[derive(Debug, Serialize, Deserialize)]
-struct CollectiveReport {
-    first: Option<Vec<f32>>,
-    second_returned: bool,
-}
-
-fn burn_collective_worker(args: &Collective) -> CollectiveReport {
-    use burn_collective::{CollectiveConfig, PeerId, ReduceOperation, all_reduce, register};
-    let state = ProcessState::from_env().unwrap();
-    let rank = state.process_index();
-    if rank == 0 {
-        let port = args.orchestrator_port;
-        std::thread::spawn(move || {
-            tokio::runtime::Runtime::new()
-                .unwrap()
-                .block_on(burn_collective::start_global_orchestrator(port));
-        });
-    }
-    let address = |port: u16| format!("ws://127.0.0.1:{port}").parse().unwrap();
-    let config = CollectiveConfig::default()
-        .with_num_devices(1)
-        .with_num_nodes(state.num_processes() as u32)
-        .with_global_address(address(args.orchestrator_port))
-        .with_node_address(address(args.data_ports[rank]))
-        .with_data_service_port(args.data_ports[rank]);
-    // Each call on a thread of its own, so that one that never returns can be left behind.
-    let (results, done) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        register::<Flex>(PeerId(rank as u32), Default::default(), config).unwrap();
-        for _ in 0..2 {
-            let tensor =
-                Tensor::<Flex, 1>::from_floats([rank as f32, 1.0, 2.0], &Default::default());
-            let reduced = all_reduce::<Flex>(
-                PeerId(rank as u32),
-                tensor.into_primitive().tensor(),
-                ReduceOperation::Sum,
-            )
-            .unwrap();
-            let reduced =
-                Tensor::<Flex, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(reduced));
-            if results
-                .send(reduced.into_data().to_vec::<f32>().unwrap())
-                .is_err()
-            {
-                break;
-            }
-        }
-    });
-    let first = done.recv_timeout(Duration::from_secs(60)).ok();
-    let second_returned = first.is_some() && done.recv_timeout(Duration::from_secs(5)).is_ok();
-    CollectiveReport {
-        first,
-        second_returned,
-    }
-}
-
-#[test]
-fn burn_collective_0_21_global_all_reduce_completes_once_per_registration() {
-    const TEST: &str = "burn_collective_0_21_global_all_reduce_completes_once_per_registration";
-    if let Some(args) = worker::<Collective>() {
-        let found = burn_collective_worker(&args);
-        report(&found);
-        // Its runtime and the call left waiting would keep the process alive.
-        std::process::exit(0);
-    }
-    // burn-collective's sync can also lose a wake-up and hang the first all-reduce now and
-    // then (it waits for a notification created after checking): a few tries.
-    let mut reports: Vec<CollectiveReport> = Vec::new();
-    for _ in 0..3 {
-        let _exclusive = harness::exclusive();
-        let args = Collective {
-            orchestrator_port: harness::free_port(),
-            data_ports: vec![harness::free_port(), harness::free_port()],
-        };
-        let (command, dir) = harness::launch_command(TEST, 2, &args, &[]);
-        reports = harness::run(command, dir).assert_success().reports(2);
-        if reports.iter().all(|r| r.first.is_some()) {
-            break;
-        }
-    }
-    for r in &reports {
-        assert_eq!(r.first.as_deref(), Some(&[1.0, 2.0, 4.0][..]));
-        assert!(
-            !r.second_returned,
-            "burn-collective's second global all-reduce returned: upstream fixed \
-             `SyncService::sync`, and `distributed::ProcessGroup` can use burn-collective"
-        );
-    }
 }
 
 // ---------------------------------------------------------------------------------------

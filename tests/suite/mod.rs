@@ -261,32 +261,43 @@ pub trait ParamGrads<B: AutodiffBackend> {
 ///
 /// `$ad` is the autodiff backend, `$device` an expression for the device, `$low` the dtype the
 /// mixed-dtype test casts to, then the precisions to run the numerics under. An optional
-/// `present = <bool expr>` is checked at the start of every test, which returns early (the
-/// expression should say why) when it is false: a CUDA build on a machine without a GPU.
+/// `needs = ("what", "reason", <bool expr>)` is for a device not every machine has (CUDA):
+/// every test is `#[ignore = "reason"]`, and run with `--ignored` where the expression is false,
+/// it fails saying it needs "what" (`tests/needs/mod.rs`; the caller declares `mod needs;`).
 #[macro_export]
 macro_rules! backend_suite {
-    ($ad:ty, $device:expr, $low:expr, [$($precision:ident),*] $(, present = $present:expr)?) => {
+    ($ad:ty, $device:expr, $low:expr, [$($precision:ident),*] $(, needs = ($what:literal, $need:literal, $present:expr))?) => {
         type Ad = $ad;
         type Inner = <Ad as burn::tensor::backend::AutodiffBackend>::InnerBackend;
 
-        fn device_present() -> bool {
-            true $(&& $present)?
+        /// Fails the test, naming what it needs, where the device is not here.
+        fn require_device() {
+            $(if !$present {
+                needs::missing($what);
+            })?
         }
 
-        #[test]
-        fn autocast_off_is_bit_identical() {
-            if !device_present() {
-                return;
-            }
-            suite::off_is_bit_identical::<Ad>(&$device);
+        /// A test, `#[ignore]`d with the reason where the suite has a need.
+        macro_rules! suite_test {
+            ($test:item) => {
+                #[test]
+                $(#[ignore = $need])?
+                $test
+            };
         }
 
-        #[test]
-        fn mixed_dtypes_promote() {
-            if !device_present() {
-                return;
+        suite_test! {
+            fn autocast_off_is_bit_identical() {
+                require_device();
+                suite::off_is_bit_identical::<Ad>(&$device);
             }
-            suite::mixed_dtypes_promote::<Inner>(&$device, $low);
+        }
+
+        suite_test! {
+            fn mixed_dtypes_promote() {
+                require_device();
+                suite::mixed_dtypes_promote::<Inner>(&$device, $low);
+            }
         }
 
         $(
@@ -295,28 +306,25 @@ macro_rules! backend_suite {
                 use super::*;
                 use burn_accelerate::Precision;
 
-                #[test]
-                fn mlp_forward() {
-                    if !device_present() {
-                        return;
+                suite_test! {
+                    fn mlp_forward() {
+                        require_device();
+                        suite::mlp_forward::<Inner>(&$device, Precision::$precision);
                     }
-                    suite::mlp_forward::<Inner>(&$device, Precision::$precision);
                 }
 
-                #[test]
-                fn conv_forward() {
-                    if !device_present() {
-                        return;
+                suite_test! {
+                    fn conv_forward() {
+                        require_device();
+                        suite::conv_forward::<Inner>(&$device, Precision::$precision);
                     }
-                    suite::conv_forward::<Inner>(&$device, Precision::$precision);
                 }
 
-                #[test]
-                fn mlp_gradients() {
-                    if !device_present() {
-                        return;
+                suite_test! {
+                    fn mlp_gradients() {
+                        require_device();
+                        suite::mlp_gradients::<Ad>(&$device, Precision::$precision);
                     }
-                    suite::mlp_gradients::<Ad>(&$device, Precision::$precision);
                 }
             }
         )*
