@@ -1,7 +1,8 @@
 //! Random tensors under autocast on Flex: the decorator's counter-based generator
-//! (`src/cpu/counter_rng.rs`) against the distributions Burn's sampler draws, its seeding and
-//! its independence from the number of threads, and, with autocast off, Flex's own values bit
-//! for bit after the same seed.
+//! (`src/cpu/counter_rng.rs`), which draws Bernoulli tensors (dropout's masks) only, against
+//! Burn's sampler's Bernoulli, its seeding and its independence from the number of threads;
+//! every other distribution Flex's own values bit for bit after the same seed under autocast
+//! (a parameter's initial values can be drawn there), and every draw Flex's with autocast off.
 //!
 //! The generator and Flex's are process-wide, so every test takes one lock and seeds first:
 //! each test's draws are then fixed, and its statistical checks (six standard deviations of
@@ -139,76 +140,13 @@ fn bernoulli_on_small_lengths_autodiff() {
     bernoulli_on_small_lengths::<AccAd>();
 }
 
-// The most a value's step in `dtype` is of the value.
-fn relative_step(dtype: DType) -> f64 {
-    match dtype {
-        DType::BF16 => 2f64.powi(-7),
-        DType::F16 => 2f64.powi(-10),
-        _ => 2f64.powi(-23),
-    }
-}
-
-fn uniform_in_range<B: Backend>() {
-    seed::<B>(3);
-    let len = 100_003;
-    let ranges = [
-        (Distribution::Default, 0.0, 1.0),
-        (Distribution::Uniform(-2.0, 3.0), -2.0, 3.0),
-        (Distribution::Uniform(0.5, 0.75), 0.5, 0.75),
-        (Distribution::Uniform(-1e-3, 0.0), -1e-3, 0.0),
-    ];
-    for dtype in HALVES_AND_F32 {
-        for (distribution, low, high) in ranges {
-            let data = draw_autocast::<B>(len, distribution, dtype);
-            assert_eq!(data.dtype, dtype);
-            let v = values(&data);
-            // `low` as the dtype has it (-1e-3 is not a bf16).
-            let low_in_dtype =
-                values(&TensorData::new(vec![low as f32], [1]).convert_dtype(dtype))[0];
-            assert!(
-                v.iter().all(|&x| low_in_dtype <= x && x < high),
-                "{distribution:?} {dtype:?}: outside [{low}, {high})"
-            );
-            // Uniform: mean (low + high) / 2, standard deviation (high - low) / √12 a value.
-            let width = high - low;
-            let m = mean(&v);
-            let tol = 6.0 * width / (12.0 * len as f64).sqrt() + width / 256.0;
-            assert!(
-                (m - (low + high) / 2.0).abs() <= tol,
-                "{distribution:?} {dtype:?}: mean {m}"
-            );
-            // Both ends reached, to a hundredth of the range and a step of the dtype.
-            let (min, max) = v
-                .iter()
-                .fold((f64::MAX, f64::MIN), |(a, b), &x| (a.min(x), b.max(x)));
-            let near = width / 100.0 + relative_step(dtype) * low.abs().max(high.abs());
-            assert!(
-                min < low + near && max > high - near,
-                "{distribution:?} {dtype:?}: from {min} to {max}"
-            );
-        }
-    }
-}
-
-#[test]
-fn uniform_in_range_flex() {
-    let _lock = exclusive();
-    uniform_in_range::<Acc>();
-}
-
-#[test]
-fn uniform_in_range_autodiff() {
-    let _lock = exclusive();
-    uniform_in_range::<AccAd>();
-}
-
 fn seeds_replay_and_streams_differ<B: Backend>() {
     let run = |s: u64| {
         seed::<B>(s);
         [
             draw_autocast::<B>(1_001, Distribution::Bernoulli(0.5), DType::BF16),
             draw_autocast::<B>(1_001, Distribution::Bernoulli(0.5), DType::BF16),
-            draw_autocast::<B>(1_001, Distribution::Default, DType::F32),
+            draw_autocast::<B>(1_001, Distribution::Bernoulli(0.5), DType::F32),
         ]
     };
     let (first, again, other_seed) = (run(42), run(42), run(43));
@@ -241,7 +179,7 @@ fn the_flex_and_autodiff_decorators_draw_the_same_values() {
         seed::<Acc>(5);
         [
             draw(Distribution::Bernoulli(0.8), DType::F16),
-            draw(Distribution::Uniform(-1.0, 1.0), DType::BF16),
+            draw(Distribution::Bernoulli(0.3), DType::BF16),
         ]
     };
     assert_eq!(run(true), run(false));
@@ -262,7 +200,11 @@ fn drawn_on_threads(threads: usize) -> Vec<TensorData> {
                 Distribution::Bernoulli(0.9),
                 dtype,
             ));
-            out.push(draw_autocast::<Acc>(300_007, Distribution::Default, dtype));
+            out.push(draw_autocast::<Acc>(
+                300_007,
+                Distribution::Bernoulli(0.5),
+                dtype,
+            ));
         }
         out
     })
@@ -318,13 +260,17 @@ fn autocast_off_draws_flexs_values_bit_for_bit() {
     autocast_off_draws_the_backends_values::<Autodiff<Flex>, AccAd>();
 }
 
-// Under autocast what the generator does not take is the backend's own: Normal and f64.
+// Under autocast what the generator does not take is the backend's own: every distribution
+// but Bernoulli, and f64.
 #[test]
-fn autocast_leaves_normal_and_f64_to_flex() {
+fn autocast_leaves_all_but_bernoulli_and_f64_to_flex() {
     let _lock = exclusive();
     for (distribution, dtype) in [
         (Distribution::Normal(0.0, 1.0), DType::BF16),
         (Distribution::Normal(1.0, 2.0), DType::F32),
+        (Distribution::Uniform(-1.0, 1.0), DType::BF16),
+        (Distribution::Uniform(-2.0, 3.0), DType::F32),
+        (Distribution::Default, DType::F16),
         (Distribution::Bernoulli(0.5), DType::F64),
         (Distribution::Default, DType::F64),
     ] {
@@ -340,6 +286,54 @@ fn autocast_leaves_normal_and_f64_to_flex() {
     seed::<Acc>(8);
     let ours = draw_autocast::<Acc>(513, Distribution::Bernoulli(0.5), DType::BF16);
     assert_ne!(flex.bytes, ours.bytes);
+}
+
+// A module's parameters are initialised lazily, at their first use: under autocast a uniform
+// draw can be a model's initial weights, so it is the backend's own, bit for bit the draw with
+// autocast off after the same seed (a bf16 run starts from the f32 run's weights), in the
+// default dtype and in the halves. Bernoulli under autocast stays the crate's generator's.
+fn autocast_draws_uniform_as_the_backend<B: Backend>() {
+    let device = Default::default();
+    let uniform = |autocast_on: bool, dtype: Option<DType>| {
+        let _precision = match autocast_on {
+            true => autocast::enable(Precision::Bf16),
+            false => autocast::disable(),
+        };
+        B::seed(&device, 12);
+        let dist = Distribution::Uniform(-1.0, 1.0);
+        let [first, second] = [(); 2].map(|_| match dtype {
+            None => Tensor::<B, 1>::random([4_099], dist, &device).into_data(),
+            Some(dtype) => Tensor::<B, 1>::random([4_099], dist, (&device, dtype)).into_data(),
+        });
+        [first, second]
+    };
+    for dtype in [None, Some(DType::F32), Some(DType::BF16), Some(DType::F16)] {
+        let (on, off) = (uniform(true, dtype), uniform(false, dtype));
+        assert_eq!(on[0].dtype, off[0].dtype, "{dtype:?}");
+        assert_eq!(on[0].bytes, off[0].bytes, "{dtype:?}");
+        assert_eq!(on[1].bytes, off[1].bytes, "{dtype:?}, the second draw");
+    }
+    let bernoulli = |autocast_on: bool| {
+        let _precision = match autocast_on {
+            true => autocast::enable(Precision::Bf16),
+            false => autocast::disable(),
+        };
+        B::seed(&device, 12);
+        Tensor::<B, 1>::random([4_099], Distribution::Bernoulli(0.5), &device).into_data()
+    };
+    assert_ne!(bernoulli(true).bytes, bernoulli(false).bytes);
+}
+
+#[test]
+fn autocast_draws_uniform_as_the_backend_flex() {
+    let _lock = exclusive();
+    autocast_draws_uniform_as_the_backend::<Acc>();
+}
+
+#[test]
+fn autocast_draws_uniform_as_the_backend_autodiff() {
+    let _lock = exclusive();
+    autocast_draws_uniform_as_the_backend::<AccAd>();
 }
 
 #[test]

@@ -283,13 +283,18 @@ pub(crate) fn reshape<B: Backend>(tensor: FloatTensor<B>, shape: Shape) -> Float
     }
 }
 
-/// `B::float_random`, drawn by the registered generator under autocast where it takes the
-/// distribution and dtype, else by `B`'s own.
+/// `B::float_random`: a Bernoulli tensor (dropout's mask) drawn by the registered generator
+/// under autocast where it takes the dtype, every other call by `B`'s own.
 ///
-/// Under autocast the values are not `B`'s for the same seed (another generator, whose values
-/// do not depend on the number of threads): a mixed-precision run's values already differ from
-/// its f32 run's, and dropout asks for independent masks, not for Flex's. With autocast off the
-/// call is `B`'s own, so the decorator then draws `B`'s values for a seed, bit for bit.
+/// Under autocast a mask is not `B`'s for the same seed (another generator, whose values do
+/// not depend on the number of threads): a mixed-precision run's values already differ from
+/// its f32 run's, and dropout asks for independent masks, not for Flex's. Every other
+/// distribution is `B`'s own, autocast or not: Burn initialises parameters lazily, at their
+/// first use, so a `Uniform` or `Normal` draw under autocast can be a model's initial weights,
+/// which must be the same in a bf16 run as in an f32 one, and as in Burn's
+/// `SupervisedTraining`, whose `fork` initialises them before autocast starts. With autocast
+/// off every call is `B`'s own, so the decorator then draws `B`'s values for a seed, bit for
+/// bit.
 #[inline]
 pub(crate) fn random<B: Backend>(
     shape: Shape,
@@ -297,7 +302,8 @@ pub(crate) fn random<B: Backend>(
     device: &B::Device,
     dtype: FloatDType,
 ) -> FloatTensor<B> {
-    if crate::autocast::current().is_some()
+    if matches!(distribution, Distribution::Bernoulli(_))
+        && crate::autocast::current().is_some()
         && let Some(kernels) = of::<B>()
         && let Some(tensor) = (kernels.random)(&shape, distribution, dtype)
     {

@@ -95,8 +95,8 @@ impl<B: Backend> Backend for Accelerated<B> {
         format!("accelerated<{}>", B::name(device))
     }
 
-    /// `B::seed`, and the crate's own generator, which draws random tensors under autocast
-    /// (see `kernels::random`), restarted at the same seed.
+    /// `B::seed`, and the crate's own generator, which draws dropout's Bernoulli masks under
+    /// autocast (see `kernels::random`), restarted at the same seed.
     fn seed(device: &Self::Device, seed: u64) {
         B::seed(device, seed);
         kernels::seed(seed);

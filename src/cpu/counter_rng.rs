@@ -1,4 +1,4 @@
-//! Random tensors on Flex from a counter-based generator, on every core.
+//! Dropout's masks (Bernoulli tensors) on Flex from a counter-based generator, on every core.
 //!
 //! Flex 0.21 draws a random tensor one value at a time from one ChaCha `StdRng` behind a
 //! process-wide lock (`float_random` in `burn-flex-0.21.0/src/ops/float.rs`, through
@@ -32,23 +32,21 @@
 //! - `Bernoulli(p)`: 1 where `w · 2⁻³² < p`, else 0, as Burn's sampler's `u < p` (`rand`'s
 //!   `Bernoulli` compares 64 bits: here `p` counts in steps of 2⁻³², rounded up). A `p` above
 //!   1 − 2⁻³² gives ones without drawing. Written as 1 or 0 in f32, bf16 or f16 directly.
-//! - `Uniform(low, high)`: `low + (high - low) · u` in f32, `u = (w >> 8) · 2⁻²⁴`, as `rand`
-//!   draws an f32 (24 bits, `[0, 1)`), then rounded to the tensor's dtype; a value that would
-//!   round up to `high` is the dtype's largest value below it, so the tensor stays in
-//!   `[low, high)` in bf16 and f16 too (Burn's f32 sample rounded to a half can reach `high`).
-//! - `Default`: `Uniform(0, 1)`.
 //!
-//! The decorator hands everything else back to Flex's own generator: `Normal`, f64 and
-//! `Flex32` tensors, and parameters Burn's sampler rejects (`p` outside `[0, 1]`, an empty or
-//! non-finite uniform range in f32), so that those fail exactly as Flex does.
+//! Every other distribution (`Uniform`, `Default`, `Normal`) is the backend's own, autocast or
+//! not: Burn initialises a module's parameters lazily, at their first use, so a draw under
+//! autocast can be a model's initial weights, and those must not depend on the precision a
+//! run trains in. Flex's own generator also draws f64 and `Flex32` tensors, and a `p` Burn's
+//! sampler rejects (outside `[0, 1]`), so that it fails exactly as Flex does.
 //!
 //! # Seeding
 //!
 //! [`seed`] (the decorator's `Backend::seed`) sets the key and restarts the streams at 0; each
 //! tensor drawn takes the next stream number, so a run seeded the same way draws the same
-//! tensors. Unseeded, the key is drawn from the OS once. The values are not Flex's for the same
-//! seed (another generator): the decorator uses this one under autocast only, where a run's
-//! values already differ from Flex's f32 run, and Flex's own with autocast off.
+//! tensors. Unseeded, the key is drawn from the OS once. The masks are not Flex's for the same
+//! seed (another generator): the decorator uses this one for dropout's masks under autocast
+//! only, where a run's values already differ from Flex's f32 run, and Flex's own with autocast
+//! off.
 
 use std::sync::{Mutex, PoisonError};
 
@@ -57,9 +55,8 @@ use burn::backend::{Autodiff, Flex};
 use burn::tensor::{Bytes, DType};
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{AutodiffBackend, Distribution, FloatDType, Shape};
-use half::{bf16, f16};
 
-use super::half_kernels::{Half, as_half, filled};
+use super::half_kernels::filled;
 
 /// Philox's multipliers and key increments (Random123's `PHILOX_M4x32_*`, `PHILOX_W32_*`).
 const M0: u32 = 0xD251_1F53;
@@ -335,8 +332,6 @@ enum Sample {
     Bernoulli { threshold: u32 },
     /// Bernoulli of a `p` above 1 − 2⁻³²: ones, no word drawn.
     Ones,
-    /// `low + span · u`, at most `top` (the dtype's largest value below the range's end).
-    Uniform { low: f32, span: f32, top: f32 },
 }
 
 /// The dtypes the generator writes: f32 and the half types.
@@ -366,48 +361,13 @@ fn plan(distribution: Distribution, dtype: FloatDType) -> Option<(Sample, Out)> 
                 },
             }
         }
-        Distribution::Default => uniform(0.0, 1.0, out)?,
-        // Burn's sampler draws in f32 for f32 and the half types alike.
-        Distribution::Uniform(low, high) => uniform(low as f32, high as f32, out)?,
-        Distribution::Bernoulli(_) | Distribution::Normal(..) => return None,
+        // Parameters are initialised lazily: these must be the backend's own under autocast.
+        Distribution::Bernoulli(_)
+        | Distribution::Default
+        | Distribution::Uniform(..)
+        | Distribution::Normal(..) => return None,
     };
     Some((sample, out))
-}
-
-// The uniform sample over `[low, high)` in `out`, `None` where `rand` rejects the range.
-fn uniform(low: f32, high: f32, out: Out) -> Option<Sample> {
-    let span = high - low;
-    if !(low < high && low.is_finite() && high.is_finite() && span.is_finite()) {
-        return None;
-    }
-    let (low_out, below_high) = match out {
-        Out::F32 => (low, high.next_down()),
-        Out::Bf16 => {
-            let (low, high) = (bf16::from_f32(low), bf16::from_f32(high));
-            (
-                low.to_f32(),
-                bf16::from_bits(below(high.to_bits())).to_f32(),
-            )
-        }
-        Out::F16 => {
-            let (low, high) = (f16::from_f32(low), f16::from_f32(high));
-            (low.to_f32(), f16::from_bits(below(high.to_bits())).to_f32())
-        }
-    };
-    // A range inside one step of the dtype holds its start only.
-    let top = below_high.max(low_out);
-    Some(Sample::Uniform { low, span, top })
-}
-
-/// The next half value down from the half (not NaN) with bits `bits`, sign and magnitude: an
-/// infinite end of range (a uniform up to 1e5 in f16) gives the largest finite half.
-fn below(bits: u16) -> u16 {
-    const SIGN: u16 = 0x8000;
-    match bits {
-        0 | SIGN => SIGN | 1,
-        b if b & SIGN != 0 => b + 1,
-        b => b - 1,
-    }
 }
 
 /// `len` values of stream `stream` under `key`, each made of its word by `make`, in tasks on
@@ -437,25 +397,6 @@ where
     })
 }
 
-#[inline(always)]
-fn uniform_f32(words: &[u32], out: &mut [f32], low: f32, span: f32, top: f32) {
-    const SCALE: f32 = 1.0 / (1u32 << 24) as f32;
-    for (out, &w) in out.iter_mut().zip(words) {
-        *out = (low + span * ((w >> 8) as f32 * SCALE)).min(top);
-    }
-}
-
-fn uniform_half<H: Half>(len: usize, key: u64, stream: u64, sample: [f32; 3]) -> Vec<u16> {
-    let [low, span, top] = sample;
-    values(len, key, stream, |words, out: &mut [u16]| {
-        let mut buf = [0f32; CHUNK];
-        let buf = &mut buf[..words.len()];
-        uniform_f32(words, buf, low, span, top);
-        // At most `top`, a value of the dtype: the rounding cannot reach the range's end.
-        H::round(buf, as_half::<H>(out));
-    })
-}
-
 /// The bits of 1 in each dtype.
 const ONE_F32: u32 = 0x3F80_0000;
 const ONE_BF16: u16 = 0x3F80;
@@ -476,17 +417,6 @@ fn draw(shape: &Shape, sample: Sample, out: Out, key: u64, stream: u64) -> FlexT
         }
         (Sample::Bernoulli { threshold }, Out::F16) => {
             Bytes::from_elems(bernoulli(len, key, stream, threshold, ONE_F16))
-        }
-        (Sample::Uniform { low, span, top }, Out::F32) => {
-            Bytes::from_elems(values(len, key, stream, |words, out: &mut [f32]| {
-                uniform_f32(words, out, low, span, top)
-            }))
-        }
-        (Sample::Uniform { low, span, top }, Out::Bf16) => {
-            Bytes::from_elems(uniform_half::<bf16>(len, key, stream, [low, span, top]))
-        }
-        (Sample::Uniform { low, span, top }, Out::F16) => {
-            Bytes::from_elems(uniform_half::<f16>(len, key, stream, [low, span, top]))
         }
     };
     let dtype = match out {
@@ -559,6 +489,8 @@ pub(crate) fn random_tracked(
 
 #[cfg(test)]
 mod tests {
+    use half::{bf16, f16};
+
     use super::*;
 
     fn bits(t: FlexTensor) -> Vec<u8> {
@@ -684,51 +616,22 @@ mod tests {
         assert_eq!(bernoulli(1e-12), Some(Sample::Bernoulli { threshold: 1 }));
         assert_eq!(bernoulli(1.0), Some(Sample::Ones));
         assert_eq!(bernoulli(1.0 - 1e-12), Some(Sample::Ones));
-        // What Burn's sampler rejects, and what is not drawn here, go to Flex's own.
+        // What Burn's sampler rejects, and what is not drawn here, go to Flex's own:
+        // every other distribution (a parameter's initial values among them), and f64.
         for rejected in [-0.1, 1.1, f64::NAN] {
             assert_eq!(bernoulli(rejected), None);
         }
         for dist in [
-            Distribution::Uniform(1.0, 1.0),
-            Distribution::Uniform(2.0, 1.0),
-            Distribution::Uniform(0.0, f64::INFINITY),
-            Distribution::Uniform(-3e38, 3e38),
+            Distribution::Default,
+            Distribution::Uniform(-1.0, 1.0),
             Distribution::Normal(0.0, 1.0),
         ] {
-            assert_eq!(plan(dist, FloatDType::F32), None, "{dist:?}");
+            for dtype in [FloatDType::F32, FloatDType::BF16, FloatDType::F16] {
+                assert_eq!(plan(dist, dtype), None, "{dist:?} {dtype:?}");
+            }
         }
-        assert_eq!(plan(Distribution::Default, FloatDType::F64), None);
-        assert_eq!(plan(Distribution::Default, FloatDType::Flex32), None);
-    }
-
-    #[test]
-    fn uniform_stays_below_its_end_in_every_dtype() {
-        // 1 - 2⁻²⁴ (the largest f32 sample below 1) rounds to 1 in bf16 and f16.
-        let w = [u32::MAX, 0, 1 << 31];
-        for dtype in [FloatDType::F32, FloatDType::BF16, FloatDType::F16] {
-            let (sample, out) = plan(Distribution::Default, dtype).unwrap();
-            let Sample::Uniform { low, span, top } = sample else {
-                panic!("{sample:?}")
-            };
-            let mut buf = [0f32; 3];
-            uniform_f32(&w, &mut buf, low, span, top);
-            assert!(buf[0] < 1.0 && buf[1] == 0.0 && buf[2] == 0.5, "{buf:?}");
-            let expected_top = match out {
-                Out::F32 => 1.0 - f32::EPSILON / 2.0,
-                Out::Bf16 => 1.0 - 1.0 / 256.0,
-                Out::F16 => 1.0 - 1.0 / 2048.0,
-            };
-            assert_eq!(top, expected_top, "{dtype:?}");
-        }
-        assert_eq!(below(0), 0x8001);
-        assert_eq!(below(0x8000), 0x8001);
-        assert_eq!(below(0xBF80), 0xBF81); // -1 → just below -1
-        assert_eq!(below(0x7C00), 0x7BFF); // f16 infinity → 65504
-        // A range inside one bf16 step holds its start.
-        let Some(Sample::Uniform { top, .. }) = uniform(1.0, 1.001, Out::Bf16) else {
-            panic!("a valid range")
-        };
-        assert_eq!(top, 1.0);
+        assert_eq!(plan(Distribution::Bernoulli(0.5), FloatDType::F64), None);
+        assert_eq!(plan(Distribution::Bernoulli(0.5), FloatDType::Flex32), None);
     }
 
     #[test]

@@ -42,11 +42,13 @@
 //!   for bf16 on [`Route::Fastest`], where the CPU has the instructions (x86-64: AMD Zen 4,
 //!   Intel Cooper Lake and later, detected at run time). Not for f16, on other CPUs or on
 //!   [`Route::Widened`]: there the operands are widened to f32 for Flex's f32 GEMM.
-//! - [`counter_rng`]: random tensors (`float_random`: Bernoulli, uniform) from a counter-based
-//!   generator (Philox4x32-10) on every core, written in f32, bf16 or f16 directly: dropout's
-//!   masks, which Flex draws one value at a time. Taken under autocast only, with the
-//!   decorator's `seed` resetting it; not for `Normal`, f64 or parameters Burn's sampler
-//!   rejects (Flex's own), nor with autocast off (Flex's own, so Flex's values for a seed).
+//! - [`counter_rng`]: Bernoulli tensors (`float_random`) from a counter-based generator
+//!   (Philox4x32-10) on every core, written in f32, bf16 or f16 directly: dropout's masks,
+//!   which Flex draws one value at a time. Taken under autocast only, with the decorator's
+//!   `seed` resetting it; every other distribution is Flex's own (Burn initialises parameters
+//!   lazily, so a draw under autocast can be a model's initial weights, which must not depend
+//!   on the precision), as are f64 and what Burn's sampler rejects, and everything with
+//!   autocast off (so Flex's values for a seed).
 //! - [`softmax`]: autocast's softmax and log-softmax (f32, its fp32 class) along the last
 //!   dimension, one fused pass per row on every core with a vectorised `exp` (within 1 ulp),
 //!   and backward nodes that keep the output; [`gelu`]: GELU (Burn's erf form) of f32, bf16
