@@ -18,9 +18,10 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use burn::backend::{Autodiff, Flex};
-use burn_accelerate::distributed::{ProcessState, ZeroStage};
+use burn_accelerate::distributed::ProcessState;
 use burn_accelerate::train::demo;
 use burn_accelerate::train::lm::{self, LmConfig};
+use burn_accelerate::zero::ZeroStage;
 use burn_accelerate::{Accelerated, Precision};
 use clap::Parser;
 

@@ -18,9 +18,10 @@
 use std::process::ExitCode;
 
 use burn::backend::Autodiff;
-use burn_accelerate::distributed::{ProcessState, ZeroStage};
+use burn_accelerate::distributed::ProcessState;
 use burn_accelerate::threads::StepThreadsConfig;
 use burn_accelerate::train::demo::{self, DemoConfig, DemoOutcome};
+use burn_accelerate::zero::ZeroStage;
 use burn_accelerate::{Accelerated, Precision};
 use clap::{Parser, ValueEnum};
 

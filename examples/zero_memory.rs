@@ -22,7 +22,7 @@ use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::AdamConfig;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Tensor};
-use burn_accelerate::distributed::ZeroStage;
+use burn_accelerate::zero::ZeroStage;
 use burn_accelerate::{AccelerateConfig, Accelerator};
 use clap::Parser;
 use memory::peak_memory_mib;

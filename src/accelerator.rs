@@ -38,18 +38,17 @@ use burn::config::Config;
 use burn::lr_scheduler::LrScheduler;
 use burn::module::AutodiffModule;
 use burn::optim::{GradientsParams, Optimizer};
+use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{ElementConversion, Tensor};
 use serde::{Deserialize, Serialize};
 
-use crate::autocast::{Autocast, AutocastConfig, AutocastGuard};
-use crate::distributed::{
-    self, ParamStateRecord, Partition, ProcessGroup, ProcessState, ZeroStage,
-};
+use crate::autocast::{self, Autocast, AutocastConfig, AutocastGuard, LowerOpTally};
+use crate::distributed::ProcessState;
 use crate::fp8::DelayedScaling;
 use crate::gradient_state::{Accumulate, GradientState, GradientStateSnapshot};
-use crate::grads::{self, OverflowCheck};
 use crate::scaler::{GradScalerConfig, LossScale};
+use crate::step::{StepCore, StepOutcome, StepSettings};
+use crate::zero::{self, ParamStateRecord, Partition, ZeroStage};
 use crate::{AccelerateError, Precision};
 
 /// How to accelerate a training loop, with Accelerate's names.
@@ -100,6 +99,11 @@ pub struct AccelerateConfig {
     /// of the parameters. Nothing changes for one process.
     #[config(default = "ZeroStage::None")]
     pub zero_stage: ZeroStage,
+    /// Clips every window's gradients, unscaled, to this global 2-norm before the optimizer
+    /// steps (what Transformers' Trainer does with `max_grad_norm` through Accelerate's
+    /// `clip_grad_norm_`), in both the `Accelerator`'s loop (unless it clipped by hand that
+    /// window) and `with_accelerate`'s. `None`: no clipping.
+    pub max_grad_norm: Option<f32>,
 }
 
 impl AccelerateConfig {
@@ -120,6 +124,13 @@ impl AccelerateConfig {
                 fix: "set at least 1 (1 means no accumulation: the optimizer steps every batch)",
             });
         }
+        if let Some(max_norm) = self.max_grad_norm.filter(|n| !(n.is_finite() && *n > 0.0)) {
+            return Err(AccelerateError::InvalidConfig {
+                field: "max_grad_norm",
+                value: max_norm.to_string(),
+                fix: "clip to a positive finite norm, or None for no clipping",
+            });
+        }
         self.grad_scaler.init(self.mixed_precision)?;
         let autocast = AutocastConfig::new(self.mixed_precision)
             .with_allow_fallback(self.allow_fallback)
@@ -128,6 +139,16 @@ impl AccelerateConfig {
             .init::<B>(device)?;
         let loss_scale = self.grad_scaler.init(autocast.precision())?;
         Ok((autocast, loss_scale))
+    }
+
+    // What the step core reads of the configuration.
+    pub(crate) fn step_settings(&self) -> StepSettings {
+        StepSettings {
+            divide_partial_window_by_length: self.divide_partial_window_by_length,
+            zero_stage: self.zero_stage,
+            max_grad_norm: self.max_grad_norm,
+            fp8: matches!(self.mixed_precision, Precision::Fp8(_)),
+        }
     }
 
     /// Builds an [`Accelerator`] on `device`, sharing the process-wide
@@ -154,22 +175,6 @@ impl AccelerateConfig {
     ) -> Result<Accelerator<B>, AccelerateError> {
         Accelerator::with_gradient_state(self.clone(), device, state)
     }
-}
-
-/// What [`Accelerator::optimizer_step`] did.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum StepOutcome {
-    /// The optimizer stepped with this learning rate, and the scheduler advanced.
-    Applied {
-        /// The learning rate the scheduler gave for this step.
-        lr: f64,
-    },
-    /// The scaled gradients held an inf or a NaN: neither the optimizer nor the scheduler
-    /// stepped, the parameters are unchanged, the gradients were dropped and the loss scale
-    /// backed off.
-    SkippedOverflow,
-    /// The window is not complete: the gradients are kept for the next batches.
-    Accumulating,
 }
 
 impl StepOutcome {
@@ -210,19 +215,13 @@ pub struct AcceleratorState {
 pub struct Accelerator<B: AutodiffBackend> {
     config: AccelerateConfig,
     autocast: Autocast,
-    loss_scale: LossScale,
-    state: GradientState,
-    grads: GradientsParams,
-    // Some once this window's gradients are unscaled (by a clip, or `unscale_gradients`):
-    // they must not be unscaled twice, and the step reads this check instead of a new one.
-    unscaled: Option<OverflowCheck<B::InnerBackend>>,
     process: ProcessState,
-    // The process group when there are several processes.
-    group: Option<ProcessGroup>,
-    // The parameters' owners, once the first sharded step saw the model.
-    partition: Option<Partition>,
+    // The loss scale, the window, the sync and the step (shared with `with_accelerate`).
+    core: StepCore<B>,
     // Where a consolidated optimizer state is read back to.
     device: B::Device,
+    // The creating thread's op tally when the accelerator was made.
+    tally_start: LowerOpTally,
 }
 
 impl<B: AutodiffBackend> Accelerator<B> {
@@ -261,17 +260,14 @@ impl<B: AutodiffBackend> Accelerator<B> {
             config.gradient_accumulation_steps,
             config.sync_with_dataloader,
         )?;
+        let core = StepCore::new(config.step_settings(), loss_scale, state, group);
         Ok(Self {
             config,
             autocast,
-            loss_scale,
-            state,
-            grads: GradientsParams::new(),
-            unscaled: None,
             process,
-            group,
-            partition: None,
+            core,
             device: device.clone(),
+            tally_start: autocast::thread_tally(),
         })
     }
 
@@ -314,6 +310,35 @@ impl<B: AutodiffBackend> Accelerator<B> {
         self.autocast.enter()
     }
 
+    /// What autocast did with the lower-class ops this thread ran since the accelerator was
+    /// made (on this thread): how many, and their flops, ran in the half type, and how many
+    /// it kept in f32 and why (too small, or the device cannot run the precision). Counted per
+    /// thread: ops of other threads are not in it.
+    ///
+    /// ```
+    /// # #[cfg(feature = "flex")] {
+    /// use burn::backend::{Autodiff, Flex};
+    /// use burn::tensor::Tensor;
+    /// use burn_accelerate::{AccelerateConfig, Accelerated, GradientState, Precision};
+    ///
+    /// type B = Accelerated<Autodiff<Flex>>;
+    /// let device = Default::default();
+    /// let accelerator = AccelerateConfig::new()
+    ///     .with_mixed_precision(Precision::Bf16)
+    ///     .init_with_state::<B>(&device, GradientState::new())?;
+    /// let x = Tensor::<B, 2>::ones([256, 256], &device);
+    /// {
+    ///     let _autocast = accelerator.autocast();
+    ///     let _ = x.clone().matmul(x); // a bare matmul is cast whatever its size
+    /// }
+    /// assert_eq!(accelerator.lower_ops().half_ops, 1);
+    /// # }
+    /// # Ok::<(), burn_accelerate::AccelerateError>(())
+    /// ```
+    pub fn lower_ops(&self) -> LowerOpTally {
+        autocast::thread_tally().since(&self.tally_start)
+    }
+
     /// The autocast checked against the device at construction.
     pub fn autocast_config(&self) -> &Autocast {
         &self.autocast
@@ -321,22 +346,22 @@ impl<B: AutodiffBackend> Accelerator<B> {
 
     /// The loss scale in force.
     pub fn loss_scale(&self) -> &LossScale {
-        &self.loss_scale
+        self.core.loss_scale()
     }
 
     /// The gradient state this accelerator syncs with.
     pub fn gradient_state(&self) -> &GradientState {
-        &self.state
+        self.core.state()
     }
 
     /// Whether the current batch completes a window (Accelerate's `sync_gradients`).
     pub fn sync_gradients(&self) -> bool {
-        self.state.sync_gradients()
+        self.core.state().sync_gradients()
     }
 
     /// Batches per optimizer step.
     pub fn gradient_accumulation_steps(&self) -> usize {
-        self.state.num_steps()
+        self.core.state().num_steps()
     }
 
     /// Decides whether this batch syncs; keep the guard for the batch
@@ -347,7 +372,7 @@ impl<B: AutodiffBackend> Accelerator<B> {
     /// process are averaged only when a window completes, so nothing happens to it.
     #[must_use = "the accumulate guard marks the batch; keep it for the batch's backward and step"]
     pub fn accumulate<M: AutodiffModule<B>>(&self, _model: &M) -> Accumulate {
-        self.state.accumulate()
+        self.core.state().accumulate()
     }
 
     /// Differentiates `loss / gradient_accumulation_steps × loss scale` and adds the
@@ -360,30 +385,20 @@ impl<B: AutodiffBackend> Accelerator<B> {
         loss: Tensor<B, D>,
         model: &M,
     ) {
-        let steps = self.state.num_steps();
-        let loss = if steps == 1 {
-            loss
-        } else {
-            loss.div_scalar(steps as f32)
-        };
-        let loss = self.loss_scale.scale(loss);
+        let loss = self.core.transform_loss(loss);
         let grads = GradientsParams::from_grads(loss.backward(), model);
-        grads::accumulate::<B, M>(model, &mut self.grads, grads);
-        // fp8 keys its per-tensor scales by call order since the last step: one forward and
-        // backward pass is one step of the delayed-scaling recipe.
-        if matches!(self.config.mixed_precision, Precision::Fp8(_)) {
-            crate::fp8::step();
-        }
+        self.core.add_gradients(model, grads);
+        self.core.end_pass();
     }
 
     /// The window's gradients so far (scaled, unless already unscaled this step).
     pub fn gradients(&self) -> &GradientsParams {
-        &self.grads
+        self.core.gradients()
     }
 
     /// The window's gradients, to inspect or edit before the step.
     pub fn gradients_mut(&mut self) -> &mut GradientsParams {
-        &mut self.grads
+        self.core.gradients_mut()
     }
 
     /// Unscales the window's gradients in place and records (on the device) whether they
@@ -404,47 +419,7 @@ impl<B: AutodiffBackend> Accelerator<B> {
         &mut self,
         model: &M,
     ) -> Result<(), AccelerateError> {
-        if self.unscaled.is_some() || !self.state.sync_gradients() {
-            return Ok(());
-        }
-        match (&self.group, self.sharded()) {
-            (Some(group), Some(ZeroStage::Gradients)) => {
-                let partition = self
-                    .partition
-                    .get_or_insert_with(|| Partition::of::<B, M>(model, group.world_size()));
-                distributed::reduce_scatter_gradients::<B, M>(
-                    group,
-                    model,
-                    &mut self.grads,
-                    partition,
-                )?;
-            }
-            (Some(group), _) => {
-                distributed::all_reduce_gradients::<B, M>(group, model, &mut self.grads)?;
-            }
-            (None, _) => {}
-        }
-        let factor = self.unscale_factor();
-        let check = if self.loss_scale.checks_overflow() {
-            grads::unscale_and_check::<B, M>(model, &mut self.grads, factor)
-        } else {
-            grads::scale::<B, M>(model, &mut self.grads, factor);
-            OverflowCheck::clean()
-        };
-        self.unscaled = Some(check);
-        Ok(())
-    }
-
-    // The inverse loss scale, times k / n for a partial last window when asked to.
-    fn unscale_factor(&self) -> f32 {
-        let inv_scale = self.loss_scale.inv_scale();
-        let steps = self.state.num_steps();
-        let batches = self.state.window_batches();
-        if self.config.divide_partial_window_by_length && batches > 0 && batches < steps {
-            (f64::from(inv_scale) * steps as f64 / batches as f64) as f32
-        } else {
-            inv_scale
-        }
+        self.core.unscale(model)
     }
 
     /// Clips the window's gradients to a global 2-norm of `max_norm`, after unscaling them
@@ -469,36 +444,7 @@ impl<B: AutodiffBackend> Accelerator<B> {
                 fix: "clip to a positive finite norm (to drop the gradients, skip the step instead)",
             });
         }
-        if !self.state.sync_gradients() {
-            return Ok(None);
-        }
-        self.unscale_gradients(model)?;
-        let (Some(group), Some(ZeroStage::Gradients)) = (&self.group, self.sharded()) else {
-            return Ok(grads::clip_grad_norm::<B, M>(
-                model,
-                &mut self.grads,
-                max_norm,
-            ));
-        };
-        // Each process holds its partition's gradients: the global norm sums every process's
-        // part (ShardedGradScaler's and FSDP's clip_grad_norm_).
-        let local = grads::sum_of_squares::<B, M>(model, &self.grads);
-        let mut total = [local
-            .as_ref()
-            .map_or(0.0, |t| t.clone().into_scalar().elem::<f32>())];
-        group.all_reduce(&mut total, distributed::ReduceOp::Sum)?;
-        let Some(local) = local else {
-            return Ok(None);
-        };
-        let norm = Tensor::<B::InnerBackend, 1>::from_floats([total[0].sqrt()], &local.device());
-        grads::clip_to_norm::<B, M>(model, &mut self.grads, norm.clone(), max_norm);
-        Ok(Some(norm))
-    }
-
-    // The stage, when it shards anything (several processes).
-    fn sharded(&self) -> Option<ZeroStage> {
-        distributed::shards(self.config.zero_stage, self.group.as_ref())
-            .then_some(self.config.zero_stage)
+        self.core.clip_grad_norm(model, max_norm)
     }
 
     /// Clamps the window's gradients to `[-clip_value, clip_value]` after unscaling them (as
@@ -519,20 +465,15 @@ impl<B: AutodiffBackend> Accelerator<B> {
                 fix: "clip to a positive finite value",
             });
         }
-        if self.state.sync_gradients() {
-            self.unscale_gradients(model)?;
-            grads::clip_grad_value::<B, M>(model, &mut self.grads, clip_value);
-        }
-        Ok(())
+        self.core.clip_grad_value(model, clip_value)
     }
 
     /// Drops the window's gradients on a batch that syncs, and does nothing on the others, as
     /// Accelerate's wrapped `optimizer.zero_grad()` does. [`optimizer_step`](Self::optimizer_step)
     /// already drops them after stepping, so a loop needs this only to discard a window.
     pub fn zero_grad(&mut self) {
-        if self.state.sync_gradients() {
-            self.grads = GradientsParams::new();
-            self.unscaled = None;
+        if self.core.state().sync_gradients() {
+            self.core.zero_grad();
         }
     }
 
@@ -558,40 +499,10 @@ impl<B: AutodiffBackend> Accelerator<B> {
         O: Optimizer<M, B>,
         S: LrScheduler,
     {
-        if !self.state.sync_gradients() {
-            return Ok((model, StepOutcome::Accumulating));
-        }
-        self.unscale_gradients(&model)?;
-        let mut found_inf = self.unscaled.take().is_some_and(OverflowCheck::found_inf);
-        let mut grads = core::mem::take(&mut self.grads);
-        let sharded = self.sharded();
-        if let (Some(group), Some(ZeroStage::Gradients)) = (&self.group, sharded) {
-            // An inf in any partition skips the step on every process (ShardedGradScaler).
-            let mut any = [u32::from(found_inf)];
-            group.all_reduce(&mut any, distributed::ReduceOp::Sum)?;
-            found_inf = any[0] > 0;
-        }
-        self.loss_scale = self.loss_scale.adjust(found_inf);
-        if found_inf {
-            return Ok((model, StepOutcome::SkippedOverflow));
-        }
-        let (Some(group), Some(stage)) = (&self.group, sharded) else {
+        self.core.step(model, |model, grads| {
             let lr = scheduler.step();
-            return Ok((
-                optimizer.step(lr, model, grads),
-                StepOutcome::Applied { lr },
-            ));
-        };
-        let partition = self
-            .partition
-            .get_or_insert_with(|| Partition::of::<B, M>(&model, group.world_size()));
-        if stage == ZeroStage::OptimizerState {
-            distributed::keep_own::<B, M>(&model, &mut grads, partition, group.rank());
-        }
-        let lr = scheduler.step();
-        let model = optimizer.step(lr, model, grads);
-        let model = distributed::share_parameters::<B, M>(group, model, partition)?;
-        Ok((model, StepOutcome::Applied { lr }))
+            (optimizer.step(lr, model, grads), lr)
+        })
     }
 
     /// The whole optimizer state on the main process, for a checkpoint (`None` on the other
@@ -610,7 +521,7 @@ impl<B: AutodiffBackend> Accelerator<B> {
     /// # use burn::nn::{Linear, LinearConfig};
     /// # use burn::optim::{AdamConfig, Optimizer};
     /// # use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
-    /// # use burn_accelerate::{AccelerateConfig, distributed::ZeroStage};
+    /// # use burn_accelerate::{AccelerateConfig, zero::ZeroStage};
     /// # type B = Autodiff<Flex>;
     /// # let device = Default::default();
     /// # let model: Linear<B> = LinearConfig::new(4, 4).init(&device);
@@ -634,8 +545,8 @@ impl<B: AutodiffBackend> Accelerator<B> {
         model: &M,
         record: R,
     ) -> Result<Option<R>, AccelerateError> {
-        match (&self.group, self.sharded()) {
-            (Some(group), Some(_)) => Ok(distributed::consolidate_state::<B, M, R>(
+        match self.core.sharded() {
+            Some((group, _)) => Ok(zero::consolidate_state::<B, M, R>(
                 group,
                 model,
                 record,
@@ -657,21 +568,21 @@ impl<B: AutodiffBackend> Accelerator<B> {
         model: &M,
         record: R,
     ) -> R {
-        let Some(group) = self.group.as_ref().filter(|_| self.sharded().is_some()) else {
+        let Some((group, _)) = self.core.sharded() else {
             return record;
         };
         // Anew: a model loaded from a checkpoint has the checkpoint's parameter ids.
         let partition = Partition::of::<B, M>(model, group.world_size());
-        let own = distributed::keep_own_state(record, &partition, group.rank());
-        self.partition = Some(partition);
+        let own = zero::keep_own_state(record, &partition, group.rank());
+        self.core.set_partition(partition);
         own
     }
 
     /// The loss scale and gradient-state position, for a checkpoint.
     pub fn state(&self) -> AcceleratorState {
         AcceleratorState {
-            loss_scale: self.loss_scale,
-            gradient_state: self.state.snapshot(),
+            loss_scale: *self.core.loss_scale(),
+            gradient_state: self.core.state().snapshot(),
         }
     }
 
@@ -701,17 +612,16 @@ impl<B: AutodiffBackend> Accelerator<B> {
             LossScale::Static { .. } => "a static loss scale",
             LossScale::Dynamic(_) => "a dynamic loss scale",
         };
-        if kind(&saved.loss_scale) != kind(&self.loss_scale) {
+        if kind(&saved.loss_scale) != kind(self.core.loss_scale()) {
             return Err(AccelerateError::StateMismatch {
                 what: "loss scaling",
                 saved: kind(&saved.loss_scale).into(),
-                current: kind(&self.loss_scale).into(),
+                current: kind(self.core.loss_scale()).into(),
             });
         }
-        self.state.restore(g)?;
-        self.loss_scale = saved.loss_scale;
-        self.grads = GradientsParams::new();
-        self.unscaled = None;
+        self.core.state().restore(g)?;
+        self.core.set_loss_scale(saved.loss_scale);
+        self.core.zero_grad();
         Ok(())
     }
 }

@@ -70,14 +70,17 @@ pub mod grads;
 pub mod placement;
 mod precision;
 pub mod scaler;
+pub mod step;
 #[cfg(feature = "flex")]
 pub mod threads;
 pub mod train;
+pub mod zero;
 
-pub use accelerator::{AccelerateConfig, Accelerator, AcceleratorState, StepOutcome};
+pub use accelerator::{AccelerateConfig, Accelerator, AcceleratorState};
 pub use autocast::{Autocast, AutocastConfig};
 pub use backend::Accelerated;
 pub use error::AccelerateError;
 pub use gradient_state::{Accumulate, ActiveDataLoader, GradientState, GradientStateSnapshot};
 pub use precision::Precision;
 pub use scaler::{ArmedLossScale, DynamicLossScale, GradScalerConfig, LossScale};
+pub use step::StepOutcome;

@@ -28,6 +28,7 @@ use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 use serde::{Deserialize, Serialize};
 
+use crate::step::divisor::LossTransform;
 use crate::{AccelerateError, Precision};
 
 /// torch's `GradScaler` defaults.
@@ -357,11 +358,14 @@ impl GradScalerConfig {
     }
 }
 
-// The armed scale: f32 bits in the low half, ARMED in the high half. A separate flag (rather
-// than 0 meaning "off") keeps a scale that has backed off to exactly 0.0 armed, as torch keeps
-// multiplying by it.
+// The armed transform: the scale's f32 bits in the low half, the divisor in bits 32..56,
+// then flags. A flag for the scale (rather than 0 meaning "off") keeps a scale that has backed
+// off to exactly 0.0 armed, as torch keeps multiplying by it.
 static ARMED_SCALE: AtomicU64 = AtomicU64::new(0);
-const ARMED: u64 = 1 << 32;
+const ARMED: u64 = 1 << 63;
+const HAS_SCALE: u64 = 1 << 62;
+const DIVISOR_SHIFT: u32 = 32;
+const DIVISOR_MASK: u64 = (1 << 24) - 1;
 
 /// The process-wide loss scale `Accelerated<B>`'s `backward` multiplies the loss by, if armed.
 ///
@@ -369,8 +373,14 @@ const ARMED: u64 = 1 << 32;
 /// worker threads).
 #[inline]
 pub fn armed() -> Option<f32> {
-    let bits = ARMED_SCALE.load(Ordering::Acquire);
-    (bits & ARMED != 0).then(|| f32::from_bits(bits as u32))
+    armed_transform().and_then(|t| t.scale)
+}
+
+/// What `Accelerated<B>`'s `backward` does to the loss, if armed: divide it by the window's
+/// length, then multiply it by the loss scale ([`LossTransform`]).
+#[inline]
+pub fn armed_transform() -> Option<LossTransform> {
+    decode(ARMED_SCALE.load(Ordering::Acquire))
 }
 
 /// Arms a loss scale for `Accelerated<B>`'s `backward` until dropped, process-wide.
@@ -414,13 +424,31 @@ pub struct ArmedLossScale {
 impl ArmedLossScale {
     /// Arms `scale` for every thread until the guard drops.
     pub fn arm(scale: f32) -> Self {
-        let previous = ARMED_SCALE.swap(encode(scale), Ordering::AcqRel);
+        Self::arm_transform(LossTransform {
+            divisor: 1,
+            scale: Some(scale),
+        })
+    }
+
+    /// Arms `transform` (the window's divisor, then the scale) for every thread until the
+    /// guard drops: what the `with_accelerate` strategy arms, so that a user's unmodified
+    /// `loss.backward()` differentiates the loss the `Accelerator`'s `backward` would
+    /// (see [`step`](crate::step)). A divisor above 2^24 − 1 is clamped to it.
+    pub fn arm_transform(transform: LossTransform) -> Self {
+        let previous = ARMED_SCALE.swap(encode(transform), Ordering::AcqRel);
         Self { previous }
     }
 
-    /// Replaces the armed scale (after the scaler adjusted it).
+    /// Replaces the armed scale (after the scaler adjusted it), keeping the divisor.
     pub fn set(&self, scale: f32) {
-        ARMED_SCALE.store(encode(scale), Ordering::Release);
+        let divisor = decode(ARMED_SCALE.load(Ordering::Acquire)).map_or(1, |t| t.divisor);
+        ARMED_SCALE.store(
+            encode(LossTransform {
+                divisor,
+                scale: Some(scale),
+            }),
+            Ordering::Release,
+        );
     }
 }
 
@@ -430,8 +458,19 @@ impl Drop for ArmedLossScale {
     }
 }
 
-fn encode(scale: f32) -> u64 {
-    ARMED | u64::from(scale.to_bits())
+fn encode(transform: LossTransform) -> u64 {
+    let divisor = u64::from(transform.divisor).min(DIVISOR_MASK) << DIVISOR_SHIFT;
+    let scale = transform
+        .scale
+        .map_or(0, |scale| HAS_SCALE | u64::from(scale.to_bits()));
+    ARMED | divisor | scale
+}
+
+fn decode(bits: u64) -> Option<LossTransform> {
+    (bits & ARMED != 0).then(|| LossTransform {
+        divisor: ((bits >> DIVISOR_SHIFT) & DIVISOR_MASK) as u32,
+        scale: (bits & HAS_SCALE != 0).then(|| f32::from_bits(bits as u32)),
+    })
 }
 
 #[cfg(test)]

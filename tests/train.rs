@@ -172,9 +172,9 @@ mod flex {
         use burn::data::dataset::InMemDataset;
         use burn_accelerate::AccelerateConfig;
         use burn_accelerate::data::{DataLoaderConfig, ShardLoaderBuilder};
-        use burn_accelerate::distributed::ZeroStage;
         use burn_accelerate::train::AccelerateStrategy;
         use burn_accelerate::train::demo::{BlobBatcher, Mlp, MlpComponents, blobs};
+        use burn_accelerate::zero::ZeroStage;
         type B = Autodiff<Flex>;
         let device = Default::default();
         let shards = ShardLoaderBuilder::new(

@@ -132,12 +132,13 @@ impl<B: AutodiffBackend> AutodiffBackend for Accelerated<B> {
     type InnerBackend = Accelerated<B::InnerBackend>;
     type Gradients = B::Gradients;
 
-    /// Differentiates `tensor`, first multiplied by the armed loss scale if one is armed
-    /// ([`ArmedLossScale`](crate::scaler::ArmedLossScale)), so that an unmodified
-    /// `loss.backward()` in a training step yields scaled gradients.
+    /// Differentiates `tensor`, first divided by the window's length and multiplied by the
+    /// loss scale where they are armed ([`ArmedLossScale`](crate::scaler::ArmedLossScale)), so
+    /// that an unmodified `loss.backward()` in a training step yields the gradients the
+    /// `Accelerator`'s `backward` would.
     fn backward(tensor: FloatTensor<Self>) -> Self::Gradients {
-        let tensor = match crate::scaler::armed() {
-            Some(scale) => B::float_mul_scalar(tensor, scale.into()),
+        let tensor = match crate::scaler::armed_transform() {
+            Some(transform) => transform.apply_primitive::<B>(tensor),
             None => tensor,
         };
         B::backward(tensor)

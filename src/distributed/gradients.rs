@@ -34,18 +34,18 @@ use super::group::{ProcessGroup, ReduceOp};
 /// larger parameter travels alone.
 pub const BUCKET_VALUES: usize = 25 * 1024 * 1024 / 4;
 
-pub(super) type Inner<B> = <B as AutodiffBackend>::InnerBackend;
+pub(crate) type Inner<B> = <B as AutodiffBackend>::InnerBackend;
 
 // A parameter's averaged gradient, flat, with the dtype and shape to give it back.
-pub(super) type Reduced<B> = (Tensor<Inner<B>, 1>, DType, Vec<usize>);
+pub(crate) type Reduced<B> = (Tensor<Inner<B>, 1>, DType, Vec<usize>);
 
 /// One parameter's slot: its gradient flattened to f32 (None: no gradient here).
-pub(super) struct Slot<B: AutodiffBackend> {
-    pub(super) id: ParamId,
-    pub(super) dims: Vec<usize>,
-    pub(super) dtype: DType,
-    pub(super) device: burn::tensor::Device<B>,
-    pub(super) grad: Option<Tensor<Inner<B>, 1>>,
+pub(crate) struct Slot<B: AutodiffBackend> {
+    pub(crate) id: ParamId,
+    pub(crate) dims: Vec<usize>,
+    pub(crate) dtype: DType,
+    pub(crate) device: burn::tensor::Device<B>,
+    pub(crate) grad: Option<Tensor<Inner<B>, 1>>,
 }
 
 /// Replaces the gradients of `module`'s parameters in `grads` by their mean over the
@@ -76,7 +76,7 @@ pub fn all_reduce_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
 
 /// Every float parameter's gradient, taken out of `grads` and flattened to f32, in the
 /// module's visiting order.
-pub(super) fn take_slots<B: AutodiffBackend, M: AutodiffModule<B>>(
+pub(crate) fn take_slots<B: AutodiffBackend, M: AutodiffModule<B>>(
     module: &M,
     grads: &mut GradientsParams,
 ) -> Vec<Slot<B>> {
@@ -90,7 +90,7 @@ pub(super) fn take_slots<B: AutodiffBackend, M: AutodiffModule<B>>(
 
 /// How many processes have each parameter's gradient: a parameter none of them has stays
 /// without one.
-pub(super) fn presence<B: AutodiffBackend>(
+pub(crate) fn presence<B: AutodiffBackend>(
     group: &ProcessGroup,
     slots: &[Slot<B>],
 ) -> Result<Vec<u32>, DistributedError> {
@@ -101,7 +101,7 @@ pub(super) fn presence<B: AutodiffBackend>(
 
 /// The slots' gradients in one flat f32 tensor, zeros for a missing one. A parameter alone (a
 /// large one) travels as it is, without a copy.
-pub(super) fn pack<'a, B: AutodiffBackend>(
+pub(crate) fn pack<'a, B: AutodiffBackend>(
     slots: impl ExactSizeIterator<Item = &'a Slot<B>>,
 ) -> Tensor<Inner<B>, 1> {
     let slots: Vec<&Slot<B>> = slots.collect();
@@ -127,7 +127,7 @@ pub(super) fn pack<'a, B: AutodiffBackend>(
 
 /// Cuts `flat` back into the gradients of `slots` (in the order they were packed), keeping
 /// those some process had.
-pub(super) fn unpack<'a, B: AutodiffBackend>(
+pub(crate) fn unpack<'a, B: AutodiffBackend>(
     flat: &Tensor<Inner<B>, 1>,
     slots: impl Iterator<Item = (&'a Slot<B>, &'a u32)>,
     reduced: &mut HashMap<ParamId, Reduced<B>>,
@@ -144,7 +144,7 @@ pub(super) fn unpack<'a, B: AutodiffBackend>(
 }
 
 /// Registers the reduced gradients in `grads`, in their parameters' dtypes and shapes.
-pub(super) fn put_back<B: AutodiffBackend, M: AutodiffModule<B>>(
+pub(crate) fn put_back<B: AutodiffBackend, M: AutodiffModule<B>>(
     module: &M,
     grads: &mut GradientsParams,
     reduced: HashMap<ParamId, Reduced<B>>,
@@ -152,12 +152,12 @@ pub(super) fn put_back<B: AutodiffBackend, M: AutodiffModule<B>>(
     module.visit(&mut PutBack::<B> { grads, reduced });
 }
 
-pub(super) fn numel(dims: &[usize]) -> usize {
+pub(crate) fn numel(dims: &[usize]) -> usize {
     dims.iter().product()
 }
 
 // Consecutive runs of slots of at most BUCKET_VALUES values (a larger slot alone).
-pub(super) fn buckets<B: AutodiffBackend>(slots: &[Slot<B>]) -> Vec<std::ops::Range<usize>> {
+pub(crate) fn buckets<B: AutodiffBackend>(slots: &[Slot<B>]) -> Vec<std::ops::Range<usize>> {
     let mut ranges = Vec::new();
     let (mut start, mut size) = (0, 0);
     for (i, slot) in slots.iter().enumerate() {

@@ -34,14 +34,11 @@ mod element;
 mod engine;
 pub mod env;
 mod error;
-mod gradients;
+pub(crate) mod gradients;
 mod group;
 mod guard;
-mod optimizer_record;
 mod secret;
 mod seed;
-mod sharded;
-mod sharding;
 mod state;
 
 pub use element::{Element, Reducible};
@@ -50,12 +47,8 @@ pub use gradients::{BUCKET_VALUES, all_reduce_gradients};
 pub(crate) use group::Stream;
 pub use group::{ProcessGroup, ReduceOp, shard_counts};
 pub use guard::FirstGuard;
-pub use optimizer_record::{ParamStateRecord, consolidate_state, keep_own_state};
 pub use secret::RunSecret;
 pub use seed::{seed_for, set_seed};
-pub(crate) use sharded::shards;
-pub use sharded::{Partition, keep_own, reduce_scatter_gradients, share_parameters};
-pub use sharding::{ZeroStage, partition};
 pub use state::{ProcessState, Rendezvous};
 
 /// Serves the rendezvous (the run's orchestrator) on `host:port` until the process ends: what

@@ -29,8 +29,9 @@ use burn::train::{
 use super::metrics::AccelerateMetric;
 use super::{AccelerateStrategy, TrainingStats, WithAccelerate};
 use crate::data::{DataLoaderConfig, ShardLoaderBuilder};
-use crate::distributed::{ProcessState, ZeroStage};
+use crate::distributed::ProcessState;
 use crate::scaler::GradScalerConfig;
+use crate::zero::ZeroStage;
 use crate::{AccelerateConfig, AccelerateError, Precision};
 
 /// Input features of a sample.

@@ -55,7 +55,8 @@ use burn::train::{
 
 use super::{AccelerateStrategy, TrainingStats, WithAccelerate};
 use crate::data::{DataLoaderConfig, ShardLoaderBuilder};
-use crate::distributed::{ProcessState, ReduceOp, ZeroStage};
+use crate::distributed::{ProcessState, ReduceOp};
+use crate::zero::ZeroStage;
 use crate::{AccelerateConfig, AccelerateError, Precision};
 
 /// Tokens are bytes.

@@ -90,7 +90,6 @@ use burn::config::Config;
 
 use burn::data::dataloader::{DataLoaderIterator, Progress};
 use burn::module::{AutodiffModule, Module};
-use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Device, Tensor};
 use burn::train::logger::InMemoryMetricLogger;
@@ -107,13 +106,12 @@ use crate::data::{
     DataLoaderError, EvenSplit, LoaderState, ProcessShare, ProcessSlice, ShardLoader,
     move_and_identify,
 };
-use crate::distributed::{
-    self, ParamStateRecord, Partition, ProcessGroup, ProcessState, ZeroStage,
-};
+use crate::distributed::{ProcessGroup, ProcessState};
 use crate::gradient_state::GradientState;
-use crate::grads;
 use crate::placement::check_data_parallel;
-use crate::scaler::{ArmedLossScale, LossScale};
+use crate::scaler::LossScale;
+use crate::step::{StepCore, StepOutcome};
+use crate::zero::{self, ParamStateRecord, ZeroStage};
 use crate::{AccelerateConfig, AccelerateError, AcceleratorState, Precision};
 use replicas::{DeviceWorkers, StepInput};
 use sharded::OptimizerTap;
@@ -242,6 +240,9 @@ pub struct AccelerateStrategy<LC: LearningComponentsTypes> {
     process: ProcessState,
     /// The process group, when there are several processes.
     group: Option<ProcessGroup>,
+    /// The training backend is the decorator, whose `backward` divides and scales a step's
+    /// loss when armed (see [`step`](crate::step)).
+    divides_loss: bool,
 }
 
 // One device of a data-parallel training and the loader of its Accelerate shard.
@@ -414,6 +415,7 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
             positions: Vec::new(),
             process,
             group,
+            divides_loss: TrainingBackend::<LC>::name(device).starts_with("accelerated<"),
         })
     }
 
@@ -731,10 +733,10 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
     }
 
     // What goes beside Burn's checkpoint.
-    fn checkpoint(&self, scaling: &Scaling) -> AccelerateCheckpoint {
+    fn checkpoint(&self, loss_scale: LossScale) -> AccelerateCheckpoint {
         AccelerateCheckpoint {
             state: AcceleratorState {
-                loss_scale: scaling.loss_scale,
+                loss_scale,
                 gradient_state: self.state.snapshot(),
             },
             loaders: self.positions.iter().map(|p| p.state()).collect(),
@@ -863,17 +865,19 @@ impl Drop for DefaultAutocast {
     }
 }
 
-// The loss scale and the window's gradients, carried across epochs (windows do cross epochs
-// when `sync_with_dataloader` is off), and the parameters' owners when the optimizer is
-// sharded.
-struct Scaling {
-    loss_scale: LossScale,
-    armed: Option<ArmedLossScale>,
-    window: GradientsParams,
-    partition: Option<Partition>,
-    // Burn's `grads_accumulation`: the window's gradients are summed (divided by the replicas
-    // only), not averaged over the window.
-    sums_window: bool,
+// The training step of a fit: its loss scale and window's gradients are carried across epochs
+// (windows do cross epochs when `sync_with_dataloader` is off).
+type Core<LC> = StepCore<TrainingBackend<LC>>;
+
+// Ends the fit where something it cannot go on without failed. Burn's
+// `SupervisedLearningStrategy::fit` returns the model and the event processor, with no error
+// channel (burn-train 0.21, `learner/supervised/strategies/base.rs`), and a fit that went on
+// would train the wrong thing (a process that left would leave the others waiting, a resume
+// from the wrong state would look like a good run): so it panics, with the reason, in this one
+// place. What can be checked before the fit is checked by `AccelerateStrategy::new`,
+// `data_parallel` and `prepare_loader`, which return typed errors.
+fn fail(what: &str, err: impl core::fmt::Display) -> ! {
+    panic!("burn-accelerate: {what}: {err}")
 }
 
 // The gradient-accumulation window of a fit (see `AccelerateStrategy::accumulation`).
@@ -910,81 +914,6 @@ fn next_step<LC: LearningComponentsTypes>(
 }
 
 impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
-    // The stage, when it shards anything (several processes).
-    fn sharded(&self) -> Option<(&ProcessGroup, ZeroStage)> {
-        let group = self.group.as_ref()?;
-        distributed::shards(self.config.zero_stage, Some(group))
-            .then_some((group, self.config.zero_stage))
-    }
-
-    // The window's gradients averaged over the processes: whole, or at ZeRO stage 2 this
-    // process's partition's only.
-    fn sync_window(
-        &self,
-        model: &TrainingModel<LC>,
-        scaling: &mut Scaling,
-    ) -> Result<(), distributed::DistributedError> {
-        let Some(group) = &self.group else {
-            return Ok(());
-        };
-        match (self.sharded(), &scaling.partition) {
-            (Some((_, ZeroStage::Gradients)), Some(partition)) => {
-                distributed::reduce_scatter_gradients::<TrainingBackend<LC>, _>(
-                    group,
-                    model,
-                    &mut scaling.window,
-                    partition,
-                )
-            }
-            _ => distributed::all_reduce_gradients::<TrainingBackend<LC>, _>(
-                group,
-                model,
-                &mut scaling.window,
-            ),
-        }
-    }
-
-    // At stage 2 each process checked its own partition: an inf in any skips the step on
-    // every process (ShardedGradScaler). Elsewhere every process checked the same gradients.
-    fn agree_on_overflow(&self, found_inf: bool) -> Result<bool, distributed::DistributedError> {
-        let Some((group, ZeroStage::Gradients)) = self.sharded() else {
-            return Ok(found_inf);
-        };
-        let mut any = [u32::from(found_inf)];
-        group.all_reduce(&mut any, distributed::ReduceOp::Sum)?;
-        Ok(any[0] > 0)
-    }
-
-    // The optimizer's step; sharded, on this process's partition only, after which every
-    // parameter comes from its owner.
-    fn optimizer_step(
-        &self,
-        learner: &mut Learner<LC>,
-        mut grads: GradientsParams,
-        scaling: &Scaling,
-    ) -> Result<(), distributed::DistributedError> {
-        let (Some((group, stage)), Some(partition)) = (self.sharded(), &scaling.partition) else {
-            learner.optimizer_step(grads);
-            return Ok(());
-        };
-        if stage == ZeroStage::OptimizerState {
-            distributed::keep_own::<TrainingBackend<LC>, _>(
-                &learner.model(),
-                &mut grads,
-                partition,
-                group.rank(),
-            );
-        }
-        learner.optimizer_step(grads);
-        let model = distributed::share_parameters::<TrainingBackend<LC>, _>(
-            group,
-            learner.model(),
-            partition,
-        )?;
-        learner.load_model(model.into_record());
-        Ok(())
-    }
-
     #[allow(clippy::too_many_arguments)] // the pieces of Burn's loop, as its own epoch takes
     fn train_epoch(
         &self,
@@ -994,18 +923,13 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
         global_progress: &Progress,
         processor: &mut SupervisedTrainingEventProcessor<LC>,
         interrupter: &Interrupter,
-        scaling: &mut Scaling,
+        core: &mut Core<LC>,
     ) -> EpochReport {
         let epoch = global_progress.items_processed;
         let mut report = EpochReport {
             epoch,
             ..EpochReport::default()
         };
-        let steps = self.state.num_steps();
-        // DDP's all-reduce averages the devices' gradients (it divides by the world size, also
-        // for a device whose shard ran out, as under `Join`): the combined gradient of a step
-        // is the gradient of the mean loss over all the devices' batches.
-        let replicas = loaders.len();
         let mut iterators: Vec<_> = loaders.iter().map(|loader| loader.iter()).collect();
         let loader = self.state.begin_dataloader();
         let mut iteration = 0;
@@ -1027,78 +951,41 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
                     .map(|(_, input)| learner.train_step(input))
                     .collect(),
             };
-            // One forward and backward pass (on every device) is one step of fp8's
-            // delayed-scaling recipe (its per-tensor scales are keyed by call order since the
-            // last step; replicas record their amaxes under the same keys, and the history
-            // keeps the largest, as Transformer Engine reduces amaxes over the data-parallel
-            // group).
-            if matches!(self.config.mixed_precision, Precision::Fp8(_)) {
-                crate::fp8::step();
-            }
+            // One forward and backward pass on every device is one pass of fp8's recipe
+            // (replicas record their amaxes under the same keys, and the history keeps the
+            // largest, as Transformer Engine reduces amaxes over the data-parallel group).
+            core.end_pass();
             let model: TrainingModel<LC> = learner.model();
             let mut items = Vec::with_capacity(outputs.len());
             for output in outputs {
-                grads::accumulate::<TrainingBackend<LC>, _>(
-                    &model,
-                    &mut scaling.window,
-                    output.grads,
-                );
+                core.add_gradients(&model, output.grads);
                 items.push(output.item);
             }
 
             if batch.sync_gradients() {
-                if let Err(err) = self.sync_window(&model, scaling) {
-                    // Burn's `fit` has no error channel; a process that left ends this one
-                    // too, with the reason.
-                    panic!("burn-accelerate: cannot average the gradients: {err}");
-                }
-                let window = batch.window_batches();
-                let divisor = if scaling.sums_window {
-                    1
-                } else if self.config.divide_partial_window_by_length && window < steps {
-                    window
-                } else {
-                    steps
-                };
-                let divisor = divisor * replicas;
-                let factor = (f64::from(scaling.loss_scale.inv_scale()) / divisor as f64) as f32;
-                // Every device's gradients are in the window, on the main device: this one
-                // check sees all of them, so one device's overflow skips the step for all (the
-                // replicas are forked from the same model at the next step).
-                let found_inf = if scaling.loss_scale.checks_overflow() {
-                    grads::unscale_and_check::<TrainingBackend<LC>, _>(
-                        &model,
-                        &mut scaling.window,
-                        factor,
-                    )
-                    .found_inf()
-                } else {
-                    grads::scale::<TrainingBackend<LC>, _>(&model, &mut scaling.window, factor);
-                    false
-                };
-                let found_inf = self.agree_on_overflow(found_inf).unwrap_or_else(|err| {
-                    panic!("burn-accelerate: cannot agree on skipping the step: {err}")
+                let stepped = core.step(model, |_, grads| {
+                    learner.lr_step();
+                    learner.optimizer_step(grads);
+                    (learner.model(), learner.lr_current())
                 });
-                scaling.loss_scale = scaling.loss_scale.adjust(found_inf);
-                if let Some(armed) = &scaling.armed {
-                    armed.set(scaling.loss_scale.loss_scale());
+                let (model, outcome) = stepped.unwrap_or_else(|err| fail("cannot step", err));
+                if core.sharded().is_some() {
+                    // Every parameter as its owner stepped it.
+                    learner.load_model(model.into_record());
                 }
-                let grads = core::mem::take(&mut scaling.window);
                 {
                     // Live values for the metrics; the epoch's report lands at its end.
                     let mut stats = self.report.lock();
-                    stats.loss_scale = scaling.loss_scale;
-                    stats.skipped_live += usize::from(found_inf);
+                    stats.loss_scale = *core.loss_scale();
+                    stats.skipped_live += usize::from(outcome == StepOutcome::SkippedOverflow);
                 }
-                if found_inf {
-                    report.skipped_steps += 1;
-                } else {
-                    learner.lr_step();
-                    report.scheduler_steps += 1;
-                    if let Err(err) = self.optimizer_step(learner, grads, scaling) {
-                        panic!("burn-accelerate: cannot share the updated parameters: {err}");
+                match outcome {
+                    StepOutcome::SkippedOverflow => report.skipped_steps += 1,
+                    StepOutcome::Applied { .. } => {
+                        report.scheduler_steps += 1;
+                        report.optimizer_steps += 1;
                     }
-                    report.optimizer_steps += 1;
+                    StepOutcome::Accumulating => {}
                 }
             }
             drop(batch);
@@ -1119,7 +1006,7 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
             }
         }
         drop(loader);
-        report.loss_scale = scaling.loss_scale.loss_scale();
+        report.loss_scale = core.loss_scale().loss_scale();
         processor.process_train(LearnerEvent::EndEpoch(epoch));
         report
     }
@@ -1287,7 +1174,7 @@ where
         // before anything process-wide is set.
         let accumulation = self
             .accumulation(training_components.grad_accumulation)
-            .unwrap_or_else(|err| panic!("burn-accelerate: {err}"));
+            .unwrap_or_else(|err| fail("cannot accumulate as asked", err));
         if accumulation.sums {
             log::info!(
                 "burn-accelerate: Burn's grads_accumulation({}): the gradients of {0} batches \
@@ -1302,7 +1189,7 @@ where
             .state
             .configure(accumulation.steps, self.config.sync_with_dataloader)
         {
-            panic!("burn-accelerate: {err}");
+            fail("cannot accumulate as asked", err);
         }
 
         let devices = self.devices();
@@ -1310,7 +1197,7 @@ where
         // has no error channel: `data_parallel` checked the model it was given; this catches a
         // learner built around another one.
         if let Err(err) = check_data_parallel(&learner.model(), &devices) {
-            panic!("burn-accelerate: cannot train data-parallel: {err}");
+            fail("cannot train data-parallel", err);
         }
         let loaders: Vec<TrainLoader<LC>> = match &self.shards {
             Some(shards) => {
@@ -1322,9 +1209,7 @@ where
             }
             None => vec![
                 self.prepare_loader(&dataloader_train)
-                    .unwrap_or_else(|err| {
-                        panic!("burn-accelerate: cannot shard the training loader: {err}")
-                    }),
+                    .unwrap_or_else(|err| fail("cannot shard the training loader", err)),
             ],
         };
         let dataloader_valid = dataloader_valid.to_device(self.device.inner());
@@ -1343,7 +1228,7 @@ where
             // cannot load: a resumed run must not silently go on from the wrong state.
             match self.restore(starting_epoch - 1) {
                 Ok(saved) => saved.unwrap_or(self.initial_scale),
-                Err(err) => panic!("burn-accelerate: cannot resume: {err}"),
+                Err(err) => fail("cannot resume", err),
             }
         } else {
             self.initial_scale
@@ -1351,27 +1236,32 @@ where
         // After the default is set, so the workers start in the fit's precision too.
         let workers =
             (devices.len() > 1).then(|| DeviceWorkers::<LC>::start(&devices, self.autocast));
+        let mut core = Core::<LC>::new(
+            self.config.step_settings(),
+            loss_scale,
+            self.state.clone(),
+            self.group.clone(),
+        )
+        .with_replicas(loaders.len());
+        if accumulation.sums {
+            core = core.summing_the_window();
+        }
+        if !self.divides_loss {
+            core = core.dividing_the_window();
+        }
+        // The user's `TrainStep` calls `loss.backward()` itself: the decorator's backward
+        // divides and scales its loss as the `Accelerator`'s `backward` would.
+        core.arm_backward();
         // Sharded, this process's optimizer keeps its partition's state only (a resumed run's
         // learner was just given the whole state), and the tap reads it for checkpoints.
-        let mut tap = self.sharded().map(|_| OptimizerTap::<LC>::new());
-        let partition = match (self.sharded(), tap.as_mut()) {
-            (Some((group, _)), Some(tap)) => {
-                let partition =
-                    Partition::of::<TrainingBackend<LC>, _>(&learner.model(), group.world_size());
-                let whole = tap.record(&learner, &training_components.event_store);
-                learner.load_optim(distributed::keep_own_state(whole, &partition, group.rank()));
-                Some(partition)
-            }
-            _ => None,
-        };
-        let mut scaling = Scaling {
-            armed: (loss_scale != LossScale::None)
-                .then(|| ArmedLossScale::arm(loss_scale.loss_scale())),
-            loss_scale,
-            window: GradientsParams::new(),
-            partition,
-            sums_window: accumulation.sums,
-        };
+        let mut tap = core.sharded().map(|_| OptimizerTap::<LC>::new());
+        if let Some(tap) = tap.as_mut() {
+            let model = learner.model();
+            let rank = core.sharded().map_or(0, |(group, _)| group.rank());
+            let whole = tap.record(&learner, &training_components.event_store);
+            let partition = core.partition(&model).expect("sharded, so partitioned");
+            learner.load_optim(zero::keep_own_state(whole, partition, rank));
+        }
 
         for epoch in starting_epoch..=training_components.num_epochs {
             let progress = Progress {
@@ -1385,12 +1275,12 @@ where
                 &progress,
                 &mut event_processor,
                 interrupter,
-                &mut scaling,
+                &mut core,
             );
             {
                 let mut stats = self.report.lock();
                 stats.epochs.push(report);
-                stats.loss_scale = scaling.loss_scale;
+                stats.loss_scale = *core.loss_scale();
             }
             if interrupter.should_stop() {
                 let reason = interrupter
@@ -1415,21 +1305,19 @@ where
             // Only the main process writes: every process holds the same model, and they
             // share the directory. Sharded, it first gathers the whole optimizer state, so
             // that the checkpoint is the one a stage 0 run writes.
-            let own = match (self.sharded(), tap.as_mut(), &checkpointer) {
+            let own = match (core.sharded(), tap.as_mut(), &checkpointer) {
                 (Some((group, _)), Some(tap), Some(_)) => {
                     // Read twice: records need not be `Clone`, and their tensors are shared.
                     let own = tap.record(&learner, &training_components.event_store);
                     let part = tap.record(&learner, &training_components.event_store);
-                    let whole = distributed::consolidate_state::<TrainingBackend<LC>, _, _>(
+                    let whole = zero::consolidate_state::<TrainingBackend<LC>, _, _>(
                         group,
                         &learner.model(),
                         part,
                         0,
                         &self.device,
                     )
-                    .unwrap_or_else(|err| {
-                        panic!("burn-accelerate: cannot gather the optimizer state: {err}")
-                    });
+                    .unwrap_or_else(|err| fail("cannot gather the optimizer state", err));
                     if let Some(whole) = whole {
                         learner.load_optim(whole);
                     }
@@ -1446,7 +1334,7 @@ where
                     learner.load_optim(own);
                 }
                 if let Some(dir) = &self.checkpoint_dir
-                    && let Err(err) = self.checkpoint(&scaling).save_epoch(dir, epoch)
+                    && let Err(err) = self.checkpoint(*core.loss_scale()).save_epoch(dir, epoch)
                 {
                     log::warn!("burn-accelerate: {err}");
                 }
@@ -1460,9 +1348,9 @@ where
                 // The main process decides (it alone has the validation metrics), and every
                 // process stops with it: one going on alone would wait for the others forever.
                 let stop = match &self.group {
-                    Some(group) => group.broadcast_object(&stop, 0).unwrap_or_else(|err| {
-                        panic!("burn-accelerate: cannot agree on early stopping: {err}")
-                    }),
+                    Some(group) => group
+                        .broadcast_object(&stop, 0)
+                        .unwrap_or_else(|err| fail("cannot agree on early stopping", err)),
                     None => stop,
                 };
                 if stop {

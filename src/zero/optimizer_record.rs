@@ -12,8 +12,8 @@ use burn::record::{BinBytesRecorder, FullPrecisionSettings, Record, Recorder};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use hashbrown::HashMap;
 
-use super::error::DistributedError;
-use super::group::ProcessGroup;
+use crate::distributed::{DistributedError, ProcessGroup};
+
 use super::sharded::{Partition, param_ids};
 
 /// An optimizer record that keeps its state per parameter, so that sharded training can split

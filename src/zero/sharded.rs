@@ -21,10 +21,9 @@ use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, FloatDType, Tensor, TensorData};
 
-use super::element::Element;
-use super::error::DistributedError;
-use super::gradients::{self, Inner, numel};
-use super::group::{ProcessGroup, ReduceOp};
+use crate::distributed::gradients::{self, Inner, numel};
+use crate::distributed::{DistributedError, Element, ProcessGroup, ReduceOp};
+
 use super::sharding::{ZeroStage, partition};
 
 /// The owner of every float parameter of a model, by id.

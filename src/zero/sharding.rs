@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 /// `with_accelerate` (`AccelerateConfig::with_zero_stage`), across processes (a
 /// data-parallel strategy over one process's devices refuses a stage). Each process's
 /// optimizer then holds its own partition's state only; checkpoints hold the whole state,
-/// merged on the main process ([`consolidate_state`](crate::distributed::consolidate_state);
+/// merged on the main process ([`consolidate_state`](crate::zero::consolidate_state);
 /// `with_accelerate` does it for Burn's checkpoints, a hand-written loop calls
 /// `Accelerator::consolidate_optimizer_record`), so a run resumes at any stage on any number
 /// of processes.
@@ -63,7 +63,7 @@ impl ZeroStage {
 /// order) over `processes` processes.
 ///
 /// ```
-/// use burn_accelerate::distributed::partition;
+/// use burn_accelerate::zero::partition;
 /// // Largest first, each to the least-loaded process.
 /// assert_eq!(partition(&[10, 40, 30, 20], 2), [0, 0, 1, 1]);
 /// ```

@@ -1,0 +1,390 @@
+//! What a training step is, written once: the loss scale, the gradient-accumulation window
+//! and its divisor ([`LossTransform`] and the rule beside it), the gradient sync (none, an
+//! all-reduce, or ZeRO stage 1 or 2 over its partition), the agreement on overflow, clipping
+//! by the global norm, the fp8 recipe's step, and the optimizer step over the parameters this
+//! process owns.
+//!
+//! The [`Accelerator`](crate::Accelerator) (a hand-written loop's calls) and the
+//! `with_accelerate` strategy ([`train`](crate::train), Burn's events) are adapters over one
+//! `StepCore`, as DDP, ZeRO and torch's optimizers sit on one `Reducer`: a fix here is a fix in
+//! both, and the same model, data and settings give the same bits through either
+//! (`tests/step_core.rs`).
+//!
+//! The divisor rule, once: every batch's loss is divided by the window's length `k` and
+//! multiplied by the loss scale before it is differentiated, as Accelerate's
+//! `accelerator.backward` does (the `Accelerator` transforms the loss it is given; the strategy
+//! arms the decorator's `backward` with the same transform for the user's `TrainStep`). When the
+//! window completes, its summed gradients are averaged over the processes, multiplied once by
+//! the inverse scale (times `k / n` for a partial last window of `n` batches where the
+//! configuration asks for it, divided by the devices of a data-parallel process) and checked
+//! for overflow. Burn's own `grads_accumulation` sums its window instead: nothing divides by
+//! its length.
+
+pub(crate) mod divisor;
+
+use burn::module::AutodiffModule;
+use burn::optim::GradientsParams;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{ElementConversion, Tensor};
+
+pub use divisor::LossTransform;
+use divisor::Window;
+
+use crate::distributed::{self, ProcessGroup};
+use crate::error::AccelerateError;
+use crate::gradient_state::GradientState;
+use crate::grads::{self, OverflowCheck};
+use crate::scaler::{ArmedLossScale, LossScale};
+use crate::zero::{self, Partition, ZeroStage};
+
+/// What a batch's optimizer step did ([`Accelerator::optimizer_step`](crate::Accelerator::optimizer_step)).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum StepOutcome {
+    /// The optimizer stepped with this learning rate, and the scheduler advanced.
+    Applied {
+        /// The learning rate the scheduler gave for this step.
+        lr: f64,
+    },
+    /// The scaled gradients held an inf or a NaN: neither the optimizer nor the scheduler
+    /// stepped, the parameters are unchanged, the gradients were dropped and the loss scale
+    /// backed off.
+    SkippedOverflow,
+    /// The window is not complete: the gradients are kept for the next batches.
+    Accumulating,
+}
+
+/// What the step reads of the configuration
+/// ([`AccelerateConfig`](crate::AccelerateConfig)'s fields of the same names).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct StepSettings {
+    pub divide_partial_window_by_length: bool,
+    pub zero_stage: ZeroStage,
+    pub max_grad_norm: Option<f32>,
+    // `mixed_precision` is fp8.
+    pub fp8: bool,
+}
+
+/// One training loop's step state and the step itself (see the [module docs](self)).
+#[derive(Debug)]
+pub(crate) struct StepCore<B: AutodiffBackend> {
+    state: GradientState,
+    window: Window,
+    loss_scale: LossScale,
+    // The decorator's backward transform, while a strategy drives `TrainStep`s.
+    armed: Option<ArmedLossScale>,
+    grads: GradientsParams,
+    // Some once this window's gradients are unscaled (by a clip, or on request): they must
+    // not be unscaled twice, and the step reads this check instead of a new one.
+    unscaled: Option<OverflowCheck<B::InnerBackend>>,
+    group: Option<ProcessGroup>,
+    zero_stage: ZeroStage,
+    // The parameters' owners, once a sharded step saw the model.
+    partition: Option<Partition>,
+    // Model replicas on this process's devices whose gradients the window sums.
+    replicas: usize,
+    max_grad_norm: Option<f32>,
+    // Clipped this window (by the loop, or by `max_grad_norm`).
+    clipped: bool,
+    fp8: bool,
+}
+
+impl<B: AutodiffBackend> StepCore<B> {
+    /// A step as `settings` say, counting batches with `state` (configured already), starting
+    /// at `loss_scale`, averaging over `group` when there are several processes.
+    pub fn new(
+        settings: StepSettings,
+        loss_scale: LossScale,
+        state: GradientState,
+        group: Option<ProcessGroup>,
+    ) -> Self {
+        let window = Window {
+            steps: state.num_steps(),
+            sums: false,
+            divide_partial_by_length: settings.divide_partial_window_by_length,
+            loss_divided: true,
+        };
+        Self {
+            state,
+            window,
+            loss_scale,
+            armed: None,
+            grads: GradientsParams::new(),
+            unscaled: None,
+            group,
+            zero_stage: settings.zero_stage,
+            partition: None,
+            replicas: 1,
+            max_grad_norm: settings.max_grad_norm,
+            clipped: false,
+            fp8: settings.fp8,
+        }
+    }
+
+    /// The window's gradients are summed, as Burn's `grads_accumulation` sums them.
+    pub fn summing_the_window(mut self) -> Self {
+        self.window.sums = true;
+        self
+    }
+
+    /// The losses are differentiated as they are (a backend whose `backward` cannot be
+    /// armed): the window's sum is divided by its length instead.
+    pub fn dividing_the_window(mut self) -> Self {
+        self.window.loss_divided = false;
+        self
+    }
+
+    /// The window sums the gradients of `replicas` model replicas a batch (one per device of
+    /// a data-parallel process), averaged when it completes.
+    pub fn with_replicas(mut self, replicas: usize) -> Self {
+        self.replicas = replicas.max(1);
+        self
+    }
+
+    /// The gradient state the window is counted with.
+    pub fn state(&self) -> &GradientState {
+        &self.state
+    }
+
+    /// What a batch's loss goes through before it is differentiated.
+    pub fn loss_transform(&self) -> LossTransform {
+        LossTransform {
+            divisor: self.window.loss_divisor(),
+            scale: match self.loss_scale {
+                LossScale::None => None,
+                _ => Some(self.loss_scale.loss_scale()),
+            },
+        }
+    }
+
+    /// The loss to differentiate, for a loop that calls `backward` itself.
+    pub fn transform_loss<const D: usize>(&self, loss: Tensor<B, D>) -> Tensor<B, D> {
+        self.loss_transform().apply(loss)
+    }
+
+    /// Arms the decorator's `backward` with the loss transform until the core drops, for a
+    /// loop whose steps call an unmodified `loss.backward()` (Burn's `TrainStep`).
+    pub fn arm_backward(&mut self) {
+        let transform = self.loss_transform();
+        self.armed = (!transform.is_identity()).then(|| ArmedLossScale::arm_transform(transform));
+    }
+
+    /// Adds one backward pass's gradients to the window.
+    pub fn add_gradients<M: AutodiffModule<B>>(&mut self, model: &M, grads: GradientsParams) {
+        grads::accumulate::<B, M>(model, &mut self.grads, grads);
+    }
+
+    /// Ends one forward and backward pass (on every device): one step of fp8's delayed-scaling
+    /// recipe, whose per-tensor scales are keyed by call order since the last one.
+    pub fn end_pass(&self) {
+        if self.fp8 {
+            crate::fp8::step();
+        }
+    }
+
+    /// The window's gradients so far.
+    pub fn gradients(&self) -> &GradientsParams {
+        &self.grads
+    }
+
+    /// The window's gradients, to edit.
+    pub fn gradients_mut(&mut self) -> &mut GradientsParams {
+        &mut self.grads
+    }
+
+    /// Drops the window's gradients.
+    pub fn zero_grad(&mut self) {
+        self.grads = GradientsParams::new();
+        self.unscaled = None;
+        self.clipped = false;
+    }
+
+    /// The loss scale in force.
+    pub fn loss_scale(&self) -> &LossScale {
+        &self.loss_scale
+    }
+
+    /// Replaces the loss scale (a restored checkpoint's).
+    pub fn set_loss_scale(&mut self, loss_scale: LossScale) {
+        self.loss_scale = loss_scale;
+        if let Some(armed) = &self.armed {
+            armed.set(loss_scale.loss_scale());
+        }
+    }
+
+    /// The group and the ZeRO stage, when the stage shards anything (several processes).
+    pub fn sharded(&self) -> Option<(&ProcessGroup, ZeroStage)> {
+        let group = self.group.as_ref()?;
+        zero::shards(self.zero_stage, Some(group)).then_some((group, self.zero_stage))
+    }
+
+    /// The parameters' owners for `model` (computed at the first call), when sharded.
+    pub fn partition<M: AutodiffModule<B>>(&mut self, model: &M) -> Option<&Partition> {
+        let world = self.sharded()?.0.world_size();
+        Some(
+            self.partition
+                .get_or_insert_with(|| Partition::of::<B, M>(model, world)),
+        )
+    }
+
+    /// Replaces the partition (that of a model loaded from a checkpoint, whose parameter ids
+    /// are the checkpoint's).
+    pub fn set_partition(&mut self, partition: Partition) {
+        self.partition = Some(partition);
+    }
+
+    /// Averages the window's gradients over the processes (at stage 2, this process's
+    /// partition's only), unscales them and records whether they overflowed: once per
+    /// window, on the batch that completes it, and nowhere else.
+    ///
+    /// # Errors
+    /// [`AccelerateError::Distributed`] when the processes' gradients cannot be averaged.
+    pub fn unscale<M: AutodiffModule<B>>(&mut self, model: &M) -> Result<(), AccelerateError> {
+        if self.unscaled.is_some() || !self.state.sync_gradients() {
+            return Ok(());
+        }
+        match self.sharded().map(|(_, stage)| stage) {
+            Some(ZeroStage::Gradients) => {
+                self.partition(model);
+                let (Some(group), Some(partition)) = (&self.group, &self.partition) else {
+                    unreachable!("sharded, so a group and its partition");
+                };
+                zero::reduce_scatter_gradients::<B, M>(group, model, &mut self.grads, partition)?;
+            }
+            _ => {
+                if let Some(group) = &self.group {
+                    distributed::all_reduce_gradients::<B, M>(group, model, &mut self.grads)?;
+                }
+            }
+        }
+        let factor = divisor::unscale_factor(
+            &self.window,
+            self.loss_scale.inv_scale(),
+            self.state.window_batches(),
+            self.replicas,
+        );
+        let check = if self.loss_scale.checks_overflow() {
+            grads::unscale_and_check::<B, M>(model, &mut self.grads, factor)
+        } else {
+            grads::scale::<B, M>(model, &mut self.grads, factor);
+            OverflowCheck::clean()
+        };
+        self.unscaled = Some(check);
+        Ok(())
+    }
+
+    /// Clips the window's gradients, unscaled first, to a global 2-norm of `max_norm` and
+    /// returns the norm before clipping (`None` on a batch that does not sync, or without
+    /// gradients). Sharded at stage 2, the norm sums every process's partition.
+    ///
+    /// # Errors
+    /// What [`unscale`](Self::unscale) returns; [`AccelerateError::Distributed`] when the
+    /// partitions' norms cannot be summed.
+    pub fn clip_grad_norm<M: AutodiffModule<B>>(
+        &mut self,
+        model: &M,
+        max_norm: f32,
+    ) -> Result<Option<Tensor<B::InnerBackend, 1>>, AccelerateError> {
+        if !self.state.sync_gradients() {
+            return Ok(None);
+        }
+        self.unscale(model)?;
+        self.clipped = true;
+        let (Some(group), Some(ZeroStage::Gradients)) =
+            (&self.group, self.sharded().map(|(_, stage)| stage))
+        else {
+            return Ok(grads::clip_grad_norm::<B, M>(
+                model,
+                &mut self.grads,
+                max_norm,
+            ));
+        };
+        // Each process holds its partition's gradients: the global norm sums every process's
+        // part (ShardedGradScaler's and FSDP's clip_grad_norm_).
+        let local = grads::sum_of_squares::<B, M>(model, &self.grads);
+        let mut total = [local
+            .as_ref()
+            .map_or(0.0, |t| t.clone().into_scalar().elem::<f32>())];
+        group.all_reduce(&mut total, distributed::ReduceOp::Sum)?;
+        let Some(local) = local else {
+            return Ok(None);
+        };
+        let norm = Tensor::<B::InnerBackend, 1>::from_floats([total[0].sqrt()], &local.device());
+        grads::clip_to_norm::<B, M>(model, &mut self.grads, norm.clone(), max_norm);
+        Ok(Some(norm))
+    }
+
+    /// Clamps the window's gradients, unscaled first, to `[-clip_value, clip_value]`; nothing
+    /// on a batch that does not sync.
+    ///
+    /// # Errors
+    /// What [`unscale`](Self::unscale) returns.
+    pub fn clip_grad_value<M: AutodiffModule<B>>(
+        &mut self,
+        model: &M,
+        clip_value: f32,
+    ) -> Result<(), AccelerateError> {
+        if self.state.sync_gradients() {
+            self.unscale(model)?;
+            grads::clip_grad_value::<B, M>(model, &mut self.grads, clip_value);
+        }
+        Ok(())
+    }
+
+    /// The optimizer step of a batch. On a batch that completes its window: unscales the
+    /// gradients (unless done), clips them to `max_grad_norm` (unless the loop clipped),
+    /// agrees with the other processes on an overflow (stage 2: each checked its own
+    /// partition), adjusts the loss scale, and then either skips the step or runs `apply`
+    /// (the scheduler's and the optimizer's step: it returns the model and the learning rate)
+    /// on this process's gradients (at stage 1, its partition's), after which every parameter
+    /// comes from its owner. Drops the window's gradients either way. Elsewhere, nothing.
+    ///
+    /// # Errors
+    /// [`AccelerateError::Distributed`] when the processes cannot average, agree or share.
+    pub fn step<M: AutodiffModule<B>>(
+        &mut self,
+        model: M,
+        apply: impl FnOnce(M, GradientsParams) -> (M, f64),
+    ) -> Result<(M, StepOutcome), AccelerateError> {
+        if !self.state.sync_gradients() {
+            return Ok((model, StepOutcome::Accumulating));
+        }
+        self.unscale(&model)?;
+        if let Some(max_norm) = self.max_grad_norm.filter(|_| !self.clipped) {
+            self.clip_grad_norm(&model, max_norm)?;
+        }
+        let found_inf = self.unscaled.take().is_some_and(OverflowCheck::found_inf);
+        let grads = core::mem::take(&mut self.grads);
+        self.clipped = false;
+        let found_inf = self.agree_on_overflow(found_inf)?;
+        self.set_loss_scale(self.loss_scale.adjust(found_inf));
+        if found_inf {
+            return Ok((model, StepOutcome::SkippedOverflow));
+        }
+        let Some((_, stage)) = self.sharded() else {
+            let (model, lr) = apply(model, grads);
+            return Ok((model, StepOutcome::Applied { lr }));
+        };
+        self.partition(&model);
+        let (Some(group), Some(partition)) = (&self.group, &self.partition) else {
+            unreachable!("sharded, so a group and its partition");
+        };
+        let mut grads = grads;
+        if stage == ZeroStage::OptimizerState {
+            zero::keep_own::<B, M>(&model, &mut grads, partition, group.rank());
+        }
+        let (model, lr) = apply(model, grads);
+        let model = zero::share_parameters::<B, M>(group, model, partition)?;
+        Ok((model, StepOutcome::Applied { lr }))
+    }
+
+    // At stage 2 each process checked its own partition: an inf in any skips the step on
+    // every process (ShardedGradScaler). Elsewhere every process checked the same gradients.
+    fn agree_on_overflow(&self, found_inf: bool) -> Result<bool, AccelerateError> {
+        let Some((group, ZeroStage::Gradients)) = self.sharded() else {
+            return Ok(found_inf);
+        };
+        let mut any = [u32::from(found_inf)];
+        group.all_reduce(&mut any, distributed::ReduceOp::Sum)?;
+        Ok(any[0] > 0)
+    }
+}
