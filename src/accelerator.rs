@@ -42,7 +42,7 @@ use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use serde::{Deserialize, Serialize};
 
-use crate::autocast::{self, Autocast, AutocastConfig, AutocastGuard, LowerOpTally};
+use crate::autocast::{self, Autocast, AutocastConfig, AutocastGuard, LowerOpTally, SmallOps};
 use crate::distributed::ProcessState;
 use crate::fp8::DelayedScaling;
 use crate::gradient_state::{Accumulate, GradientState, GradientStateSnapshot};
@@ -104,6 +104,11 @@ pub struct AccelerateConfig {
     /// `clip_grad_norm_`), in both the `Accelerator`'s loop (unless it clipped by hand that
     /// window) and `with_accelerate`'s. `None`: no clipping.
     pub max_grad_norm: Option<f32>,
+    /// Which lower-class ops stay in f32 as too small for the half type to pay (see
+    /// [`SmallOps`]), on the threads that run this training's steps (the `Accelerator`'s
+    /// [`autocast`](Accelerator::autocast) guard, `with_accelerate`'s fit and device workers):
+    /// a setting of this training, not of the process. `None`: the rule in force there.
+    pub small_ops: Option<SmallOps>,
 }
 
 impl AccelerateConfig {
@@ -136,6 +141,7 @@ impl AccelerateConfig {
             .with_allow_fallback(self.allow_fallback)
             .with_allow_slow(self.allow_slow)
             .with_fp8_recipe(self.fp8_recipe)
+            .with_small_ops(self.small_ops)
             .init::<B>(device)?;
         let loss_scale = self.grad_scaler.init(autocast.precision())?;
         Ok((autocast, loss_scale))

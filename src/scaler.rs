@@ -21,6 +21,7 @@
 //! `Accelerated<B>`'s `backward` applies, so that an unmodified `loss.backward()` in a Burn
 //! `TrainStep` produces scaled gradients.
 
+use core::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use burn::config::Config;
@@ -376,11 +377,60 @@ pub fn armed() -> Option<f32> {
     armed_transform().and_then(|t| t.scale)
 }
 
-/// What `Accelerated<B>`'s `backward` does to the loss, if armed: divide it by the window's
-/// length, then multiply it by the loss scale ([`LossTransform`]).
+/// What `Accelerated<B>`'s `backward` does to the loss on this thread, if armed: divide it by
+/// the window's length, then multiply it by the loss scale ([`LossTransform`]). The thread's
+/// own arming (the `with_accelerate` strategy's, on the threads that run its steps) comes
+/// first, then the process's ([`ArmedLossScale`]).
 #[inline]
 pub fn armed_transform() -> Option<LossTransform> {
-    decode(ARMED_SCALE.load(Ordering::Acquire))
+    decode(THREAD_ARMED.with(Cell::get)).or_else(|| decode(ARMED_SCALE.load(Ordering::Acquire)))
+}
+
+thread_local! {
+    // This thread's armed transform, encoded as `ARMED_SCALE` (0: none).
+    static THREAD_ARMED: Cell<u64> = const { Cell::new(0) };
+}
+
+/// Arms a loss transform for `Accelerated<B>`'s `backward` on this thread only, until
+/// dropped: how the `with_accelerate` strategy arms the threads that run its steps, so that
+/// two trainings on two threads of one process never scale each other's losses. Tied to its
+/// thread (not `Send`).
+#[derive(Debug)]
+#[must_use = "the transform is only armed while the guard lives"]
+pub(crate) struct ThreadArmed {
+    previous: u64,
+    _not_send: core::marker::PhantomData<*const ()>,
+}
+
+impl ThreadArmed {
+    /// Arms `transform` on this thread (nothing, where it leaves the loss as it is).
+    pub(crate) fn arm(transform: LossTransform) -> Self {
+        let bits = if transform.is_identity() {
+            0
+        } else {
+            encode(transform)
+        };
+        Self {
+            previous: THREAD_ARMED.with(|t| t.replace(bits)),
+            _not_send: core::marker::PhantomData,
+        }
+    }
+
+    /// Replaces the armed transform (after the loss scale changed).
+    pub(crate) fn set(&self, transform: LossTransform) {
+        let bits = if transform.is_identity() {
+            0
+        } else {
+            encode(transform)
+        };
+        THREAD_ARMED.with(|t| t.set(bits));
+    }
+}
+
+impl Drop for ThreadArmed {
+    fn drop(&mut self) {
+        THREAD_ARMED.with(|t| t.set(self.previous));
+    }
 }
 
 /// Arms a loss scale for `Accelerated<B>`'s `backward` until dropped, process-wide.

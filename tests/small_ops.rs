@@ -2,10 +2,9 @@
 //! in f32 and return f32, bit for bit the f32 result; `SmallOps::Cast` (PyTorch's rule) casts
 //! them; large ones are cast either way; a bare matmul is never kept.
 //!
-//! The rule is the process's, so the tests take turns.
+//! Each test scopes its rule to its own thread (`autocast::scope_small_ops`), so they run at
+//! once without a lock.
 #![cfg(feature = "flex")]
-
-use std::sync::Mutex;
 
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::{AutodiffBackend, Backend};
@@ -14,14 +13,9 @@ use burn::tensor::{DType, FloatDType, Tensor, TensorData};
 use burn_accelerate::autocast::{self, SmallOps};
 use burn_accelerate::{AccelerateError, Accelerated, AutocastConfig, Precision, capability};
 
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-
 fn with_rule<R>(rule: SmallOps, run: impl FnOnce() -> R) -> R {
-    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    autocast::set_small_ops(rule).unwrap();
-    let result = run();
-    autocast::set_small_ops(SmallOps::KeepF32).unwrap();
-    result
+    let _rule = autocast::scope_small_ops(rule).unwrap();
+    run()
 }
 
 fn data(shape: [usize; 2], seed: u64) -> TensorData {
@@ -168,15 +162,14 @@ fn the_cpu_threshold_is_a_constant_not_a_timing() {
 #[test]
 fn bad_rules_are_typed_errors() {
     let bad = SmallOps::KeepF32Below { flops: 0 };
-    let set = with_rule(SmallOps::Cast, || {
-        let err = autocast::set_small_ops(bad).unwrap_err();
-        assert_eq!(
-            autocast::small_ops(),
-            SmallOps::Cast,
-            "unchanged by a refused rule"
-        );
-        err
-    });
+    let process = autocast::small_ops();
+    let set = autocast::set_small_ops(bad).unwrap_err();
+    assert_eq!(
+        autocast::small_ops(),
+        process,
+        "unchanged by a refused rule"
+    );
+    let scoped = autocast::scope_small_ops(bad).unwrap_err();
     let configured = AutocastConfig::new(Precision::Bf16)
         .with_small_ops(Some(bad))
         .init::<Flex>(&Default::default())
@@ -185,7 +178,7 @@ fn bad_rules_are_typed_errors() {
         configured.to_string().contains("SmallOps::Cast"),
         "{configured}"
     );
-    for err in [set, configured] {
+    for err in [set, scoped, configured] {
         assert!(
             matches!(
                 err,
@@ -200,18 +193,28 @@ fn bad_rules_are_typed_errors() {
 }
 
 #[test]
-fn the_config_sets_the_rule() {
-    let rule = with_rule(SmallOps::KeepF32, || {
-        AutocastConfig::new(Precision::Bf16)
-            .with_small_ops(Some(SmallOps::Cast))
+fn the_config_scopes_the_rule_to_the_threads_that_enter_it() {
+    let process = autocast::small_ops();
+    let autocast = AutocastConfig::new(Precision::Bf16)
+        .with_small_ops(Some(SmallOps::Cast))
+        .init::<Flex>(&Default::default())
+        .unwrap();
+    // `init` sets nothing of the process's.
+    assert_eq!(autocast::small_ops(), process);
+    {
+        let _entered = autocast.enter();
+        assert_eq!(autocast::small_ops(), SmallOps::Cast);
+        let elsewhere = std::thread::spawn(autocast::small_ops).join().unwrap();
+        assert_eq!(
+            elsewhere, process,
+            "another thread keeps the process's rule"
+        );
+        // `None` brings no rule: the entered one stays.
+        let plain = AutocastConfig::new(Precision::Bf16)
             .init::<Flex>(&Default::default())
             .unwrap();
-        let set = autocast::small_ops();
-        // `None` leaves the rule in force.
-        AutocastConfig::new(Precision::Bf16)
-            .init::<Flex>(&Default::default())
-            .unwrap();
-        (set, autocast::small_ops())
-    });
-    assert_eq!(rule, (SmallOps::Cast, SmallOps::Cast));
+        let _inner = plain.enter();
+        assert_eq!(autocast::small_ops(), SmallOps::Cast);
+    }
+    assert_eq!(autocast::small_ops(), process);
 }

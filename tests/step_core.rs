@@ -5,8 +5,10 @@
 //! `divide_partial_window_by_length`), and with clipping. ZeRO stage 2 on two processes is in
 //! `tests/processes` (`both_entry_points_step_alike_at_zero_stage_2`).
 //!
-//! Autocast's default and the armed loss transform are process-wide: the trainings take a
-//! lock and run one at a time.
+//! Each training's autocast, small-op rule and armed loss transform are its threads': the
+//! tests run at once. Only seeding takes a lock ([`seeded_model`]): the backend's generator
+//! is the process's (Burn's `Backend::seed`), so two tests seeding at once would draw each
+//! other's initial weights.
 #![cfg(feature = "flex")]
 
 use std::sync::{Arc, Mutex};
@@ -19,7 +21,7 @@ use burn::optim::AdamConfig;
 use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::train::{Learner, SupervisedTraining};
-use burn_accelerate::autocast::{self, SmallOps};
+use burn_accelerate::autocast::SmallOps;
 use burn_accelerate::train::demo::{BlobBatch, BlobBatcher, Mlp, QuietRenderer, blobs};
 use burn_accelerate::train::{AccelerateStrategy, WithAccelerate};
 use burn_accelerate::{
@@ -27,8 +29,6 @@ use burn_accelerate::{
 };
 
 type B = Accelerated<Autodiff<Flex>>;
-
-static ONE_TRAINING: Mutex<()> = Mutex::new(());
 
 const SEED: u64 = 11;
 const HIDDEN: usize = 16;
@@ -42,6 +42,17 @@ fn loader<Bk: Backend>() -> Arc<dyn DataLoader<Bk, BlobBatch<Bk>>> {
     DataLoaderBuilder::<Bk, _, _>::new(BlobBatcher)
         .batch_size(BATCH)
         .build(InMemDataset::new(blobs(ITEMS, 3)))
+}
+
+// The model both entry points start from, its parameters drawn (Burn draws them lazily, at
+// first use) under a lock: the backend's generator is the process's.
+fn seeded_model(device: &burn::tensor::Device<B>) -> Mlp<B> {
+    static SEEDING: Mutex<()> = Mutex::new(());
+    let _seeding = SEEDING.lock().unwrap_or_else(|e| e.into_inner());
+    B::seed(device, SEED);
+    let model = Mlp::<B>::new(HIDDEN, device);
+    bits(&model);
+    model
 }
 
 // Every float parameter's bits, in visiting order.
@@ -63,8 +74,7 @@ fn bits<Bk: Backend, M: Module<Bk>>(model: &M) -> Vec<u32> {
 fn through_the_strategy(config: &AccelerateConfig) -> Vec<u32> {
     let device = Default::default();
     let strategy = AccelerateStrategy::new(config.clone(), &device).expect("a valid config");
-    B::seed(&device, SEED);
-    let model = Mlp::<B>::new(HIDDEN, &device);
+    let model = seeded_model(&device);
     let learner = Learner::new(model, AdamConfig::new().init(), LR);
     let dir =
         std::env::temp_dir().join(format!("burn-accelerate-step-core-{}", std::process::id()));
@@ -84,17 +94,11 @@ fn through_the_strategy(config: &AccelerateConfig) -> Vec<u32> {
 
 // A hand-written loop on the `Accelerator`, over the same batches.
 fn through_the_accelerator(config: &AccelerateConfig) -> (Vec<u32>, Vec<StepOutcome>) {
-    let config = config.clone();
-    burn_accelerate::threads::run_on_step_pool(move || accelerator_loop(&config))
-}
-
-fn accelerator_loop(config: &AccelerateConfig) -> (Vec<u32>, Vec<StepOutcome>) {
     let device = Default::default();
     let mut accelerator = config
         .init_with_state::<B>(&device, GradientState::new())
         .expect("a valid config");
-    B::seed(&device, SEED);
-    let mut model = Mlp::<B>::new(HIDDEN, &device);
+    let mut model = seeded_model(&device);
     let mut optimizer = AdamConfig::new().init::<B, Mlp<B>>();
     let mut lr = LR;
     let mut outcomes = Vec::new();
@@ -127,14 +131,12 @@ fn both(config: AccelerateConfig) -> Vec<StepOutcome> {
     both_under(config, SmallOps::KeepF32)
 }
 
-// Under a small-op rule (restored after): the model is tiny, and `SmallOps::Cast` is what makes
+// Under a small-op rule (the training's): the model is tiny, and `SmallOps::Cast` is what makes
 // its layers run in the half type.
 fn both_under(config: AccelerateConfig, rule: SmallOps) -> Vec<StepOutcome> {
-    let _one = ONE_TRAINING.lock().unwrap_or_else(|e| e.into_inner());
-    autocast::set_small_ops(rule).expect("a valid rule");
+    let config = config.with_small_ops(Some(rule));
     let ours = through_the_accelerator(&config);
     let strategy = through_the_strategy(&config);
-    autocast::set_small_ops(SmallOps::KeepF32).expect("a valid rule");
     assert!(!strategy.is_empty());
     assert!(
         ours.0 == strategy,
@@ -219,7 +221,6 @@ fn a_bad_clipping_norm_is_a_typed_error() {
 // The clipping test would pass with clipping off on both sides: check that 0.05 clips.
 #[test]
 fn the_clipping_norm_changes_the_result() {
-    let _one = ONE_TRAINING.lock().unwrap_or_else(|e| e.into_inner());
     let clipped = AccelerateConfig::new().with_max_grad_norm(Some(0.05));
     let (with, _) = through_the_accelerator(&clipped);
     let (without, _) = through_the_accelerator(&AccelerateConfig::new());

@@ -1,12 +1,14 @@
 //! `with_accelerate` on Burn's `SupervisedTraining`, through the `train_mlp` example's model.
 //!
-//! Autocast and the armed loss scale are process-wide, so the trainings here take a lock and
-//! run one at a time.
+//! Each training's autocast, small-op rule and armed loss transform are scoped to the threads
+//! that run its steps. The trainings still take turns ([`ONE_TRAINING`]) for one reason: they
+//! seed the backend's generator, which is the process's (Burn's `Backend::seed`), and Burn
+//! draws a model's initial weights lazily, during the fit: two at once would draw each other's.
 
 use std::sync::Mutex;
 
 use burn::backend::Autodiff;
-use burn_accelerate::autocast::{self, SmallOps};
+use burn_accelerate::autocast::SmallOps;
 use burn_accelerate::train::demo::{self, DemoConfig, DemoOutcome};
 use burn_accelerate::{AccelerateError, Accelerated, Precision};
 
@@ -24,9 +26,9 @@ fn train_with_rule<B: burn::tensor::backend::AutodiffBackend>(
     config: &DemoConfig,
     rule: SmallOps,
 ) -> Result<DemoOutcome, AccelerateError> {
+    let config = config.clone().with_small_ops(Some(rule));
     let _one = ONE_TRAINING.lock().unwrap_or_else(|e| e.into_inner());
-    autocast::set_small_ops(rule).expect("a valid rule");
-    demo::run::<B>(config, &Default::default())
+    demo::run::<B>(&config, &Default::default())
 }
 
 #[cfg(feature = "flex")]
@@ -287,10 +289,16 @@ mod burn_machinery {
     type Components = MlpComponents<Train>;
     type Training = SupervisedTraining<Components>;
 
+    // The net is tiny: its trainings cast every lower-class op (PyTorch's rule), so that f16
+    // and its loss scaling are what runs.
+    fn cast_small() -> AccelerateConfig {
+        AccelerateConfig::new().with_small_ops(Some(SmallOps::Cast))
+    }
+
     // 4 batches of 32 an epoch, in bf16 with windows of 3 (3 + 1).
     fn training(dir: &Path) -> (Training, AccelerateStrategy<Components>) {
         let strategy = AccelerateStrategy::new(
-            AccelerateConfig::new()
+            cast_small()
                 .with_mixed_precision(Precision::Bf16)
                 .with_gradient_accumulation_steps(3),
             &Default::default(),
@@ -332,7 +340,6 @@ mod burn_machinery {
         strategy: AccelerateStrategy<Components>,
     ) -> (TrainingStats, Vec<f32>) {
         let _one = ONE_TRAINING.lock().unwrap_or_else(|e| e.into_inner());
-        autocast::set_small_ops(SmallOps::Cast).expect("a valid rule");
         let report = strategy.report();
         let model = builder.with_accelerate(strategy).launch(learner()).model;
         let batch = burn::data::dataloader::batcher::Batcher::<Accelerated<Flex>, _, _>::batch(
@@ -382,7 +389,7 @@ mod burn_machinery {
     // reached.
     fn f16_training(dir: &Path) -> (Training, AccelerateStrategy<Components>) {
         let strategy = AccelerateStrategy::new(
-            AccelerateConfig::new()
+            cast_small()
                 .with_mixed_precision(Precision::F16)
                 .with_grad_scaler(GradScalerConfig::new().with_init_scale(2f64.powi(22))),
             &Default::default(),
@@ -442,7 +449,7 @@ mod burn_machinery {
         ));
         let f16 = |dir: &Path| {
             let strategy = AccelerateStrategy::new(
-                AccelerateConfig::new()
+                cast_small()
                     .with_mixed_precision(Precision::F16)
                     .with_gradient_accumulation_steps(3)
                     .with_grad_scaler(GradScalerConfig::new().with_init_scale(2f64.powi(22))),
@@ -486,7 +493,7 @@ mod burn_machinery {
         .build(&[Default::default()])
         .unwrap()
         .remove(0);
-        let mut strategy = AccelerateStrategy::new(AccelerateConfig::new(), &Default::default())
+        let mut strategy = AccelerateStrategy::new(cast_small(), &Default::default())
             .unwrap()
             .with_checkpoint_dir(dir.join("checkpoint"));
         if tracked {

@@ -36,9 +36,11 @@ pub struct AutocastConfig {
     #[config(default = "DelayedScaling::default()")]
     pub fp8_recipe: DelayedScaling,
     /// Which lower-class ops run in f32 because they are too small for the half type to pay
-    /// (see [`SmallOps`]), made the process's rule by `init`. `None` (the default) leaves the
-    /// rule in force: [`SmallOps::KeepF32`] (those below the threshold the probe measured)
-    /// unless [`set_small_ops`] changed it. PyTorch casts every one: [`SmallOps::Cast`].
+    /// (see [`SmallOps`]): the rule of the threads that enter the autocast
+    /// ([`Autocast::enter`]), or of the process after [`Autocast::set_default`]. `None` (the
+    /// default) leaves the rule in force: [`SmallOps::KeepF32`] (those below the device's
+    /// threshold) unless [`set_small_ops`] changed it. PyTorch casts every one:
+    /// [`SmallOps::Cast`].
     #[config(default = "None")]
     pub small_ops: Option<SmallOps>,
 }
@@ -59,8 +61,6 @@ impl AutocastConfig {
     /// - [`AccelerateError::Fp8NotRegistered`] for an fp8 precision on an autodiff backend
     ///   without a registered fp8 cast;
     /// - [`AccelerateError::InvalidConfig`] for an invalid `small_ops` ([`SmallOps::validate`]).
-    ///
-    /// It also makes `small_ops`, if set, the process's rule ([`set_small_ops`]).
     ///
     /// ```
     /// use burn_accelerate::fp8::{DelayedScaling, Fp8Mode};
@@ -99,13 +99,11 @@ impl AutocastConfig {
                 Precision::F32
             }
         };
-        if let Some(rule) = self.small_ops {
-            set_small_ops(rule)?;
-        }
         Ok(Autocast {
             requested: self.precision,
             effective,
             capabilities,
+            small_ops: self.small_ops,
         })
     }
 }
@@ -116,6 +114,7 @@ pub struct Autocast {
     requested: Precision,
     effective: Precision,
     capabilities: Capabilities,
+    small_ops: Option<SmallOps>,
 }
 
 impl Autocast {
@@ -143,6 +142,7 @@ impl Autocast {
             requested: precision,
             effective: precision,
             capabilities,
+            small_ops: None,
         }
     }
 
@@ -167,14 +167,30 @@ impl Autocast {
         self.capabilities
     }
 
-    /// Autocasts on this thread until the guard drops.
+    /// Autocasts on this thread until the guard drops, with the configuration's small-op
+    /// rule, if it set one, as this thread's.
     #[must_use = "autocast is only on while the guard lives"]
     pub fn enter(&self) -> AutocastGuard {
-        super::enable(self.effective)
+        let guard = super::enable(self.effective);
+        match self.small_ops {
+            Some(rule) => guard.with_small_ops(rule),
+            None => guard,
+        }
     }
 
-    /// Makes this the process-wide default, for every thread without a guard of its own.
+    /// Makes this the process-wide default, for every thread without a guard of its own, and
+    /// the configuration's small-op rule, if it set one, the process's.
     pub fn set_default(&self) {
         set_default(Some(self.effective));
+        if let Some(rule) = self.small_ops {
+            // Checked by `init`.
+            let _ = set_small_ops(rule);
+        }
+    }
+
+    /// The small-op rule this autocast brings to the threads that enter it (`None`: the one in
+    /// force there).
+    pub fn small_ops(&self) -> Option<SmallOps> {
+        self.small_ops
     }
 }

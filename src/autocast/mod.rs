@@ -34,7 +34,8 @@ pub use ops::Op;
 pub use plan::{CastInput, CastPlan};
 pub use policy::{OpClass, op_class, reset_op_classes, set_op_class};
 pub use small_ops::{
-    HOST_CPU_MIN_HALF_FLOPS, SmallOps, applies_to, estimated_flops, set_small_ops, small_ops,
+    HOST_CPU_MIN_HALF_FLOPS, SmallOps, SmallOpsGuard, applies_to, estimated_flops, scope_small_ops,
+    set_small_ops, small_ops,
 };
 pub use tally::{LowerOpTally, thread_tally};
 
@@ -99,6 +100,8 @@ pub fn disable() -> AutocastGuard {
 #[derive(Debug)]
 pub struct AutocastGuard {
     previous: u8,
+    // The thread's small-op rule before, where this guard set one.
+    previous_small_ops: Option<Option<SmallOps>>,
     _not_send: PhantomData<*const ()>,
 }
 
@@ -107,14 +110,25 @@ impl AutocastGuard {
         let previous = SCOPE.with(|s| s.replace(code));
         AutocastGuard {
             previous,
+            previous_small_ops: None,
             _not_send: PhantomData,
         }
+    }
+
+    // Also gives the thread `rule` until the guard drops.
+    fn with_small_ops(mut self, rule: SmallOps) -> Self {
+        let previous = small_ops::replace_thread_rule(Some(rule));
+        self.previous_small_ops.get_or_insert(previous);
+        self
     }
 }
 
 impl Drop for AutocastGuard {
     fn drop(&mut self) {
         SCOPE.with(|s| s.set(self.previous));
+        if let Some(previous) = self.previous_small_ops {
+            small_ops::replace_thread_rule(previous);
+        }
     }
 }
 

@@ -41,6 +41,7 @@
 //! autocast::set_small_ops(SmallOps::KeepF32).unwrap(); // the default
 //! ```
 
+use core::cell::Cell;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 
 use burn_backend::tensor::FloatTensor;
@@ -115,9 +116,16 @@ impl SmallOps {
 static MODE: AtomicU8 = AtomicU8::new(0);
 static FLOPS: AtomicU64 = AtomicU64::new(0);
 
-/// Sets, for the whole process, which lower-class ops run in the half type by their size
-/// (every thread: Burn's multi-device workers too). [`AutocastConfig::init`](crate::AutocastConfig::init)
-/// sets its `small_ops`.
+thread_local! {
+    // This thread's rule while an `Autocast` with one is entered; `None` follows the process's.
+    static SCOPED: Cell<Option<SmallOps>> = const { Cell::new(None) };
+}
+
+/// Sets the process's rule: which lower-class ops run in the half type by their size, on
+/// every thread that has no rule of its own (an entered [`Autocast`](crate::Autocast) with
+/// `small_ops` set gives its thread one, as the `with_accelerate` strategy and the
+/// `Accelerator`'s `autocast()` do; [`Autocast::set_default`](crate::Autocast::set_default)
+/// sets this one).
 ///
 /// # Errors
 /// As [`SmallOps::validate`]; the rule in force is then unchanged.
@@ -134,8 +142,60 @@ pub fn set_small_ops(rule: SmallOps) -> Result<(), AccelerateError> {
     Ok(())
 }
 
-/// The rule set by [`set_small_ops`] ([`SmallOps::KeepF32`] unless set).
+/// The rule in force on this thread: its own, while an [`Autocast`](crate::Autocast) with
+/// one is entered, else the process's ([`set_small_ops`]; [`SmallOps::KeepF32`] unless set).
 pub fn small_ops() -> SmallOps {
+    SCOPED.with(Cell::get).unwrap_or_else(process_small_ops)
+}
+
+/// Gives this thread `rule` until the guard drops, whatever the process's is (the
+/// small-op half of `with torch.autocast(...)`'s scope; an entered
+/// [`Autocast`](crate::Autocast) with `small_ops` set does the same).
+///
+/// ```
+/// use burn_accelerate::autocast::{self, SmallOps};
+///
+/// let before = autocast::small_ops();
+/// {
+///     let _cast = autocast::scope_small_ops(SmallOps::Cast).unwrap();
+///     assert_eq!(autocast::small_ops(), SmallOps::Cast);
+///     // Another thread keeps the process's rule.
+///     assert_eq!(std::thread::spawn(autocast::small_ops).join().unwrap(), before);
+/// }
+/// assert_eq!(autocast::small_ops(), before);
+/// ```
+///
+/// # Errors
+/// As [`SmallOps::validate`].
+pub fn scope_small_ops(rule: SmallOps) -> Result<SmallOpsGuard, AccelerateError> {
+    rule.validate()?;
+    Ok(SmallOpsGuard {
+        previous: replace_thread_rule(Some(rule)),
+        _not_send: core::marker::PhantomData,
+    })
+}
+
+/// Restores this thread's previous small-op rule when dropped ([`scope_small_ops`]); tied to
+/// its thread.
+#[derive(Debug)]
+#[must_use = "the rule is only this thread's while the guard lives"]
+pub struct SmallOpsGuard {
+    previous: Option<SmallOps>,
+    _not_send: core::marker::PhantomData<*const ()>,
+}
+
+impl Drop for SmallOpsGuard {
+    fn drop(&mut self) {
+        replace_thread_rule(self.previous);
+    }
+}
+
+// Replaces this thread's own rule, returning the previous one.
+pub(crate) fn replace_thread_rule(rule: Option<SmallOps>) -> Option<SmallOps> {
+    SCOPED.with(|s| s.replace(rule))
+}
+
+fn process_small_ops() -> SmallOps {
     match MODE.load(Ordering::Relaxed) {
         1 => SmallOps::Cast,
         2 => SmallOps::KeepF32Below {

@@ -34,7 +34,7 @@ use crate::distributed::{self, ProcessGroup};
 use crate::error::AccelerateError;
 use crate::gradient_state::GradientState;
 use crate::grads::{self, OverflowCheck};
-use crate::scaler::{ArmedLossScale, LossScale};
+use crate::scaler::LossScale;
 use crate::zero::{self, Partition, ZeroStage};
 
 /// What a batch's optimizer step did ([`Accelerator::optimizer_step`](crate::Accelerator::optimizer_step)).
@@ -70,8 +70,6 @@ pub(crate) struct StepCore<B: AutodiffBackend> {
     state: GradientState,
     window: Window,
     loss_scale: LossScale,
-    // The decorator's backward transform, while a strategy drives `TrainStep`s.
-    armed: Option<ArmedLossScale>,
     grads: GradientsParams,
     // Some once this window's gradients are unscaled (by a clip, or on request): they must
     // not be unscaled twice, and the step reads this check instead of a new one.
@@ -107,7 +105,6 @@ impl<B: AutodiffBackend> StepCore<B> {
             state,
             window,
             loss_scale,
-            armed: None,
             grads: GradientsParams::new(),
             unscaled: None,
             group,
@@ -161,13 +158,6 @@ impl<B: AutodiffBackend> StepCore<B> {
         self.loss_transform().apply(loss)
     }
 
-    /// Arms the decorator's `backward` with the loss transform until the core drops, for a
-    /// loop whose steps call an unmodified `loss.backward()` (Burn's `TrainStep`).
-    pub fn arm_backward(&mut self) {
-        let transform = self.loss_transform();
-        self.armed = (!transform.is_identity()).then(|| ArmedLossScale::arm_transform(transform));
-    }
-
     /// Adds one backward pass's gradients to the window.
     pub fn add_gradients<M: AutodiffModule<B>>(&mut self, model: &M, grads: GradientsParams) {
         grads::accumulate::<B, M>(model, &mut self.grads, grads);
@@ -206,9 +196,6 @@ impl<B: AutodiffBackend> StepCore<B> {
     /// Replaces the loss scale (a restored checkpoint's).
     pub fn set_loss_scale(&mut self, loss_scale: LossScale) {
         self.loss_scale = loss_scale;
-        if let Some(armed) = &self.armed {
-            armed.set(loss_scale.loss_scale());
-        }
     }
 
     /// The group and the ZeRO stage, when the stage shards anything (several processes).

@@ -284,6 +284,8 @@ pub struct DemoConfig {
     /// How the training state is sharded across processes.
     #[config(default = "ZeroStage::None")]
     pub zero_stage: ZeroStage,
+    /// The training's small-op rule (`AccelerateConfig::small_ops`); `None`: the one in force.
+    pub small_ops: Option<crate::autocast::SmallOps>,
 }
 
 /// What a demo run ended with.
@@ -346,7 +348,8 @@ pub fn run<B: AutodiffBackend>(
         .with_mixed_precision(config.precision)
         .with_gradient_accumulation_steps(config.grad_accum)
         .with_allow_fallback(config.allow_fallback)
-        .with_zero_stage(config.zero_stage);
+        .with_zero_stage(config.zero_stage)
+        .with_small_ops(config.small_ops);
     let accelerate = match config.init_scale {
         Some(scale) => accelerate.with_grad_scaler(GradScalerConfig::new().with_init_scale(scale)),
         None => accelerate,

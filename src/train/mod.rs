@@ -16,14 +16,16 @@
 //! Where the loop differs from Burn 0.21's single-device one:
 //! - the last batch of an epoch always completes its gradient-accumulation window (Burn drops
 //!   a partial last window), when `sync_with_dataloader` is on (the default);
-//! - each batch's gradients are divided by `gradient_accumulation_steps`, as Accelerate divides
-//!   the loss (gradients are linear in the loss, so dividing them is the same division);
+//! - each batch's loss is divided by `gradient_accumulation_steps` before the user's
+//!   unmodified `loss.backward()` differentiates it, as Accelerate divides it (the decorator's
+//!   `backward` does it, armed on the threads that run the steps: see [`step`](crate::step));
 //! - the learning-rate scheduler steps once per optimizer step (Burn steps it every batch);
-//! - with loss scaling (fp16), the user's unmodified `loss.backward()` is scaled through the
-//!   armed scale ([`ArmedLossScale`]), the window's gradients are unscaled and checked with one
-//!   host read, and on overflow neither the optimizer nor the scheduler steps;
-//! - autocast is the process default for the whole fit, so training and validation, on any
-//!   thread, run in the precision asked for;
+//! - with loss scaling (fp16), the same armed transform scales the loss, the window's
+//!   gradients are unscaled and checked with one host read, and on overflow neither the
+//!   optimizer nor the scheduler steps;
+//! - autocast (the precision and [`AccelerateConfig::small_ops`]) is entered on the threads
+//!   that run the fit's steps and validation, for the fit: not the process's default, so a
+//!   training on another thread of the process keeps its own;
 //! - Burn's own `SupervisedTraining::grads_accumulation(n)` is honoured with Burn's meaning:
 //!   the window's gradients are summed, not divided by `n` (Burn's text-generation example
 //!   divides its learning rate by `n` for that); they are still averaged over the devices and
@@ -31,8 +33,10 @@
 //!   with [`AccelerateConfig::gradient_accumulation_steps`] (which averages over the window):
 //!   a fit given both is refused at its start.
 //!
-//! Autocast and the armed loss scale are process-wide: run one accelerated training per
-//! process at a time (tests that train must not run in parallel with each other).
+//! What is still process-wide: the fp8 recipe and amax history ([`fp8`](crate::fp8)), the op
+//! classes ([`autocast::set_op_class`]), the half path ([`capability::set_half_path`](crate::capability::set_half_path))
+//! and the placement switches: two fp8 trainings, or trainings with other op classes, must not
+//! run at once in one process.
 //!
 //! With [`AccelerateStrategy::with_checkpoint_dir`], the loss scale, the gradient state and
 //! the positions of the crate's loaders (the data-parallel shards, or the one given to
@@ -109,7 +113,7 @@ use crate::data::{
 use crate::distributed::{ProcessGroup, ProcessState};
 use crate::gradient_state::GradientState;
 use crate::placement::check_data_parallel;
-use crate::scaler::LossScale;
+use crate::scaler::{LossScale, ThreadArmed};
 use crate::step::{StepCore, StepOutcome};
 use crate::zero::{self, ParamStateRecord, ZeroStage};
 use crate::{AccelerateConfig, AccelerateError, AcceleratorState, Precision};
@@ -441,7 +445,7 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
     ///
     /// # Errors
     /// What [`new`](Self::new) returns, for any of the devices (they must all run the same
-    /// precision: autocast is process-wide); [`AccelerateError::InvalidConfig`] when `shards`
+    /// precision); [`AccelerateError::InvalidConfig`] when `shards`
     /// is empty or is not one complete set of shards in process order;
     /// [`AccelerateError::InvalidConfig`] for a ZeRO stage (it shards across processes);
     /// [`AccelerateError::Placement`] ([`SpreadForDataParallel`](crate::placement::PlacementError::SpreadForDataParallel))
@@ -527,7 +531,7 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
         Ok(strategy)
     }
 
-    // Autocast is process-wide: every device must run what the main device runs.
+    // The replicas enter one autocast: every device must run what the main device runs.
     fn ensure_same_precision(
         &self,
         device: &Device<TrainingBackend<LC>>,
@@ -856,15 +860,6 @@ fn ensure_accelerated<B: Backend>(
     }
 }
 
-// Restores the process-wide autocast default however `fit` ends (a panic included).
-struct DefaultAutocast(Option<Precision>);
-
-impl Drop for DefaultAutocast {
-    fn drop(&mut self) {
-        autocast::set_default(self.0);
-    }
-}
-
 // The training step of a fit: its loss scale and window's gradients are carried across epochs
 // (windows do cross epochs when `sync_with_dataloader` is off).
 type Core<LC> = StepCore<TrainingBackend<LC>>;
@@ -924,6 +919,7 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
         processor: &mut SupervisedTrainingEventProcessor<LC>,
         interrupter: &Interrupter,
         core: &mut Core<LC>,
+        armed: &ThreadArmed,
     ) -> EpochReport {
         let epoch = global_progress.items_processed;
         let mut report = EpochReport {
@@ -944,7 +940,7 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
             }
             let batch = self.state.accumulate();
             let outputs = match workers {
-                Some(workers) => workers.step(&learner.model(), step.inputs),
+                Some(workers) => workers.step(&learner.model(), step.inputs, core.loss_transform()),
                 None => step
                     .inputs
                     .into_iter()
@@ -969,6 +965,8 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
                     (learner.model(), learner.lr_current())
                 });
                 let (model, outcome) = stepped.unwrap_or_else(|err| fail("cannot step", err));
+                // The next batches' losses at the adjusted scale.
+                armed.set(core.loss_transform());
                 if core.sharded().is_some() {
                     // Every parameter as its owner stepped it.
                     learner.load_model(model.into_record());
@@ -1219,10 +1217,10 @@ where
         let mut early_stopping = training_components.early_stopping;
         let interrupter = &training_components.interrupter;
 
-        // Every thread Burn or the loaders start sees the precision (a thread-local guard
-        // would miss them); the previous default comes back when the fit ends.
-        let _restore = DefaultAutocast(autocast::default_precision());
-        self.autocast.set_default();
+        // The fit's precision and small-op rule are this thread's (the steps and the
+        // validation run here; device workers enter them on theirs), not the process's: a
+        // training on another thread, or Burn's metric threads, keep their own.
+        let _autocast = self.autocast.enter();
         let loss_scale = if starting_epoch > 1 {
             // Burn's `fit` has no error channel, and it panics itself on a checkpoint it
             // cannot load: a resumed run must not silently go on from the wrong state.
@@ -1250,8 +1248,8 @@ where
             core = core.dividing_the_window();
         }
         // The user's `TrainStep` calls `loss.backward()` itself: the decorator's backward
-        // divides and scales its loss as the `Accelerator`'s `backward` would.
-        core.arm_backward();
+        // divides and scales its loss as the `Accelerator`'s `backward` would, on this thread.
+        let armed = ThreadArmed::arm(core.loss_transform());
         // Sharded, this process's optimizer keeps its partition's state only (a resumed run's
         // learner was just given the whole state), and the tap reads it for checkpoints.
         let mut tap = core.sharded().map(|_| OptimizerTap::<LC>::new());
@@ -1276,6 +1274,7 @@ where
                 &mut event_processor,
                 interrupter,
                 &mut core,
+                &armed,
             );
             {
                 let mut stats = self.report.lock();

@@ -7,8 +7,10 @@
 //! gradients back to the main device before answering, so that the moves run in parallel.
 //! The answers are returned in device order, so that summing them is deterministic.
 //!
-//! Each worker enters the strategy's [`Autocast`] for its steps: the process default already
-//! reaches these threads, and the guard makes the precision theirs whatever else changes it.
+//! Each worker enters the strategy's [`Autocast`] for its steps (its precision and small-op
+//! rule are the training's, scoped to the threads that run it), and arms the step's loss
+//! transform on its thread, so the user's `loss.backward()` there is divided and scaled as
+//! on the main thread.
 //!
 //! Moves between two wgpu devices have no direct path in Burn 0.21: the replicas are forked
 //! with [`placement::fork`], which stages the parameters through the host, and the gradients
@@ -27,13 +29,15 @@ use burn::train::{
 
 use crate::autocast::Autocast;
 use crate::placement;
+use crate::scaler::ThreadArmed;
+use crate::step::LossTransform;
 
 /// The input of one training step.
 pub(crate) type StepInput<LC> = <TrainingModel<LC> as TrainStep>::Input;
 /// The output of one training step, gradients included.
 pub(crate) type StepOutput<LC> = TrainOutput<<TrainingModel<LC> as TrainStep>::Output>;
 
-type Job<LC> = (TrainingModel<LC>, StepInput<LC>);
+type Job<LC> = (TrainingModel<LC>, StepInput<LC>, LossTransform);
 type Answer<LC> = (usize, Result<StepOutput<LC>, Box<dyn Any + Send>>);
 
 /// The worker threads of a data-parallel training, one per device; the first device is the
@@ -60,8 +64,10 @@ impl<LC: LearningComponentsTypes> DeviceWorkers<LC> {
                 .name(format!("burn-accelerate-device-{index}"))
                 .spawn(move || {
                     let _autocast = autocast.enter();
-                    for (model, input) in jobs {
+                    for (model, input, transform) in jobs {
                         let output = catch_unwind(AssertUnwindSafe(|| {
+                            // The user's `loss.backward()` runs here: arm this thread.
+                            let _armed = ThreadArmed::arm(transform);
                             let replica = placement::fork(model, &device);
                             let mut output = replica.step(input);
                             if index != 0 {
@@ -103,6 +109,7 @@ impl<LC: LearningComponentsTypes> DeviceWorkers<LC> {
         &self,
         model: &TrainingModel<LC>,
         inputs: Vec<(usize, StepInput<LC>)>,
+        transform: LossTransform,
     ) -> Vec<StepOutput<LC>> {
         // The optimizer's last writes to the model are queued on this thread's stream, and
         // may have gone in place into buffers that a worker's stream allocated: a worker
@@ -111,7 +118,7 @@ impl<LC: LearningComponentsTypes> DeviceWorkers<LC> {
         let sent = inputs.len();
         for (index, input) in inputs {
             self.inboxes[index]
-                .send((model.clone(), input))
+                .send((model.clone(), input, transform))
                 .expect("burn-accelerate: a device worker stopped");
         }
         let mut outputs: Vec<(usize, StepOutput<LC>)> = Vec::with_capacity(sent);
