@@ -5,9 +5,11 @@
 //! Every accelerator here owns its `GradientState`, so the tests can run in parallel.
 #![cfg(feature = "flex")]
 
+mod param_bits;
+
 use burn::backend::{Autodiff, Flex};
 use burn::lr_scheduler::LrScheduler;
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::{Module, Param};
 use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{Optimizer, SgdConfig};
@@ -19,6 +21,7 @@ use burn_accelerate::{
     AccelerateConfig, AccelerateError, Accelerated, Accelerator, AcceleratorState,
     GradScalerConfig, GradientState, LossScale, Precision, StepOutcome, grads,
 };
+use param_bits::param_bits;
 
 type B = Autodiff<Flex>;
 
@@ -103,22 +106,6 @@ fn column<Bk: Backend>(values: &[f32], device: &Bk::Device) -> Tensor<Bk, 2> {
     Tensor::from_data(TensorData::new(values.to_vec(), [values.len(), 1]), device)
 }
 
-/// Every parameter value's bits (NaN payloads included), in visiting order; parameter ids,
-/// which differ between runs, are left out.
-fn params<Bk: Backend, M: Module<Bk>>(model: &M) -> Vec<u32> {
-    struct Bits(Vec<u32>);
-    impl<Bk: Backend> ModuleVisitor<Bk> for Bits {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Bk, D>>) {
-            let values = param.val().into_data().convert::<f32>();
-            self.0
-                .extend(values.to_vec::<f32>().unwrap().iter().map(|v| v.to_bits()));
-        }
-    }
-    let mut bits = Bits(Vec::new());
-    model.visit(&mut bits);
-    bits.0
-}
-
 fn scalar<const D: usize>(t: Tensor<B, D>) -> f32 {
     t.into_scalar().elem()
 }
@@ -143,14 +130,14 @@ fn overflow_skips_optimizer_and_scheduler_and_leaves_params_bit_identical() {
     let (m, outcome) = acc.optimizer_step(&mut optim, model, &mut sched).unwrap();
     model = m;
     assert_eq!(outcome, StepOutcome::Applied { lr: 0.1 });
-    let before = params::<B, _>(&model);
+    let before = param_bits::<B, _>(&model);
 
     // A loss that overflows f32 once scaled.
     acc.backward(model.forward(column(&[1e38], &device)).sum() * 1e3, &model);
     let (model, outcome) = acc.optimizer_step(&mut optim, model, &mut sched).unwrap();
     assert_eq!(outcome, StepOutcome::SkippedOverflow);
     assert_eq!(
-        params::<B, _>(&model),
+        param_bits::<B, _>(&model),
         before,
         "parameters moved on overflow"
     );
@@ -587,8 +574,8 @@ fn checkpoint_and_resume_reproduce_the_uninterrupted_run_bit_for_bit() {
     };
     let resumed = resume(true);
     assert_eq!(
-        params::<B, _>(&resumed.model),
-        params::<B, _>(&straight.model)
+        param_bits::<B, _>(&resumed.model),
+        param_bits::<B, _>(&straight.model)
     );
     assert_eq!(resumed.acc.state(), straight.acc.state());
     assert_eq!(resumed.sched.steps, straight.sched.steps);
@@ -597,7 +584,7 @@ fn checkpoint_and_resume_reproduce_the_uninterrupted_run_bit_for_bit() {
     let amnesiac = resume(false);
     assert!(
         amnesiac.acc.state() != straight.acc.state()
-            || params::<B, _>(&amnesiac.model) != params::<B, _>(&straight.model)
+            || param_bits::<B, _>(&amnesiac.model) != param_bits::<B, _>(&straight.model)
     );
 }
 

@@ -11,14 +11,15 @@
 //! other's initial weights.
 #![cfg(feature = "flex")]
 
+mod param_bits;
+
 use std::sync::{Arc, Mutex};
 
 use burn::backend::{Autodiff, Flex};
 use burn::data::dataloader::{DataLoader, DataLoaderBuilder};
 use burn::data::dataset::InMemDataset;
-use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
+use burn::module::AutodiffModule;
 use burn::optim::AdamConfig;
-use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::train::{Learner, SupervisedTraining};
 use burn_accelerate::autocast::SmallOps;
@@ -27,6 +28,7 @@ use burn_accelerate::train::{AccelerateStrategy, WithAccelerate};
 use burn_accelerate::{
     AccelerateConfig, Accelerated, GradScalerConfig, GradientState, Precision, StepOutcome,
 };
+use param_bits::param_bits;
 
 type B = Accelerated<Autodiff<Flex>>;
 
@@ -51,23 +53,8 @@ fn seeded_model(device: &burn::tensor::Device<B>) -> Mlp<B> {
     let _seeding = SEEDING.lock().unwrap_or_else(|e| e.into_inner());
     B::seed(device, SEED);
     let model = Mlp::<B>::new(HIDDEN, device);
-    bits(&model);
+    param_bits(&model);
     model
-}
-
-// Every float parameter's bits, in visiting order.
-fn bits<Bk: Backend, M: Module<Bk>>(model: &M) -> Vec<u32> {
-    struct Bits(Vec<u32>);
-    impl<Bk: Backend> ModuleVisitor<Bk> for Bits {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Bk, D>>) {
-            let values = param.val().into_data().convert::<f32>();
-            self.0
-                .extend(values.to_vec::<f32>().unwrap().iter().map(|v| v.to_bits()));
-        }
-    }
-    let mut visitor = Bits(Vec::new());
-    model.visit(&mut visitor);
-    visitor.0
 }
 
 // Burn's `SupervisedTraining` with `with_accelerate`.
@@ -89,7 +76,7 @@ fn through_the_strategy(config: &AccelerateConfig) -> Vec<u32> {
     .with_accelerate(strategy)
     .launch(learner);
     let _ = std::fs::remove_dir_all(&dir);
-    bits(&result.model)
+    param_bits(&result.model)
 }
 
 // A hand-written loop on the `Accelerator`, over the same batches.
@@ -124,7 +111,7 @@ fn through_the_accelerator(config: &AccelerateConfig) -> (Vec<u32>, Vec<StepOutc
             outcomes.push(outcome);
         }
     }
-    (bits(&model.valid()), outcomes)
+    (param_bits(&model.valid()), outcomes)
 }
 
 fn both(config: AccelerateConfig) -> Vec<StepOutcome> {

@@ -99,10 +99,11 @@ use burn::tensor::{Device, Tensor};
 use burn::train::logger::InMemoryMetricLogger;
 use burn::train::metric::store::{Aggregate, EventStoreClient, Split};
 use burn::train::{
-    EventProcessorTraining, InferenceStep, Interrupter, Learner, LearnerEvent,
-    LearnerOptimizerRecord, LearningComponentsTypes, LearningResult, SupervisedLearningStrategy,
-    SupervisedTraining, SupervisedTrainingEventProcessor, TrainLoader, TrainingBackend,
-    TrainingComponents, TrainingItem, TrainingModel, TrainingStrategy, ValidLoader,
+    CloneEarlyStoppingStrategy, EventProcessorTraining, InferenceStep, Interrupter, Learner,
+    LearnerEvent, LearnerOptimizerRecord, LearningCheckpointer, LearningComponentsTypes,
+    LearningResult, SupervisedLearningStrategy, SupervisedTraining,
+    SupervisedTrainingEventProcessor, TrainLoader, TrainingBackend, TrainingComponents,
+    TrainingItem, TrainingModel, TrainingStrategy, ValidLoader,
 };
 
 use crate::autocast::{self, Autocast, LowerOpTally};
@@ -1168,48 +1169,16 @@ where
 
         let tally_start = autocast::thread_tally();
 
-        // Burn's `fit` has no error channel: a setting that cannot be honoured ends it here,
-        // before anything process-wide is set.
-        let accumulation = self
-            .accumulation(training_components.grad_accumulation)
-            .unwrap_or_else(|err| fail("cannot accumulate as asked", err));
-        if accumulation.sums {
-            log::info!(
-                "burn-accelerate: Burn's grads_accumulation({}): the gradients of {0} batches \
-                 are summed before each optimizer step, as Burn's loop sums them \
-                 (`AccelerateConfig::gradient_accumulation_steps` would average them)",
-                accumulation.steps
-            );
-        }
-        // Set for every fit, so that a strategy fitted again without Burn's setting goes back
-        // to its own.
-        if let Err(err) = self
-            .state
-            .configure(accumulation.steps, self.config.sync_with_dataloader)
-        {
-            fail("cannot accumulate as asked", err);
-        }
-
+        // Before anything process-wide is set.
+        let accumulation = self.fit_window(training_components.grad_accumulation);
         let devices = self.devices();
-        // Before the fork below would gather a spread model onto the main device. Burn's `fit`
-        // has no error channel: `data_parallel` checked the model it was given; this catches a
-        // learner built around another one.
+        // Before the fork below would gather a spread model onto the main device.
+        // `data_parallel` checked the model it was given; this catches a learner built around
+        // another one.
         if let Err(err) = check_data_parallel(&learner.model(), &devices) {
             fail("cannot train data-parallel", err);
         }
-        let loaders: Vec<TrainLoader<LC>> = match &self.shards {
-            Some(shards) => {
-                log::info!(
-                    "burn-accelerate: training data-parallel on {devices:?}, from the \
-                     strategy's shards (the builder's training loader is not read)"
-                );
-                shards.iter().map(|s| s.loader.clone()).collect()
-            }
-            None => vec![
-                self.prepare_loader(&dataloader_train)
-                    .unwrap_or_else(|err| fail("cannot shard the training loader", err)),
-            ],
-        };
+        let loaders = self.fit_loaders(&dataloader_train, &devices);
         let dataloader_valid = dataloader_valid.to_device(self.device.inner());
         learner.fork(&self.device);
         let mut event_processor = training_components.event_processor;
@@ -1231,22 +1200,10 @@ where
         } else {
             self.initial_scale
         };
-        // After the default is set, so the workers start in the fit's precision too.
+        // Each enters the fit's autocast on its own thread.
         let workers =
             (devices.len() > 1).then(|| DeviceWorkers::<LC>::start(&devices, self.autocast));
-        let mut core = Core::<LC>::new(
-            self.config.step_settings(),
-            loss_scale,
-            self.state.clone(),
-            self.group.clone(),
-        )
-        .with_replicas(loaders.len());
-        if accumulation.sums {
-            core = core.summing_the_window();
-        }
-        if !self.divides_loss {
-            core = core.dividing_the_window();
-        }
+        let mut core = self.fit_core(accumulation, loss_scale, loaders.len());
         // The user's `TrainStep` calls `loss.backward()` itself: the decorator's backward
         // divides and scales its loss as the `Accelerator`'s `backward` would, on this thread.
         let armed = ThreadArmed::arm(core.loss_transform());
@@ -1301,60 +1258,21 @@ where
                     interrupter,
                 );
             }
-            // Only the main process writes: every process holds the same model, and they
-            // share the directory. Sharded, it first gathers the whole optimizer state, so
-            // that the checkpoint is the one a stage 0 run writes.
-            let own = match (core.sharded(), tap.as_mut(), &checkpointer) {
-                (Some((group, _)), Some(tap), Some(_)) => {
-                    // Read twice: records need not be `Clone`, and their tensors are shared.
-                    let own = tap.record(&learner, &training_components.event_store);
-                    let part = tap.record(&learner, &training_components.event_store);
-                    let whole = zero::consolidate_state::<TrainingBackend<LC>, _, _>(
-                        group,
-                        &learner.model(),
-                        part,
-                        0,
-                        &self.device,
-                    )
-                    .unwrap_or_else(|err| fail("cannot gather the optimizer state", err));
-                    if let Some(whole) = whole {
-                        learner.load_optim(whole);
-                    }
-                    Some(own)
-                }
-                _ => None,
-            };
-            if let Some(checkpointer) = checkpointer
-                .as_mut()
-                .filter(|_| self.process.is_main_process())
-            {
-                checkpointer.checkpoint(&learner, epoch, &training_components.event_store);
-                if let Some(own) = own {
-                    learner.load_optim(own);
-                }
-                if let Some(dir) = &self.checkpoint_dir
-                    && let Err(err) = self.checkpoint(*core.loss_scale()).save_epoch(dir, epoch)
-                {
-                    log::warn!("burn-accelerate: {err}");
-                }
-                if let Some(dir) = &self.checkpoint_dir {
-                    AccelerateCheckpoint::prune(dir, epoch);
-                }
-            }
-            if let Some(early_stopping) = &mut early_stopping {
-                let stop = validates
-                    && early_stopping.should_stop(epoch, &training_components.event_store);
-                // The main process decides (it alone has the validation metrics), and every
-                // process stops with it: one going on alone would wait for the others forever.
-                let stop = match &self.group {
-                    Some(group) => group
-                        .broadcast_object(&stop, 0)
-                        .unwrap_or_else(|err| fail("cannot agree on early stopping", err)),
-                    None => stop,
-                };
-                if stop {
-                    break;
-                }
+            self.checkpoint_epoch(
+                epoch,
+                &mut learner,
+                &core,
+                tap.as_mut(),
+                checkpointer.as_mut(),
+                &training_components.event_store,
+            );
+            if self.stops_early(
+                epoch,
+                validates,
+                early_stopping.as_mut(),
+                &training_components.event_store,
+            ) {
+                break;
             }
         }
         // Once, however the epochs ended (an interrupt, early stopping).
@@ -1363,6 +1281,145 @@ where
             flush_events::<LC>(&mut event_processor, &training_components.event_store);
         }
         (learner.model(), event_processor)
+    }
+
+    // The fit's accumulation window, the gradient state configured for it (at every fit, so
+    // that a strategy fitted again without Burn's setting goes back to its own).
+    fn fit_window(&self, burn: Option<usize>) -> Accumulation {
+        let accumulation = self
+            .accumulation(burn)
+            .unwrap_or_else(|err| fail("cannot accumulate as asked", err));
+        if accumulation.sums {
+            log::info!(
+                "burn-accelerate: Burn's grads_accumulation({}): the gradients of {0} batches \
+                 are summed before each optimizer step, as Burn's loop sums them \
+                 (`AccelerateConfig::gradient_accumulation_steps` would average them)",
+                accumulation.steps
+            );
+        }
+        if let Err(err) = self
+            .state
+            .configure(accumulation.steps, self.config.sync_with_dataloader)
+        {
+            fail("cannot accumulate as asked", err);
+        }
+        accumulation
+    }
+
+    // The loaders the fit trains on, one per device: the strategy's shards, or this process's
+    // part of the builder's loader.
+    fn fit_loaders(
+        &self,
+        dataloader_train: &TrainLoader<LC>,
+        devices: &[Device<TrainingBackend<LC>>],
+    ) -> Vec<TrainLoader<LC>> {
+        match &self.shards {
+            Some(shards) => {
+                log::info!(
+                    "burn-accelerate: training data-parallel on {devices:?}, from the \
+                     strategy's shards (the builder's training loader is not read)"
+                );
+                shards.iter().map(|s| s.loader.clone()).collect()
+            }
+            None => vec![
+                self.prepare_loader(dataloader_train)
+                    .unwrap_or_else(|err| fail("cannot shard the training loader", err)),
+            ],
+        }
+    }
+
+    // The fit's training step, over `replicas` devices.
+    fn fit_core(
+        &self,
+        accumulation: Accumulation,
+        loss_scale: LossScale,
+        replicas: usize,
+    ) -> Core<LC> {
+        let mut core = Core::<LC>::new(
+            self.config.step_settings(),
+            loss_scale,
+            self.state.clone(),
+            self.group.clone(),
+        )
+        .with_replicas(replicas);
+        if accumulation.sums {
+            core = core.summing_the_window();
+        }
+        if !self.divides_loss {
+            core = core.dividing_the_window();
+        }
+        core
+    }
+
+    // Burn's checkpoint of an epoch, and the strategy's beside it. Only the main process
+    // writes: every process holds the same model, and they share the directory. Sharded, it
+    // first gathers the whole optimizer state, so that the checkpoint is the one a stage 0
+    // run writes (every process takes part in the gathering).
+    fn checkpoint_epoch(
+        &self,
+        epoch: usize,
+        learner: &mut Learner<LC>,
+        core: &Core<LC>,
+        tap: Option<&mut OptimizerTap<LC>>,
+        checkpointer: Option<&mut LearningCheckpointer<LC>>,
+        event_store: &EventStoreClient,
+    ) {
+        let own = match (core.sharded(), tap, &checkpointer) {
+            (Some((group, _)), Some(tap), Some(_)) => {
+                // Read twice: records need not be `Clone`, and their tensors are shared.
+                let own = tap.record(learner, event_store);
+                let part = tap.record(learner, event_store);
+                let whole = zero::consolidate_state::<TrainingBackend<LC>, _, _>(
+                    group,
+                    &learner.model(),
+                    part,
+                    0,
+                    &self.device,
+                )
+                .unwrap_or_else(|err| fail("cannot gather the optimizer state", err));
+                if let Some(whole) = whole {
+                    learner.load_optim(whole);
+                }
+                Some(own)
+            }
+            _ => None,
+        };
+        if let Some(checkpointer) = checkpointer.filter(|_| self.process.is_main_process()) {
+            checkpointer.checkpoint(learner, epoch, event_store);
+            if let Some(own) = own {
+                learner.load_optim(own);
+            }
+            if let Some(dir) = &self.checkpoint_dir
+                && let Err(err) = self.checkpoint(*core.loss_scale()).save_epoch(dir, epoch)
+            {
+                log::warn!("burn-accelerate: {err}");
+            }
+            if let Some(dir) = &self.checkpoint_dir {
+                AccelerateCheckpoint::prune(dir, epoch);
+            }
+        }
+    }
+
+    // Whether Burn's early stopping ends the fit after `epoch`. The main process decides (it
+    // alone has the validation metrics), and every process stops with it: one going on alone
+    // would wait for the others forever.
+    fn stops_early(
+        &self,
+        epoch: usize,
+        validates: bool,
+        early_stopping: Option<&mut Box<dyn CloneEarlyStoppingStrategy>>,
+        event_store: &EventStoreClient,
+    ) -> bool {
+        let Some(early_stopping) = early_stopping else {
+            return false;
+        };
+        let stop = validates && early_stopping.should_stop(epoch, event_store);
+        match &self.group {
+            Some(group) => group
+                .broadcast_object(&stop, 0)
+                .unwrap_or_else(|err| fail("cannot agree on early stopping", err)),
+            None => stop,
+        }
     }
 }
 
