@@ -109,6 +109,11 @@ pub struct AccelerateConfig {
     /// [`autocast`](Accelerator::autocast) guard, `with_accelerate`'s fit and device workers):
     /// a setting of this training, not of the process. `None`: the rule in force there.
     pub small_ops: Option<SmallOps>,
+    /// Which path half-precision ops take where the crate has its own kernels
+    /// ([`HalfPath`](crate::capability::HalfPath): `Widened` gives Flex's own bf16 bits on every
+    /// CPU), on the threads that run this training's steps, as `small_ops`. `None`: the one
+    /// in force there.
+    pub half_path: Option<crate::capability::HalfPath>,
 }
 
 impl AccelerateConfig {
@@ -142,6 +147,7 @@ impl AccelerateConfig {
             .with_allow_slow(self.allow_slow)
             .with_fp8_recipe(self.fp8_recipe)
             .with_small_ops(self.small_ops)
+            .with_half_path(self.half_path)
             .init::<B>(device)?;
         let loss_scale = self.grad_scaler.init(autocast.precision())?;
         Ok((autocast, loss_scale))

@@ -41,6 +41,7 @@ use burn::tensor::{Tensor, TensorData};
 use burn_backend::{Backend, DeviceId, DeviceOps, FloatDType};
 use core::cell::Cell;
 use core::fmt;
+use serde::{Deserialize, Serialize};
 
 use crate::autocast::Op;
 use crate::backend::kernels::{self, Route};
@@ -55,8 +56,10 @@ use crate::{AccelerateError, Precision};
 /// order. Elsewhere they widen the operands and run Flex's f32 kernels, which give Flex's own
 /// bf16 bits. For f16 neither matches the backend's own kernels (Flex's f16 kernels sum in f16).
 /// The choice is a rule, never a timing: a run that must give the same numbers on every
-/// machine, or a test of one path, fixes it with [`set_half_path`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+/// machine, or a test of one path, fixes it: for a training with `AccelerateConfig::half_path`
+/// (or `AutocastConfig::half_path`: the threads that enter its autocast take it), for a thread
+/// with [`scope_half_path`], for the process with [`set_half_path`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 #[non_exhaustive]
 pub enum HalfPath {
     /// The crate's path wherever it has one, bf16 dot products included (the default).
@@ -71,8 +74,31 @@ pub enum HalfPath {
 
 static HALF_PATH: AtomicU8 = AtomicU8::new(0);
 
+// No path of the thread's own: the process's.
+const PROCESS_PATH: u8 = u8::MAX;
+
+thread_local! {
+    static THREAD_HALF_PATH: Cell<u8> = const { Cell::new(PROCESS_PATH) };
+}
+
+fn code(path: HalfPath) -> u8 {
+    match path {
+        HalfPath::ViaF32 => 0,
+        HalfPath::Own => 2,
+        HalfPath::Widened => 3,
+    }
+}
+
+fn from_code(code: u8) -> HalfPath {
+    match code {
+        2 => HalfPath::Own,
+        3 => HalfPath::Widened,
+        _ => HalfPath::ViaF32,
+    }
+}
+
 /// Fixes, for the whole process, which path half-precision ops take where the crate has an
-/// f32 one.
+/// f32 one, on every thread without a path of its own ([`scope_half_path`]).
 ///
 /// ```
 /// use burn_accelerate::capability::{self, HalfPath};
@@ -82,21 +108,58 @@ static HALF_PATH: AtomicU8 = AtomicU8::new(0);
 /// capability::set_half_path(HalfPath::ViaF32);
 /// ```
 pub fn set_half_path(path: HalfPath) {
-    let code = match path {
-        HalfPath::ViaF32 => 0,
-        HalfPath::Own => 2,
-        HalfPath::Widened => 3,
-    };
-    HALF_PATH.store(code, Ordering::Relaxed);
+    HALF_PATH.store(code(path), Ordering::Relaxed);
 }
 
-/// The path set by [`set_half_path`] ([`HalfPath::ViaF32`] unless set).
+/// The path half-precision ops take on this thread: its own ([`scope_half_path`], or an
+/// entered autocast that sets one), else the process's ([`set_half_path`];
+/// [`HalfPath::ViaF32`] unless set).
 pub fn half_path() -> HalfPath {
-    match HALF_PATH.load(Ordering::Relaxed) {
-        2 => HalfPath::Own,
-        3 => HalfPath::Widened,
-        _ => HalfPath::ViaF32,
+    match THREAD_HALF_PATH.with(Cell::get) {
+        PROCESS_PATH => from_code(HALF_PATH.load(Ordering::Relaxed)),
+        own => from_code(own),
     }
+}
+
+/// Gives this thread `path` until the guard drops, whatever the process's is.
+///
+/// ```
+/// use burn_accelerate::capability::{self, HalfPath};
+///
+/// let process = capability::half_path();
+/// {
+///     let _widened = capability::scope_half_path(HalfPath::Widened);
+///     assert_eq!(capability::half_path(), HalfPath::Widened);
+///     assert_eq!(std::thread::spawn(capability::half_path).join().unwrap(), process);
+/// }
+/// assert_eq!(capability::half_path(), process);
+/// ```
+pub fn scope_half_path(path: HalfPath) -> HalfPathGuard {
+    HalfPathGuard {
+        previous: replace_thread_half_path(Some(path)),
+        _not_send: core::marker::PhantomData,
+    }
+}
+
+/// Restores this thread's previous half path when dropped ([`scope_half_path`]); tied to its
+/// thread.
+#[derive(Debug)]
+#[must_use = "the path is only this thread's while the guard lives"]
+pub struct HalfPathGuard {
+    previous: Option<HalfPath>,
+    _not_send: core::marker::PhantomData<*const ()>,
+}
+
+impl Drop for HalfPathGuard {
+    fn drop(&mut self) {
+        replace_thread_half_path(self.previous);
+    }
+}
+
+// Replaces this thread's own path (`None`: the process's), returning the previous one.
+pub(crate) fn replace_thread_half_path(path: Option<HalfPath>) -> Option<HalfPath> {
+    let previous = THREAD_HALF_PATH.with(|t| t.replace(path.map_or(PROCESS_PATH, code)));
+    (previous != PROCESS_PATH).then(|| from_code(previous))
 }
 
 // The route the crate's kernels take under the path set: only `Widened` fixes theirs.

@@ -8,14 +8,10 @@
 //! `im2col` GEMMs sum in another order: within a rounding of Burn's. A linear of more than two
 //! dimensions and a 1-D convolution are checked against the 2-D forms they are computed as.
 //!
-//! The paths are fixed with `capability::set_half_path`, one test at a time (the setting is
-//! the process's): left to the probe's timing, an unoptimised test build of this crate can
-//! find Flex's own kernels faster. Every lower-class op is cast whatever its size
-//! (`SmallOps::Cast`, PyTorch's rule): these products are small, and the half paths are what
-//! is tested.
+//! Each test fixes its path for its own thread (`capability::scope_half_path`), so the tests
+//! run at once. Every lower-class op is cast whatever its size (`SmallOps::Cast`, PyTorch's
+//! rule, also the thread's): these products are small, and the half paths are what is tested.
 #![cfg(feature = "flex")]
-
-use std::sync::Mutex;
 
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::AutodiffBackend;
@@ -91,14 +87,10 @@ fn burns(low: FloatDType, with_linear: bool) -> Run {
     outcome(out, &grads, &x, &w, &b)
 }
 
-// `run` with the half path fixed to `path`, while no other test of this file runs.
+// `run` with this thread's half path fixed to `path` and every lower-class op cast.
 fn on_path<R>(path: HalfPath, run: impl FnOnce() -> R) -> R {
-    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-    let _turn = ONE_AT_A_TIME
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
-    capability::set_half_path(path);
-    autocast::set_small_ops(SmallOps::Cast).expect("a valid rule");
+    let _path = capability::scope_half_path(path);
+    let _cast = autocast::scope_small_ops(SmallOps::Cast).expect("a valid rule");
     run()
 }
 

@@ -11,6 +11,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::module::linear;
 use burn::tensor::{DType, FloatDType, Tensor, TensorData};
 use burn_accelerate::autocast::{self, SmallOps};
+use burn_accelerate::capability::HalfPath;
 use burn_accelerate::{AccelerateError, Accelerated, AutocastConfig, Precision, capability};
 
 fn with_rule<R>(rule: SmallOps, run: impl FnOnce() -> R) -> R {
@@ -193,28 +194,27 @@ fn bad_rules_are_typed_errors() {
 }
 
 #[test]
-fn the_config_scopes_the_rule_to_the_threads_that_enter_it() {
-    let process = autocast::small_ops();
+fn the_config_scopes_the_rule_and_the_half_path_to_the_threads_that_enter_it() {
+    let process = (autocast::small_ops(), capability::half_path());
     let autocast = AutocastConfig::new(Precision::Bf16)
         .with_small_ops(Some(SmallOps::Cast))
+        .with_half_path(Some(HalfPath::Widened))
         .init::<Flex>(&Default::default())
         .unwrap();
+    let now = || (autocast::small_ops(), capability::half_path());
     // `init` sets nothing of the process's.
-    assert_eq!(autocast::small_ops(), process);
+    assert_eq!(now(), process);
     {
         let _entered = autocast.enter();
-        assert_eq!(autocast::small_ops(), SmallOps::Cast);
-        let elsewhere = std::thread::spawn(autocast::small_ops).join().unwrap();
-        assert_eq!(
-            elsewhere, process,
-            "another thread keeps the process's rule"
-        );
-        // `None` brings no rule: the entered one stays.
+        assert_eq!(now(), (SmallOps::Cast, HalfPath::Widened));
+        let elsewhere = std::thread::spawn(now).join().unwrap();
+        assert_eq!(elsewhere, process, "another thread keeps the process's");
+        // `None` brings nothing: the entered ones stay.
         let plain = AutocastConfig::new(Precision::Bf16)
             .init::<Flex>(&Default::default())
             .unwrap();
         let _inner = plain.enter();
-        assert_eq!(autocast::small_ops(), SmallOps::Cast);
+        assert_eq!(now(), (SmallOps::Cast, HalfPath::Widened));
     }
-    assert_eq!(autocast::small_ops(), process);
+    assert_eq!(now(), process);
 }

@@ -43,6 +43,11 @@ pub struct AutocastConfig {
     /// [`SmallOps::Cast`].
     #[config(default = "None")]
     pub small_ops: Option<SmallOps>,
+    /// Which path half-precision ops take where the crate has its own
+    /// ([`HalfPath`](capability::HalfPath)), for the threads that enter the autocast (or the
+    /// process after [`Autocast::set_default`]). `None` (the default) leaves the one in force.
+    #[config(default = "None")]
+    pub half_path: Option<capability::HalfPath>,
 }
 
 impl AutocastConfig {
@@ -104,6 +109,7 @@ impl AutocastConfig {
             effective,
             capabilities,
             small_ops: self.small_ops,
+            half_path: self.half_path,
         })
     }
 }
@@ -115,6 +121,7 @@ pub struct Autocast {
     effective: Precision,
     capabilities: Capabilities,
     small_ops: Option<SmallOps>,
+    half_path: Option<capability::HalfPath>,
 }
 
 impl Autocast {
@@ -143,6 +150,7 @@ impl Autocast {
             effective: precision,
             capabilities,
             small_ops: None,
+            half_path: None,
         }
     }
 
@@ -168,23 +176,29 @@ impl Autocast {
     }
 
     /// Autocasts on this thread until the guard drops, with the configuration's small-op
-    /// rule, if it set one, as this thread's.
+    /// rule and half path, where it set them, as this thread's.
     #[must_use = "autocast is only on while the guard lives"]
     pub fn enter(&self) -> AutocastGuard {
-        let guard = super::enable(self.effective);
-        match self.small_ops {
-            Some(rule) => guard.with_small_ops(rule),
-            None => guard,
+        let mut guard = super::enable(self.effective);
+        if let Some(rule) = self.small_ops {
+            guard = guard.with_small_ops(rule);
         }
+        if let Some(path) = self.half_path {
+            guard = guard.with_half_path(path);
+        }
+        guard
     }
 
     /// Makes this the process-wide default, for every thread without a guard of its own, and
-    /// the configuration's small-op rule, if it set one, the process's.
+    /// the configuration's small-op rule and half path, where it set them, the process's.
     pub fn set_default(&self) {
         set_default(Some(self.effective));
         if let Some(rule) = self.small_ops {
             // Checked by `init`.
             let _ = set_small_ops(rule);
+        }
+        if let Some(path) = self.half_path {
+            capability::set_half_path(path);
         }
     }
 

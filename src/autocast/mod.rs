@@ -102,6 +102,8 @@ pub struct AutocastGuard {
     previous: u8,
     // The thread's small-op rule before, where this guard set one.
     previous_small_ops: Option<Option<SmallOps>>,
+    // The thread's half path before, where this guard set one.
+    previous_half_path: Option<Option<crate::capability::HalfPath>>,
     _not_send: PhantomData<*const ()>,
 }
 
@@ -111,8 +113,16 @@ impl AutocastGuard {
         AutocastGuard {
             previous,
             previous_small_ops: None,
+            previous_half_path: None,
             _not_send: PhantomData,
         }
+    }
+
+    // Also gives the thread `path` until the guard drops.
+    fn with_half_path(mut self, path: crate::capability::HalfPath) -> Self {
+        let previous = crate::capability::replace_thread_half_path(Some(path));
+        self.previous_half_path.get_or_insert(previous);
+        self
     }
 
     // Also gives the thread `rule` until the guard drops.
@@ -128,6 +138,9 @@ impl Drop for AutocastGuard {
         SCOPE.with(|s| s.set(self.previous));
         if let Some(previous) = self.previous_small_ops {
             small_ops::replace_thread_rule(previous);
+        }
+        if let Some(previous) = self.previous_half_path {
+            crate::capability::replace_thread_half_path(previous);
         }
     }
 }

@@ -99,9 +99,9 @@ pub(crate) mod softmax;
 #[cfg(feature = "flex")]
 pub(crate) mod strided_copy;
 
-/// How the GEMMs and convolutions compute: what the process fixed with
-/// `capability::set_half_path`, decided by the decorator at each op and kept by the op's
-/// backward node for its gradients.
+/// How the GEMMs and convolutions compute: what the thread's (or the process's) half path says
+/// (`capability::half_path`), decided by the decorator at each op and kept by the op's backward
+/// node for its gradients.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Route {
     /// The fastest this CPU has: bf16 on the dot-product GEMM where the CPU has AVX512-BF16,

@@ -34,9 +34,9 @@
 //!   a fit given both is refused at its start.
 //!
 //! What is still process-wide: the fp8 recipe and amax history ([`fp8`](crate::fp8)), the op
-//! classes ([`autocast::set_op_class`]), the half path ([`capability::set_half_path`](crate::capability::set_half_path))
-//! and the placement switches: two fp8 trainings, or trainings with other op classes, must not
-//! run at once in one process.
+//! classes ([`autocast::set_op_class`]) and the placement switches: two fp8 trainings, or
+//! trainings with other op classes, must not run at once in one process. (The half path is
+//! the training's, as the precision: [`AccelerateConfig::half_path`].)
 //!
 //! With [`AccelerateStrategy::with_checkpoint_dir`], the loss scale, the gradient state and
 //! the positions of the crate's loaders (the data-parallel shards, or the one given to
