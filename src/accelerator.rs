@@ -42,7 +42,7 @@ use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use serde::{Deserialize, Serialize};
 
-use crate::autocast::{self, Autocast, AutocastConfig, AutocastGuard, LowerOpTally, SmallOps};
+use crate::autocast::{self, Autocast, AutocastConfig, AutocastScope, LowerOpTally, SmallOps};
 use crate::distributed::ProcessState;
 use crate::fp8::DelayedScaling;
 use crate::gradient_state::{Accumulate, GradientState, GradientStateSnapshot};
@@ -318,7 +318,7 @@ impl<B: AutodiffBackend> Accelerator<B> {
     /// [`Autocast::set_default`] on [`autocast_config`](Self::autocast_config) for every
     /// thread.
     #[must_use = "autocast is only on while the guard lives"]
-    pub fn autocast(&self) -> AutocastGuard {
+    pub fn autocast(&self) -> AutocastScope {
         self.autocast.enter()
     }
 

@@ -157,7 +157,7 @@ impl Drop for HalfPathGuard {
 }
 
 // Replaces this thread's own path (`None`: the process's), returning the previous one.
-pub(crate) fn replace_thread_half_path(path: Option<HalfPath>) -> Option<HalfPath> {
+fn replace_thread_half_path(path: Option<HalfPath>) -> Option<HalfPath> {
     let previous = THREAD_HALF_PATH.with(|t| t.replace(path.map_or(PROCESS_PATH, code)));
     (previous != PROCESS_PATH).then(|| from_code(previous))
 }

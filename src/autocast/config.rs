@@ -3,7 +3,7 @@
 use burn::config::Config;
 use burn_backend::Backend;
 
-use super::{AutocastGuard, SmallOps, set_default, set_small_ops};
+use super::{AutocastGuard, SmallOps, SmallOpsGuard, scope_small_ops, set_default, set_small_ops};
 use crate::capability::{self, Capabilities};
 use crate::fp8::{self, DelayedScaling};
 use crate::{AccelerateError, Precision};
@@ -175,18 +175,16 @@ impl Autocast {
         self.capabilities
     }
 
-    /// Autocasts on this thread until the guard drops, with the configuration's small-op
+    /// Autocasts on this thread until the scope drops, with the configuration's small-op
     /// rule and half path, where it set them, as this thread's.
-    #[must_use = "autocast is only on while the guard lives"]
-    pub fn enter(&self) -> AutocastGuard {
-        let mut guard = super::enable(self.effective);
-        if let Some(rule) = self.small_ops {
-            guard = guard.with_small_ops(rule);
+    #[must_use = "autocast is only on while the scope lives"]
+    pub fn enter(&self) -> AutocastScope {
+        AutocastScope {
+            _precision: super::enable(self.effective),
+            // Checked by `init`.
+            _small_ops: self.small_ops.and_then(|rule| scope_small_ops(rule).ok()),
+            _half_path: self.half_path.map(capability::scope_half_path),
         }
-        if let Some(path) = self.half_path {
-            guard = guard.with_half_path(path);
-        }
-        guard
     }
 
     /// Makes this the process-wide default, for every thread without a guard of its own, and
@@ -207,4 +205,15 @@ impl Autocast {
     pub fn small_ops(&self) -> Option<SmallOps> {
         self.small_ops
     }
+}
+
+/// This thread's autocast while it lives ([`Autocast::enter`]): the precision, and the small-op
+/// rule and half path where the configuration set them; each comes back as it was when the
+/// scope drops. Tied to its thread.
+#[derive(Debug)]
+#[must_use = "autocast is only on while the scope lives"]
+pub struct AutocastScope {
+    _precision: AutocastGuard,
+    _small_ops: Option<SmallOpsGuard>,
+    _half_path: Option<capability::HalfPathGuard>,
 }

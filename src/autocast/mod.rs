@@ -29,7 +29,7 @@ mod small_ops;
 mod tally;
 
 pub use crate::Precision;
-pub use config::{Autocast, AutocastConfig};
+pub use config::{Autocast, AutocastConfig, AutocastScope};
 pub use ops::Op;
 pub use plan::{CastInput, CastPlan};
 pub use policy::{OpClass, op_class, reset_op_classes, set_op_class};
@@ -100,10 +100,6 @@ pub fn disable() -> AutocastGuard {
 #[derive(Debug)]
 pub struct AutocastGuard {
     previous: u8,
-    // The thread's small-op rule before, where this guard set one.
-    previous_small_ops: Option<Option<SmallOps>>,
-    // The thread's half path before, where this guard set one.
-    previous_half_path: Option<Option<crate::capability::HalfPath>>,
     _not_send: PhantomData<*const ()>,
 }
 
@@ -112,36 +108,14 @@ impl AutocastGuard {
         let previous = SCOPE.with(|s| s.replace(code));
         AutocastGuard {
             previous,
-            previous_small_ops: None,
-            previous_half_path: None,
             _not_send: PhantomData,
         }
-    }
-
-    // Also gives the thread `path` until the guard drops.
-    fn with_half_path(mut self, path: crate::capability::HalfPath) -> Self {
-        let previous = crate::capability::replace_thread_half_path(Some(path));
-        self.previous_half_path.get_or_insert(previous);
-        self
-    }
-
-    // Also gives the thread `rule` until the guard drops.
-    fn with_small_ops(mut self, rule: SmallOps) -> Self {
-        let previous = small_ops::replace_thread_rule(Some(rule));
-        self.previous_small_ops.get_or_insert(previous);
-        self
     }
 }
 
 impl Drop for AutocastGuard {
     fn drop(&mut self) {
         SCOPE.with(|s| s.set(self.previous));
-        if let Some(previous) = self.previous_small_ops {
-            small_ops::replace_thread_rule(previous);
-        }
-        if let Some(previous) = self.previous_half_path {
-            crate::capability::replace_thread_half_path(previous);
-        }
     }
 }
 

@@ -191,7 +191,7 @@ impl Drop for SmallOpsGuard {
 }
 
 // Replaces this thread's own rule, returning the previous one.
-pub(crate) fn replace_thread_rule(rule: Option<SmallOps>) -> Option<SmallOps> {
+fn replace_thread_rule(rule: Option<SmallOps>) -> Option<SmallOps> {
     SCOPED.with(|s| s.replace(rule))
 }
 
