@@ -3,13 +3,15 @@
 //! main process alone), and `SupervisedTraining::grads_accumulation(n)` (honoured with Burn's
 //! meaning, or refused when Accelerate's setting is given too).
 //!
-//! The trainings in this binary run one at a time (a lock): autocast's default is
-//! process-wide while a fit runs.
+//! The trainings in this binary run one at a time (a lock): they seed the backend's generator,
+//! which is the process's (Burn's `Backend::seed`), and Burn draws a model's initial weights
+//! during the fit.
 #![cfg(feature = "flex")]
 
 #[allow(dead_code)] // The helpers of the processes suite this file does not need.
 #[path = "processes/harness.rs"]
 mod harness;
+mod param_bits;
 
 use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -17,39 +19,20 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use burn::backend::{Autodiff, Flex};
 use burn::data::dataloader::DataLoaderBuilder;
 use burn::data::dataset::InMemDataset;
-use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::AdamConfig;
-use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 use burn::train::{Learner, SupervisedTraining};
 use burn_accelerate::AccelerateConfig;
 use burn_accelerate::train::demo::{BlobBatcher, Mlp, MlpComponents, QuietRenderer, blobs};
 use burn_accelerate::train::{AccelerateStrategy, WithAccelerate};
 use harness::{launch, report, worker};
+use param_bits::param_bits;
 use serde::{Deserialize, Serialize};
 
 static ONE_TRAINING: Mutex<()> = Mutex::new(());
 
 fn one_training() -> MutexGuard<'static, ()> {
     ONE_TRAINING.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// Every float parameter of `module`, in visiting order.
-fn parameters<B: Backend, M: Module<B>>(module: &M) -> Vec<f32> {
-    struct Collect(Vec<f32>);
-    impl<B: Backend> ModuleVisitor<B> for Collect {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let data = param.val().into_data().convert::<f32>();
-            self.0.extend(data.to_vec::<f32>().unwrap());
-        }
-    }
-    let mut collect = Collect(Vec::new());
-    module.visit(&mut collect);
-    collect.0
-}
-
-fn bits(values: &[f32]) -> Vec<u32> {
-    values.iter().map(|v| v.to_bits()).collect()
 }
 
 fn scratch(name: &str) -> std::path::PathBuf {
@@ -72,7 +55,7 @@ mod accumulation {
 
     /// 128 items in batches of 16, no shuffle: 8 batches, 4 windows of 2 (no partial window,
     /// which Burn's loop would drop and the strategy completes).
-    pub fn train(burn_accumulation: usize, accelerate: Option<AccelerateConfig>) -> Vec<f32> {
+    pub fn train(burn_accumulation: usize, accelerate: Option<AccelerateConfig>) -> Vec<u32> {
         let device = Default::default();
         let loader = || {
             DataLoaderBuilder::<B, _, _>::new(BlobBatcher)
@@ -102,11 +85,11 @@ mod accumulation {
             let window = burn_accumulation.max(config_window);
             assert_eq!(report.stats().optimizer_steps(), 8 / window);
             let _ = std::fs::remove_dir_all(&dir);
-            return parameters(&model);
+            return param_bits(&model);
         }
         let model = builder.launch(learner).model;
         let _ = std::fs::remove_dir_all(&dir);
-        parameters(&model)
+        param_bits(&model)
     }
 }
 
@@ -116,14 +99,14 @@ fn burns_grads_accumulation_sums_the_window_as_burns_own_loop() {
     let burn = accumulation::train(2, None);
     let accelerated = accumulation::train(2, Some(AccelerateConfig::new()));
     // The same sums of the same gradients, multiplied by nothing: bit for bit.
-    assert_eq!(bits(&accelerated), bits(&burn));
+    assert_eq!(accelerated, burn);
     // And not what Accelerate's averaging window gives (half the summed gradients; Adam is
     // nearly scale-invariant, but not bit for bit).
     let averaged = accumulation::train(
         1,
         Some(AccelerateConfig::new().with_gradient_accumulation_steps(2)),
     );
-    assert_ne!(bits(&averaged), bits(&burn));
+    assert_ne!(averaged, burn);
 }
 
 #[test]
@@ -226,7 +209,7 @@ mod lm_loaders {
         pub processes: usize,
         pub batches: usize,
         pub optimizer_steps: usize,
-        pub parameters: Vec<f32>,
+        pub parameters: Vec<u32>,
         /// The mean loss over the validation windows before and after training (f32).
         pub initial_loss: f64,
         pub valid_loss: f64,
@@ -435,7 +418,7 @@ mod lm_loaders {
             processes: state.num_processes(),
             batches: stats.epochs.iter().map(|e| e.batches).sum(),
             optimizer_steps: stats.optimizer_steps(),
-            parameters: parameters(&result.model),
+            parameters: param_bits(&result.model),
             initial_loss,
             valid_loss: mean_loss(&result.model, &valid),
             ended: ended.is_some(),
@@ -485,7 +468,7 @@ fn burns_own_loaders_are_sliced_per_process_and_only_the_main_process_logs() {
             r.logs
         );
     }
-    assert_eq!(bits(&pair[0].parameters), bits(&pair[1].parameters));
+    assert_eq!(pair[0].parameters, pair[1].parameters);
     // The loss one process reaches with the two halves' batches together (batch 8, 12 steps),
     // up to which items share a step: each step of the pair has 4 from each half of the
     // text, one process's has 8 from anywhere. Measured: a relative difference of about
