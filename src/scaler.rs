@@ -405,15 +405,12 @@ pub(crate) struct ThreadArmed {
 impl ThreadArmed {
     /// Arms `transform` on this thread (nothing, where it leaves the loss as it is).
     pub(crate) fn arm(transform: LossTransform) -> Self {
-        let bits = if transform.is_identity() {
-            0
-        } else {
-            encode(transform)
-        };
-        Self {
-            previous: THREAD_ARMED.with(|t| t.replace(bits)),
+        let armed = Self {
+            previous: THREAD_ARMED.with(Cell::get),
             _not_send: core::marker::PhantomData,
-        }
+        };
+        armed.set(transform);
+        armed
     }
 
     /// Replaces the armed transform (after the loss scale changed).
