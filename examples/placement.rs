@@ -133,7 +133,7 @@ fn run() -> Result<(), AccelerateError> {
     println!("device map ({} of parameters):\n{map}", human_bytes(total));
 
     let net = map.placement_within(&net, &budgets)?.apply(net);
-    placement::set_colocate_inputs(true);
+    let _colocate = placement::scope_colocate_inputs(true);
 
     let x = Tensor::<B, 2>::random([8, 16], Distribution::Normal(0.0, 1.0), &first);
     let y = net.forward(x);

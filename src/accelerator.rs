@@ -114,6 +114,11 @@ pub struct AccelerateConfig {
     /// CPU), on the threads that run this training's steps, as `small_ops`. `None`: the one
     /// in force there.
     pub half_path: Option<crate::capability::HalfPath>,
+    /// Overrides of the autocast op table's classes ([`OpClasses`](crate::autocast::OpClasses)),
+    /// on the threads that run this training's steps, as `small_ops`. Empty (the default):
+    /// the classes in force there.
+    #[config(default = "crate::autocast::OpClasses::new()")]
+    pub op_classes: crate::autocast::OpClasses,
 }
 
 impl AccelerateConfig {
@@ -148,6 +153,7 @@ impl AccelerateConfig {
             .with_fp8_recipe(self.fp8_recipe)
             .with_small_ops(self.small_ops)
             .with_half_path(self.half_path)
+            .with_op_classes(self.op_classes)
             .init::<B>(device)?;
         let loss_scale = self.grad_scaler.init(autocast.precision())?;
         Ok((autocast, loss_scale))

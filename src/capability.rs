@@ -45,6 +45,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::autocast::Op;
 use crate::backend::kernels::{self, Route};
+use crate::scope::{ThreadScope, thread_value};
 use crate::{AccelerateError, Precision};
 
 /// Which path autocast takes for a half-precision op where the crate has an f32 one for the
@@ -74,11 +75,9 @@ pub enum HalfPath {
 
 static HALF_PATH: AtomicU8 = AtomicU8::new(0);
 
-// No path of the thread's own: the process's.
-const PROCESS_PATH: u8 = u8::MAX;
-
 thread_local! {
-    static THREAD_HALF_PATH: Cell<u8> = const { Cell::new(PROCESS_PATH) };
+    // The thread's own path; `None` follows the process's.
+    static THREAD_HALF_PATH: Cell<Option<HalfPath>> = const { Cell::new(None) };
 }
 
 fn code(path: HalfPath) -> u8 {
@@ -115,10 +114,7 @@ pub fn set_half_path(path: HalfPath) {
 /// entered autocast that sets one), else the process's ([`set_half_path`];
 /// [`HalfPath::ViaF32`] unless set).
 pub fn half_path() -> HalfPath {
-    match THREAD_HALF_PATH.with(Cell::get) {
-        PROCESS_PATH => from_code(HALF_PATH.load(Ordering::Relaxed)),
-        own => from_code(own),
-    }
+    thread_value(&THREAD_HALF_PATH).unwrap_or_else(|| from_code(HALF_PATH.load(Ordering::Relaxed)))
 }
 
 /// Gives this thread `path` until the guard drops, whatever the process's is.
@@ -135,32 +131,12 @@ pub fn half_path() -> HalfPath {
 /// assert_eq!(capability::half_path(), process);
 /// ```
 pub fn scope_half_path(path: HalfPath) -> HalfPathGuard {
-    HalfPathGuard {
-        previous: replace_thread_half_path(Some(path)),
-        _not_send: core::marker::PhantomData,
-    }
+    ThreadScope::enter(&THREAD_HALF_PATH, path)
 }
 
 /// Restores this thread's previous half path when dropped ([`scope_half_path`]); tied to its
 /// thread.
-#[derive(Debug)]
-#[must_use = "the path is only this thread's while the guard lives"]
-pub struct HalfPathGuard {
-    previous: Option<HalfPath>,
-    _not_send: core::marker::PhantomData<*const ()>,
-}
-
-impl Drop for HalfPathGuard {
-    fn drop(&mut self) {
-        replace_thread_half_path(self.previous);
-    }
-}
-
-// Replaces this thread's own path (`None`: the process's), returning the previous one.
-fn replace_thread_half_path(path: Option<HalfPath>) -> Option<HalfPath> {
-    let previous = THREAD_HALF_PATH.with(|t| t.replace(path.map_or(PROCESS_PATH, code)));
-    (previous != PROCESS_PATH).then(|| from_code(previous))
-}
+pub type HalfPathGuard = ThreadScope<HalfPath>;
 
 // The route the crate's kernels take under the path set: only `Widened` fixes theirs.
 pub(crate) fn route() -> Route {

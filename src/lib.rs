@@ -70,6 +70,7 @@ pub mod grads;
 pub mod placement;
 mod precision;
 pub mod scaler;
+mod scope;
 pub mod step;
 #[cfg(feature = "flex")]
 pub mod threads;
@@ -83,4 +84,5 @@ pub use error::AccelerateError;
 pub use gradient_state::{Accumulate, ActiveDataLoader, GradientState, GradientStateSnapshot};
 pub use precision::Precision;
 pub use scaler::{ArmedLossScale, DynamicLossScale, GradScalerConfig, LossScale};
+pub use scope::ThreadScope;
 pub use step::StepOutcome;

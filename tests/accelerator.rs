@@ -16,7 +16,7 @@ use burn::optim::{Optimizer, SgdConfig};
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Device, Distribution, ElementConversion, Tensor, TensorData};
-use burn_accelerate::autocast::{self, SmallOps};
+use burn_accelerate::autocast::SmallOps;
 use burn_accelerate::{
     AccelerateConfig, AccelerateError, Accelerated, Accelerator, AcceleratorState,
     GradScalerConfig, GradientState, LossScale, Precision, StepOutcome, grads,
@@ -620,12 +620,13 @@ struct F16Run {
 }
 
 fn train_f16(scaler: GradScalerConfig, steps: usize) -> F16Run {
-    // These products are tiny: cast them all, as PyTorch does, so that the forward runs in f16.
-    autocast::set_small_ops(SmallOps::Cast).unwrap();
     let device = Default::default();
     let config = AccelerateConfig::new()
         .with_mixed_precision(Precision::F16)
-        .with_grad_scaler(scaler);
+        .with_grad_scaler(scaler)
+        // These products are tiny: cast them all, as PyTorch does, so that the forward runs
+        // in f16 (on the threads that enter the accelerator's autocast).
+        .with_small_ops(Some(SmallOps::Cast));
     let mut acc = config
         .init_with_state::<F16B>(&device, GradientState::new())
         .unwrap();

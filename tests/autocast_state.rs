@@ -1,20 +1,15 @@
-//! The autocast state: thread-scoped guards, the process-wide default, op-class overrides.
-//!
-//! The process-wide state is shared by every test in this binary, so the tests that change it
-//! hold `GLOBAL` while they run.
+//! The autocast state: thread-scoped guards, op-class scopes. The process-wide default and
+//! overrides are tested in `tests/autocast_process.rs`, alone in their binary: they reach
+//! every thread, so no test here could run beside them.
 
 use std::panic;
-use std::sync::Mutex;
 use std::thread;
 
 use burn_accelerate::Precision;
-use burn_accelerate::autocast::{self, Op, OpClass};
-
-static GLOBAL: Mutex<()> = Mutex::new(());
+use burn_accelerate::autocast::{self, Op, OpClass, OpClasses};
 
 #[test]
 fn guards_nest_and_restore_in_reverse_order() {
-    let _g = GLOBAL.lock().unwrap_or_else(|e| e.into_inner());
     assert_eq!(autocast::current(), None);
     {
         let _a = autocast::enable(Precision::F16);
@@ -33,7 +28,6 @@ fn guards_nest_and_restore_in_reverse_order() {
 
 #[test]
 fn a_guard_is_restored_when_a_panic_unwinds_through_it() {
-    let _g = GLOBAL.lock().unwrap_or_else(|e| e.into_inner());
     let _outer = autocast::enable(Precision::F16);
     let caught = panic::catch_unwind(|| {
         let _inner = autocast::enable(Precision::Bf16);
@@ -46,7 +40,6 @@ fn a_guard_is_restored_when_a_panic_unwinds_through_it() {
 
 #[test]
 fn a_guard_on_one_thread_does_not_reach_another() {
-    let _g = GLOBAL.lock().unwrap_or_else(|e| e.into_inner());
     let _bf16 = autocast::enable(Precision::Bf16);
     let seen = thread::spawn(autocast::current).join().unwrap();
     assert_eq!(seen, None);
@@ -54,31 +47,18 @@ fn a_guard_on_one_thread_does_not_reach_another() {
 }
 
 #[test]
-fn the_process_default_reaches_every_thread_without_a_guard() {
-    let _g = GLOBAL.lock().unwrap_or_else(|e| e.into_inner());
-    autocast::set_default(Some(Precision::F16));
-    let seen = thread::spawn(autocast::current).join().unwrap();
-    let overridden = thread::spawn(|| {
-        let _off = autocast::disable();
-        autocast::current()
-    })
-    .join()
-    .unwrap();
-    autocast::set_default(None);
-    assert_eq!(seen, Some(Precision::F16));
-    assert_eq!(overridden, None);
-    assert_eq!(autocast::default_precision(), None);
-}
-
-#[test]
-fn op_classes_can_be_overridden_and_reset() {
-    let _g = GLOBAL.lock().unwrap_or_else(|e| e.into_inner());
+fn op_class_scopes_stay_on_their_thread() {
     assert_eq!(autocast::op_class(Op::Matmul), OpClass::Lower);
     assert_eq!(autocast::op_class(Op::Exp), OpClass::Fp32);
     assert_eq!(autocast::op_class(Op::Add), OpClass::Promote);
-    autocast::set_op_class(Op::Matmul, OpClass::Fp32);
-    assert_eq!(autocast::op_class(Op::Matmul), OpClass::Fp32);
-    autocast::reset_op_classes();
+    {
+        let _fp32 = autocast::scope_op_classes(OpClasses::new().with(Op::Matmul, OpClass::Fp32));
+        assert_eq!(autocast::op_class(Op::Matmul), OpClass::Fp32);
+        let other = thread::spawn(|| autocast::op_class(Op::Matmul))
+            .join()
+            .unwrap();
+        assert_eq!(other, OpClass::Lower);
+    }
     assert_eq!(autocast::op_class(Op::Matmul), OpClass::Lower);
 }
 

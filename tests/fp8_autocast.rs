@@ -25,7 +25,8 @@ type B = Accelerated<Ad>;
 const E4M3: Precision = Precision::Fp8(Fp8Mode::E4M3);
 const HYBRID: Precision = Precision::Fp8(Fp8Mode::Hybrid);
 
-// The fp8 state is process-wide (as Transformer Engine's is); tests in this binary take turns.
+// The fp8 amax histories are process-wide (as Transformer Engine's are; src/fp8/state.rs says
+// why): tests in this binary take turns.
 fn exclusive() -> MutexGuard<'static, ()> {
     static LOCK: Mutex<()> = Mutex::new(());
     let guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
@@ -112,9 +113,31 @@ fn linear_rounds_input_and_weight_but_not_bias() {
 }
 
 #[test]
+fn an_fp8_autocast_brings_its_recipe_to_its_thread_only() {
+    let _lock = exclusive();
+    let short = DelayedScaling::default().with_amax_history_len(3);
+    let autocast = AutocastConfig::new(E4M3)
+        .with_fp8_recipe(short)
+        .init::<Ad>(&Default::default())
+        .unwrap();
+    // Building it changes nothing of the process's.
+    assert_eq!(fp8::recipe(), DelayedScaling::default());
+    let _scope = autocast.enter();
+    assert_eq!(fp8::recipe(), short);
+    let other = std::thread::spawn(fp8::recipe).join().unwrap();
+    assert_eq!(other, DelayedScaling::default());
+    fp8::step();
+    assert_eq!(
+        fp8::state().recipe(),
+        short,
+        "the step follows its thread's recipe"
+    );
+}
+
+#[test]
 fn scales_follow_the_recipe_from_step_to_step() {
     let _lock = exclusive();
-    fp8::set_recipe(DelayedScaling::default().with_amax_history_len(2)).unwrap();
+    let _recipe = fp8::scope_recipe(DelayedScaling::default().with_amax_history_len(2)).unwrap();
     let device = Default::default();
     let x_key = key(Op::Matmul, 0, 0, Pass::Forward);
     let w_key = key(Op::Matmul, 0, 1, Pass::Forward);
@@ -280,7 +303,7 @@ fn checkpointed_state_restores_every_scale_and_history() {
 }
 
 #[test]
-fn init_installs_the_recipe_and_checks_it() {
+fn init_checks_the_recipe_and_enter_installs_it() {
     let _lock = exclusive();
     let device = Default::default();
     let recipe = DelayedScaling::default()
@@ -292,7 +315,12 @@ fn init_installs_the_recipe_and_checks_it() {
         .unwrap();
     assert_eq!(autocast.precision(), HYBRID);
     assert!(!autocast.fell_back(), "fp8 is emulated everywhere");
-    assert_eq!(fp8::recipe(), recipe);
+    assert_eq!(fp8::recipe(), DelayedScaling::default());
+    {
+        let _scope = autocast.enter();
+        assert_eq!(fp8::recipe(), recipe);
+    }
+    assert_eq!(fp8::recipe(), DelayedScaling::default());
 
     for (bad, parameter) in [
         (DelayedScaling::default().with_margin(-1), "margin"),
@@ -312,7 +340,11 @@ fn init_installs_the_recipe_and_checks_it() {
             "{err}"
         );
         assert!(err.to_string().contains(parameter), "{err}");
-        assert_eq!(fp8::recipe(), recipe, "a refused recipe changes nothing");
+        assert_eq!(
+            fp8::recipe(),
+            DelayedScaling::default(),
+            "a refused recipe changes nothing"
+        );
     }
     // Not fp8: the recipe is not looked at.
     AutocastConfig::new(Precision::Bf16)

@@ -150,9 +150,10 @@ fn colocate_rule_changes_nothing_on_one_device<B: Backend>(device: &B::Device) {
     let (reference, model) = twins(stack::<B>(device), stack::<Accelerated<B>>(device), device);
     let x = normal_input::<B, 2>([3, 4], device);
     let want = reference.forward(x.clone());
-    let before = placement::set_colocate_inputs(true);
-    let got = model.forward(Tensor::from_data(x.into_data(), device));
-    placement::set_colocate_inputs(before);
+    let got = {
+        let _colocate = placement::scope_colocate_inputs(true);
+        model.forward(Tensor::from_data(x.into_data(), device))
+    };
     assert!(rel_err(got.into_data(), want.into_data()) <= 1e-6);
 }
 

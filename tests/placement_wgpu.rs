@@ -163,7 +163,7 @@ fn placed_forward_equals_unplaced() {
         .unwrap()
         .apply(accelerated);
     assert!(verify_device_map(&accelerated));
-    placement::set_colocate_inputs(true);
+    let _colocate = placement::scope_colocate_inputs(true);
     let got = accelerated.forward(Tensor::from_data(x.into_data(), &CPU));
     assert_eq!(got.device(), GPU);
     let err = rel_err(got.into_data(), want);

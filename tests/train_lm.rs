@@ -3,15 +3,17 @@
 //! near f32, and autocast reports which lower-class ops ran in half precision. Its run on two
 //! processes is in `tests/processes`.
 //!
-//! Autocast's default and the small-op rule are process-wide, so the trainings here take a
-//! lock and run one at a time.
+//! Each training's autocast and small-op rule are its own (`LmConfig::small_ops`). The
+//! trainings still take turns ([`ONE_TRAINING`]) for one reason: they seed the backend's
+//! generator, which is the process's (Burn's `Backend::seed`), before drawing the model's
+//! weights: two at once would draw each other's.
 
 #![cfg(feature = "flex")]
 
 use std::sync::Mutex;
 
 use burn::backend::{Autodiff, Flex};
-use burn_accelerate::autocast::{self, SmallOps};
+use burn_accelerate::autocast::SmallOps;
 use burn_accelerate::train::lm::{self, LmConfig, LmOutcome};
 use burn_accelerate::{AccelerateError, Accelerated, Precision};
 
@@ -43,11 +45,9 @@ fn small(precision: Precision) -> LmConfig {
 }
 
 fn train(config: &LmConfig, small_ops: SmallOps) -> Result<LmOutcome, AccelerateError> {
+    let config = config.clone().with_small_ops(Some(small_ops));
     let _one = ONE_TRAINING.lock().unwrap_or_else(|e| e.into_inner());
-    autocast::set_small_ops(small_ops).expect("a valid rule");
-    let outcome = lm::run::<Train>(config, &text(), &Default::default());
-    autocast::set_small_ops(SmallOps::KeepF32).expect("the default");
-    outcome
+    lm::run::<Train>(&config, &text(), &Default::default())
 }
 
 #[test]

@@ -46,7 +46,9 @@ const GPU: WgpuDevice = WgpuDevice::DefaultDevice;
 const GLOBAL_BATCH: usize = 8;
 const HIDDEN: usize = 16;
 
-// Autocast and the armed loss scale are process-wide: one training at a time.
+// Autocast and the armed loss transform are each training's, on its threads; the trainings
+// still take turns because they seed the backend's generator, which is the process's (Burn's
+// `Backend::seed`), and Burn draws lazily initialised weights during the fit.
 static ONE_TRAINING: Mutex<()> = Mutex::new(());
 
 fn shards(data: Vec<Sample>, devices: &[WgpuDevice]) -> Shards {

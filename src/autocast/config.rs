@@ -3,7 +3,10 @@
 use burn::config::Config;
 use burn_backend::Backend;
 
-use super::{AutocastGuard, SmallOps, SmallOpsGuard, scope_small_ops, set_default, set_small_ops};
+use super::{
+    AutocastGuard, OpClasses, OpClassesGuard, SmallOps, SmallOpsGuard, scope_op_classes,
+    scope_small_ops, set_default, set_op_class, set_small_ops,
+};
 use crate::capability::{self, Capabilities};
 use crate::fp8::{self, DelayedScaling};
 use crate::{AccelerateError, Precision};
@@ -48,14 +51,19 @@ pub struct AutocastConfig {
     /// process after [`Autocast::set_default`]). `None` (the default) leaves the one in force.
     #[config(default = "None")]
     pub half_path: Option<capability::HalfPath>,
+    /// Overrides of the op table's classes for the threads that enter the autocast (or the
+    /// process after [`Autocast::set_default`]); empty (the default) leaves the classes in
+    /// force.
+    #[config(default = "OpClasses::new()")]
+    pub op_classes: OpClasses,
 }
 
 impl AutocastConfig {
     /// Probes `device` and returns the autocast it can run.
     ///
-    /// For fp8 it also makes `fp8_recipe` the recipe of the process-wide fp8 state (the state
-    /// is shared, like Accelerate's `AcceleratorState`), and checks that `B`, if it records
-    /// gradients, has its fp8 cast registered (see [`fp8::register`]).
+    /// For fp8 it also checks `fp8_recipe`, which the threads that enter the autocast follow
+    /// ([`fp8::scope_recipe`]), and that `B`, if it records gradients, has its fp8 cast
+    /// registered (see [`fp8::register`]).
     ///
     /// # Errors
     /// - [`AccelerateError::UnsupportedPrecision`] when the device cannot run the precision
@@ -92,7 +100,6 @@ impl AutocastConfig {
                     backend: B::name(device),
                 });
             }
-            fp8::set_recipe(self.fp8_recipe)?;
         }
         let capabilities = capability::probe::<B>(device);
         let effective = match capability::ensure::<B>(device, self.precision) {
@@ -110,6 +117,8 @@ impl AutocastConfig {
             capabilities,
             small_ops: self.small_ops,
             half_path: self.half_path,
+            op_classes: self.op_classes,
+            fp8_recipe: effective.fp8_mode().map(|_| self.fp8_recipe),
         })
     }
 }
@@ -122,6 +131,9 @@ pub struct Autocast {
     capabilities: Capabilities,
     small_ops: Option<SmallOps>,
     half_path: Option<capability::HalfPath>,
+    op_classes: OpClasses,
+    // Only under fp8; checked by `init`.
+    fp8_recipe: Option<DelayedScaling>,
 }
 
 impl Autocast {
@@ -151,6 +163,8 @@ impl Autocast {
             capabilities,
             small_ops: None,
             half_path: None,
+            op_classes: OpClasses::new(),
+            fp8_recipe: None,
         }
     }
 
@@ -176,7 +190,8 @@ impl Autocast {
     }
 
     /// Autocasts on this thread until the scope drops, with the configuration's small-op
-    /// rule and half path, where it set them, as this thread's.
+    /// rule, half path and op classes, where it set them, and its fp8 recipe under fp8, as
+    /// this thread's.
     #[must_use = "autocast is only on while the scope lives"]
     pub fn enter(&self) -> AutocastScope {
         AutocastScope {
@@ -184,11 +199,20 @@ impl Autocast {
             // Checked by `init`.
             _small_ops: self.small_ops.and_then(|rule| scope_small_ops(rule).ok()),
             _half_path: self.half_path.map(capability::scope_half_path),
+            _op_classes: (!self.op_classes.is_empty()).then(|| scope_op_classes(self.op_classes)),
+            // Checked by `init`.
+            _fp8_recipe: self.fp8_recipe.and_then(|r| fp8::scope_recipe(r).ok()),
         }
     }
 
     /// Makes this the process-wide default, for every thread without a guard of its own, and
-    /// the configuration's small-op rule and half path, where it set them, the process's.
+    /// the configuration's small-op rule, half path and op classes, where it set them, the
+    /// process's.
+    ///
+    /// Prefer [`enter`](Self::enter) on the threads that run the model: a default outlives the
+    /// training that set it. It remains for threads the crate does not start (Burn's backend
+    /// ops take no context, so the decorator can only read what the thread or the process
+    /// holds).
     pub fn set_default(&self) {
         set_default(Some(self.effective));
         if let Some(rule) = self.small_ops {
@@ -197,6 +221,13 @@ impl Autocast {
         }
         if let Some(path) = self.half_path {
             capability::set_half_path(path);
+        }
+        for (op, class) in self.op_classes.iter() {
+            set_op_class(op, class);
+        }
+        if let Some(recipe) = self.fp8_recipe {
+            // Checked by `init`.
+            let _ = fp8::set_recipe(recipe);
         }
     }
 
@@ -208,7 +239,7 @@ impl Autocast {
 }
 
 /// This thread's autocast while it lives ([`Autocast::enter`]): the precision, and the small-op
-/// rule and half path where the configuration set them; each comes back as it was when the
+/// rule, half path, op classes and fp8 recipe where the configuration set them; each comes back as it was when the
 /// scope drops. Tied to its thread.
 #[derive(Debug)]
 #[must_use = "autocast is only on while the scope lives"]
@@ -216,4 +247,6 @@ pub struct AutocastScope {
     _precision: AutocastGuard,
     _small_ops: Option<SmallOpsGuard>,
     _half_path: Option<capability::HalfPathGuard>,
+    _op_classes: Option<OpClassesGuard>,
+    _fp8_recipe: Option<crate::ThreadScope<DelayedScaling>>,
 }

@@ -32,7 +32,9 @@ pub use crate::Precision;
 pub use config::{Autocast, AutocastConfig, AutocastScope};
 pub use ops::Op;
 pub use plan::{CastInput, CastPlan};
-pub use policy::{OpClass, op_class, reset_op_classes, set_op_class};
+pub use policy::{
+    OpClass, OpClasses, OpClassesGuard, op_class, reset_op_classes, scope_op_classes, set_op_class,
+};
 pub use small_ops::{
     HOST_CPU_MIN_HALF_FLOPS, SmallOps, SmallOpsGuard, applies_to, estimated_flops, scope_small_ops,
     set_small_ops, small_ops,

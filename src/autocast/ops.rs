@@ -10,7 +10,8 @@
 //! `scripts/gen_forwarding.py` reads the `autocast_ops!` list below: a backend method named
 //! here gets a cast plan in front of its forwarding call; every other method is forwarded
 //! untouched. Change a default by editing a line and rerunning the generator, or at run time
-//! with [`set_op_class`](crate::autocast::set_op_class).
+//! for a training with [`OpClasses`](crate::autocast::OpClasses) (`AutocastConfig::op_classes`,
+//! `AccelerateConfig::op_classes`, [`scope_op_classes`](crate::autocast::scope_op_classes)).
 
 use super::OpClass;
 

@@ -1,11 +1,15 @@
 //! Op classes and the run-time overrides of the op table's defaults.
 
+use core::cell::Cell;
 use std::sync::atomic::{AtomicU8, Ordering};
 
+use serde::{Deserialize, Serialize};
+
 use super::Op;
+use crate::scope::{ThreadScope, thread_value};
 
 /// How autocast treats an op's float inputs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum OpClass {
     /// Cast inputs to the autocast dtype (bf16/f16), where the device can run it.
     Lower,
@@ -18,7 +22,7 @@ pub enum OpClass {
 }
 
 impl OpClass {
-    fn code(self) -> u8 {
+    const fn code(self) -> u8 {
         match self {
             OpClass::Lower => 1,
             OpClass::Fp32 => 2,
@@ -38,23 +42,152 @@ impl OpClass {
     }
 }
 
-// One slot per op, 0 meaning "the table's default". Atomics keep the per-op lookup a plain
-// load on the hot path; overrides are rare and process-wide, like the table they amend.
-static OVERRIDES: [AtomicU8; 64] = [const { AtomicU8::new(0) }; 64];
-const _: () = assert!(Op::ALL.len() <= 64, "grow OVERRIDES");
-
-/// The class `op` has now: the override if one is set, else the table's default.
-#[inline]
-pub fn op_class(op: Op) -> OpClass {
-    OpClass::from_code(OVERRIDES[op as usize].load(Ordering::Relaxed)).unwrap_or(op.default_class())
+/// Overrides of the op table's classes, as a value: what an [`AutocastConfig`](crate::AutocastConfig)
+/// or [`AccelerateConfig`](crate::AccelerateConfig) carries for the threads that run its
+/// training, and what [`scope_op_classes`] gives one thread. Ops it does not name keep the
+/// class in force.
+///
+/// ```
+/// use burn_accelerate::autocast::{Op, OpClass, OpClasses};
+///
+/// // Keep softmax in whatever dtype its input has, as PyTorch's CPU autocast does.
+/// let classes = OpClasses::new().with(Op::Softmax, OpClass::Passthrough);
+/// assert_eq!(classes.get(Op::Softmax), Some(OpClass::Passthrough));
+/// assert_eq!(classes.get(Op::Matmul), None);
+/// ```
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(from = "Vec<(Op, OpClass)>", into = "Vec<(Op, OpClass)>")]
+pub struct OpClasses {
+    // One slot per op, 0 meaning "not overridden here": a fixed array keeps the value `Copy`,
+    // so a thread reads it without a lock or a reference count.
+    codes: [u8; SLOTS],
 }
 
-/// Overrides the class of one op for the whole process.
+const SLOTS: usize = 64;
+const _: () = assert!(Op::ALL.len() <= SLOTS, "grow SLOTS");
+
+impl OpClasses {
+    /// No overrides.
+    pub const fn new() -> Self {
+        OpClasses { codes: [0; SLOTS] }
+    }
+
+    /// These overrides with `op` given `class`.
+    #[must_use]
+    pub const fn with(mut self, op: Op, class: OpClass) -> Self {
+        self.codes[op as usize] = class.code();
+        self
+    }
+
+    /// The class these overrides give `op`, `None` when they leave it alone.
+    #[inline]
+    pub fn get(&self, op: Op) -> Option<OpClass> {
+        OpClass::from_code(self.codes[op as usize])
+    }
+
+    /// Whether these override nothing.
+    pub fn is_empty(&self) -> bool {
+        self.codes.iter().all(|&c| c == 0)
+    }
+
+    /// The overridden ops and their classes, in table order.
+    pub fn iter(&self) -> impl Iterator<Item = (Op, OpClass)> + '_ {
+        Op::ALL
+            .iter()
+            .filter_map(|&op| self.get(op).map(|class| (op, class)))
+    }
+
+    // `self`'s overrides over `base`'s.
+    fn over(mut self, base: OpClasses) -> OpClasses {
+        for (mine, theirs) in self.codes.iter_mut().zip(base.codes) {
+            if *mine == 0 {
+                *mine = theirs;
+            }
+        }
+        self
+    }
+}
+
+impl Default for OpClasses {
+    fn default() -> Self {
+        OpClasses::new()
+    }
+}
+
+impl core::fmt::Debug for OpClasses {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_map().entries(self.iter()).finish()
+    }
+}
+
+impl From<Vec<(Op, OpClass)>> for OpClasses {
+    fn from(pairs: Vec<(Op, OpClass)>) -> Self {
+        pairs
+            .into_iter()
+            .fold(OpClasses::new(), |classes, (op, class)| {
+                classes.with(op, class)
+            })
+    }
+}
+
+impl From<OpClasses> for Vec<(Op, OpClass)> {
+    fn from(classes: OpClasses) -> Self {
+        classes.iter().collect()
+    }
+}
+
+// The process's overrides, one slot per op as in `OpClasses`. Atomics keep the lookup a plain
+// load on the hot path.
+static OVERRIDES: [AtomicU8; SLOTS] = [const { AtomicU8::new(0) }; SLOTS];
+
+thread_local! {
+    // The thread's overrides while a scope is entered; `None` follows the process's.
+    static THREAD: Cell<Option<OpClasses>> = const { Cell::new(None) };
+}
+
+/// The class `op` has now on this thread: its override in the thread's scope
+/// ([`scope_op_classes`], or an entered autocast whose configuration set op classes), else the
+/// process's override ([`set_op_class`]), else the table's default.
+#[inline]
+pub fn op_class(op: Op) -> OpClass {
+    thread_value(&THREAD)
+        .and_then(|classes| classes.get(op))
+        .or_else(|| OpClass::from_code(OVERRIDES[op as usize].load(Ordering::Relaxed)))
+        .unwrap_or(op.default_class())
+}
+
+/// Gives this thread `classes` over the overrides it already has, until the scope drops; other
+/// threads keep theirs. An entered [`Autocast`](crate::Autocast) whose configuration set op
+/// classes does the same.
+///
+/// ```
+/// use burn_accelerate::autocast::{self, Op, OpClass, OpClasses};
+///
+/// {
+///     let _scope = autocast::scope_op_classes(OpClasses::new().with(Op::Exp, OpClass::Lower));
+///     assert_eq!(autocast::op_class(Op::Exp), OpClass::Lower);
+///     let other = std::thread::spawn(|| autocast::op_class(Op::Exp)).join().unwrap();
+///     assert_eq!(other, OpClass::Fp32);
+/// }
+/// assert_eq!(autocast::op_class(Op::Exp), OpClass::Fp32);
+/// ```
+pub fn scope_op_classes(classes: OpClasses) -> OpClassesGuard {
+    let merged = classes.over(thread_value(&THREAD).unwrap_or_default());
+    ThreadScope::enter(&THREAD, merged)
+}
+
+/// Restores this thread's previous op classes when dropped ([`scope_op_classes`]); tied to
+/// its thread.
+pub type OpClassesGuard = ThreadScope<OpClasses>;
+
+/// Overrides the class of one op for the whole process: every thread whose own scope does not
+/// name the op. Prefer [`scope_op_classes`] or the configuration's `op_classes`, which belong
+/// to a training; this one remains for threads the crate does not start (Burn's backend ops
+/// take no context, so the decorator can only read what the thread or the process holds).
 ///
 /// ```
 /// use burn_accelerate::autocast::{self, Op, OpClass};
 ///
-/// // Keep softmax in whatever dtype its input has, as PyTorch's CPU autocast does.
 /// autocast::set_op_class(Op::Softmax, OpClass::Passthrough);
 /// assert_eq!(autocast::op_class(Op::Softmax), OpClass::Passthrough);
 /// autocast::reset_op_classes();
@@ -64,7 +197,8 @@ pub fn set_op_class(op: Op, class: OpClass) {
     OVERRIDES[op as usize].store(class.code(), Ordering::Relaxed);
 }
 
-/// Drops every override: each op gets its table default back.
+/// Drops every process-wide override ([`set_op_class`]): each op gets its table default back
+/// on threads without a scope of their own.
 pub fn reset_op_classes() {
     for slot in &OVERRIDES {
         slot.store(0, Ordering::Relaxed);

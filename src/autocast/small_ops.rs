@@ -51,6 +51,7 @@ use serde::{Deserialize, Serialize};
 use super::{CastInput, Op};
 use crate::AccelerateError;
 use crate::capability;
+use crate::scope::{ThreadScope, thread_value};
 
 /// The flops ([`estimated_flops`]) from which a lower-class op runs in the half type on the
 /// host's CPU under [`SmallOps::KeepF32`]: 2^24, about 16.8 MFLOP.
@@ -145,10 +146,10 @@ pub fn set_small_ops(rule: SmallOps) -> Result<(), AccelerateError> {
 /// The rule in force on this thread: its own, while an [`Autocast`](crate::Autocast) with
 /// one is entered, else the process's ([`set_small_ops`]; [`SmallOps::KeepF32`] unless set).
 pub fn small_ops() -> SmallOps {
-    SCOPED.with(Cell::get).unwrap_or_else(process_small_ops)
+    thread_value(&SCOPED).unwrap_or_else(process_small_ops)
 }
 
-/// Gives this thread `rule` until the guard drops, whatever the process's is (the
+/// Gives this thread `rule` until the scope drops, whatever the process's is (the
 /// small-op half of `with torch.autocast(...)`'s scope; an entered
 /// [`Autocast`](crate::Autocast) with `small_ops` set does the same).
 ///
@@ -169,31 +170,12 @@ pub fn small_ops() -> SmallOps {
 /// As [`SmallOps::validate`].
 pub fn scope_small_ops(rule: SmallOps) -> Result<SmallOpsGuard, AccelerateError> {
     rule.validate()?;
-    Ok(SmallOpsGuard {
-        previous: replace_thread_rule(Some(rule)),
-        _not_send: core::marker::PhantomData,
-    })
+    Ok(ThreadScope::enter(&SCOPED, rule))
 }
 
 /// Restores this thread's previous small-op rule when dropped ([`scope_small_ops`]); tied to
 /// its thread.
-#[derive(Debug)]
-#[must_use = "the rule is only this thread's while the guard lives"]
-pub struct SmallOpsGuard {
-    previous: Option<SmallOps>,
-    _not_send: core::marker::PhantomData<*const ()>,
-}
-
-impl Drop for SmallOpsGuard {
-    fn drop(&mut self) {
-        replace_thread_rule(self.previous);
-    }
-}
-
-// Replaces this thread's own rule, returning the previous one.
-fn replace_thread_rule(rule: Option<SmallOps>) -> Option<SmallOps> {
-    SCOPED.with(|s| s.replace(rule))
-}
+pub type SmallOpsGuard = ThreadScope<SmallOps>;
 
 fn process_small_ops() -> SmallOps {
     match MODE.load(Ordering::Relaxed) {

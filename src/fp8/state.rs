@@ -1,7 +1,14 @@
 //! Per-tensor scaling state: what each fp8 tensor's scale and amax history are, which tensor
 //! an autocast call is, and the process-wide registry they live in.
+//!
+//! The recipe is a training's: an entered fp8 [`Autocast`](crate::Autocast) gives its thread
+//! its configuration's recipe ([`scope_recipe`]), and [`step`] on that thread follows it. The
+//! amax histories stay process-wide, like Transformer Engine's global fp8 state manager: a
+//! tensor is named by which call of an op it is (Burn's tensors have no identity), and the
+//! backward pass records its amaxes wherever Burn's autodiff runs it, so the histories cannot
+//! be told apart by thread. Two fp8 trainings must not run at once in one process.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
@@ -12,6 +19,7 @@ use super::format::Fp8Format;
 use super::recipe::{DelayedScaling, ScalingState};
 use crate::AccelerateError;
 use crate::autocast::Op;
+use crate::scope::{ThreadScope, thread_value};
 
 /// The pass a scaled tensor belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -218,6 +226,8 @@ static EPOCH: AtomicU64 = AtomicU64::new(0);
 
 thread_local! {
     static CALLS: RefCell<(u64, [u32; 64])> = const { RefCell::new((0, [0; 64])) };
+    // The recipe of the training this thread runs; `None` follows the process state's.
+    static THREAD_RECIPE: Cell<Option<DelayedScaling>> = const { Cell::new(None) };
 }
 
 /// The next call number of `op` on this thread in the current step.
@@ -280,7 +290,13 @@ fn take_pending() -> Vec<(TensorKey, PendingAmax)> {
 /// ```
 pub fn step() {
     resolve(take_pending());
-    registry().state.step();
+    let mut registry = registry();
+    if let Some(recipe) = thread_value(&THREAD_RECIPE) {
+        // Validated when scoped.
+        let _ = registry.state.set_recipe(recipe);
+    }
+    registry.state.step();
+    drop(registry);
     EPOCH.fetch_add(1, Ordering::AcqRel);
 }
 
@@ -320,15 +336,40 @@ pub fn reset() {
     });
 }
 
-/// The recipe the process-wide scales follow.
+/// The recipe [`step`] follows on this thread: its own ([`scope_recipe`], or an entered fp8
+/// autocast's), else the process state's ([`set_recipe`]).
 pub fn recipe() -> DelayedScaling {
-    registry().state.recipe()
+    thread_value(&THREAD_RECIPE).unwrap_or_else(|| registry().state.recipe())
 }
 
-/// Sets the recipe the process-wide scales follow from the next step on.
+/// Gives this thread `recipe` until the scope drops: the scales [`step`] sets on this thread
+/// follow it. An entered fp8 [`Autocast`](crate::Autocast) does this with its configuration's
+/// `fp8_recipe`.
 ///
-/// [`AutocastConfig::init`](crate::AutocastConfig::init) calls this with its `fp8_recipe`
-/// when its precision is fp8.
+/// ```
+/// use burn_accelerate::fp8::{self, DelayedScaling};
+///
+/// let short = DelayedScaling::default().with_amax_history_len(2);
+/// {
+///     let _recipe = fp8::scope_recipe(short).unwrap();
+///     assert_eq!(fp8::recipe(), short);
+///     assert_eq!(std::thread::spawn(fp8::recipe).join().unwrap(), DelayedScaling::default());
+/// }
+/// assert_eq!(fp8::recipe(), DelayedScaling::default());
+/// ```
+///
+/// # Errors
+/// [`AccelerateError::InvalidFp8Recipe`] when the recipe does not validate.
+pub fn scope_recipe(
+    recipe: DelayedScaling,
+) -> Result<ThreadScope<DelayedScaling>, AccelerateError> {
+    recipe.validate()?;
+    Ok(ThreadScope::enter(&THREAD_RECIPE, recipe))
+}
+
+/// Sets the recipe the process-wide scales follow from the next step on, on threads without
+/// a recipe of their own ([`scope_recipe`]). Remains for threads the crate does not start and
+/// for [`Autocast::set_default`](crate::Autocast::set_default).
 ///
 /// # Errors
 /// [`AccelerateError::InvalidFp8Recipe`] when the recipe does not validate; the recipe in

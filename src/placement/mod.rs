@@ -86,8 +86,9 @@ pub use infer::infer_device_map;
 pub use key::DeviceKey;
 pub use map::{DeviceMap, Placement};
 pub use moves::{
-    DeviceMoves, colocate_inputs, device_moves, device_of, fork, move_tensor, set_colocate_inputs,
-    set_device_moves, stages_through_host, to_device_of,
+    DeviceMoves, colocate_inputs, device_moves, device_of, fork, move_tensor,
+    scope_colocate_inputs, scope_device_moves, set_colocate_inputs, set_device_moves,
+    stages_through_host, to_device_of,
 };
 pub use report::{
     DeviceTotal, ParamPlacement, PlacementReport, human_bytes, report, verify_device_map,

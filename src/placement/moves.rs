@@ -1,10 +1,13 @@
 //! Moving tensors between devices: the policy, and the helper a placed model's `forward` uses.
 
+use core::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::{BasicOps, Bool, Int, Tensor, TensorKind};
+
+use crate::scope::{ThreadScope, thread_value};
 
 /// How tensors cross from one device to another, in [`Placement::apply`](super::Placement),
 /// [`move_tensor`] and the `Accelerated<B>` decorator's `to_device`.
@@ -27,6 +30,12 @@ pub enum DeviceMoves {
 static MOVES: AtomicU8 = AtomicU8::new(0);
 static COLOCATE: AtomicBool = AtomicBool::new(false);
 
+thread_local! {
+    // The thread's own settings while a scope is entered; `None` follows the process's.
+    static THREAD_MOVES: Cell<Option<DeviceMoves>> = const { Cell::new(None) };
+    static THREAD_COLOCATE: Cell<Option<bool>> = const { Cell::new(None) };
+}
+
 impl DeviceMoves {
     fn code(self) -> u8 {
         match self {
@@ -45,7 +54,27 @@ impl DeviceMoves {
     }
 }
 
-/// Sets, process-wide, how tensors cross devices; returns the previous setting.
+/// Sets how tensors cross devices on this thread until the scope drops; other threads keep
+/// theirs.
+///
+/// ```
+/// use burn_accelerate::placement::{self, DeviceMoves};
+///
+/// {
+///     let _staged = placement::scope_device_moves(DeviceMoves::HostStaged);
+///     assert_eq!(placement::device_moves(), DeviceMoves::HostStaged);
+///     assert_eq!(std::thread::spawn(placement::device_moves).join().unwrap(), DeviceMoves::Auto);
+/// }
+/// assert_eq!(placement::device_moves(), DeviceMoves::Auto);
+/// ```
+pub fn scope_device_moves(moves: DeviceMoves) -> ThreadScope<DeviceMoves> {
+    ThreadScope::enter(&THREAD_MOVES, moves)
+}
+
+/// Sets, process-wide, how tensors cross devices on threads without a scope of their own
+/// ([`scope_device_moves`]); returns the previous setting. It remains for threads the crate
+/// does not start: Burn's backend ops take no context, so the decorator's moves can only read
+/// what the thread or the process holds.
 ///
 /// ```
 /// use burn_accelerate::placement::{self, DeviceMoves};
@@ -58,9 +87,11 @@ pub fn set_device_moves(moves: DeviceMoves) -> DeviceMoves {
     DeviceMoves::from_code(MOVES.swap(moves.code(), Ordering::Relaxed))
 }
 
-/// How tensors cross devices now (see [`set_device_moves`]).
+/// How tensors cross devices now on this thread: its own ([`scope_device_moves`]), else the
+/// process's ([`set_device_moves`]).
 pub fn device_moves() -> DeviceMoves {
-    DeviceMoves::from_code(MOVES.load(Ordering::Relaxed))
+    thread_value(&THREAD_MOVES)
+        .unwrap_or_else(|| DeviceMoves::from_code(MOVES.load(Ordering::Relaxed)))
 }
 
 /// Whether a move onto `device` goes through the host under the current [`DeviceMoves`].
@@ -85,7 +116,26 @@ pub fn stages_through_host<B: Backend>(device: &B::Device) -> bool {
     }
 }
 
-/// Turns the decorator's co-locate rule on or off, process-wide; returns the previous setting.
+/// Turns the decorator's co-locate rule on or off for this thread until the scope drops;
+/// other threads keep theirs (see [`set_colocate_inputs`] for the rule).
+///
+/// ```
+/// use burn_accelerate::placement;
+///
+/// {
+///     let _on = placement::scope_colocate_inputs(true);
+///     assert!(placement::colocate_inputs());
+///     assert!(!std::thread::spawn(placement::colocate_inputs).join().unwrap());
+/// }
+/// assert!(!placement::colocate_inputs());
+/// ```
+pub fn scope_colocate_inputs(enabled: bool) -> ThreadScope<bool> {
+    ThreadScope::enter(&THREAD_COLOCATE, enabled)
+}
+
+/// Turns the decorator's co-locate rule on or off, process-wide, on threads without a scope
+/// of their own ([`scope_colocate_inputs`], which a training should prefer); returns the
+/// previous setting.
 ///
 /// With the rule on, an op of the autocast table (matmul, linear, conv, add, cat, …) whose
 /// tensor inputs arrive on different devices first moves them all to the device of its last
@@ -94,8 +144,8 @@ pub fn stages_through_host<B: Backend>(device: &B::Device) -> bool {
 /// with an unchanged `forward`. Ops outside the table are not covered; bring their inputs
 /// together with [`to_device_of`].
 ///
-/// Cost: off (the default), one relaxed atomic load per table op that takes several tensors;
-/// on, a device comparison per tensor input, plus the moves themselves (each a read back to
+/// Cost: off (the default), a thread-local read and one relaxed atomic load per table op that
+/// takes several tensors; on, a device comparison per tensor input, plus the moves themselves (each a read back to
 /// the host and an upload where the move is [staged](DeviceMoves)). Only
 /// `Accelerated<B>` can apply the rule: a plain backend never sees it.
 ///
@@ -110,10 +160,11 @@ pub fn set_colocate_inputs(enabled: bool) -> bool {
     COLOCATE.swap(enabled, Ordering::Relaxed)
 }
 
-/// Whether the co-locate rule is on (see [`set_colocate_inputs`]).
+/// Whether the co-locate rule is on for this thread: its own setting
+/// ([`scope_colocate_inputs`]), else the process's ([`set_colocate_inputs`]).
 #[inline]
 pub fn colocate_inputs() -> bool {
-    COLOCATE.load(Ordering::Relaxed)
+    thread_value(&THREAD_COLOCATE).unwrap_or_else(|| COLOCATE.load(Ordering::Relaxed))
 }
 
 /// `tensor` on `device`, moved the way [`DeviceMoves`] says.

@@ -121,6 +121,10 @@ pub struct LmConfig {
     /// Print a progress line to stderr every this many optimizer steps (0: none).
     #[config(default = 10)]
     pub progress_every: usize,
+    /// The training's small-op rule ([`AccelerateConfig::small_ops`]); `None`: the one in
+    /// force.
+    #[config(default = "None")]
+    pub small_ops: Option<crate::autocast::SmallOps>,
 }
 
 impl LmConfig {
@@ -580,7 +584,8 @@ pub fn run<B: AutodiffBackend>(
             .with_mixed_precision(config.precision)
             .with_gradient_accumulation_steps(config.grad_accum)
             .with_allow_fallback(config.allow_fallback)
-            .with_zero_stage(config.zero_stage),
+            .with_zero_stage(config.zero_stage)
+            .with_small_ops(config.small_ops),
         device,
     )?;
     let report = strategy.report();

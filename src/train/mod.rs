@@ -23,9 +23,10 @@
 //! - with loss scaling (fp16), the same armed transform scales the loss, the window's
 //!   gradients are unscaled and checked with one host read, and on overflow neither the
 //!   optimizer nor the scheduler steps;
-//! - autocast (the precision and [`AccelerateConfig::small_ops`]) is entered on the threads
-//!   that run the fit's steps and validation, for the fit: not the process's default, so a
-//!   training on another thread of the process keeps its own;
+//! - autocast (the precision, and [`AccelerateConfig::small_ops`], `half_path`, `op_classes`
+//!   and the fp8 recipe) is entered on the threads that run the fit's steps and validation,
+//!   for the fit: not the process's default, so a training on another thread of the process
+//!   keeps its own;
 //! - Burn's own `SupervisedTraining::grads_accumulation(n)` is honoured with Burn's meaning:
 //!   the window's gradients are summed, not divided by `n` (Burn's text-generation example
 //!   divides its learning rate by `n` for that); they are still averaged over the devices and
@@ -33,10 +34,8 @@
 //!   with [`AccelerateConfig::gradient_accumulation_steps`] (which averages over the window):
 //!   a fit given both is refused at its start.
 //!
-//! What is still process-wide: the fp8 recipe and amax history ([`fp8`](crate::fp8)), the op
-//! classes ([`autocast::set_op_class`]) and the placement switches: two fp8 trainings, or
-//! trainings with other op classes, must not run at once in one process. (The half path is
-//! the training's, as the precision: [`AccelerateConfig::half_path`].)
+//! What is still process-wide: the fp8 amax histories ([`fp8`](crate::fp8), where the module
+//! says why): two fp8 trainings must not run at once in one process.
 //!
 //! With [`AccelerateStrategy::with_checkpoint_dir`], the loss scale, the gradient state and
 //! the positions of the crate's loaders (the data-parallel shards, or the one given to

@@ -20,13 +20,22 @@ use models::{ConvNet, Mlp};
 /// another test's draws interleave with this one's and its data changes from run to run.
 ///
 /// The suite checks PyTorch's autocast classes on tiny models, so every lower-class op is cast
-/// whatever its size (`SmallOps::Cast`; the default keeps small ones in f32).
-pub fn seeded<B: Backend>(device: &B::Device, seed: u64) -> std::sync::MutexGuard<'static, ()> {
+/// whatever its size (`SmallOps::Cast`, on this thread while the guard lives; the default
+/// keeps small ones in f32).
+pub fn seeded<B: Backend>(device: &B::Device, seed: u64) -> Seeded {
     static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let guard = RNG.lock().unwrap_or_else(|e| e.into_inner());
-    autocast::set_small_ops(autocast::SmallOps::Cast).expect("a valid rule");
+    let rng = RNG.lock().unwrap_or_else(|e| e.into_inner());
     B::seed(device, seed);
-    guard
+    Seeded {
+        _small_ops: autocast::scope_small_ops(autocast::SmallOps::Cast).expect("a valid rule"),
+        _rng: rng,
+    }
+}
+
+/// The seeded test's hold on the generators and its small-op rule ([`seeded`]).
+pub struct Seeded {
+    _small_ops: autocast::SmallOpsGuard,
+    _rng: std::sync::MutexGuard<'static, ()>,
 }
 
 /// The relative error allowed for `precision`, in the 2-norm.
