@@ -54,8 +54,9 @@ use burn_backend::ops::ActivationOps;
 use burn_backend::tensor::FloatTensor;
 use half::{bf16, f16};
 
+use super::exp::exp_scaled;
 use super::half_kernels::{Half, filled, in_row_tasks};
-use super::softmax::{Isa, exp_scaled, isa_variants};
+use super::isa::{Isa, isa_variants};
 
 /// Where `Φ` switches from the series-like polynomial to the tail formula.
 const NEAR: f32 = 0.75;
@@ -414,7 +415,8 @@ mod tests {
     use burn_backend::ops::FloatTensorOps;
 
     use super::*;
-    use crate::cpu::softmax::tests::{paths, ulps};
+    use crate::cpu::exp::tests::ulps;
+    use crate::cpu::isa::tests::paths;
 
     /// `Φ(x)` in f64, to about 1e-14 relative in both tails: the erf series of positive terms
     /// near 0, the continued fraction of erfc beyond.

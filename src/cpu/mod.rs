@@ -77,6 +77,8 @@ pub(crate) mod bf16_gemm;
 #[cfg(feature = "flex")]
 pub(crate) mod counter_rng;
 #[cfg(feature = "flex")]
+pub(crate) mod exp;
+#[cfg(feature = "flex")]
 pub(crate) mod fast_cast;
 #[cfg(feature = "flex")]
 pub(crate) mod gelu;
@@ -88,6 +90,8 @@ pub(crate) mod half_conv;
 pub(crate) mod half_elementwise;
 #[cfg(feature = "flex")]
 pub(crate) mod half_kernels;
+#[cfg(feature = "flex")]
+pub(crate) mod isa;
 #[cfg(feature = "flex")]
 pub(crate) mod low_conv;
 #[cfg(feature = "flex")]

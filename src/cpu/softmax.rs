@@ -1,6 +1,5 @@
 //! Softmax and log-softmax along the last dimension on Flex, one fused pass per row on every
-//! core, with their autodiff nodes; and the vectorised `exp` they (and [`gelu`](super::gelu))
-//! are built on.
+//! core, with their autodiff nodes.
 //!
 //! Autocast runs softmax in f32 (its fp32 class). On `Autodiff<Flex>`, Burn computes it as
 //! the default composition of `ActivationOps`: `max_dim`, `sub`, `exp`, `sum_dim` and `div`,
@@ -14,9 +13,8 @@
 //!
 //! # Accuracy
 //!
-//! [`exp`] is within 1 ulp of the exact value over the whole f32 range (tested against f64's
-//! `exp`, subnormal results included); it is `+∞` above 88.72, `0` below -103.97, and NaN
-//! for NaN. A softmax output then differs from the f64 softmax of the same f32 input by at
+//! [`exp`] is within 1 ulp of the exact value over the whole f32 range (see
+//! [`exp`](super::exp)). A softmax output then differs from the f64 softmax of the same f32 input by at
 //! most `(6 + n/16 + |x - max|) · 2⁻²⁴` relative (`n` the row's length): the exp, the
 //! row sum in sixteen running lanes, the scaling, and the rounding of `x - max` in f32,
 //! which every f32 softmax (Flex's own included) makes. Masked entries (`-1e4`, `-∞`) give
@@ -26,9 +24,7 @@
 //! # Vectorisation
 //!
 //! The arithmetic is written once, as scalar code without branches, and compiled three times
-//! ([`Isa`]): for AVX-512 and for AVX2 with FMA (chosen at run time where the CPU has them,
-//! the loops vectorised by the compiler) and for the baseline target (the portable fallback,
-//! every other CPU). Each value sees the same operations in the same order, sums are taken in
+//! ([`Isa`], [`isa_variants!`]). Each value sees the same operations in the same order, sums are taken in
 //! sixteen lanes whatever the vector width, and fused multiply-adds round once on every path
 //! (the portable code calls libm's `fmaf`: exact everywhere, slow only on x86 CPUs without
 //! FMA, from before 2013), so the three give the same bits, on any number of threads.
@@ -47,181 +43,9 @@ use burn::tensor::{Bytes, DType};
 use burn_backend::ops::{ActivationOps, FloatTensorOps};
 use burn_backend::tensor::FloatTensor;
 
+use super::exp::exp;
 use super::half_kernels::in_row_tasks;
-
-/// The instruction set a kernel's loops run on, detected at run time.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Isa {
-    /// AVX-512 F with FMA: sixteen f32 lanes.
-    Avx512,
-    /// AVX2 with FMA: eight f32 lanes.
-    Avx2,
-    /// The baseline target's code: the fallback on every other CPU.
-    Portable,
-}
-
-impl Isa {
-    /// The widest this CPU has.
-    pub(crate) fn best() -> Isa {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if Isa::Avx512.supported() {
-                return Isa::Avx512;
-            }
-            if Isa::Avx2.supported() {
-                return Isa::Avx2;
-            }
-        }
-        Isa::Portable
-    }
-
-    /// Whether this CPU runs `self`'s code.
-    pub(crate) fn supported(self) -> bool {
-        #[cfg(target_arch = "x86_64")]
-        {
-            let fma = std::is_x86_feature_detected!("fma");
-            match self {
-                Isa::Avx512 => fma && std::is_x86_feature_detected!("avx512f"),
-                Isa::Avx2 => fma && std::is_x86_feature_detected!("avx2"),
-                Isa::Portable => true,
-            }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        matches!(self, Isa::Portable)
-    }
-
-    /// `self` where the CPU runs it, else [`Isa::Portable`]: what the dispatch matches on, so
-    /// that an `Isa` named by hand never runs instructions the CPU lacks.
-    pub(crate) fn checked(self) -> Isa {
-        if self.supported() {
-            self
-        } else {
-            Isa::Portable
-        }
-    }
-}
-
-/// Compiles the listed functions of the enclosing module (`#[inline(always)]`, on slices) for
-/// each [`Isa`]: `on::f(isa, args)` runs `f` as compiled for `isa` (checked against the CPU).
-macro_rules! isa_variants {
-    ($($(#[$attr:meta])* fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)?;)+) => {
-        #[cfg(target_arch = "x86_64")]
-        mod avx512 {
-            #[allow(unused_imports)]
-            use super::*;
-            $(
-                /// # Safety
-                /// The CPU must have AVX-512 F and FMA.
-                $(#[$attr])*
-                #[target_feature(enable = "avx512f,fma")]
-                pub(super) unsafe fn $name($($arg: $ty),*) $(-> $ret)? {
-                    super::$name($($arg),*)
-                }
-            )+
-        }
-
-        #[cfg(target_arch = "x86_64")]
-        mod avx2 {
-            #[allow(unused_imports)]
-            use super::*;
-            $(
-                /// # Safety
-                /// The CPU must have AVX2 and FMA.
-                $(#[$attr])*
-                #[target_feature(enable = "avx2,fma")]
-                pub(super) unsafe fn $name($($arg: $ty),*) $(-> $ret)? {
-                    super::$name($($arg),*)
-                }
-            )+
-        }
-
-        /// The functions above, on the instruction set named.
-        mod on {
-            #[allow(unused_imports)]
-            use super::*;
-            use $crate::cpu::softmax::Isa;
-            $(
-                $(#[$attr])*
-                #[inline]
-                pub(super) fn $name(isa: Isa, $($arg: $ty),*) $(-> $ret)? {
-                    match isa.checked() {
-                        #[cfg(target_arch = "x86_64")]
-                        // SAFETY: `checked` gives `Avx512` only where the CPU has AVX-512 F
-                        // and FMA.
-                        Isa::Avx512 => unsafe { super::avx512::$name($($arg),*) },
-                        #[cfg(target_arch = "x86_64")]
-                        // SAFETY: `checked` gives `Avx2` only where the CPU has AVX2 and FMA.
-                        Isa::Avx2 => unsafe { super::avx2::$name($($arg),*) },
-                        _ => super::$name($($arg),*),
-                    }
-                }
-            )+
-        }
-    };
-}
-pub(crate) use isa_variants;
-
-// exp(x) = 2ⁿ · exp(r), n = round(x / ln 2), r = x - n · ln 2 in two steps (Cody and Waite;
-// `LN2_HI` has 9 significant bits, so `n · LN2_HI` is exact), |r| ≤ ln 2 / 2.
-const LOG2E: f32 = std::f32::consts::LOG2_E;
-const LN2_HI: f32 = 0.693_359_4;
-const LN2_LO: f32 = -2.121_944_4e-4;
-// 1.5 · 2²³: added to a value below 2²² in magnitude, rounds it to an integer (to nearest
-// even), which then sits in the low bits of the sum's representation.
-const ROUNDER: f32 = 12_582_912.0;
-// Past these exp is +∞ (above 88.72) or rounds to 0 (below -103.97) anyway; clamping keeps n
-// small enough for two normal powers of two.
-const EXP_MIN: f32 = -110.0;
-const EXP_MAX: f32 = 89.0;
-// Cephes' `expf` polynomial, its coefficients in f32: exp(r) ≈ 1 + r + r² · P(r) on
-// |r| ≤ ln 2 / 2.
-const EXP_P: [f32; 6] = [
-    1.987_569_1e-4,
-    1.398_199_9e-3,
-    8.333_452e-3,
-    4.166_579_6e-2,
-    0.166_666_66,
-    0.5,
-];
-
-/// `2^k` for `k` in `-126..=127`, from its bits.
-#[inline(always)]
-fn pow2(k: i32) -> f32 {
-    f32::from_bits(((k + 127) as u32) << 23)
-}
-
-/// `e^x` in f32, within 1 ulp, without branches (see the [module docs](self)).
-#[inline(always)]
-pub(crate) fn exp(x: f32) -> f32 {
-    exp_scaled(x, 0.0, 0)
-}
-
-/// `e^(hi + lo)` times `2^scale`, rounded once, for an argument carried as an unevaluated sum
-/// (`|lo|` at most half an ulp of `hi`: the low half of a product from a fused multiply-add),
-/// the low part entering after the range reduction, where it is not lost; the scaling keeps
-/// a result that would be subnormal whole for a later product. `scale` is 0, or in `1..=64`
-/// with `hi ≤ 0`. NaN in `hi` gives NaN.
-#[inline(always)]
-pub(crate) fn exp_scaled(hi: f32, lo: f32, scale: i32) -> f32 {
-    // Comparisons that keep a NaN (`f32::max` would drop it).
-    let x = if hi < EXP_MIN { EXP_MIN } else { hi };
-    let x = if x > EXP_MAX { EXP_MAX } else { x };
-    let v = x.mul_add(LOG2E, ROUNDER);
-    let n = v - ROUNDER;
-    let r = (-n).mul_add(LN2_HI, x);
-    let r = (-n).mul_add(LN2_LO, r) + lo;
-    let mut p = EXP_P[0];
-    for c in &EXP_P[1..] {
-        p = p.mul_add(r, *c);
-    }
-    let p = p.mul_add(r * r, r) + 1.0;
-    // n as an integer, from the sum's low bits; 2ⁿ as two factors, so that n from -159 to
-    // 128 needs no subnormal or infinite power: the first product is exact, the second rounds
-    // once (to a subnormal, infinity or zero where the result is one).
-    let k = (v.to_bits() as i32).wrapping_sub(ROUNDER.to_bits() as i32);
-    let k1 = k >> 1;
-    p * pow2(k1) * pow2(k - k1 + scale)
-}
+use super::isa::{Isa, isa_variants};
 
 /// Lanes of the running maxima and sums: one AVX-512 register, two AVX2 ones; the same lanes
 /// on every path, so the same sums.
@@ -349,21 +173,11 @@ fn log_softmax_backward_rows(outputs: &[f32], grads: &mut [f32], len: usize) {
 }
 
 // `e^x` of each value in place: the loop the tests hold against f64.
-#[cfg(test)]
-#[inline(always)]
-fn exp_values(values: &mut [f32]) {
-    for v in values {
-        *v = exp(*v);
-    }
-}
-
 isa_variants! {
     fn softmax_rows(rows: &mut [f32], len: usize);
     fn log_softmax_rows(rows: &mut [f32], len: usize);
     fn softmax_backward_rows(outputs: &[f32], grads: &mut [f32], len: usize);
     fn log_softmax_backward_rows(outputs: &[f32], grads: &mut [f32], len: usize);
-    #[cfg(test)]
-    fn exp_values(values: &mut [f32]);
 }
 
 /// Which of the two the kernels compute.
@@ -547,18 +361,11 @@ pub(crate) fn log_softmax_tracked(
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use burn::tensor::TensorData;
 
     use super::*;
-
-    /// Every path this CPU runs: the portable fallback always.
-    pub(crate) fn paths() -> Vec<Isa> {
-        [Isa::Avx512, Isa::Avx2, Isa::Portable]
-            .into_iter()
-            .filter(|isa| isa.supported())
-            .collect()
-    }
+    use crate::cpu::isa::tests::paths;
 
     fn tensor(values: Vec<f32>, shape: &[usize]) -> FlexTensor {
         FlexTensor::from_data(TensorData::new(values, shape.to_vec()))
@@ -570,83 +377,6 @@ pub(crate) mod tests {
 
     fn bits(t: FlexTensor) -> Vec<u32> {
         values(t).iter().map(|v| v.to_bits()).collect()
-    }
-
-    /// The distance from `got` to `want` in ulps of `want` rounded to f32 (2⁻¹⁴⁹ for
-    /// subnormals).
-    pub(crate) fn ulps(got: f32, want: f64) -> f64 {
-        if got as f64 == want {
-            return 0.0;
-        }
-        let rounded = (want as f32).abs();
-        let ulp = if rounded < f32::MIN_POSITIVE {
-            f64::from(f32::from_bits(1))
-        } else {
-            let next = f32::from_bits(rounded.to_bits() + 1);
-            f64::from(next) - f64::from(rounded)
-        };
-        (f64::from(got) - want).abs() / ulp
-    }
-
-    #[test]
-    fn exp_is_within_one_ulp_of_f64_on_every_path() {
-        // Every 64th f32 from -104 to 89 (one in 64 of all the values there), and the values
-        // where the result leaves the normal range or overflows.
-        let (low, high) = ((-104.0f32).to_bits(), 89.0f32.to_bits());
-        let mut xs: Vec<f32> = (0..high)
-            .step_by(64)
-            .chain((0x8000_0000..=low).step_by(64))
-            .map(f32::from_bits)
-            .collect();
-        xs.extend([
-            0.0,
-            -0.0,
-            88.722_83,
-            88.722_84,
-            -87.336_55,
-            -103.972_08,
-            -103.972_09,
-            f32::MIN_POSITIVE,
-        ]);
-        let mut first: Option<Vec<u32>> = None;
-        for isa in paths() {
-            let mut got = xs.clone();
-            on::exp_values(isa, &mut got);
-            let mut worst = 0f64;
-            for (x, e) in xs.iter().zip(&got) {
-                let want = f64::from(*x).exp();
-                let err = match want > f64::from(f32::MAX) {
-                    true => {
-                        assert_eq!(*e, f32::INFINITY, "exp({x}) on {isa:?}");
-                        0.0
-                    }
-                    false => ulps(*e, want),
-                };
-                assert!(
-                    err <= 1.0,
-                    "exp({x}) = {e}, not {want}: {err} ulp on {isa:?}"
-                );
-                worst = worst.max(err);
-            }
-            eprintln!("exp on {isa:?}: at most {worst:.3} ulp");
-            let got: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
-            match &first {
-                None => first = Some(got),
-                Some(first) => assert!(first == &got, "{isa:?} gives other bits"),
-            }
-        }
-        let mut special = [
-            f32::NEG_INFINITY,
-            f32::INFINITY,
-            f32::NAN,
-            -1e4,
-            1e4,
-            -200.0,
-        ];
-        on::exp_values(Isa::Portable, &mut special);
-        assert_eq!(special[..2], [0.0, f32::INFINITY]);
-        assert!(special[2].is_nan());
-        assert_eq!(special[3..], [0.0, f32::INFINITY, 0.0]);
     }
 
     // Rows of `len` values, the kind attention makes: ordinary scores, large magnitudes,
