@@ -41,17 +41,24 @@ pub const ORCHESTRATOR: &str = "BURN_ACCELERATE_ORCHESTRATOR";
 /// The value of [`ORCHESTRATOR`] that says the launcher hosts the rendezvous.
 pub const ORCHESTRATOR_LAUNCHER: &str = "launcher";
 
-/// Slurm's rank of a task under `srun` (read when torchrun's variables are not set).
+/// Slurm's id of a job step, set in the tasks `srun` starts: what tells them from a program
+/// started directly in an allocation (`salloc`, a batch script), which sees the job's
+/// [`SLURM_NTASKS`] but is one process.
+pub const SLURM_STEP_ID: &str = "SLURM_STEP_ID";
+/// Slurm's rank of a task in its `srun` step (read when torchrun's variables are not set).
 pub const SLURM_PROCID: &str = "SLURM_PROCID";
-/// Slurm's number of tasks.
+/// Slurm's number of tasks of the job (in an allocation: what `srun` starts by default).
 pub const SLURM_NTASKS: &str = "SLURM_NTASKS";
+/// Slurm's number of tasks of the `srun` step, which may be fewer than the job's.
+pub const SLURM_STEP_NUM_TASKS: &str = "SLURM_STEP_NUM_TASKS";
+/// Slurm's number of nodes of the `srun` step.
+pub const SLURM_STEP_NUM_NODES: &str = "SLURM_STEP_NUM_NODES";
+/// Slurm's tasks of the `srun` step on each of its nodes, in Slurm's form (`2(x3),1`: two
+/// on each of three nodes, then one).
+pub const SLURM_STEP_TASKS_PER_NODE: &str = "SLURM_STEP_TASKS_PER_NODE";
 /// Slurm's rank of a task on its node.
 pub const SLURM_LOCALID: &str = "SLURM_LOCALID";
-/// Slurm's tasks per node (set with `--ntasks-per-node`; otherwise tasks over nodes).
-pub const SLURM_NTASKS_PER_NODE: &str = "SLURM_NTASKS_PER_NODE";
-/// Slurm's number of nodes.
-pub const SLURM_NNODES: &str = "SLURM_NNODES";
-/// Slurm's rank of a node.
+/// Slurm's rank of a node in the step.
 pub const SLURM_NODEID: &str = "SLURM_NODEID";
 
 /// Open MPI's rank of a process under `mpirun` (read when neither torchrun's nor Slurm's are).
@@ -78,7 +85,7 @@ pub const ENGINE: &str = "BURN_ACCELERATE_ENGINE";
 
 /// Every variable above, for `burn-accelerate env` (which shows [`SECRET`] only as set) and for
 /// tests that must clear them.
-pub const ALL: [&str; 30] = [
+pub const ALL: [&str; 32] = [
     RANK,
     WORLD_SIZE,
     LOCAL_RANK,
@@ -93,11 +100,13 @@ pub const ALL: [&str; 30] = [
     SECRET,
     TORCHRUN_RUN_ID,
     ORCHESTRATOR,
+    SLURM_STEP_ID,
     SLURM_PROCID,
     SLURM_NTASKS,
+    SLURM_STEP_NUM_TASKS,
+    SLURM_STEP_NUM_NODES,
+    SLURM_STEP_TASKS_PER_NODE,
     SLURM_LOCALID,
-    SLURM_NTASKS_PER_NODE,
-    SLURM_NNODES,
     SLURM_NODEID,
     OMPI_RANK,
     OMPI_SIZE,

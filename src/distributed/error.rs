@@ -9,15 +9,14 @@ use thiserror::Error;
 #[non_exhaustive]
 pub enum DistributedError {
     /// A variable the others imply is not set.
-    #[error(
-        "environment variable {name} is not set but {because}: start the processes with \
-         `burn-accelerate launch` (or torchrun), which sets all of them"
-    )]
+    #[error("environment variable {name} is not set but {because}: {fix}")]
     MissingVariable {
         /// The variable.
         name: &'static str,
         /// Why it is needed.
         because: &'static str,
+        /// What to change, for the launcher that started the process.
+        fix: &'static str,
     },
 
     /// A variable whose value cannot be used.
@@ -178,14 +177,32 @@ pub enum DistributedError {
         message: String,
     },
 
-    /// The environment says MPI started this process, but this build has no MPI engine.
+    /// The environment says MPI started this process, but this build has no MPI engine (and
+    /// no `MASTER_ADDR` says where the built-in engine's processes meet).
     #[error(
         "this process was started by MPI ({launcher}) but this program was built without MPI: \
-         build it with `--features mpi` (or start it with `burn-accelerate launch`)"
+         build it with `--features mpi`, or set MASTER_ADDR, MASTER_PORT and \
+         BURN_ACCELERATE_SECRET for the built-in engine {}",
+        where_to_set(launcher)
     )]
     MpiNotBuilt {
         /// The variable that shows the MPI launch.
         launcher: &'static str,
+    },
+
+    /// `BURN_ACCELERATE_ENGINE=mpi` asks for MPI, but the process was not started as an MPI
+    /// process (no MPI launcher's variables).
+    #[error(
+        "BURN_ACCELERATE_ENGINE=mpi, but {launcher} did not start this process with MPI's \
+         wiring ({missing} is not set): {fix}"
+    )]
+    MpiNotLaunched {
+        /// The launcher that started it.
+        launcher: &'static str,
+        /// The variable an MPI launch would have set.
+        missing: &'static str,
+        /// What to change.
+        fix: &'static str,
     },
 
     /// A collective called with arguments that cannot work, whatever the other processes do.
@@ -220,4 +237,13 @@ pub enum DistributedError {
         /// The error.
         reason: String,
     },
+}
+
+// Where the built-in engine's variables go, for a program that MPI's launcher started.
+fn where_to_set(launcher: &str) -> &'static str {
+    if launcher == super::env::PMIX_RANK {
+        "(export them in the job script before `srun`)"
+    } else {
+        "(or start it with `burn-accelerate launch`, which sets them)"
+    }
 }

@@ -129,6 +129,9 @@ impl ProcessGroup {
                 })
             };
         }
+        if let Some(line) = state.engine_line().filter(|_| state.is_main_process()) {
+            eprintln!("{line}");
+        }
         let engine: Option<Box<dyn Engine>> = match state.rendezvous() {
             _ if state.over_mpi() => Some(mpi_engine(rank, world)?),
             Some(rendezvous) => Some(Box::new(TcpEngine::join(rank, world, rendezvous)?)),

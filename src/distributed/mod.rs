@@ -23,7 +23,8 @@
 //! The layers, bottom up: the engine that carries bytes (the built-in TCP transport: framing,
 //! connections, handshake, rendezvous, liveness, the ring; or MPI with the `mpi` feature),
 //! [`ProcessGroup`] (numbering, means, typed buffers), the tensor collectives, the gradient
-//! sync. [`ProcessState`] reads the layout from the environment and does no I/O.
+//! sync. [`ProcessState`] reads the layout from the environment and does no I/O (but for the
+//! note `from_env` prints in a Slurm allocation that is not an `srun` step).
 //!
 //! ```text
 //! burn-accelerate launch --num-processes 2 -- target/release/examples/train_mlp --batch-size 32

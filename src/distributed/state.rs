@@ -86,14 +86,23 @@ impl ProcessState {
     }
 
     /// Reads the process's place in the run from the environment (see [`env`](super::env)
-    /// for the variables); a single process when none of `RANK`, `WORLD_SIZE`, `LOCAL_RANK`
-    /// and `LOCAL_WORLD_SIZE` is set.
+    /// for the variables); a single process when no launcher's variables are set.
+    ///
+    /// A program started directly in a Slurm allocation of several tasks (`salloc -n 2
+    /// PROGRAM`, or a batch script's own line) is not a step of that many tasks: it runs as one
+    /// process, and the first call says so on stderr (`srun` starts the tasks).
     ///
     /// # Errors
     /// A [`DistributedError`] naming the first variable that is missing, unparsable or
     /// inconsistent with the others.
     pub fn from_env() -> Result<Self, DistributedError> {
-        Self::from_vars(|name| std::env::var(name).ok())
+        let var = |name: &str| std::env::var(name).ok();
+        let state = Self::from_vars(var)?;
+        static NOTED: std::sync::Once = std::sync::Once::new();
+        if let Some(note) = Self::allocation_note(&var) {
+            NOTED.call_once(|| eprintln!("{note}"));
+        }
+        Ok(state)
     }
 
     /// [`from_env`](Self::from_env) over any source of variables.
@@ -115,45 +124,89 @@ impl ProcessState {
         {
             return Self::from_mpi(&var, names, launcher);
         }
-        if set(&SLURM) {
-            // Slurm names the tasks per node only when asked to: otherwise they are its tasks
-            // over its nodes, which must then divide evenly.
-            let per_node = match (var(SLURM.local_world_size), var(env::SLURM_NNODES)) {
-                (None, Some(nodes)) => {
-                    let tasks = var(SLURM.world_size).and_then(|t| t.trim().parse::<usize>().ok());
+        match var(env::SLURM_STEP_ID) {
+            Some(step) if is_srun_step(&step) => Self::from_slurm_step(&var),
+            // Started directly in an allocation (`salloc`, a batch script), which sets the
+            // job's SLURM_NTASKS (and SLURM_PROCID=0 in a batch script) without being a step
+            // of that many tasks: one process, as Accelerate takes it. `from_env` says so.
+            _ => Ok(Self::single()),
+        }
+    }
+
+    // The layout of a task of an `srun` step, from the step's own variables: a step may be
+    // smaller than its job, whose SLURM_NTASKS_PER_NODE it inherits.
+    fn from_slurm_step(var: &impl Fn(&str) -> Option<String>) -> Result<Self, DistributedError> {
+        let per_node = match var(env::SLURM_STEP_TASKS_PER_NODE) {
+            Some(value) => Some(uniform_tasks_per_node(value)?.to_string()),
+            // Not named (an older Slurm): the step's tasks over its nodes, which must then
+            // divide evenly.
+            None => match var(env::SLURM_STEP_NUM_NODES) {
+                None => None,
+                Some(nodes) => {
+                    let tasks =
+                        var(env::SLURM_STEP_NUM_TASKS).and_then(|t| t.trim().parse::<usize>().ok());
                     match (tasks, nodes.trim().parse::<usize>()) {
                         (Some(tasks), Ok(n)) if n > 0 && tasks.is_multiple_of(n) => {
                             Some((tasks / n).to_string())
                         }
                         (Some(tasks), _) => {
                             return Err(DistributedError::InvalidVariable {
-                                name: env::SLURM_NNODES,
+                                name: env::SLURM_STEP_NUM_NODES,
                                 value: nodes,
                                 expected: format!(
-                                    "a divisor of SLURM_NTASKS={tasks}: every node runs as many \
-                                     tasks (srun --ntasks-per-node)"
+                                    "a divisor of SLURM_STEP_NUM_TASKS={tasks}: every node \
+                                     runs as many tasks (srun --ntasks-per-node)"
                                 ),
                             });
                         }
                         (None, _) => None,
                     }
                 }
-                (given, _) => given,
-            };
-            let slurm = |name: &str| {
-                if name == SLURM.local_world_size {
-                    per_node.clone()
-                } else {
-                    var(name)
-                }
-            };
-            // `srun --mpi=pmix` starts MPI programs itself: MPI carries the collectives.
-            if var(env::PMIX_RANK).is_some() {
-                return Self::from_mpi(&slurm, &SLURM, env::PMIX_RANK);
+            },
+        };
+        let slurm = |name: &str| {
+            if name == SLURM.local_world_size {
+                per_node.clone()
+            } else {
+                var(name)
             }
-            return Self::from_layout(&slurm, &SLURM, true);
+        };
+        // `srun --mpi=pmix` starts MPI programs itself: MPI carries the collectives.
+        if var(env::PMIX_RANK).is_some() {
+            return Self::from_mpi(&slurm, &SLURM, env::PMIX_RANK);
         }
-        Ok(Self::single())
+        if requested_engine(var)? == Some(Engine::Mpi) {
+            return Err(DistributedError::MpiNotLaunched {
+                launcher: "srun",
+                missing: env::PMIX_RANK,
+                fix: "start the step with `srun --mpi=pmix` (or set MpiDefault=pmix in \
+                      slurm.conf); Open MPI under `srun --mpi=pmi2` needs Slurm's PMI \
+                      support, which Debian's Open MPI lacks",
+            });
+        }
+        Self::from_layout(&slurm, &SLURM, true)
+    }
+
+    /// The note [`from_env`](Self::from_env) prints for a program started directly in a Slurm
+    /// allocation of several tasks, which runs as one process; `None` elsewhere.
+    fn allocation_note(var: &impl Fn(&str) -> Option<String>) -> Option<String> {
+        if var(env::SLURM_STEP_ID).is_some_and(|step| is_srun_step(&step))
+            || [&TORCHRUN, &OPEN_MPI, &PMI].iter().any(|names| {
+                [names.rank, names.world_size, names.local_rank]
+                    .iter()
+                    .any(|name| var(name).is_some())
+            })
+        {
+            return None;
+        }
+        let tasks = var(env::SLURM_NTASKS)?.trim().parse::<usize>().ok()?;
+        (tasks > 1).then(|| {
+            format!(
+                "burn-accelerate: one process: this program was started directly in a Slurm \
+                 allocation of {tasks} tasks (SLURM_NTASKS={tasks}, and no SLURM_STEP_ID: not \
+                 a task of an `srun` step); `srun PROGRAM` there starts {tasks}"
+            )
+        })
     }
 
     // The layout of an MPI launch (`launcher` shows it), whose collectives go over MPI unless
@@ -163,17 +216,12 @@ impl ProcessState {
         names: &Names,
         launcher: &'static str,
     ) -> Result<Self, DistributedError> {
-        let over_mpi = match var(env::ENGINE) {
-            None => true,
-            Some(engine) if engine.trim() == "mpi" => true,
-            Some(engine) if engine.trim() == "tcp" => false,
-            Some(value) => {
-                return Err(DistributedError::InvalidVariable {
-                    name: env::ENGINE,
-                    value,
-                    expected: "`mpi` or `tcp`".into(),
-                });
-            }
+        let over_mpi = match requested_engine(var)? {
+            Some(engine) => engine == Engine::Mpi,
+            // Without MPI built in, the built-in engine's variables choose it: on a cluster
+            // whose srun starts every step with PMIx (MpiDefault=pmix), every program looks
+            // started by MPI.
+            None => cfg!(feature = "mpi") || var(env::MASTER_ADDR).is_none(),
         };
         if !over_mpi {
             return Self::from_layout(var, names, true);
@@ -212,6 +260,7 @@ impl ProcessState {
             number(name)?.ok_or(DistributedError::MissingVariable {
                 name,
                 because: "other process-layout variables are set",
+                fix: names.fix,
             })
         };
         let Names {
@@ -221,6 +270,7 @@ impl ProcessState {
             local_world_size: local_world_name,
             machine_rank: machine_name,
             binds_processes,
+            ..
         } = *names;
         let world = required(world_name)?;
         let rank = required(rank_name)?;
@@ -283,7 +333,7 @@ impl ProcessState {
             ));
         }
         let rendezvous = if world > 1 && rendezvous {
-            Some(Self::read_rendezvous(var, local_rank)?)
+            Some(Self::read_rendezvous(var, names, local_rank)?)
         } else {
             None
         };
@@ -302,14 +352,16 @@ impl ProcessState {
 
     fn read_rendezvous(
         var: &impl Fn(&str) -> Option<String>,
+        names: &Names,
         local_rank: usize,
     ) -> Result<Rendezvous, DistributedError> {
+        const MEET: &str = "the run has several processes and they must meet somewhere";
         let main_addr = var(env::MASTER_ADDR)
             .filter(|a| !a.trim().is_empty())
             .ok_or(DistributedError::MissingVariable {
                 name: env::MASTER_ADDR,
-                because: "the run has several processes and they must meet somewhere (under \
-                          srun, set MASTER_ADDR and MASTER_PORT in the job script)",
+                because: MEET,
+                fix: names.rendezvous_fix,
             })?;
         let port = |name: &'static str, value: String| {
             value
@@ -326,8 +378,8 @@ impl ProcessState {
         let main_port = var(env::MASTER_PORT)
             .ok_or(DistributedError::MissingVariable {
                 name: env::MASTER_PORT,
-                because: "the run has several processes and they must meet somewhere (under \
-                          srun, set MASTER_ADDR and MASTER_PORT in the job script)",
+                because: MEET,
+                fix: names.rendezvous_fix,
             })
             .and_then(|v| port(env::MASTER_PORT, v))?;
         let hosted_by_launcher = match var(env::ORCHESTRATOR) {
@@ -397,7 +449,18 @@ impl ProcessState {
             timeout,
             liveness,
             hosted_by_launcher,
-            secret: RunSecret::from_vars(var)?,
+            secret: match RunSecret::from_vars(var)? {
+                // Nothing but the job script sets it under srun: said now, with the rest of
+                // the job script's variables, rather than when the engine starts.
+                None if names.secret_from_script => {
+                    return Err(DistributedError::MissingVariable {
+                        name: env::SECRET,
+                        because: "every connection of a run proves it knows the run's secret",
+                        fix: names.rendezvous_fix,
+                    });
+                }
+                secret => secret,
+            },
         })
     }
 
@@ -457,6 +520,25 @@ impl ProcessState {
         self.mpi.is_some()
     }
 
+    /// The line the main process prints when it joins the run: which engine carries the
+    /// collectives, and why (`None` for a single process, which has none).
+    pub(crate) fn engine_line(&self) -> Option<String> {
+        let machines = match self.num_machines {
+            1 => "1 machine".to_string(),
+            n => format!("{n} machines"),
+        };
+        let why = match (self.mpi, &self.rendezvous) {
+            (Some(launcher), _) => format!("an MPI launch: {launcher} is set"),
+            (None, Some(r)) => format!("rendezvous at {}:{}", r.main_addr, r.main_port),
+            (None, None) => return None,
+        };
+        let engine = if self.over_mpi() { "mpi" } else { "tcp" };
+        Some(format!(
+            "burn-accelerate: engine {engine} for {} processes on {machines} ({why})",
+            self.num_processes
+        ))
+    }
+
     /// Whether the launcher (`mpirun`, `srun`) binds each process to CPUs of its own, so that
     /// a process's CPU mask is its share of the machine; torchrun and this crate's launcher
     /// bind none, and their processes share the machine's.
@@ -477,7 +559,18 @@ struct Names {
     machine_rank: Option<&'static str>,
     /// Whether the launcher binds each process to CPUs of its own.
     binds_processes: bool,
+    /// What to change when one of these variables is missing.
+    fix: &'static str,
+    /// What to change when the built-in engine's variables (`MASTER_ADDR`, `MASTER_PORT`, the
+    /// secret) are missing.
+    rendezvous_fix: &'static str,
+    /// Whether only the user sets the run's secret (no launcher makes one), so that its
+    /// absence is an error of the layout.
+    secret_from_script: bool,
 }
+
+const LAUNCH: &str =
+    "start the processes with `burn-accelerate launch` (or torchrun), which sets all of them";
 
 /// torchrun's (and `burn-accelerate launch`'s, and Accelerate's).
 const TORCHRUN: Names = Names {
@@ -487,7 +580,14 @@ const TORCHRUN: Names = Names {
     local_world_size: env::LOCAL_WORLD_SIZE,
     machine_rank: Some(env::GROUP_RANK),
     binds_processes: false,
+    fix: LAUNCH,
+    rendezvous_fix: LAUNCH,
+    secret_from_script: false,
 };
+
+const MPI_RENDEZVOUS: &str = "the built-in engine needs MASTER_ADDR, MASTER_PORT and \
+     BURN_ACCELERATE_SECRET in every process's environment (`mpirun -x NAME`); for MPI's own, \
+     build with `--features mpi` and leave BURN_ACCELERATE_ENGINE unset";
 
 /// Open MPI's, under its `mpirun`.
 const OPEN_MPI: Names = Names {
@@ -497,6 +597,9 @@ const OPEN_MPI: Names = Names {
     local_world_size: env::OMPI_LOCAL_SIZE,
     machine_rank: None,
     binds_processes: true,
+    fix: "start the processes with Open MPI's `mpirun`, which sets all of them",
+    rendezvous_fix: MPI_RENDEZVOUS,
+    secret_from_script: false,
 };
 
 /// PMI's (MPICH's Hydra `mpirun`, Slurm with PMI), with MPICH's local ranks.
@@ -507,17 +610,107 @@ const PMI: Names = Names {
     local_world_size: env::MPI_LOCALNRANKS,
     machine_rank: None,
     binds_processes: true,
+    fix: "start the processes with MPICH's `mpirun`, which sets all of them",
+    rendezvous_fix: MPI_RENDEZVOUS,
+    secret_from_script: false,
 };
 
-/// Slurm's, under `srun` (with `MASTER_ADDR` and `MASTER_PORT` set by the job script).
+/// Slurm's, in a task of an `srun` step (with `MASTER_ADDR`, `MASTER_PORT` and the secret set
+/// by the job script, or MPI's wiring under `srun --mpi=pmix`).
 const SLURM: Names = Names {
     rank: env::SLURM_PROCID,
-    world_size: env::SLURM_NTASKS,
+    world_size: env::SLURM_STEP_NUM_TASKS,
     local_rank: env::SLURM_LOCALID,
-    local_world_size: env::SLURM_NTASKS_PER_NODE,
+    local_world_size: env::SLURM_STEP_TASKS_PER_NODE,
     machine_rank: Some(env::SLURM_NODEID),
     binds_processes: true,
+    fix: "srun sets it in every task of a step (SLURM_STEP_ID is set here): start the \
+          program with `srun`, not by hand",
+    rendezvous_fix: SLURM_RENDEZVOUS,
+    secret_from_script: true,
 };
+
+const SLURM_RENDEZVOUS: &str = if cfg!(feature = "mpi") {
+    "for the built-in engine, export MASTER_ADDR (the first node: `scontrol show hostnames \
+     \"$SLURM_JOB_NODELIST\" | head -n 1`), MASTER_PORT and BURN_ACCELERATE_SECRET in the job \
+     script before `srun`; or start the program with `srun --mpi=pmix` for MPI (this build has \
+     it)"
+} else {
+    "for the built-in engine, export MASTER_ADDR (the first node: `scontrol show hostnames \
+     \"$SLURM_JOB_NODELIST\" | head -n 1`), MASTER_PORT and BURN_ACCELERATE_SECRET in the job \
+     script before `srun`; or build the program with `--features mpi` and start it with \
+     `srun --mpi=pmix`"
+};
+
+/// Slurm numbers the batch script's, the interactive and the extern steps from here up
+/// (`SLURM_BATCH_SCRIPT` and its neighbours in `slurm.h`); a program in one of them is one
+/// process, should SLURM_STEP_ID name it.
+const SLURM_SPECIAL_STEPS: u32 = 0xFFFF_FFF0;
+
+/// Whether a SLURM_STEP_ID names a step `srun` started, of SLURM_STEP_NUM_TASKS tasks.
+fn is_srun_step(step: &str) -> bool {
+    step.trim()
+        .parse::<u32>()
+        .is_ok_and(|id| id < SLURM_SPECIAL_STEPS)
+}
+
+/// The tasks per node of a step whose SLURM_STEP_TASKS_PER_NODE is `value`, in Slurm's form
+/// (`4`, `2(x3)`, `2(x3),1`): the same on every node, or an error saying how to ask for that.
+fn uniform_tasks_per_node(value: String) -> Result<usize, DistributedError> {
+    let counts: Option<Vec<usize>> = value
+        .split(',')
+        .map(|entry| {
+            let count = match entry.trim().split_once('(') {
+                Some((count, repeat)) => {
+                    let times = repeat.strip_prefix('x')?.strip_suffix(')')?;
+                    times.parse::<usize>().ok().filter(|t| *t > 0)?;
+                    count
+                }
+                None => entry.trim(),
+            };
+            count.parse::<usize>().ok().filter(|c| *c > 0)
+        })
+        .collect();
+    let Some(counts) = counts else {
+        return Err(DistributedError::InvalidVariable {
+            name: env::SLURM_STEP_TASKS_PER_NODE,
+            value,
+            expected: "Slurm's list of tasks per node, such as `4` or `2(x3),1`".into(),
+        });
+    };
+    match counts[..] {
+        [first, ref rest @ ..] if rest.iter().all(|c| *c == first) => Ok(first),
+        _ => Err(DistributedError::InvalidVariable {
+            name: env::SLURM_STEP_TASKS_PER_NODE,
+            value,
+            expected: "the same number of tasks on every node: start the step with `srun \
+                       --ntasks-per-node=N` (and -n a multiple of -N)"
+                .into(),
+        }),
+    }
+}
+
+/// The engine BURN_ACCELERATE_ENGINE asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Engine {
+    Mpi,
+    Tcp,
+}
+
+fn requested_engine(
+    var: &impl Fn(&str) -> Option<String>,
+) -> Result<Option<Engine>, DistributedError> {
+    match var(env::ENGINE) {
+        None => Ok(None),
+        Some(engine) if engine.trim() == "mpi" => Ok(Some(Engine::Mpi)),
+        Some(engine) if engine.trim() == "tcp" => Ok(Some(Engine::Tcp)),
+        Some(value) => Err(DistributedError::InvalidVariable {
+            name: env::ENGINE,
+            value,
+            expected: "`mpi` or `tcp`".into(),
+        }),
+    }
+}
 
 fn invalid(name: &'static str, value: usize, expected: String) -> DistributedError {
     DistributedError::InvalidVariable {
@@ -604,15 +797,32 @@ mod tests {
         assert_eq!((r.main_port, r.data_port), (29500, 29502));
     }
 
-    const SLURM_2X2: [(&str, &str); 7] = [
+    /// Task 3 of `srun -N 2 -n 4` in a job of its own, as Slurm 22.05 sets it, with the job
+    /// script's variables of the built-in engine.
+    const SLURM_2X2: [(&str, &str); 12] = [
+        ("SLURM_STEP_ID", "0"),
         ("SLURM_PROCID", "3"),
         ("SLURM_NTASKS", "4"),
         ("SLURM_LOCALID", "1"),
         ("SLURM_NODEID", "1"),
         ("SLURM_NNODES", "2"),
+        ("SLURM_STEP_NUM_TASKS", "4"),
+        ("SLURM_STEP_NUM_NODES", "2"),
+        ("SLURM_STEP_TASKS_PER_NODE", "2(x2)"),
         ("MASTER_ADDR", "node-0"),
         ("MASTER_PORT", "29500"),
+        ("BURN_ACCELERATE_SECRET", "the job script's"),
     ];
+
+    fn slurm_with(over: &[(&'static str, &'static str)]) -> Vec<(&'static str, &'static str)> {
+        let mut vars: Vec<_> = SLURM_2X2
+            .iter()
+            .filter(|(n, _)| !over.iter().any(|(o, _)| o == n))
+            .copied()
+            .collect();
+        vars.extend(over.iter().filter(|(_, v)| !v.is_empty()).copied());
+        vars
+    }
 
     #[test]
     fn reads_a_slurm_layout() {
@@ -623,20 +833,17 @@ mod tests {
             (r.main_addr.as_str(), r.main_port, r.data_port),
             ("node-0", 29500, 29502)
         );
-        // --ntasks-per-node names the tasks per node itself.
-        let mut vars: Vec<_> = SLURM_2X2
-            .iter()
-            .filter(|(n, _)| *n != "SLURM_NNODES")
-            .copied()
-            .collect();
-        vars.push(("SLURM_NTASKS_PER_NODE", "2"));
+        // Without the tasks per node (an older Slurm): the step's tasks over its nodes.
+        let vars = slurm_with(&[("SLURM_STEP_TASKS_PER_NODE", "")]);
         assert_eq!(layout(&state(&vars).unwrap()), [4, 3, 1, 2, 2, 1]);
         // One task: one process.
         let one = state(&[
+            ("SLURM_STEP_ID", "0"),
             ("SLURM_PROCID", "0"),
             ("SLURM_NTASKS", "1"),
             ("SLURM_LOCALID", "0"),
-            ("SLURM_NNODES", "1"),
+            ("SLURM_STEP_NUM_TASKS", "1"),
+            ("SLURM_STEP_TASKS_PER_NODE", "1"),
         ])
         .unwrap();
         assert!(!one.is_distributed() && one.rendezvous().is_none());
@@ -644,6 +851,136 @@ mod tests {
         let mut both = TWO_BY_TWO.to_vec();
         both.extend([("SLURM_PROCID", "0"), ("SLURM_NTASKS", "1")]);
         assert_eq!(layout(&state(&both).unwrap()), [4, 3, 1, 2, 2, 1]);
+    }
+
+    #[test]
+    fn a_step_smaller_than_its_job_has_its_own_layout() {
+        // `srun -n 2` in a job of `-N 1 --ntasks-per-node=4`, as Slurm 22.05 sets it: the step
+        // keeps the job's SLURM_NTASKS_PER_NODE and SLURM_JOB_CPUS_PER_NODE.
+        let step = [
+            ("SLURM_STEP_ID", "0"),
+            ("SLURM_PROCID", "1"),
+            ("SLURM_NTASKS", "2"),
+            ("SLURM_NTASKS_PER_NODE", "4"),
+            ("SLURM_TASKS_PER_NODE", "2"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_NODEID", "0"),
+            ("SLURM_NNODES", "1"),
+            ("SLURM_STEP_NUM_TASKS", "2"),
+            ("SLURM_STEP_NUM_NODES", "1"),
+            ("SLURM_STEP_TASKS_PER_NODE", "2"),
+            ("PMIX_RANK", "1"),
+        ];
+        if cfg!(feature = "mpi") {
+            let s = state(&step).unwrap();
+            assert!(s.over_mpi());
+            assert_eq!(layout(&s), [2, 1, 1, 2, 1, 0]);
+        } else {
+            let err = state(&step).unwrap_err();
+            assert!(matches!(err, DistributedError::MpiNotBuilt { .. }), "{err}");
+        }
+        // Slurm's repeated counts, the same on every node.
+        let vars = slurm_with(&[
+            ("SLURM_STEP_NUM_TASKS", "6"),
+            ("SLURM_STEP_NUM_NODES", "3"),
+            ("SLURM_STEP_TASKS_PER_NODE", "2(x3)"),
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NODEID", "2"),
+        ]);
+        assert_eq!(layout(&state(&vars).unwrap()), [6, 5, 1, 2, 3, 2]);
+        assert_eq!(uniform_tasks_per_node("2,2(x2)".into()).unwrap(), 2);
+        // Uneven nodes cannot be numbered machine by machine: said with the flag to change.
+        let uneven = slurm_with(&[
+            ("SLURM_STEP_NUM_TASKS", "7"),
+            ("SLURM_STEP_TASKS_PER_NODE", "2(x3),1"),
+        ]);
+        let msg = error_names(&uneven, "SLURM_STEP_TASKS_PER_NODE");
+        assert!(msg.contains("--ntasks-per-node"), "{msg}");
+        for bad in ["", "2(x", "2(3)", "0", "x", "2(x0)"] {
+            let err = uniform_tasks_per_node(bad.into()).unwrap_err();
+            assert!(err.to_string().contains("`2(x3),1`"), "{bad:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn a_program_started_directly_in_an_allocation_is_one_process_with_a_note() {
+        let map = |vars: &'static [(&'static str, &'static str)]| {
+            move |name: &str| {
+                vars.iter()
+                    .find(|(n, _)| *n == name)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        // `salloc -n 2 PROGRAM`, and the batch step of `sbatch --ntasks-per-node=4`, as Slurm
+        // 22.05 sets them: no SLURM_STEP_ID.
+        let salloc: &[(&str, &str)] = &[("SLURM_NTASKS", "2"), ("SLURM_NNODES", "1")];
+        let batch: &[(&str, &str)] = &[
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_NTASKS_PER_NODE", "4"),
+            ("SLURM_LOCALID", "0"),
+            ("SLURM_NODEID", "0"),
+        ];
+        // A batch step that names itself (Slurm's SLURM_BATCH_SCRIPT id), as a later Slurm
+        // might.
+        let named: &[(&str, &str)] = &[
+            ("SLURM_STEP_ID", "4294967291"),
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "4"),
+        ];
+        for (vars, tasks) in [(salloc, 2), (batch, 4), (named, 4)] {
+            let var = map(vars);
+            assert_eq!(
+                ProcessState::from_vars(var).unwrap(),
+                ProcessState::single()
+            );
+            let note = ProcessState::allocation_note(&var).unwrap();
+            assert!(
+                note.contains(&format!("`srun PROGRAM` there starts {tasks}")),
+                "{note}"
+            );
+        }
+        // No note for one task, for a task of a step, or under another launcher.
+        assert_eq!(
+            ProcessState::allocation_note(&map(&[("SLURM_NTASKS", "1")])),
+            None
+        );
+        assert_eq!(ProcessState::allocation_note(&map(&SLURM_2X2)), None);
+        let torchrun: &[(&str, &str)] =
+            &[("RANK", "0"), ("WORLD_SIZE", "1"), ("SLURM_NTASKS", "2")];
+        assert_eq!(ProcessState::allocation_note(&map(torchrun)), None);
+    }
+
+    #[test]
+    fn under_srun_the_engine_follows_the_wiring_and_the_variables() {
+        // The MPI engine asked for, but srun started the step without PMIx.
+        let mut vars = SLURM_2X2.to_vec();
+        vars.push(("BURN_ACCELERATE_ENGINE", "mpi"));
+        let err = state(&vars).unwrap_err();
+        assert!(
+            matches!(err, DistributedError::MpiNotLaunched { .. }),
+            "{err}"
+        );
+        assert!(err.to_string().contains("srun --mpi=pmix"), "{err}");
+        // srun --mpi=pmix with the built-in engine's variables: MPI where it is built in,
+        // the built-in engine otherwise (a cluster whose MpiDefault is pmix).
+        let mut pmix = SLURM_2X2.to_vec();
+        pmix.push(("PMIX_RANK", "3"));
+        let s = state(&pmix).unwrap();
+        assert_eq!(s.over_mpi(), cfg!(feature = "mpi"));
+        assert_eq!(s.rendezvous().is_some(), !cfg!(feature = "mpi"));
+        let line = s.engine_line().unwrap();
+        let engine = if cfg!(feature = "mpi") { "mpi" } else { "tcp" };
+        assert!(
+            line.starts_with(&format!(
+                "burn-accelerate: engine {engine} for 4 processes on 2 machines"
+            )),
+            "{line}"
+        );
+        // ... and the built-in engine on request.
+        pmix.push(("BURN_ACCELERATE_ENGINE", "tcp"));
+        assert!(!state(&pmix).unwrap().over_mpi());
+        assert_eq!(ProcessState::single().engine_line(), None);
     }
 
     const OPEN_MPI_2X2: [(&str, &str); 4] = [
@@ -718,56 +1055,67 @@ mod tests {
 
     #[test]
     fn srun_with_pmix_is_an_mpi_launch() {
-        let mut vars = SLURM_2X2.to_vec();
+        let mut vars = slurm_with(&[("MASTER_ADDR", ""), ("MASTER_PORT", "")]);
         vars.push(("PMIX_RANK", "3"));
         match state(&vars) {
             Ok(s) => {
                 assert!(cfg!(feature = "mpi") && s.over_mpi());
                 assert_eq!(layout(&s), [4, 3, 1, 2, 2, 1]);
             }
-            Err(err) => assert!(
-                !cfg!(feature = "mpi")
-                    && matches!(
-                        err,
-                        DistributedError::MpiNotBuilt {
-                            launcher: "PMIX_RANK"
-                        }
-                    ),
-                "{err}"
-            ),
+            Err(err) => {
+                assert!(
+                    !cfg!(feature = "mpi")
+                        && matches!(
+                            err,
+                            DistributedError::MpiNotBuilt {
+                                launcher: "PMIX_RANK"
+                            }
+                        ),
+                    "{err}"
+                );
+                // What to change under srun, not under another launcher.
+                let msg = err.to_string();
+                assert!(msg.contains("in the job script before `srun`"), "{msg}");
+                assert!(!msg.contains("burn-accelerate launch"), "{msg}");
+            }
         }
     }
 
     #[test]
     fn a_bad_slurm_layout_names_slurm_variables() {
         // Tasks dealt round the nodes (srun's cyclic distribution): rank 1 on node 1.
-        let cyclic = [
+        let cyclic = slurm_with(&[
             ("SLURM_PROCID", "1"),
-            ("SLURM_NTASKS", "4"),
             ("SLURM_LOCALID", "0"),
             ("SLURM_NODEID", "1"),
-            ("SLURM_NNODES", "2"),
-            ("MASTER_ADDR", "node-0"),
-            ("MASTER_PORT", "29500"),
-        ];
+        ]);
         let msg = error_names(&cyclic, "SLURM_LOCALID");
         assert!(msg.contains("--distribution=block"), "{msg}");
-        let msg = error_names(&[("SLURM_PROCID", "0")], "SLURM_NTASKS");
-        assert!(msg.contains("not set"), "{msg}");
         let msg = error_names(
-            &[
+            &slurm_with(&[("SLURM_STEP_NUM_TASKS", "")]),
+            "SLURM_STEP_NUM_TASKS",
+        );
+        assert!(msg.contains("start the program with `srun`"), "{msg}");
+        let msg = error_names(
+            &slurm_with(&[
+                ("SLURM_STEP_NUM_TASKS", "3"),
                 ("SLURM_PROCID", "0"),
-                ("SLURM_NTASKS", "3"),
-                ("SLURM_NNODES", "2"),
-            ],
-            "SLURM_NNODES",
+                ("SLURM_LOCALID", "0"),
+                ("SLURM_NODEID", "0"),
+                ("SLURM_STEP_TASKS_PER_NODE", ""),
+            ]),
+            "SLURM_STEP_NUM_NODES",
         );
-        assert!(msg.contains("a divisor of SLURM_NTASKS=3"), "{msg}");
-        let msg = error_names(
-            &[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "2")],
-            "MASTER_ADDR",
-        );
-        assert!(msg.contains("not set"), "{msg}");
+        assert!(msg.contains("a divisor of SLURM_STEP_NUM_TASKS=3"), "{msg}");
+        // The built-in engine's variables, each missing: the job script's to set, and MPI the
+        // other way (never the launcher of another world).
+        for name in ["MASTER_ADDR", "MASTER_PORT", "BURN_ACCELERATE_SECRET"] {
+            let msg = error_names(&slurm_with(&[(name, "")]), name);
+            assert!(msg.contains("not set"), "{msg}");
+            assert!(msg.contains("in the job script before `srun`"), "{msg}");
+            assert!(msg.contains("srun --mpi=pmix"), "{msg}");
+            assert!(!msg.contains("burn-accelerate launch"), "{msg}");
+        }
     }
 
     #[test]

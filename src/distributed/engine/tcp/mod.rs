@@ -86,8 +86,10 @@ impl TcpEngine {
             .clone()
             .ok_or(DistributedError::MissingVariable {
                 name: env::SECRET,
-                because: "every connection of a run proves it knows the run's secret \
-                          (`burn-accelerate secret` makes one)",
+                because: "every connection of a run proves it knows the run's secret",
+                fix: "set it to the same text in every process (`burn-accelerate secret` \
+                      writes one), or start the processes with `burn-accelerate launch`, which \
+                      makes one",
             })?;
         if rank == 0 && !rendezvous.hosted_by_launcher {
             rendezvous::serve(
