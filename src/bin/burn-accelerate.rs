@@ -4,8 +4,16 @@
 //!
 //! ```text
 //! burn-accelerate launch --num-processes 2 -- target/release/examples/train_mlp --batch-size 32
+//! burn-accelerate launch --num-processes 2 --max-restarts 3 -- \
+//!     target/release/examples/train_mlp --checkpoint-dir run/checkpoints
 //! burn-accelerate env
 //! ```
+//!
+//! With `--max-restarts N`, a failed run (a process that exits non-zero or is killed; a frozen
+//! or cut-off one makes the others fail) is stopped whole and started again, up to `N` times,
+//! as torchrun's elastic agent does: each start is an attempt, numbered in the processes'
+//! environment and in every line the launcher writes, with a rendezvous that hears only its
+//! own attempt's processes.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, Command, ExitCode, ExitStatus, Stdio};
@@ -38,7 +46,8 @@ enum Task {
     /// BURN_ACCELERATE_DATA_PORT, BURN_ACCELERATE_TIMEOUT, BURN_ACCELERATE_LIVENESS_TIMEOUT);
     /// machine 0 hosts the rendezvous.
     /// Output lines are prefixed with the rank; Ctrl-C is forwarded; when any process fails,
-    /// the others are stopped and the launcher exits non-zero, naming the rank.
+    /// the others are stopped, and the run is started again while --max-restarts allows
+    /// (otherwise the launcher exits non-zero, naming the rank of each attempt's failure).
     Launch(Launch),
     /// Write a fresh run secret (64 hex characters) to PATH (readable by its owner only), or
     /// print it
@@ -98,6 +107,16 @@ struct Launch {
     /// send it values. Only on a network no one else reaches.
     #[arg(long)]
     insecure_no_secret: bool,
+    /// Times the run may be started again after a process fails (torchrun's --max-restarts):
+    /// the whole group is stopped and started afresh, each start with its number in
+    /// BURN_ACCELERATE_RESTART_COUNT and TORCHELASTIC_RESTART_COUNT (0, 1, ...) and a
+    /// rendezvous that refuses the processes of earlier starts. A program training with
+    /// `with_accelerate` and a checkpoint directory (train_mlp --checkpoint-dir) resumes from
+    /// its newest complete checkpoint. With several machines, give every launcher the same
+    /// number.
+    #[arg(long, default_value_t = 0, value_name = "N",
+        value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
+    max_restarts: u32,
     /// The program to run, and its arguments (after `--`).
     #[arg(
         required = true,
@@ -259,6 +278,44 @@ impl Launch {
 // The signal that asked the launcher to stop (0: none yet).
 static STOP_SIGNAL: AtomicI32 = AtomicI32::new(0);
 
+/// Which start of the run a launcher line belongs to: `[attempt 2/4]` is the first restart of
+/// a run that may restart 3 times.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Attempt {
+    /// 0 for the first start, `n` after `n` restarts (the processes' restart count).
+    number: u64,
+    /// Starts the run may have in all: `--max-restarts` + 1.
+    of: u64,
+}
+
+impl std::fmt::Display for Attempt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "burn-accelerate launch [attempt {}/{}]",
+            self.number + 1,
+            self.of
+        )
+    }
+}
+
+// What the launcher says when the last allowed attempt failed: every attempt's failure, in
+// order, so that one look tells a flaky machine (different failures) from a bug (the same).
+fn budget_spent(max_restarts: u32, failures: &[String]) -> String {
+    let each: Vec<String> = failures
+        .iter()
+        .enumerate()
+        .map(|(i, failure)| format!("attempt {}: {failure}", i + 1))
+        .collect();
+    format!(
+        "burn-accelerate launch: the run failed {} times and --max-restarts {max_restarts} \
+         allows no more restarts ({}); raise --max-restarts to try again from the last \
+         checkpoint",
+        failures.len(),
+        each.join("; ")
+    )
+}
+
 fn run(launch: &Launch) -> Result<ExitCode, DistributedError> {
     let plan = launch.plan()?;
     let io = |what: &str| {
@@ -275,26 +332,116 @@ fn run(launch: &Launch) -> Result<ExitCode, DistributedError> {
         .map_err(io("starting the launcher's runtime"))?;
     let timeout = Duration::from_secs_f64(launch.timeout);
     let secret = launch.secret()?;
-    if launch.machine_rank == 0 && plan.world > 1 {
+    let host = if launch.machine_rank == 0 && plan.world > 1 {
         // On the address the other machines were told (loopback for one machine), not on
-        // every interface.
-        distributed::serve_rendezvous(
+        // every interface. One rendezvous for every attempt: the port stays the one the other
+        // machines were given, and it refuses the processes of attempts that have ended.
+        Some(distributed::serve_rendezvous(
             &plan.main_addr,
             launch.main_process_port,
             timeout,
             secret.clone(),
             runtime.handle(),
-        )?;
-    }
+        )?)
+    } else {
+        None
+    };
     runtime.spawn(forward_stop_signals());
 
+    let attempts = u64::from(launch.max_restarts) + 1;
+    let threads = threads_per_process(
+        plan.local,
+        Attempt {
+            number: 0,
+            of: attempts,
+        },
+    );
+    let grace = Duration::from_secs_f64(launch.grace);
+    let mut failures = Vec::new();
+    for number in 0..attempts {
+        let attempt = Attempt {
+            number,
+            of: attempts,
+        };
+        if let Some(host) = &host {
+            host.begin_attempt(number);
+        }
+        if number > 0 {
+            eprintln!(
+                "{attempt}: starting the run's {} processes on this machine again (restart \
+                 {number} of {}; {}={number})",
+                plan.local,
+                launch.max_restarts,
+                env::RESTART_COUNT
+            );
+        }
+        let mut children = match start(launch, &plan, &secret, attempt, threads) {
+            Ok(children) => children,
+            Err(err) => {
+                eprintln!("{attempt}: {err}");
+                return Ok(ExitCode::from(2));
+            }
+        };
+        let outcome = supervise(&mut children, grace);
+        for child in &mut children {
+            child.finish_output();
+        }
+        match outcome {
+            Outcome::AllSucceeded => {
+                if number > 0 {
+                    eprintln!("{attempt}: every process succeeded");
+                }
+                return Ok(ExitCode::SUCCESS);
+            }
+            Outcome::Stopped(signal) => {
+                eprintln!("{attempt}: stopped by signal {signal}; so were the processes");
+                return Ok(ExitCode::from((128 + signal).clamp(0, 255) as u8));
+            }
+            Outcome::Failed { rank, status } => {
+                let failure = format!("process {rank} {}", describe(status));
+                eprintln!("{attempt}: {failure}; the other processes were stopped");
+                failures.push(failure);
+                // Ctrl-C while the group was being stopped ends the run rather than restarting
+                // it.
+                let signal = STOP_SIGNAL.load(Ordering::SeqCst);
+                if signal != 0 {
+                    eprintln!("{attempt}: stopped by signal {signal}; no restart");
+                    return Ok(ExitCode::from((128 + signal).clamp(0, 255) as u8));
+                }
+                if number + 1 < attempts {
+                    eprintln!(
+                        "{attempt}: restarting the run ({} of {} restarts left after this one)",
+                        attempts - number - 2,
+                        launch.max_restarts
+                    );
+                }
+            }
+        }
+    }
+    if launch.max_restarts > 0 {
+        eprintln!("{}", budget_spent(launch.max_restarts, &failures));
+    }
+    Ok(ExitCode::FAILURE)
+}
+
+// Starts this machine's processes for `attempt`, each with its place in the run and the
+// attempt's number.
+fn start(
+    launch: &Launch,
+    plan: &Plan,
+    secret: &RunSecret,
+    attempt: Attempt,
+    threads: Option<usize>,
+) -> Result<Vec<Rank>, DistributedError> {
     // Each machine starts at its first rank's place, so that machines sharing a host (a test)
-    // do not pick the same ports.
+    // do not pick the same ports. Chosen anew each attempt: a process of an earlier one that
+    // outlived its group may still hold its port.
     let first_port = u16::try_from(u32::from(launch.main_process_port) + 1 + plan.first_rank)
         .unwrap_or(u16::MAX);
-    let ports =
-        free_ports(first_port, plan.local as usize).map_err(io("choosing the processes' ports"))?;
-    let threads = threads_per_process(plan.local);
+    let ports = free_ports(first_port, plan.local as usize).map_err(|e| DistributedError::Io {
+        what: "choosing the processes' ports".into(),
+        reason: e.to_string(),
+    })?;
     let mut children = Vec::new();
     for (local_rank, port) in (0..plan.local).zip(ports) {
         let rank = plan.first_rank + local_rank;
@@ -313,6 +460,10 @@ fn run(launch: &Launch) -> Result<ExitCode, DistributedError> {
             .env(env::LIVENESS_TIMEOUT, launch.liveness_timeout.to_string())
             .env(env::ORCHESTRATOR, env::ORCHESTRATOR_LAUNCHER)
             .env(env::SECRET, secret.to_text())
+            .env(env::RESTART_COUNT, attempt.number.to_string())
+            .env(env::TORCHRUN_RESTART_COUNT, attempt.number.to_string())
+            .env(env::MAX_RESTARTS, launch.max_restarts.to_string())
+            .env(env::TORCHRUN_MAX_RESTARTS, launch.max_restarts.to_string())
             .env("PYTHONUNBUFFERED", "1")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -340,30 +491,12 @@ fn run(launch: &Launch) -> Result<ExitCode, DistributedError> {
         };
         children.push(Rank::start(rank, child));
     }
-    let grace = Duration::from_secs_f64(launch.grace);
-    let outcome = supervise(&mut children, grace);
-    for child in &mut children {
-        child.finish_output();
-    }
-    Ok(match outcome {
-        Outcome::AllSucceeded => ExitCode::SUCCESS,
-        Outcome::Failed { rank, status } => {
-            eprintln!(
-                "burn-accelerate launch: process {rank} {}; the other processes were stopped",
-                describe(status)
-            );
-            ExitCode::FAILURE
-        }
-        Outcome::Stopped(signal) => {
-            eprintln!("burn-accelerate launch: stopped by signal {signal}; so were the processes");
-            ExitCode::from((128 + signal).clamp(0, 255) as u8)
-        }
-    })
+    Ok(children)
 }
 
 // With several processes on a machine, each gets its share of the cores (torchrun sets
 // OMP_NUM_THREADS=1 for the same reason): otherwise every process starts a thread per core.
-fn threads_per_process(local: u32) -> Option<usize> {
+fn threads_per_process(local: u32, attempt: Attempt) -> Option<usize> {
     if local < 2 {
         return None;
     }
@@ -374,7 +507,7 @@ fn threads_per_process(local: u32) -> Option<usize> {
         .any(|v| std::env::var_os(v).is_none())
     {
         eprintln!(
-            "burn-accelerate launch: {local} processes on {cores} cores: each gets \
+            "{attempt}: {local} processes on {cores} cores: each gets \
              RAYON_NUM_THREADS / OMP_NUM_THREADS = {threads} (set them to choose)"
         );
     }
@@ -627,7 +760,7 @@ fn report_env() {
         ),
         Err(err) => println!("process: the environment is not a valid launch: {err}"),
     }
-    for name in env::ALL {
+    for name in env::ALL.into_iter().chain(env::RESTARTS) {
         if let Ok(value) = std::env::var(name) {
             let value = if name == env::SECRET {
                 "(set, not shown)".into()
@@ -707,5 +840,48 @@ mod backends {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_line_names_its_attempt_and_the_last_one_every_failure() {
+        let attempt = Attempt { number: 1, of: 3 };
+        assert_eq!(attempt.to_string(), "burn-accelerate launch [attempt 2/3]");
+        let failures = [
+            "process 1 was killed by signal SIGKILL".to_string(),
+            "process 0 exited with status 7".to_string(),
+        ];
+        let said = budget_spent(1, &failures);
+        assert!(
+            said.contains("failed 2 times and --max-restarts 1 allows no more restarts")
+                && said.contains(
+                    "attempt 1: process 1 was killed by signal SIGKILL; attempt 2: process 0 \
+                     exited with status 7"
+                ),
+            "{said}"
+        );
+    }
+
+    #[test]
+    fn the_restart_budget_is_a_flag_with_torchruns_default() {
+        let parse = |args: &[&str]| {
+            Cli::try_parse_from(
+                ["burn-accelerate", "launch"]
+                    .iter()
+                    .chain(args)
+                    .chain(&["--", "x"]),
+            )
+            .map(|cli| match cli.task {
+                Task::Launch(launch) => launch.max_restarts,
+                _ => unreachable!("a launch"),
+            })
+        };
+        assert_eq!(parse(&[]).unwrap(), 0);
+        assert_eq!(parse(&["--max-restarts", "3"]).unwrap(), 3);
+        assert!(parse(&["--max-restarts", "-1"]).is_err());
     }
 }

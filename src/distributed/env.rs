@@ -41,6 +41,25 @@ pub const ORCHESTRATOR: &str = "BURN_ACCELERATE_ORCHESTRATOR";
 /// The value of [`ORCHESTRATOR`] that says the launcher hosts the rendezvous.
 pub const ORCHESTRATOR_LAUNCHER: &str = "launcher";
 
+/// Which start of the run this process belongs to: 0 at the first, `n` after `n` restarts
+/// (`burn-accelerate launch --max-restarts`). Wins over [`TORCHRUN_RESTART_COUNT`], which the
+/// launcher sets beside it. The rendezvous refuses a process of another attempt.
+pub const RESTART_COUNT: &str = "BURN_ACCELERATE_RESTART_COUNT";
+/// torchrun's name for [`RESTART_COUNT`], set by torchrun's elastic agent (and by
+/// `burn-accelerate launch`, so that scripts written for torchrun read it).
+pub const TORCHRUN_RESTART_COUNT: &str = "TORCHELASTIC_RESTART_COUNT";
+/// How many restarts the run may have in all (`--max-restarts`).
+pub const MAX_RESTARTS: &str = "BURN_ACCELERATE_MAX_RESTARTS";
+/// torchrun's name for [`MAX_RESTARTS`].
+pub const TORCHRUN_MAX_RESTARTS: &str = "TORCHELASTIC_MAX_RESTARTS";
+/// The restart variables above, for `burn-accelerate env`.
+pub const RESTARTS: [&str; 4] = [
+    RESTART_COUNT,
+    TORCHRUN_RESTART_COUNT,
+    MAX_RESTARTS,
+    TORCHRUN_MAX_RESTARTS,
+];
+
 /// Slurm's id of a job step, set in the tasks `srun` starts: what tells them from a program
 /// started directly in an allocation (`salloc`, a batch script), which sees the job's
 /// [`SLURM_NTASKS`] but is one process.

@@ -54,7 +54,9 @@ pub use state::{ProcessState, Rendezvous};
 
 /// Serves the rendezvous (the run's orchestrator) on `host:port` until the process ends: what
 /// `burn-accelerate launch` runs on the main machine. Only processes that prove they know
-/// `secret` are heard. Rounds of arrivals time out `timeout` after their first arrival.
+/// `secret`, and are of its attempt ([`RunSecret::attempt`], until
+/// [`RendezvousHost::begin_attempt`]), are heard. Rounds of arrivals time out `timeout` after
+/// their first arrival.
 ///
 /// # Errors
 /// [`DistributedError::PortUnavailable`] when `port` is taken, or `host` is not this
@@ -65,6 +67,30 @@ pub fn serve_rendezvous(
     timeout: std::time::Duration,
     secret: RunSecret,
     runtime: &tokio::runtime::Handle,
-) -> Result<(), DistributedError> {
-    engine::tcp::rendezvous::serve(host, port, timeout, secret, runtime)
+) -> Result<RendezvousHost, DistributedError> {
+    engine::tcp::rendezvous::serve(host, port, timeout, secret, runtime).map(RendezvousHost)
+}
+
+/// Which start of the run this process belongs to: 0 at the first, `n` after `n` restarts
+/// (`burn-accelerate launch --max-restarts`, or torchrun's), from [`env::RESTART_COUNT`] or
+/// torchrun's [`env::TORCHRUN_RESTART_COUNT`]; 0 when neither is set.
+///
+/// # Errors
+/// [`DistributedError::InvalidVariable`] for a value that is not a whole number.
+pub fn restart_count() -> Result<u64, DistributedError> {
+    secret::restart_count(&|name: &str| std::env::var(name).ok())
+}
+
+/// The rendezvous [`serve_rendezvous`] started: it moves the run on to its next attempt.
+#[derive(Clone)]
+pub struct RendezvousHost(engine::tcp::rendezvous::Host);
+
+impl RendezvousHost {
+    /// Hears only the processes of attempt `attempt` from now on (0: the run's first start,
+    /// `n` after `n` restarts, as [`env::RESTART_COUNT`] numbers them): those of an earlier
+    /// attempt, waiting or still to come, are refused, so that a process left over from a
+    /// stopped attempt can never take a place in the restarted run.
+    pub fn begin_attempt(&self, attempt: u64) {
+        self.0.begin_attempt(attempt);
+    }
 }

@@ -5,6 +5,14 @@
 //!
 //! Its messages are JSON in the transport's own frames. A round waits at most the run's
 //! timeout from its first arrival, then tells every waiting process which ranks never came.
+//!
+//! A restarted run (`burn-accelerate launch --max-restarts`, torchrun's restarts) is a new
+//! attempt: the handshake's `run` field carries the arriving process's attempt (authenticated
+//! by the run's secret, as the rest of its hello), and the rendezvous hears only its current
+//! attempt's processes. One of an earlier attempt that is still alive is refused (it can never
+//! take a place in the restarted run); one of a later attempt (another machine's launcher
+//! restarted first) is told to come back, until this machine's launcher starts that attempt
+//! too, or its own timeout.
 
 use std::collections::BTreeMap;
 use std::hash::{BuildHasher, RandomState};
@@ -66,14 +74,55 @@ enum Answer {
     Table { run: u64, peers: Vec<Peer> },
     /// This process cannot take part.
     Refused(String),
+    /// It is of a later attempt than the rendezvous's (which is this one): come back.
+    Later(u64),
 }
 
 /// The processes that have come in the round in progress.
 #[derive(Default)]
 struct Round {
     number: u64,
+    /// The attempt of the run whose processes are heard (0: the first start).
+    attempt: u64,
     world_size: Option<usize>,
     waiting: BTreeMap<usize, (Peer, oneshot::Sender<Answer>)>,
+}
+
+/// A rendezvous this process serves: what starts the run's next attempt.
+#[derive(Clone)]
+pub(crate) struct Host {
+    round: Arc<Mutex<Round>>,
+}
+
+impl Host {
+    /// From now on hears only the processes of attempt `attempt`; those of the round in
+    /// progress (an earlier attempt's) are refused.
+    pub(crate) fn begin_attempt(&self, attempt: u64) {
+        let mut r = self.round.lock().unwrap_or_else(PoisonError::into_inner);
+        let earlier = r.attempt;
+        r.attempt = attempt;
+        if !r.waiting.is_empty() {
+            r.close(|_| {
+                Answer::Refused(format!(
+                    "the run's attempt {} ended and attempt {} began while this process waited",
+                    earlier + 1,
+                    attempt + 1
+                ))
+            });
+        }
+    }
+}
+
+// Why a process of attempt `theirs` is refused by a rendezvous at attempt `ours` (earlier).
+fn stale(theirs: u64, ours: u64) -> String {
+    format!(
+        "it belongs to attempt {} of the run ({}={theirs}), which is over: the run was \
+         restarted and is at attempt {} now. A process left over from an earlier attempt \
+         cannot join a later one: stop it",
+        theirs + 1,
+        crate::distributed::env::RESTART_COUNT,
+        ours + 1
+    )
 }
 
 impl Round {
@@ -94,8 +143,8 @@ impl Round {
 }
 
 /// Starts the rendezvous on `host:port` on `runtime`; it serves until the process ends, to
-/// processes that prove they know `secret`. Rounds time out `timeout` after their first
-/// arrival.
+/// processes that prove they know `secret` and are of its attempt (`secret`'s, until
+/// [`Host::begin_attempt`]). Rounds time out `timeout` after their first arrival.
 ///
 /// # Errors
 /// [`DistributedError::PortUnavailable`] when the port cannot be listened on.
@@ -105,7 +154,7 @@ pub(crate) fn serve(
     timeout: Duration,
     secret: RunSecret,
     runtime: &Handle,
-) -> Result<(), DistributedError> {
+) -> Result<Host, DistributedError> {
     let listener = runtime
         .block_on(TcpListener::bind((host, port)))
         .map_err(|e| DistributedError::PortUnavailable {
@@ -114,7 +163,13 @@ pub(crate) fn serve(
             variable: crate::distributed::env::MASTER_PORT,
             reason: format!("{e} (listening on {host})"),
         })?;
-    let round = Arc::new(Mutex::new(Round::default()));
+    let round = Arc::new(Mutex::new(Round {
+        attempt: secret.attempt(),
+        ..Round::default()
+    }));
+    let served = Host {
+        round: Arc::clone(&round),
+    };
     let secret = Arc::new(secret);
     let handle = runtime.clone();
     runtime.spawn(async move {
@@ -135,20 +190,21 @@ pub(crate) fn serve(
                 let _ = stream.set_nodelay(true);
                 let (mut reader, mut writer) = stream.into_split();
                 let handshake = auth::accept(&mut reader, &mut writer, &secret);
-                match tokio::time::timeout(HANDSHAKE_WITHIN, handshake).await {
-                    Ok(Ok(_)) => {}
+                // On the rendezvous's lane, the hello's `run` is the arriving process's attempt.
+                let attempt = match tokio::time::timeout(HANDSHAKE_WITHIN, handshake).await {
+                    Ok(Ok(hello)) => hello.run,
                     Ok(Err(why)) => {
                         log::warn!("burn-accelerate: the rendezvous refused a connection: {why}");
                         return;
                     }
                     Err(_) => return,
-                }
+                };
                 let read = frame::read_message(&mut reader, MESSAGE_LIMIT);
                 let Ok(Ok((_, message))) = tokio::time::timeout(ARRIVAL_WITHIN, read).await else {
                     return;
                 };
                 let answer = match serde_json::from_slice::<Arrival>(&message) {
-                    Ok(arrival) => arrive(&round, arrival, timeout, &handle).await,
+                    Ok(arrival) => arrive(&round, arrival, attempt, timeout, &handle).await,
                     Err(err) => Answer::Refused(format!("not a rendezvous message: {err}")),
                 };
                 let bytes = serde_json::to_vec(&answer).expect("answers serialise");
@@ -157,18 +213,27 @@ pub(crate) fn serve(
             });
         }
     });
-    Ok(())
+    Ok(served)
 }
 
 async fn arrive(
     round: &Arc<Mutex<Round>>,
     arrival: Arrival,
+    attempt: u64,
     timeout: Duration,
     runtime: &Handle,
 ) -> Answer {
     let (reply, answer) = oneshot::channel();
     {
         let mut r = round.lock().unwrap_or_else(PoisonError::into_inner);
+        // Checked under the lock that `begin_attempt` takes: no process of an attempt that
+        // has ended can slip into the next one's round.
+        if attempt < r.attempt {
+            return Answer::Refused(stale(attempt, r.attempt));
+        }
+        if attempt > r.attempt {
+            return Answer::Later(r.attempt);
+        }
         let world = *r.world_size.get_or_insert(arrival.world_size);
         if arrival.world_size != world || arrival.rank >= world {
             return Answer::Refused(format!(
@@ -218,8 +283,10 @@ async fn arrive(
         .unwrap_or_else(|_| Answer::Refused("the rendezvous stopped".into()))
 }
 
-/// Comes to the rendezvous at `main` (`host:port`) as `rank` of `world_size`; returns the
-/// run's number and every process, by rank.
+/// Comes to the rendezvous at `main` (`host:port`) as `rank` of `world_size`, for the attempt
+/// of the run `secret` admits to; returns the run's number and every process, by rank. A
+/// rendezvous still at an earlier attempt is asked again until it starts this one (or
+/// `timeout`).
 ///
 /// # Errors
 /// [`DistributedError::Timeout`] when no rendezvous answers or not every process comes in
@@ -233,6 +300,60 @@ pub(crate) async fn join(
     timeout: Duration,
 ) -> Result<(u64, Vec<Peer>), DistributedError> {
     let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        match ask(main, rank, world_size, &peer, secret, timeout, deadline).await? {
+            Answer::Later(at) if tokio::time::Instant::now() < deadline => {
+                log::info!(
+                    "burn-accelerate: the rendezvous at {main} is at attempt {} of the run, this \
+                     process at attempt {}: asking again",
+                    at + 1,
+                    secret.attempt() + 1
+                );
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Answer::Later(at) => {
+                return Err(DistributedError::Timeout {
+                    what: format!(
+                        "the rendezvous {main} (at attempt {} of the run) to start this \
+                         process's attempt {}",
+                        at + 1,
+                        secret.attempt() + 1
+                    ),
+                    after: timeout,
+                    hint: "it stayed at an earlier attempt: did the main machine's launcher \
+                           restart the run too (--max-restarts)?",
+                });
+            }
+            Answer::Table { run, peers } if peers.len() == world_size => return Ok((run, peers)),
+            Answer::Table { peers, .. } => {
+                return Err(DistributedError::Rendezvous {
+                    address: main.to_string(),
+                    reason: format!(
+                        "it answered with {} processes where the run has {world_size}",
+                        peers.len()
+                    ),
+                });
+            }
+            Answer::Refused(reason) => {
+                return Err(DistributedError::Rendezvous {
+                    address: main.to_string(),
+                    reason,
+                });
+            }
+        }
+    }
+}
+
+// One arrival at the rendezvous, up to its answer.
+async fn ask(
+    main: &str,
+    rank: usize,
+    world_size: usize,
+    peer: &Peer,
+    secret: &RunSecret,
+    timeout: Duration,
+    deadline: tokio::time::Instant,
+) -> Result<Answer, DistributedError> {
     let stream = loop {
         if let Ok(Ok(stream)) = tokio::time::timeout_at(deadline, TcpStream::connect(main)).await {
             break stream;
@@ -256,7 +377,7 @@ pub(crate) async fn join(
     let hello = Hello {
         rank: rank as u32,
         lane: LANE,
-        run: 0,
+        run: secret.attempt(),
     };
     tokio::time::timeout(
         HANDSHAKE_WITHIN,
@@ -268,7 +389,7 @@ pub(crate) async fn join(
     let arrival = Arrival {
         rank,
         world_size,
-        peer,
+        peer: peer.clone(),
     };
     let bytes = serde_json::to_vec(&arrival).expect("arrivals serialise");
     frame::write_message(&mut writer, FINGERPRINT, 0, 0, &bytes, frame::PIECE)
@@ -286,13 +407,69 @@ pub(crate) async fn join(
         hint: "some processes never came",
     })?
     .map_err(|e| refused(format!("its answer did not arrive ({e:?})")))?;
-    match serde_json::from_slice::<Answer>(&answer.1) {
-        Ok(Answer::Table { run, peers }) if peers.len() == world_size => Ok((run, peers)),
-        Ok(Answer::Table { peers, .. }) => Err(refused(format!(
-            "it answered with {} processes where the run has {world_size}",
-            peers.len()
-        ))),
-        Ok(Answer::Refused(reason)) => Err(refused(reason)),
-        Err(err) => Err(refused(format!("unreadable answer: {err}"))),
+    serde_json::from_slice::<Answer>(&answer.1)
+        .map_err(|err| refused(format!("unreadable answer: {err}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn peer() -> Peer {
+        Peer {
+            address: "127.0.0.1:1".into(),
+            pid: std::process::id(),
+            machine: "this".into(),
+            host: "this".into(),
+        }
+    }
+
+    #[test]
+    fn only_the_current_attempts_processes_are_heard() {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .unwrap()
+            .port();
+        let secret = RunSecret::from_text("a test's secret");
+        let wait = Duration::from_secs(20);
+        let host = serve(
+            "127.0.0.1",
+            port,
+            wait,
+            secret.clone().for_attempt(1),
+            runtime.handle(),
+        )
+        .unwrap();
+        let main = format!("127.0.0.1:{port}");
+        let join_as = |attempt: u64| {
+            let (main, secret) = (main.clone(), secret.clone().for_attempt(attempt));
+            runtime.spawn(async move { join(&main, 0, 1, peer(), &secret, wait).await })
+        };
+
+        // Left over from the first attempt: refused at once, saying so.
+        let stale = runtime.block_on(join_as(0)).unwrap().unwrap_err();
+        let said = stale.to_string();
+        assert!(
+            said.contains("belongs to attempt 1 of the run")
+                && said.contains("is at attempt 2 now"),
+            "{said}"
+        );
+        // The current attempt's process is heard.
+        let (_, peers) = runtime.block_on(join_as(1)).unwrap().unwrap();
+        assert_eq!(peers, [peer()]);
+        // One of the next attempt (another machine restarted first) waits for it.
+        let early = join_as(2);
+        std::thread::sleep(Duration::from_millis(700));
+        assert!(!early.is_finished());
+        host.begin_attempt(2);
+        let (_, peers) = runtime.block_on(early).unwrap().unwrap();
+        assert_eq!(peers, [peer()]);
+        let stale = runtime.block_on(join_as(1)).unwrap().unwrap_err();
+        assert!(stale.to_string().contains("at attempt 3 now"), "{stale}");
     }
 }
