@@ -6,7 +6,17 @@
 //! burn-accelerate launch --num-processes 2 -- target/release/examples/train_mlp --batch-size 32
 //! burn-accelerate launch --num-processes 4 -- target/release/examples/train_mlp --zero-stage 2
 //! burn-accelerate launch --num-processes 2 -- target/release/examples/train_mlp --pin-threads
+//! burn-accelerate launch --num-processes 2 --max-restarts 1 -- \
+//!     target/release/examples/train_mlp --checkpoint-dir /tmp/mlp-checkpoints
 //! ```
+//!
+//! With `--checkpoint-dir DIR` every epoch ends with a crash-safe checkpoint in `DIR`, and a
+//! run started again (by the launcher's `--max-restarts`, or by hand) resumes from the newest
+//! complete one, redoing the steps after it, and ends with the loss an uninterrupted run ends
+//! with; it then prints `resumed from the checkpoint of epoch <n>` first. For tests only,
+//! `BURN_ACCELERATE_TEST_FAIL_AT` makes a process fail at a given step of a given attempt, and
+//! `BURN_ACCELERATE_TEST_CRASH_WRITING` kills the main process in the middle of writing a
+//! checkpoint (`burn_accelerate::train::demo`, `burn_accelerate::checkpoint`).
 //!
 //! The last line printed (by the main process only, under the launcher) is
 //! `final loss=<f> accuracy=<f> skipped_steps=<n> precision=<p> half_ops=<n>/<all> …`, where
@@ -60,6 +70,11 @@ struct Args {
     /// a machine split its cores): for a machine the run has to itself.
     #[arg(long)]
     pin_threads: bool,
+    /// Checkpoint every epoch into DIR (crash-safe: written aside, renamed, listed with
+    /// checksums) and, when started again, resume from the newest complete checkpoint there.
+    /// Give every process the same directory.
+    #[arg(long, value_name = "DIR")]
+    checkpoint_dir: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -119,7 +134,12 @@ fn main() -> ExitCode {
         .with_seed(args.seed)
         .with_batch_size(args.batch_size as usize)
         .with_hidden(args.hidden as usize)
-        .with_zero_stage(ZeroStage::from_number(args.zero_stage).expect("0, 1 or 2 by clap"));
+        .with_zero_stage(ZeroStage::from_number(args.zero_stage).expect("0, 1 or 2 by clap"))
+        .with_checkpoint_dir(
+            args.checkpoint_dir
+                .as_ref()
+                .map(|dir| dir.to_string_lossy().into_owned()),
+        );
     let main_process = match ProcessState::from_env() {
         Ok(state) => state.is_main_process(),
         Err(err) => {
@@ -136,6 +156,9 @@ fn main() -> ExitCode {
                     demo::flag_name(outcome.stats.requested),
                     demo::flag_name(outcome.stats.precision)
                 );
+            }
+            if let Some(epoch) = outcome.stats.resumed_from {
+                println!("resumed from the checkpoint of epoch {epoch}");
             }
             for epoch in &outcome.stats.epochs {
                 println!(

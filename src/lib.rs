@@ -27,7 +27,10 @@
 //! - [`data`]: Accelerate's data sharding as Burn data loaders, one per process
 //!   ([`data::DataLoaderConfig`], [`data::ShardLoaderBuilder`]).
 //! - [`train`]: `with_accelerate` on Burn's `SupervisedTraining`: the same semantics inside
-//!   Burn's own training loop, with its metrics, checkpoints and early stopping.
+//!   Burn's own training loop, with its metrics, checkpoints and early stopping; with a
+//!   checkpoint directory it resumes by itself from its newest complete checkpoint.
+//! - [`checkpoint`]: checkpoints a crash cannot corrupt (written aside and renamed, listed in
+//!   a manifest with checksums, verified when read back).
 //! - [`distributed`]: the same script on several processes or machines (`burn-accelerate
 //!   launch`): the process state, the process group, gradients averaged at synchronising steps.
 //! - `threads` (with the `flex` feature): the thread that runs the training step made one of
@@ -60,6 +63,7 @@ mod accelerator;
 pub mod autocast;
 mod backend;
 pub mod capability;
+pub mod checkpoint;
 mod cpu;
 pub mod data;
 pub mod distributed;

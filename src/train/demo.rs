@@ -2,6 +2,17 @@
 //! classifier trained through Burn's `SupervisedTraining` and
 //! [`with_accelerate`](super::WithAccelerate::with_accelerate) on a dataset this crate makes
 //! (overlapping Gaussian blobs; nothing is downloaded).
+//!
+//! # Test hook
+//!
+//! [`FAIL_AT`] (`BURN_ACCELERATE_TEST_FAIL_AT`), for tests only, makes a process of [`run`]
+//! fail at a training step of its choosing, in one attempt of a restarted run: a value
+//! `RESTART:RANK:STEP[:ACTION]` (several, comma-separated) makes process `RANK` of the attempt
+//! whose restart count is `RESTART` (0: the first start) kill itself with `SIGKILL` (`kill`,
+//! the default), freeze with `SIGSTOP` (`stop`: its peers' liveness check then fails the run)
+//! or exit with status `N` (`exit=N`) as its `STEP`th training step (counted from 1 in that
+//! process, a resumed one from its resumed epoch) begins. The tests of restarts use
+//! it to fail a run in the middle of an epoch at a place that does not depend on timing.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -153,6 +164,7 @@ impl<B: AutodiffBackend> TrainStep for Mlp<B> {
     type Output = ClassificationOutput<B>;
 
     fn step(&self, batch: BlobBatch<B>) -> TrainOutput<ClassificationOutput<B>> {
+        fail_if_asked();
         let item = self.classify(batch);
         // Unmodified: the strategy's armed scale reaches this backward.
         TrainOutput::new(self, item.loss.backward(), item)
@@ -286,6 +298,9 @@ pub struct DemoConfig {
     pub zero_stage: ZeroStage,
     /// The training's small-op rule (`AccelerateConfig::small_ops`); `None`: the one in force.
     pub small_ops: Option<crate::autocast::SmallOps>,
+    /// Where to checkpoint every epoch, crash-safely, and resume from when started again
+    /// (`AccelerateStrategy::with_checkpoint_dir`); `None`: no checkpoints.
+    pub checkpoint_dir: Option<String>,
 }
 
 /// What a demo run ended with.
@@ -354,8 +369,9 @@ pub fn run<B: AutodiffBackend>(
         Some(scale) => accelerate.with_grad_scaler(GradScalerConfig::new().with_init_scale(scale)),
         None => accelerate,
     };
-    let strategy = AccelerateStrategy::new(accelerate, device)?;
+    let mut strategy = AccelerateStrategy::new(accelerate, device)?;
     let report = strategy.report();
+    arm_failures()?;
 
     let process = ProcessState::from_env()?;
     let train = ShardLoaderBuilder::<B, Sample, BlobBatch<B>>::new(
@@ -366,6 +382,13 @@ pub fn run<B: AutodiffBackend>(
         BlobBatcher,
     )
     .build_for(&process, device.clone())?;
+    if let Some(dir) = &config.checkpoint_dir {
+        // The loader's position too: a resumed epoch must see the order the uninterrupted
+        // run's did.
+        strategy = strategy
+            .with_checkpoint_dir(dir)
+            .with_checkpointed_loader(&train);
+    }
     let valid_data = blobs(config.valid_items, 2);
     let valid = DataLoaderBuilder::<B::InnerBackend, _, _>::new(BlobBatcher)
         .batch_size(config.batch_size)
@@ -414,4 +437,173 @@ pub fn run<B: AutodiffBackend>(
         scheduler_steps: scheduler_steps.load(Ordering::SeqCst),
         stats: report.stats(),
     })
+}
+
+/// The test hook's variable (see the [module docs](self)); for tests only.
+pub const FAIL_AT: &str = "BURN_ACCELERATE_TEST_FAIL_AT";
+
+/// What a failure of the test hook does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailAction {
+    /// `SIGKILL` to its own process (an OOM kill, a pre-empted machine).
+    Kill,
+    /// `SIGSTOP` to its own process (a frozen process, a machine swapping): its peers'
+    /// liveness check fails the run.
+    Stop,
+    /// Exit with this status (a script that gives up).
+    Exit(i32),
+}
+
+/// One failure the test hook asks for: process `rank` of the attempt whose restart count is
+/// `restart` fails as its `step`th training step begins.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepFailure {
+    /// The attempt's restart count (0: the first start).
+    pub restart: u64,
+    /// The process.
+    pub rank: usize,
+    /// The training step, counted from 1 in that process.
+    pub step: usize,
+    /// What it does.
+    pub action: FailAction,
+}
+
+/// The failures a [`FAIL_AT`] value asks for.
+///
+/// # Errors
+/// What is wrong with the value, in words.
+pub fn parse_fail_at(value: &str) -> Result<Vec<StepFailure>, String> {
+    let number = |part: &str, what: &str| {
+        part.trim()
+            .parse::<u64>()
+            .map_err(|_| format!("{what} {part:?} is not a number"))
+    };
+    value
+        .split(',')
+        .filter(|f| !f.trim().is_empty())
+        .map(|failure| {
+            let parts: Vec<&str> = failure.split(':').collect();
+            let [restart, rank, step, action @ ..] = parts.as_slice() else {
+                return Err(format!(
+                    "{failure:?} is not RESTART:RANK:STEP[:kill|:stop|:exit=N]"
+                ));
+            };
+            let action = match action {
+                [] | ["kill"] => FailAction::Kill,
+                ["stop"] => FailAction::Stop,
+                [exit] if exit.starts_with("exit=") => FailAction::Exit(
+                    exit["exit=".len()..]
+                        .parse()
+                        .map_err(|_| format!("{exit:?} is not exit=N"))?,
+                ),
+                other => return Err(format!("{other:?} is not `kill`, `stop` or `exit=N`")),
+            };
+            Ok(StepFailure {
+                restart: number(restart, "the restart count")?,
+                rank: number(rank, "the rank")? as usize,
+                step: number(step, "the step")? as usize,
+                action,
+            })
+        })
+        .collect()
+}
+
+// The training steps this process has begun, and the failures armed for it.
+static STEPS: AtomicUsize = AtomicUsize::new(0);
+static ARMED: std::sync::Mutex<Vec<(usize, FailAction)>> = std::sync::Mutex::new(Vec::new());
+
+// Arms this process's failures from the test hook, and starts counting its steps.
+fn arm_failures() -> Result<(), AccelerateError> {
+    let armed = match std::env::var(FAIL_AT) {
+        Err(_) => Vec::new(),
+        Ok(value) => {
+            let failures = parse_fail_at(&value).map_err(|why| {
+                AccelerateError::Distributed(
+                    crate::distributed::DistributedError::InvalidVariable {
+                        name: FAIL_AT,
+                        value: value.clone(),
+                        expected: why,
+                    },
+                )
+            })?;
+            let restart = crate::distributed::restart_count()?;
+            let rank = ProcessState::from_env()?.process_index();
+            failures
+                .into_iter()
+                .filter(|f| f.restart == restart && f.rank == rank)
+                .map(|f| (f.step, f.action))
+                .collect()
+        }
+    };
+    STEPS.store(0, Ordering::SeqCst);
+    *ARMED.lock().unwrap_or_else(|e| e.into_inner()) = armed;
+    Ok(())
+}
+
+fn fail_if_asked() {
+    let step = STEPS.fetch_add(1, Ordering::SeqCst) + 1;
+    let armed = ARMED.lock().unwrap_or_else(|e| e.into_inner());
+    let Some((_, action)) = armed.iter().find(|(at, _)| *at == step) else {
+        return;
+    };
+    eprintln!("burn-accelerate test hook ({FAIL_AT}): failing at step {step}: {action:?}");
+    match action {
+        FailAction::Exit(code) => std::process::exit(*code),
+        FailAction::Stop => {
+            #[cfg(unix)]
+            {
+                let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGSTOP);
+            }
+        }
+        FailAction::Kill => {
+            #[cfg(unix)]
+            {
+                let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
+            }
+            std::process::abort()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_fail_at_hook_reads_attempts_ranks_steps_and_actions() {
+        assert_eq!(
+            parse_fail_at("0:1:21, 1:0:5:exit=7").unwrap(),
+            [
+                StepFailure {
+                    restart: 0,
+                    rank: 1,
+                    step: 21,
+                    action: FailAction::Kill
+                },
+                StepFailure {
+                    restart: 1,
+                    rank: 0,
+                    step: 5,
+                    action: FailAction::Exit(7)
+                }
+            ]
+        );
+        assert_eq!(parse_fail_at("").unwrap(), []);
+        assert!(
+            parse_fail_at("0:1")
+                .unwrap_err()
+                .contains("RESTART:RANK:STEP")
+        );
+        assert!(parse_fail_at("0:x:3").unwrap_err().contains("the rank"));
+        assert_eq!(
+            parse_fail_at("2:0:1:stop").unwrap()[0].action,
+            FailAction::Stop
+        );
+        assert!(
+            parse_fail_at("0:1:3:halt")
+                .unwrap_err()
+                .contains("`kill`, `stop` or `exit=N`")
+        );
+        assert!(parse_fail_at("0:1:3:exit=").unwrap_err().contains("exit=N"));
+    }
 }

@@ -37,10 +37,13 @@
 //! What is still process-wide: the fp8 amax histories ([`fp8`](crate::fp8), where the module
 //! says why): two fp8 trainings must not run at once in one process.
 //!
-//! With [`AccelerateStrategy::with_checkpoint_dir`], the loss scale, the gradient state and
-//! the positions of the crate's loaders (the data-parallel shards, or the one given to
-//! [`AccelerateStrategy::with_checkpointed_loader`]) are saved beside each of Burn's
-//! checkpoints and restored by `.checkpoint(epoch)`.
+//! With [`AccelerateStrategy::with_checkpoint_dir`], every epoch ends with a checkpoint a
+//! crash cannot corrupt (the model, optimizer and scheduler records, the loss scale, the
+//! gradient state and the positions of the crate's loaders: the data-parallel shards, or the
+//! one given to [`AccelerateStrategy::with_checkpointed_loader`]), and a training started
+//! again (by `burn-accelerate launch --max-restarts`, torchrun, or by hand) resumes from the
+//! newest complete one by itself, through Burn's own `.checkpoint(epoch)` path; the steps
+//! after it are redone, the same steps, and the run ends bit for bit where it would have.
 //!
 //! The loss scale and skipped steps show in Burn's dashboard and logs as [`metrics`].
 //!
@@ -84,6 +87,7 @@ pub mod demo;
 pub mod lm;
 pub mod metrics;
 mod replicas;
+mod resume;
 mod sharded;
 
 use std::path::{Path, PathBuf};
@@ -187,6 +191,8 @@ pub struct TrainingStats {
     /// them: the main device's) by what they ran in: half type, or f32 and why; set when the
     /// fit ends.
     pub lower_ops: LowerOpTally,
+    /// The epoch whose checkpoint this training resumed from (`None`: it started afresh).
+    pub resumed_from: Option<usize>,
     // Skipped steps so far, the current epoch included (for the live metric).
     skipped_live: usize,
 }
@@ -237,6 +243,8 @@ pub struct AccelerateStrategy<LC: LearningComponentsTypes> {
     state: GradientState,
     report: TrainingReport,
     checkpoint_dir: Option<PathBuf>,
+    /// Whether to resume by itself, and how many checkpoints to keep.
+    resume: resume::ResumeSettings,
     /// The loaders whose epoch and position the checkpoints hold, in device order: the shards
     /// of a data-parallel training, or the one given to [`with_checkpointed_loader`](Self::with_checkpointed_loader).
     positions: Vec<Arc<dyn LoaderPosition>>,
@@ -307,18 +315,25 @@ impl AccelerateCheckpoint {
     /// [`AccelerateError::Checkpoint`] when the file cannot be written.
     pub fn save_epoch(&self, dir: &Path, epoch: usize) -> Result<(), AccelerateError> {
         let path = Self::path(dir, epoch);
-        std::fs::create_dir_all(dir)
-            .and_then(|()| self.save(&path))
-            .map_err(|e| AccelerateError::Checkpoint {
-                path: path.display().to_string(),
-                reason: e.to_string(),
-            })
+        std::fs::create_dir_all(dir).map_err(|e| AccelerateError::Checkpoint {
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        })?;
+        // Written aside and renamed, so that no process reads half of it; a checkpoint of the
+        // strategy's that lists it is told what it holds now.
+        let bytes = serde_json::to_vec_pretty(self).expect("the strategy's state serialises");
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
+        let digest = crate::checkpoint::write_atomic(dir, name.as_deref().unwrap_or(""), &bytes)?;
+        crate::checkpoint::Manifest::read(dir)?
+            .relisted(epoch, digest)
+            .map_or(Ok(()), |manifest| manifest.write(dir))
     }
 
     /// Deletes the files in `dir` of the epochs before `latest` whose model checkpoint Burn's
-    /// checkpointing strategy has deleted from `dir`. Does nothing unless `dir` holds Burn's
-    /// model checkpoint of `latest` (`model-<latest>.*`): in any other directory there is no
-    /// way to tell which epochs Burn kept.
+    /// checkpointing strategy has deleted from `dir`, unless a checkpoint of the strategy's own
+    /// lists them. Does nothing unless `dir` holds Burn's model checkpoint of `latest`
+    /// (`model-<latest>.*`): in any other directory there is no way to tell which epochs Burn
+    /// kept.
     pub fn prune(dir: &Path, latest: usize) {
         let Ok(entries) = std::fs::read_dir(dir) else {
             return;
@@ -334,6 +349,9 @@ impl AccelerateCheckpoint {
         if !has_model(latest) {
             return;
         }
+        let listed: Vec<usize> = crate::checkpoint::Manifest::read(dir)
+            .map(|m| m.checkpoints.iter().map(|c| c.epoch).collect())
+            .unwrap_or_default();
         for name in &names {
             let epoch = name
                 .strip_prefix("accelerate-")
@@ -342,6 +360,7 @@ impl AccelerateCheckpoint {
             if let Some(epoch) = epoch
                 && epoch < latest
                 && !has_model(epoch)
+                && !listed.contains(&epoch)
             {
                 let _ = std::fs::remove_file(dir.join(name));
             }
@@ -404,6 +423,7 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
                 loss_scale: initial_scale,
                 epochs: Vec::new(),
                 lower_ops: LowerOpTally::default(),
+                resumed_from: None,
                 skipped_live: 0,
             })),
         };
@@ -416,6 +436,7 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
             state,
             report,
             checkpoint_dir: None,
+            resume: resume::ResumeSettings::default(),
             positions: Vec::new(),
             process,
             group,
@@ -681,12 +702,32 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
         }
     }
 
-    /// Saves the loss scale and gradient state of every epoch Burn checkpoints into `dir`
-    /// (an [`AccelerateCheckpoint`]; Burn's own checkpoint directory, `<dir>/checkpoint`, is a
-    /// good place), and restores them when the training resumes with `.checkpoint(epoch)`.
+    /// Checkpoints every epoch into `dir`, crash-safely, and resumes from there (give every
+    /// process the same directory; Burn's own checkpoint directory, `<dir>/checkpoint`, is a
+    /// good place):
     ///
-    /// In Burn's own checkpoint directory, a file goes when Burn's checkpointing strategy
-    /// deletes that epoch's model; elsewhere old files are kept.
+    /// - after each epoch the main process writes the model's, the optimizer's (whole, under
+    ///   ZeRO) and the scheduler's records in full precision, and the loss scale, gradient
+    ///   state and loader positions (an [`AccelerateCheckpoint`]), each file written aside and
+    ///   renamed, then lists them with their checksums in the directory's manifest
+    ///   ([`crate::checkpoint`]); the newest 2 are kept
+    ///   ([`with_checkpoints_kept`](Self::with_checkpoints_kept));
+    /// - when the training starts, it resumes from the newest listed checkpoint whose files
+    ///   verify, without being asked ([`with_auto_resume`](Self::with_auto_resume) turns that
+    ///   off): a damaged newer one is passed over with a warning, and a directory whose every
+    ///   listed checkpoint is damaged stops the training (rather than silently start it over).
+    ///   The main process chooses and every process loads its choice, through Burn's own
+    ///   resume path (`LearningCheckpointer::load_checkpoint`); the run goes on from the next
+    ///   epoch. The steps taken after that checkpoint by the run that stopped are redone, and
+    ///   they are the same steps (the loaders' saved positions and seeds give the same
+    ///   batches), so the run ends where an uninterrupted one does, bit for bit.
+    ///   `.checkpoint(epoch)` on Burn's builder resumes from that epoch instead (from Burn's
+    ///   own files when the strategy has no whole checkpoint of it).
+    ///
+    /// With Burn's file checkpointer set as well, Burn still writes its own files (your
+    /// recorder, your checkpointing strategy) beside these: drop `with_file_checkpointer` to
+    /// write each epoch once. A strategy-state file goes with its checkpoint, unless Burn
+    /// still keeps that epoch's model in `dir`.
     pub fn with_checkpoint_dir(mut self, dir: impl Into<PathBuf>) -> Self {
         self.checkpoint_dir = Some(dir.into());
         self
@@ -1063,7 +1104,9 @@ where
                 self.process.num_processes()
             );
         }
-        BurnTrain(self).train(
+        let (learner, resumed) = self.resume_before_fit(learner, &mut training_components);
+        self.report.lock().resumed_from = resumed.or(training_components.checkpoint);
+        BurnTrain(self, resumed).train(
             learner,
             dataloader_train,
             dataloader_valid,
@@ -1095,7 +1138,8 @@ where
 
 // Burn's default `SupervisedLearningStrategy::train` around the strategy's `fit` (an
 // overriding `train` cannot call the default it overrides).
-struct BurnTrain<'a, S>(&'a S);
+// With the epoch the strategy resumed from itself (Burn's `train` then starts at epoch 1).
+struct BurnTrain<'a, S>(&'a S, Option<usize>);
 
 impl<LC> SupervisedLearningStrategy<LC> for BurnTrain<'_, AccelerateStrategy<LC>>
 where
@@ -1115,7 +1159,7 @@ where
             learner,
             dataloader_train,
             dataloader_valid,
-            starting_epoch,
+            self.1.map_or(starting_epoch, |resumed| resumed + 1),
         )
     }
 }
@@ -1217,6 +1261,9 @@ where
             learner.load_optim(zero::keep_own_state(whole, partition, rank));
         }
 
+        // What the main process's own checkpoints read the optimizer and scheduler with.
+        let mut records = (self.checkpoint_dir.is_some() && self.process.is_main_process())
+            .then(resume::LearnerTap::<LC>::new);
         for epoch in starting_epoch..=training_components.num_epochs {
             let progress = Progress {
                 items_processed: epoch,
@@ -1263,6 +1310,7 @@ where
                 &core,
                 tap.as_mut(),
                 checkpointer.as_mut(),
+                records.as_mut(),
                 &training_components.event_store,
             );
             if self.stops_early(
@@ -1350,10 +1398,12 @@ where
         core
     }
 
-    // Burn's checkpoint of an epoch, and the strategy's beside it. Only the main process
-    // writes: every process holds the same model, and they share the directory. Sharded, it
-    // first gathers the whole optimizer state, so that the checkpoint is the one a stage 0
-    // run writes (every process takes part in the gathering).
+    // Burn's checkpoint of an epoch (with Burn's file checkpointer), and the strategy's own
+    // (with a checkpoint directory). Only the main process writes: every process holds the
+    // same model, and they share the directory. Sharded, it first gathers the whole optimizer
+    // state, so that the checkpoint is the one a stage 0 run writes (every process takes part
+    // in the gathering).
+    #[allow(clippy::too_many_arguments)] // the pieces of Burn's loop that a checkpoint reads
     fn checkpoint_epoch(
         &self,
         epoch: usize,
@@ -1361,10 +1411,12 @@ where
         core: &Core<LC>,
         tap: Option<&mut OptimizerTap<LC>>,
         checkpointer: Option<&mut LearningCheckpointer<LC>>,
+        records: Option<&mut resume::LearnerTap<LC>>,
         event_store: &EventStoreClient,
     ) {
-        let own = match (core.sharded(), tap, &checkpointer) {
-            (Some((group, _)), Some(tap), Some(_)) => {
+        let writes = checkpointer.is_some() || self.checkpoint_dir.is_some();
+        let own = match (core.sharded(), tap, writes) {
+            (Some((group, _)), Some(tap), true) => {
                 // Read twice: records need not be `Clone`, and their tensors are shared.
                 let own = tap.record(learner, event_store);
                 let part = tap.record(learner, event_store);
@@ -1383,19 +1435,29 @@ where
             }
             _ => None,
         };
-        if let Some(checkpointer) = checkpointer.filter(|_| self.process.is_main_process()) {
+        if !self.process.is_main_process() {
+            return;
+        }
+        if let Some(checkpointer) = checkpointer {
             checkpointer.checkpoint(learner, epoch, event_store);
-            if let Some(own) = own {
-                learner.load_optim(own);
-            }
-            if let Some(dir) = &self.checkpoint_dir
-                && let Err(err) = self.checkpoint(*core.loss_scale()).save_epoch(dir, epoch)
+        }
+        if let (Some(dir), Some(records)) = (&self.checkpoint_dir, records) {
+            let state = self.checkpoint(*core.loss_scale());
+            if let Err(err) =
+                self.save_checkpoint(dir, epoch, learner, records, &state, event_store)
             {
-                log::warn!("burn-accelerate: {err}");
+                // The checkpoints listed before stay whole: a restart resumes from the newest.
+                log::warn!(
+                    "burn-accelerate: the checkpoint of epoch {epoch} was not written (a \
+                     restart would resume from an earlier one): {err}"
+                );
             }
-            if let Some(dir) = &self.checkpoint_dir {
-                AccelerateCheckpoint::prune(dir, epoch);
-            }
+        }
+        if let Some(own) = own {
+            learner.load_optim(own);
+        }
+        if let Some(dir) = &self.checkpoint_dir {
+            AccelerateCheckpoint::prune(dir, epoch);
         }
     }
 

@@ -4,7 +4,8 @@
 //! it can be given a record (`load_optim`), and only its `LearningCheckpointer` reads one
 //! back. So the tap is a `LearningCheckpointer` of its own whose optimizer checkpointer hands
 //! the record over a channel instead of writing it, and whose model and scheduler
-//! checkpointers drop theirs.
+//! checkpointers drop theirs. The same pieces read the records of the strategy's own
+//! checkpoints (`resume`).
 
 use std::sync::Mutex;
 use std::sync::mpsc::{Receiver, Sender, channel};
@@ -58,7 +59,7 @@ fn keeps_no(epoch: usize) -> CheckpointerError {
 }
 
 // Hands each record saved to it over the channel.
-struct Hand<R>(Mutex<Sender<R>>);
+pub(super) struct Hand<R>(pub(super) Mutex<Sender<R>>);
 
 impl<R: Record<B>, B: Backend> Checkpointer<R, B> for Hand<R> {
     fn save(&self, _epoch: usize, record: R) -> Result<(), CheckpointerError> {
@@ -78,7 +79,7 @@ impl<R: Record<B>, B: Backend> Checkpointer<R, B> for Hand<R> {
 }
 
 // Drops what is saved to it.
-struct Discard;
+pub(super) struct Discard;
 
 impl<R: Record<B>, B: Backend> Checkpointer<R, B> for Discard {
     fn save(&self, _epoch: usize, _record: R) -> Result<(), CheckpointerError> {
@@ -95,7 +96,7 @@ impl<R: Record<B>, B: Backend> Checkpointer<R, B> for Discard {
 }
 
 // Saves at every call.
-struct Always;
+pub(super) struct Always;
 
 impl CheckpointingStrategy for Always {
     fn checkpointing(

@@ -1,0 +1,334 @@
+//! The strategy's own checkpoints, and resuming from them without code of the user's.
+//!
+//! With [`AccelerateStrategy::with_checkpoint_dir`], the main process writes, after each
+//! epoch, a crash-safe checkpoint into the directory ([`crate::checkpoint`]): the model's, the
+//! optimizer's (whole, under ZeRO) and the scheduler's records, in full precision
+//! (`accelerate-<epoch>-{model,optim,scheduler}.mpk`, Burn's `NamedMpk` format), and the
+//! strategy's state beside them (`accelerate-<epoch>.json`: the loss scale, the gradient
+//! state, the loaders' positions). They are the strategy's and not Burn's checkpointer's
+//! because Burn's `FileCheckpointer` writes in place, on threads of its own, with nothing that
+//! says when a file is whole: a crash in the middle leaves a torn file under its final name.
+//!
+//! When a training starts, the main process picks the newest checkpoint whose files verify
+//! (passing over, with a warning, damaged newer ones), tells the others which, and every
+//! process loads that one through Burn's own resume path (`LearningCheckpointer::
+//! load_checkpoint`, what `SupervisedTraining::checkpoint(epoch)` runs), then trains from the
+//! next epoch. The steps taken after that checkpoint by the run that stopped are redone: the
+//! loaders' saved positions and seeds give the same batches in the same order, so they are the
+//! same steps, and the run ends where an uninterrupted one does, bit for bit.
+
+use std::path::Path;
+use std::sync::Mutex;
+use std::sync::mpsc::{Receiver, channel};
+
+use burn::module::Module;
+use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Record, Recorder};
+use burn::tensor::backend::Backend;
+use burn::train::checkpoint::{AsyncCheckpointer, Checkpointer, CheckpointerError};
+use burn::train::metric::store::EventStoreClient;
+use burn::train::{
+    Learner, LearnerOptimizerRecord, LearnerSchedulerRecord, LearningCheckpointer,
+    LearningComponentsTypes, TrainingBackend, TrainingComponents,
+};
+
+use super::sharded::{Always, Discard, Hand};
+use super::{AccelerateCheckpoint, AccelerateStrategy, fail};
+use crate::AccelerateError;
+use crate::checkpoint::{CheckpointDir, LoadedCheckpoint, Manifest};
+
+/// How the strategy keeps and uses its checkpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct ResumeSettings {
+    /// Resume from the newest complete checkpoint when none is asked for.
+    pub(super) auto: bool,
+    /// Checkpoints kept.
+    pub(super) keep: usize,
+}
+
+impl Default for ResumeSettings {
+    fn default() -> Self {
+        Self {
+            auto: true,
+            keep: 2,
+        }
+    }
+}
+
+// Lossless: a resumed run must end where the uninterrupted one does, bit for bit (Burn's
+// `CompactRecorder` stores f16).
+type Bytes = NamedMpkBytesRecorder<FullPrecisionSettings>;
+
+/// The names of an epoch's files: model, optimizer, scheduler, the strategy's state.
+fn names(epoch: usize) -> [String; 4] {
+    [
+        format!("accelerate-{epoch}-model.mpk"),
+        format!("accelerate-{epoch}-optim.mpk"),
+        format!("accelerate-{epoch}-scheduler.mpk"),
+        format!("accelerate-{epoch}.json"),
+    ]
+}
+
+// Whether `name` is the strategy state of an epoch whose model Burn's own checkpointer still
+// keeps in `dir`: `.checkpoint(epoch)` through Burn's files needs it beside them.
+fn burn_keeps(dir: &Path, name: &str) -> bool {
+    let Some(epoch) = name
+        .strip_prefix("accelerate-")
+        .and_then(|rest| rest.strip_suffix(".json"))
+    else {
+        return false;
+    };
+    let prefix = format!("model-{epoch}.");
+    std::fs::read_dir(dir).is_ok_and(|entries| {
+        entries
+            .flatten()
+            .any(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+    })
+}
+
+fn recorder_error(what: &str, err: impl std::fmt::Display) -> AccelerateError {
+    AccelerateError::Checkpoint {
+        path: what.into(),
+        reason: err.to_string(),
+    }
+}
+
+/// Reads a learner's optimizer and scheduler records (Burn 0.21's `Learner` hands them only to
+/// a `LearningCheckpointer`: see [`super::sharded`]).
+pub(super) struct LearnerTap<LC: LearningComponentsTypes> {
+    checkpointer: LearningCheckpointer<LC>,
+    optim: Receiver<LearnerOptimizerRecord<LC>>,
+    scheduler: Receiver<LearnerSchedulerRecord<LC>>,
+}
+
+impl<LC: LearningComponentsTypes> LearnerTap<LC> {
+    pub(super) fn new() -> Self {
+        let (optim_sender, optim) = channel();
+        let (scheduler_sender, scheduler) = channel();
+        let checkpointer = LearningCheckpointer::new(
+            AsyncCheckpointer::new(Discard),
+            AsyncCheckpointer::new(Hand(Mutex::new(optim_sender))),
+            AsyncCheckpointer::new(Hand(Mutex::new(scheduler_sender))),
+            Box::new(Always),
+        );
+        Self {
+            checkpointer,
+            optim,
+            scheduler,
+        }
+    }
+
+    // The records now. A channel ends when its checkpointer's thread does (a panic there):
+    // the wait cannot outlive it.
+    fn records(
+        &mut self,
+        learner: &Learner<LC>,
+        store: &EventStoreClient,
+    ) -> Result<(LearnerOptimizerRecord<LC>, LearnerSchedulerRecord<LC>), AccelerateError> {
+        self.checkpointer.checkpoint(learner, 0, store);
+        let gone = |_| recorder_error("the learner's records", "their reader's thread ended");
+        Ok((
+            self.optim.recv().map_err(gone)?,
+            self.scheduler.recv().map_err(gone)?,
+        ))
+    }
+}
+
+// A checkpointer that restores one record, from verified bytes, and writes nothing.
+struct Restore(Vec<u8>);
+
+impl<R: Record<B>, B: Backend> Checkpointer<R, B> for Restore {
+    fn save(&self, _epoch: usize, _record: R) -> Result<(), CheckpointerError> {
+        Ok(())
+    }
+
+    fn delete(&self, _epoch: usize) -> Result<(), CheckpointerError> {
+        Ok(())
+    }
+
+    fn restore(&self, _epoch: usize, device: &B::Device) -> Result<R, CheckpointerError> {
+        Recorder::<B>::load(&Bytes::default(), self.0.clone(), device)
+            .map_err(CheckpointerError::RecorderError)
+    }
+}
+
+impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
+    /// Resumes from the newest complete checkpoint in the checkpoint directory when the
+    /// training starts (the default), or starts afresh every time (`false`). Either way, a
+    /// training given Burn's `.checkpoint(epoch)` resumes from that epoch.
+    pub fn with_auto_resume(mut self, auto: bool) -> Self {
+        self.resume.auto = auto;
+        self
+    }
+
+    /// Keeps the newest `keep` checkpoints in the checkpoint directory (2 by default, as
+    /// Burn's checkpointer; 0 is taken as 1). A damaged newest checkpoint falls back to an
+    /// older one only while one is kept.
+    pub fn with_checkpoints_kept(mut self, keep: usize) -> Self {
+        self.resume.keep = keep.max(1);
+        self
+    }
+
+    fn checkpoints(&self, dir: &Path) -> CheckpointDir {
+        CheckpointDir::new(dir).with_keep_last(self.resume.keep)
+    }
+
+    /// Writes epoch `epoch`'s crash-safe checkpoint into `dir` (the main process's part of a
+    /// checkpoint: the learner holds the whole optimizer state here).
+    pub(super) fn save_checkpoint(
+        &self,
+        dir: &Path,
+        epoch: usize,
+        learner: &Learner<LC>,
+        tap: &mut LearnerTap<LC>,
+        state: &AccelerateCheckpoint,
+        store: &EventStoreClient,
+    ) -> Result<(), AccelerateError> {
+        let bytes = Bytes::default();
+        let model =
+            Recorder::<TrainingBackend<LC>>::record(&bytes, learner.model().into_record(), ())
+                .map_err(|e| recorder_error("the model's record", e))?;
+        let (optim, scheduler) = tap.records(learner, store)?;
+        let optim = Recorder::<TrainingBackend<LC>>::record(&bytes, optim, ())
+            .map_err(|e| recorder_error("the optimizer's record", e))?;
+        let scheduler = Recorder::<TrainingBackend<LC>>::record(&bytes, scheduler, ())
+            .map_err(|e| recorder_error("the scheduler's record", e))?;
+        let state = serde_json::to_vec_pretty(state).expect("the strategy's state serialises");
+        let [model_name, optim_name, scheduler_name, state_name] = names(epoch);
+        self.checkpoints(dir).save_sparing(
+            epoch,
+            &[
+                (&model_name, &model),
+                (&optim_name, &optim),
+                (&scheduler_name, &scheduler),
+                (&state_name, &state),
+            ],
+            |name| burn_keeps(dir, name),
+        )?;
+        Ok(())
+    }
+
+    /// Before Burn's `train` runs: the epoch the training resumes from, from the strategy's
+    /// checkpoints, with `learner` loaded from it (through Burn's `load_checkpoint`); `None`
+    /// to start afresh, or to let Burn load its own files (an epoch asked for with
+    /// `.checkpoint(epoch)` that only Burn's checkpointer has).
+    pub(super) fn resume_before_fit(
+        &self,
+        learner: Learner<LC>,
+        components: &mut TrainingComponents<LC>,
+    ) -> (Learner<LC>, Option<usize>) {
+        let Some(dir) = &self.checkpoint_dir else {
+            return (learner, None);
+        };
+        let asked = components.checkpoint;
+        if asked.is_none() && !self.resume.auto {
+            return (learner, None);
+        }
+        let checkpoints = self.checkpoints(dir);
+        // The main process picks, and every process loads its pick: each choosing for itself
+        // could start processes from different epochs.
+        let mut loaded = None;
+        if self.process.is_main_process() {
+            loaded = self
+                .choose(&checkpoints, asked, components.checkpointer.is_some())
+                .unwrap_or_else(|err| fail("cannot resume", err));
+        }
+        let picked = loaded.as_ref().map(|l: &LoadedCheckpoint| l.epoch);
+        let picked = match &self.group {
+            Some(group) => group
+                .broadcast_object(&picked, 0)
+                .unwrap_or_else(|err| fail("cannot agree on the checkpoint to resume from", err)),
+            None => picked,
+        };
+        let Some(epoch) = picked else {
+            return (learner, None);
+        };
+        let loaded = match loaded {
+            Some(loaded) => loaded,
+            None => checkpoints.load(epoch).unwrap_or_else(|err| {
+                fail(
+                    &format!(
+                        "process {} cannot read the checkpoint of epoch {epoch} the main process \
+                         resumes from (every process needs the same checkpoint directory)",
+                        self.process.process_index()
+                    ),
+                    err,
+                )
+            }),
+        };
+        let [model, optim, scheduler, _] = names(epoch);
+        let take = |name: &str| loaded.files.get(name).cloned().unwrap_or_default();
+        let loader = LearningCheckpointer::<LC>::new(
+            AsyncCheckpointer::new(Restore(take(&model))),
+            AsyncCheckpointer::new(Restore(take(&optim))),
+            AsyncCheckpointer::new(Restore(take(&scheduler))),
+            Box::new(Always),
+        );
+        let learner = loader.load_checkpoint(learner, &self.device, epoch);
+        // Burn must not load its own files over these.
+        components.checkpoint = None;
+        log::info!(
+            "burn-accelerate: resuming from the checkpoint of epoch {epoch} in {} (restart \
+             {}); the steps taken after it are redone",
+            dir.display(),
+            crate::distributed::restart_count().unwrap_or(0)
+        );
+        (learner, Some(epoch))
+    }
+
+    // The main process's pick: the epoch asked for (`.checkpoint(epoch)`), else the newest
+    // complete one; `None` to start afresh or to leave it to Burn's own files.
+    fn choose(
+        &self,
+        checkpoints: &CheckpointDir,
+        asked: Option<usize>,
+        burn_has_files: bool,
+    ) -> Result<Option<LoadedCheckpoint>, AccelerateError> {
+        let Some(epoch) = asked else {
+            return checkpoints.load_newest(None);
+        };
+        let listed = Manifest::read(checkpoints.path())?.entry(epoch).is_some();
+        if !listed && burn_has_files {
+            // An epoch written before the strategy kept checkpoints of its own.
+            return Ok(None);
+        }
+        match checkpoints.load(epoch) {
+            Ok(loaded) => Ok(Some(loaded)),
+            Err(err) if burn_has_files => {
+                log::warn!(
+                    "burn-accelerate: {err}: loading Burn's own checkpoint of epoch {epoch} \
+                     instead, unverified"
+                );
+                Ok(None)
+            }
+            Err(err) => Err(err),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn burns_model_keeps_the_state_beside_it() {
+        let dir = std::env::temp_dir().join(format!(
+            "burn-accelerate-resume-spare-{}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("model-3.mpk"), b"").unwrap();
+        assert!(burn_keeps(&dir, "accelerate-3.json"));
+        assert!(!burn_keeps(&dir, "accelerate-2.json"));
+        assert!(!burn_keeps(&dir, "accelerate-3-model.mpk"));
+        assert_eq!(names(3)[3], "accelerate-3.json");
+        assert_eq!(
+            names(3)[3],
+            AccelerateCheckpoint::path(&dir, 3)
+                .file_name()
+                .unwrap()
+                .to_string_lossy()
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
