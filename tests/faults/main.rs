@@ -1,5 +1,7 @@
 //! What ends a run, and what must not: a frozen process (`SIGSTOP`), long work between
-//! collectives, a panic inside `main_process_first`, and how many sockets 16 processes hold.
+//! collectives, a panic inside `main_process_first`, and how many sockets 16 processes hold;
+//! and what a run survives: a killed process, restarted from the last checkpoint
+//! ([`restarts`]).
 //! Real processes of this machine (see `../processes/harness.rs`).
 #![cfg(feature = "flex")]
 
@@ -9,6 +11,8 @@
 mod harness;
 #[path = "../needs/mod.rs"]
 mod needs;
+// `burn-accelerate launch --max-restarts`: restarts that resume from the last checkpoint.
+mod restarts;
 
 use std::time::{Duration, Instant};
 
