@@ -1,6 +1,6 @@
 //! Settings a thread holds for a while over the process's, the Rust form of
 //! `with torch.autocast(...)`: one shape for every such setting (the small-op rule, the half
-//! path, op classes, the placement switches).
+//! path, op classes, the placement switches, the fp8 recipe, the gradient sync's layout).
 //!
 //! Each setting is a thread-local slot, `None` meaning "the process's". Entering a
 //! [`ThreadScope`] puts a value in the slot; dropping it puts back what was there, also while
@@ -31,8 +31,10 @@ pub(crate) fn thread_value<T: Copy + 'static>(slot: &'static Slot<T>) -> Option<
 /// [`capability::scope_half_path`](crate::capability::scope_half_path),
 /// [`autocast::scope_op_classes`](crate::autocast::scope_op_classes),
 /// [`placement::scope_device_moves`](crate::placement::scope_device_moves),
-/// [`placement::scope_colocate_inputs`](crate::placement::scope_colocate_inputs)) and held by
-/// an entered [`Autocast`](crate::Autocast).
+/// [`placement::scope_colocate_inputs`](crate::placement::scope_colocate_inputs),
+/// [`fp8::scope_recipe`](crate::fp8::scope_recipe),
+/// [`distributed::scope_sync_layout`](crate::distributed::scope_sync_layout)) and held by an
+/// entered [`Autocast`](crate::Autocast).
 #[must_use = "the setting is only this thread's while the scope lives"]
 pub struct ThreadScope<T: Copy + 'static> {
     slot: &'static Slot<T>,

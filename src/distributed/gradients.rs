@@ -5,14 +5,20 @@
 //!
 //! Every process packs every float parameter of the model, in the module's visiting order, so
 //! the buffers line up value for value. A parameter with no gradient on a process contributes
-//! zeros; a first small all-reduce counts the processes that have each parameter's gradient,
+//! zeros; a first small collective counts the processes that have each parameter's gradient,
 //! so that a parameter no process has a gradient for stays without one (an optimizer would
 //! otherwise move it with a zero gradient, through its momentum).
 //!
-//! Host copies per bucket: the concatenation into the bucket on the device (none for a
-//! parameter alone in its bucket), the device's download and upload (none on a CPU backend
-//! that hands its buffer over), and the kernel's copies in and out of the sockets; the
-//! received pieces are added straight into the bucket.
+//! Two paths ([`SyncLayout`]). On Flex (the default backend), each gradient is reduced where
+//! it lies, in the order its strides put its values, and given back with its own layout, once
+//! every process has said its layouts agree (`flex_sync`): a large gradient is reduced in its
+//! own storage, the small ones through a bucket buffer kept from step to step. Elsewhere (and
+//! with [`SyncLayout::Contiguous`]), every gradient is flattened in logical order and packed:
+//! host copies per bucket are the flattening (a transpose, for a Flex view), the
+//! concatenation on the device (none for a parameter alone in its bucket), the device's
+//! download and upload (none on a CPU backend that hands its buffer over), and the kernel's
+//! copies in and out of the sockets; the received pieces are added straight into the bucket.
+//! [`sync_copied_values`] counts the host copies of either path.
 //!
 //! An inf or a NaN on any process makes the reduced value non-finite on every process (IEEE:
 //! `inf + x = inf`, `inf - inf = NaN`, `NaN + x = NaN`), and every process ends with the same
@@ -20,6 +26,7 @@
 //! flag is reduced with the gradients, in the same buffers, and every rank skips the same
 //! steps and keeps the same loss scale.
 
+use std::cell::Cell;
 use std::collections::HashMap;
 
 use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
@@ -27,14 +34,14 @@ use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, FloatDType, Shape, Tensor};
 
+pub(crate) use super::bucket::Inner;
+pub use super::bucket::{BUCKET_VALUES, sync_copied_values};
+use super::bucket::{bucket_ranges, count_copied, numel};
 use super::error::DistributedError;
 use super::group::{ProcessGroup, ReduceOp};
-
-/// The most values one collective call carries (25 MiB of f32, DDP's default bucket); a
-/// larger parameter travels alone.
-pub const BUCKET_VALUES: usize = 25 * 1024 * 1024 / 4;
-
-pub(crate) type Inner<B> = <B as AutodiffBackend>::InnerBackend;
+use crate::scope::ThreadScope;
+#[cfg(feature = "flex")]
+use crate::scope::thread_value;
 
 // A parameter's averaged gradient, flat, with the dtype and shape to give it back.
 pub(crate) type Reduced<B> = (Tensor<Inner<B>, 1>, DType, Vec<usize>);
@@ -48,12 +55,47 @@ pub(crate) struct Slot<B: AutodiffBackend> {
     pub(crate) grad: Option<Tensor<Inner<B>, 1>>,
 }
 
+/// How the gradient sync reads and writes the gradients. Every process of a run must sync
+/// with the same one: the two paths make different collectives (the built-in engine refuses
+/// to mix them; under MPI a mix is undefined).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum SyncLayout {
+    /// Where the backend lends its storage (Flex): each gradient reduced as it lies in memory
+    /// and given back with its own layout, without a transpose or fresh pages, wherever every
+    /// process's layout agrees; in logical order where they do not. Elsewhere, as
+    /// [`Contiguous`](Self::Contiguous).
+    #[default]
+    AsStored,
+    /// Every gradient flattened in logical (row-major) order and packed, on every backend.
+    Contiguous,
+}
+
+thread_local! {
+    static LAYOUT: Cell<Option<SyncLayout>> = const { Cell::new(None) };
+}
+
+/// Syncs this thread's gradients with `layout` (both [`all_reduce_gradients`] and ZeRO stage
+/// 2's [`reduce_scatter_gradients`](crate::zero::reduce_scatter_gradients)) until the scope
+/// drops; [`SyncLayout::AsStored`] otherwise. For comparing the paths; every process must
+/// pick the same.
+pub fn scope_sync_layout(layout: SyncLayout) -> ThreadScope<SyncLayout> {
+    ThreadScope::enter(&LAYOUT, layout)
+}
+
+/// Whether this thread syncs `B`'s gradients where they lie (see [`SyncLayout`]).
+#[cfg(feature = "flex")]
+pub(crate) fn as_stored<B: burn::tensor::backend::Backend>() -> bool {
+    thread_value(&LAYOUT).unwrap_or_default() == SyncLayout::AsStored
+        && super::flex_sync::applies::<B>()
+}
+
 /// Replaces the gradients of `module`'s parameters in `grads` by their mean over the
 /// processes of `group`. Every process must call it at the same step. Does nothing for a
-/// single process.
+/// single process. On Flex, each gradient keeps its layout (see [`SyncLayout`]).
 ///
 /// # Errors
-/// What [`ProcessGroup::all_reduce`] returns.
+/// What [`ProcessGroup::all_reduce`] returns; [`DistributedError::Mismatch`] or
+/// [`DistributedError::Malformed`] for processes whose models differ.
 pub fn all_reduce_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
     group: &ProcessGroup,
     module: &M,
@@ -62,11 +104,28 @@ pub fn all_reduce_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
     if group.world_size() == 1 {
         return Ok(());
     }
+    #[cfg(feature = "flex")]
+    if as_stored::<Inner<B>>() {
+        return super::flex_sync::all_reduce::<B, M>(group, module, grads);
+    }
     let slots = take_slots(module, grads);
     let present = presence(group, &slots)?;
     let mut reduced = HashMap::new();
     for bucket in buckets(&slots) {
         let (present, bucket) = (&present[bucket.clone()], &slots[bucket]);
+        #[cfg(feature = "flex")]
+        if let [
+            Slot {
+                grad: Some(grad), ..
+            },
+        ] = bucket
+            && super::flex_sync::applies::<Inner<B>>()
+        {
+            // A gradient alone travels as it is, but the slot still holds it: Flex's download
+            // of a shared buffer copies it, and `Bytes::from_bytes_vec` copies that again to
+            // align it (perf, issue 38).
+            count_copied(2 * grad.dims()[0]);
+        }
         let flat = group.all_reduce_tensor(pack(bucket.iter()), ReduceOp::Mean)?;
         unpack(&flat, bucket.iter().zip(present), &mut reduced);
     }
@@ -111,17 +170,20 @@ pub(crate) fn pack<'a, B: AutodiffBackend>(
                 grad: Some(grad), ..
             },
         ] => grad.clone(),
-        _ => Tensor::cat(
-            slots
-                .iter()
-                .map(|s| {
-                    s.grad
-                        .clone()
-                        .unwrap_or_else(|| Tensor::zeros([numel(&s.dims)], &s.device))
-                })
-                .collect(),
-            0,
-        ),
+        _ => {
+            count_copied(slots.iter().map(|s| numel(&s.dims)).sum());
+            Tensor::cat(
+                slots
+                    .iter()
+                    .map(|s| {
+                        s.grad
+                            .clone()
+                            .unwrap_or_else(|| Tensor::zeros([numel(&s.dims)], &s.device))
+                    })
+                    .collect(),
+                0,
+            )
+        }
     }
 }
 
@@ -152,26 +214,10 @@ pub(crate) fn put_back<B: AutodiffBackend, M: AutodiffModule<B>>(
     module.visit(&mut PutBack::<B> { grads, reduced });
 }
 
-pub(crate) fn numel(dims: &[usize]) -> usize {
-    dims.iter().product()
-}
-
 // Consecutive runs of slots of at most BUCKET_VALUES values (a larger slot alone).
 pub(crate) fn buckets<B: AutodiffBackend>(slots: &[Slot<B>]) -> Vec<std::ops::Range<usize>> {
-    let mut ranges = Vec::new();
-    let (mut start, mut size) = (0, 0);
-    for (i, slot) in slots.iter().enumerate() {
-        let n = numel(&slot.dims);
-        if i > start && size + n > BUCKET_VALUES {
-            ranges.push(start..i);
-            (start, size) = (i, 0);
-        }
-        size += n;
-    }
-    if start < slots.len() {
-        ranges.push(start..slots.len());
-    }
-    ranges
+    let sizes: Vec<usize> = slots.iter().map(|s| numel(&s.dims)).collect();
+    bucket_ranges(&sizes)
 }
 
 struct TakeSlots<'a, B: AutodiffBackend> {
@@ -190,6 +236,8 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for TakeSlots<'_, B> {
             }
         };
         let grad = grad.map(|g| {
+            #[cfg(feature = "flex")]
+            count_copied(super::flex_sync::values_copied_to_flatten(&g));
             let flat = g.reshape([numel(&dims)]);
             if flat.dtype() == DType::F32 {
                 flat

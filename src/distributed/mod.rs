@@ -13,7 +13,8 @@
 //!   what became of it ([`DistributedError`]) instead of hanging them.
 //! - [`all_reduce_gradients`]: the mean of a model's gradients over the processes, in a few
 //!   flat buckets; the [`Accelerator`](crate::Accelerator) and the training strategy call it
-//!   at every synchronising step, and never while accumulating (Accelerate's `no_sync`).
+//!   at every synchronising step, and never while accumulating (Accelerate's `no_sync`). On
+//!   Flex each gradient is reduced where it lies, keeping its layout ([`SyncLayout`]).
 //! - Accelerate's collectives on tensors, as methods of [`ProcessGroup`]: `gather`,
 //!   `gather_for_metrics`, `reduce`, `broadcast`, `broadcast_object`, `pad_across_processes`,
 //!   and `all_reduce_tensor` / `reduce_scatter_tensor` (any dtype, exactly).
@@ -30,11 +31,16 @@
 //! burn-accelerate launch --num-processes 2 -- target/release/examples/train_mlp --batch-size 32
 //! ```
 
+pub(crate) mod bucket;
 mod collectives;
 mod element;
 mod engine;
 pub mod env;
 mod error;
+#[cfg(feature = "flex")]
+pub(crate) mod flex_sync;
+#[cfg(feature = "flex")]
+mod grad_layout;
 pub(crate) mod gradients;
 mod group;
 mod guard;
@@ -44,7 +50,9 @@ mod state;
 
 pub use element::{Element, Reducible};
 pub use error::DistributedError;
-pub use gradients::{BUCKET_VALUES, all_reduce_gradients};
+pub use gradients::{
+    BUCKET_VALUES, SyncLayout, all_reduce_gradients, scope_sync_layout, sync_copied_values,
+};
 pub(crate) use group::Stream;
 pub use group::{ProcessGroup, ReduceOp, shard_counts};
 pub use guard::FirstGuard;

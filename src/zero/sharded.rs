@@ -13,6 +13,12 @@
 //! With two processes every averaged value is one f32 addition, whatever the schedule, so the
 //! stages end bit for bit where stage 0 does; with more, stage 2 sums in another order than
 //! stage 0's all-reduce and agrees to rounding.
+//!
+//! On Flex both collectives read and write the tensors where they lie, as the all-reduce does
+//! ([`SyncLayout`](crate::distributed::SyncLayout)): stage 2 reduce-scatters each large
+//! gradient in its own storage and the small ones through a bucket buffer kept from step to
+//! step; the parameters are shared bucket by bucket, a large one sent from and received into
+//! its own storage, instead of through a buffer of the whole model made afresh each step.
 
 use std::collections::HashMap;
 
@@ -21,7 +27,8 @@ use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, FloatDType, Tensor, TensorData};
 
-use crate::distributed::gradients::{self, Inner, numel};
+use crate::distributed::bucket::{Inner, numel};
+use crate::distributed::gradients;
 use crate::distributed::{DistributedError, Element, ProcessGroup, ReduceOp};
 
 use super::sharding::{ZeroStage, partition};
@@ -105,6 +112,16 @@ pub fn reduce_scatter_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
     grads: &mut GradientsParams,
     partition: &Partition,
 ) -> Result<(), DistributedError> {
+    #[cfg(feature = "flex")]
+    if gradients::as_stored::<Inner<B>>() {
+        return crate::distributed::flex_sync::reduce_scatter::<B, M>(
+            group,
+            module,
+            grads,
+            |id| partition.owner(id),
+            |owners, sizes| by_owner(owners, sizes, group.world_size()),
+        );
+    }
     let (rank, n) = (group.rank(), group.world_size());
     let mut slots = gradients::take_slots(module, grads);
     let present = gradients::presence(group, &slots)?;
@@ -155,6 +172,15 @@ pub fn share_parameters<B: AutodiffBackend, M: AutodiffModule<B>>(
     let (rank, n) = (group.rank(), group.world_size());
     if n == 1 {
         return Ok(module);
+    }
+    #[cfg(feature = "flex")]
+    if gradients::as_stored::<Inner<B>>() {
+        return crate::distributed::flex_sync::share_parameters::<B, M>(
+            group,
+            module,
+            |id| partition.owner(id),
+            |owners, sizes| by_owner(owners, sizes, n),
+        );
     }
     // Every parameter's value, flat in f32, owner by owner.
     struct Values<B: AutodiffBackend>(Vec<(ParamId, Tensor<Inner<B>, 1>, DType)>);
