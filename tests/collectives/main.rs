@@ -1,6 +1,8 @@
 //! The process group's collectives at real sizes, on 2, 3 and 4 real processes of this machine
 //! (started by `burn-accelerate launch`, see `../processes/harness.rs`): a 1 GiB all-reduce,
-//! the gradients of a model with a 16.8M-value parameter, gather and broadcast of 20M values,
+//! the gradients of a model with a 16.8M-value parameter, gradients (and ZeRO's reduce-scatter
+//! and parameter sharing) synced where they lie against the contiguous path, bit for bit,
+//! gather and broadcast of 20M values,
 //! a 64 MiB dispatched batch, all-gather and reduce-scatter at uneven sizes in every element
 //! type, and what a peer that exits or calls another collective does to the others.
 //!
@@ -21,15 +23,17 @@ use burn::backend::{Autodiff, Flex};
 use burn::data::dataloader::DataLoader;
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::Dataset;
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{DType, Distribution, Int, Tensor, TensorData};
 use burn_accelerate::data::{DataLoaderConfig, ShardLoaderBuilder};
 use burn_accelerate::distributed::{
-    DistributedError, ProcessGroup, ProcessState, ReduceOp, all_reduce_gradients, shard_counts,
+    DistributedError, ProcessGroup, ProcessState, ReduceOp, SyncLayout, all_reduce_gradients,
+    scope_sync_layout, shard_counts, sync_copied_values,
 };
+use burn_accelerate::zero::{Partition, reduce_scatter_gradients, share_parameters};
 use half::{bf16, f16};
 use harness::{launch, max_relative_difference, report, worker};
 use serde::{Deserialize, Serialize};
@@ -321,6 +325,441 @@ fn gradients_of_a_16_8m_value_parameter_are_the_mean_of_every_process() {
     }
     for n in [2, 3] {
         assert_none_found(launch(TEST, n, &(), &[]).assert_success().reports(n));
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Gradients synced where they lie (Flex) against the contiguous path, bit for bit.
+
+/// A model whose gradients are every case the sync meets: a weight too large to share a
+/// bucket (reduced in its own storage), weights laid out as torch lays them (`[out, in]`, used
+/// transposed: their gradients are transposed views on Flex, where a Linear's are contiguous),
+/// a layer used twice in one forward, one some ranks leave unused at some steps, a weight tied
+/// to itself, and a parameter held in f16.
+#[derive(Module, Debug)]
+struct Tangle<B: Backend> {
+    big: Param<Tensor<B, 2>>,
+    twice: Linear<B>,
+    sometimes: Linear<B>,
+    flipped: Param<Tensor<B, 2>>,
+    tied: Param<Tensor<B, 2>>,
+    tied_again: Param<Tensor<B, 2>>,
+    half: Param<Tensor<B, 1>>,
+}
+
+/// Past a bucket: `BIG × BIG` values (6.76M) against `BUCKET_VALUES` (6.55M).
+const BIG: usize = 2600;
+const NARROW: usize = 16;
+
+/// How one step's gradients are made.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Case {
+    Plain,
+    /// `sometimes` unused on rank 1, used on the others.
+    UnusedOnOneRank,
+    /// `sometimes` unused everywhere: it must stay without a gradient.
+    UnusedEverywhere,
+    /// Two backward passes summed, as an accumulation window sums them.
+    Accumulated,
+    /// The last rank's loss multiplied past f32's (and f16's) range: infs there only.
+    OverflowOnOneRank,
+    /// Rank 0's `big` and `flipped` gradients contiguous where the others' are transposed,
+    /// and rank 1's `tied` gradient a strided view (not dense): all three must travel in
+    /// logical order.
+    LayoutsDiffer,
+}
+
+const CASES: [Case; 6] = [
+    Case::Plain,
+    Case::UnusedOnOneRank,
+    Case::UnusedEverywhere,
+    Case::Accumulated,
+    Case::OverflowOnOneRank,
+    Case::LayoutsDiffer,
+];
+
+type Device = burn::backend::flex::FlexDevice;
+
+impl Tangle<Train> {
+    fn new(device: &Device) -> Self {
+        Train::seed(device, 5);
+        let tied = Param::from_tensor(Tensor::random(
+            [NARROW, 8],
+            Distribution::Normal(0.0, 0.5),
+            device,
+        ));
+        let half = Tensor::<Train, 1>::ones([NARROW], device).cast(DType::F16);
+        let normal = |dims: [usize; 2]| {
+            Param::from_tensor(Tensor::random(
+                dims,
+                Distribution::Normal(0.0, 0.02),
+                device,
+            ))
+        };
+        Self {
+            big: normal([BIG, BIG]),
+            twice: LinearConfig::new(NARROW, NARROW).init(device),
+            sometimes: LinearConfig::new(NARROW, NARROW).init(device),
+            flipped: normal([NARROW, NARROW]),
+            tied_again: tied.clone(),
+            tied,
+            half: Param::from_tensor(half),
+        }
+    }
+
+    // Process `rank` of `n`'s loss at `step` (`micro`: the pass within a window). `exact`:
+    // every gradient a small integer (times a power of two), so that every sum is exact in
+    // f32 and any order of adding gives the same bits; otherwise chained layers and a square
+    // make arbitrary values.
+    fn loss(
+        &self,
+        (rank, n): (usize, usize),
+        step: usize,
+        micro: usize,
+        exact: bool,
+    ) -> Tensor<Train, 1> {
+        let device = self.half.device();
+        let input = |cols: usize, salt: usize| {
+            let values: Vec<f32> = (0..4 * cols)
+                .map(|i| {
+                    let k = (i * 31 + rank * 7919 + step * 104_729 + micro * 13 + salt * 3) % 7;
+                    if exact {
+                        k as f32 - 3.0
+                    } else {
+                        (k as f32 - 3.0) / 2.7 + (i % 11) as f32 / 50.0
+                    }
+                })
+                .collect();
+            Tensor::<Train, 2>::from_data(TensorData::new(values, [4, cols]), &device)
+        };
+        let case = CASES[step];
+        let uses_sometimes = match case {
+            Case::UnusedOnOneRank => rank != 1,
+            Case::UnusedEverywhere => false,
+            _ => true,
+        };
+        let half = self.half.val().cast(DType::F32).reshape([1, NARROW]);
+        let loss = if exact {
+            // Every output linear in the parameters: each gradient a sum of inputs.
+            let mut out = input(BIG, 0).matmul(self.big.val().transpose()).sum()
+                + input(NARROW, 7)
+                    .matmul(self.flipped.val().transpose())
+                    .sum()
+                + self.twice.forward(input(NARROW, 1)).sum()
+                + self.twice.forward(input(NARROW, 2)).sum()
+                + input(NARROW, 3).matmul(self.tied.val()).sum()
+                + input(8, 4).matmul(self.tied_again.val().transpose()).sum()
+                + (input(1, 5) * half).sum();
+            if uses_sometimes {
+                out = out + self.sometimes.forward(input(NARROW, 6)).sum();
+            }
+            out
+        } else {
+            let h = input(BIG, 0).matmul(self.big.val().transpose());
+            let h = h.slice([0..4, 0..NARROW]);
+            let h = self.twice.forward(h).tanh();
+            let mut h = self.twice.forward(h) * half;
+            if uses_sometimes {
+                h = h.clone() + self.sometimes.forward(h).tanh();
+            }
+            let h = h
+                .matmul(self.flipped.val().transpose())
+                .matmul(self.tied.val());
+            h.matmul(self.tied_again.val().transpose())
+                .powf_scalar(2.0)
+                .mean()
+        };
+        if case == Case::OverflowOnOneRank && rank + 1 == n {
+            // Powers of two: the scaled gradients stay exact where they are finite.
+            loss * 2f32.powi(126) * 4.0
+        } else {
+            loss
+        }
+    }
+
+    // Process `rank` of `n`'s gradients at `step`, as the window that completes there holds
+    // them.
+    fn gradients(&self, (rank, n): (usize, usize), step: usize, exact: bool) -> GradientsParams {
+        let pass = |micro| {
+            GradientsParams::from_grads(self.loss((rank, n), step, micro, exact).backward(), self)
+        };
+        let mut grads = pass(0);
+        match CASES[step] {
+            Case::Accumulated => {
+                burn_accelerate::grads::accumulate::<Train, _>(self, &mut grads, pass(1));
+            }
+            Case::LayoutsDiffer if rank == 0 => {
+                for id in [self.big.id, self.flipped.id] {
+                    let g = grads.remove::<Flex, 2>(id).unwrap();
+                    let g = Tensor::<Flex, 2>::from_data(g.into_data(), &self.half.device());
+                    assert!(is_contiguous(&g));
+                    grads.register(id, g);
+                }
+            }
+            Case::LayoutsDiffer if rank == 1 => {
+                let g = grads.remove::<Flex, 2>(self.tied.id).unwrap();
+                let wide = Tensor::cat(vec![g.clone(), g], 1);
+                grads.register(self.tied.id, wide.slice([0..NARROW, 0..8]));
+            }
+            _ => {}
+        }
+        grads
+    }
+}
+
+fn is_contiguous<const D: usize>(grad: &Tensor<Flex, D>) -> bool {
+    grad.clone().into_primitive().tensor().is_contiguous()
+}
+
+/// Every parameter's gradient in `grads` in visiting order: its bits in logical order, and
+/// whether it is a contiguous tensor (`None`: no gradient).
+fn gradient_bits<B: Backend, M: Module<B>>(
+    model: &M,
+    grads: &GradientsParams,
+) -> Vec<Option<(Vec<u32>, bool)>> {
+    struct Collect<'a>(&'a GradientsParams, Vec<Option<(Vec<u32>, bool)>>);
+    impl<B: Backend> ModuleVisitor<B> for Collect<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let grad = self.0.get::<Flex, D>(param.id);
+            self.1.push(grad.map(|g| {
+                let contiguous = is_contiguous(&g);
+                let values = g.into_data().convert::<f32>().to_vec::<f32>().unwrap();
+                (values.iter().map(|v| v.to_bits()).collect(), contiguous)
+            }));
+        }
+    }
+    let mut collect = Collect(grads, Vec::new());
+    model.visit(&mut collect);
+    collect.1
+}
+
+// Where the large weight's gradient lies (compared to after the sync: in place or not).
+fn storage_of(grads: &GradientsParams, model: &Tangle<Train>) -> usize {
+    let grad = grads.get::<Flex, 2>(model.big.id).unwrap();
+    grad.into_primitive().tensor().bytes().as_ptr() as usize
+}
+
+fn sync_layouts_worker(exact: bool) -> Findings {
+    let (_, group) = group();
+    let (r, n) = (group.rank(), group.world_size());
+    let device = Default::default();
+    let model = Tangle::<Train>::new(&device);
+    let partition = Partition::of::<Train, _>(&model, n);
+    let mut found = Findings::new();
+    let names = [
+        "big",
+        "twice.weight",
+        "twice.bias",
+        "sometimes.weight",
+        "sometimes.bias",
+        "flipped",
+        "tied",
+        "tied (again)",
+        "half",
+    ];
+    for (step, case) in CASES.iter().enumerate() {
+        for stage2 in [false, true] {
+            let mut stored = model.gradients((r, n), step, exact);
+            let mut contiguous = model.gradients((r, n), step, exact);
+            // The two backward passes must agree before the sync is compared.
+            let (before, again) = (
+                gradient_bits(&model, &stored),
+                gradient_bits(&model, &contiguous),
+            );
+            check(&mut found, before == again, || {
+                format!("{case:?}: two backward passes differ")
+            });
+            // The case this is for: transposed gradients, alone in a bucket and sharing one.
+            if *case == Case::Plain {
+                let transposed = |i: usize| before[i].as_ref().is_some_and(|g| !g.1);
+                check(&mut found, transposed(0) && transposed(5), || {
+                    "no transposed gradient".into()
+                });
+            }
+            let big_storage = storage_of(&stored, &model);
+            let copied = sync_copied_values();
+            if stage2 {
+                reduce_scatter_gradients::<Train, _>(&group, &model, &mut stored, &partition)
+                    .unwrap();
+            } else {
+                all_reduce_gradients::<Train, _>(&group, &model, &mut stored).unwrap();
+            }
+            let copied = sync_copied_values() - copied;
+            {
+                let _contiguous = scope_sync_layout(SyncLayout::Contiguous);
+                if stage2 {
+                    reduce_scatter_gradients::<Train, _>(
+                        &group,
+                        &model,
+                        &mut contiguous,
+                        &partition,
+                    )
+                    .unwrap();
+                } else {
+                    all_reduce_gradients::<Train, _>(&group, &model, &mut contiguous).unwrap();
+                }
+            }
+            let (got, want) = (
+                gradient_bits(&model, &stored),
+                gradient_bits(&model, &contiguous),
+            );
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                let same = g.as_ref().map(|g| &g.0) == w.as_ref().map(|w| &w.0);
+                check(&mut found, same, || {
+                    let first = match (g, w) {
+                        (Some(g), Some(w)) => {
+                            g.0.iter().zip(&w.0).position(|(a, b)| a != b).map(|at| {
+                                format!(
+                                    "first at {at}: {} against {}",
+                                    f32::from_bits(g.0[at]),
+                                    f32::from_bits(w.0[at])
+                                )
+                            })
+                        }
+                        _ => Some(format!("present {} against {}", g.is_some(), w.is_some())),
+                    };
+                    format!(
+                        "{case:?} (stage 2: {stage2}): {} differs from the contiguous path ({first:?})",
+                        names[i]
+                    )
+                });
+            }
+            // `sometimes` unused everywhere stays without a gradient.
+            if *case == Case::UnusedEverywhere {
+                check(&mut found, got[3].is_none() && got[4].is_none(), || {
+                    "an unused layer got a gradient".into()
+                });
+            }
+            // Where it lay: the large weight's gradient in its own storage, never copied, and
+            // every gradient in the layout it came in (the two made to differ: in logical
+            // order).
+            let differ = *case == Case::LayoutsDiffer;
+            let owns_big = !stage2 || partition.owner(model.big.id) == r;
+            if owns_big && !differ {
+                check(
+                    &mut found,
+                    storage_of(&stored, &model) == big_storage,
+                    || format!("{case:?} (stage 2: {stage2}): the large gradient moved"),
+                );
+            }
+            for (i, (g, b)) in got.iter().zip(&before).enumerate() {
+                let (Some(g), Some(b)) = (g, b) else { continue };
+                let logical = differ && [0, 5, 6, 7].contains(&i);
+                check(&mut found, g.1 == (b.1 || logical), || {
+                    format!(
+                        "{case:?} (stage 2: {stage2}): {} was contiguous: {}, is: {}",
+                        names[i], b.1, g.1
+                    )
+                });
+            }
+            check(&mut found, differ || copied < (BIG * BIG) as u64, || {
+                format!("{case:?} (stage 2: {stage2}): {copied} values copied")
+            });
+        }
+    }
+    share_parameters_worker(&model, &partition, &mut found);
+    found
+}
+
+/// The step of a sharded optimizer, as each rank sees it: its own parameters moved by
+/// `rank + 1`, the others' by something no owner gives (which the sharing must replace).
+struct Step<'a> {
+    rank: Option<usize>,
+    partition: &'a Partition,
+}
+
+impl ModuleMapper<Train> for Step<'_> {
+    fn map_float<const D: usize>(
+        &mut self,
+        param: Param<Tensor<Train, D>>,
+    ) -> Param<Tensor<Train, D>> {
+        let owner = self.partition.owner(param.id);
+        let shift = match self.rank {
+            Some(rank) if rank != owner => 1000.0 + rank as f32,
+            _ => owner as f32 + 1.0,
+        };
+        param.map(|t| Tensor::from_inner(t.inner() + shift).require_grad())
+    }
+}
+
+// Every parameter's bits, in visiting order.
+fn parameter_bits<M: Module<Train>>(model: &M) -> Vec<Vec<u32>> {
+    struct Collect(Vec<Vec<u32>>);
+    impl ModuleVisitor<Train> for Collect {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Train, D>>) {
+            let values = param
+                .val()
+                .into_data()
+                .convert::<f32>()
+                .to_vec::<f32>()
+                .unwrap();
+            self.0.push(values.iter().map(|v| v.to_bits()).collect());
+        }
+    }
+    let mut collect = Collect(Vec::new());
+    model.visit(&mut collect);
+    collect.0
+}
+
+// ZeRO's last step: every parameter from its owner, in place where this process holds it.
+fn share_parameters_worker(model: &Tangle<Train>, partition: &Partition, found: &mut Findings) {
+    let (_, group) = group();
+    let r = group.rank();
+    let stepped = |rank| model.clone().map(&mut Step { rank, partition });
+    let expected = parameter_bits(&stepped(None));
+    let mine = stepped(Some(r));
+    let big = mine
+        .big
+        .val()
+        .inner()
+        .into_primitive()
+        .tensor()
+        .bytes()
+        .as_ptr() as usize;
+    let copied = sync_copied_values();
+    let shared = share_parameters::<Train, _>(&group, mine, partition).unwrap();
+    let copied = sync_copied_values() - copied;
+    let contiguous = {
+        let _contiguous = scope_sync_layout(SyncLayout::Contiguous);
+        share_parameters::<Train, _>(&group, stepped(Some(r)), partition).unwrap()
+    };
+    let (got, want) = (parameter_bits(&shared), parameter_bits(&contiguous));
+    check(found, got == want, || {
+        "shared parameters differ from the contiguous path's".into()
+    });
+    // Each parameter its owner's; a tied parameter where it is first met only (index 7 is
+    // `tied` again, which both paths leave as the mapper made it, as Burn's optimizers do).
+    for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
+        check(found, i == 7 || g == e, || {
+            format!("shared parameter {i} is not its owner's")
+        });
+    }
+    let big_after = shared
+        .big
+        .val()
+        .inner()
+        .into_primitive()
+        .tensor()
+        .bytes()
+        .as_ptr() as usize;
+    check(found, big_after == big, || {
+        "the large parameter was not received in place".into()
+    });
+    check(found, copied < (BIG * BIG) as u64, || {
+        format!("sharing copied {copied} values")
+    });
+}
+
+#[test]
+fn gradients_synced_where_they_lie_are_the_contiguous_path_s_bit_for_bit() {
+    const TEST: &str = "gradients_synced_where_they_lie_are_the_contiguous_path_s_bit_for_bit";
+    if let Some(exact) = worker::<bool>() {
+        return report(&sync_layouts_worker(exact));
+    }
+    // Any values on two processes (each sum one addition, in either order); on three, the
+    // ring adds a value moved to another block in another order, so only exact sums compare.
+    for (n, exact) in [(2, false), (2, true), (3, true)] {
+        assert_none_found(launch(TEST, n, &exact, &[]).assert_success().reports(n));
     }
 }
 
