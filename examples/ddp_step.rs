@@ -10,11 +10,17 @@
 //! # 100.7M parameters: six 4096 × 4096 layers
 //! target/release/burn-accelerate launch --num-processes 2 -- target/release/examples/ddp_step \
 //!     --dims 4096,4096,4096,4096,4096,4096,4096 --batch 16 --steps 10
+//! # the same, with every gradient flattened first (the path of backends other than Flex)
+//! target/release/burn-accelerate launch --num-processes 2 -- target/release/examples/ddp_step \
+//!     --dims 4096,4096,4096,4096,4096,4096,4096 --batch 16 --steps 10 --sync-layout contiguous
 //! ```
 //!
 //! Printed by the main process: the median step time, the median time of the gradient
 //! all-reduce within it and its share, and the median all-reduce of a flat buffer as large as
-//! the model (the collective alone, without packing).
+//! the model (the collective alone, without packing); then, per timed step (medians), the
+//! minor page faults of the whole step and of the sync alone, and the values the sync copied
+//! on the host (`distributed::sync_copied_values`). `--sync-layout contiguous` syncs as every
+//! backend but Flex does (each gradient flattened in logical order first), for comparison.
 
 use std::time::{Duration, Instant};
 
@@ -24,8 +30,10 @@ use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::{GradientsParams, Optimizer, SgdConfig};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Tensor};
-use burn_accelerate::distributed::{ProcessState, ReduceOp, all_reduce_gradients};
-use clap::Parser;
+use burn_accelerate::distributed::{
+    ProcessState, ReduceOp, SyncLayout, all_reduce_gradients, scope_sync_layout, sync_copied_values,
+};
+use clap::{Parser, ValueEnum};
 
 type Train = Autodiff<Flex>;
 
@@ -41,6 +49,34 @@ struct Args {
     /// Samples per process and step.
     #[arg(long, default_value_t = 64)]
     batch: usize,
+    /// How the gradients are read and written: where they lie, or flattened first.
+    #[arg(long, value_enum, default_value_t = Layout::AsStored)]
+    sync_layout: Layout,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Layout {
+    AsStored,
+    Contiguous,
+}
+
+/// This process's minor page faults so far (`/proc/self/stat`'s tenth field; 0 where there is
+/// none): each is a page the process touched for the first time, most of them fresh pages the
+/// kernel zeroed.
+fn minor_faults() -> u64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return 0;
+    };
+    // After the command name, which may hold spaces, in parentheses.
+    stat.rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().nth(7))
+        .and_then(|f| f.parse().ok())
+        .unwrap_or(0)
+}
+
+fn median_of(mut counts: Vec<u64>) -> u64 {
+    counts.sort_unstable();
+    counts.get(counts.len() / 2).copied().unwrap_or(0)
 }
 
 #[derive(Module, Debug)]
@@ -86,19 +122,32 @@ fn main() {
         Distribution::Normal(0., 1.),
         &device,
     );
+    let _layout = scope_sync_layout(match args.sync_layout {
+        Layout::AsStored => SyncLayout::AsStored,
+        Layout::Contiguous => SyncLayout::Contiguous,
+    });
     let warmup = (args.steps / 10).max(2);
     let (mut steps, mut syncs) = (Vec::new(), Vec::new());
+    let (mut step_faults, mut sync_faults, mut copies) = (Vec::new(), Vec::new(), Vec::new());
     for step in 0..warmup + args.steps {
-        let start = Instant::now();
+        let (start, faults) = (Instant::now(), minor_faults());
         let loss = model.forward(x.clone()).powf_scalar(2.0).mean();
         let mut grads = GradientsParams::from_grads(loss.backward(), &model);
-        let sync = Instant::now();
+        let (sync, faults_before_sync, copied) =
+            (Instant::now(), minor_faults(), sync_copied_values());
         all_reduce_gradients::<Train, _>(&group, &model, &mut grads).expect("all-reduce");
         let synced = sync.elapsed();
+        let (faults_in_sync, copied) = (
+            minor_faults() - faults_before_sync,
+            sync_copied_values() - copied,
+        );
         model = optim.step(1e-3, model, grads);
         if step >= warmup {
             steps.push(start.elapsed());
             syncs.push(synced);
+            step_faults.push(minor_faults() - faults);
+            sync_faults.push(faults_in_sync);
+            copies.push(copied);
         }
     }
     let mut buffer = vec![0.5f32; model.num_params()];
@@ -116,12 +165,16 @@ fn main() {
         let (step, sync) = (median(steps), median(syncs));
         println!(
             "processes={} threads={} params={} step_ms={step:.3} sync_ms={sync:.3} \
-             sync_share={:.1}% flat_all_reduce_ms={:.3}",
+             sync_share={:.1}% flat_all_reduce_ms={:.3} step_minor_faults={} \
+             sync_minor_faults={} sync_copied_values={}",
             state.num_processes(),
             std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "default".into()),
             model.num_params(),
             100.0 * sync / step,
-            median(flat)
+            median(flat),
+            median_of(step_faults),
+            median_of(sync_faults),
+            median_of(copies),
         );
     }
 }
