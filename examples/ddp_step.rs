@@ -74,6 +74,26 @@ fn minor_faults() -> u64 {
         .unwrap_or(0)
 }
 
+/// The CPU time this process (all its threads: the engine's included) has used so far, in
+/// milliseconds: utime + stime from /proc/self/stat, in USER_HZ ticks (100 per second on Linux,
+/// whatever the kernel's own rate), so 10 ms granular.
+fn cpu_ms() -> u64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return 0;
+    };
+    let ticks: u64 = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| {
+            rest.split_whitespace()
+                .skip(11)
+                .take(2)
+                .filter_map(|t| t.parse::<u64>().ok())
+                .sum()
+        })
+        .unwrap_or(0);
+    ticks * 10
+}
+
 fn median_of(mut counts: Vec<u64>) -> u64 {
     counts.sort_unstable();
     counts.get(counts.len() / 2).copied().unwrap_or(0)
@@ -129,17 +149,23 @@ fn main() {
     let warmup = (args.steps / 10).max(2);
     let (mut steps, mut syncs) = (Vec::new(), Vec::new());
     let (mut step_faults, mut sync_faults, mut copies) = (Vec::new(), Vec::new(), Vec::new());
+    let mut sync_cpus = Vec::new();
     for step in 0..warmup + args.steps {
         let (start, faults) = (Instant::now(), minor_faults());
         let loss = model.forward(x.clone()).powf_scalar(2.0).mean();
         let mut grads = GradientsParams::from_grads(loss.backward(), &model);
-        let (sync, faults_before_sync, copied) =
-            (Instant::now(), minor_faults(), sync_copied_values());
+        let (sync, faults_before_sync, copied, cpu) = (
+            Instant::now(),
+            minor_faults(),
+            sync_copied_values(),
+            cpu_ms(),
+        );
         all_reduce_gradients::<Train, _>(&group, &model, &mut grads).expect("all-reduce");
         let synced = sync.elapsed();
-        let (faults_in_sync, copied) = (
+        let (faults_in_sync, copied, sync_cpu) = (
             minor_faults() - faults_before_sync,
             sync_copied_values() - copied,
+            cpu_ms() - cpu,
         );
         model = optim.step(1e-3, model, grads);
         if step >= warmup {
@@ -148,6 +174,7 @@ fn main() {
             step_faults.push(minor_faults() - faults);
             sync_faults.push(faults_in_sync);
             copies.push(copied);
+            sync_cpus.push(sync_cpu);
         }
     }
     let mut buffer = vec![0.5f32; model.num_params()];
@@ -166,7 +193,7 @@ fn main() {
         println!(
             "processes={} threads={} params={} step_ms={step:.3} sync_ms={sync:.3} \
              sync_share={:.1}% flat_all_reduce_ms={:.3} step_minor_faults={} \
-             sync_minor_faults={} sync_copied_values={}",
+             sync_minor_faults={} sync_copied_values={} sync_cpu_ms={}",
             state.num_processes(),
             std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "default".into()),
             model.num_params(),
@@ -175,6 +202,7 @@ fn main() {
             median_of(step_faults),
             median_of(sync_faults),
             median_of(copies),
+            median_of(sync_cpus),
         );
     }
 }
