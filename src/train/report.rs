@@ -1,0 +1,75 @@
+//! What an accelerated training reports: its precision, loss scale and step counts, per
+//! epoch, readable while Burn's loop runs.
+
+use super::*;
+
+/// What an accelerated training did, per epoch.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct EpochReport {
+    /// The epoch (1-based, as Burn counts).
+    pub epoch: usize,
+    /// Training steps taken: one batch on every device (whose shard still had one).
+    pub batches: usize,
+    /// Optimizer steps applied.
+    pub optimizer_steps: usize,
+    /// Learning-rate scheduler steps taken.
+    pub scheduler_steps: usize,
+    /// Optimizer steps skipped because the scaled gradients overflowed.
+    pub skipped_steps: usize,
+    /// The loss scale at the end of the epoch (1 without loss scaling).
+    pub loss_scale: f32,
+}
+
+/// What an accelerated training did so far: precision, loss scale and step counts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrainingStats {
+    /// The precision asked for.
+    pub requested: Precision,
+    /// The precision the ops ran in (f32 after a fallback).
+    pub precision: Precision,
+    /// Whether the device could not run `requested` and f32 was used instead.
+    pub fell_back: bool,
+    /// The loss scale in force (after the last optimizer step).
+    pub loss_scale: LossScale,
+    /// Every epoch trained, in order.
+    pub epochs: Vec<EpochReport>,
+    /// The lower-class ops of the training and validation steps (on the thread that runs
+    /// them: the main device's) by what they ran in: half type, or f32 and why; set when the
+    /// fit ends.
+    pub lower_ops: LowerOpTally,
+    /// The epoch whose checkpoint this training resumed from (`None`: it started afresh).
+    pub resumed_from: Option<usize>,
+    // Skipped steps so far, the current epoch included (for the live metric).
+    pub(super) skipped_live: usize,
+}
+
+impl TrainingStats {
+    /// Optimizer steps skipped on overflow, over all epochs.
+    pub fn skipped_steps(&self) -> usize {
+        self.epochs.iter().map(|e| e.skipped_steps).sum()
+    }
+
+    /// Optimizer steps applied, over all epochs.
+    pub fn optimizer_steps(&self) -> usize {
+        self.epochs.iter().map(|e| e.optimizer_steps).sum()
+    }
+}
+
+/// A handle on an [`AccelerateStrategy`]'s [`TrainingStats`], readable during and after
+/// training (the strategy itself moves into Burn's builder).
+#[derive(Debug, Clone)]
+pub struct TrainingReport {
+    pub(super) inner: Arc<Mutex<TrainingStats>>,
+}
+
+impl TrainingReport {
+    /// A copy of the statistics now.
+    pub fn stats(&self) -> TrainingStats {
+        self.lock().clone()
+    }
+
+    pub(super) fn lock(&self) -> std::sync::MutexGuard<'_, TrainingStats> {
+        // The stats are plain counters: a panic elsewhere leaves them usable.
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
