@@ -14,6 +14,10 @@
 //! as torchrun's elastic agent does: each start is an attempt, numbered in the processes'
 //! environment and in every line the launcher writes, with a rendezvous that hears only its
 //! own attempt's processes.
+//!
+//! With `--num-machines MIN:MAX` (torchrun's `--nnodes`), machine 0's launcher decides each
+//! attempt's machines among the launchers connected to it (`distributed::membership`): a lost
+//! machine's attempt is restarted with the machines that are left, if at least MIN.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, Command, ExitCode, ExitStatus, Stdio};
@@ -48,6 +52,7 @@ enum Task {
     /// Output lines are prefixed with the rank; Ctrl-C is forwarded; when any process fails,
     /// the others are stopped, and the run is started again while --max-restarts allows
     /// (otherwise the launcher exits non-zero, naming the rank of each attempt's failure).
+    /// With --num-machines MIN:MAX, a restart takes the machines that are left, if at least MIN.
     Launch(Launch),
     /// Write a fresh run secret (64 hex characters) to PATH (readable by its owner only), or
     /// print it
@@ -72,10 +77,16 @@ struct Launch {
     /// --num_processes); each machine starts NUM_PROCESSES / NUM_MACHINES of them.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     num_processes: u32,
-    /// Machines taking part.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
-    num_machines: u32,
-    /// This machine's rank, 0..NUM_MACHINES; machine 0 hosts the rendezvous.
+    /// Machines taking part: N, or MIN:MAX for an elastic run (torchrun's --nnodes), which
+    /// starts with the machines whose launchers are there (MAX at once, at least MIN after
+    /// --join-window) and, when one is lost, restarts with those left (while --max-restarts
+    /// allows) if at least MIN are; a machine that comes back joins at the next restart.
+    /// Each machine runs NUM_PROCESSES / MAX processes; machine 0's launcher coordinates, and
+    /// the run ends if it is lost.
+    #[arg(long, default_value = "1", value_name = "N|MIN:MAX", value_parser = parse_machines)]
+    num_machines: Machines,
+    /// This machine's rank, 0..NUM_MACHINES (0..MAX); machine 0 hosts the rendezvous. In an
+    /// elastic run it names the machine, and each attempt numbers its machines anew (0 stays 0).
     #[arg(long, default_value_t = 0)]
     machine_rank: u32,
     /// Address of machine 0, reachable from every machine (required with several machines).
@@ -117,6 +128,10 @@ struct Launch {
     #[arg(long, default_value_t = 0, value_name = "N",
         value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
     max_restarts: u32,
+    /// With --num-machines MIN:MAX: seconds machine 0's launcher waits, at each start, for
+    /// more machines once MIN are there (torchrun's last call); with MAX it starts at once.
+    #[arg(long, default_value_t = 30.0, value_name = "SECONDS")]
+    join_window: f64,
     /// The program to run, and its arguments (after `--`).
     #[arg(
         required = true,
@@ -125,6 +140,47 @@ struct Launch {
         value_name = "PROGRAM"
     )]
     command: Vec<String>,
+}
+
+/// `--num-machines`: a fixed count, or an elastic range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Machines {
+    min: u32,
+    max: u32,
+    elastic: bool,
+}
+
+fn parse_machines(text: &str) -> Result<Machines, String> {
+    let number = |part: &str| {
+        part.trim()
+            .parse::<u32>()
+            .ok()
+            .filter(|&n| n >= 1)
+            .ok_or_else(|| format!("{part:?} is not a number of machines (1 or more)"))
+    };
+    match text.split_once(':') {
+        None => {
+            let n = number(text)?;
+            Ok(Machines {
+                min: n,
+                max: n,
+                elastic: false,
+            })
+        }
+        Some((min, max)) => {
+            let (min, max) = (number(min)?, number(max)?);
+            if min > max {
+                return Err(format!(
+                    "MIN:MAX {min}:{max}: MIN is more than MAX (write {max}:{min}?)"
+                ));
+            }
+            Ok(Machines {
+                min,
+                max,
+                elastic: true,
+            })
+        }
+    }
 }
 
 fn main() -> ExitCode {
@@ -200,7 +256,7 @@ impl Launch {
         if self.insecure_no_secret {
             return Ok(RunSecret::from_text(INSECURE));
         }
-        if self.num_machines == 1 {
+        if self.num_machines.max == 1 {
             return RunSecret::generate();
         }
         Err(DistributedError::InvalidLaunch(format!(
@@ -208,7 +264,7 @@ impl Launch {
              `burn-accelerate secret run.secret`, copy it to each machine, and pass \
              --secret-file run.secret to every launcher (or set {}); --insecure-no-secret \
              runs without one, for a network no one else reaches",
-            self.num_machines,
+            self.num_machines.max,
             env::SECRET
         )))
     }
@@ -220,23 +276,41 @@ struct Plan {
     local: u32,
     world: u32,
     first_rank: u32,
+    /// This machine's rank in the run (in an elastic run, in the attempt).
+    machine_rank: u32,
     main_addr: String,
 }
 
 impl Launch {
     fn plan(&self) -> Result<Plan, DistributedError> {
         let bad = |msg: String| Err(DistributedError::InvalidLaunch(msg));
-        if self.machine_rank >= self.num_machines {
+        let machines = self.num_machines;
+        // An elastic run's flags name MAX where a fixed run's name its one count.
+        let (count, named) = if machines.elastic {
+            (
+                machines.max,
+                format!("MAX of --num-machines {}:{}", machines.min, machines.max),
+            )
+        } else {
+            (machines.max, format!("--num-machines {}", machines.max))
+        };
+        if self.machine_rank >= count {
             return bad(format!(
-                "--machine-rank {} is not below --num-machines {}",
-                self.machine_rank, self.num_machines
+                "--machine-rank {} is not below {named}",
+                self.machine_rank
             ));
         }
-        if !self.num_processes.is_multiple_of(self.num_machines) {
+        if !self.num_processes.is_multiple_of(count) {
             return bad(format!(
                 "--num-processes {} (processes in the whole run) is not a multiple of \
-                 --num-machines {}: every machine runs the same number",
-                self.num_processes, self.num_machines
+                 {named}: every machine runs the same number",
+                self.num_processes
+            ));
+        }
+        if machines.elastic && !(self.join_window.is_finite() && self.join_window >= 0.0) {
+            return bad(format!(
+                "--join-window {} is not a number of seconds",
+                self.join_window
             ));
         }
         if !(self.timeout.is_finite() && self.timeout > 0.0) {
@@ -254,22 +328,22 @@ impl Launch {
         if !(self.grace.is_finite() && self.grace >= 0.0) {
             return bad(format!("--grace {} is not a number of seconds", self.grace));
         }
-        let main_addr = match (&self.main_process_ip, self.num_machines) {
+        let main_addr = match (&self.main_process_ip, count) {
             (Some(ip), _) => ip.clone(),
             (None, 1) => "127.0.0.1".into(),
             (None, _) => {
                 return bad(format!(
-                    "--main-process-ip is required with --num-machines {}: the address of \
-                     machine 0 that every machine can reach",
-                    self.num_machines
+                    "--main-process-ip is required with {named}: the address of machine 0 \
+                     that every machine can reach"
                 ));
             }
         };
-        let local = self.num_processes / self.num_machines;
+        let local = self.num_processes / count;
         Ok(Plan {
             local,
             world: self.num_processes,
             first_rank: self.machine_rank * local,
+            machine_rank: self.machine_rank,
             main_addr,
         })
     }
@@ -318,6 +392,9 @@ fn budget_spent(max_restarts: u32, failures: &[String]) -> String {
 
 fn run(launch: &Launch) -> Result<ExitCode, DistributedError> {
     let plan = launch.plan()?;
+    if launch.num_machines.elastic {
+        return elastic::run(launch, plan);
+    }
     let io = |what: &str| {
         let what = what.to_string();
         move |e: std::io::Error| DistributedError::Io {
@@ -382,7 +459,7 @@ fn run(launch: &Launch) -> Result<ExitCode, DistributedError> {
                 return Ok(ExitCode::from(2));
             }
         };
-        let outcome = supervise(&mut children, grace);
+        let outcome = supervise(&mut children, grace, || None);
         for child in &mut children {
             child.finish_output();
         }
@@ -397,6 +474,7 @@ fn run(launch: &Launch) -> Result<ExitCode, DistributedError> {
                 eprintln!("{attempt}: stopped by signal {signal}; so were the processes");
                 return Ok(ExitCode::from((128 + signal).clamp(0, 255) as u8));
             }
+            Outcome::Interrupted(why) => unreachable!("a fixed run is never interrupted: {why}"),
             Outcome::Failed { rank, status } => {
                 let failure = format!("process {rank} {}", describe(status));
                 eprintln!("{attempt}: {failure}; the other processes were stopped");
@@ -422,6 +500,373 @@ fn run(launch: &Launch) -> Result<ExitCode, DistributedError> {
         eprintln!("{}", budget_spent(launch.max_restarts, &failures));
     }
     Ok(ExitCode::FAILURE)
+}
+
+/// `--num-machines MIN:MAX`: machine 0's launcher coordinates the attempts, the others follow
+/// (see `burn_accelerate::distributed::membership`).
+mod elastic {
+    use super::*;
+    use burn_accelerate::distributed::membership::{
+        AttemptState, Coordinator, MemberLink, Order, Shape,
+    };
+
+    fn signalled() -> Option<ExitCode> {
+        let signal = STOP_SIGNAL.load(Ordering::SeqCst);
+        (signal != 0).then(|| ExitCode::from((128 + signal).clamp(0, 255) as u8))
+    }
+
+    pub(super) fn run(launch: &Launch, plan: Plan) -> Result<ExitCode, DistributedError> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .map_err(|e| DistributedError::Io {
+                what: "starting the launcher's runtime".into(),
+                reason: e.to_string(),
+            })?;
+        let secret = launch.secret()?;
+        runtime.spawn(forward_stop_signals());
+        let shape = Shape {
+            min: launch.num_machines.min,
+            max: launch.num_machines.max,
+            local: plan.local,
+        };
+        if launch.machine_rank == 0 {
+            coordinate(launch, plan, shape, &secret, &runtime)
+        } else {
+            follow(launch, plan, shape, &secret, &runtime)
+        }
+    }
+
+    // Machine 0: decides each attempt's machines, runs its own share, and restarts the run
+    // when any machine fails or is lost.
+    fn coordinate(
+        launch: &Launch,
+        plan: Plan,
+        shape: Shape,
+        secret: &RunSecret,
+        runtime: &tokio::runtime::Runtime,
+    ) -> Result<ExitCode, DistributedError> {
+        let timeout = Duration::from_secs_f64(launch.timeout);
+        let liveness = Duration::from_secs_f64(launch.liveness_timeout);
+        let window = Duration::from_secs_f64(launch.join_window);
+        let grace = Duration::from_secs_f64(launch.grace);
+        // Listening from the start, whatever the first attempt's size: the other machines'
+        // launchers reach this one through the rendezvous's port.
+        let host = distributed::serve_rendezvous(
+            &plan.main_addr,
+            launch.main_process_port,
+            timeout,
+            secret.clone(),
+            runtime.handle(),
+        )?;
+        let mut coordinator = Coordinator::start(&host, shape, liveness, runtime.handle());
+        let attempts = u64::from(launch.max_restarts) + 1;
+        let threads = threads_per_process(
+            plan.local,
+            Attempt {
+                number: 0,
+                of: attempts,
+            },
+        );
+        let mut failures = Vec::new();
+        for number in 0..attempts {
+            let attempt = Attempt {
+                number,
+                of: attempts,
+            };
+            host.begin_attempt(number);
+            eprintln!(
+                "{attempt}: waiting for the machines' launchers (--num-machines {}:{}: all {} \
+                 at once, or at least {} after --join-window {}s)",
+                shape.min, shape.max, shape.max, shape.min, launch.join_window
+            );
+            let machines = match coordinator.gather(window, timeout, || signalled().is_some()) {
+                Ok(Some(machines)) => machines,
+                Ok(None) => {
+                    eprintln!("{attempt}: stopped by a signal while waiting for the machines");
+                    coordinator.finish(false, "machine 0's launcher was stopped by a signal");
+                    return Ok(signalled().unwrap_or(ExitCode::FAILURE));
+                }
+                Err(err) => {
+                    eprintln!("{attempt}: {err}");
+                    coordinator.finish(false, &err.to_string());
+                    return Ok(signalled().unwrap_or(ExitCode::FAILURE));
+                }
+            };
+            let world = plan.local * machines.len() as u32;
+            eprintln!(
+                "{attempt}: {} of at most {} machines take part (by --machine-rank: {machines:?}), \
+                 {world} processes; {}={world}",
+                machines.len(),
+                shape.max,
+                env::WORLD_SIZE
+            );
+            coordinator.begin(number, &machines);
+            let this = Plan {
+                local: plan.local,
+                world,
+                first_rank: 0,
+                machine_rank: 0,
+                main_addr: plan.main_addr.clone(),
+            };
+            let mut children = match start(launch, &this, secret, attempt, threads) {
+                Ok(children) => children,
+                Err(err) => {
+                    eprintln!("{attempt}: {err}");
+                    coordinator.stop(number);
+                    coordinator.finish(false, "machine 0 could not start its processes");
+                    return Ok(ExitCode::from(2));
+                }
+            };
+            let outcome = supervise(&mut children, grace, || match coordinator.state(number) {
+                AttemptState::Failed(why) => Some(why),
+                _ => None,
+            });
+            for child in &mut children {
+                child.finish_output();
+            }
+            let failure = match outcome {
+                Outcome::AllSucceeded => match wait_for_members(&mut coordinator, number) {
+                    Ok(()) => {
+                        eprintln!("{attempt}: every process succeeded, on every machine");
+                        coordinator.finish(true, "every process succeeded");
+                        return Ok(ExitCode::SUCCESS);
+                    }
+                    Err(why) => why,
+                },
+                Outcome::Stopped(signal) => {
+                    eprintln!("{attempt}: stopped by signal {signal}; so were the processes");
+                    coordinator.stop(number);
+                    coordinator.finish(false, "machine 0's launcher was stopped by a signal");
+                    return Ok(ExitCode::from((128 + signal).clamp(0, 255) as u8));
+                }
+                Outcome::Interrupted(why) => why,
+                Outcome::Failed { rank, status } => format!("process {rank} {}", describe(status)),
+            };
+            eprintln!("{attempt}: {failure}; the other processes were stopped");
+            coordinator.stop(number);
+            failures.push(failure);
+            if let Some(code) = signalled() {
+                eprintln!("{attempt}: stopped by a signal; no restart");
+                coordinator.finish(false, "machine 0's launcher was stopped by a signal");
+                return Ok(code);
+            }
+            if number + 1 < attempts {
+                eprintln!(
+                    "{attempt}: restarting the run with the machines that are ready ({} of {} \
+                     restarts left after this one)",
+                    attempts - number - 2,
+                    launch.max_restarts
+                );
+            }
+        }
+        coordinator.finish(
+            false,
+            "the run failed and --max-restarts allows no more restarts",
+        );
+        if launch.max_restarts > 0 {
+            eprintln!("{}", budget_spent(launch.max_restarts, &failures));
+        }
+        Ok(ExitCode::FAILURE)
+    }
+
+    // Once machine 0's processes succeeded: the other members' end. Their launchers' liveness
+    // bounds the wait (a lost one fails the attempt).
+    fn wait_for_members(coordinator: &mut Coordinator, attempt: u64) -> Result<(), String> {
+        loop {
+            match coordinator.state(attempt) {
+                AttemptState::Succeeded => return Ok(()),
+                AttemptState::Failed(why) => return Err(why),
+                AttemptState::Running if signalled().is_some() => {
+                    return Err("stopped by a signal while the other machines ran".into());
+                }
+                AttemptState::Running => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+    }
+
+    // Another machine: runs what machine 0's launcher says, attempt after attempt, until it
+    // says the run is over (or is lost for longer than --timeout).
+    fn follow(
+        launch: &Launch,
+        plan: Plan,
+        shape: Shape,
+        secret: &RunSecret,
+        runtime: &tokio::runtime::Runtime,
+    ) -> Result<ExitCode, DistributedError> {
+        let timeout = Duration::from_secs_f64(launch.timeout);
+        let liveness = Duration::from_secs_f64(launch.liveness_timeout);
+        let grace = Duration::from_secs_f64(launch.grace);
+        let main = format!("{}:{}", plan.main_addr, launch.main_process_port);
+        let machine = launch.machine_rank;
+        let connect = |timeout: Duration| {
+            MemberLink::connect(
+                &main,
+                machine,
+                shape,
+                secret,
+                liveness,
+                timeout,
+                runtime.handle(),
+                || signalled().is_some(),
+            )
+        };
+        let said = |what: String| eprintln!("burn-accelerate launch [machine {machine}]: {what}");
+        let stopped = || {
+            said("stopped by a signal".into());
+            Ok(signalled().unwrap_or(ExitCode::FAILURE))
+        };
+        let mut link = match connect(timeout) {
+            Ok(Some(link)) => link,
+            Ok(None) => return stopped(),
+            Err(err) => {
+                said(err.to_string());
+                return Ok(ExitCode::FAILURE);
+            }
+        };
+        said(format!(
+            "connected to machine 0's launcher at {main}; waiting for the next attempt"
+        ));
+        let attempts = u64::from(launch.max_restarts) + 1;
+        let threads = threads_per_process(
+            plan.local,
+            Attempt {
+                number: 0,
+                of: attempts,
+            },
+        );
+        let mut pending = None;
+        // Since when machine 0's launcher has been lost, with no attempt started since: the
+        // reconnections share one --timeout (a machine 0 that closes every connection at once,
+        // one started with a plain --num-machines, is not waited for forever).
+        let mut lost_since: Option<Instant> = None;
+        loop {
+            let order = match pending.take() {
+                Some(order) => order,
+                None => loop {
+                    if let Some(order) = link.try_next() {
+                        break order;
+                    }
+                    if signalled().is_some() {
+                        return stopped();
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                },
+            };
+            let plan_of = match order {
+                Order::Start(plan_of) => {
+                    lost_since = None;
+                    plan_of
+                }
+                Order::Stop(_) => continue,
+                Order::Finished { ok, why } => {
+                    said(format!("the run is over: {why}"));
+                    return Ok(if ok {
+                        ExitCode::SUCCESS
+                    } else {
+                        ExitCode::FAILURE
+                    });
+                }
+                Order::Refused(why) => {
+                    said(format!("machine 0's launcher refused this one: {why}"));
+                    return Ok(ExitCode::from(2));
+                }
+                Order::Lost(why) => {
+                    let since = *lost_since.get_or_insert_with(Instant::now);
+                    let left = timeout.saturating_sub(since.elapsed());
+                    if left.is_zero() {
+                        said(format!(
+                            "lost machine 0's launcher ({why}) for --timeout {}s: giving up \
+                             (is it running, with the same --num-machines MIN:MAX?)",
+                            launch.timeout
+                        ));
+                        return Ok(ExitCode::FAILURE);
+                    }
+                    said(format!(
+                        "lost machine 0's launcher ({why}); trying to reach it again for {}s \
+                         (the run cannot go on without machine 0)",
+                        left.as_secs()
+                    ));
+                    std::thread::sleep(Duration::from_millis(500));
+                    link = match connect(left) {
+                        Ok(Some(link)) => link,
+                        Ok(None) => return stopped(),
+                        Err(err) => {
+                            said(err.to_string());
+                            return Ok(ExitCode::FAILURE);
+                        }
+                    };
+                    said(
+                        "connected to machine 0's launcher again; waiting for the next attempt"
+                            .into(),
+                    );
+                    continue;
+                }
+            };
+            let attempt = Attempt {
+                number: plan_of.attempt,
+                of: attempts,
+            };
+            let world = plan.local * plan_of.machines.len() as u32;
+            let this = Plan {
+                local: plan.local,
+                world,
+                first_rank: plan_of.machine_rank * plan.local,
+                machine_rank: plan_of.machine_rank,
+                main_addr: plan.main_addr.clone(),
+            };
+            eprintln!(
+                "{attempt}: machine {machine} is machine rank {} of {} (by --machine-rank: \
+                 {:?}), processes {}..{world}",
+                plan_of.machine_rank,
+                plan_of.machines.len(),
+                plan_of.machines,
+                this.first_rank,
+            );
+            let mut children = match start(launch, &this, secret, attempt, threads) {
+                Ok(children) => children,
+                Err(err) => {
+                    eprintln!("{attempt}: {err}");
+                    link.ended(plan_of.attempt, false, &err.to_string());
+                    continue;
+                }
+            };
+            let outcome = supervise(&mut children, grace, || match link.try_next()? {
+                Order::Stop(number) if number == plan_of.attempt => {
+                    Some("machine 0's launcher stopped the attempt".into())
+                }
+                Order::Stop(_) => None,
+                other => {
+                    let why = match &other {
+                        Order::Lost(why) => format!("lost machine 0's launcher ({why})"),
+                        Order::Finished { why, .. } => format!("the run is over ({why})"),
+                        Order::Refused(why) => format!("refused by machine 0's launcher ({why})"),
+                        Order::Start(plan) => format!("told to start attempt {}", plan.attempt + 1),
+                        Order::Stop(_) => unreachable!("matched above"),
+                    };
+                    pending = Some(other);
+                    Some(why)
+                }
+            });
+            for child in &mut children {
+                child.finish_output();
+            }
+            let (ok, what) = match outcome {
+                Outcome::AllSucceeded => (true, "every process succeeded".to_string()),
+                Outcome::Failed { rank, status } => {
+                    (false, format!("process {rank} {}", describe(status)))
+                }
+                Outcome::Interrupted(why) => (false, format!("stopped: {why}")),
+                Outcome::Stopped(signal) => {
+                    eprintln!("{attempt}: stopped by signal {signal}; so were the processes");
+                    return Ok(ExitCode::from((128 + signal).clamp(0, 255) as u8));
+                }
+            };
+            eprintln!("{attempt}: {what}");
+            link.ended(plan_of.attempt, ok, &what);
+        }
+    }
 }
 
 // Starts this machine's processes for `attempt`, each with its place in the run and the
@@ -452,7 +897,7 @@ fn start(
             .env(env::WORLD_SIZE, plan.world.to_string())
             .env(env::LOCAL_RANK, local_rank.to_string())
             .env(env::LOCAL_WORLD_SIZE, plan.local.to_string())
-            .env(env::GROUP_RANK, launch.machine_rank.to_string())
+            .env(env::GROUP_RANK, plan.machine_rank.to_string())
             .env(env::MASTER_ADDR, &plan.main_addr)
             .env(env::MASTER_PORT, launch.main_process_port.to_string())
             .env(env::DATA_PORT, port.to_string())
@@ -669,11 +1114,22 @@ fn copy_lines(
 
 enum Outcome {
     AllSucceeded,
-    Failed { rank: u32, status: ExitStatus },
+    Failed {
+        rank: u32,
+        status: ExitStatus,
+    },
     Stopped(i32),
+    /// Stopped for what happened elsewhere (an elastic run's other machines), in words.
+    Interrupted(String),
 }
 
-fn supervise(children: &mut [Rank], grace: Duration) -> Outcome {
+// Waits for this machine's processes; `interrupt` says why to stop them for what happened
+// elsewhere (always `None` in a run of fixed size).
+fn supervise(
+    children: &mut [Rank],
+    grace: Duration,
+    mut interrupt: impl FnMut() -> Option<String>,
+) -> Outcome {
     loop {
         let signal = STOP_SIGNAL.load(Ordering::SeqCst);
         if signal != 0 {
@@ -682,6 +1138,10 @@ fn supervise(children: &mut [Rank], grace: Duration) -> Outcome {
             }
             stop(children, grace);
             return Outcome::Stopped(signal);
+        }
+        if let Some(why) = interrupt() {
+            stop(children, grace);
+            return Outcome::Interrupted(why);
         }
         let mut running = false;
         for child in children.iter_mut() {
@@ -883,5 +1343,86 @@ mod tests {
         assert_eq!(parse(&[]).unwrap(), 0);
         assert_eq!(parse(&["--max-restarts", "3"]).unwrap(), 3);
         assert!(parse(&["--max-restarts", "-1"]).is_err());
+    }
+
+    fn launch_of(args: &[&str]) -> Result<Launch, String> {
+        Cli::try_parse_from(
+            ["burn-accelerate", "launch"]
+                .iter()
+                .chain(args)
+                .chain(&["--", "x"]),
+        )
+        .map(|cli| match cli.task {
+            Task::Launch(launch) => launch,
+            _ => unreachable!("a launch"),
+        })
+        .map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn a_plain_machine_count_is_fixed_and_a_range_elastic() {
+        let fixed = |n| Machines {
+            min: n,
+            max: n,
+            elastic: false,
+        };
+        assert_eq!(launch_of(&[]).unwrap().num_machines, fixed(1));
+        assert_eq!(
+            launch_of(&["--num-machines", "2"]).unwrap().num_machines,
+            fixed(2)
+        );
+        assert_eq!(
+            launch_of(&["--num-machines", "1:3"]).unwrap().num_machines,
+            Machines {
+                min: 1,
+                max: 3,
+                elastic: true
+            }
+        );
+        for (bad, said) in [
+            ("0", "not a number of machines"),
+            ("3:1", "MIN is more than MAX (write 1:3?)"),
+            ("1:", "not a number of machines"),
+            ("two", "not a number of machines"),
+        ] {
+            let err = launch_of(&["--num-machines", bad]).unwrap_err();
+            assert!(err.contains(said), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn an_elastic_run_divides_its_processes_by_max_and_names_the_range() {
+        let plan = |args: &[&str]| launch_of(args).unwrap().plan().map_err(|e| e.to_string());
+        let elastic = plan(&[
+            "--num-machines",
+            "1:2",
+            "--num-processes",
+            "4",
+            "--machine-rank",
+            "1",
+            "--main-process-ip",
+            "10.0.0.1",
+        ])
+        .unwrap();
+        assert_eq!(
+            (elastic.local, elastic.first_rank, elastic.machine_rank),
+            (2, 2, 1)
+        );
+        let err = plan(&["--num-machines", "1:2", "--num-processes", "3"]).unwrap_err();
+        assert!(
+            err.contains("is not a multiple of MAX of --num-machines 1:2"),
+            "{err}"
+        );
+        let err = plan(&["--num-machines", "1:2", "--num-processes", "2"]).unwrap_err();
+        assert!(
+            err.contains("--main-process-ip is required with MAX of --num-machines 1:2"),
+            "{err}"
+        );
+        // A plain count says what it said before.
+        let err = plan(&["--num-machines", "2", "--num-processes", "3"]).unwrap_err();
+        assert!(
+            err.contains("is not a multiple of --num-machines 2: every machine"),
+            "{err}"
+        );
     }
 }

@@ -44,6 +44,7 @@ mod grad_layout;
 pub(crate) mod gradients;
 mod group;
 mod guard;
+pub mod membership;
 mod secret;
 mod seed;
 mod state;

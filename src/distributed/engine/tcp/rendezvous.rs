@@ -13,16 +13,24 @@
 //! take a place in the restarted run); one of a later attempt (another machine's launcher
 //! restarted first) is told to come back, until this machine's launcher starts that attempt
 //! too, or its own timeout.
+//!
+//! The same listener takes the control connections of the other machines' launchers in an
+//! elastic run (`--num-machines MIN:MAX`, see [`membership`](crate::distributed::membership)):
+//! they name their own lane in the same authenticated handshake, so the main machine listens
+//! on no port beyond the rendezvous's.
 
 use std::collections::BTreeMap;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::runtime::Handle;
-use tokio::sync::oneshot;
+use tokio::sync::{mpsc, oneshot};
 
 use super::auth::{self, HANDSHAKE_WITHIN, Hello};
 use super::frame::{self, Fingerprint, Op};
@@ -38,6 +46,45 @@ const ARRIVAL_WITHIN: Duration = Duration::from_secs(10);
 
 /// The lane a handshake with the rendezvous names.
 const LANE: u32 = u32::MAX - 1;
+
+/// The lane a launcher's control connection names in its handshake.
+const CONTROL_LANE: u32 = u32::MAX - 2;
+
+/// A launcher's control connection, handshake done: the machine it says it is (its
+/// `--machine-rank`), and its two halves.
+pub(crate) type ControlStream = (u32, OwnedReadHalf, OwnedWriteHalf);
+
+/// What machine 0's launcher says on a control connection (`membership`'s protocol; `P`
+/// is the plan of an attempt).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) enum ToMember<P> {
+    /// Start this machine's processes for the attempt.
+    Attempt(P),
+    /// Stop the processes of this attempt.
+    Stop { attempt: u64 },
+    /// The run is over.
+    Finished { ok: bool, why: String },
+    /// This launcher cannot take part: why.
+    Refused(String),
+    /// A heartbeat.
+    Alive,
+}
+
+/// What another machine's launcher says on its control connection (`S`: the run's shape, as
+/// it sees it).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) enum ToCoordinator<S> {
+    /// Who it is: its first message.
+    Hello(S),
+    /// Its processes of `attempt` ended (`ok`: all succeeded).
+    Ended {
+        attempt: u64,
+        ok: bool,
+        what: String,
+    },
+    /// A heartbeat.
+    Alive,
+}
 
 const FINGERPRINT: Fingerprint = Fingerprint {
     op: Op::Rendezvous,
@@ -92,9 +139,18 @@ struct Round {
 #[derive(Clone)]
 pub(crate) struct Host {
     round: Arc<Mutex<Round>>,
+    control: Arc<Mutex<Option<mpsc::UnboundedSender<ControlStream>>>>,
 }
 
 impl Host {
+    /// From now on, the launchers' control connections come out of the receiver (until then,
+    /// and once it is dropped, they are closed after their handshake).
+    pub(crate) fn control_connections(&self) -> mpsc::UnboundedReceiver<ControlStream> {
+        let (sender, receiver) = mpsc::unbounded_channel();
+        *self.control.lock().unwrap_or_else(PoisonError::into_inner) = Some(sender);
+        receiver
+    }
+
     /// From now on hears only the processes of attempt `attempt`; those of the round in
     /// progress (an earlier attempt's) are refused.
     pub(crate) fn begin_attempt(&self, attempt: u64) {
@@ -169,7 +225,9 @@ pub(crate) fn serve(
     }));
     let served = Host {
         round: Arc::clone(&round),
+        control: Arc::default(),
     };
+    let control = Arc::clone(&served.control);
     let secret = Arc::new(secret);
     let handle = runtime.clone();
     runtime.spawn(async move {
@@ -186,19 +244,44 @@ pub(crate) fn serve(
             let round = Arc::clone(&round);
             let handle = handle.clone();
             let secret = Arc::clone(&secret);
+            let control = Arc::clone(&control);
             tokio::spawn(async move {
                 let _ = stream.set_nodelay(true);
                 let (mut reader, mut writer) = stream.into_split();
                 let handshake = auth::accept(&mut reader, &mut writer, &secret);
-                // On the rendezvous's lane, the hello's `run` is the arriving process's attempt.
-                let attempt = match tokio::time::timeout(HANDSHAKE_WITHIN, handshake).await {
-                    Ok(Ok(hello)) => hello.run,
+                let hello = match tokio::time::timeout(HANDSHAKE_WITHIN, handshake).await {
+                    Ok(Ok(hello)) => hello,
                     Ok(Err(why)) => {
                         log::warn!("burn-accelerate: the rendezvous refused a connection: {why}");
                         return;
                     }
                     Err(_) => return,
                 };
+                if hello.lane == CONTROL_LANE {
+                    let sink = control
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .clone();
+                    match sink {
+                        Some(sink) => {
+                            let _ = sink.send((hello.rank, reader, writer));
+                        }
+                        None => {
+                            let why = format!(
+                                "machine 0's launcher runs a fixed number of machines, this \
+                                 one (machine {}) an elastic run: give every launcher the same \
+                                 --num-machines",
+                                hello.rank
+                            );
+                            log::warn!("burn-accelerate: refused a launcher: {why}");
+                            let refused = ToMember::<()>::Refused(why);
+                            let _ = control_send(&mut writer, &refused).await;
+                        }
+                    }
+                    return;
+                }
+                // On the rendezvous's lane, the hello's `run` is the arriving process's attempt.
+                let attempt = hello.run;
                 let read = frame::read_message(&mut reader, MESSAGE_LIMIT);
                 let Ok(Ok((_, message))) = tokio::time::timeout(ARRIVAL_WITHIN, read).await else {
                     return;
@@ -409,6 +492,62 @@ async fn ask(
     .map_err(|e| refused(format!("its answer did not arrive ({e:?})")))?;
     serde_json::from_slice::<Answer>(&answer.1)
         .map_err(|err| refused(format!("unreadable answer: {err}")))
+}
+
+/// Opens a launcher's control connection to the main machine's launcher at `main`
+/// (`host:port`, its rendezvous), as machine `machine`, proving it knows `secret`.
+///
+/// # Errors
+/// Why not, in words: nothing answers there (within `within`), or the handshake failed.
+pub(crate) async fn control_connect(
+    main: &str,
+    machine: u32,
+    secret: &RunSecret,
+    within: Duration,
+) -> Result<(OwnedReadHalf, OwnedWriteHalf), String> {
+    let stream = tokio::time::timeout(within, TcpStream::connect(main))
+        .await
+        .map_err(|_| format!("no answer within {within:?}"))?
+        .map_err(|e| e.to_string())?;
+    let _ = stream.set_nodelay(true);
+    let (mut reader, mut writer) = stream.into_split();
+    let hello = Hello {
+        rank: machine,
+        lane: CONTROL_LANE,
+        run: 0,
+    };
+    tokio::time::timeout(
+        HANDSHAKE_WITHIN,
+        auth::connect(&mut reader, &mut writer, secret, hello),
+    )
+    .await
+    .map_err(|_| format!("no handshake within {HANDSHAKE_WITHIN:?}"))??;
+    Ok((reader, writer))
+}
+
+/// Sends one control message (JSON in the transport's frames).
+pub(crate) async fn control_send<W: AsyncWrite + Unpin>(
+    writer: &mut W,
+    message: &impl Serialize,
+) -> std::io::Result<()> {
+    let bytes = serde_json::to_vec(message).expect("control messages serialise");
+    frame::write_message(writer, FINGERPRINT, 0, 0, &bytes, frame::PIECE).await
+}
+
+/// Reads one control message.
+///
+/// # Errors
+/// Why none came, in words: the connection ended, or what came is not a control message.
+pub(crate) async fn control_read<R: AsyncRead + Unpin, T: DeserializeOwned>(
+    reader: &mut R,
+) -> Result<T, String> {
+    let (_, bytes) = frame::read_message(reader, MESSAGE_LIMIT)
+        .await
+        .map_err(|e| match e {
+            frame::ReadError::Closed => "the connection was closed".to_string(),
+            other => format!("the connection broke ({other:?})"),
+        })?;
+    serde_json::from_slice(&bytes).map_err(|e| format!("not a control message: {e}"))
 }
 
 #[cfg(test)]
