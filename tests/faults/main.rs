@@ -1,7 +1,7 @@
 //! What ends a run, and what must not: a frozen process (`SIGSTOP`), long work between
 //! collectives, a panic inside `main_process_first`, and how many sockets 16 processes hold;
 //! and what a run survives: a killed process, restarted from the last checkpoint
-//! ([`restarts`]).
+//! ([`restarts`]), and a lost machine, the run going on without it ([`elastic`]).
 //! Real processes of this machine (see `../processes/harness.rs`).
 #![cfg(feature = "flex")]
 
@@ -11,6 +11,8 @@
 mod harness;
 #[path = "../needs/mod.rs"]
 mod needs;
+// `burn-accelerate launch --num-machines MIN:MAX`: a run that goes on with the machines left.
+mod elastic;
 // `burn-accelerate launch --max-restarts`: restarts that resume from the last checkpoint.
 mod restarts;
 
@@ -466,11 +468,15 @@ struct TwoMachines {
 impl TwoMachines {
     /// Why not, where namespaces cannot be made: not root, no `ip`.
     fn make() -> Result<Self, String> {
-        let id = std::process::id();
+        // Several tests of this binary make theirs at once: each pair has names of its own.
+        static MADE: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let made = MADE.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let id = format!("{}-{made}", std::process::id());
         let machines = Self {
             names: [format!("bac-{id}-0"), format!("bac-{id}-1")],
             addresses: ["10.213.7.1", "10.213.7.2"],
-            link: format!("bac{}", id % 100_000),
+            // Interface names are at most 15 bytes, with the `a`/`b` added.
+            link: format!("bac{}x{made}", std::process::id() % 100_000),
         };
         let (a, b) = (&machines.names[0], &machines.names[1]);
         let (va, vb) = (format!("{}a", machines.link), format!("{}b", machines.link));

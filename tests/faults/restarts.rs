@@ -22,36 +22,39 @@ use super::harness::{self, Launched, report, worker};
 use super::needs;
 
 /// 1024 samples, 32 per process and step on 2 processes: 16 steps an epoch.
-const STEPS_PER_EPOCH: usize = 16;
+pub(super) const STEPS_PER_EPOCH: usize = 16;
 /// Rank 1 dies at this step of the first attempt: the 5th of epoch 2, after epoch 1's
 /// checkpoint (written before the main process takes its first step of epoch 2, which rank
 /// 1's steps wait for).
-const MID_EPOCH_2: usize = STEPS_PER_EPOCH + 5;
+pub(super) const MID_EPOCH_2: usize = STEPS_PER_EPOCH + 5;
 
 /// What the worker trains.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-struct Run {
-    f16: bool,
-    zero_stage: u8,
-    checkpoint_dir: PathBuf,
+pub(super) struct Run {
+    pub(super) f16: bool,
+    pub(super) zero_stage: u8,
+    pub(super) checkpoint_dir: PathBuf,
     /// Rank 1 of the first attempt leaves a process behind that tries to join the restarted
     /// run as it (see `a_process_of_an_earlier_attempt_cannot_join_a_later_one`).
-    stale: bool,
+    pub(super) stale: bool,
 }
 
 /// What a worker's training ended with.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-struct Ended {
-    loss: f32,
-    loss_bits: u32,
-    resumed_from: Option<usize>,
+pub(super) struct Ended {
+    pub(super) loss: f32,
+    pub(super) loss_bits: u32,
+    pub(super) resumed_from: Option<usize>,
     /// The epochs this attempt trained, and the optimizer steps each skipped on overflow.
-    epochs: Vec<usize>,
-    skipped: Vec<usize>,
-    restart: u64,
+    pub(super) epochs: Vec<usize>,
+    pub(super) skipped: Vec<usize>,
+    pub(super) restart: u64,
+    /// The processes of the attempt that trained it.
+    #[serde(default)]
+    pub(super) processes: usize,
 }
 
-fn train(run: &Run) -> Ended {
+pub(super) fn train(run: &Run) -> Ended {
     type Train = Accelerated<Autodiff<Flex>>;
     let mut config = DemoConfig::new()
         .with_epochs(3)
@@ -82,6 +85,7 @@ fn train(run: &Run) -> Ended {
             .map(|e| e.skipped_steps)
             .collect(),
         restart: burn_accelerate::distributed::restart_count().unwrap(),
+        processes: ProcessState::from_env().unwrap().num_processes(),
     }
 }
 
@@ -101,7 +105,7 @@ fn work(test: &str, run: &Run) {
     report(&train(run));
 }
 
-fn refuse_under_mpi() {
+pub(super) fn refuse_under_mpi() {
     if harness::under_mpi() {
         needs::missing(
             "burn-accelerate's launcher rather than mpirun (BURN_ACCELERATE_TEST_ENGINE=mpi is set)",
