@@ -308,6 +308,11 @@ impl<B: AutodiffBackend> Accelerator<B> {
         Ok(self.process.wait_for_everyone()?)
     }
 
+    /// The device it was built for (where checkpoints' records are loaded).
+    pub fn device(&self) -> &B::Device {
+        &self.device
+    }
+
     /// The configuration this accelerator was built from.
     pub fn config(&self) -> &AccelerateConfig {
         &self.config

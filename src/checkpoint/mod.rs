@@ -5,8 +5,11 @@
 //! whole; one read back is checked against the manifest first, and a damaged one (a truncated
 //! or altered file) is passed over, with a warning, for the one before it.
 //!
-//! [`CheckpointDir`] is the whole protocol for any loop (the `Accelerator`'s state and a
-//! model's records, as bytes); `with_accelerate` keeps its checkpoints with it
+//! [`CheckpointDir`] is the whole protocol for any loop; the [`Accelerator`](crate::Accelerator)
+//! writes its state, a model's and an optimizer's records through it
+//! ([`Accelerator::save_checkpoint`](crate::Accelerator::save_checkpoint)) and reads the
+//! newest complete checkpoint back ([`Accelerator::resume`](crate::Accelerator::resume));
+//! `with_accelerate` keeps its checkpoints with it
 //! ([`AccelerateStrategy::with_checkpoint_dir`](crate::train::AccelerateStrategy::with_checkpoint_dir))
 //! and resumes from the newest complete one by itself. The pieces are plain functions over
 //! plain values ([`FileDigest`], [`Manifest`]), tested on their own.
@@ -47,6 +50,9 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::AccelerateError;
+
+mod accelerator;
+pub use accelerator::Resumed;
 
 /// The manifest's name in a checkpoint directory: the list of complete checkpoints.
 pub const MANIFEST: &str = "accelerate-checkpoints.json";

@@ -145,12 +145,6 @@ struct HandLoop {
 }
 
 #[derive(Debug, Serialize, Deserialize)]
-struct HandCheckpoint {
-    accelerator: burn_accelerate::AcceleratorState,
-    loader: burn_accelerate::data::LoaderState,
-}
-
-#[derive(Debug, Serialize, Deserialize)]
 struct HandLoopReport {
     parameters: Vec<f32>,
     outcomes: Vec<String>,
@@ -174,8 +168,7 @@ where
     O: burn::optim::Optimizer<Net<B>, B>,
     O::Record: burn_accelerate::zero::ParamStateRecord<B>,
 {
-    use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
-    let recorder = NamedMpkFileRecorder::<FullPrecisionSettings>::new();
+    use burn_accelerate::checkpoint::CheckpointDir;
     let state = ProcessState::from_env().unwrap();
     let device = Default::default();
     let mut model = Net::<B>::new(&device);
@@ -195,15 +188,15 @@ where
         .init::<B>(&Default::default())
         .unwrap();
     if let Some(dir) = &args.resume_from {
-        model = model.load_record(recorder.load(dir.join("model"), &device).unwrap());
-        // The whole state, cut to this run's partition.
-        let whole = recorder.load(dir.join("optim"), &device).unwrap();
-        optim = optim.load_record(accelerator.shard_optimizer_record(&model, whole));
-        let saved: HandCheckpoint =
-            serde_json::from_str(&std::fs::read_to_string(dir.join("state.json")).unwrap())
-                .unwrap();
-        accelerator.load_state(&saved.accelerator).unwrap();
-        loader.load_state(saved.loader).unwrap();
+        // The accelerator's checkpoint helpers: the model, the whole optimizer state cut to
+        // this run's partition, the accelerator's state, and the loader's position beside.
+        let resumed = accelerator
+            .resume(&CheckpointDir::new(dir), model, optim)
+            .unwrap();
+        assert_eq!(resumed.from, Some(1));
+        (model, optim) = (resumed.model, resumed.optimizer);
+        let position = serde_json::from_slice(&resumed.files["loader.json"]).unwrap();
+        loader.load_state(position).unwrap();
     }
     let mut outcomes = Vec::new();
     let mut batch_index = 0;
@@ -230,25 +223,16 @@ where
         }
     }
     if let Some(dir) = &args.save_to {
-        let whole = accelerator
-            .consolidate_optimizer_record(&model, optim.to_record())
-            .unwrap();
-        if let Some(whole) = whole {
-            std::fs::create_dir_all(dir).unwrap();
-            recorder
-                .record(model.clone().into_record(), dir.join("model"))
-                .unwrap();
-            recorder.record(whole, dir.join("optim")).unwrap();
-            let saved = HandCheckpoint {
-                accelerator: accelerator.state(),
-                loader: loader.state(),
-            };
-            std::fs::write(
-                dir.join("state.json"),
-                serde_json::to_string(&saved).unwrap(),
+        let position = serde_json::to_vec(&loader.state()).unwrap();
+        accelerator
+            .save_checkpoint_with(
+                &CheckpointDir::new(dir),
+                1,
+                &model,
+                &optim,
+                &[("loader.json", &position)],
             )
             .unwrap();
-        }
     }
     HandLoopReport {
         parameters: parameters(&model),
@@ -556,16 +540,25 @@ fn a_sharded_optimizer_state_resumes_on_any_number_of_processes_at_any_stage() {
     // The checkpoint holds the state of every parameter: the consolidated one.
     {
         use burn::optim::Optimizer;
-        use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
+        use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
         fn load<O: Optimizer<Net<Autodiff<Flex>>, Autodiff<Flex>>>(
             _: O,
-            path: PathBuf,
+            bytes: Vec<u8>,
         ) -> O::Record {
-            NamedMpkFileRecorder::<FullPrecisionSettings>::new()
-                .load(path, &Default::default())
-                .unwrap()
+            Recorder::<Autodiff<Flex>>::load(
+                &NamedMpkBytesRecorder::<FullPrecisionSettings>::new(),
+                bytes,
+                &Default::default(),
+            )
+            .unwrap()
         }
-        let whole = load(burn::optim::AdamConfig::new().init(), dir.join("optim"));
+        let checkpoint = burn_accelerate::checkpoint::CheckpointDir::new(&dir)
+            .load(1)
+            .unwrap();
+        let whole = load(
+            burn::optim::AdamConfig::new().init(),
+            checkpoint.files["optimizer-1.mpk"].clone(),
+        );
         assert_eq!(whole.len(), 4, "two weights and two biases");
     }
     let resume = |processes: usize, zero_stage: u8| HandLoop {

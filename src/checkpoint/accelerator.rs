@@ -1,0 +1,240 @@
+//! A hand-written loop's checkpoint through the [`Accelerator`]: its state, the model's and
+//! the optimizer's records, written crash-safely by [`CheckpointDir`] (Accelerate's
+//! `save_state` / `load_state`), and read back, newest complete first, when the program starts
+//! again: a loop that calls [`Accelerator::resume`] before its first step goes on after a
+//! restart (`burn-accelerate launch --max-restarts`) with no code of its own for it.
+//!
+//! What a restart redoes: the steps after the last checkpoint. The checkpoint is numbered by
+//! what the loop passes (its step or epoch); the loop skips what that number says is done (with
+//! the crate's loaders, `ShardLoader::state` / `load_state` carry their position: save it as
+//! one more file of the checkpoint).
+
+use burn::module::AutodiffModule;
+use burn::optim::Optimizer;
+use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
+use burn::tensor::backend::AutodiffBackend;
+
+use super::CheckpointDir;
+use crate::zero::ParamStateRecord;
+use crate::{AccelerateError, Accelerator, AcceleratorState};
+
+// Full precision, as the strategy's checkpoints (Burn's `CompactRecorder` stores f16).
+type Bytes = NamedMpkBytesRecorder<FullPrecisionSettings>;
+
+/// What [`Accelerator::resume`] found: the checkpoint's number, and the model and optimizer
+/// with its records loaded (as given when there was none).
+pub struct Resumed<M, O> {
+    /// The number of the checkpoint resumed from (the step or epoch the loop saved it as);
+    /// `None` when the directory held none, and the loop starts afresh.
+    pub from: Option<usize>,
+    /// The model, with the checkpoint's parameters.
+    pub model: M,
+    /// The optimizer, with the checkpoint's state (this process's part of it when the
+    /// optimizer state is sharded).
+    pub optimizer: O,
+    /// The loop's own files of the checkpoint
+    /// ([`save_checkpoint_with`](Accelerator::save_checkpoint_with)), by name, verified.
+    pub files: std::collections::BTreeMap<String, Vec<u8>>,
+}
+
+// Burn's optimizers are not `Debug`: what was resumed from is what there is to show.
+impl<M, O> std::fmt::Debug for Resumed<M, O> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Resumed")
+            .field("from", &self.from)
+            .field("files", &self.files.keys().collect::<Vec<_>>())
+            .finish_non_exhaustive()
+    }
+}
+
+fn names(number: usize) -> [String; 3] {
+    [
+        format!("accelerator-{number}.json"),
+        format!("model-{number}.mpk"),
+        format!("optimizer-{number}.mpk"),
+    ]
+}
+
+fn record_error(what: &str, err: impl std::fmt::Display) -> AccelerateError {
+    AccelerateError::Checkpoint {
+        path: what.into(),
+        reason: err.to_string(),
+    }
+}
+
+impl<B: AutodiffBackend> Accelerator<B> {
+    /// Saves the accelerator's [`state`](Self::state), `model` and `optimizer` as checkpoint
+    /// `number` of `dir`, crash-safely (written aside, flushed, renamed, listed with
+    /// checksums). Every process calls it at the same point (a sharded optimizer state is
+    /// gathered first); the main process alone writes, and every process returns once the
+    /// checkpoint is listed. Call it after an optimizer step, when the window is complete.
+    ///
+    /// ```
+    /// # #[cfg(feature = "flex")] {
+    /// use burn::backend::{Autodiff, Flex};
+    /// use burn::nn::{Linear, LinearConfig};
+    /// use burn::optim::SgdConfig;
+    /// use burn_accelerate::checkpoint::CheckpointDir;
+    /// use burn_accelerate::{AccelerateConfig, Accelerator};
+    ///
+    /// type B = Autodiff<Flex>;
+    /// let device = Default::default();
+    /// let dir = std::env::temp_dir().join(format!("acc-ckpt-doc-{}", std::process::id()));
+    /// let checkpoints = CheckpointDir::new(&dir).with_keep_last(2);
+    /// let mut accelerator = Accelerator::<B>::new(AccelerateConfig::new(), &device)?;
+    ///
+    /// let model = LinearConfig::new(4, 2).init::<B>(&device);
+    /// let optimizer = SgdConfig::new().init::<B, Linear<B>>();
+    /// // At the start: the newest complete checkpoint, if a run before this one left one.
+    /// let resumed = accelerator.resume(&checkpoints, model, optimizer)?;
+    /// assert_eq!(resumed.from, None);
+    /// let (model, optimizer) = (resumed.model, resumed.optimizer);
+    /// // ... train; then, every so often:
+    /// accelerator.save_checkpoint(&checkpoints, 1, &model, &optimizer)?;
+    /// let again = accelerator.resume(&checkpoints, model, optimizer)?;
+    /// assert_eq!(again.from, Some(1));
+    /// # std::fs::remove_dir_all(&dir).unwrap();
+    /// # }
+    /// # Ok::<(), burn_accelerate::AccelerateError>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`AccelerateError::Checkpoint`] when a record cannot be written (the checkpoints listed
+    /// before stay whole); [`AccelerateError::Distributed`] when a process left.
+    pub fn save_checkpoint<M, O>(
+        &self,
+        dir: &CheckpointDir,
+        number: usize,
+        model: &M,
+        optimizer: &O,
+    ) -> Result<(), AccelerateError>
+    where
+        M: AutodiffModule<B>,
+        O: Optimizer<M, B>,
+        O::Record: ParamStateRecord<B>,
+    {
+        self.save_checkpoint_with(dir, number, model, optimizer, &[])
+    }
+
+    /// [`save_checkpoint`](Self::save_checkpoint) with files of the loop's own in the same
+    /// checkpoint (a loader's position: `ShardLoader::state`, serialised), given back by
+    /// [`resume`](Self::resume) in [`Resumed::files`]. Only the main process's are written.
+    ///
+    /// # Errors
+    /// As [`save_checkpoint`](Self::save_checkpoint); [`AccelerateError::Checkpoint`] for a
+    /// file named as one of the accelerator's own (`accelerator-N.json`, `model-N.mpk`,
+    /// `optimizer-N.mpk`).
+    pub fn save_checkpoint_with<M, O>(
+        &self,
+        dir: &CheckpointDir,
+        number: usize,
+        model: &M,
+        optimizer: &O,
+        files: &[(&str, &[u8])],
+    ) -> Result<(), AccelerateError>
+    where
+        M: AutodiffModule<B>,
+        O: Optimizer<M, B>,
+        O::Record: ParamStateRecord<B>,
+    {
+        let own = names(number);
+        if let Some((name, _)) = files.iter().find(|(name, _)| own.iter().any(|o| o == name)) {
+            return Err(record_error(
+                name,
+                "named as one of the accelerator's own files of the checkpoint: give it another \
+                 name",
+            ));
+        }
+        if let Some(whole) = self.consolidate_optimizer_record(model, optimizer.to_record())? {
+            let bytes = Bytes::default();
+            let model = Recorder::<B>::record(&bytes, model.clone().into_record(), ())
+                .map_err(|e| record_error("the model's record", e))?;
+            let optim = Recorder::<B>::record(&bytes, whole, ())
+                .map_err(|e| record_error("the optimizer's record", e))?;
+            let state = serde_json::to_vec_pretty(&self.state())
+                .map_err(|e| record_error("the accelerator's state", e))?;
+            let [state_name, model_name, optim_name] = names(number);
+            let mut all: Vec<(&str, &[u8])> = vec![
+                (&state_name, &state),
+                (&model_name, &model),
+                (&optim_name, &optim),
+            ];
+            all.extend_from_slice(files);
+            dir.save(number, &all)?;
+        }
+        // Nobody goes on (and maybe fails, and restarts) before the checkpoint is listed.
+        self.wait_for_everyone()
+    }
+
+    /// Loads the newest complete checkpoint of `dir` (passing over a damaged one, with a
+    /// warning, for the one before it) into this accelerator, `model` and `optimizer`; gives
+    /// them back as they are when `dir` holds none. The main process chooses the checkpoint
+    /// and every process loads that one, so all resume alike. See
+    /// [`save_checkpoint`](Self::save_checkpoint) for an example.
+    ///
+    /// # Errors
+    /// [`AccelerateError::Checkpoint`] when checkpoints are listed but none verifies, or a
+    /// record does not fit the model or optimizer; [`AccelerateError::StateMismatch`] when the
+    /// checkpoint was saved with other accumulation or loss-scaling settings;
+    /// [`AccelerateError::Distributed`] when a process left.
+    pub fn resume<M, O>(
+        &mut self,
+        dir: &CheckpointDir,
+        model: M,
+        mut optimizer: O,
+    ) -> Result<Resumed<M, O>, AccelerateError>
+    where
+        M: AutodiffModule<B>,
+        O: Optimizer<M, B>,
+        O::Record: ParamStateRecord<B>,
+    {
+        let group = self.process().group()?;
+        let newest = if self.is_main_process() {
+            dir.load_newest(None)?
+        } else {
+            None
+        };
+        let chosen: Option<usize> = group.broadcast_object(&newest.as_ref().map(|c| c.epoch), 0)?;
+        let Some(number) = chosen else {
+            return Ok(Resumed {
+                from: None,
+                model,
+                optimizer,
+                files: Default::default(),
+            });
+        };
+        let mut loaded = match newest {
+            Some(loaded) => loaded,
+            None => dir.load(number)?,
+        };
+        let [state_name, model_name, optim_name] = names(number);
+        let file = |name: &str| {
+            loaded.files.get(name).cloned().ok_or_else(|| {
+                record_error(
+                    name,
+                    "listed in the checkpoint's manifest, but not read back",
+                )
+            })
+        };
+        let state: AcceleratorState = serde_json::from_slice(&file(&state_name)?)
+            .map_err(|e| record_error(&state_name, e))?;
+        let bytes = Bytes::default();
+        let device = self.device().clone();
+        let model_record = Recorder::<B>::load(&bytes, file(&model_name)?, &device)
+            .map_err(|e| record_error(&model_name, e))?;
+        let model = model.load_record(model_record);
+        let optim_record: O::Record = Recorder::<B>::load(&bytes, file(&optim_name)?, &device)
+            .map_err(|e| record_error(&optim_name, e))?;
+        optimizer = optimizer.load_record(self.shard_optimizer_record(&model, optim_record));
+        self.load_state(&state)?;
+        for own in [&state_name, &model_name, &optim_name] {
+            loaded.files.remove(own);
+        }
+        Ok(Resumed {
+            from: Some(number),
+            model,
+            optimizer,
+            files: loaded.files,
+        })
+    }
+}
