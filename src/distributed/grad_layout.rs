@@ -9,9 +9,10 @@
 //! gradient ([`record`]: absent, present in logical order only, or present and dense with
 //! these strides), the descriptions are gathered in one small collective, and every process
 //! derives the same [`Route`] for each gradient from all of them ([`agree`]): as stored where
-//! every process that has the gradient has it dense with the same strides, in logical
-//! (row-major) order otherwise. A process without the gradient contributes zeros in the
-//! agreed order.
+//! every process that has the gradient has it dense with the same strides (and, on three
+//! processes or more, those strides keep the logical order, so that the ring sums every value
+//! as the contiguous path does, bit for bit), in logical (row-major) order otherwise. A
+//! process without the gradient contributes zeros in the agreed order.
 
 /// How one parameter's gradient travels, the same on every process.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -117,13 +118,27 @@ pub(crate) fn agree(
                 Some(_) => Route::Logical,
             });
         }
-        agreed.push(Agreed {
-            route: route.unwrap_or(Route::Absent),
-            present,
-        });
+        let route = match route {
+            // On three processes or more the ring adds a value's contributions in an order
+            // that depends on the block of the buffer it falls in: values lying in another
+            // order than the logical one would fall in other blocks than on the contiguous
+            // path and end a rounding apart. Two processes add the same two values either way.
+            Some(Route::AsStored(strides)) if processes > 2 && !in_logical_order(&strides) => {
+                Route::Logical
+            }
+            route => route.unwrap_or(Route::Absent),
+        };
+        agreed.push(Agreed { route, present });
         at += 1 + rank;
     }
     Ok(agreed)
+}
+
+/// Whether a dense layout's strides put its values in logical (row-major) order: they do not
+/// increase from one dimension to the next. (A dimension of length 1 with an odd stride makes
+/// this say no, which only costs a copy.)
+pub(crate) fn in_logical_order(strides: &[isize]) -> bool {
+    strides.windows(2).all(|w| w[0] >= w[1])
 }
 
 /// Whether a tensor of `dims` with `strides` covers exactly as many consecutive values of its
@@ -203,14 +218,14 @@ mod tests {
         let words = gathered(
             &[
                 vec![
-                    Held::Dense(&t),
+                    Held::Dense(&c),
                     Held::Dense(&[1]),
                     Held::Dense(&t),
                     Held::Absent,
                 ],
-                vec![Held::Dense(&t), Held::Absent, Held::Dense(&c), Held::Absent],
+                vec![Held::Dense(&c), Held::Absent, Held::Dense(&c), Held::Absent],
                 vec![
-                    Held::Dense(&t),
+                    Held::Dense(&c),
                     Held::Logical,
                     Held::Dense(&t),
                     Held::Absent,
@@ -223,7 +238,7 @@ mod tests {
         assert_eq!(
             routes,
             [
-                (Route::AsStored(t.to_vec()), 3),
+                (Route::AsStored(c.to_vec()), 3),
                 // Dense on one process, logical on another: logical everywhere.
                 (Route::Logical, 2),
                 // Transposed on two processes, contiguous on one: never summed as stored.
@@ -231,6 +246,28 @@ mod tests {
                 (Route::Absent, 0),
             ]
         );
+    }
+
+    #[test]
+    fn a_transposed_layout_travels_as_stored_on_two_processes_only() {
+        let t = [1isize, 3];
+        let two = gathered(&[vec![Held::Dense(&t)], vec![Held::Dense(&t)]], &[2]);
+        assert_eq!(
+            agree(&[2], &two, 2).unwrap()[0].route,
+            Route::AsStored(t.to_vec())
+        );
+        // Three: its values would fall in other blocks of the ring than in logical order.
+        let three = gathered(
+            &[
+                vec![Held::Dense(&t)],
+                vec![Held::Dense(&t)],
+                vec![Held::Dense(&t)],
+            ],
+            &[2],
+        );
+        assert_eq!(agree(&[2], &three, 3).unwrap()[0].route, Route::Logical);
+        assert!(in_logical_order(&[4, 1]) && in_logical_order(&[12, 4, 1]));
+        assert!(!in_logical_order(&[1, 3]) && !in_logical_order(&[4, 1, 2]));
     }
 
     #[test]
