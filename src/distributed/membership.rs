@@ -438,6 +438,34 @@ async fn join_all(handles: Vec<JoinHandle<()>>) {
     }
 }
 
+// Writes what `outgoing` brings, and `alive` every HEARTBEAT in between, until the channel
+// closes or a message `last` says ends the conversation has gone: both ends of a control
+// connection. The error is why writing failed.
+async fn send_with_heartbeats<M: Serialize>(
+    writer: &mut tokio::net::tcp::OwnedWriteHalf,
+    outgoing: &mut mpsc::UnboundedReceiver<M>,
+    alive: M,
+    last: impl Fn(&M) -> bool,
+) -> Result<(), String> {
+    let mut beat = tokio::time::interval(HEARTBEAT);
+    loop {
+        let beat_or_message = tokio::select! {
+            message = outgoing.recv() => match message {
+                Some(message) => Some(message),
+                None => return Ok(()),
+            },
+            _ = beat.tick() => None,
+        };
+        let message = beat_or_message.as_ref().unwrap_or(&alive);
+        if let Err(e) = rendezvous::control_send(writer, message).await {
+            return Err(format!("writing to it failed ({e})"));
+        }
+        if last(message) {
+            return Ok(());
+        }
+    }
+}
+
 // One member launcher's connection, on the coordinator's side: its hello, then what it says,
 // until it goes silent or the connection ends.
 async fn serve_member(
@@ -458,26 +486,11 @@ async fn serve_member(
     let (send, mut outgoing) = mpsc::unbounded_channel::<ToMember>();
     let lost = events.clone();
     let writer = tokio::spawn(async move {
-        let mut beat = tokio::time::interval(HEARTBEAT);
-        loop {
-            let message = tokio::select! {
-                message = outgoing.recv() => match message {
-                    Some(message) => message,
-                    None => return,
-                },
-                _ = beat.tick() => ToMember::Alive,
-            };
-            let last = matches!(message, ToMember::Finished { .. } | ToMember::Refused(_));
-            if let Err(e) = rendezvous::control_send(&mut writer, &message).await {
-                let _ = lost.send(Event::Lost {
-                    conn,
-                    why: format!("writing to it failed ({e})"),
-                });
-                return;
-            }
-            if last {
-                return;
-            }
+        let last = |m: &ToMember| matches!(m, ToMember::Finished { .. } | ToMember::Refused(_));
+        if let Err(why) =
+            send_with_heartbeats(&mut writer, &mut outgoing, ToMember::Alive, last).await
+        {
+            let _ = lost.send(Event::Lost { conn, why });
         }
     });
     if events
@@ -582,19 +595,11 @@ impl MemberLink {
         let _ = send.send(ToCoordinator::Hello(shape));
         let lost = orders_in.clone();
         let writing = runtime.spawn(async move {
-            let mut beat = tokio::time::interval(HEARTBEAT);
-            loop {
-                let message = tokio::select! {
-                    message = outgoing.recv() => match message {
-                        Some(message) => message,
-                        None => return,
-                    },
-                    _ = beat.tick() => ToCoordinator::Alive,
-                };
-                if let Err(e) = rendezvous::control_send(&mut writer, &message).await {
-                    let _ = lost.send(Order::Lost(format!("writing to it failed ({e})")));
-                    return;
-                }
+            let alive = ToCoordinator::Alive;
+            if let Err(why) =
+                send_with_heartbeats(&mut writer, &mut outgoing, alive, |_| false).await
+            {
+                let _ = lost.send(Order::Lost(why));
             }
         });
         let reading = runtime.spawn(async move {
