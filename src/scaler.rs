@@ -29,6 +29,7 @@ use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 use serde::{Deserialize, Serialize};
 
+use crate::scope::{ThreadScope, thread_value};
 use crate::step::divisor::LossTransform;
 use crate::{AccelerateError, Precision};
 
@@ -383,12 +384,14 @@ pub fn armed() -> Option<f32> {
 /// first, then the process's ([`ArmedLossScale`]).
 #[inline]
 pub fn armed_transform() -> Option<LossTransform> {
-    decode(THREAD_ARMED.with(Cell::get)).or_else(|| decode(ARMED_SCALE.load(Ordering::Acquire)))
+    thread_value(&THREAD_ARMED)
+        .and_then(decode)
+        .or_else(|| decode(ARMED_SCALE.load(Ordering::Acquire)))
 }
 
 thread_local! {
-    // This thread's armed transform, encoded as `ARMED_SCALE` (0: none).
-    static THREAD_ARMED: Cell<u64> = const { Cell::new(0) };
+    // This thread's armed transform, encoded as `ARMED_SCALE` (0: none, the process's then).
+    static THREAD_ARMED: Cell<Option<u64>> = const { Cell::new(None) };
 }
 
 /// Arms a loss transform for `Accelerated<B>`'s `backward` on this thread only, until
@@ -397,36 +400,26 @@ thread_local! {
 /// thread (not `Send`).
 #[derive(Debug)]
 #[must_use = "the transform is only armed while the guard lives"]
-pub(crate) struct ThreadArmed {
-    previous: u64,
-    _not_send: core::marker::PhantomData<*const ()>,
-}
+pub(crate) struct ThreadArmed(ThreadScope<u64>);
 
 impl ThreadArmed {
     /// Arms `transform` on this thread (nothing, where it leaves the loss as it is).
     pub(crate) fn arm(transform: LossTransform) -> Self {
-        let armed = Self {
-            previous: THREAD_ARMED.with(Cell::get),
-            _not_send: core::marker::PhantomData,
-        };
-        armed.set(transform);
-        armed
+        Self(ThreadScope::enter(&THREAD_ARMED, thread_bits(transform)))
     }
 
     /// Replaces the armed transform (after the loss scale changed).
     pub(crate) fn set(&self, transform: LossTransform) {
-        let bits = if transform.is_identity() {
-            0
-        } else {
-            encode(transform)
-        };
-        THREAD_ARMED.with(|t| t.set(bits));
+        self.0.set(thread_bits(transform));
     }
 }
 
-impl Drop for ThreadArmed {
-    fn drop(&mut self) {
-        THREAD_ARMED.with(|t| t.set(self.previous));
+// A transform that leaves the loss as it is arms nothing.
+fn thread_bits(transform: LossTransform) -> u64 {
+    if transform.is_identity() {
+        0
+    } else {
+        encode(transform)
     }
 }
 

@@ -51,6 +51,11 @@ impl<T: Copy + 'static> ThreadScope<T> {
             _not_send: PhantomData,
         }
     }
+
+    /// Replaces this thread's value while the scope lives (what it restores is unchanged).
+    pub(crate) fn set(&self, value: T) {
+        self.slot.with(|s| s.set(Some(value)));
+    }
 }
 
 impl<T: Copy + 'static> Drop for ThreadScope<T> {
@@ -90,6 +95,15 @@ mod tests {
         }
         assert_eq!(thread_value(&SLOT), Some(1));
         drop(outer);
+        assert_eq!(thread_value(&SLOT), None);
+    }
+
+    #[test]
+    fn a_value_set_within_a_scope_still_restores_the_one_before() {
+        let scope = ThreadScope::enter(&SLOT, 1);
+        scope.set(3);
+        assert_eq!(thread_value(&SLOT), Some(3));
+        drop(scope);
         assert_eq!(thread_value(&SLOT), None);
     }
 
