@@ -814,14 +814,24 @@ mod tests {
         ("BURN_ACCELERATE_SECRET", "the job script's"),
     ];
 
-    fn slurm_with(over: &[(&'static str, &'static str)]) -> Vec<(&'static str, &'static str)> {
-        let mut vars: Vec<_> = SLURM_2X2
+    type Vars = Vec<(&'static str, &'static str)>;
+
+    // `base` with the variables of `over` replaced (an empty value removes the variable).
+    fn overriding(
+        base: &[(&'static str, &'static str)],
+        over: &[(&'static str, &'static str)],
+    ) -> Vars {
+        let mut vars: Vars = base
             .iter()
             .filter(|(n, _)| !over.iter().any(|(o, _)| o == n))
             .copied()
             .collect();
         vars.extend(over.iter().filter(|(_, v)| !v.is_empty()).copied());
         vars
+    }
+
+    fn slurm_with(over: &[(&'static str, &'static str)]) -> Vars {
+        overriding(&SLURM_2X2, over)
     }
 
     #[test]
@@ -1150,14 +1160,8 @@ mod tests {
         err.to_string()
     }
 
-    fn with(over: &[(&'static str, &'static str)]) -> Vec<(&'static str, &'static str)> {
-        let mut vars: Vec<_> = TWO_BY_TWO
-            .iter()
-            .filter(|(n, _)| !over.iter().any(|(o, _)| o == n))
-            .copied()
-            .collect();
-        vars.extend(over.iter().filter(|(_, v)| !v.is_empty()).copied());
-        vars
+    fn with(over: &[(&'static str, &'static str)]) -> Vars {
+        overriding(&TWO_BY_TWO, over)
     }
 
     #[test]

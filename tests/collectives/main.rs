@@ -534,9 +534,13 @@ fn gradient_bits<B: Backend, M: Module<B>>(
 }
 
 // Where the large weight's gradient lies (compared to after the sync: in place or not).
+// Where a Flex tensor's values lie.
+fn address(tensor: Tensor<Flex, 2>) -> usize {
+    tensor.into_primitive().tensor().bytes().as_ptr() as usize
+}
+
 fn storage_of(grads: &GradientsParams, model: &Tangle<Train>) -> usize {
-    let grad = grads.get::<Flex, 2>(model.big.id).unwrap();
-    grad.into_primitive().tensor().bytes().as_ptr() as usize
+    address(grads.get::<Flex, 2>(model.big.id).unwrap())
 }
 
 fn sync_layouts_worker(exact: bool) -> Findings {
@@ -712,14 +716,7 @@ fn share_parameters_worker(model: &Tangle<Train>, partition: &Partition, found: 
     let stepped = |rank| model.clone().map(&mut Step { rank, partition });
     let expected = parameter_bits(&stepped(None));
     let mine = stepped(Some(r));
-    let big = mine
-        .big
-        .val()
-        .inner()
-        .into_primitive()
-        .tensor()
-        .bytes()
-        .as_ptr() as usize;
+    let big = address(mine.big.val().inner());
     let copied = sync_copied_values();
     let shared = share_parameters::<Train, _>(&group, mine, partition).unwrap();
     let copied = sync_copied_values() - copied;
@@ -738,14 +735,7 @@ fn share_parameters_worker(model: &Tangle<Train>, partition: &Partition, found: 
             format!("shared parameter {i} is not its owner's")
         });
     }
-    let big_after = shared
-        .big
-        .val()
-        .inner()
-        .into_primitive()
-        .tensor()
-        .bytes()
-        .as_ptr() as usize;
+    let big_after = address(shared.big.val().inner());
     check(found, big_after == big, || {
         "the large parameter was not received in place".into()
     });
