@@ -146,11 +146,31 @@ pub(crate) fn route() -> Route {
     }
 }
 
-/// Whether the crate's path runs bf16 matmuls and convolutions on this CPU's AVX512-BF16
-/// dot-product instructions (see [`HalfPath`]): the CPU has them, Flex is built in, and the
-/// process did not fix [`HalfPath::Widened`].
+/// Whether the crate's path runs bf16 matmuls and convolutions on this CPU's own bf16
+/// instructions, AMX tiles or AVX512-BF16 dot products (see [`HalfPath`]): the CPU has them,
+/// Flex is built in, and the process did not fix [`HalfPath::Widened`].
 pub fn bf16_dot_products() -> bool {
     route() == Route::Fastest && kernels::has_bf16_dot_products()
+}
+
+/// The instructions the crate's path runs bf16 matmuls and convolutions on, on this thread
+/// ([`bf16_dot_products`]): `"AMX tiles (tdpbf16ps)"` on an Intel Xeon with AMX whose tiles
+/// Linux granted, `"AVX512-BF16 dot products (vdpbf16ps)"` on other CPUs with AVX512-BF16,
+/// `None` elsewhere (the operands widened to f32).
+///
+/// ```
+/// let kernel = burn_accelerate::capability::bf16_gemm_instructions();
+/// assert_eq!(kernel.is_some(), burn_accelerate::capability::bf16_dot_products());
+/// ```
+pub fn bf16_gemm_instructions() -> Option<&'static str> {
+    kernels::bf16_gemm_instructions().filter(|_| route() == Route::Fastest)
+}
+
+/// Whether the crate's bf16 GEMMs use this CPU's AMX tiles, and why not where they do not
+/// (no AMX-BF16, a kernel before Linux 5.16, `arch_prctl` refused): what
+/// `burn-accelerate env` prints.
+pub fn amx_status() -> String {
+    kernels::amx_status()
 }
 
 /// How many times slower than f32 a low dtype's matmul must be for the probe to flag it.
@@ -196,8 +216,9 @@ pub struct Capabilities {
     /// The device computes on the host's CPU (Flex, NdArray, LibTorch's and Candle's CPU
     /// devices), by the backend's name.
     pub host_cpu: bool,
-    /// The crate's path runs bf16 matmuls and convolutions on this CPU's bf16 dot-product
-    /// instructions (AVX512-BF16): `bf16_via_f32` and the CPU has them.
+    /// The crate's path runs bf16 matmuls and convolutions on this CPU's own bf16
+    /// instructions (AMX tiles or AVX512-BF16 dot products): `bf16_via_f32` and the CPU has
+    /// them.
     pub bf16_dot_products: bool,
 }
 

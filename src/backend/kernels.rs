@@ -160,15 +160,35 @@ pub(crate) fn of<B: Backend>() -> Option<Kernels<B>> {
     KERNELS.get::<B, Kernels<B>>()
 }
 
-/// Whether the CPU kernels can run bf16 GEMMs on this CPU's AVX512-BF16 dot-product
-/// instructions (on [`Route::Fastest`]): the CPU has them and Flex is built in.
+/// Whether the CPU kernels can run bf16 GEMMs on this CPU's own bf16 instructions (AMX tiles
+/// or AVX512-BF16 dot products, on [`Route::Fastest`]): the CPU has them and Flex is built in.
 pub(crate) fn has_bf16_dot_products() -> bool {
+    bf16_gemm_instructions().is_some()
+}
+
+/// The instructions the CPU kernels' bf16 GEMMs run on (on [`Route::Fastest`]), if any.
+pub(crate) fn bf16_gemm_instructions() -> Option<&'static str> {
     #[cfg(feature = "flex")]
     {
-        crate::cpu::bf16_gemm::available()
+        use crate::cpu::bf16_gemm::{self, Bf16Kernel};
+        match bf16_gemm::kernel()? {
+            Bf16Kernel::Tiles => Some("AMX tiles (tdpbf16ps)"),
+            Bf16Kernel::DotProducts => Some("AVX512-BF16 dot products (vdpbf16ps)"),
+            Bf16Kernel::TileModel => unreachable!("never the CPU's kernel"),
+        }
     }
     #[cfg(not(feature = "flex"))]
-    false
+    None
+}
+
+/// Whether the CPU kernels use this CPU's AMX tiles, and why not where they do not.
+pub(crate) fn amx_status() -> String {
+    #[cfg(feature = "flex")]
+    {
+        crate::cpu::bf16_gemm::amx_support().to_string()
+    }
+    #[cfg(not(feature = "flex"))]
+    "not used (the CPU kernels come with the `flex` feature)".to_string()
 }
 
 /// Casts `tensor` to `dtype` (one of autocast's casts): through the registered kernel for `B`

@@ -1258,13 +1258,21 @@ mod backends {
             let Some(ratio) = caps.time_ratio(precision) else {
                 continue;
             };
-            let dot = precision == Precision::Bf16 && capability::bf16_dot_products();
-            let path = match (caps.via_f32(precision), dot) {
-                (true, true) => "; autocast runs it on the CPU's bf16 dot products, summed in f32",
-                (true, false) => "; autocast runs it as f32 GEMMs over rounded operands",
-                (false, _) => "",
+            let own = match precision {
+                Precision::Bf16 => capability::bf16_gemm_instructions(),
+                _ => None,
+            };
+            let path = match (caps.via_f32(precision), own) {
+                (true, Some(own)) => {
+                    format!("; autocast runs it on the CPU's {own}, summed in f32")
+                }
+                (true, None) => "; autocast runs it as f32 GEMMs over rounded operands".into(),
+                (false, _) => String::new(),
             };
             println!("    {precision}: the backend's matmul in {ratio:.2}× f32's time{path}");
+            if precision == Precision::Bf16 && caps.host_cpu && caps.via_f32(precision) {
+                println!("    AMX: {}", capability::amx_status());
+            }
         }
         println!(
             "    fastest precision (Autocast::fastest, by rule): {}",

@@ -1,26 +1,35 @@
-//! A bf16 GEMM for x86-64 CPUs with AVX512-BF16: bf16 products summed in f32 by `vdpbf16ps`.
+//! A bf16 GEMM for x86-64 CPUs: bf16 products summed in f32 on Intel AMX tiles (`tdpbf16ps`)
+//! or on AVX512-BF16 dot products (`vdpbf16ps`), whichever the CPU has ([`kernel`]).
 //!
 //! Autocast's lower-class matmul on Flex otherwise widens its bf16 operands to f32 and runs
 //! Flex's f32 GEMM (see [`low_gemm`](super::low_gemm)): the numbers of a bf16 GEMM at f32 speed.
 //! `vdpbf16ps` multiplies pairs of bf16 values and adds both products to an f32 lane, twice the
 //! multiply-adds of an f32 FMA per instruction (on the 2-core EPYC this crate is built on,
 //! 220–230 GFLOP/s a core against 100–115 for f32 FMAs, register-bound loops). It is what
-//! oneDNN, and so PyTorch's CPU autocast, runs on such CPUs.
+//! oneDNN, and so PyTorch's CPU autocast, runs on such CPUs. On Intel Xeons with AMX (4th
+//! generation and later) oneDNN runs its bf16 GEMMs on tiles instead: `tdpbf16ps` does
+//! 16 × 16 × 32 multiply-adds per instruction, several times the vector units' rate, and so
+//! does [`tile_gemm`] where the CPU has AMX-BF16 and Linux grants the tile state
+//! ([`tiles::amx::support`]; refused, the dot products, said once in the log and in
+//! `burn-accelerate env`).
 //!
-//! Numerics: a bf16 product is exact in f32, and each lane adds the products of one k-pair to
-//! its f32 sum, pair after pair in k order. That is a bf16 GEMM with f32 accumulation (as
-//! cuBLAS and oneDNN compute one), but not the bits of an f32 GEMM over the widened operands:
-//! the sums run in another order. The instruction also treats bf16 subnormal inputs as zero
-//! and flushes subnormal sums to zero (Intel SDM, `VDPBF16PS`), as oneDNN's bf16 GEMM does.
+//! Numerics, both kernels: f32 sums of exact bf16 products (a bf16 product is exact in f32),
+//! as cuBLAS and oneDNN compute a bf16 GEMM, but not the bits of an f32 GEMM over the widened
+//! operands: the sums run in another order, and the two kernels' orders differ too. The dot
+//! products add each k-pair's two products to a lane's sum, pair after pair in k order; the
+//! tiles sum each step of 16 pairs' even and odd products apart and add both to the sum,
+//! step after step (see [`tiles::model`]). Both treat bf16 subnormal inputs as zero and flush
+//! subnormal sums to zero (Intel SDM, `VDPBF16PS`, `TDPBF16PS`), as oneDNN's bf16 GEMM does.
+//! Neither result depends on the number of threads.
 //!
-//! The layout is the classic one (Goto and van de Geijn): both operands packed once into
+//! The dot products' layout is the classic one (Goto and van de Geijn): both operands packed once into
 //! k-pair interleaved panels, the product computed in `MR × NR` tiles held in registers (12 or
 //! 8 rows, whichever wastes less on the product's rows), the k dimension in blocks of at most
 //! `KC` pairs so that a tile's A panel stays in L1 while B's panels stream past it, and tiles
 //! of `C` shared among threads by blocks of `MC × NC`. Where k is long and runs contiguously
 //! in both operands (a convolution's weight gradient: k is every output position of a chunk
 //! of images) packing costs more than it saves, and an inner-product kernel (`dots`) takes
-//! the product: each value a dot product of an A row and a B column as they lie, in f32
+//! the product, on AMX CPUs too: each value a dot product of an A row and a B column as they lie, in f32
 //! lanes summed across at the end of each k block.
 //!
 //! The product comes out as f32 sums, or rounded to bf16 as each task completes its block
@@ -35,8 +44,13 @@ use super::half_kernels::round_bf16_into;
 
 #[cfg(target_arch = "x86_64")]
 mod dots;
+pub(crate) mod tile_gemm;
+pub(crate) mod tiles;
 #[cfg(target_arch = "x86_64")]
 mod x86;
+
+use tiles::amx::{self, Amx, Support};
+use tiles::model::TileModel;
 
 /// A bf16 matrix read in place: `data[offset + i * row_stride + j * col_stride]` is its
 /// element `(i, j)`, so transposed views need no copy.
@@ -102,9 +116,33 @@ impl<'a> Bf16Matrix<'a> {
     }
 }
 
-/// Whether this CPU runs the kernel (AVX512-F, AVX512-BW for packing, and AVX512-BF16: every
-/// CPU with the last has the others), checked once.
-pub(crate) fn available() -> bool {
+/// Which kernel multiplies bf16 matrices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Bf16Kernel {
+    /// The CPU's AMX tiles ([`tile_gemm`] on [`Amx`]).
+    Tiles,
+    /// The CPU's AVX512-BF16 dot products (`x86`).
+    DotProducts,
+    /// [`tile_gemm`] on the software model of the tiles ([`TileModel`]): the tile kernel's
+    /// code and bits on any CPU, far slower. For tests and benchmarks, never chosen by
+    /// [`kernel`].
+    TileModel,
+}
+
+impl Bf16Kernel {
+    /// Whether this process runs it.
+    pub(crate) fn runs_here(self) -> bool {
+        match self {
+            Bf16Kernel::Tiles => amx::support() == Support::Granted,
+            Bf16Kernel::DotProducts => dot_products(),
+            Bf16Kernel::TileModel => true,
+        }
+    }
+}
+
+/// Whether this CPU has the dot-product kernel's instructions (AVX512-F, AVX512-BW for
+/// packing, and AVX512-BF16: every CPU with the last has the others), checked once.
+fn dot_products() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         use std::sync::OnceLock;
@@ -117,6 +155,34 @@ pub(crate) fn available() -> bool {
     }
     #[cfg(not(target_arch = "x86_64"))]
     false
+}
+
+/// The kernel this CPU runs bf16 GEMMs on: its tiles where it has AMX-BF16 and Linux granted
+/// them, else its dot products where it has AVX512-BF16, else none (the caller widens to
+/// f32). A CPU with AMX whose tiles were refused says so once, in the log.
+pub(crate) fn kernel() -> Option<Bf16Kernel> {
+    use std::sync::OnceLock;
+    static KERNEL: OnceLock<Option<Bf16Kernel>> = OnceLock::new();
+    *KERNEL.get_or_init(|| {
+        let support = amx::support();
+        if !matches!(support, Support::Granted | Support::NoAmx) {
+            log::warn!(
+                "bf16 GEMMs run without AMX tiles ({support}); {}",
+                match dot_products() {
+                    true => "AVX512-BF16 dot products instead",
+                    false => "widened to f32 instead",
+                }
+            );
+        }
+        [Bf16Kernel::Tiles, Bf16Kernel::DotProducts]
+            .into_iter()
+            .find(|kernel| kernel.runs_here())
+    })
+}
+
+/// Why the CPU's AMX tiles are or are not used, for `burn-accelerate env`.
+pub(crate) fn amx_support() -> Support {
+    amx::support()
 }
 
 /// Alters a run of a product row's values in place once rounded to bf16:
@@ -207,10 +273,10 @@ impl Finish<'_> {
     }
 }
 
-/// The product of `a @ b` into `product`, computed on rayon's threads when `parallel`;
-/// `packed` is scratch for the packed operands, kept by the caller (whatever it holds is
-/// overwritten). `None` (and `product` untouched) where the CPU lacks AVX512-BF16 or the
-/// shapes do not match.
+/// The product of `a @ b` into `product` on this CPU's [`kernel`], computed on rayon's threads
+/// when `parallel`; `packed` is scratch for the packed operands, kept by the caller (whatever
+/// it holds is overwritten). `None` (and `product` untouched) where the CPU has no bf16
+/// kernel or the shapes do not match.
 pub(crate) fn gemm(
     a: Bf16Matrix,
     b: Bf16Matrix,
@@ -218,26 +284,125 @@ pub(crate) fn gemm(
     parallel: bool,
     packed: &mut Packed,
 ) -> Option<()> {
+    gemm_on(kernel()?, a, b, product, parallel, packed)
+}
+
+/// [`gemm`] on `kernel`; `None` where this process does not run it.
+pub(crate) fn gemm_on(
+    kernel: Bf16Kernel,
+    a: Bf16Matrix,
+    b: Bf16Matrix,
+    product: Product,
+    parallel: bool,
+    packed: &mut Packed,
+) -> Option<()> {
     let (m, k, n) = (a.rows, a.cols, b.cols);
-    if !available() || b.rows != k || product.len() != m * n || !product.fits(m, n) {
+    if !kernel.runs_here() || b.rows != k || product.len() != m * n || !product.fits(m, n) {
         return None;
     }
+    // The inner-product kernel for long contiguous k, on a CPU kernel with the dot products.
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: the CPU has AVX512-F, AVX512-BW and AVX512-BF16 (`available`); the
-    // inner-product kernel's layout `dots::applies` checked; the shapes match.
-    unsafe {
-        match (dots::applies(&a, &b), product) {
-            (true, Product::F32(c)) => dots::gemm(a, b, c, parallel),
-            // The kernel's products are small (m and n at most 512): through an f32 buffer.
-            (true, Product::Bf16 { out, finish }) => {
-                let mut c = vec![0.0; m * n];
-                dots::gemm(a, b, &mut c, parallel);
-                finish_rows(&c, n, out, finish);
+    if kernel != Bf16Kernel::TileModel && dot_products() && dots::applies(&a, &b) {
+        // SAFETY: the CPU has AVX512-F, AVX512-BW and AVX512-BF16 (`dot_products`); the
+        // inner-product kernel's layout `dots::applies` checked; the shapes match.
+        unsafe {
+            match product {
+                Product::F32(c) => dots::gemm(a, b, c, parallel),
+                // The kernel's products are small (m and n at most 512): through an f32 buffer.
+                Product::Bf16 { out, finish } => {
+                    let mut c = vec![0.0; m * n];
+                    dots::gemm(a, b, &mut c, parallel);
+                    finish_rows(&c, n, out, finish);
+                }
             }
-            (false, product) => x86::gemm(a, b, product, parallel, packed),
         }
-    };
+        return Some(());
+    }
+    match kernel {
+        // SAFETY: the model runs anywhere; the shapes match.
+        Bf16Kernel::TileModel => unsafe {
+            tile_gemm::gemm(a, b, product, parallel, packed, TileModel::default)
+        },
+        #[cfg(target_arch = "x86_64")]
+        Bf16Kernel::Tiles => {
+            let tiles = || Amx::new().expect("granted to the process (`runs_here`)");
+            // SAFETY: the process may run the tiles (`runs_here`), on any of its threads;
+            // the shapes match.
+            unsafe { tile_gemm::gemm(a, b, product, parallel, packed, tiles) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the CPU has AVX512-F, AVX512-BW and AVX512-BF16 (`runs_here`); the shapes
+        // match.
+        Bf16Kernel::DotProducts => unsafe { x86::gemm(a, b, product, parallel, packed) },
+        #[cfg(not(target_arch = "x86_64"))]
+        Bf16Kernel::Tiles | Bf16Kernel::DotProducts => unreachable!("`runs_here` is false"),
+    }
     Some(())
+}
+
+/// An `m × n` product of an empty sum (k = 0): zeros, finished as `product` says.
+fn zero_product(product: Product, m: usize, n: usize) {
+    match product {
+        Product::F32(c) => c.fill(0.0),
+        Product::Bf16 { out, finish } => finish_rows(&vec![0.0; m * n], n, out, finish),
+    }
+}
+
+/// The product's buffer, shared by tasks that each write a block of their own.
+#[derive(Clone, Copy)]
+struct CPtr(*mut f32);
+// SAFETY: tasks write disjoint blocks.
+unsafe impl Send for CPtr {}
+// SAFETY: as above.
+unsafe impl Sync for CPtr {}
+
+/// Likewise for a product rounded to bf16.
+#[derive(Clone, Copy)]
+struct BPtr(*mut MaybeUninit<bf16>);
+// SAFETY: as for `CPtr`.
+unsafe impl Send for BPtr {}
+// SAFETY: as above.
+unsafe impl Sync for BPtr {}
+
+/// Where a kernel's tasks put the product (see [`Product`]).
+#[derive(Clone, Copy)]
+enum Out<'a> {
+    F32(CPtr),
+    Bf16(BPtr, Finish<'a>),
+}
+
+/// Finishes a task's block of a product rounded to bf16: the `rows × cols` sums of the block
+/// at `(i0, j0)` of the `m × n` product, rows `ld` apart in `sums`, rounded into `out` as
+/// `finish` lays them out, a run at a time.
+///
+/// # Safety
+///
+/// `sums` holds the block's `rows × cols` values, rows `ld` apart, inside the product; no
+/// other thread writes their places in `out` (`Finish::runs` maps each value of the product
+/// to one place of its own).
+#[allow(clippy::too_many_arguments)]
+unsafe fn finish_block(
+    out: BPtr,
+    finish: Finish,
+    shape: [usize; 2],
+    [i0, j0]: [usize; 2],
+    [rows, cols]: [usize; 2],
+    sums: *const f32,
+    ld: usize,
+) {
+    for r in 0..rows {
+        for (column, len, at) in finish.runs(shape, i0 + r, j0, cols) {
+            // SAFETY: the caller's promises; the run's `len` values lie in the output from
+            // `at`.
+            let (sums, out) = unsafe {
+                (
+                    std::slice::from_raw_parts(sums.add(r * ld + column - j0), len),
+                    std::slice::from_raw_parts_mut(out.0.add(at), len),
+                )
+            };
+            finish_run(i0 + r, column, sums, out, finish);
+        }
+    }
 }
 
 /// The product's rows of `n` sums in `sums` into `out` as `finish` lays them out, by
@@ -343,13 +508,13 @@ pub(crate) fn scratch_of<T: Copy + Default>(buf: &mut Vec<T>, len: usize) -> &mu
 mod tests {
     use super::*;
 
-    fn matrix(values: &[f32]) -> Vec<bf16> {
+    pub(super) fn matrix(values: &[f32]) -> Vec<bf16> {
         values.iter().map(|&v| bf16::from_f32(v)).collect()
     }
 
     // `a @ b` summed in f64 over the bf16 values, with the bound of an f32 sum of `k` terms:
     // `k · ε · Σ|a||b|` per element.
-    fn reference(a: &Bf16Matrix, b: &Bf16Matrix) -> Vec<(f64, f64)> {
+    pub(super) fn reference(a: &Bf16Matrix, b: &Bf16Matrix) -> Vec<(f64, f64)> {
         let value = |m: &Bf16Matrix, i, j| f64::from(bf16::from_bits(m.bits(i, j) as u16).to_f32());
         let k = a.cols;
         let mut out = Vec::new();
@@ -363,7 +528,7 @@ mod tests {
         out
     }
 
-    fn values(n: usize, seed: u32) -> Vec<f32> {
+    pub(super) fn values(n: usize, seed: u32) -> Vec<f32> {
         (0..n as u32)
             .map(|i| ((i.wrapping_mul(2_654_435_761) ^ seed) % 2000) as f32 / 300.0 - 3.3)
             .collect()
@@ -393,7 +558,7 @@ mod tests {
     #[ignore = "needs a CPU with AVX512-BF16: .ci/run runs it with --ignored where the CPU has it"]
     fn products_are_f32_sums_of_exact_bf16_products_in_every_layout() {
         assert!(
-            available(),
+            kernel().is_some(),
             "not run: this test needs a CPU with AVX512-BF16"
         );
         for [m, k, n] in SHAPES {
@@ -466,7 +631,7 @@ mod tests {
     #[ignore = "needs a CPU with AVX512-BF16: .ci/run runs it with --ignored where the CPU has it"]
     fn a_product_finished_as_planes_is_the_f32_product_biased_rounded_and_moved() {
         assert!(
-            available(),
+            kernel().is_some(),
             "not run: this test needs a CPU with AVX512-BF16"
         );
         // `[m, k, positions, images]`: planes shorter than a task's columns, longer ones that
@@ -521,7 +686,7 @@ mod tests {
     #[ignore = "needs a CPU with AVX512-BF16: .ci/run runs it with --ignored where the CPU has it"]
     fn a_product_rounded_as_summed_is_the_f32_product_rounded() {
         assert!(
-            available(),
+            kernel().is_some(),
             "not run: this test needs a CPU with AVX512-BF16"
         );
         // Each value's column as the epilogue is told it, for bits: every run lands where it
@@ -586,7 +751,7 @@ mod tests {
     #[ignore = "needs a CPU with AVX512-BF16: .ci/run runs it with --ignored where the CPU has it"]
     fn small_integer_products_are_exact() {
         assert!(
-            available(),
+            kernel().is_some(),
             "not run: this test needs a CPU with AVX512-BF16"
         );
         // Every partial sum is an integer below 2²⁴, so any order of f32 additions is exact.
@@ -650,7 +815,7 @@ mod tests {
             (2, None, false),
             (0, None, false),
             (3, Some(&one[..]), false),
-            (3, None, available()),
+            (3, None, kernel().is_some()),
         ] {
             let finish = Finish::Planes { positions, bias };
             let product = Product::Bf16 {

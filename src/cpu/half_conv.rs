@@ -674,7 +674,7 @@ pub(crate) fn forward<H: Half>(
     bias: Option<&[f32]>,
 ) -> Option<Vec<u16>> {
     match kernel {
-        Kernel::Bf16Dot => forward_in_chunks::<H, bf16>(g, x, weight, bias, CHUNK_VALUES),
+        Kernel::Bf16(_) => forward_in_chunks::<H, bf16>(g, x, weight, bias, CHUNK_VALUES),
         Kernel::F32 => forward_in_chunks::<H, f32>(g, x, weight, bias, CHUNK_VALUES),
     }
 }
@@ -753,7 +753,7 @@ pub(crate) fn backward<H: Half>(
     want: [bool; 2],
 ) -> Option<[Option<Vec<u16>>; 2]> {
     match kernel {
-        Kernel::Bf16Dot => backward_in_chunks::<H, bf16>(g, x, weight, grad, want, CHUNK_VALUES),
+        Kernel::Bf16(_) => backward_in_chunks::<H, bf16>(g, x, weight, grad, want, CHUNK_VALUES),
         Kernel::F32 => backward_in_chunks::<H, f32>(g, x, weight, grad, want, CHUNK_VALUES),
     }
 }
@@ -1027,7 +1027,7 @@ mod tests {
 
     #[test]
     fn dot_products_match_the_direct_convolution() {
-        if !bf16_gemm::available() {
+        if bf16_gemm::kernel().is_none() {
             eprintln!("skipped: this CPU has no AVX512-BF16");
             return;
         }
@@ -1044,7 +1044,8 @@ mod tests {
     fn f16_values_are_refused_by_the_bf16_kernel() {
         let g = Geometry::new(&[1, 1, 3, 3], &[1, 1, 2, 2], &options(1, 0, 1)).unwrap();
         let (x, w) = (values::<f16>(9, 1), values::<f16>(4, 2));
-        assert!(forward(Kernel::Bf16Dot, &g, &x, &w, None).is_none());
+        let bf16 = Kernel::Bf16(crate::cpu::bf16_gemm::Bf16Kernel::DotProducts);
+        assert!(forward(bf16, &g, &x, &w, None).is_none());
         assert!(forward(Kernel::F32, &g, &x, &w, None).is_some());
     }
 

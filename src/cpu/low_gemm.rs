@@ -6,10 +6,10 @@
 //! f16 kernels, slower still). Here the product is computed one of two ways, and rounded to
 //! the half type, a linear's bias added as it is rounded:
 //!
-//! - bf16 on a CPU with AVX512-BF16: the dot-product GEMM of [`bf16_gemm`], which reads the
-//!   bf16 operands in place (transposed views too), sums in f32, about 1.5–2× as fast as the
-//!   f32 GEMM, and rounds each block of the product as the task that summed it ends, so that
-//!   no f32 product goes out to memory;
+//! - bf16 on a CPU with AMX or AVX512-BF16: the GEMM of [`bf16_gemm`] on its tiles or dot
+//!   products, which reads (or packs) the bf16 operands in place (transposed views too), sums
+//!   in f32, about 1.5–2× as fast as the f32 GEMM on dot products, and rounds each block of
+//!   the product as the task that summed it ends, so that no f32 product goes out to memory;
 //! - otherwise (and on [`Route::Widened`]): the half operands widened to f32 in one
 //!   vectorised pass, a transposed view kept transposed, and multiplied by Flex's f32 GEMM
 //!   (the `gemm` crate, called directly) into per-thread scratch, then rounded in one pass:
@@ -40,8 +40,8 @@ use half::bf16;
 use rayon::prelude::*;
 
 use super::bf16_gemm::{
-    self, Bf16Matrix, Epilogue, Finish, Packed, Product, SCRATCH_KEPT, release_large, scratch_of,
-    with_scratch,
+    self, Bf16Kernel, Bf16Matrix, Epilogue, Finish, Packed, Product, SCRATCH_KEPT, release_large,
+    scratch_of, with_scratch,
 };
 use super::half_kernels::{
     add_row, add_widened, round_add_row, sum_rows, widen_in_tasks, widened, with_half,
@@ -66,29 +66,30 @@ impl Scratch {
 
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::default();
-    // The dot-product GEMM's packed operands, per thread: the matrices of a batch may be
-    // multiplied on several.
+    // The bf16 GEMM's packed operands, per thread: the matrices of a batch may be multiplied
+    // on several.
     static PACKED: RefCell<Packed> = RefCell::default();
 }
 
 /// Which GEMM multiplies half matrices (a matmul's, or a convolution's patches).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Kernel {
-    /// The AVX512-BF16 dot-product GEMM (`bf16_gemm`): bf16 only, 1.5–2× as fast.
-    Bf16Dot,
+    /// The bf16 GEMM (`bf16_gemm`) on this kernel: bf16 only, 1.5–2× as fast on dot
+    /// products. A convolution's GEMMs run on the process's kernel ([`bf16_gemm::kernel`])
+    /// whichever this names.
+    Bf16(Bf16Kernel),
     /// Flex's f32 GEMM over the operands widened to f32: for a bf16 matmul, Flex's own
     /// bits.
     F32,
 }
 
 impl Kernel {
-    /// The bf16 kernel for bf16 where the CPU has it, unless the route is
+    /// The CPU's bf16 kernel for bf16 where it has one, unless the route is
     /// [`Route::Widened`]; the f32 one otherwise.
     pub(crate) fn for_dtype(dtype: DType, route: Route) -> Self {
-        let dot = dtype == DType::BF16 && route == Route::Fastest && bf16_gemm::available();
-        match dot {
-            true => Self::Bf16Dot,
-            false => Self::F32,
+        match bf16_gemm::kernel() {
+            Some(kernel) if dtype == DType::BF16 && route == Route::Fastest => Self::Bf16(kernel),
+            _ => Self::F32,
         }
     }
 }
@@ -207,9 +208,10 @@ fn bf16_dot<T: Send>(
     })
 }
 
-// `a @ b` (+ `bias`) of bf16 operands by the dot-product kernel, each value rounded (and the
-// bias added) as its task sums it; `None` where it does not apply (see `bf16_dot`).
+// `a @ b` (+ `bias`) of bf16 operands by the bf16 `kernel`, each value rounded (and the bias
+// added) as its task sums it; `None` where it does not apply (see `bf16_dot`).
 fn bf16_dot_rounded(
+    kernel: Bf16Kernel,
     a: &FlexTensor,
     b: &FlexTensor,
     bias: Option<&FlexTensor>,
@@ -233,7 +235,7 @@ fn bf16_dot_rounded(
             out,
             finish: Finish::Rows(epilogue),
         };
-        bf16_gemm::gemm(am, bm, product, threads, packed)
+        bf16_gemm::gemm_on(kernel, am, bm, product, threads, packed)
     });
     // SAFETY: each matrix's GEMM wrote all its values (none failed), and the matrices cover
     // the product.
@@ -350,24 +352,32 @@ fn half_gemm(
     let dims = Dims::of(a, b);
     let len = dims.matrices() * dims.m * dims.n;
     let bias = bias.map(|b| b.to_contiguous());
-    let dot = kernel == Kernel::Bf16Dot && dtype == DType::BF16;
+    let dot = match kernel {
+        Kernel::Bf16(kernel) if dtype == DType::BF16 => Some(kernel),
+        _ => None,
+    };
     // A product larger than the kept scratch is rounded as summed (its f32 sums would be
     // mapped afresh for each GEMM, 16 MiB for a `4096 × 1024` one); a smaller one goes
     // through the scratch. Rounded as summed too, the MLP's step in `examples/autocast_ab`
     // took 7% longer under glibc's default allocator, which then mapped and faulted in a
     // fresh buffer 500 more times a step (and 2% less time where freed memory is kept).
-    let rounded = match dot && len * size_of::<f32>() > SCRATCH_KEPT {
-        true => bf16_dot_rounded(a, b, bias.as_ref(), &dims).map(Bytes::from_elems),
-        false => None,
+    let rounded = match dot {
+        Some(kernel) if len * size_of::<f32>() > SCRATCH_KEPT => {
+            bf16_dot_rounded(kernel, a, b, bias.as_ref(), &dims).map(Bytes::from_elems)
+        }
+        _ => None,
     };
     let values = rounded.unwrap_or_else(|| {
         with_scratch(&SCRATCH, |scratch| {
-            let summed =
-                |am: Bf16Matrix, bm: Bf16Matrix, c: &mut [f32], threads, packed: &mut _| {
-                    bf16_gemm::gemm(am, bm, Product::F32(c), threads, packed)
-                };
             let product = scratch_of(&mut scratch.product, len);
-            if !dot || !bf16_dot(a, b, &dims, product, summed) {
+            let summed = dot.is_some_and(|kernel| {
+                let summed =
+                    |am: Bf16Matrix, bm: Bf16Matrix, c: &mut [f32], threads, packed: &mut _| {
+                        bf16_gemm::gemm_on(kernel, am, bm, Product::F32(c), threads, packed)
+                    };
+                bf16_dot(a, b, &dims, product, summed)
+            });
+            if !summed {
                 widened_product(a, b, &dims, scratch);
             }
             let values = with_half!(dtype, H => {
@@ -573,12 +583,11 @@ mod tests {
         assert_eq!(bits(product), bits(Flex::float_matmul(q, k)));
     }
 
-    #[test]
-    #[ignore = "needs a CPU with AVX512-BF16: .ci/run runs it with --ignored where the CPU has it"]
-    fn bf16_gemm_by_dot_products_is_within_a_bf16_rounding_of_widened() {
+    /// `kernel`'s bf16 products are within a bf16 rounding of the widened ones.
+    fn assert_within_a_bf16_rounding_of_widened(kernel: Bf16Kernel) {
         assert!(
-            bf16_gemm::available(),
-            "not run: this test needs a CPU with AVX512-BF16"
+            kernel.runs_here(),
+            "not run: this test needs a CPU that runs {kernel:?}"
         );
         // Positive values: no cancellation, so the two f32 sums (in different orders)
         // differ far below a bf16 rounding, and their roundings by one bf16 step at most.
@@ -604,12 +613,29 @@ mod tests {
         ];
         for (a, b) in cases {
             let values = |t: FlexTensor| t.into_data().convert::<f32>().to_vec::<f32>().unwrap();
-            let dot = values(half_gemm(&a, &b, None, Kernel::Bf16Dot));
+            let dot = values(half_gemm(&a, &b, None, Kernel::Bf16(kernel)));
             let widened = values(half_gemm(&a, &b, None, Kernel::F32));
             for (d, w) in dot.iter().zip(&widened) {
-                assert!((d - w).abs() <= w / 128.0, "{d} against {w}");
+                assert!((d - w).abs() <= w / 128.0, "{kernel:?}: {d} against {w}");
             }
         }
+    }
+
+    #[test]
+    fn bf16_gemm_on_the_tile_model_is_within_a_bf16_rounding_of_widened() {
+        assert_within_a_bf16_rounding_of_widened(Bf16Kernel::TileModel);
+    }
+
+    #[test]
+    #[ignore = "needs a CPU with AVX512-BF16: .ci/run runs it with --ignored where the CPU has it"]
+    fn bf16_gemm_by_dot_products_is_within_a_bf16_rounding_of_widened() {
+        assert_within_a_bf16_rounding_of_widened(Bf16Kernel::DotProducts);
+    }
+
+    #[test]
+    #[ignore = "needs a CPU with AMX-BF16 (on_amx_tiles): .ci/run runs it with --ignored where the CPU has it"]
+    fn bf16_gemm_on_amx_tiles_is_within_a_bf16_rounding_of_widened() {
+        assert_within_a_bf16_rounding_of_widened(Bf16Kernel::Tiles);
     }
 
     /// A linear's bias is added to `kernel`'s rounded product as Flex adds it.
@@ -639,18 +665,23 @@ mod tests {
     #[ignore = "needs a CPU with AVX512-BF16: .ci/run runs it with --ignored where the CPU has it"]
     fn a_linears_bias_is_added_to_the_rounded_product_as_flex_adds_it_on_the_dot_kernel() {
         assert!(
-            bf16_gemm::available(),
+            Bf16Kernel::DotProducts.runs_here(),
             "not run: this test needs a CPU with AVX512-BF16"
         );
-        assert_bias_added_as_flex_adds_it(Kernel::Bf16Dot);
+        assert_bias_added_as_flex_adds_it(Kernel::Bf16(Bf16Kernel::DotProducts));
     }
 
     #[test]
-    #[ignore = "needs a CPU with AVX512-BF16: .ci/run runs it with --ignored where the CPU has it"]
-    fn a_product_rounded_as_summed_has_the_bits_of_one_rounded_after() {
+    fn a_linears_bias_is_added_to_the_rounded_product_as_flex_adds_it_on_the_tile_model() {
+        assert_bias_added_as_flex_adds_it(Kernel::Bf16(Bf16Kernel::TileModel));
+    }
+
+    /// `kernel`'s product rounded as its tasks sum it has the bits of its f32 product rounded
+    /// after.
+    fn assert_rounded_as_summed_is_rounded_after(kernel: Bf16Kernel) {
         assert!(
-            bf16_gemm::available(),
-            "not run: this test needs a CPU with AVX512-BF16"
+            kernel.runs_here(),
+            "not run: this test needs a CPU that runs {kernel:?}"
         );
         // Past a task's 256 columns; with and without a bias; a batch with one operand
         // transposed.
@@ -667,10 +698,21 @@ mod tests {
         let cases = [(&x, &w, Some(&bias)), (&x, &w, None), (&q, &kt, None)];
         for (a, b, bias) in cases {
             let dims = Dims::of(a, b);
-            let rounded = bf16_dot_rounded(a, b, bias, &dims).unwrap();
-            let after = half_gemm(a, b, bias, Kernel::Bf16Dot);
+            let rounded = bf16_dot_rounded(kernel, a, b, bias, &dims).unwrap();
+            let after = half_gemm(a, b, bias, Kernel::Bf16(kernel));
             assert_eq!(bytemuck::cast_slice::<_, u8>(&rounded), &bits(after)[..]);
         }
+    }
+
+    #[test]
+    #[ignore = "needs a CPU with AVX512-BF16: .ci/run runs it with --ignored where the CPU has it"]
+    fn a_product_rounded_as_summed_has_the_bits_of_one_rounded_after() {
+        assert_rounded_as_summed_is_rounded_after(Bf16Kernel::DotProducts);
+    }
+
+    #[test]
+    fn a_product_rounded_as_summed_on_the_tile_model_has_the_bits_of_one_rounded_after() {
+        assert_rounded_as_summed_is_rounded_after(Bf16Kernel::TileModel);
     }
 
     #[test]

@@ -6,7 +6,7 @@ use std::mem::MaybeUninit;
 use half::bf16;
 use rayon::prelude::*;
 
-use super::{Bf16Matrix, Finish, Packed, Product, RUN, finish_rows, finish_run};
+use super::{BPtr, Bf16Matrix, CPtr, Out, Packed, Product, RUN, finish_block, zero_product};
 
 /// Rows of the product one micro-kernel call computes, at most.
 const MR: usize = 12;
@@ -60,11 +60,7 @@ pub(super) unsafe fn gemm(
 ) {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     if k == 0 {
-        match product {
-            Product::F32(c) => c.fill(0.0),
-            Product::Bf16 { out, finish } => finish_rows(&vec![0.0; m * n], n, out, finish),
-        }
-        return;
+        return zero_product(product, m, n);
     }
     let pairs = k.div_ceil(2);
     let mr = tile_rows(m);
@@ -348,29 +344,6 @@ fn transpose16(rows: &mut [__m512i; 16]) {
     }
 }
 
-// The product's buffer, shared by tasks that each write a block of their own.
-#[derive(Clone, Copy)]
-struct CPtr(*mut f32);
-// SAFETY: tasks write disjoint blocks (see `Blocks::block`).
-unsafe impl Send for CPtr {}
-// SAFETY: as above.
-unsafe impl Sync for CPtr {}
-
-// Likewise for a product rounded to bf16.
-#[derive(Clone, Copy)]
-struct BPtr(*mut MaybeUninit<bf16>);
-// SAFETY: as for `CPtr`.
-unsafe impl Send for BPtr {}
-// SAFETY: as above.
-unsafe impl Sync for BPtr {}
-
-// Where the tasks put the product (see `Product`).
-#[derive(Clone, Copy)]
-enum Out<'a> {
-    F32(CPtr),
-    Bf16(BPtr, Finish<'a>),
-}
-
 #[derive(Clone, Copy)]
 struct Blocks<'a> {
     packed_a: &'a [u32],
@@ -403,27 +376,13 @@ impl Blocks<'_> {
                 // Not zeroed (16 MiB of stores for a 4096 × 1024 product): the first k block
                 // writes each sum before any is read.
                 let mut sums = [MaybeUninit::<f32>::uninit(); MC * NC];
+                let sums = sums.as_mut_ptr().cast::<f32>();
                 // SAFETY: `sums` holds the block, rows `NC` apart.
-                unsafe { self.sums(i0, j0, sums.as_mut_ptr().cast(), NC) };
+                unsafe { self.sums(i0, j0, sums, NC) };
                 let shape = [self.m, self.n];
-                for r in 0..rows {
-                    for (column, len, at) in finish.runs(shape, i0 + r, j0, cols) {
-                        // SAFETY: `sums` wrote the block's `rows × cols` values, rows `NC`
-                        // apart; the run's `len` values lie in the output from `at`, where
-                        // only this task writes (`runs` maps each value of the product to
-                        // one place of its own).
-                        let (sums, out) = unsafe {
-                            (
-                                std::slice::from_raw_parts(
-                                    sums.as_ptr().add(r * NC + column - j0).cast(),
-                                    len,
-                                ),
-                                std::slice::from_raw_parts_mut(out.0.add(at), len),
-                            )
-                        };
-                        finish_run(i0 + r, column, sums, out, finish);
-                    }
-                }
+                // SAFETY: `sums` wrote the block's `rows × cols` values, rows `NC` apart; only
+                // this task writes their places in the output.
+                unsafe { finish_block(out, finish, shape, [i0, j0], [rows, cols], sums, NC) };
             }
         }
     }
