@@ -62,6 +62,9 @@
 mod accelerator;
 pub mod autocast;
 mod backend;
+#[doc(hidden)]
+#[cfg(feature = "flex")]
+pub mod bench_support;
 pub mod capability;
 pub mod checkpoint;
 mod cpu;

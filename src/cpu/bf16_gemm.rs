@@ -157,6 +157,17 @@ fn dot_products() -> bool {
     false
 }
 
+/// Whether this CPU has AVX512-F and AVX512-BW, checked once: what the tile kernel's packing
+/// is compiled for where the CPU has it.
+#[cfg(target_arch = "x86_64")]
+fn avx512bw() -> bool {
+    use std::sync::OnceLock;
+    static AVAILABLE: OnceLock<bool> = OnceLock::new();
+    *AVAILABLE.get_or_init(|| {
+        std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw")
+    })
+}
+
 /// The kernel this CPU runs bf16 GEMMs on: its tiles where it has AMX-BF16 and Linux granted
 /// them, else its dot products where it has AVX512-BF16, else none (the caller widens to
 /// f32). A CPU with AMX whose tiles were refused says so once, in the log.

@@ -130,12 +130,46 @@ fn pack<'p>(
     unsafe { &*(packed as *const [MaybeUninit<u32>] as *const [u32]) }
 }
 
+/// [`pack_tile_as_compiled`], compiled for AVX-512 where the CPU has it (every CPU with AMX
+/// does: the loops that zip and copy the words vectorise 32 values at a time), for the
+/// baseline target elsewhere (the model's tests, on any CPU: the same code and words).
+fn pack_tile(m: Bf16Matrix, r0: usize, p0: usize, order: Order, tile: &mut [MaybeUninit<u32>]) {
+    #[cfg(target_arch = "x86_64")]
+    if super::avx512bw() {
+        // SAFETY: the CPU has AVX512-F and AVX512-BW.
+        return unsafe { pack_tile_avx512(m, r0, p0, order, tile) };
+    }
+    pack_tile_as_compiled(m, r0, p0, order, tile)
+}
+
+/// # Safety
+///
+/// The CPU has AVX512-F and AVX512-BW.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn pack_tile_avx512(
+    m: Bf16Matrix,
+    r0: usize,
+    p0: usize,
+    order: Order,
+    tile: &mut [MaybeUninit<u32>],
+) {
+    pack_tile_as_compiled(m, r0, p0, order, tile)
+}
+
 /// The tile of `m`'s rows from `r0` and pairs from `p0` in `order` into `tile` (every word
 /// written): word `(r, p)` is `m[r][2p] | m[r][2p + 1] << 16`, zero past `m`'s last row or
 /// column. The words are gathered in the order the matrix lies in (along a row where its
 /// columns are contiguous, along a column where its rows are) and transposed where the tile
 /// wants the other.
-fn pack_tile(m: Bf16Matrix, r0: usize, p0: usize, order: Order, tile: &mut [MaybeUninit<u32>]) {
+#[inline(always)]
+fn pack_tile_as_compiled(
+    m: Bf16Matrix,
+    r0: usize,
+    p0: usize,
+    order: Order,
+    tile: &mut [MaybeUninit<u32>],
+) {
     let mut words = [0u32; TILE];
     let rows = TILE_ROWS.min(m.rows.saturating_sub(r0));
     let pairs = STEP.min(m.cols.div_ceil(2).saturating_sub(p0));
