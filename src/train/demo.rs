@@ -39,8 +39,8 @@ use burn::train::{
 
 use super::metrics::AccelerateMetric;
 use super::{AccelerateStrategy, TrainingStats, WithAccelerate};
-use crate::data::{DataLoaderConfig, ShardLoaderBuilder};
-use crate::distributed::ProcessState;
+use crate::data::{BatchSplit, DataLoaderConfig, ShardLoaderBuilder};
+use crate::distributed::{ProcessState, ReduceOp};
 use crate::scaler::GradScalerConfig;
 use crate::zero::ZeroStage;
 use crate::{AccelerateConfig, AccelerateError, Precision};
@@ -306,7 +306,10 @@ pub struct DemoConfig {
 /// What a demo run ended with.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DemoOutcome {
-    /// Mean cross-entropy on the validation samples, evaluated in f32 after training.
+    /// Mean cross-entropy on the validation samples after training, in the training's
+    /// precision (under its autocast, as Accelerate's prepared model evaluates); every
+    /// process evaluates its own part and the sums are combined, so every process has the
+    /// same value.
     pub loss: f32,
     /// Fraction of validation samples classified right.
     pub accuracy: f32,
@@ -330,12 +333,13 @@ impl DemoOutcome {
             ""
         };
         format!(
-            "final loss={:.6} accuracy={:.4} skipped_steps={} precision={} {}{why}",
+            "final loss={:.6} accuracy={:.4} skipped_steps={} precision={} {}{why} {}",
             self.loss,
             self.accuracy,
             self.stats.skipped_steps(),
             flag_name(self.stats.precision),
-            ops.summary()
+            ops.summary(),
+            self.stats.validation_summary(),
         )
     }
 }
@@ -371,6 +375,7 @@ pub fn run<B: AutodiffBackend>(
     };
     let mut strategy = AccelerateStrategy::new(accelerate, device)?;
     let report = strategy.report();
+    let autocast = *strategy.autocast();
     arm_failures()?;
 
     let process = ProcessState::from_env()?;
@@ -412,28 +417,46 @@ pub fn run<B: AutodiffBackend>(
         .metric_valid_numeric(LossMetric::new())
         .renderer(QuietRenderer)
         .with_application_logger(None)
-        .with_accelerate(strategy)
+        .with_accelerate(strategy.with_artifact_dir(&dir))
         .launch(learner);
     let _ = std::fs::remove_dir_all(&dir);
 
-    // Evaluated after the fit, so in f32 (the fit restored the autocast default).
-    let model = result.model;
-    let batch = Batcher::<B::InnerBackend, _, _>::batch(&BlobBatcher, valid_data, device);
-    let labels = batch.labels.clone();
-    let output = model.classify(batch);
-    let n = labels.dims()[0];
-    let correct: i64 = output
-        .output
-        .argmax(1)
-        .flatten::<1>(0, 1)
-        .equal(labels)
-        .int()
-        .sum()
-        .into_scalar()
-        .elem();
+    // Evaluated as the fit validates: in the training's precision, each process its own part
+    // (one batch), the sums combined.
+    let (processes, rank) = (process.num_processes(), process.process_index());
+    let part = BatchSplit::of(
+        valid_data.len(),
+        valid_data.len().div_ceil(processes).max(1),
+        processes,
+        rank,
+    )
+    .expect("a process of the run");
+    let mut sums = [0.0f64; 3];
+    if part.end > part.start {
+        let _autocast = autocast.enter();
+        let own = valid_data[part.start..part.end].to_vec();
+        let batch = Batcher::<B::InnerBackend, _, _>::batch(&BlobBatcher, own, device);
+        let labels = batch.labels.clone();
+        let output = result.model.classify(batch);
+        let n = labels.dims()[0];
+        let correct: i64 = output
+            .output
+            .argmax(1)
+            .flatten::<1>(0, 1)
+            .equal(labels)
+            .int()
+            .sum()
+            .into_scalar()
+            .elem();
+        let loss: f64 = output.loss.into_scalar().elem();
+        sums = [loss * n as f64, correct as f64, n as f64];
+    }
+    if processes > 1 {
+        process.group()?.all_reduce(&mut sums, ReduceOp::Sum)?;
+    }
     Ok(DemoOutcome {
-        loss: output.loss.into_scalar().elem(),
-        accuracy: correct as f32 / n as f32,
+        loss: (sums[0] / sums[2].max(1.0)) as f32,
+        accuracy: (sums[1] / sums[2].max(1.0)) as f32,
         scheduler_steps: scheduler_steps.load(Ordering::SeqCst),
         stats: report.stats(),
     })
