@@ -39,8 +39,8 @@ use burn::train::{
 
 use super::metrics::AccelerateMetric;
 use super::{AccelerateStrategy, TrainingStats, WithAccelerate};
-use crate::data::{BatchSplit, DataLoaderConfig, ShardLoaderBuilder};
-use crate::distributed::{ProcessState, ReduceOp};
+use crate::data::{DataLoaderConfig, ShardLoaderBuilder};
+use crate::distributed::ProcessState;
 use crate::scaler::GradScalerConfig;
 use crate::zero::ZeroStage;
 use crate::{AccelerateConfig, AccelerateError, Precision};
@@ -307,9 +307,8 @@ pub struct DemoConfig {
 #[derive(Debug, Clone, PartialEq)]
 pub struct DemoOutcome {
     /// Mean cross-entropy on the validation samples after training, in the training's
-    /// precision (under its autocast, as Accelerate's prepared model evaluates); every
-    /// process evaluates its own part and the sums are combined, so every process has the
-    /// same value.
+    /// precision (under its autocast, as Accelerate's prepared model evaluates), on every
+    /// process.
     pub loss: f32,
     /// Fraction of validation samples classified right.
     pub accuracy: f32,
@@ -317,13 +316,18 @@ pub struct DemoOutcome {
     pub scheduler_steps: usize,
     /// What the strategy reported.
     pub stats: TrainingStats,
+    /// Each epoch's validation phase's wall time on this process, in seconds
+    /// ([`TrainingReport::valid_seconds`](super::TrainingReport::valid_seconds)).
+    pub valid_seconds: Vec<f64>,
 }
 
 impl DemoOutcome {
     /// The example's last line: `final loss=<f> accuracy=<f> skipped_steps=<n> precision=<p>`,
     /// then how many of the lower-class ops ran in the half type and how many autocast kept
     /// in f32 (`half_ops=<n>/<all> half_flops=<pct>% kept_f32=<n> small,<n> unsupported`),
-    /// and, where a half precision ran none of them because all were small, why.
+    /// and, where a half precision ran none of them because all were small, why; last
+    /// `valid_precision=<p>`: the validation (Burn's in the fit, and this final one) runs in the
+    /// training's precision, as Accelerate's prepared model evaluates under autocast.
     pub fn summary_line(&self) -> String {
         let ops = &self.stats.lower_ops;
         let why = if ops.half_ops == 0 && ops.small_ops > 0 {
@@ -333,13 +337,14 @@ impl DemoOutcome {
             ""
         };
         format!(
-            "final loss={:.6} accuracy={:.4} skipped_steps={} precision={} {}{why} {}",
+            "final loss={:.6} accuracy={:.4} skipped_steps={} precision={} {}{why} \
+             valid_precision={}",
             self.loss,
             self.accuracy,
             self.stats.skipped_steps(),
             flag_name(self.stats.precision),
             ops.summary(),
-            self.stats.validation_summary(),
+            flag_name(self.stats.precision),
         )
     }
 }
@@ -421,21 +426,12 @@ pub fn run<B: AutodiffBackend>(
         .launch(learner);
     let _ = std::fs::remove_dir_all(&dir);
 
-    // Evaluated as the fit validates: in the training's precision, each process its own part
-    // (one batch), the sums combined.
-    let (processes, rank) = (process.num_processes(), process.process_index());
-    let part = BatchSplit::of(
-        valid_data.len(),
-        valid_data.len().div_ceil(processes).max(1),
-        processes,
-        rank,
-    )
-    .expect("a process of the run");
-    let mut sums = [0.0f64; 3];
-    if part.end > part.start {
+    // Evaluated in the training's precision, as the fit validates; on every process the whole
+    // set (one batch: every process ends with the single-process run's numbers, to every
+    // digit).
+    let (loss, accuracy) = {
         let _autocast = autocast.enter();
-        let own = valid_data[part.start..part.end].to_vec();
-        let batch = Batcher::<B::InnerBackend, _, _>::batch(&BlobBatcher, own, device);
+        let batch = Batcher::<B::InnerBackend, _, _>::batch(&BlobBatcher, valid_data, device);
         let labels = batch.labels.clone();
         let output = result.model.classify(batch);
         let n = labels.dims()[0];
@@ -448,17 +444,15 @@ pub fn run<B: AutodiffBackend>(
             .sum()
             .into_scalar()
             .elem();
-        let loss: f64 = output.loss.into_scalar().elem();
-        sums = [loss * n as f64, correct as f64, n as f64];
-    }
-    if processes > 1 {
-        process.group()?.all_reduce(&mut sums, ReduceOp::Sum)?;
-    }
+        let loss: f32 = output.loss.into_scalar().elem();
+        (loss, correct as f32 / n as f32)
+    };
     Ok(DemoOutcome {
-        loss: (sums[0] / sums[2].max(1.0)) as f32,
-        accuracy: (sums[1] / sums[2].max(1.0)) as f32,
+        loss,
+        accuracy,
         scheduler_steps: scheduler_steps.load(Ordering::SeqCst),
         stats: report.stats(),
+        valid_seconds: report.valid_seconds(),
     })
 }
 

@@ -350,8 +350,20 @@ where
             fail("cannot train data-parallel", err);
         }
         let loaders = self.fit_loaders(&dataloader_train, &devices);
-        // This process's part of it, on several processes.
-        let dataloader_valid = self.valid_part(&dataloader_valid, self.device.inner());
+        // This process's part of it, on several processes, when the metrics are combined.
+        let dataloader_valid = if self.process.is_distributed() && self.valid_metrics.is_none() {
+            // Installed without `with_accelerate` (`with_training_strategy`), so without the
+            // logger that combines the processes' metrics: each validates everything rather
+            // than report its own part's metrics as the run's.
+            log::warn!(
+                "burn-accelerate: the strategy was not installed with `with_accelerate`, so the \
+                 validation metrics of the processes cannot be combined: every process \
+                 validates the whole validation set"
+            );
+            dataloader_valid.to_device(self.device.inner())
+        } else {
+            self.valid_part(&dataloader_valid, self.device.inner())
+        };
         learner.fork(&self.device);
         let mut event_processor = training_components.event_processor;
         let mut checkpointer = training_components.checkpointer;
@@ -423,6 +435,7 @@ where
             // Every process validates its own batches, and the metrics of all are combined
             // before anything reads them: checkpoint choice, early stopping.
             let tally = autocast::thread_tally();
+            let valid_start = std::time::Instant::now();
             let (valid_batches, valid_items) = self.valid_epoch(
                 &learner,
                 &dataloader_valid,
@@ -436,6 +449,7 @@ where
                 &mut event_processor,
                 &training_components.event_store,
             );
+            let valid_seconds = valid_start.elapsed().as_secs_f64();
             {
                 let mut stats = self.report.lock();
                 stats.valid_processes = self.process.num_processes();
@@ -446,6 +460,11 @@ where
                     report.valid_batches_combined = combined;
                 }
             }
+            self.report
+                .valid_seconds
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push(valid_seconds);
             self.checkpoint_epoch(
                 epoch,
                 &mut learner,

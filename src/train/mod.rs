@@ -263,6 +263,7 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
                 resumed_from: None,
                 skipped_live: 0,
             })),
+            valid_seconds: Arc::default(),
         };
         Ok(Self {
             device: device.clone(),

@@ -87,12 +87,25 @@ impl TrainingStats {
 #[derive(Debug, Clone)]
 pub struct TrainingReport {
     pub(super) inner: Arc<Mutex<TrainingStats>>,
+    // Each validation phase's wall time, apart from the statistics, which compare equal
+    // between runs that did the same.
+    pub(super) valid_seconds: Arc<Mutex<Vec<f64>>>,
 }
 
 impl TrainingReport {
     /// A copy of the statistics now.
     pub fn stats(&self) -> TrainingStats {
         self.lock().clone()
+    }
+
+    /// The wall time of each epoch's validation phase on this process, in seconds, in epoch
+    /// order: its batches, waiting for Burn's metric processing, and the combination of the
+    /// processes' metrics (which waits for the slowest process).
+    pub fn valid_seconds(&self) -> Vec<f64> {
+        self.valid_seconds
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 
     pub(super) fn lock(&self) -> std::sync::MutexGuard<'_, TrainingStats> {

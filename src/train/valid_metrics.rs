@@ -234,7 +234,10 @@ impl Shared {
 /// Burn's metric logger of a training on several processes: the training's entries go to the
 /// logger of this process ([`AccelerateStrategy`](super::AccelerateStrategy)'s choice: Burn's
 /// files in the artifact directory on the main process, memory elsewhere) as they come, and
-/// the validation's once every process's are there (see the [module docs](self)).
+/// the validation's once every process's are there, so that every process's Burn metrics hold
+/// the entries of all processes' validation batches (see
+/// [`WithAccelerate::with_accelerate`](super::WithAccelerate::with_accelerate)). Registered by
+/// `with_accelerate` on several processes; not constructed by hand.
 pub struct ProcessMetricLogger {
     shared: Arc<Mutex<Shared>>,
 }
