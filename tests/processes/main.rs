@@ -2330,7 +2330,7 @@ mod validation {
     use burn::train::metric::{AccuracyMetric, LossMetric};
     use burn::train::{
         EarlyStoppingStrategy, Learner, MetricEarlyStoppingStrategy, StoppingCondition,
-        SupervisedTraining,
+        SupervisedTraining, TrainingStrategy,
     };
     use burn_accelerate::train::demo::{BlobBatcher, Mlp, MlpComponents, QuietRenderer, blobs};
     use burn_accelerate::train::{AccelerateStrategy, WithAccelerate};
@@ -2351,6 +2351,20 @@ mod validation {
         /// Early stopping on the validation loss: stop when it has not risen for this many
         /// epochs (it never rises at learning rate 0, so the run stops after epoch n + 1).
         pub stop_after: Option<usize>,
+        /// How the strategy is installed.
+        #[serde(default)]
+        pub install: Install,
+    }
+
+    #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+    pub enum Install {
+        /// `with_accelerate`, the strategy told the artifact directory.
+        #[default]
+        WithArtifactDir,
+        /// `with_accelerate` without the directory: the logs stay in memory.
+        NoArtifactDir,
+        /// Burn's `with_training_strategy`, without `with_accelerate`'s combining logger.
+        TrainingStrategy,
     }
 
     /// What one epoch's validation came to in this process's Burn event store.
@@ -2440,9 +2454,11 @@ mod validation {
             std::env::var("MASTER_PORT").unwrap_or_default(),
             args.valid_items
         ));
-        let strategy = AccelerateStrategy::<Components>::new(AccelerateConfig::new(), &device)
-            .unwrap()
-            .with_artifact_dir(&dir);
+        let mut strategy =
+            AccelerateStrategy::<Components>::new(AccelerateConfig::new(), &device).unwrap();
+        if args.install == Install::WithArtifactDir {
+            strategy = strategy.with_artifact_dir(&dir);
+        }
         let report = strategy.report();
         let epochs = Arc::new(Mutex::new(Vec::new()));
         let stopping = Recording {
@@ -2459,16 +2475,21 @@ mod validation {
         };
         Train::seed(&device, 5);
         let learner = Learner::new(Mlp::new(16, &device), AdamConfig::new().init(), args.lr);
-        let _ = SupervisedTraining::new(&dir, Arc::new(train), valid)
+        let builder = SupervisedTraining::new(&dir, Arc::new(train), valid)
             .num_epochs(args.epochs)
             .metric_valid_numeric(LossMetric::new())
             .metric_valid_numeric(AccuracyMetric::new())
             .renderer(QuietRenderer)
             .with_application_logger(None)
             .early_stopping(stopping)
-            .summary()
-            .with_accelerate(strategy)
-            .launch(learner);
+            .summary();
+        let builder = match args.install {
+            Install::TrainingStrategy => {
+                builder.with_training_strategy(TrainingStrategy::Custom(Arc::new(strategy)))
+            }
+            _ => builder.with_accelerate(strategy),
+        };
+        let _ = builder.launch(learner);
         let stats = report.stats();
         let main = state.is_main_process();
         let logged_losses = stats
@@ -2537,6 +2558,7 @@ fn every_process_validates_its_batches_and_reports_the_one_process_metrics() {
             epochs: 2,
             lr: 0.0,
             stop_after: None,
+            install: validation::Install::WithArtifactDir,
         };
         let single: validation::Report = launch(TEST, 1, &run, &[]).assert_success().report(0);
         let batches = valid_items.div_ceil(4);
@@ -2604,6 +2626,7 @@ fn early_stopping_on_the_combined_metric_stops_every_process_at_the_same_epoch()
         epochs: 5,
         lr: 1e-2,
         stop_after: Some(1),
+        install: validation::Install::WithArtifactDir,
     };
     let single: validation::Report = launch(TEST, 1, &run, &[]).assert_success().report(0);
     let stopped = single.trained.len();
@@ -2632,6 +2655,52 @@ fn early_stopping_on_the_combined_metric_stops_every_process_at_the_same_epoch()
             for (a, b) in r.epochs.iter().zip(&reports[0].epochs) {
                 assert_eq!(a.loss, b.loss, "rank {rank}");
             }
+        }
+    }
+}
+
+#[test]
+fn without_the_artifact_directory_or_with_accelerate_the_metrics_are_still_the_whole_sets() {
+    const TEST: &str =
+        "without_the_artifact_directory_or_with_accelerate_the_metrics_are_still_the_whole_sets";
+    if let Some(args) = worker::<validation::Run>() {
+        return report(&validation::train(&args));
+    }
+    let run = |install| validation::Run {
+        valid_items: 13,
+        epochs: 2,
+        lr: 0.0,
+        stop_after: None,
+        install,
+    };
+    let single: validation::Report =
+        launch(TEST, 1, &run(validation::Install::WithArtifactDir), &[])
+            .assert_success()
+            .report(0);
+    // Without the directory the processes still validate their parts and combine them, and
+    // the main process writes no log files (a warning says what to add); installed with
+    // Burn's `with_training_strategy` the metrics cannot be combined, so every process
+    // validates all 4 batches itself.
+    for (install, own) in [
+        (validation::Install::NoArtifactDir, [2, 2]),
+        (validation::Install::TrainingStrategy, [4, 4]),
+    ] {
+        let reports: Vec<validation::Report> = launch(TEST, 2, &run(install), &[])
+            .assert_success()
+            .reports(2);
+        for (rank, r) in reports.iter().enumerate() {
+            assert_eq!(r.own_batches, own, "{install:?}, rank {rank}");
+            assert_eq!(r.epochs.len(), 2, "{install:?}, rank {rank}: {r:?}");
+            for (got, want) in r.epochs.iter().zip(&single.epochs) {
+                let (got, want) = (got.loss.unwrap(), want.loss.unwrap());
+                assert!(
+                    relative(got, want) <= 1e-6,
+                    "{install:?}, rank {rank}: {got} vs {want}"
+                );
+            }
+        }
+        if install == validation::Install::NoArtifactDir {
+            assert!(reports[0].logged_losses.is_empty(), "{:?}", reports[0]);
         }
     }
 }
