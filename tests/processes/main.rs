@@ -2326,6 +2326,7 @@ mod validation {
 
     use burn::data::dataloader::DataLoaderBuilder;
     use burn::optim::AdamConfig;
+    use burn::train::checkpoint::MetricCheckpointingStrategy;
     use burn::train::metric::store::{Aggregate, Direction, EventStoreClient, Split};
     use burn::train::metric::{AccuracyMetric, LossMetric};
     use burn::train::{
@@ -2354,6 +2355,10 @@ mod validation {
         /// How the strategy is installed.
         #[serde(default)]
         pub install: Install,
+        /// Keep Burn's checkpoint of the epoch with the highest validation loss (Burn's
+        /// `MetricCheckpointingStrategy`, which the main process runs on its event store).
+        #[serde(default)]
+        pub best_checkpoint: bool,
     }
 
     #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
@@ -2390,6 +2395,8 @@ mod validation {
         pub logged_losses: Vec<f64>,
         /// The learner summary's validation loss of the last epoch (main process).
         pub summary_loss: Option<f64>,
+        /// The epochs whose model checkpoints Burn kept (main process).
+        pub checkpoints: Vec<usize>,
     }
 
     /// Reads the validation metrics of each epoch from Burn's event store (where early stopping
@@ -2483,6 +2490,18 @@ mod validation {
             .with_application_logger(None)
             .early_stopping(stopping)
             .summary();
+        let builder = if args.best_checkpoint {
+            builder
+                .with_file_checkpointer(burn::record::CompactRecorder::new())
+                .with_checkpointing_strategy(MetricCheckpointingStrategy::new(
+                    &LossMetric::<Accelerated<Flex>>::new(),
+                    Aggregate::Mean,
+                    Direction::Highest,
+                    Split::Valid,
+                ))
+        } else {
+            builder
+        };
         let builder = match args.install {
             Install::TrainingStrategy => {
                 builder.with_training_strategy(TrainingStrategy::Custom(Arc::new(strategy)))
@@ -2519,6 +2538,18 @@ mod validation {
                             .unwrap_or(f64::NAN)
                     })
             });
+        let mut checkpoints: Vec<usize> = std::fs::read_dir(dir.join("checkpoint"))
+            .into_iter()
+            .flatten()
+            .filter_map(|entry| {
+                let name = entry.ok()?.file_name().into_string().ok()?;
+                name.strip_prefix("model-")?
+                    .strip_suffix(".mpk")?
+                    .parse()
+                    .ok()
+            })
+            .collect();
+        checkpoints.sort_unstable();
         // Every process is done reading before the main process clears the directory.
         state.group().unwrap().barrier().unwrap();
         if main {
@@ -2536,6 +2567,7 @@ mod validation {
                 .collect(),
             logged_losses,
             summary_loss,
+            checkpoints: if main { checkpoints } else { Vec::new() },
         }
     }
 }
@@ -2559,6 +2591,7 @@ fn every_process_validates_its_batches_and_reports_the_one_process_metrics() {
             lr: 0.0,
             stop_after: None,
             install: validation::Install::WithArtifactDir,
+            best_checkpoint: false,
         };
         let single: validation::Report = launch(TEST, 1, &run, &[]).assert_success().report(0);
         let batches = valid_items.div_ceil(4);
@@ -2627,10 +2660,13 @@ fn early_stopping_on_the_combined_metric_stops_every_process_at_the_same_epoch()
         lr: 1e-2,
         stop_after: Some(1),
         install: validation::Install::WithArtifactDir,
+        best_checkpoint: true,
     };
     let single: validation::Report = launch(TEST, 1, &run, &[]).assert_success().report(0);
     let stopped = single.trained.len();
     assert!(stopped < 5, "{single:?}");
+    // Burn's best-checkpoint choice, made from the same metric.
+    assert!(!single.checkpoints.is_empty(), "{single:?}");
     for processes in [2, 3] {
         let reports: Vec<validation::Report> = launch(TEST, processes, &run, &[])
             .assert_success()
@@ -2656,6 +2692,10 @@ fn early_stopping_on_the_combined_metric_stops_every_process_at_the_same_epoch()
                 assert_eq!(a.loss, b.loss, "rank {rank}");
             }
         }
+        assert_eq!(
+            reports[0].checkpoints, single.checkpoints,
+            "{processes} processes"
+        );
     }
 }
 
@@ -2672,6 +2712,7 @@ fn without_the_artifact_directory_or_with_accelerate_the_metrics_are_still_the_w
         lr: 0.0,
         stop_after: None,
         install,
+        best_checkpoint: false,
     };
     let single: validation::Report =
         launch(TEST, 1, &run(validation::Install::WithArtifactDir), &[])
