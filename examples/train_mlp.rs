@@ -23,7 +23,11 @@
 //! `precision` is the one the ops really ran in (f32 after a fallback, which is also reported on
 //! stderr), and the rest says how many of the linears ran in it and how many autocast kept in
 //! f32 as too small to gain from it: at the default width (64) all of them, which the line
-//! then says; at `--hidden 512` the hidden layer runs in the half type.
+//! then says; at `--hidden 512` the hidden layer runs in the half type. It ends with
+//! `valid_precision=<p>`: validation runs in the training's precision, as Accelerate's prepared
+//! model evaluates under autocast. Each epoch's line says how many validation batches this
+//! process evaluated of all processes' (`valid_batches=<own>/<all>`: under the launcher every
+//! process validates its own) and the validation phase's wall time (`valid_s`).
 
 use std::process::ExitCode;
 
@@ -75,6 +79,12 @@ struct Args {
     /// Give every process the same directory.
     #[arg(long, value_name = "DIR")]
     checkpoint_dir: Option<std::path::PathBuf>,
+    /// Training samples.
+    #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..))]
+    train_items: u32,
+    /// Validation samples (every process validates its own batches of them each epoch).
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..))]
+    valid_items: u32,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -134,6 +144,8 @@ fn main() -> ExitCode {
         .with_seed(args.seed)
         .with_batch_size(args.batch_size as usize)
         .with_hidden(args.hidden as usize)
+        .with_train_items(args.train_items as usize)
+        .with_valid_items(args.valid_items as usize)
         .with_zero_stage(ZeroStage::from_number(args.zero_stage).expect("0, 1 or 2 by clap"))
         .with_checkpoint_dir(
             args.checkpoint_dir
@@ -160,10 +172,22 @@ fn main() -> ExitCode {
             if let Some(epoch) = outcome.stats.resumed_from {
                 println!("resumed from the checkpoint of epoch {epoch}");
             }
-            for epoch in &outcome.stats.epochs {
+            for (i, epoch) in outcome.stats.epochs.iter().enumerate() {
+                // None for an epoch an interrupt ended before its validation.
+                let valid_seconds = outcome
+                    .valid_seconds
+                    .get(i)
+                    .map_or_else(|| "-".into(), |s| format!("{s:.3}"));
                 println!(
-                    "epoch {}: batches={} optimizer_steps={} skipped_steps={}",
-                    epoch.epoch, epoch.batches, epoch.optimizer_steps, epoch.skipped_steps
+                    "epoch {}: batches={} optimizer_steps={} skipped_steps={} \
+                     valid_batches={}/{} valid_s={}",
+                    epoch.epoch,
+                    epoch.batches,
+                    epoch.optimizer_steps,
+                    epoch.skipped_steps,
+                    epoch.valid_batches,
+                    epoch.valid_batches_combined,
+                    valid_seconds,
                 );
             }
             println!("{}", outcome.summary_line());

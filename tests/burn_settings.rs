@@ -386,19 +386,21 @@ mod lm_loaders {
         let valid_loader = DataLoaderBuilder::<Valid, _, _>::new(LmBatcher)
             .batch_size(args.batch_size)
             .build(InMemDataset::new(valid[..8].to_vec()));
-        let strategy =
-            AccelerateStrategy::<Components>::new(AccelerateConfig::new(), &device).unwrap();
-        let stats = strategy.report();
-        Train::seed(&device, 7);
-        let model = CausalLm::<Train>::new(&config(), &device);
-        let initial_loss = mean_loss(&model.valid(), &valid);
-        let learner = Learner::new(model, AdamConfig::new().init(), 1e-2);
         // The processes share the artifact directory, as a script run unchanged does.
         let dir = if launched {
             harness::worker_dir().join("artifacts")
         } else {
             scratch(&format!("lm-{}", args.batch_size))
         };
+        // Where the main process writes Burn's metric logs, of every process's validation.
+        let strategy = AccelerateStrategy::<Components>::new(AccelerateConfig::new(), &device)
+            .unwrap()
+            .with_artifact_dir(&dir);
+        let stats = strategy.report();
+        Train::seed(&device, 7);
+        let model = CausalLm::<Train>::new(&config(), &device);
+        let initial_loss = mean_loss(&model.valid(), &valid);
+        let learner = Learner::new(model, AdamConfig::new().init(), 1e-2);
         let catcher = SummaryCatcher::default();
         let result = SupervisedTraining::new(&dir, loader, valid_loader)
             .num_epochs(1)
@@ -467,6 +469,18 @@ fn burns_own_loaders_are_sliced_per_process_and_only_the_main_process_logs() {
             "{part:?} not in {:#?}",
             r.logs
         );
+        // And validates its own batch of the validation loader's two.
+        let valid_part = format!(
+            "INFO burn-accelerate: process {rank} of 2 validates items {}..{} of 8 (1 batches \
+             of 4)",
+            4 * rank,
+            4 * (rank + 1)
+        );
+        assert!(
+            r.logs.iter().any(|l| l.starts_with(&valid_part)),
+            "{valid_part:?} not in {:#?}",
+            r.logs
+        );
     }
     assert_eq!(pair[0].parameters, pair[1].parameters);
     // The loss one process reaches with the two halves' batches together (batch 8, 12 steps),
@@ -488,7 +502,7 @@ fn burns_own_loaders_are_sliced_per_process_and_only_the_main_process_logs() {
     );
 
     // Burn's summary: the main process's, from the logs it alone wrote (its last validation
-    // epoch included); none elsewhere.
+    // epoch included, combined from both processes' batches); none elsewhere.
     let main = pair[0]
         .summary
         .as_ref()
@@ -554,7 +568,9 @@ fn burns_own_loaders_are_sliced_per_process_and_only_the_main_process_logs() {
         );
     }
     // The artifact directory's metric logs are the main process's alone: one line per batch
-    // of its own, each one that parses (both processes wrote there before, over each other).
+    // of its own training, and one per validation batch of both processes (each validated one
+    // of the two), each one that parses (both processes wrote there before, over each
+    // other).
     let logged = |split: &str, lines: usize| {
         let path = launched
             .dir()

@@ -67,6 +67,8 @@ fn the_lm_learns_in_f32_and_the_half_precisions_end_near_it() {
     );
     // Without autocast nothing is lowered, so nothing is counted.
     assert_eq!(f32_run.stats.lower_ops.ops(), 0, "{line}");
+    assert_eq!(f32_run.final_valid_ops.ops(), 0, "{line}");
+    assert!(line.contains("valid_precision=f32"), "{line}");
 
     for precision in [Precision::Bf16, Precision::F16] {
         // Every lower-class op cast, as PyTorch does: the model is too small for the default
@@ -77,6 +79,19 @@ fn the_lm_learns_in_f32_and_the_half_precisions_end_near_it() {
         let ops = run.stats.lower_ops;
         assert!(ops.half_ops > 0 && ops.small_ops == 0, "{line}");
         assert_eq!(ops.half_flops, ops.flops(), "{line}");
+        // Validation runs in the training's precision, as Accelerate's prepared model
+        // evaluates under autocast: Burn's validation in the fit, and the final loss.
+        for valid in [run.stats.valid_lower_ops, run.final_valid_ops] {
+            assert!(
+                valid.half_ops > 0 && valid.half_ops == valid.ops(),
+                "{valid:?}: {line}"
+            );
+        }
+        let said = format!(
+            "valid_precision={}",
+            burn_accelerate::train::demo::flag_name(precision)
+        );
+        assert!(line.contains(&said), "{line}");
         // Stated tolerance: 3% of f32's validation loss after the same 36 steps (the same
         // data order, other dropout draws under autocast, and half-precision products).
         let rel = (run.valid_loss - f32_run.valid_loss).abs() / f32_run.valid_loss;

@@ -32,6 +32,7 @@ pub mod shard;
 mod state;
 mod stream;
 mod stream_loader;
+mod valid_split;
 
 pub use config::DataLoaderConfig;
 pub use error::DataLoaderError;
@@ -42,3 +43,4 @@ pub use observer::{GradientStateObserver, LoaderObserver};
 pub use state::LoaderState;
 pub use stream::StreamFactory;
 pub use stream_loader::{StreamIter, StreamLoader, StreamLoaderBuilder};
+pub(crate) use valid_split::BatchSplit;

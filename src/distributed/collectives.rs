@@ -393,3 +393,40 @@ where
     let data = TensorData::from_bytes_vec(bytes, shape, dtype);
     Tensor::from_data(data, options::<B>(device, dtype))
 }
+
+impl ProcessGroup {
+    /// Every process's `value`, in rank order, on every process (torch's
+    /// `all_gather_object`): the values travel as JSON, so they may differ in size (a process's
+    /// metric entries, a list of any length).
+    ///
+    /// ```
+    /// # use burn_accelerate::distributed::ProcessState;
+    /// let group = ProcessState::single().group()?;
+    /// let counts: Vec<Vec<u32>> = group.all_gather_object(&vec![7u32, 1])?;
+    /// assert_eq!(counts, [vec![7, 1]]); // one entry per process, in rank order
+    /// # Ok::<(), burn_accelerate::distributed::DistributedError>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`all_reduce`](Self::all_reduce); [`DistributedError::Malformed`] when a process's
+    /// value does not read as `T` (the processes called it with different types).
+    pub fn all_gather_object<T: Serialize + DeserializeOwned>(
+        &self,
+        value: &T,
+    ) -> Result<Vec<T>, DistributedError> {
+        let bytes = serde_json::to_vec(value).map_err(|e| DistributedError::Io {
+            what: "serialising a gathered value".into(),
+            reason: e.to_string(),
+        })?;
+        self.all_gather_bytes(&bytes)?
+            .iter()
+            .enumerate()
+            .map(|(rank, bytes)| {
+                serde_json::from_slice(bytes).map_err(|e| DistributedError::Malformed {
+                    rank,
+                    detail: format!("its value is not of the type this process expects: {e}"),
+                })
+            })
+            .collect()
+    }
+}

@@ -306,7 +306,9 @@ pub struct DemoConfig {
 /// What a demo run ended with.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DemoOutcome {
-    /// Mean cross-entropy on the validation samples, evaluated in f32 after training.
+    /// Mean cross-entropy on the validation samples after training, in the training's
+    /// precision (under its autocast, as Accelerate's prepared model evaluates), on every
+    /// process.
     pub loss: f32,
     /// Fraction of validation samples classified right.
     pub accuracy: f32,
@@ -314,13 +316,18 @@ pub struct DemoOutcome {
     pub scheduler_steps: usize,
     /// What the strategy reported.
     pub stats: TrainingStats,
+    /// Each epoch's validation phase's wall time on this process, in seconds
+    /// ([`TrainingReport::valid_seconds`](super::TrainingReport::valid_seconds)).
+    pub valid_seconds: Vec<f64>,
 }
 
 impl DemoOutcome {
     /// The example's last line: `final loss=<f> accuracy=<f> skipped_steps=<n> precision=<p>`,
     /// then how many of the lower-class ops ran in the half type and how many autocast kept
     /// in f32 (`half_ops=<n>/<all> half_flops=<pct>% kept_f32=<n> small,<n> unsupported`),
-    /// and, where a half precision ran none of them because all were small, why.
+    /// and, where a half precision ran none of them because all were small, why; last
+    /// `valid_precision=<p>`: the validation (Burn's in the fit, and this final one) runs in the
+    /// training's precision, as Accelerate's prepared model evaluates under autocast.
     pub fn summary_line(&self) -> String {
         let ops = &self.stats.lower_ops;
         let why = if ops.half_ops == 0 && ops.small_ops > 0 {
@@ -330,12 +337,14 @@ impl DemoOutcome {
             ""
         };
         format!(
-            "final loss={:.6} accuracy={:.4} skipped_steps={} precision={} {}{why}",
+            "final loss={:.6} accuracy={:.4} skipped_steps={} precision={} {}{why} \
+             valid_precision={}",
             self.loss,
             self.accuracy,
             self.stats.skipped_steps(),
             flag_name(self.stats.precision),
-            ops.summary()
+            ops.summary(),
+            flag_name(self.stats.precision),
         )
     }
 }
@@ -371,6 +380,7 @@ pub fn run<B: AutodiffBackend>(
     };
     let mut strategy = AccelerateStrategy::new(accelerate, device)?;
     let report = strategy.report();
+    let autocast = *strategy.autocast();
     arm_failures()?;
 
     let process = ProcessState::from_env()?;
@@ -412,30 +422,37 @@ pub fn run<B: AutodiffBackend>(
         .metric_valid_numeric(LossMetric::new())
         .renderer(QuietRenderer)
         .with_application_logger(None)
-        .with_accelerate(strategy)
+        .with_accelerate(strategy.with_artifact_dir(&dir))
         .launch(learner);
     let _ = std::fs::remove_dir_all(&dir);
 
-    // Evaluated after the fit, so in f32 (the fit restored the autocast default).
-    let model = result.model;
-    let batch = Batcher::<B::InnerBackend, _, _>::batch(&BlobBatcher, valid_data, device);
-    let labels = batch.labels.clone();
-    let output = model.classify(batch);
-    let n = labels.dims()[0];
-    let correct: i64 = output
-        .output
-        .argmax(1)
-        .flatten::<1>(0, 1)
-        .equal(labels)
-        .int()
-        .sum()
-        .into_scalar()
-        .elem();
+    // Evaluated in the training's precision, as the fit validates; on every process the whole
+    // set (one batch: every process ends with the single-process run's numbers, to every
+    // digit).
+    let (loss, accuracy) = {
+        let _autocast = autocast.enter();
+        let batch = Batcher::<B::InnerBackend, _, _>::batch(&BlobBatcher, valid_data, device);
+        let labels = batch.labels.clone();
+        let output = result.model.classify(batch);
+        let n = labels.dims()[0];
+        let correct: i64 = output
+            .output
+            .argmax(1)
+            .flatten::<1>(0, 1)
+            .equal(labels)
+            .int()
+            .sum()
+            .into_scalar()
+            .elem();
+        let loss: f32 = output.loss.into_scalar().elem();
+        (loss, correct as f32 / n as f32)
+    };
     Ok(DemoOutcome {
-        loss: output.loss.into_scalar().elem(),
-        accuracy: correct as f32 / n as f32,
+        loss,
+        accuracy,
         scheduler_steps: scheduler_steps.load(Ordering::SeqCst),
         stats: report.stats(),
+        valid_seconds: report.valid_seconds(),
     })
 }
 

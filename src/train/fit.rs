@@ -152,6 +152,9 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
         report
     }
 
+    // Validates this process's part of the validation loader, under the fit's autocast (the
+    // training's precision, as Accelerate's prepared model evaluates); returns the batches and
+    // items it evaluated.
     fn valid_epoch(
         &self,
         learner: &Learner<LC>,
@@ -159,13 +162,15 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
         global_progress: &Progress,
         processor: &mut SupervisedTrainingEventProcessor<LC>,
         interrupter: &Interrupter,
-    ) {
+    ) -> (usize, usize) {
         let epoch = global_progress.items_processed;
         let model = learner.model().valid();
         let mut iterator = dataloader.iter();
         let mut iteration = 0;
+        let mut items = 0;
         while let Some(item) = iterator.next() {
             let progress = iterator.progress();
+            items = progress.items_processed;
             iteration += 1;
             let item = TrainingItem::new(
                 model.step(item),
@@ -180,6 +185,27 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
             }
         }
         processor.process_valid(LearnerEvent::EndEpoch(epoch));
+        (iteration, items)
+    }
+
+    // Waits until Burn's store holds this process's validation entries of the epoch (Burn's
+    // processor hands them on asynchronously: early stopping and the checkpointing strategy
+    // would read, and Burn's store cache, a part of the epoch), then, on several processes,
+    // combines every process's (`valid_metrics`); returns the batches of all processes.
+    fn combine_valid_metrics(
+        &self,
+        own_batches: usize,
+        processor: &mut SupervisedTrainingEventProcessor<LC>,
+        store: &EventStoreClient,
+    ) -> usize {
+        flush_events::<LC>(processor, store);
+        let (Some(metrics), Some(group)) = (&self.valid_metrics, &self.group) else {
+            return own_batches;
+        };
+        metrics
+            .combine(group)
+            .unwrap_or_else(|err| fail("cannot combine the validation metrics", err))
+            .batches
     }
 }
 
@@ -324,7 +350,20 @@ where
             fail("cannot train data-parallel", err);
         }
         let loaders = self.fit_loaders(&dataloader_train, &devices);
-        let dataloader_valid = dataloader_valid.to_device(self.device.inner());
+        // This process's part of it, on several processes, when the metrics are combined.
+        let dataloader_valid = if self.process.is_distributed() && self.valid_metrics.is_none() {
+            // Installed without `with_accelerate` (`with_training_strategy`), so without the
+            // logger that combines the processes' metrics: each validates everything rather
+            // than report its own part's metrics as the run's.
+            log::warn!(
+                "burn-accelerate: the strategy was not installed with `with_accelerate`, so the \
+                 validation metrics of the processes cannot be combined: every process \
+                 validates the whole validation set"
+            );
+            dataloader_valid.to_device(self.device.inner())
+        } else {
+            self.valid_part(&dataloader_valid, self.device.inner())
+        };
         learner.fork(&self.device);
         let mut event_processor = training_components.event_processor;
         let mut checkpointer = training_components.checkpointer;
@@ -393,19 +432,39 @@ where
                 log::info!("Training interrupted: {reason}");
                 break;
             }
-            // With several processes, the main one validates (on the loader it was given) and
-            // the others go on: they hold the same model, so the main process's metrics are
-            // the single-process run's, and no process repeats its work.
-            let validates = self.process.is_main_process();
-            if validates {
-                self.valid_epoch(
-                    &learner,
-                    &dataloader_valid,
-                    &progress,
-                    &mut event_processor,
-                    interrupter,
-                );
+            // Every process validates its own batches, and the metrics of all are combined
+            // before anything reads them: checkpoint choice, early stopping.
+            let tally = autocast::thread_tally();
+            let valid_start = std::time::Instant::now();
+            let (valid_batches, valid_items) = self.valid_epoch(
+                &learner,
+                &dataloader_valid,
+                &progress,
+                &mut event_processor,
+                interrupter,
+            );
+            let valid_ops = autocast::thread_tally().since(&tally);
+            let combined = self.combine_valid_metrics(
+                valid_batches,
+                &mut event_processor,
+                &training_components.event_store,
+            );
+            let valid_seconds = valid_start.elapsed().as_secs_f64();
+            {
+                let mut stats = self.report.lock();
+                stats.valid_processes = self.process.num_processes();
+                stats.valid_lower_ops = add_tallies(&stats.valid_lower_ops, &valid_ops);
+                if let Some(report) = stats.epochs.last_mut() {
+                    report.valid_batches = valid_batches;
+                    report.valid_items = valid_items;
+                    report.valid_batches_combined = combined;
+                }
             }
+            self.report
+                .valid_seconds
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push(valid_seconds);
             self.checkpoint_epoch(
                 epoch,
                 &mut learner,
@@ -417,7 +476,6 @@ where
             );
             if self.stops_early(
                 epoch,
-                validates,
                 early_stopping.as_mut(),
                 &training_components.event_store,
             ) {
@@ -500,25 +558,47 @@ where
         core
     }
 
-    // Whether Burn's early stopping ends the fit after `epoch`. The main process decides (it
-    // alone has the validation metrics), and every process stops with it: one going on alone
-    // would wait for the others forever.
+    // Whether Burn's early stopping ends the fit after `epoch`. Every process asks its
+    // strategy (each reads the combined validation metrics, so each strategy's state follows
+    // the same values), and the main process's answer is every process's: a process going on
+    // alone would wait for the others forever, so a difference (which would take a metric
+    // that does not combine) must not stop one process without the others.
     fn stops_early(
         &self,
         epoch: usize,
-        validates: bool,
         early_stopping: Option<&mut Box<dyn CloneEarlyStoppingStrategy>>,
         event_store: &EventStoreClient,
     ) -> bool {
         let Some(early_stopping) = early_stopping else {
             return false;
         };
-        let stop = validates && early_stopping.should_stop(epoch, event_store);
-        match &self.group {
-            Some(group) => group
-                .broadcast_object(&stop, 0)
-                .unwrap_or_else(|err| fail("cannot agree on early stopping", err)),
-            None => stop,
+        let stop = early_stopping.should_stop(epoch, event_store);
+        let Some(group) = &self.group else {
+            return stop;
+        };
+        let agreed = group
+            .broadcast_object(&stop, 0)
+            .unwrap_or_else(|err| fail("cannot agree on early stopping", err));
+        if agreed != stop {
+            log::warn!(
+                "burn-accelerate: process {} of {}: its early stopping said {stop} after epoch \
+                 {epoch}, the main process's {agreed}: every process follows the main one",
+                self.process.process_index(),
+                self.process.num_processes()
+            );
         }
+        agreed
+    }
+}
+
+// Two tallies of the same thread added (validation's, epoch after epoch).
+fn add_tallies(a: &LowerOpTally, b: &LowerOpTally) -> LowerOpTally {
+    LowerOpTally {
+        half_ops: a.half_ops + b.half_ops,
+        half_flops: a.half_flops + b.half_flops,
+        small_ops: a.small_ops + b.small_ops,
+        small_flops: a.small_flops + b.small_flops,
+        unsupported_ops: a.unsupported_ops + b.unsupported_ops,
+        unsupported_flops: a.unsupported_flops + b.unsupported_flops,
     }
 }

@@ -54,7 +54,7 @@ use burn::train::{
 };
 
 use super::{AccelerateStrategy, TrainingStats, WithAccelerate};
-use crate::data::{DataLoaderConfig, ShardLoaderBuilder};
+use crate::data::{BatchSplit, DataLoaderConfig, ShardLoaderBuilder};
 use crate::distributed::{ProcessState, ReduceOp};
 use crate::zero::ZeroStage;
 use crate::{AccelerateConfig, AccelerateError, Precision};
@@ -477,9 +477,13 @@ pub struct LmOutcome {
     pub initial_loss: f64,
     /// The mean training loss of the last `min(10, n)` batches, averaged over the processes.
     pub train_loss: f64,
-    /// The mean cross-entropy over every validation token, in f32 without dropout after
-    /// training (main process; NaN on the others).
+    /// The mean cross-entropy over every validation token after training, without dropout,
+    /// in the training's precision (under its autocast, as Accelerate's prepared model
+    /// evaluates): every process evaluates its own batches of the windows and the sums are
+    /// combined, so every process has the same value.
     pub valid_loss: f64,
+    /// What the final validation's lower-class ops ran in (half type, or f32 and why).
+    pub final_valid_ops: crate::autocast::LowerOpTally,
     /// The median optimizer step, in milliseconds (see [`WARM_UP_STEPS`]).
     pub step_ms: f64,
     /// Tokens trained per second over the timed steps, all processes together.
@@ -497,7 +501,8 @@ impl LmOutcome {
     pub fn summary_line(&self) -> String {
         format!(
             "final steps={} step_ms={:.1} tokens_per_s={:.1} train_loss={:.6} valid_loss={:.6} \
-             peak_rss_mib={:.0} precision={} processes={} skipped_steps={} {}",
+             peak_rss_mib={:.0} precision={} processes={} skipped_steps={} {} {} \
+             final_valid_half_ops={}/{}",
             self.steps,
             self.step_ms,
             self.tokens_per_s,
@@ -508,6 +513,9 @@ impl LmOutcome {
             self.processes,
             self.stats.skipped_steps(),
             self.stats.lower_ops.summary(),
+            self.stats.validation_summary(),
+            self.final_valid_ops.half_ops,
+            self.final_valid_ops.ops(),
         )
     }
 }
@@ -523,13 +531,14 @@ fn peak_rss_mib() -> f64 {
         .map_or(0.0, |kib| kib / 1024.0)
 }
 
-// The mean cross-entropy over every token of `windows`, in batches of `batch_size`.
-fn mean_loss<B: Backend>(
+// The cross-entropy summed over every token of `windows`, in batches of `batch_size`, and
+// the tokens.
+fn loss_sum<B: Backend>(
     model: &CausalLm<B>,
     windows: &[Window],
     batch_size: usize,
     device: &B::Device,
-) -> f64 {
+) -> (f64, usize) {
     let (mut sum, mut tokens) = (0.0, 0usize);
     for chunk in windows.chunks(batch_size) {
         let batch: LmBatch<B> = LmBatcher.batch(chunk.to_vec(), device);
@@ -538,7 +547,7 @@ fn mean_loss<B: Backend>(
         sum += loss * n as f64;
         tokens += n;
     }
-    sum / tokens.max(1) as f64
+    (sum, tokens)
 }
 
 /// Trains a [`CausalLm`] on `text` through `SupervisedTraining` + `with_accelerate` on
@@ -547,8 +556,9 @@ fn mean_loss<B: Backend>(
 /// Under `burn-accelerate launch` (or torchrun, mpirun, srun) each process trains on its
 /// Accelerate shard of the windows and the gradients are averaged: `N` processes at batch
 /// size `b` take the steps of one process at `N × b`. Burn's validation each epoch reads one
-/// batch (for its metrics); the final validation loss is measured after training, in f32,
-/// on every validation window.
+/// batch (for its metrics); the final validation loss is measured after training on every
+/// validation window, in the training's precision, each process its own batches (see
+/// [`LmOutcome::valid_loss`]).
 ///
 /// # Errors
 /// A config the model cannot take ([`LmConfig::validate`]), a text too short for two
@@ -589,6 +599,7 @@ pub fn run<B: AutodiffBackend>(
         device,
     )?;
     let report = strategy.report();
+    let autocast = *strategy.autocast();
     let train = ShardLoaderBuilder::<B, Window, LmBatch<B>>::new(
         DataLoaderConfig::new(config.batch_size)
             .with_shuffle(true)
@@ -635,7 +646,7 @@ pub fn run<B: AutodiffBackend>(
         .metric_train_numeric(LossMetric::new())
         .renderer(clock)
         .with_application_logger(None)
-        .with_accelerate(strategy)
+        .with_accelerate(strategy.with_artifact_dir(&dir))
         .launch(learner);
     let _ = std::fs::remove_dir_all(&dir);
 
@@ -646,17 +657,33 @@ pub fn run<B: AutodiffBackend>(
     let tail = &items[items.len().saturating_sub(10)..];
     let mut train_loss = [tail.iter().map(|i| i.2).sum::<f64>() / tail.len().max(1) as f64];
     let mut peak = peak_rss_mib();
+    // This process's whole batches of the validation windows, evaluated as the fit validates.
+    let part = BatchSplit::of(
+        valid_windows.len(),
+        config.batch_size,
+        processes,
+        process.process_index(),
+    )
+    .expect("a batch size of at least 1 (validated) and a process of the run");
+    let tally = crate::autocast::thread_tally();
+    let (sum, tokens) = {
+        let _autocast = autocast.enter();
+        loss_sum(
+            &result.model,
+            &valid_windows[part.start..part.end],
+            config.batch_size,
+            device,
+        )
+    };
+    let final_valid_ops = crate::autocast::thread_tally().since(&tally);
+    let mut valid = [sum, tokens as f64];
     if processes > 1 {
         let group = process.group()?;
         group.all_reduce(&mut train_loss, ReduceOp::Mean)?;
+        group.all_reduce(&mut valid, ReduceOp::Sum)?;
         peak = group.all_gather(&[peak])?.into_iter().fold(0.0, f64::max);
     }
-    let valid_loss = if process.is_main_process() {
-        let model = result.model;
-        mean_loss(&model, &valid_windows, config.batch_size, device)
-    } else {
-        f64::NAN
-    };
+    let valid_loss = valid[0] / valid[1].max(1.0);
     let stats = report.stats();
     Ok(LmOutcome {
         parameters,
@@ -665,6 +692,7 @@ pub fn run<B: AutodiffBackend>(
         initial_loss: items.first().map_or(f64::NAN, |i| i.2),
         train_loss: train_loss[0],
         valid_loss,
+        final_valid_ops,
         step_ms: median(&times) * 1e3,
         tokens_per_s: if timed > 0.0 {
             (times.len() * tokens_per_step) as f64 / timed

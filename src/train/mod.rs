@@ -61,14 +61,21 @@
 //! [`AccelerateStrategy::prepare_loader`] says); at each
 //! synchronising step the window's gradients are averaged over the processes (never while
 //! accumulating), then unscaled and checked, so every process applies the same step or skips
-//! the same overflowing one, on any backend. Only the main process validates (its metrics are
-//! the single-process run's: the processes hold the same model) and writes checkpoints (give
-//! every process the same directory); every process restores them, and stops when the main
-//! process's early stopping says so. Burn's metric log files and learner summary are the
-//! main process's too: the other processes keep their metric logs in memory
-//! ([`WithAccelerate::with_accelerate`]) and make no summary (they would write the same log
-//! files of the same directory as the main process, and read them while it writes: Burn's
-//! summary then fails to parse them); their renderers still see their own training items.
+//! the same overflowing one, on any backend. Every process validates its own whole batches of
+//! the validation loader ([`AccelerateStrategy::prepare_valid_loader`]), in the training's
+//! precision, and the validation metrics of all processes are combined before anything reads
+//! them ([`ProcessMetricLogger`]): every process's Burn metrics (its event store, so early
+//! stopping and the metric-based checkpointing strategies) hold the values of one process
+//! validating everything, as Accelerate's `gather_for_metrics` gives every process the
+//! gathered results. Burn's renderer still shows this process's own batches while they run.
+//! Every process asks its early stopping; the main process's answer is every process's. Only
+//! the main process writes checkpoints (give every process the same directory); every process
+//! restores them. Burn's metric log files and learner summary are the main process's: give
+//! the strategy the artifact directory ([`AccelerateStrategy::with_artifact_dir`]); the other
+//! processes keep their metric logs in memory ([`WithAccelerate::with_accelerate`]) and make no
+//! summary (they would write the same log files of the same directory as the main process,
+//! and read them while it writes: Burn's summary then fails to parse them); their renderers
+//! still see their own training items.
 //!
 //! With a ZeRO stage ([`AccelerateConfig::zero_stage`], see
 //! [`ZeroStage`]), each process's optimizer steps and keeps
@@ -92,6 +99,8 @@ mod replicas;
 mod report;
 mod resume;
 mod sharded;
+mod valid;
+mod valid_metrics;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -102,7 +111,7 @@ use burn::data::dataloader::{DataLoaderIterator, Progress};
 use burn::module::{AutodiffModule, Module};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Device, Tensor};
-use burn::train::logger::InMemoryMetricLogger;
+use burn::train::logger::{FileMetricLogger, InMemoryMetricLogger, MetricLogger};
 use burn::train::metric::store::{Aggregate, EventStoreClient, Split};
 use burn::train::{
     CloneEarlyStoppingStrategy, EventProcessorTraining, InferenceStep, Interrupter, Learner,
@@ -130,6 +139,8 @@ use fit::{Accumulation, fail};
 use replicas::{DeviceWorkers, StepInput};
 pub use report::{EpochReport, TrainingReport, TrainingStats};
 use sharded::OptimizerTap;
+pub use valid_metrics::ProcessMetricLogger;
+use valid_metrics::ProcessMetrics;
 
 /// Adds [`with_accelerate`](WithAccelerate::with_accelerate) to Burn's training builder.
 pub trait WithAccelerate<LC: LearningComponentsTypes>: Sized {
@@ -143,22 +154,27 @@ where
     LC: LearningComponentsTypes + 'static,
     LearnerOptimizerRecord<LC>: ParamStateRecord<TrainingBackend<LC>>,
 {
-    /// On a process other than the main one, also keeps Burn's metric logs in memory
-    /// (`InMemoryMetricLogger`) instead of Burn's default files in the artifact directory,
-    /// which the processes of a run share: there every process would truncate and write the
-    /// same files, which Burn's summary then cannot parse. A metric logger registered with
-    /// `with_metric_logger` is the user's own, on every process.
-    fn with_accelerate(self, strategy: AccelerateStrategy<LC>) -> Self {
-        let builder = if strategy.process.is_main_process() {
-            self
+    /// On several processes, also registers the run's metric logger, a
+    /// [`ProcessMetricLogger`]: every process validates its own batches and the logger combines
+    /// the validation entries of all processes (see [`AccelerateStrategy::prepare_valid_loader`]),
+    /// so that Burn's epoch values, early stopping, checkpoint choice and summary read the
+    /// same numbers on every process. It writes Burn's metric log files in the artifact
+    /// directory on the main process
+    /// ([`AccelerateStrategy::with_artifact_dir`]: Burn does not tell a strategy its builder's
+    /// directory) and keeps them in memory on the others, which share the directory (every
+    /// process would truncate and write the same files, which Burn's summary then cannot
+    /// parse). It replaces Burn's default file logger; a metric logger registered with
+    /// `with_metric_logger` is the user's own, sees this process's validation entries only,
+    /// and must be registered after `with_accelerate` (Burn reads epoch values from the first
+    /// logger registered).
+    fn with_accelerate(self, mut strategy: AccelerateStrategy<LC>) -> Self {
+        let builder = if strategy.process.is_distributed() {
+            let metrics = ProcessMetrics::new(strategy.metric_logger());
+            let builder = self.with_metric_logger(metrics.logger());
+            strategy.valid_metrics = Some(metrics);
+            builder
         } else {
-            log::info!(
-                "burn-accelerate: process {} of {}: Burn's metric logs are kept in memory here, \
-                 not written to the artifact directory (the main process writes them)",
-                strategy.process.process_index(),
-                strategy.process.num_processes()
-            );
-            self.with_metric_logger(InMemoryMetricLogger::new())
+            self
         };
         builder.with_training_strategy(TrainingStrategy::Custom(Arc::new(strategy)))
     }
@@ -191,6 +207,11 @@ pub struct AccelerateStrategy<LC: LearningComponentsTypes> {
     /// The training backend is the decorator, whose `backward` divides and scales a step's
     /// loss when armed (see [`step`](crate::step)).
     divides_loss: bool,
+    /// Where the main process writes Burn's metric logs on several processes.
+    artifact_dir: Option<PathBuf>,
+    /// The validation metrics of the processes, combined (on several processes; set by
+    /// [`WithAccelerate::with_accelerate`]).
+    valid_metrics: Option<ProcessMetrics>,
 }
 
 // One device of a data-parallel training and the loader of its Accelerate shard.
@@ -237,9 +258,12 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
                 loss_scale: initial_scale,
                 epochs: Vec::new(),
                 lower_ops: LowerOpTally::default(),
+                valid_lower_ops: LowerOpTally::default(),
+                valid_processes: 1,
                 resumed_from: None,
                 skipped_live: 0,
             })),
+            valid_seconds: Arc::default(),
         };
         Ok(Self {
             device: device.clone(),
@@ -255,6 +279,8 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
             process,
             group,
             divides_loss: TrainingBackend::<LC>::name(device).starts_with("accelerated<"),
+            artifact_dir: None,
+            valid_metrics: None,
         })
     }
 
@@ -589,6 +615,58 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
     {
         self.positions = vec![Arc::new(loader.clone())];
         self
+    }
+
+    /// The directory given to `SupervisedTraining::new`, where the main process of a run on
+    /// several processes writes Burn's metric logs (which Burn's learner summary reads). There
+    /// [`WithAccelerate::with_accelerate`] replaces Burn's file logger with one that combines
+    /// the validation metrics of the processes, and Burn does not tell a strategy its
+    /// builder's directory: without this, the logs are kept in memory (the metrics, early
+    /// stopping and checkpoint choice still work) and a warning says so. Not needed on one
+    /// process, where Burn's own logger writes them.
+    ///
+    /// ```no_run
+    /// # #[cfg(feature = "flex")] {
+    /// # use burn::backend::{Autodiff, Flex};
+    /// # use burn_accelerate::{AccelerateConfig, Accelerated};
+    /// # use burn_accelerate::train::AccelerateStrategy;
+    /// # use burn_accelerate::train::demo::MlpComponents;
+    /// # type Components = MlpComponents<Accelerated<Autodiff<Flex>>>;
+    /// let dir = "/tmp/run";
+    /// let strategy = AccelerateStrategy::<Components>::new(AccelerateConfig::new(), &Default::default())?
+    ///     .with_artifact_dir(dir);
+    /// // SupervisedTraining::new(dir, train, valid).with_accelerate(strategy)...
+    /// # }
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn with_artifact_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.artifact_dir = Some(dir.into());
+        self
+    }
+
+    // The logger the combined metrics of this process go to (see `with_accelerate`).
+    fn metric_logger(&self) -> Box<dyn MetricLogger> {
+        let rank = self.process.process_index();
+        let processes = self.process.num_processes();
+        match (&self.artifact_dir, self.process.is_main_process()) {
+            (Some(dir), true) => Box::new(FileMetricLogger::new(dir)),
+            (None, true) => {
+                log::warn!(
+                    "burn-accelerate: process {rank} of {processes}: Burn's metric logs are \
+                     kept in memory, not written (no summary either): give the strategy the \
+                     artifact directory with `.with_artifact_dir(dir)`"
+                );
+                Box::new(InMemoryMetricLogger::new())
+            }
+            (_, false) => {
+                log::info!(
+                    "burn-accelerate: process {rank} of {processes}: Burn's metric logs are \
+                     kept in memory here, not written to the artifact directory (the main \
+                     process writes them)"
+                );
+                Box::new(InMemoryMetricLogger::new())
+            }
+        }
     }
 
     /// The handle to read what the training did.

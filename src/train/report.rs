@@ -18,6 +18,14 @@ pub struct EpochReport {
     pub skipped_steps: usize,
     /// The loss scale at the end of the epoch (1 without loss scaling).
     pub loss_scale: f32,
+    /// Validation batches this process evaluated (its part of the validation loader on
+    /// several processes; 0 where the epoch did not validate).
+    pub valid_batches: usize,
+    /// Validation items this process evaluated.
+    pub valid_items: usize,
+    /// Validation batches of all processes together, whose metric entries every process's
+    /// Burn metrics hold (on one process, this process's).
+    pub valid_batches_combined: usize,
 }
 
 /// What an accelerated training did so far: precision, loss scale and step counts.
@@ -37,6 +45,12 @@ pub struct TrainingStats {
     /// them: the main device's) by what they ran in: half type, or f32 and why; set when the
     /// fit ends.
     pub lower_ops: LowerOpTally,
+    /// The lower-class ops of the validation alone (a part of `lower_ops`): validation runs
+    /// in the training's precision, as Accelerate's prepared model evaluates under autocast.
+    pub valid_lower_ops: LowerOpTally,
+    /// Processes the validation was divided between (each evaluated its own batches, and the
+    /// metrics were combined).
+    pub valid_processes: usize,
     /// The epoch whose checkpoint this training resumed from (`None`: it started afresh).
     pub resumed_from: Option<usize>,
     // Skipped steps so far, the current epoch included (for the live metric).
@@ -53,6 +67,19 @@ impl TrainingStats {
     pub fn optimizer_steps(&self) -> usize {
         self.epochs.iter().map(|e| e.optimizer_steps).sum()
     }
+
+    /// How the validation ran, for a summary line: `valid_precision=<p> valid_processes=<n>
+    /// valid_half_ops=<n>/<all>` (the precision is the training's: validation runs under its
+    /// autocast; the ops say how many of validation's lower-class ops ran in the half type).
+    pub fn validation_summary(&self) -> String {
+        format!(
+            "valid_precision={} valid_processes={} valid_half_ops={}/{}",
+            self.precision.short_name(),
+            self.valid_processes,
+            self.valid_lower_ops.half_ops,
+            self.valid_lower_ops.ops(),
+        )
+    }
 }
 
 /// A handle on an [`AccelerateStrategy`]'s [`TrainingStats`], readable during and after
@@ -60,12 +87,25 @@ impl TrainingStats {
 #[derive(Debug, Clone)]
 pub struct TrainingReport {
     pub(super) inner: Arc<Mutex<TrainingStats>>,
+    // Each validation phase's wall time, apart from the statistics, which compare equal
+    // between runs that did the same.
+    pub(super) valid_seconds: Arc<Mutex<Vec<f64>>>,
 }
 
 impl TrainingReport {
     /// A copy of the statistics now.
     pub fn stats(&self) -> TrainingStats {
         self.lock().clone()
+    }
+
+    /// The wall time of each epoch's validation phase on this process, in seconds, in epoch
+    /// order: its batches, waiting for Burn's metric processing, and the combination of the
+    /// processes' metrics (which waits for the slowest process).
+    pub fn valid_seconds(&self) -> Vec<f64> {
+        self.valid_seconds
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 
     pub(super) fn lock(&self) -> std::sync::MutexGuard<'_, TrainingStats> {

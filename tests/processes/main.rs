@@ -647,16 +647,15 @@ mod supervised {
         pub parameters: Vec<f32>,
         pub optimizer_steps: usize,
         pub epochs: Vec<usize>,
-        /// Burn's logged validation losses, per epoch (none where the process did not
-        /// validate).
+        /// Burn's logged validation losses, per epoch (none where the process does not write
+        /// the logs: only the main process does).
         pub valid_losses: Vec<Vec<f64>>,
         pub skipped_steps: usize,
         pub loss_scale: f32,
     }
 
-    /// Stops after an epoch, on the main process only: Burn's own strategies read metrics the
-    /// event store logs asynchronously (so when they fire varies from run to run), and a
-    /// decision made on one process alone is what the strategy must share.
+    /// Stops after an epoch, on the main process only: a decision made on one process alone is
+    /// what the strategy must share (every process follows the main one's).
     #[derive(Clone)]
     struct StopOnMainAfter(usize);
 
@@ -762,6 +761,8 @@ mod supervised {
                 std::process::id()
             )),
         };
+        // Where the main process writes Burn's metric logs (of every process's validation).
+        let strategy = strategy.with_artifact_dir(&dir);
         let report = strategy.report();
         let mut builder = SupervisedTraining::new(&dir, Arc::new(loader), valid)
             .num_epochs(args.epochs)
@@ -837,8 +838,9 @@ fn supervised_training_on_processes_matches_one_process() {
 }
 
 #[test]
-fn the_main_process_validates_as_one_process_would_and_decides_early_stopping() {
-    const TEST: &str = "the_main_process_validates_as_one_process_would_and_decides_early_stopping";
+fn the_main_process_logs_the_combined_validation_and_its_early_stopping_decides() {
+    const TEST: &str =
+        "the_main_process_logs_the_combined_validation_and_its_early_stopping_decides";
     if let Some(args) = worker::<supervised::Run>() {
         return report(&supervised::train(&args));
     }
@@ -862,7 +864,8 @@ fn the_main_process_validates_as_one_process_would_and_decides_early_stopping() 
         for r in &reports {
             assert_eq!(r.epochs, [1, 2], "stage {zero_stage}");
         }
-        // The main process logged what one process logs; the other did not validate.
+        // The main process logged what one process logs (the one validation batch is the
+        // main process's part; the other has none); the other writes no logs.
         let (main, other) = (&reports[0].valid_losses, &reports[1].valid_losses);
         assert_eq!(main.len(), 2);
         assert!(other.iter().all(Vec::is_empty), "{other:?}");
@@ -2278,12 +2281,13 @@ fn the_transformer_lm_trains_on_two_processes_as_on_one_in_every_precision() {
         .assert_success()
         .reports(2);
     assert_eq!((pair[0].processes, pair[0].steps), (2, 30), "{pair:?}");
-    let valid = |report: &lm_run::RunReport| report.valid_loss.expect("the main process's");
+    let valid = |report: &lm_run::RunReport| report.valid_loss.expect("a finite validation loss");
     let rel = (valid(&pair[0]) - valid(&single[0])).abs() / valid(&single[0]);
     assert!(rel < 1e-4, "{pair:?} vs {single:?}");
-    assert!(
-        pair[1].valid_loss.is_none(),
-        "only the main process validates"
+    // Each process evaluated its own windows, and every process has the combined loss.
+    assert_eq!(
+        pair[0].valid_loss, pair[1].valid_loss,
+        "the same on every process"
     );
     assert_eq!(
         pair[0].train_loss, pair[1].train_loss,
@@ -2310,5 +2314,434 @@ fn the_transformer_lm_trains_on_two_processes_as_on_one_in_every_precision() {
             "{precision}: {main:?} vs f32 {:?}",
             reference[0]
         );
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Validation on several processes: each validates its own batches, and every process's Burn
+// metrics hold the combined values.
+
+mod validation {
+    use std::sync::{Arc, Mutex};
+
+    use burn::data::dataloader::DataLoaderBuilder;
+    use burn::optim::AdamConfig;
+    use burn::train::checkpoint::MetricCheckpointingStrategy;
+    use burn::train::metric::store::{Aggregate, Direction, EventStoreClient, Split};
+    use burn::train::metric::{AccuracyMetric, LossMetric};
+    use burn::train::{
+        EarlyStoppingStrategy, Learner, MetricEarlyStoppingStrategy, StoppingCondition,
+        SupervisedTraining, TrainingStrategy,
+    };
+    use burn_accelerate::train::demo::{BlobBatcher, Mlp, MlpComponents, QuietRenderer, blobs};
+    use burn_accelerate::train::{AccelerateStrategy, WithAccelerate};
+
+    use super::*;
+
+    type Train = Accelerated<Autodiff<Flex>>;
+    type Components = MlpComponents<Train>;
+
+    #[derive(Debug, Clone, Serialize, Deserialize)]
+    pub struct Run {
+        /// Items of the validation set (batches of 4).
+        pub valid_items: usize,
+        pub epochs: usize,
+        /// Adam's learning rate: 0 keeps the model of every epoch the initial one, the same
+        /// on any number of processes, so that the validation alone is compared.
+        pub lr: f64,
+        /// Early stopping on the validation loss: stop when it has not risen for this many
+        /// epochs (it never rises at learning rate 0, so the run stops after epoch n + 1).
+        pub stop_after: Option<usize>,
+        /// How the strategy is installed.
+        #[serde(default)]
+        pub install: Install,
+        /// Keep Burn's checkpoint of the epoch with the highest validation loss (Burn's
+        /// `MetricCheckpointingStrategy`, which the main process runs on its event store).
+        #[serde(default)]
+        pub best_checkpoint: bool,
+    }
+
+    #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+    pub enum Install {
+        /// `with_accelerate`, the strategy told the artifact directory.
+        #[default]
+        WithArtifactDir,
+        /// `with_accelerate` without the directory: the logs stay in memory.
+        NoArtifactDir,
+        /// Burn's `with_training_strategy`, without `with_accelerate`'s combining logger.
+        TrainingStrategy,
+    }
+
+    /// What one epoch's validation came to in this process's Burn event store.
+    #[derive(Debug, Clone, Serialize, Deserialize)]
+    pub struct Epoch {
+        pub epoch: usize,
+        pub loss: Option<f64>,
+        pub accuracy: Option<f64>,
+        /// What this process's own early stopping strategy answered.
+        pub stop: bool,
+    }
+
+    #[derive(Debug, Serialize, Deserialize)]
+    pub struct Report {
+        pub epochs: Vec<Epoch>,
+        /// The epochs trained.
+        pub trained: Vec<usize>,
+        /// This process's and all processes' validation batches, per epoch.
+        pub own_batches: Vec<usize>,
+        pub combined_batches: Vec<usize>,
+        /// The validation loss of each epoch as the main process's log files hold it (the
+        /// mean of the logged batches weighted by their counts; empty elsewhere).
+        pub logged_losses: Vec<f64>,
+        /// The learner summary's validation loss of the last epoch (main process).
+        pub summary_loss: Option<f64>,
+        /// The epochs whose model checkpoints Burn kept (main process).
+        pub checkpoints: Vec<usize>,
+    }
+
+    /// Reads the validation metrics of each epoch from Burn's event store (where early stopping
+    /// and the checkpointing strategies read them), then asks Burn's own metric-based early
+    /// stopping.
+    #[derive(Clone)]
+    struct Recording {
+        inner: Option<MetricEarlyStoppingStrategy>,
+        epochs: Arc<Mutex<Vec<Epoch>>>,
+    }
+
+    impl EarlyStoppingStrategy for Recording {
+        fn should_stop(&mut self, epoch: usize, store: &EventStoreClient) -> bool {
+            let read = |name: &str| store.find_metric(name, epoch, Aggregate::Mean, &Split::Valid);
+            let (loss, accuracy) = (read("Loss"), read("Accuracy"));
+            let stop = self
+                .inner
+                .as_mut()
+                .is_some_and(|inner| inner.should_stop(epoch, store));
+            self.epochs.lock().unwrap().push(Epoch {
+                epoch,
+                loss,
+                accuracy,
+                stop,
+            });
+            stop
+        }
+    }
+
+    fn logged_mean(file: &std::path::Path) -> Option<f64> {
+        let text = std::fs::read_to_string(file).ok()?;
+        let (sum, count) = text
+            .lines()
+            .filter_map(|line| {
+                let mut parts = line.split(',');
+                let value: f64 = parts.next()?.parse().ok()?;
+                let count: f64 = parts.next().map_or(Some(1.0), |c| c.parse().ok())?;
+                Some((value * count, count))
+            })
+            .fold((0.0, 0.0), |(s, n), (v, c)| (s + v, n + c));
+        (count > 0.0).then(|| sum / count)
+    }
+
+    pub fn train(args: &Run) -> Report {
+        let device = Default::default();
+        let state = ProcessState::from_env().unwrap();
+        let train = ShardLoaderBuilder::new(
+            DataLoaderConfig::new(32 / state.num_processes())
+                .with_shuffle(true)
+                .with_data_seed(Some(11)),
+            InMemDataset::new(blobs(128, 1)),
+            BlobBatcher,
+        )
+        .build_for(&state, device)
+        .unwrap();
+        let valid = DataLoaderBuilder::<Accelerated<Flex>, _, _>::new(BlobBatcher)
+            .batch_size(4)
+            .build(InMemDataset::new(blobs(args.valid_items, 2)));
+        // One directory for all processes, as a user's run has.
+        let dir = std::env::temp_dir().join(format!(
+            "burn-accelerate-validation-{}-{}",
+            std::env::var("MASTER_PORT").unwrap_or_default(),
+            args.valid_items
+        ));
+        let mut strategy =
+            AccelerateStrategy::<Components>::new(AccelerateConfig::new(), &device).unwrap();
+        if args.install == Install::WithArtifactDir {
+            strategy = strategy.with_artifact_dir(&dir);
+        }
+        let report = strategy.report();
+        let epochs = Arc::new(Mutex::new(Vec::new()));
+        let stopping = Recording {
+            inner: args.stop_after.map(|n| {
+                MetricEarlyStoppingStrategy::new(
+                    &LossMetric::<Accelerated<Flex>>::new(),
+                    Aggregate::Mean,
+                    Direction::Highest,
+                    Split::Valid,
+                    StoppingCondition::NoImprovementSince { n_epochs: n },
+                )
+            }),
+            epochs: epochs.clone(),
+        };
+        Train::seed(&device, 5);
+        let learner = Learner::new(Mlp::new(16, &device), AdamConfig::new().init(), args.lr);
+        let builder = SupervisedTraining::new(&dir, Arc::new(train), valid)
+            .num_epochs(args.epochs)
+            .metric_valid_numeric(LossMetric::new())
+            .metric_valid_numeric(AccuracyMetric::new())
+            .renderer(QuietRenderer)
+            .with_application_logger(None)
+            .early_stopping(stopping)
+            .summary();
+        let builder = if args.best_checkpoint {
+            builder
+                .with_file_checkpointer(burn::record::CompactRecorder::new())
+                .with_checkpointing_strategy(MetricCheckpointingStrategy::new(
+                    &LossMetric::<Accelerated<Flex>>::new(),
+                    Aggregate::Mean,
+                    Direction::Highest,
+                    Split::Valid,
+                ))
+        } else {
+            builder
+        };
+        let builder = match args.install {
+            Install::TrainingStrategy => {
+                builder.with_training_strategy(TrainingStrategy::Custom(Arc::new(strategy)))
+            }
+            _ => builder.with_accelerate(strategy),
+        };
+        let _ = builder.launch(learner);
+        let stats = report.stats();
+        let main = state.is_main_process();
+        let logged_losses = stats
+            .epochs
+            .iter()
+            .filter(|_| main)
+            .filter_map(|e| {
+                logged_mean(
+                    &dir.join("valid")
+                        .join(format!("epoch-{}", e.epoch))
+                        .join("Loss.log"),
+                )
+            })
+            .collect();
+        let summary_loss = main
+            .then(|| burn::train::LearnerSummary::new(&dir, &["Loss"]).ok())
+            .flatten()
+            .and_then(|summary| {
+                let text = summary.to_string();
+                // The summary's table: `| Valid | Loss | min | epoch | max | epoch |`.
+                text.lines()
+                    .find(|l| l.contains("Valid") && l.contains("Loss"))
+                    .map(|l| {
+                        l.split('|')
+                            .filter_map(|c| c.trim().parse::<f64>().ok())
+                            .next()
+                            .unwrap_or(f64::NAN)
+                    })
+            });
+        let mut checkpoints: Vec<usize> = std::fs::read_dir(dir.join("checkpoint"))
+            .into_iter()
+            .flatten()
+            .filter_map(|entry| {
+                let name = entry.ok()?.file_name().into_string().ok()?;
+                name.strip_prefix("model-")?
+                    .strip_suffix(".mpk")?
+                    .parse()
+                    .ok()
+            })
+            .collect();
+        checkpoints.sort_unstable();
+        // Every process is done reading before the main process clears the directory.
+        state.group().unwrap().barrier().unwrap();
+        if main {
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        let epochs = epochs.lock().unwrap().clone();
+        Report {
+            epochs,
+            trained: stats.epochs.iter().map(|e| e.epoch).collect(),
+            own_batches: stats.epochs.iter().map(|e| e.valid_batches).collect(),
+            combined_batches: stats
+                .epochs
+                .iter()
+                .map(|e| e.valid_batches_combined)
+                .collect(),
+            logged_losses,
+            summary_loss,
+            checkpoints: if main { checkpoints } else { Vec::new() },
+        }
+    }
+}
+
+fn relative(a: f64, b: f64) -> f64 {
+    (a - b).abs() / b.abs().max(f64::MIN_POSITIVE)
+}
+
+#[test]
+fn every_process_validates_its_batches_and_reports_the_one_process_metrics() {
+    const TEST: &str = "every_process_validates_its_batches_and_reports_the_one_process_metrics";
+    if let Some(args) = worker::<validation::Run>() {
+        return report(&validation::train(&args));
+    }
+    // 12 and 13 items in batches of 4 (13: a short last batch), and 2: fewer batches than
+    // processes, so some process validates nothing.
+    for valid_items in [12, 13, 2] {
+        let run = validation::Run {
+            valid_items,
+            epochs: 2,
+            lr: 0.0,
+            stop_after: None,
+            install: validation::Install::WithArtifactDir,
+            best_checkpoint: false,
+        };
+        let single: validation::Report = launch(TEST, 1, &run, &[]).assert_success().report(0);
+        let batches = valid_items.div_ceil(4);
+        assert_eq!(single.combined_batches, [batches, batches]);
+        let want = |epoch: &validation::Epoch| (epoch.loss.unwrap(), epoch.accuracy.unwrap());
+        for processes in [2, 3] {
+            let reports: Vec<validation::Report> = launch(TEST, processes, &run, &[])
+                .assert_success()
+                .reports(processes);
+            for (rank, r) in reports.iter().enumerate() {
+                let case = format!("{valid_items} items, rank {rank} of {processes}");
+                // Each process its own whole batches; together, one process's.
+                assert_eq!(r.combined_batches, [batches, batches], "{case}");
+                let own = batches / processes + usize::from(rank < batches % processes);
+                assert_eq!(r.own_batches, [own, own], "{case}");
+                assert_eq!(r.epochs.len(), 2, "{case}: {r:?}");
+                for (got, single) in r.epochs.iter().zip(&single.epochs) {
+                    let (loss, accuracy) = want(single);
+                    let (got_loss, got_accuracy) = (
+                        got.loss.unwrap_or_else(|| panic!("{case}: no loss: {r:?}")),
+                        got.accuracy
+                            .unwrap_or_else(|| panic!("{case}: no accuracy")),
+                    );
+                    assert!(
+                        relative(got_loss, loss) <= 1e-6,
+                        "{case}, epoch {}: loss {got_loss} vs {loss}",
+                        got.epoch
+                    );
+                    assert!(
+                        relative(got_accuracy, accuracy) <= 1e-6,
+                        "{case}, epoch {}: accuracy {got_accuracy} vs {accuracy}",
+                        got.epoch
+                    );
+                }
+            }
+            // The main process writes the logs (all processes' entries) and the summary.
+            let main = &reports[0];
+            assert_eq!(main.logged_losses.len(), 2, "{main:?}");
+            for (logged, single) in main.logged_losses.iter().zip(&single.logged_losses) {
+                assert!(relative(*logged, *single) <= 1e-6, "{logged} vs {single}");
+            }
+            let summary = main.summary_loss.expect("the main process's summary");
+            let single_summary = single.summary_loss.unwrap();
+            assert!(
+                relative(summary, single_summary) <= 1e-6,
+                "{summary} vs {single_summary}"
+            );
+            assert!(reports[1..].iter().all(|r| r.logged_losses.is_empty()));
+        }
+    }
+}
+
+#[test]
+fn early_stopping_on_the_combined_metric_stops_every_process_at_the_same_epoch() {
+    const TEST: &str =
+        "early_stopping_on_the_combined_metric_stops_every_process_at_the_same_epoch";
+    if let Some(args) = worker::<validation::Run>() {
+        return report(&validation::train(&args));
+    }
+    // Training moves the model; the loss on the validation set falls, so "no rise since
+    // one epoch" stops after epoch 2, decided by every process's own strategy from the
+    // combined metric.
+    let run = validation::Run {
+        valid_items: 13,
+        epochs: 5,
+        lr: 1e-2,
+        stop_after: Some(1),
+        install: validation::Install::WithArtifactDir,
+        best_checkpoint: true,
+    };
+    let single: validation::Report = launch(TEST, 1, &run, &[]).assert_success().report(0);
+    let stopped = single.trained.len();
+    assert!(stopped < 5, "{single:?}");
+    // Burn's best-checkpoint choice, made from the same metric.
+    assert!(!single.checkpoints.is_empty(), "{single:?}");
+    for processes in [2, 3] {
+        let reports: Vec<validation::Report> = launch(TEST, processes, &run, &[])
+            .assert_success()
+            .reports(processes);
+        for (rank, r) in reports.iter().enumerate() {
+            assert_eq!(
+                r.trained.len(),
+                stopped,
+                "rank {rank} of {processes}: {r:?}"
+            );
+            let decisions: Vec<bool> = r.epochs.iter().map(|e| e.stop).collect();
+            let want: Vec<bool> = single.epochs.iter().map(|e| e.stop).collect();
+            assert_eq!(
+                decisions, want,
+                "rank {rank} of {processes}: its own answers"
+            );
+            assert!(
+                r.epochs.iter().all(|e| e.loss.is_some_and(f64::is_finite)),
+                "rank {rank}: {r:?}"
+            );
+            // Every process read the same values.
+            for (a, b) in r.epochs.iter().zip(&reports[0].epochs) {
+                assert_eq!(a.loss, b.loss, "rank {rank}");
+            }
+        }
+        assert_eq!(
+            reports[0].checkpoints, single.checkpoints,
+            "{processes} processes"
+        );
+    }
+}
+
+#[test]
+fn without_the_artifact_directory_or_with_accelerate_the_metrics_are_still_the_whole_sets() {
+    const TEST: &str =
+        "without_the_artifact_directory_or_with_accelerate_the_metrics_are_still_the_whole_sets";
+    if let Some(args) = worker::<validation::Run>() {
+        return report(&validation::train(&args));
+    }
+    let run = |install| validation::Run {
+        valid_items: 13,
+        epochs: 2,
+        lr: 0.0,
+        stop_after: None,
+        install,
+        best_checkpoint: false,
+    };
+    let single: validation::Report =
+        launch(TEST, 1, &run(validation::Install::WithArtifactDir), &[])
+            .assert_success()
+            .report(0);
+    // Without the directory the processes still validate their parts and combine them, and
+    // the main process writes no log files (a warning says what to add); installed with
+    // Burn's `with_training_strategy` the metrics cannot be combined, so every process
+    // validates all 4 batches itself.
+    for (install, own) in [
+        (validation::Install::NoArtifactDir, [2, 2]),
+        (validation::Install::TrainingStrategy, [4, 4]),
+    ] {
+        let reports: Vec<validation::Report> = launch(TEST, 2, &run(install), &[])
+            .assert_success()
+            .reports(2);
+        for (rank, r) in reports.iter().enumerate() {
+            assert_eq!(r.own_batches, own, "{install:?}, rank {rank}");
+            assert_eq!(r.epochs.len(), 2, "{install:?}, rank {rank}: {r:?}");
+            for (got, want) in r.epochs.iter().zip(&single.epochs) {
+                let (got, want) = (got.loss.unwrap(), want.loss.unwrap());
+                assert!(
+                    relative(got, want) <= 1e-6,
+                    "{install:?}, rank {rank}: {got} vs {want}"
+                );
+            }
+        }
+        if install == validation::Install::NoArtifactDir {
+            assert!(reports[0].logged_losses.is_empty(), "{:?}", reports[0]);
+        }
     }
 }
