@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use super::Rendezvous;
 use super::env;
 use super::error::DistributedError;
 use super::secret::RunSecret;
@@ -45,28 +46,6 @@ pub struct ProcessState {
     /// Started by `mpirun` or `srun`, which bind each process to CPUs of its own (by default,
     /// or when asked), rather than by torchrun or this crate's launcher, which bind none.
     bound_by_launcher: bool,
-}
-
-/// Where the processes of a run meet, and how long they wait for each other.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Rendezvous {
-    /// Host of the rendezvous (the main machine).
-    pub main_addr: String,
-    /// Its port.
-    pub main_port: u16,
-    /// The port this process accepts its peers' tensors on.
-    pub data_port: u16,
-    /// The host the others reach this process at (`None`: found from the route to
-    /// `main_addr`).
-    pub node_host: Option<String>,
-    /// How long any wait on the other processes may last.
-    pub timeout: Duration,
-    /// How long a process may be silent (no heartbeat) before the run fails.
-    pub liveness: Duration,
-    /// Whether the launcher hosts the rendezvous (otherwise rank 0 does).
-    pub hosted_by_launcher: bool,
-    /// The run's secret (`None`: none given, and not under torchrun; joining then fails).
-    pub secret: Option<RunSecret>,
 }
 
 impl ProcessState {
