@@ -5,14 +5,15 @@
 //! whole; one read back is checked against the manifest first, and a damaged one (a truncated
 //! or altered file) is passed over, with a warning, for the one before it.
 //!
-//! [`CheckpointDir`] is the whole protocol for any loop; the [`Accelerator`](crate::Accelerator)
-//! writes its state, a model's and an optimizer's records through it
+//! The protocol is the crate `burn-accelerate-checkpoint`, which needs no Burn; this module
+//! gives it this crate's error ([`AccelerateError::Checkpoint`]) and adds what needs Burn: the
+//! [`Accelerator`](crate::Accelerator) writes its state, a model's and an optimizer's records
+//! through [`CheckpointDir`]
 //! ([`Accelerator::save_checkpoint`](crate::Accelerator::save_checkpoint)) and reads the
 //! newest complete checkpoint back ([`Accelerator::resume`](crate::Accelerator::resume));
 //! `with_accelerate` keeps its checkpoints with it
 //! ([`AccelerateStrategy::with_checkpoint_dir`](crate::train::AccelerateStrategy::with_checkpoint_dir))
-//! and resumes from the newest complete one by itself. The pieces are plain functions over
-//! plain values ([`FileDigest`], [`Manifest`]), tested on their own.
+//! and resumes from the newest complete one by itself.
 //!
 //! Only one process may write a directory (the main process, in a run of several); the others
 //! read only what the manifest lists, which is never a file still being written.
@@ -33,273 +34,40 @@
 //! # std::fs::remove_dir_all(&dir).unwrap();
 //! # Ok::<(), burn_accelerate::AccelerateError>(())
 //! ```
-//!
-//! # Test hook
-//!
-//! `BURN_ACCELERATE_TEST_CRASH_WRITING=RESTART:FILE` (for tests only: it kills the process)
-//! makes the writer of the attempt whose restart count is `RESTART` (0: the first start, see
-//! [`distributed::restart_count`](crate::distributed::restart_count)) write half of `FILE`
-//! under its temporary name and then kill its own process with `SIGKILL`: how the tests show
-//! that a crash in the middle of a checkpoint leaves the previous one to resume from.
 
-use std::collections::BTreeMap;
-use std::io::Write;
+use std::ops::{Deref, DerefMut};
 use std::path::{Path, PathBuf};
 
-use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
+use burn_accelerate_checkpoint as files;
+pub use burn_accelerate_checkpoint::{
+    CRASH_WRITING, CheckpointEntry, CheckpointError, Choice, FileDigest, LoadedCheckpoint,
+    MANIFEST, PARTIAL, parse_crash_writing, read_verified,
+};
 
 use crate::AccelerateError;
 
 mod accelerator;
 pub use accelerator::Resumed;
 
-/// The manifest's name in a checkpoint directory: the list of complete checkpoints.
-pub const MANIFEST: &str = "accelerate-checkpoints.json";
-
-/// The suffix of a file while it is written (before its rename).
-pub const PARTIAL: &str = ".partial";
-
-/// The manifest's format.
-const VERSION: u32 = 1;
-
-/// The test hook's variable (see the [module docs](self)).
-pub const CRASH_WRITING: &str = "BURN_ACCELERATE_TEST_CRASH_WRITING";
-
-/// One file of a checkpoint as it was written.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct FileDigest {
-    /// Its name in the checkpoint directory.
-    pub name: String,
-    /// Its length in bytes.
-    pub size: u64,
-    /// Its SHA-256, in lowercase hex.
-    pub sha256: String,
-}
-
-impl FileDigest {
-    /// The digest of `bytes`, written as `name`.
-    pub fn of(name: impl Into<String>, bytes: &[u8]) -> Self {
-        Self {
-            name: name.into(),
-            size: bytes.len() as u64,
-            sha256: hex(&Sha256::digest(bytes)),
-        }
-    }
-
-    /// Whether `bytes` (read back) are what was written: the length first (a truncated file
-    /// says so), then the checksum.
-    ///
-    /// # Errors
-    /// What differs, in words.
-    pub fn check(&self, bytes: &[u8]) -> Result<(), String> {
-        if bytes.len() as u64 != self.size {
-            return Err(format!(
-                "{} is {} bytes long, but {} were written",
-                self.name,
-                bytes.len(),
-                self.size
-            ));
-        }
-        let sha256 = hex(&Sha256::digest(bytes));
-        if sha256 != self.sha256 {
-            return Err(format!(
-                "{} does not hold what was written (SHA-256 {sha256}, {} was written)",
-                self.name, self.sha256
-            ));
-        }
-        Ok(())
-    }
-}
-
-/// One complete checkpoint: its number (an epoch, or a step of a hand-written loop) and its
-/// files.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct CheckpointEntry {
-    /// The epoch (or step) it was taken after.
-    pub epoch: usize,
-    /// Its files, as written.
-    pub files: Vec<FileDigest>,
-}
-
-impl CheckpointEntry {
-    /// The file named `name`, if the checkpoint has it.
-    pub fn file(&self, name: &str) -> Option<&FileDigest> {
-        self.files.iter().find(|f| f.name == name)
-    }
-}
-
-/// The list of a directory's complete checkpoints, oldest first.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Manifest {
-    /// Its format.
-    pub version: u32,
-    /// The checkpoints, by increasing epoch.
-    pub checkpoints: Vec<CheckpointEntry>,
-}
-
-impl Default for Manifest {
-    fn default() -> Self {
-        Self {
-            version: VERSION,
-            checkpoints: Vec::new(),
-        }
-    }
-}
-
-/// Which checkpoint [`Manifest::newest_complete`] chose, and why it passed over the newer ones.
+/// The checkpoints of a directory: [`burn_accelerate_checkpoint::CheckpointDir`], failing with
+/// [`AccelerateError::Checkpoint`].
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Choice<T> {
-    /// The newest that verified, and what verifying it gave.
-    pub chosen: Option<(usize, T)>,
-    /// The newer ones that did not, newest first, and why.
-    pub rejected: Vec<(usize, String)>,
-}
-
-impl Manifest {
-    /// Reads `dir`'s manifest; an empty one where there is none yet.
-    ///
-    /// # Errors
-    /// [`AccelerateError::Checkpoint`] when it exists but cannot be read or parsed (it is
-    /// only ever replaced whole, so something else damaged it).
-    pub fn read(dir: &Path) -> Result<Self, AccelerateError> {
-        let path = dir.join(MANIFEST);
-        let bytes = match std::fs::read(&path) {
-            Ok(bytes) => bytes,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Self::default()),
-            Err(e) => return Err(checkpoint_error(&path, e.to_string())),
-        };
-        let manifest: Self = serde_json::from_slice(&bytes).map_err(|e| {
-            checkpoint_error(
-                &path,
-                format!(
-                    "it cannot be parsed ({e}); it is only ever replaced whole, so something \
-                     else wrote it: restore it, or delete it to start afresh"
-                ),
-            )
-        })?;
-        if manifest.version != VERSION {
-            return Err(checkpoint_error(
-                &path,
-                format!(
-                    "it is of format {}, this build reads format {VERSION}",
-                    manifest.version
-                ),
-            ));
-        }
-        Ok(manifest)
-    }
-
-    /// Writes it into `dir` under a temporary name, flushed, then renamed over the old one.
-    ///
-    /// # Errors
-    /// [`AccelerateError::Checkpoint`] when the directory cannot be written.
-    pub fn write(&self, dir: &Path) -> Result<(), AccelerateError> {
-        let bytes = serde_json::to_vec_pretty(self).expect("a manifest serialises");
-        write_atomic(dir, MANIFEST, &bytes).map(|_| ())
-    }
-
-    /// The manifest with `entry` listed (in place of an older entry of its epoch).
-    pub fn with(mut self, entry: CheckpointEntry) -> Self {
-        self.checkpoints.retain(|c| c.epoch != entry.epoch);
-        let at = self.checkpoints.partition_point(|c| c.epoch < entry.epoch);
-        self.checkpoints.insert(at, entry);
-        self
-    }
-
-    /// The manifest with `file` in place of the file of its name in epoch `epoch`'s entry (a
-    /// file rewritten on purpose, whole); `None` when that entry does not list it.
-    pub fn relisted(mut self, epoch: usize, file: FileDigest) -> Option<Self> {
-        let listed = self
-            .checkpoints
-            .iter_mut()
-            .find(|c| c.epoch == epoch)?
-            .files
-            .iter_mut()
-            .find(|f| f.name == file.name)?;
-        *listed = file;
-        Some(self)
-    }
-
-    /// The entry of epoch `epoch`.
-    pub fn entry(&self, epoch: usize) -> Option<&CheckpointEntry> {
-        self.checkpoints.iter().find(|c| c.epoch == epoch)
-    }
-
-    /// The newest checkpoint (of an epoch up to `at_most`) that `verify` accepts, and the
-    /// newer ones it rejected, with why.
-    pub fn newest_complete<T>(
-        &self,
-        at_most: Option<usize>,
-        mut verify: impl FnMut(&CheckpointEntry) -> Result<T, String>,
-    ) -> Choice<T> {
-        let mut rejected = Vec::new();
-        for entry in self.checkpoints.iter().rev() {
-            if at_most.is_some_and(|limit| entry.epoch > limit) {
-                continue;
-            }
-            match verify(entry) {
-                Ok(value) => {
-                    return Choice {
-                        chosen: Some((entry.epoch, value)),
-                        rejected,
-                    };
-                }
-                Err(why) => rejected.push((entry.epoch, why)),
-            }
-        }
-        Choice {
-            chosen: None,
-            rejected,
-        }
-    }
-
-    /// Keeps the newest `keep` checkpoints (at least one) and returns the others, which it no
-    /// longer lists.
-    pub fn retain_last(&mut self, keep: usize) -> Vec<CheckpointEntry> {
-        let drop = self.checkpoints.len().saturating_sub(keep.max(1));
-        self.checkpoints.drain(..drop).collect()
-    }
-}
-
-/// A checkpoint read back and verified.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LoadedCheckpoint {
-    /// The epoch (or step) it was taken after.
-    pub epoch: usize,
-    /// Its files' bytes, by name.
-    pub files: BTreeMap<String, Vec<u8>>,
-    /// The newer checkpoints passed over because they did not verify, newest first, and why
-    /// (each was also logged as a warning).
-    pub skipped: Vec<(usize, String)>,
-}
-
-/// A directory of crash-safe checkpoints (see the [module docs](self)), keeping the newest
-/// few.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CheckpointDir {
-    dir: PathBuf,
-    keep: usize,
-}
+pub struct CheckpointDir(files::CheckpointDir);
 
 impl CheckpointDir {
     /// The checkpoints in `dir` (made when the first is saved), keeping the newest 2.
     pub fn new(dir: impl Into<PathBuf>) -> Self {
-        Self {
-            dir: dir.into(),
-            keep: 2,
-        }
+        Self(files::CheckpointDir::new(dir))
     }
 
     /// Keeps the newest `keep` checkpoints (0 is taken as 1: the newest is never deleted).
-    pub fn with_keep_last(mut self, keep: usize) -> Self {
-        self.keep = keep.max(1);
-        self
+    pub fn with_keep_last(self, keep: usize) -> Self {
+        Self(self.0.with_keep_last(keep))
     }
 
     /// The directory.
     pub fn path(&self) -> &Path {
-        &self.dir
+        self.0.path()
     }
 
     /// Writes the checkpoint of `epoch` (`files`: names in the directory and contents), lists
@@ -313,7 +81,7 @@ impl CheckpointDir {
         epoch: usize,
         files: &[(&str, &[u8])],
     ) -> Result<CheckpointEntry, AccelerateError> {
-        self.save_sparing(epoch, files, |_| false)
+        Ok(self.0.save(epoch, files)?)
     }
 
     /// [`save`](Self::save), keeping on disk the files of dropped checkpoints for which
@@ -327,32 +95,7 @@ impl CheckpointDir {
         files: &[(&str, &[u8])],
         spare: impl Fn(&str) -> bool,
     ) -> Result<CheckpointEntry, AccelerateError> {
-        std::fs::create_dir_all(&self.dir)
-            .map_err(|e| checkpoint_error(&self.dir, e.to_string()))?;
-        let mut digests = Vec::with_capacity(files.len());
-        for (name, bytes) in files {
-            digests.push(write_atomic(&self.dir, name, bytes)?);
-        }
-        let entry = CheckpointEntry {
-            epoch,
-            files: digests,
-        };
-        // Listed only once every file is whole on the disk: a crash before this line leaves
-        // the manifest as it was.
-        let mut manifest = Manifest::read(&self.dir)?.with(entry.clone());
-        let dropped = manifest.retain_last(self.keep);
-        manifest.write(&self.dir)?;
-        let listed: Vec<&str> = manifest
-            .checkpoints
-            .iter()
-            .flat_map(|c| c.files.iter().map(|f| f.name.as_str()))
-            .collect();
-        for file in dropped.iter().flat_map(|c| &c.files) {
-            if !listed.contains(&file.name.as_str()) && !spare(&file.name) {
-                let _ = std::fs::remove_file(self.dir.join(&file.name));
-            }
-        }
-        Ok(entry)
+        Ok(self.0.save_sparing(epoch, files, spare)?)
     }
 
     /// The newest listed checkpoint (of an epoch up to `at_most`) whose files verify, read
@@ -366,38 +109,7 @@ impl CheckpointDir {
         &self,
         at_most: Option<usize>,
     ) -> Result<Option<LoadedCheckpoint>, AccelerateError> {
-        let manifest = Manifest::read(&self.dir)?;
-        let choice = manifest.newest_complete(at_most, |entry| read_entry(&self.dir, entry));
-        for (epoch, why) in &choice.rejected {
-            log::warn!(
-                "burn-accelerate: the checkpoint of epoch {epoch} in {} is damaged ({why}): \
-                 passed over for an older one",
-                self.dir.display()
-            );
-        }
-        match choice.chosen {
-            Some((epoch, files)) => Ok(Some(LoadedCheckpoint {
-                epoch,
-                files,
-                skipped: choice.rejected,
-            })),
-            None if choice.rejected.is_empty() => Ok(None),
-            None => {
-                let each: Vec<String> = choice
-                    .rejected
-                    .iter()
-                    .map(|(epoch, why)| format!("epoch {epoch}: {why}"))
-                    .collect();
-                Err(checkpoint_error(
-                    &self.dir.join(MANIFEST),
-                    format!(
-                        "no checkpoint it lists is whole ({}): restore the files, or delete \
-                         the directory to start the run afresh",
-                        each.join("; ")
-                    ),
-                ))
-            }
-        }
+        Ok(self.0.load_newest(at_most)?)
     }
 
     /// The checkpoint of `epoch`, read back and verified.
@@ -405,305 +117,63 @@ impl CheckpointDir {
     /// # Errors
     /// [`AccelerateError::Checkpoint`] when it is not listed or does not verify.
     pub fn load(&self, epoch: usize) -> Result<LoadedCheckpoint, AccelerateError> {
-        let manifest = Manifest::read(&self.dir)?;
-        let path = self.dir.join(MANIFEST);
-        let entry = manifest.entry(epoch).ok_or_else(|| {
-            let listed: Vec<usize> = manifest.checkpoints.iter().map(|c| c.epoch).collect();
-            checkpoint_error(
-                &path,
-                format!(
-                    "it lists no checkpoint of epoch {epoch} (it lists {listed:?}): is this the \
-                     directory the run writes (the same for every process)?"
-                ),
-            )
-        })?;
-        let files = read_entry(&self.dir, entry).map_err(|why| {
-            checkpoint_error(&path, format!("the checkpoint of epoch {epoch}: {why}"))
-        })?;
-        Ok(LoadedCheckpoint {
-            epoch,
-            files,
-            skipped: Vec::new(),
-        })
+        Ok(self.0.load(epoch)?)
     }
 }
 
-// Every file of `entry`, read and checked against what was written.
-fn read_entry(dir: &Path, entry: &CheckpointEntry) -> Result<BTreeMap<String, Vec<u8>>, String> {
-    entry
-        .files
-        .iter()
-        .map(|file| read_verified(dir, file).map(|bytes| (file.name.clone(), bytes)))
-        .collect()
+/// A directory's manifest: [`burn_accelerate_checkpoint::Manifest`] (its fields and queries
+/// through `Deref`), read and written with [`AccelerateError::Checkpoint`] as the failure.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Manifest(files::Manifest);
+
+impl Manifest {
+    /// The manifest of `dir` (an empty one when there is none yet).
+    ///
+    /// # Errors
+    /// [`AccelerateError::Checkpoint`] when it exists but cannot be read or parsed.
+    pub fn read(dir: &Path) -> Result<Self, AccelerateError> {
+        Ok(Self(files::Manifest::read(dir)?))
+    }
+
+    /// Writes it into `dir` under a temporary name, flushed, then renamed over the old one.
+    ///
+    /// # Errors
+    /// [`AccelerateError::Checkpoint`] when the directory cannot be written.
+    pub fn write(&self, dir: &Path) -> Result<(), AccelerateError> {
+        Ok(self.0.write(dir)?)
+    }
+
+    /// The manifest with `entry` listed (in place of an older entry of its epoch).
+    pub fn with(self, entry: CheckpointEntry) -> Self {
+        Self(self.0.with(entry))
+    }
+
+    /// The manifest with `file` in place of the file of its name in epoch `epoch`'s entry (a
+    /// file rewritten on purpose, whole); `None` when that entry does not list it.
+    pub fn relisted(self, epoch: usize, file: FileDigest) -> Option<Self> {
+        self.0.relisted(epoch, file).map(Self)
+    }
 }
 
-/// `file` read from `dir` and checked against its digest.
-///
-/// # Errors
-/// Why it cannot be used, in words.
-pub fn read_verified(dir: &Path, file: &FileDigest) -> Result<Vec<u8>, String> {
-    let bytes = std::fs::read(dir.join(&file.name))
-        .map_err(|e| format!("{} cannot be read ({e})", file.name))?;
-    file.check(&bytes)?;
-    Ok(bytes)
+impl Deref for Manifest {
+    type Target = files::Manifest;
+
+    fn deref(&self) -> &files::Manifest {
+        &self.0
+    }
 }
 
-/// Writes `bytes` as `dir/name` so that no reader, and no crash, ever sees part of them: into
-/// `name` + [`PARTIAL`], flushed to the disk, renamed over `name`, and the rename flushed.
-/// Returns what was written.
+impl DerefMut for Manifest {
+    fn deref_mut(&mut self) -> &mut files::Manifest {
+        &mut self.0
+    }
+}
+
+/// Writes `bytes` as `dir/name` so that no reader, and no crash, ever sees part of them
+/// ([`burn_accelerate_checkpoint::write_atomic`]). Returns what was written.
 ///
 /// # Errors
 /// [`AccelerateError::Checkpoint`] when the directory cannot be written.
 pub fn write_atomic(dir: &Path, name: &str, bytes: &[u8]) -> Result<FileDigest, AccelerateError> {
-    let path = dir.join(name);
-    let partial = dir.join(format!("{name}{PARTIAL}"));
-    let io = |e: std::io::Error| checkpoint_error(&path, e.to_string());
-    let mut file = std::fs::File::create(&partial).map_err(io)?;
-    if crash_here(name) {
-        // The test hook: half the file, on the disk, and the process gone.
-        let _ = file.write_all(&bytes[..bytes.len() / 2]);
-        let _ = file.sync_all();
-        kill_this_process();
-    }
-    file.write_all(bytes).map_err(io)?;
-    file.sync_all().map_err(io)?;
-    drop(file);
-    std::fs::rename(&partial, &path).map_err(io)?;
-    sync_dir(dir).map_err(io)?;
-    Ok(FileDigest::of(name, bytes))
-}
-
-// The rename is the directory's: without flushing it, a power loss may undo it.
-fn sync_dir(dir: &Path) -> std::io::Result<()> {
-    #[cfg(unix)]
-    {
-        std::fs::File::open(dir)?.sync_all()
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = dir;
-        Ok(())
-    }
-}
-
-/// The restart count and file named by the test hook's value `RESTART:FILE`.
-pub fn parse_crash_writing(value: &str) -> Option<(u64, &str)> {
-    let (restart, file) = value.trim().split_once(':')?;
-    let restart = restart.trim().parse().ok()?;
-    let file = file.trim();
-    (!file.is_empty()).then_some((restart, file))
-}
-
-// Whether the test hook asks this process to die writing `name`.
-fn crash_here(name: &str) -> bool {
-    let Ok(value) = std::env::var(CRASH_WRITING) else {
-        return false;
-    };
-    let Some((restart, file)) = parse_crash_writing(&value) else {
-        log::warn!("burn-accelerate: {CRASH_WRITING}={value:?} is not RESTART:FILE; ignored");
-        return false;
-    };
-    file == name && crate::distributed::restart_count().is_ok_and(|r| r == restart)
-}
-
-fn kill_this_process() -> ! {
-    #[cfg(unix)]
-    {
-        let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
-    }
-    std::process::abort()
-}
-
-fn checkpoint_error(path: &Path, reason: String) -> AccelerateError {
-    AccelerateError::Checkpoint {
-        path: path.display().to_string(),
-        reason,
-    }
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn scratch(name: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!(
-            "burn-accelerate-checkpoint-{name}-{}",
-            std::process::id()
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        dir
-    }
-
-    fn entry(epoch: usize) -> CheckpointEntry {
-        CheckpointEntry {
-            epoch,
-            files: vec![FileDigest::of(format!("m-{epoch}"), &[epoch as u8])],
-        }
-    }
-
-    #[test]
-    fn a_digest_tells_a_truncated_file_from_an_altered_one() {
-        let digest = FileDigest::of("model", b"abcdef");
-        assert_eq!(digest.size, 6);
-        // SHA-256("abcdef"), as `sha256sum` prints it.
-        assert_eq!(
-            digest.sha256,
-            "bef57ec7f53a6d40beb640a780a639c83bc29ac8a9816f1fc6c5c6dcd93c4721"
-        );
-        assert_eq!(digest.check(b"abcdef"), Ok(()));
-        let short = digest.check(b"abc").unwrap_err();
-        assert!(
-            short.contains("3 bytes long, but 6 were written"),
-            "{short}"
-        );
-        let altered = digest.check(b"abcdeF").unwrap_err();
-        assert!(
-            altered.contains("does not hold what was written"),
-            "{altered}"
-        );
-    }
-
-    #[test]
-    fn entries_are_listed_in_order_once_per_epoch_and_the_oldest_go_first() {
-        let manifest = Manifest::default()
-            .with(entry(3))
-            .with(entry(1))
-            .with(entry(2));
-        let epochs = |m: &Manifest| m.checkpoints.iter().map(|c| c.epoch).collect::<Vec<_>>();
-        assert_eq!(epochs(&manifest), [1, 2, 3]);
-        // Epoch 2 written again (a resumed run redoing it) replaces the first writing.
-        let mut again = entry(2);
-        again.files[0] = FileDigest::of("m-2", b"redone");
-        let mut manifest = manifest.with(again.clone());
-        assert_eq!(epochs(&manifest), [1, 2, 3]);
-        assert_eq!(manifest.entry(2), Some(&again));
-        let dropped = manifest.retain_last(2);
-        assert_eq!(dropped, [entry(1)]);
-        assert_eq!(epochs(&manifest), [2, 3]);
-        // Never the newest.
-        assert_eq!(manifest.retain_last(0).len(), 1);
-        assert_eq!(epochs(&manifest), [3]);
-    }
-
-    #[test]
-    fn the_newest_checkpoint_that_verifies_is_chosen_and_the_others_say_why() {
-        let manifest = (1..=4).fold(Manifest::default(), |m, e| m.with(entry(e)));
-        let choice = manifest.newest_complete(None, |entry| match entry.epoch {
-            4 => Err("torn".to_string()),
-            3 => Err("short".to_string()),
-            epoch => Ok(epoch * 10),
-        });
-        assert_eq!(choice.chosen, Some((2, 20)));
-        assert_eq!(
-            choice.rejected,
-            [(4, "torn".to_string()), (3, "short".to_string())]
-        );
-        // Up to an epoch asked for: newer ones are not considered, nor reported.
-        let choice = manifest.newest_complete(Some(2), |entry| Ok::<_, String>(entry.epoch));
-        assert_eq!((choice.chosen, choice.rejected), (Some((2, 2)), vec![]));
-        let none = manifest.newest_complete(None, |_| Err::<(), _>("gone".to_string()));
-        assert_eq!(none.chosen, None);
-        assert_eq!(none.rejected.len(), 4);
-    }
-
-    #[test]
-    fn a_damaged_newest_checkpoint_falls_back_to_the_one_before() {
-        let dir = scratch("fallback");
-        let checkpoints = CheckpointDir::new(&dir).with_keep_last(3);
-        for epoch in 1..=3 {
-            let model = vec![epoch as u8; 1000];
-            checkpoints
-                .save(
-                    epoch,
-                    &[(&format!("model-{epoch}"), &model), ("common", b"x")],
-                )
-                .unwrap();
-        }
-        // No partial file is left behind, and the manifest lists all three.
-        let names: Vec<String> = std::fs::read_dir(&dir)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().into_string().unwrap())
-            .collect();
-        assert!(!names.iter().any(|n| n.ends_with(PARTIAL)), "{names:?}");
-        assert_eq!(Manifest::read(&dir).unwrap().checkpoints.len(), 3);
-
-        // Epoch 3's model truncated, as a crash of the disk (not of the writer) would leave it.
-        std::fs::write(dir.join("model-3"), [3u8; 10]).unwrap();
-        let loaded = checkpoints.load_newest(None).unwrap().unwrap();
-        assert_eq!(loaded.epoch, 2);
-        assert_eq!(loaded.files["model-2"], vec![2u8; 1000]);
-        assert_eq!(loaded.skipped.len(), 1);
-        assert!(
-            loaded.skipped[0]
-                .1
-                .contains("model-3 is 10 bytes long, but 1000"),
-            "{:?}",
-            loaded.skipped
-        );
-        assert!(checkpoints.load(3).is_err());
-
-        // Every one damaged: an error that says what to do, never a silent fresh start.
-        std::fs::write(dir.join("common"), b"y").unwrap();
-        let err = checkpoints.load_newest(None).unwrap_err().to_string();
-        assert!(
-            err.contains("no checkpoint it lists is whole") && err.contains("delete"),
-            "{err}"
-        );
-        // Nothing listed: nothing to resume from.
-        let empty = CheckpointDir::new(scratch("empty"));
-        assert_eq!(empty.load_newest(None).unwrap(), None);
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    #[test]
-    fn files_of_dropped_checkpoints_go_unless_spared() {
-        let dir = scratch("retain");
-        let checkpoints = CheckpointDir::new(&dir);
-        for epoch in 1..=3 {
-            checkpoints
-                .save_sparing(
-                    epoch,
-                    &[(&format!("a-{epoch}"), b"a"), (&format!("b-{epoch}"), b"b")],
-                    |name| name.starts_with("b-"),
-                )
-                .unwrap();
-        }
-        let present = |name: &str| dir.join(name).exists();
-        assert!(!present("a-1") && present("b-1"));
-        assert!(present("a-2") && present("a-3"));
-        let listed: Vec<usize> = Manifest::read(&dir)
-            .unwrap()
-            .checkpoints
-            .iter()
-            .map(|c| c.epoch)
-            .collect();
-        assert_eq!(listed, [2, 3]);
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    #[test]
-    fn a_garbled_manifest_is_an_error_not_an_empty_list() {
-        let dir = scratch("garbled");
-        std::fs::create_dir_all(&dir).unwrap();
-        std::fs::write(dir.join(MANIFEST), b"{\"version\":1,\"checkp").unwrap();
-        let err = Manifest::read(&dir).unwrap_err().to_string();
-        assert!(err.contains("cannot be parsed"), "{err}");
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    #[test]
-    fn the_crash_hook_names_an_attempt_and_a_file() {
-        assert_eq!(
-            parse_crash_writing("1:accelerate-2-optim.mpk"),
-            Some((1, "accelerate-2-optim.mpk"))
-        );
-        assert_eq!(parse_crash_writing(" 0 : m "), Some((0, "m")));
-        assert_eq!(parse_crash_writing("m"), None);
-        assert_eq!(parse_crash_writing("x:m"), None);
-        assert_eq!(parse_crash_writing("0:"), None);
-    }
+    Ok(files::write_atomic(dir, name, bytes)?)
 }
