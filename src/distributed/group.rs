@@ -37,7 +37,7 @@ use super::element::{Element, Reducible};
 use super::engine::tcp::TcpEngine;
 use super::engine::{self, Engine, Lane};
 use super::error::DistributedError;
-use super::state::ProcessState;
+use super::process_state::ProcessState;
 
 /// How a reducing collective combines the processes' values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

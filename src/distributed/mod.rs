@@ -42,18 +42,18 @@ mod grad_layout;
 pub(crate) mod gradients;
 mod group;
 mod guard;
+mod process_state;
 mod seed;
-mod state;
 
 // The layer below, which needs no Burn: the engines, the rendezvous, the elastic membership,
 // the run's secret, the environment's names and the errors (crate burn-accelerate-comm). Its
 // modules are named here as they were when they lived in this folder.
-use burn_accelerate_comm::{element, engine, error, secret};
+use burn_accelerate_comm::{element, engine, error};
 pub use burn_accelerate_comm::{env, membership};
 
 pub use burn_accelerate_comm::{
-    DistributedError, Element, Reducible, Rendezvous, RendezvousHost, RunSecret, restart_count,
-    serve_rendezvous,
+    DistributedError, Element, ProcessLayout, Reducible, Rendezvous, RendezvousHost, RunSecret,
+    restart_count, serve_rendezvous,
 };
 pub use dtype::ElementOf;
 pub use gradients::{
@@ -62,5 +62,5 @@ pub use gradients::{
 pub(crate) use group::Stream;
 pub use group::{ProcessGroup, ReduceOp, shard_counts};
 pub use guard::FirstGuard;
+pub use process_state::ProcessState;
 pub use seed::{seed_for, set_seed};
-pub use state::ProcessState;

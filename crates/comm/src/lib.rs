@@ -7,6 +7,8 @@
 //! - [`engine`]: what carries the bytes: the built-in TCP ring ([`engine::tcp`]: framing,
 //!   connections, the authenticated handshake, liveness, the ring's collectives) or MPI (feature
 //!   `mpi`), behind one [`engine::Engine`] trait.
+//! - [`ProcessLayout`]: which process of a run this is (Accelerate's `PartialState`), read
+//!   from the variables a launcher sets (this crate's, torchrun's, `srun`'s, `mpirun`'s).
 //! - [`rendezvous`]: where the processes of a run meet ([`Rendezvous`], [`serve_rendezvous`]).
 //! - [`membership`]: elastic machine counts, which machines take part in each attempt.
 //! - [`RunSecret`]: what every connection of a run proves it knows.
@@ -29,11 +31,13 @@ pub mod element;
 pub mod engine;
 pub mod env;
 pub mod error;
+pub mod layout;
 pub mod membership;
 pub mod rendezvous;
 pub mod secret;
 
 pub use element::{Element, Reducible};
 pub use error::DistributedError;
+pub use layout::ProcessLayout;
 pub use rendezvous::{Rendezvous, RendezvousHost, restart_count, serve_rendezvous};
 pub use secret::RunSecret;

@@ -33,7 +33,7 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use burn_accelerate_comm::{self as distributed, DistributedError, RunSecret, env};
+use burn_accelerate_comm::{self as distributed, DistributedError, ProcessLayout, RunSecret, env};
 use clap::{Args, Parser, Subcommand};
 
 #[derive(Parser)]
@@ -191,9 +191,9 @@ fn parse_machines(text: &str) -> Result<Machines, String> {
 }
 
 /// What `burn-accelerate env` reports after the launcher's own lines (its version, the cores,
-/// the launch variables that are set): a program that links a training library passes what
-/// that library can say about this environment (the process layout it reads, what each backend
-/// runs); [`launcher_only`] for the launcher alone.
+/// the process layout the environment describes, the launch variables that are set): a
+/// program that links a training library passes what that library can say about this
+/// environment (what each backend runs); [`launcher_only`] for the launcher alone.
 pub type EnvReport = fn();
 
 /// The `env` report of the launcher alone, which has no backend to probe: it says where that
@@ -201,8 +201,8 @@ pub type EnvReport = fn();
 pub fn launcher_only() {
     println!(
         "backends: not probed by the launcher alone (it has no Burn); the `burn-accelerate` \
-         binary of the burn-accelerate crate (`cargo install burn-accelerate`) reports the \
-         process layout and what each compiled-in backend runs"
+         binary of the burn-accelerate crate (`cargo install burn-accelerate`) reports what \
+         each compiled-in backend runs"
     );
 }
 
@@ -1232,6 +1232,18 @@ fn report_env() {
         "cores: {}",
         std::thread::available_parallelism().map_or(1, |n| n.get())
     );
+    match ProcessLayout::from_env() {
+        Ok(layout) => println!(
+            "process: {} of {} (local {} of {}, machine {} of {})",
+            layout.process_index(),
+            layout.num_processes(),
+            layout.local_process_index(),
+            layout.local_num_processes(),
+            layout.machine_rank(),
+            layout.num_machines()
+        ),
+        Err(err) => println!("process: the environment is not a valid launch: {err}"),
+    }
     for name in env::ALL.into_iter().chain(env::RESTARTS) {
         if let Ok(value) = std::env::var(name) {
             let value = if name == env::SECRET {

@@ -1,7 +1,7 @@
 //! `burn-accelerate`: the launcher (`launch`, `secret`, `env`; crate `burn-accelerate-launch`,
 //! which needs no Burn), built with this crate so that `env` also reports what only a build
-//! with Burn can say: the process layout this environment describes, and the precisions each
-//! compiled-in backend really runs (found by running them), as `accelerate env` does.
+//! with Burn can say: the precisions each compiled-in backend really runs (found by running
+//! them), as `accelerate env` does.
 //!
 //! ```text
 //! burn-accelerate launch --num-processes 2 -- target/release/examples/train_mlp --batch-size 32
@@ -12,8 +12,6 @@
 //! binaries of its own package.)
 
 use std::process::ExitCode;
-
-use burn_accelerate::distributed::ProcessState;
 
 mod backends;
 
@@ -27,17 +25,5 @@ fn report_env() {
         "burn-accelerate {} on Burn 0.21.0",
         env!("CARGO_PKG_VERSION")
     );
-    match ProcessState::from_env() {
-        Ok(state) => println!(
-            "process: {} of {} (local {} of {}, machine {} of {})",
-            state.process_index(),
-            state.num_processes(),
-            state.local_process_index(),
-            state.local_num_processes(),
-            state.machine_rank(),
-            state.num_machines()
-        ),
-        Err(err) => println!("process: the environment is not a valid launch: {err}"),
-    }
     backends::report_all();
 }
