@@ -65,7 +65,7 @@ impl ProcessLayout {
         }
     }
 
-    /// Reads the process's place in the run from the environment (see [`env`](crate::env)
+    /// Reads the process's place in the run from the environment (see [`env`](mod@crate::env)
     /// for the variables); a single process when no launcher's variables are set.
     ///
     /// A program started directly in a Slurm allocation of several tasks (`salloc -n 2

@@ -4,7 +4,7 @@
 //! process group, with no Burn in it: what a launcher and the processes of a run need to find
 //! each other and move buffers, whatever tensor library sits above.
 //!
-//! - [`engine`]: what carries the bytes: the built-in TCP ring ([`engine::tcp`]: framing,
+//! - [`engine`]: what carries the bytes: the built-in TCP ring ([`engine::TcpEngine`]: framing,
 //!   connections, the authenticated handshake, liveness, the ring's collectives) or MPI (feature
 //!   `mpi`), behind one [`engine::Engine`] trait.
 //! - [`ProcessLayout`]: which process of a run this is (Accelerate's `PartialState`), read
@@ -12,7 +12,7 @@
 //! - [`rendezvous`]: where the processes of a run meet ([`Rendezvous`], [`serve_rendezvous`]).
 //! - [`membership`]: elastic machine counts, which machines take part in each attempt.
 //! - [`RunSecret`]: what every connection of a run proves it knows.
-//! - [`env`]: the variables a launcher gives each process; [`Element`]: what a reducing
+//! - [`env`](mod@env): the variables a launcher gives each process; [`Element`]: what a reducing
 //!   collective adds; [`DistributedError`]: every failure, saying what to change.
 //!
 //! burn-accelerate's `distributed` module re-exports all of it, and builds the process group,

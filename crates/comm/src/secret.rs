@@ -87,7 +87,7 @@ impl RunSecret {
     }
 
     /// The secret the environment gives: [`env::SECRET`], else one derived from torchrun's run
-    /// id; `None` when neither is set. Its attempt is [`restart_count`]'s.
+    /// id; `None` when neither is set. Its attempt is [`restart_count`](crate::restart_count)'s.
     ///
     /// # Errors
     /// [`DistributedError::InvalidVariable`] for an empty [`env::SECRET`] or a restart count

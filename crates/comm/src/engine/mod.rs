@@ -8,7 +8,7 @@
 //! `ProcessGroup` (burn-accelerate's `distributed` module). Byte buffers (not generic values) keep the trait a
 //! trait object, and map one to one onto MPI's `(buffer, count, datatype)` calls.
 //!
-//! Engines here: [`tcp`], the built-in transport (gloo's role), and `mpi` (feature `mpi`),
+//! Engines here: [`TcpEngine`], the built-in transport (gloo's role), and `MpiEngine` (feature `mpi`),
 //! over the cluster's MPI.
 
 use std::ops::Range;
@@ -17,8 +17,12 @@ use super::element::Element;
 use super::error::DistributedError;
 
 #[cfg(feature = "mpi")]
-pub mod mpi;
-pub mod tcp;
+mod mpi;
+pub(crate) mod tcp;
+
+#[cfg(feature = "mpi")]
+pub use mpi::MpiEngine;
+pub use tcp::TcpEngine;
 
 /// A stream of point-to-point messages between two processes (the collectives have lane 0).
 pub type Lane = u32;
