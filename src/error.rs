@@ -171,3 +171,12 @@ pub enum AccelerateError {
     #[error(transparent)]
     Placement(#[from] PlacementError),
 }
+
+impl From<burn_accelerate_checkpoint::CheckpointError> for AccelerateError {
+    fn from(err: burn_accelerate_checkpoint::CheckpointError) -> Self {
+        Self::Checkpoint {
+            path: err.path,
+            reason: err.reason,
+        }
+    }
+}

@@ -38,6 +38,12 @@
 //! - [`placement`]: where a model's parameters live, device maps under memory budgets, running
 //!   a model placed over several devices, and refusing data-parallel training of one.
 //!
+//! The layers below, which need no Burn, are crates of their own in this workspace (re-exported
+//! here under their old paths): `burn-accelerate-comm` (the process group's engines, the
+//! rendezvous, elastic membership, run secrets, the process layout), `burn-accelerate-checkpoint`
+//! (the crash-safe checkpoint directory) and `burn-accelerate-launch` (the launcher, which
+//! `cargo install burn-accelerate-launch` builds without Burn).
+//!
 //! ```
 //! # #[cfg(feature = "flex")] {
 //! use burn::backend::{Autodiff, Flex};

@@ -15,6 +15,7 @@ use burn::tensor::{
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use super::dtype::ElementOf;
 use super::element::Element;
 use super::error::DistributedError;
 use super::group::{ProcessGroup, ReduceOp};

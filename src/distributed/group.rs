@@ -34,10 +34,10 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use bytemuck::Pod;
 
 use super::element::{Element, Reducible};
-use super::engine::tcp::TcpEngine;
+use super::engine::TcpEngine;
 use super::engine::{self, Engine, Lane};
 use super::error::DistributedError;
-use super::state::ProcessState;
+use super::process_state::ProcessState;
 
 /// How a reducing collective combines the processes' values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -383,7 +383,7 @@ impl ProcessGroup {
 fn mpi_engine(rank: usize, world: usize) -> Result<Box<dyn Engine>, DistributedError> {
     #[cfg(feature = "mpi")]
     {
-        Ok(Box::new(super::engine::mpi::MpiEngine::join(rank, world)?))
+        Ok(Box::new(super::engine::MpiEngine::join(rank, world)?))
     }
     #[cfg(not(feature = "mpi"))]
     {

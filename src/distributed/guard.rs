@@ -3,7 +3,7 @@
 //! while the others run a block.
 
 use super::error::DistributedError;
-use super::state::ProcessState;
+use super::process_state::ProcessState;
 
 impl ProcessState {
     /// Waits until every process reaches this point (Accelerate's `wait_for_everyone`).

@@ -22,7 +22,8 @@
 //! - [`set_seed`]: Accelerate's `set_seed(seed, device_specific)`.
 //!
 //! The layers, bottom up: the engine that carries bytes (the built-in TCP transport: framing,
-//! connections, handshake, rendezvous, liveness, the ring; or MPI with the `mpi` feature),
+//! connections, handshake, rendezvous, liveness, the ring; or MPI with the `mpi` feature), in
+//! the crate `burn-accelerate-comm`, which needs no Burn (re-exported here), then
 //! [`ProcessGroup`] (numbering, means, typed buffers), the tensor collectives, the gradient
 //! sync. [`ProcessState`] reads the layout from the environment and does no I/O (but for the
 //! note `from_env` prints in a Slurm allocation that is not an `srun` step).
@@ -33,10 +34,7 @@
 
 pub(crate) mod bucket;
 mod collectives;
-mod element;
-mod engine;
-pub mod env;
-mod error;
+mod dtype;
 #[cfg(feature = "flex")]
 pub(crate) mod flex_sync;
 #[cfg(feature = "flex")]
@@ -44,62 +42,25 @@ mod grad_layout;
 pub(crate) mod gradients;
 mod group;
 mod guard;
-pub mod membership;
-mod secret;
+mod process_state;
 mod seed;
-mod state;
 
-pub use element::{Element, Reducible};
-pub use error::DistributedError;
+// The layer below, which needs no Burn: the engines, the rendezvous, the elastic membership,
+// the run's secret, the environment's names and the errors (crate burn-accelerate-comm). Its
+// modules are named here as they were when they lived in this folder.
+use burn_accelerate_comm::{element, engine, error};
+pub use burn_accelerate_comm::{env, membership};
+
+pub use burn_accelerate_comm::{
+    DistributedError, Element, ProcessLayout, Reducible, Rendezvous, RendezvousHost, RunSecret,
+    restart_count, serve_rendezvous,
+};
+pub use dtype::ElementOf;
 pub use gradients::{
     BUCKET_VALUES, SyncLayout, all_reduce_gradients, scope_sync_layout, sync_copied_values,
 };
 pub(crate) use group::Stream;
 pub use group::{ProcessGroup, ReduceOp, shard_counts};
 pub use guard::FirstGuard;
-pub use secret::RunSecret;
+pub use process_state::ProcessState;
 pub use seed::{seed_for, set_seed};
-pub use state::{ProcessState, Rendezvous};
-
-/// Serves the rendezvous (the run's orchestrator) on `host:port` until the process ends: what
-/// `burn-accelerate launch` runs on the main machine. Only processes that prove they know
-/// `secret`, and are of its attempt ([`RunSecret::attempt`], until
-/// [`RendezvousHost::begin_attempt`]), are heard. Rounds of arrivals time out `timeout` after
-/// their first arrival.
-///
-/// # Errors
-/// [`DistributedError::PortUnavailable`] when `port` is taken, or `host` is not this
-/// machine's.
-pub fn serve_rendezvous(
-    host: &str,
-    port: u16,
-    timeout: std::time::Duration,
-    secret: RunSecret,
-    runtime: &tokio::runtime::Handle,
-) -> Result<RendezvousHost, DistributedError> {
-    engine::tcp::rendezvous::serve(host, port, timeout, secret, runtime).map(RendezvousHost)
-}
-
-/// Which start of the run this process belongs to: 0 at the first, `n` after `n` restarts
-/// (`burn-accelerate launch --max-restarts`, or torchrun's), from [`env::RESTART_COUNT`] or
-/// torchrun's [`env::TORCHRUN_RESTART_COUNT`]; 0 when neither is set.
-///
-/// # Errors
-/// [`DistributedError::InvalidVariable`] for a value that is not a whole number.
-pub fn restart_count() -> Result<u64, DistributedError> {
-    secret::restart_count(&|name: &str| std::env::var(name).ok())
-}
-
-/// The rendezvous [`serve_rendezvous`] started: it moves the run on to its next attempt.
-#[derive(Clone)]
-pub struct RendezvousHost(engine::tcp::rendezvous::Host);
-
-impl RendezvousHost {
-    /// Hears only the processes of attempt `attempt` from now on (0: the run's first start,
-    /// `n` after `n` restarts, as [`env::RESTART_COUNT`] numbers them): those of an earlier
-    /// attempt, waiting or still to come, are refused, so that a process left over from a
-    /// stopped attempt can never take a place in the restarted run.
-    pub fn begin_attempt(&self, attempt: u64) {
-        self.0.begin_attempt(attempt);
-    }
-}

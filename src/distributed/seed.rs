@@ -3,7 +3,7 @@
 use burn::tensor::backend::Backend;
 
 use super::error::DistributedError;
-use super::state::ProcessState;
+use super::process_state::ProcessState;
 
 /// Seeds `B`'s generator on `device` with `seed`, plus this process's index when
 /// `device_specific` (Accelerate's `set_seed(seed, device_specific=True)`: every process

@@ -22,8 +22,8 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use crate::distributed::RunSecret;
-use crate::distributed::engine::Lane;
+use crate::RunSecret;
+use crate::engine::Lane;
 
 /// How long a new connection may take over its side of the handshake.
 pub(crate) const HANDSHAKE_WITHIN: Duration = Duration::from_secs(10);

@@ -1,6 +1,6 @@
 //! The environment a launcher gives each process: torchrun's and Accelerate's variable names,
 //! plus the few this crate's transport needs. The launcher writes them and
-//! [`ProcessState::from_env`](super::ProcessState::from_env) reads them, both from here.
+//! `ProcessState::from_env` (in burn-accelerate) reads them, both from here.
 
 /// Global rank of the process, `0..WORLD_SIZE`.
 pub const RANK: &str = "RANK";

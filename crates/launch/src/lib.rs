@@ -18,6 +18,13 @@
 //! With `--num-machines MIN:MAX` (torchrun's `--nnodes`), machine 0's launcher decides each
 //! attempt's machines among the launchers connected to it (`distributed::membership`): a lost
 //! machine's attempt is restarted with the machines that are left, if at least MIN.
+//!
+//! This crate is the launcher alone: it needs no Burn (its tree holds the process group's
+//! Burn-free layer, `burn-accelerate-comm`, and clap), so `cargo install burn-accelerate-launch`
+//! builds it in a fraction of the time the training library takes, and a project on any Burn
+//! version can start its processes with it. Its command line is a library function, [`main`],
+//! which the `burn-accelerate` crate's own `burn-accelerate` binary calls too, adding to `env`
+//! what only a build with Burn can say (each backend's precisions, found by running them).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, Command, ExitCode, ExitStatus, Stdio};
@@ -26,7 +33,7 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use burn_accelerate::distributed::{self, DistributedError, ProcessState, RunSecret, env};
+use burn_accelerate_comm::{self as distributed, DistributedError, ProcessLayout, RunSecret, env};
 use clap::{Args, Parser, Subcommand};
 
 #[derive(Parser)]
@@ -183,7 +190,25 @@ fn parse_machines(text: &str) -> Result<Machines, String> {
     }
 }
 
-fn main() -> ExitCode {
+/// What `burn-accelerate env` reports after the launcher's own lines (its version, the cores,
+/// the process layout the environment describes, the launch variables that are set): a
+/// program that links a training library passes what that library can say about this
+/// environment (what each backend runs); [`launcher_only`] for the launcher alone.
+pub type EnvReport = fn();
+
+/// The `env` report of the launcher alone, which has no backend to probe: it says where that
+/// report is.
+pub fn launcher_only() {
+    println!(
+        "backends: not probed by the launcher alone (it has no Burn); the `burn-accelerate` \
+         binary of the burn-accelerate crate (`cargo install burn-accelerate`) reports what \
+         each compiled-in backend runs"
+    );
+}
+
+/// The `burn-accelerate` command line (`launch`, `secret`, `env`), on this process's
+/// arguments; `env` ends with `env_report`. Returns the process's exit code.
+pub fn main(env_report: EnvReport) -> ExitCode {
     match Cli::parse().task {
         Task::Launch(launch) => match run(&launch) {
             Ok(code) => code,
@@ -201,6 +226,7 @@ fn main() -> ExitCode {
         },
         Task::Env => {
             report_env();
+            env_report();
             ExitCode::SUCCESS
         }
     }
@@ -503,12 +529,10 @@ fn run(launch: &Launch) -> Result<ExitCode, DistributedError> {
 }
 
 /// `--num-machines MIN:MAX`: machine 0's launcher coordinates the attempts, the others follow
-/// (see `burn_accelerate::distributed::membership`).
+/// (see `burn_accelerate_comm::membership`).
 mod elastic {
     use super::*;
-    use burn_accelerate::distributed::membership::{
-        AttemptState, Coordinator, MemberLink, Order, Shape,
-    };
+    use burn_accelerate_comm::membership::{AttemptState, Coordinator, MemberLink, Order, Shape};
 
     fn signalled() -> Option<ExitCode> {
         let signal = STOP_SIGNAL.load(Ordering::SeqCst);
@@ -1199,7 +1223,7 @@ fn describe(status: ExitStatus) -> String {
 
 fn report_env() {
     println!(
-        "burn-accelerate {} on Burn 0.21.0 ({} {})",
+        "burn-accelerate-launch {} ({} {})",
         env!("CARGO_PKG_VERSION"),
         std::env::consts::OS,
         std::env::consts::ARCH
@@ -1208,15 +1232,15 @@ fn report_env() {
         "cores: {}",
         std::thread::available_parallelism().map_or(1, |n| n.get())
     );
-    match ProcessState::from_env() {
-        Ok(state) => println!(
+    match ProcessLayout::from_env() {
+        Ok(layout) => println!(
             "process: {} of {} (local {} of {}, machine {} of {})",
-            state.process_index(),
-            state.num_processes(),
-            state.local_process_index(),
-            state.local_num_processes(),
-            state.machine_rank(),
-            state.num_machines()
+            layout.process_index(),
+            layout.num_processes(),
+            layout.local_process_index(),
+            layout.local_num_processes(),
+            layout.machine_rank(),
+            layout.num_machines()
         ),
         Err(err) => println!("process: the environment is not a valid launch: {err}"),
     }
@@ -1228,85 +1252,6 @@ fn report_env() {
                 value
             };
             println!("  {name}={value}");
-        }
-    }
-    backends::report_all();
-}
-
-mod backends {
-    use burn::tensor::backend::Backend;
-    use burn_accelerate::{Precision, capability};
-
-    fn report<B: Backend>(device: B::Device) {
-        let caps = capability::probe::<B>(&device);
-        let flags = |dtype: burn::tensor::DType| {
-            if B::supports_dtype(&device, dtype) {
-                "yes"
-            } else {
-                "no"
-            }
-        };
-        println!(
-            "{:<28} {:<24} usable: {:<40} (backend flags: f16 {}, bf16 {})",
-            B::name(&device),
-            format!("{device:?}"),
-            caps.to_string(),
-            flags(burn::tensor::DType::F16),
-            flags(burn::tensor::DType::BF16),
-        );
-        for precision in [Precision::Bf16, Precision::F16] {
-            let Some(ratio) = caps.time_ratio(precision) else {
-                continue;
-            };
-            let own = match precision {
-                Precision::Bf16 => capability::bf16_gemm_instructions(),
-                _ => None,
-            };
-            let path = match (caps.via_f32(precision), own) {
-                (true, Some(own)) => {
-                    format!("; autocast runs it on the CPU's {own}, summed in f32")
-                }
-                (true, None) => "; autocast runs it as f32 GEMMs over rounded operands".into(),
-                (false, _) => String::new(),
-            };
-            println!("    {precision}: the backend's matmul in {ratio:.2}× f32's time{path}");
-            if precision == Precision::Bf16 && caps.host_cpu && caps.via_f32(precision) {
-                println!("    AMX: {}", capability::amx_status());
-            }
-        }
-        println!(
-            "    fastest precision (Autocast::fastest, by rule): {}",
-            caps.fastest()
-        );
-        match caps.min_half_flops {
-            Some(flops) => println!(
-                "    lower-class ops under {:.1} MFLOP stay in f32 (SmallOps::KeepF32)",
-                flops as f64 / 1e6
-            ),
-            None => println!("    every lower-class op is cast (an accelerator)"),
-        }
-    }
-
-    pub(super) fn report_all() {
-        #[cfg(feature = "flex")]
-        report::<burn::backend::Flex>(Default::default());
-        #[cfg(feature = "ndarray")]
-        report::<burn::backend::NdArray>(Default::default());
-        #[cfg(feature = "wgpu")]
-        {
-            report::<burn::backend::Wgpu>(burn::backend::wgpu::WgpuDevice::DefaultDevice);
-            report::<burn::backend::Wgpu>(burn::backend::wgpu::WgpuDevice::Cpu);
-        }
-        #[cfg(feature = "tch")]
-        report::<burn::backend::LibTorch>(Default::default());
-        #[cfg(feature = "cuda")]
-        match capability::device_count::<burn::backend::Cuda>(&Default::default()) {
-            0 => println!("cuda: no CUDA device found (no driver or no GPU); skipped"),
-            n => {
-                for i in 0..n {
-                    report::<burn::backend::Cuda>(burn::backend::cuda::CudaDevice::new(i));
-                }
-            }
         }
     }
 }

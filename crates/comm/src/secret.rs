@@ -20,14 +20,14 @@ use super::error::DistributedError;
 /// can never take a place in a restarted run.
 ///
 /// ```
-/// use burn_accelerate::distributed::RunSecret;
+/// use burn_accelerate_comm::RunSecret;
 ///
 /// let secret = RunSecret::generate()?;
 /// assert_eq!(secret.to_text().len(), 64); // 32 random bytes, in hex
 /// assert_eq!(RunSecret::from_text(&secret.to_text()), secret);
 /// assert_eq!(format!("{secret:?}"), "RunSecret(.., attempt 0)");
 /// assert_eq!(secret.clone().for_attempt(2).attempt(), 2);
-/// # Ok::<(), burn_accelerate::distributed::DistributedError>(())
+/// # Ok::<(), burn_accelerate_comm::DistributedError>(())
 /// ```
 #[derive(Clone, PartialEq, Eq)]
 pub struct RunSecret {
@@ -87,12 +87,12 @@ impl RunSecret {
     }
 
     /// The secret the environment gives: [`env::SECRET`], else one derived from torchrun's run
-    /// id; `None` when neither is set. Its attempt is [`restart_count`]'s.
+    /// id; `None` when neither is set. Its attempt is [`restart_count`](crate::restart_count)'s.
     ///
     /// # Errors
     /// [`DistributedError::InvalidVariable`] for an empty [`env::SECRET`] or a restart count
     /// that is not a number.
-    pub(crate) fn from_vars(
+    pub fn from_vars(
         var: &impl Fn(&str) -> Option<String>,
     ) -> Result<Option<Self>, DistributedError> {
         let attempt = restart_count(var)?;

@@ -32,7 +32,7 @@ use super::engine::tcp::rendezvous::{self, ControlStream};
 
 type ToMember = rendezvous::ToMember<AttemptPlan>;
 type ToCoordinator = rendezvous::ToCoordinator<Shape>;
-use super::{DistributedError, RendezvousHost, RunSecret};
+use crate::{DistributedError, RendezvousHost, RunSecret};
 
 /// How often each end of a control connection says it is alive.
 const HEARTBEAT: Duration = Duration::from_secs(1);
@@ -60,7 +60,7 @@ pub struct Shape {
 /// open, or fewer than `min` are.
 ///
 /// ```
-/// use burn_accelerate::distributed::membership::decide;
+/// use burn_accelerate_comm::membership::decide;
 ///
 /// assert_eq!(decide(&[3, 1], 1, 3, false), Some(vec![0, 1, 3])); // all there: no waiting
 /// assert_eq!(decide(&[1], 1, 3, false), None); // the window is open: wait for more
@@ -712,7 +712,7 @@ mod tests {
             .unwrap()
             .port();
         let secret = RunSecret::from_text("a membership test's secret");
-        let host = super::super::serve_rendezvous(
+        let host = crate::serve_rendezvous(
             "127.0.0.1",
             port,
             Duration::from_secs(20),

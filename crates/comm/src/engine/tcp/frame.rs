@@ -13,7 +13,7 @@ use std::io::IoSlice;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use crate::distributed::element::Element;
+use crate::element::Element;
 
 /// The payload bytes a frame carries at most when this process sends.
 pub(crate) const PIECE: usize = 1 << 20;

@@ -11,7 +11,7 @@ use tokio::sync::Mutex;
 use super::frame::{self, Fingerprint, FrameHeader, ReadError};
 use super::link::{Incoming, Outgoing};
 use super::schedule;
-use crate::distributed::element::Element;
+use crate::element::Element;
 
 /// Why a step failed, and with which process.
 #[derive(Debug)]

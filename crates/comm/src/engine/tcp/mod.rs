@@ -30,10 +30,10 @@ use tokio::runtime::Runtime;
 use tokio::sync::Mutex;
 
 use super::{Engine, Lane, Tag};
-use crate::distributed::element::Element;
-use crate::distributed::env;
-use crate::distributed::error::DistributedError;
-use crate::distributed::state::Rendezvous;
+use crate::element::Element;
+use crate::env;
+use crate::error::DistributedError;
+use crate::rendezvous::Rendezvous;
 
 mod auth;
 mod control;
@@ -50,7 +50,7 @@ use rendezvous::Peer;
 use ring::{Failure, Flow, Ring};
 
 /// The built-in engine of one process.
-pub(crate) struct TcpEngine {
+pub struct TcpEngine {
     rank: usize,
     world_size: usize,
     timeout: Duration,
@@ -66,7 +66,7 @@ pub(crate) struct TcpEngine {
 impl TcpEngine {
     /// Joins the run as `rank` of `world_size`: listens for peers, comes to the rendezvous
     /// (serving it first if this is rank 0 and no launcher does), and connects the ring.
-    pub(crate) fn join(
+    pub fn join(
         rank: usize,
         world_size: usize,
         rendezvous: &Rendezvous,

@@ -29,8 +29,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use mpi::ffi;
 
 use super::{Engine, Lane, Tag};
-use crate::distributed::element::Element;
-use crate::distributed::error::DistributedError;
+use crate::element::Element;
+use crate::error::DistributedError;
 
 /// The most bytes one MPI call carries for the sliced collectives.
 pub(crate) const SLICE: usize = 16 << 20;
@@ -40,7 +40,7 @@ pub(crate) const SLICE: usize = 16 << 20;
 static FAILED: AtomicBool = AtomicBool::new(false);
 
 /// This process's MPI.
-pub(crate) struct MpiEngine {
+pub struct MpiEngine {
     rank: usize,
     /// The collectives' communicator.
     comm: Comm,
@@ -83,7 +83,7 @@ fn check(call: &'static str, code: c_int) -> Result<(), DistributedError> {
 impl MpiEngine {
     /// Initialises MPI and returns this process's engine, rank `rank` of `world_size` as the
     /// environment said, which MPI's own numbering must match.
-    pub(crate) fn join(rank: usize, world_size: usize) -> Result<Self, DistributedError> {
+    pub fn join(rank: usize, world_size: usize) -> Result<Self, DistributedError> {
         let mut provided: c_int = 0;
         // SAFETY: null argc/argv are allowed; called once (the group is joined once).
         let code = unsafe {

@@ -28,8 +28,8 @@ use super::frame::{self, Fingerprint, FrameHeader, Op, ReadError};
 use super::link::Raw;
 use super::rendezvous::Peer;
 use super::ring::Failure;
-use crate::distributed::element::Element;
-use crate::distributed::error::DistributedError;
+use crate::element::Element;
+use crate::error::DistributedError;
 
 /// The most bytes of an abort's reason read.
 const REASON_LIMIT: u64 = 64 << 10;

@@ -20,9 +20,9 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc, watch};
 
 use super::auth::{self, HANDSHAKE_WITHIN, Hello};
 use super::frame::{self, Assembly, FrameHeader, ReadError};
-use crate::distributed::RunSecret;
+use crate::RunSecret;
 
-pub(crate) use crate::distributed::engine::Lane;
+pub(crate) use crate::engine::Lane;
 
 /// The collectives' lane.
 pub(crate) const COLLECTIVES: Lane = 0;

@@ -3,9 +3,9 @@
 //!
 //! Collectives move bytes; only the reducing ones need to know what the bytes are. Naming the
 //! type with a small [`Element`] value (rather than a generic parameter) is what lets an
-//! engine be a trait object, and what an MPI engine maps to its datatypes.
+//! engine be a trait object, and what an MPI engine maps to its datatypes. (Which element a
+//! Burn tensor's dtype is, is said above this crate: `burn_accelerate::distributed::ElementOf`.)
 
-use burn::tensor::DType;
 use bytemuck::Pod;
 use half::{bf16, f16};
 
@@ -54,28 +54,8 @@ impl Element {
         }
     }
 
-    /// The element of a tensor dtype a collective can reduce; `None` for bool and quantized
-    /// tensors, which have no sum.
-    pub fn of(dtype: DType) -> Option<Self> {
-        Some(match dtype {
-            DType::F64 => Self::F64,
-            DType::F32 | DType::Flex32 => Self::F32,
-            DType::F16 => Self::F16,
-            DType::BF16 => Self::BF16,
-            DType::I64 => Self::I64,
-            DType::I32 => Self::I32,
-            DType::I16 => Self::I16,
-            DType::I8 => Self::I8,
-            DType::U64 => Self::U64,
-            DType::U32 => Self::U32,
-            DType::U16 => Self::U16,
-            DType::U8 => Self::U8,
-            _ => return None,
-        })
-    }
-
     /// A short name for messages.
-    pub(crate) fn name(self) -> &'static str {
+    pub fn name(self) -> &'static str {
         match self {
             Self::Bytes => "bytes",
             Self::F64 => "f64",
@@ -125,7 +105,7 @@ impl Element {
     }
 
     /// Divides every value by `n` (a mean from a sum).
-    pub(crate) fn divide(self, values: &mut [u8], n: usize) {
+    pub fn divide(self, values: &mut [u8], n: usize) {
         match self {
             Self::Bytes => unreachable!("bytes are never reduced"),
             Self::F64 => map::<f64>(values, |v| v / n as f64),
@@ -231,11 +211,6 @@ mod tests {
         assert_eq!(Element::from_code(ALL.len() as u8), None);
         assert_eq!(f16::ELEMENT.size(), 2);
         assert_eq!(i64::ELEMENT.size(), 8);
-        assert_eq!(
-            Element::of(DType::Bool(burn::tensor::BoolStore::Native)),
-            None
-        );
-        assert_eq!(Element::of(DType::BF16), Some(Element::BF16));
     }
 
     #[test]

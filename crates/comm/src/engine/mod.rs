@@ -5,10 +5,10 @@
 //! buffers whose values it is told the [`Element`] of, and point-to-point messages on lanes.
 //! Everything above it (numbering and fingerprinting the calls, means, typed and tensor
 //! collectives, the gradient sync) is the same for every engine, in
-//! [`ProcessGroup`](super::ProcessGroup). Byte buffers (not generic values) keep the trait a
+//! `ProcessGroup` (burn-accelerate's `distributed` module). Byte buffers (not generic values) keep the trait a
 //! trait object, and map one to one onto MPI's `(buffer, count, datatype)` calls.
 //!
-//! Engines here: [`tcp`], the built-in transport (gloo's role), and `mpi` (feature `mpi`),
+//! Engines here: [`TcpEngine`], the built-in transport (gloo's role), and `MpiEngine` (feature `mpi`),
 //! over the cluster's MPI.
 
 use std::ops::Range;
@@ -17,19 +17,23 @@ use super::element::Element;
 use super::error::DistributedError;
 
 #[cfg(feature = "mpi")]
-pub(crate) mod mpi;
+mod mpi;
 pub(crate) mod tcp;
 
+#[cfg(feature = "mpi")]
+pub use mpi::MpiEngine;
+pub use tcp::TcpEngine;
+
 /// A stream of point-to-point messages between two processes (the collectives have lane 0).
-pub(crate) type Lane = u32;
+pub type Lane = u32;
 
 /// A point-to-point message's tag, checked by its receiver: (number, step).
-pub(crate) type Tag = (u64, u32);
+pub type Tag = (u64, u32);
 
 /// What carries the bytes of a run of several processes. Every method is a collective call:
 /// every process makes the same calls, in the same order, with the same `seq` (the call's
 /// number in the run) and, where it says so, the same sizes.
-pub(crate) trait Engine: Send + Sync {
+pub trait Engine: Send + Sync {
     /// Sums `data`, values of `element`, over the processes, in place. Every process ends
     /// with the same bits.
     fn all_reduce(
@@ -76,7 +80,7 @@ pub(crate) trait Engine: Send + Sync {
 }
 
 /// The byte ranges of blocks of `counts` values of `size` bytes each, in order.
-pub(crate) fn blocks(counts: impl IntoIterator<Item = usize>, size: usize) -> Vec<Range<usize>> {
+pub fn blocks(counts: impl IntoIterator<Item = usize>, size: usize) -> Vec<Range<usize>> {
     let mut start = 0;
     counts
         .into_iter()

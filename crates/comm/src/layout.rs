@@ -1,38 +1,40 @@
-//! [`ProcessState`]: Accelerate's `PartialState` as a small value read from the environment.
+//! [`ProcessLayout`]: Accelerate's `PartialState` as a small value read from the environment:
+//! which process of a run this is, and how to reach the others. burn-accelerate's
+//! `distributed::ProcessState` is this value with the process group and the collectives on it;
+//! the launcher reads it alone (`burn-accelerate env`).
 
 use std::time::Duration;
 
-use super::env;
-use super::error::DistributedError;
-use super::secret::RunSecret;
+use crate::Rendezvous;
+use crate::env;
+use crate::error::DistributedError;
+use crate::secret::RunSecret;
 
 /// Which process of a run this is, and how to reach the others: Accelerate's `PartialState`.
 ///
 /// Read it with [`from_env`](Self::from_env) from the variables `burn-accelerate launch` (or
-/// torchrun) sets; with none of them set, it is a single process. The collectives
-/// ([`wait_for_everyone`](Self::wait_for_everyone), the guards, and the gradient
-/// synchronisation of the [`Accelerator`](crate::Accelerator) and the training strategy) join
-/// the process group on first use.
+/// torchrun, `srun`, `mpirun`) sets; with none of them set, it is a single process. It does no
+/// I/O: burn-accelerate's `ProcessState` joins the process group on it.
 ///
 /// ```
-/// use burn_accelerate::distributed::ProcessState;
+/// use burn_accelerate_comm::ProcessLayout;
 ///
 /// // What `burn-accelerate launch --num-processes 2` gives its second process.
 /// let vars = [("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1"),
 ///     ("LOCAL_WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")];
-/// let state = ProcessState::from_vars(|name| {
+/// let state = ProcessLayout::from_vars(|name| {
 ///     vars.iter().find(|(n, _)| *n == name).map(|(_, v)| v.to_string())
 /// })?;
 /// assert_eq!((state.process_index(), state.num_processes()), (1, 2));
 /// assert!(!state.is_main_process() && !state.is_local_main_process());
 ///
 /// // Nothing set: one process.
-/// let single = ProcessState::from_vars(|_| None)?;
+/// let single = ProcessLayout::from_vars(|_| None)?;
 /// assert!(single.is_main_process() && single.num_processes() == 1);
-/// # Ok::<(), burn_accelerate::distributed::DistributedError>(())
+/// # Ok::<(), burn_accelerate_comm::DistributedError>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ProcessState {
+pub struct ProcessLayout {
     num_processes: usize,
     process_index: usize,
     local_process_index: usize,
@@ -47,29 +49,7 @@ pub struct ProcessState {
     bound_by_launcher: bool,
 }
 
-/// Where the processes of a run meet, and how long they wait for each other.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Rendezvous {
-    /// Host of the rendezvous (the main machine).
-    pub main_addr: String,
-    /// Its port.
-    pub main_port: u16,
-    /// The port this process accepts its peers' tensors on.
-    pub data_port: u16,
-    /// The host the others reach this process at (`None`: found from the route to
-    /// `main_addr`).
-    pub node_host: Option<String>,
-    /// How long any wait on the other processes may last.
-    pub timeout: Duration,
-    /// How long a process may be silent (no heartbeat) before the run fails.
-    pub liveness: Duration,
-    /// Whether the launcher hosts the rendezvous (otherwise rank 0 does).
-    pub hosted_by_launcher: bool,
-    /// The run's secret (`None`: none given, and not under torchrun; joining then fails).
-    pub secret: Option<RunSecret>,
-}
-
-impl ProcessState {
+impl ProcessLayout {
     /// One process: rank 0 of 1, on machine 0 of 1.
     pub fn single() -> Self {
         Self {
@@ -85,7 +65,7 @@ impl ProcessState {
         }
     }
 
-    /// Reads the process's place in the run from the environment (see [`env`](super::env)
+    /// Reads the process's place in the run from the environment (see [`env`](mod@crate::env)
     /// for the variables); a single process when no launcher's variables are set.
     ///
     /// A program started directly in a Slurm allocation of several tasks (`salloc -n 2
@@ -522,7 +502,7 @@ impl ProcessState {
 
     /// The line the main process prints when it joins the run: which engine carries the
     /// collectives, and why (`None` for a single process, which has none).
-    pub(crate) fn engine_line(&self) -> Option<String> {
+    pub fn engine_line(&self) -> Option<String> {
         let machines = match self.num_machines {
             1 => "1 machine".to_string(),
             n => format!("{n} machines"),
@@ -542,8 +522,7 @@ impl ProcessState {
     /// Whether the launcher (`mpirun`, `srun`) binds each process to CPUs of its own, so that
     /// a process's CPU mask is its share of the machine; torchrun and this crate's launcher
     /// bind none, and their processes share the machine's.
-    #[cfg_attr(not(feature = "flex"), allow(dead_code))] // Read by `threads` only.
-    pub(crate) fn bound_by_launcher(&self) -> bool {
+    pub fn bound_by_launcher(&self) -> bool {
         self.bound_by_launcher
     }
 }
@@ -724,12 +703,12 @@ fn invalid(name: &'static str, value: usize, expected: String) -> DistributedErr
 mod tests {
     use super::*;
 
-    fn state(vars: &[(&str, &str)]) -> Result<ProcessState, DistributedError> {
+    fn state(vars: &[(&str, &str)]) -> Result<ProcessLayout, DistributedError> {
         let vars: Vec<(String, String)> = vars
             .iter()
             .map(|(n, v)| (n.to_string(), v.to_string()))
             .collect();
-        ProcessState::from_vars(move |name| {
+        ProcessLayout::from_vars(move |name| {
             vars.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone())
         })
     }
@@ -768,7 +747,7 @@ mod tests {
         assert!(!r.hosted_by_launcher);
     }
 
-    fn layout(s: &ProcessState) -> [usize; 6] {
+    fn layout(s: &ProcessLayout) -> [usize; 6] {
         [
             s.num_processes(),
             s.process_index(),
@@ -787,10 +766,7 @@ mod tests {
         let r = s.rendezvous().unwrap();
         // torchrun's store holds 29500: the rendezvous takes 29501, local rank 1 29503.
         assert_eq!((r.main_port, r.data_port), (29501, 29503));
-        assert_eq!(
-            r.secret,
-            Some(crate::distributed::RunSecret::from_text("torchrun:a1b2"))
-        );
+        assert_eq!(r.secret, Some(crate::RunSecret::from_text("torchrun:a1b2")));
         // Under the launcher, torchrun's variables change nothing.
         vars.push(("BURN_ACCELERATE_ORCHESTRATOR", "launcher"));
         let r = state(&vars).unwrap().rendezvous().unwrap().clone();
@@ -941,10 +917,10 @@ mod tests {
         for (vars, tasks) in [(salloc, 2), (batch, 4), (named, 4)] {
             let var = map(vars);
             assert_eq!(
-                ProcessState::from_vars(var).unwrap(),
-                ProcessState::single()
+                ProcessLayout::from_vars(var).unwrap(),
+                ProcessLayout::single()
             );
-            let note = ProcessState::allocation_note(&var).unwrap();
+            let note = ProcessLayout::allocation_note(&var).unwrap();
             assert!(
                 note.contains(&format!("`srun PROGRAM` there starts {tasks}")),
                 "{note}"
@@ -952,13 +928,13 @@ mod tests {
         }
         // No note for one task, for a task of a step, or under another launcher.
         assert_eq!(
-            ProcessState::allocation_note(&map(&[("SLURM_NTASKS", "1")])),
+            ProcessLayout::allocation_note(&map(&[("SLURM_NTASKS", "1")])),
             None
         );
-        assert_eq!(ProcessState::allocation_note(&map(&SLURM_2X2)), None);
+        assert_eq!(ProcessLayout::allocation_note(&map(&SLURM_2X2)), None);
         let torchrun: &[(&str, &str)] =
             &[("RANK", "0"), ("WORLD_SIZE", "1"), ("SLURM_NTASKS", "2")];
-        assert_eq!(ProcessState::allocation_note(&map(torchrun)), None);
+        assert_eq!(ProcessLayout::allocation_note(&map(torchrun)), None);
     }
 
     #[test]
@@ -990,7 +966,7 @@ mod tests {
         // ... and the built-in engine on request.
         pmix.push(("BURN_ACCELERATE_ENGINE", "tcp"));
         assert!(!state(&pmix).unwrap().over_mpi());
-        assert_eq!(ProcessState::single().engine_line(), None);
+        assert_eq!(ProcessLayout::single().engine_line(), None);
     }
 
     const OPEN_MPI_2X2: [(&str, &str); 4] = [
@@ -1130,7 +1106,7 @@ mod tests {
 
     #[test]
     fn nothing_set_is_one_process_and_rank_without_locals_is_one_machine() {
-        assert_eq!(state(&[]).unwrap(), ProcessState::single());
+        assert_eq!(state(&[]).unwrap(), ProcessLayout::single());
         let s = state(&[
             ("RANK", "2"),
             ("WORLD_SIZE", "3"),

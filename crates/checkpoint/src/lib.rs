@@ -5,20 +5,19 @@
 //! whole; one read back is checked against the manifest first, and a damaged one (a truncated
 //! or altered file) is passed over, with a warning, for the one before it.
 //!
-//! [`CheckpointDir`] is the whole protocol for any loop; the [`Accelerator`](crate::Accelerator)
-//! writes its state, a model's and an optimizer's records through it
-//! ([`Accelerator::save_checkpoint`](crate::Accelerator::save_checkpoint)) and reads the
-//! newest complete checkpoint back ([`Accelerator::resume`](crate::Accelerator::resume));
-//! `with_accelerate` keeps its checkpoints with it
-//! ([`AccelerateStrategy::with_checkpoint_dir`](crate::train::AccelerateStrategy::with_checkpoint_dir))
-//! and resumes from the newest complete one by itself. The pieces are plain functions over
-//! plain values ([`FileDigest`], [`Manifest`]), tested on their own.
+//! [`CheckpointDir`] is the whole protocol for any loop, with no Burn in it (bytes and files);
+//! burn-accelerate's `Accelerator` writes its state, a model's and an optimizer's records
+//! through it (`Accelerator::save_checkpoint`) and reads the newest complete checkpoint back
+//! (`Accelerator::resume`); `with_accelerate` keeps its checkpoints with it
+//! (`AccelerateStrategy::with_checkpoint_dir`) and resumes from the newest complete one by
+//! itself. The pieces are plain functions over plain values ([`FileDigest`], [`Manifest`]),
+//! tested on their own. Every failure is a [`CheckpointError`] naming the file.
 //!
 //! Only one process may write a directory (the main process, in a run of several); the others
 //! read only what the manifest lists, which is never a file still being written.
 //!
 //! ```
-//! use burn_accelerate::checkpoint::CheckpointDir;
+//! use burn_accelerate_checkpoint::CheckpointDir;
 //!
 //! let dir = std::env::temp_dir().join(format!("ckpt-doc-{}", std::process::id()));
 //! let checkpoints = CheckpointDir::new(&dir).with_keep_last(2);
@@ -31,14 +30,14 @@
 //! // The first went: two are kept.
 //! assert!(checkpoints.load(1).is_err());
 //! # std::fs::remove_dir_all(&dir).unwrap();
-//! # Ok::<(), burn_accelerate::AccelerateError>(())
+//! # Ok::<(), burn_accelerate_checkpoint::CheckpointError>(())
 //! ```
 //!
 //! # Test hook
 //!
 //! `BURN_ACCELERATE_TEST_CRASH_WRITING=RESTART:FILE` (for tests only: it kills the process)
 //! makes the writer of the attempt whose restart count is `RESTART` (0: the first start, see
-//! [`distributed::restart_count`](crate::distributed::restart_count)) write half of `FILE`
+//! [`restart_count`](burn_accelerate_comm::restart_count)) write half of `FILE`
 //! under its temporary name and then kill its own process with `SIGKILL`: how the tests show
 //! that a crash in the middle of a checkpoint leaves the previous one to resume from.
 
@@ -49,10 +48,16 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::AccelerateError;
-
-mod accelerator;
-pub use accelerator::Resumed;
+/// What went wrong with a checkpoint directory: the file, and why, in words that say what to
+/// do (burn-accelerate shows it as `AccelerateError::Checkpoint`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("accelerate checkpoint state {path}: {reason}")]
+pub struct CheckpointError {
+    /// The file or directory.
+    pub path: String,
+    /// Why, and what to do.
+    pub reason: String,
+}
 
 /// The manifest's name in a checkpoint directory: the list of complete checkpoints.
 pub const MANIFEST: &str = "accelerate-checkpoints.json";
@@ -160,9 +165,9 @@ impl Manifest {
     /// Reads `dir`'s manifest; an empty one where there is none yet.
     ///
     /// # Errors
-    /// [`AccelerateError::Checkpoint`] when it exists but cannot be read or parsed (it is
+    /// [`CheckpointError`] when it exists but cannot be read or parsed (it is
     /// only ever replaced whole, so something else damaged it).
-    pub fn read(dir: &Path) -> Result<Self, AccelerateError> {
+    pub fn read(dir: &Path) -> Result<Self, CheckpointError> {
         let path = dir.join(MANIFEST);
         let bytes = match std::fs::read(&path) {
             Ok(bytes) => bytes,
@@ -193,8 +198,8 @@ impl Manifest {
     /// Writes it into `dir` under a temporary name, flushed, then renamed over the old one.
     ///
     /// # Errors
-    /// [`AccelerateError::Checkpoint`] when the directory cannot be written.
-    pub fn write(&self, dir: &Path) -> Result<(), AccelerateError> {
+    /// [`CheckpointError`] when the directory cannot be written.
+    pub fn write(&self, dir: &Path) -> Result<(), CheckpointError> {
         let bytes = serde_json::to_vec_pretty(self).expect("a manifest serialises");
         write_atomic(dir, MANIFEST, &bytes).map(|_| ())
     }
@@ -306,13 +311,13 @@ impl CheckpointDir {
     /// it, and deletes the files of the checkpoints beyond the newest kept.
     ///
     /// # Errors
-    /// [`AccelerateError::Checkpoint`] when a file or the manifest cannot be written (the
+    /// [`CheckpointError`] when a file or the manifest cannot be written (the
     /// checkpoints listed before are then still whole).
     pub fn save(
         &self,
         epoch: usize,
         files: &[(&str, &[u8])],
-    ) -> Result<CheckpointEntry, AccelerateError> {
+    ) -> Result<CheckpointEntry, CheckpointError> {
         self.save_sparing(epoch, files, |_| false)
     }
 
@@ -326,7 +331,7 @@ impl CheckpointDir {
         epoch: usize,
         files: &[(&str, &[u8])],
         spare: impl Fn(&str) -> bool,
-    ) -> Result<CheckpointEntry, AccelerateError> {
+    ) -> Result<CheckpointEntry, CheckpointError> {
         std::fs::create_dir_all(&self.dir)
             .map_err(|e| checkpoint_error(&self.dir, e.to_string()))?;
         let mut digests = Vec::with_capacity(files.len());
@@ -360,12 +365,12 @@ impl CheckpointDir {
     /// listed.
     ///
     /// # Errors
-    /// [`AccelerateError::Checkpoint`] when the manifest cannot be read, or when checkpoints
+    /// [`CheckpointError`] when the manifest cannot be read, or when checkpoints
     /// are listed but none verifies (a run must not silently start over).
     pub fn load_newest(
         &self,
         at_most: Option<usize>,
-    ) -> Result<Option<LoadedCheckpoint>, AccelerateError> {
+    ) -> Result<Option<LoadedCheckpoint>, CheckpointError> {
         let manifest = Manifest::read(&self.dir)?;
         let choice = manifest.newest_complete(at_most, |entry| read_entry(&self.dir, entry));
         for (epoch, why) in &choice.rejected {
@@ -403,8 +408,8 @@ impl CheckpointDir {
     /// The checkpoint of `epoch`, read back and verified.
     ///
     /// # Errors
-    /// [`AccelerateError::Checkpoint`] when it is not listed or does not verify.
-    pub fn load(&self, epoch: usize) -> Result<LoadedCheckpoint, AccelerateError> {
+    /// [`CheckpointError`] when it is not listed or does not verify.
+    pub fn load(&self, epoch: usize) -> Result<LoadedCheckpoint, CheckpointError> {
         let manifest = Manifest::read(&self.dir)?;
         let path = self.dir.join(MANIFEST);
         let entry = manifest.entry(epoch).ok_or_else(|| {
@@ -453,8 +458,8 @@ pub fn read_verified(dir: &Path, file: &FileDigest) -> Result<Vec<u8>, String> {
 /// Returns what was written.
 ///
 /// # Errors
-/// [`AccelerateError::Checkpoint`] when the directory cannot be written.
-pub fn write_atomic(dir: &Path, name: &str, bytes: &[u8]) -> Result<FileDigest, AccelerateError> {
+/// [`CheckpointError`] when the directory cannot be written.
+pub fn write_atomic(dir: &Path, name: &str, bytes: &[u8]) -> Result<FileDigest, CheckpointError> {
     let path = dir.join(name);
     let partial = dir.join(format!("{name}{PARTIAL}"));
     let io = |e: std::io::Error| checkpoint_error(&path, e.to_string());
@@ -503,7 +508,7 @@ fn crash_here(name: &str) -> bool {
         log::warn!("burn-accelerate: {CRASH_WRITING}={value:?} is not RESTART:FILE; ignored");
         return false;
     };
-    file == name && crate::distributed::restart_count().is_ok_and(|r| r == restart)
+    file == name && burn_accelerate_comm::restart_count().is_ok_and(|r| r == restart)
 }
 
 fn kill_this_process() -> ! {
@@ -514,8 +519,8 @@ fn kill_this_process() -> ! {
     std::process::abort()
 }
 
-fn checkpoint_error(path: &Path, reason: String) -> AccelerateError {
-    AccelerateError::Checkpoint {
+fn checkpoint_error(path: &Path, reason: String) -> CheckpointError {
+    CheckpointError {
         path: path.display().to_string(),
         reason,
     }

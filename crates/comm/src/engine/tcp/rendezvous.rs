@@ -15,7 +15,7 @@
 //! too, or its own timeout.
 //!
 //! The same listener takes the control connections of the other machines' launchers in an
-//! elastic run (`--num-machines MIN:MAX`, see [`membership`](crate::distributed::membership)):
+//! elastic run (`--num-machines MIN:MAX`, see [`membership`](crate::membership)):
 //! they name their own lane in the same authenticated handshake, so the main machine listens
 //! on no port beyond the rendezvous's.
 
@@ -34,9 +34,9 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::auth::{self, HANDSHAKE_WITHIN, Hello};
 use super::frame::{self, Fingerprint, Op};
-use crate::distributed::RunSecret;
-use crate::distributed::element::Element;
-use crate::distributed::error::DistributedError;
+use crate::RunSecret;
+use crate::element::Element;
+use crate::error::DistributedError;
 
 /// The longest rendezvous message read (a table of thousands of processes fits).
 const MESSAGE_LIMIT: u64 = 16 << 20;
@@ -176,7 +176,7 @@ fn stale(theirs: u64, ours: u64) -> String {
          restarted and is at attempt {} now. A process left over from an earlier attempt \
          cannot join a later one: stop it",
         theirs + 1,
-        crate::distributed::env::RESTART_COUNT,
+        crate::env::RESTART_COUNT,
         ours + 1
     )
 }
@@ -216,7 +216,7 @@ pub(crate) fn serve(
         .map_err(|e| DistributedError::PortUnavailable {
             port,
             purpose: "the rendezvous",
-            variable: crate::distributed::env::MASTER_PORT,
+            variable: crate::env::MASTER_PORT,
             reason: format!("{e} (listening on {host})"),
         })?;
     let round = Arc::new(Mutex::new(Round {

@@ -1,0 +1,122 @@
+//! The launcher binary alone (no Burn in its build): it starts a program's processes with
+//! their places in the run, writes secrets, and reports the environment.
+
+use std::hash::BuildHasher;
+use std::process::Command;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+fn launcher() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_burn-accelerate"))
+}
+
+// One launch at a time: each hosts a rendezvous and its processes' ports.
+fn exclusive() -> MutexGuard<'static, ()> {
+    static LAUNCHES: Mutex<()> = Mutex::new(());
+    LAUNCHES.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+// The launch's main port, free now with the ports after it that the launcher gives its
+// processes: drawn below the ephemeral range (from 32768 on Linux), as other runs on this
+// machine (the root crate's tests) may hold the default 29500.
+fn free_port() -> String {
+    let free = |port: u16| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok();
+    loop {
+        let port = 20_000 + (std::hash::RandomState::new().hash_one(0u8) % 12_000) as u16;
+        if (port..port + 8).all(free) {
+            return port.to_string();
+        }
+    }
+}
+
+#[test]
+fn launch_gives_each_process_its_rank_and_prefixes_its_lines() {
+    let _one = exclusive();
+    let out = launcher()
+        .args([
+            "launch",
+            "--num-processes",
+            "2",
+            "--main-process-port",
+            &free_port(),
+            "--",
+            "sh",
+            "-c",
+            "echo \"rank=$RANK of $WORLD_SIZE local=$LOCAL_RANK\"",
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for rank in 0..2 {
+        let line = format!("[rank {rank}] rank={rank} of 2 local={rank}");
+        assert!(stdout.lines().any(|l| l == line), "{line:?} in\n{stdout}");
+    }
+}
+
+#[test]
+fn a_failing_process_fails_the_launch_naming_its_rank() {
+    let _one = exclusive();
+    let out = launcher()
+        .args([
+            "launch",
+            "--num-processes",
+            "2",
+            "--main-process-port",
+            &free_port(),
+            "--grace",
+            "1",
+            "--",
+            "sh",
+            "-c",
+            "[ \"$RANK\" = 1 ] && exit 7; sleep 30",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("process 1 exited with status 7"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn secret_writes_64_hex_characters_readable_by_its_owner_only() {
+    let path = std::env::temp_dir().join(format!("launch-secret-{}", std::process::id()));
+    let status = launcher().arg("secret").arg(&path).status().unwrap();
+    assert!(status.success());
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert_eq!(text.trim().len(), 64, "{text:?}");
+    assert!(text.trim().chars().all(|c| c.is_ascii_hexdigit()));
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+    }
+    std::fs::remove_file(&path).unwrap();
+}
+
+#[test]
+fn env_names_the_variable_of_a_bad_layout_and_says_where_the_backend_probes_are() {
+    let out = launcher()
+        .arg("env")
+        .env("RANK", "2")
+        .env("WORLD_SIZE", "2")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert!(out.status.success());
+    assert!(
+        stdout.contains("environment variable RANK=\"2\" is invalid: below WORLD_SIZE=2"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("not probed by the launcher alone"),
+        "{stdout}"
+    );
+}
