@@ -382,6 +382,16 @@ enum Out<'a> {
     Bf16(BPtr, Finish<'a>),
 }
 
+impl<'a> Out<'a> {
+    /// The product's buffer, to be shared by the tasks.
+    fn of(product: Product<'a>) -> Self {
+        match product {
+            Product::F32(c) => Out::F32(CPtr(c.as_mut_ptr())),
+            Product::Bf16 { out, finish } => Out::Bf16(BPtr(out.as_mut_ptr()), finish),
+        }
+    }
+}
+
 /// Finishes a task's block of a product rounded to bf16: the `rows × cols` sums of the block
 /// at `(i0, j0)` of the `m × n` product, rows `ld` apart in `sums`, rounded into `out` as
 /// `finish` lays them out, a run at a time.

@@ -21,7 +21,7 @@ use std::mem::MaybeUninit;
 use rayon::prelude::*;
 
 use super::tiles::{TILE_ROW_BYTES, TILE_ROWS, TILE_WORDS, Tiles};
-use super::{BPtr, Bf16Matrix, CPtr, Out, Product, finish_block, zero_product};
+use super::{Bf16Matrix, Out, Product, finish_block, zero_product};
 
 /// Pairs of k per tile step: a tile row of bf16 pairs.
 const STEP: usize = TILE_WORDS;
@@ -61,14 +61,10 @@ pub(super) unsafe fn gemm<T: Tiles>(
     let [packed_a, packed_b] = packed;
     let packed_a = pack(a, steps, Order::Rows, packed_a, parallel);
     let packed_b = pack(b.transposed(), steps, Order::Pairs, packed_b, parallel);
-    let out = match product {
-        Product::F32(c) => Out::F32(CPtr(c.as_mut_ptr())),
-        Product::Bf16 { out, finish } => Out::Bf16(BPtr(out.as_mut_ptr()), finish),
-    };
     let blocks = Blocks {
         packed_a,
         packed_b,
-        out,
+        out: Out::of(product),
         m,
         n,
         steps,

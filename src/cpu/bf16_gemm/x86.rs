@@ -6,7 +6,7 @@ use std::mem::MaybeUninit;
 use half::bf16;
 use rayon::prelude::*;
 
-use super::{BPtr, Bf16Matrix, CPtr, Out, Packed, Product, RUN, finish_block, zero_product};
+use super::{Bf16Matrix, Out, Packed, Product, RUN, finish_block, zero_product};
 
 /// Rows of the product one micro-kernel call computes, at most.
 const MR: usize = 12;
@@ -73,14 +73,10 @@ pub(super) unsafe fn gemm(
             pack(b.transposed(), pairs, NR, packed_b, parallel),
         )
     };
-    let out = match product {
-        Product::F32(c) => Out::F32(CPtr(c.as_mut_ptr())),
-        Product::Bf16 { out, finish } => Out::Bf16(BPtr(out.as_mut_ptr()), finish),
-    };
     let blocks = Blocks {
         packed_a,
         packed_b,
-        out,
+        out: Out::of(product),
         m,
         n,
         pairs,
