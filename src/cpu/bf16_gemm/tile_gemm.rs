@@ -439,6 +439,22 @@ mod tests {
         out
     }
 
+    /// The f32 product `a @ b` of the tile kernel on the model, every value written.
+    fn on_the_model(a: Bf16Matrix, b: Bf16Matrix, parallel: bool) -> Vec<f32> {
+        let mut c = vec![f32::NAN; a.rows * b.cols];
+        let product = Product::F32(&mut c);
+        gemm_on(
+            Bf16Kernel::TileModel,
+            a,
+            b,
+            product,
+            parallel,
+            &mut Default::default(),
+        )
+        .unwrap();
+        c
+    }
+
     // `[m, k, n]` with edges everywhere: a single value; k, m and n short of a tile; whole
     // tiles; one past whole tiles; k across several k blocks (512 values a block); rows past
     // a task's 64 and columns past its 256; an odd k.
@@ -483,17 +499,7 @@ mod tests {
                 let want = instruction_order(&a, &b);
                 // Threads only where the product spans several tasks.
                 for parallel in [false, m > MC || n > NC] {
-                    let mut c = vec![f32::NAN; m * n];
-                    let product = Product::F32(&mut c);
-                    gemm_on(
-                        Bf16Kernel::TileModel,
-                        a,
-                        b,
-                        product,
-                        parallel,
-                        &mut Default::default(),
-                    )
-                    .unwrap();
+                    let c = on_the_model(a, b, parallel);
                     for (at, (got, want)) in c.iter().zip(&want).enumerate() {
                         assert_eq!(
                             got.to_bits(),
@@ -513,16 +519,7 @@ mod tests {
         let (a, b) = (matrix(&values(m * k, 3)), matrix(&values(k * n, 4)));
         let a = Bf16Matrix::new(&a, 0, [m, k], [k, 1]).unwrap();
         let b = Bf16Matrix::new(&b, 0, [k, n], [n, 1]).unwrap();
-        let mut c = vec![f32::NAN; m * n];
-        gemm_on(
-            Bf16Kernel::TileModel,
-            a,
-            b,
-            Product::F32(&mut c),
-            true,
-            &mut Default::default(),
-        )
-        .unwrap();
+        let c = on_the_model(a, b, true);
         for (got, (sum, bound)) in c.iter().zip(reference(&a, &b)) {
             assert!(
                 (f64::from(*got) - sum).abs() <= bound,
@@ -544,16 +541,7 @@ mod tests {
             let (a, b) = (matrix(&values(m * k + 1, 5)), matrix(&values(k * n + 1, 6)));
             let a = Bf16Matrix::new(&a, 0, [m, k], [k, 1]).unwrap();
             let b = Bf16Matrix::new(&b, 0, [k, n], [n, 1]).unwrap();
-            let mut c = vec![f32::NAN; m * n];
-            gemm_on(
-                Bf16Kernel::TileModel,
-                a,
-                b,
-                Product::F32(&mut c),
-                true,
-                &mut Default::default(),
-            )
-            .unwrap();
+            let c = on_the_model(a, b, true);
             let bias: Vec<f32> = (0..m).map(|i| i as f32 * 0.37 - 1.1).collect();
             let plus_one = |_: usize, values: &mut [bf16]| {
                 values.iter_mut().for_each(|v| *v += bf16::ONE);
