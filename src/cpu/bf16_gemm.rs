@@ -392,6 +392,39 @@ impl<'a> Out<'a> {
     }
 }
 
+/// A kernel's tile at an edge of the product, summed in a local tile: `sum(local, width)` sums
+/// a whole tile of `LEN / width` rows, `width` values each, in `local`, which stands in for
+/// the `rows × cols` values at `corner` (rows `ld` apart) that lie in the product. They are
+/// copied in first where `add` (an earlier k block wrote them; the first block's tile starts
+/// from zero) and out after.
+///
+/// # Safety
+///
+/// `corner` holds `rows` rows of `cols` values, `ld` apart, with `rows ≤ LEN / width` and
+/// `cols ≤ width`; `sum` writes no more than its whole tile at the pointer it is given.
+#[inline(always)]
+unsafe fn through_local<const LEN: usize>(
+    corner: *mut f32,
+    ld: usize,
+    [rows, cols]: [usize; 2],
+    width: usize,
+    add: bool,
+    sum: impl FnOnce(*mut f32, usize),
+) {
+    let mut local = [0f32; LEN];
+    for r in (0..rows).filter(|_| add) {
+        // SAFETY: row `r` has `cols` values at `corner` (the caller's promise).
+        let row = unsafe { std::slice::from_raw_parts(corner.add(r * ld), cols) };
+        local[r * width..][..cols].copy_from_slice(row);
+    }
+    sum(local.as_mut_ptr(), width);
+    for r in 0..rows {
+        // SAFETY: as above.
+        let row = unsafe { std::slice::from_raw_parts_mut(corner.add(r * ld), cols) };
+        row.copy_from_slice(&local[r * width..][..cols]);
+    }
+}
+
 /// Finishes a task's block of a product rounded to bf16: the `rows × cols` sums of the block
 /// at `(i0, j0)` of the `m × n` product, rows `ld` apart in `sums`, rounded into `out` as
 /// `finish` lays them out, a run at a time.

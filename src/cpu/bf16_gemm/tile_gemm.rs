@@ -21,7 +21,7 @@ use std::mem::MaybeUninit;
 use rayon::prelude::*;
 
 use super::tiles::{TILE_ROW_BYTES, TILE_ROWS, TILE_WORDS, Tiles};
-use super::{Bf16Matrix, Out, Product, finish_block, zero_product};
+use super::{Bf16Matrix, Out, Product, finish_block, through_local, zero_product};
 
 /// Pairs of k per tile step: a tile row of bf16 pairs.
 const STEP: usize = TILE_WORDS;
@@ -306,47 +306,25 @@ impl Blocks<'_> {
                         let corner = block.add(r * ld + c);
                         match whole {
                             true => micro(tiles, a, b, steps, corner, ld, s0 > 0),
+                            // At an edge, through a local micro tile.
                             false => {
                                 let shape = [MICRO.min(rows - r), MICRO.min(cols - c)];
-                                edge(tiles, a, b, steps, corner, ld, shape, s0 > 0)
+                                let sum =
+                                    |local, width| micro(tiles, a, b, steps, local, width, s0 > 0);
+                                through_local::<{ MICRO * MICRO }>(
+                                    corner,
+                                    ld,
+                                    shape,
+                                    MICRO,
+                                    s0 > 0,
+                                    sum,
+                                )
                             }
                         }
                     }
                 }
             }
         }
-    }
-}
-
-/// A micro tile at an edge of the product: summed in a local 32 × 32 tile, of which the
-/// `rows × cols` that lie in the product are copied in (where `add`) and out.
-///
-/// # Safety
-///
-/// As for [`micro`]; `corner` holds `rows` rows of `cols` values, `ld` apart.
-#[allow(clippy::too_many_arguments)]
-unsafe fn edge<T: Tiles>(
-    tiles: &mut T,
-    a: [*const u32; 2],
-    b: [*const u32; 2],
-    steps: usize,
-    corner: *mut f32,
-    ld: usize,
-    [rows, cols]: [usize; 2],
-    add: bool,
-) {
-    let mut local = [0f32; MICRO * MICRO];
-    for r in (0..rows).filter(|_| add) {
-        // SAFETY: row `r` has `cols` values at `corner`, written by an earlier k block.
-        let row = unsafe { std::slice::from_raw_parts(corner.add(r * ld), cols) };
-        local[r * MICRO..][..cols].copy_from_slice(row);
-    }
-    // SAFETY: `local` holds a whole micro tile, rows `MICRO` apart.
-    unsafe { micro(tiles, a, b, steps, local.as_mut_ptr(), MICRO, add) };
-    for r in 0..rows {
-        // SAFETY: as above.
-        let row = unsafe { std::slice::from_raw_parts_mut(corner.add(r * ld), cols) };
-        row.copy_from_slice(&local[r * MICRO..][..cols]);
     }
 }
 

@@ -6,7 +6,7 @@ use std::mem::MaybeUninit;
 use half::bf16;
 use rayon::prelude::*;
 
-use super::{Bf16Matrix, Out, Packed, Product, RUN, finish_block, zero_product};
+use super::{Bf16Matrix, Out, Packed, Product, RUN, finish_block, through_local, zero_product};
 
 /// Rows of the product one micro-kernel call computes, at most.
 const MR: usize = 12;
@@ -441,21 +441,9 @@ impl Blocks<'_> {
             // SAFETY: the whole tile lies at `corner`, rows `ld` apart.
             return kernel(corner, ld);
         }
-        let mut local = [0f32; MR * NR];
-        // The first k block's tile starts from zero (and its values are not written yet).
-        for r in (0..rows).filter(|_| add) {
-            // SAFETY: row `r` of the tile has `cols` values at `corner`, written by an
-            // earlier k block.
-            let row = unsafe { std::slice::from_raw_parts(corner.add(r * ld), cols) };
-            local[r * NR..][..cols].copy_from_slice(row);
-        }
-        // `local` holds a whole tile, rows `NR` apart.
-        kernel(local.as_mut_ptr(), NR);
-        for r in 0..rows {
-            // SAFETY: as above.
-            let row = unsafe { std::slice::from_raw_parts_mut(corner.add(r * ld), cols) };
-            row.copy_from_slice(&local[r * NR..][..cols]);
-        }
+        // SAFETY: the tile's `rows × cols` values lie at `corner`, rows `ld` apart, within
+        // its `MR × NR`; the kernel writes one whole tile of `mr ≤ MR` rows.
+        unsafe { through_local::<{ MR * NR }>(corner, ld, [rows, cols], NR, add, kernel) }
     }
 }
 
