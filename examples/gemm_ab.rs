@@ -54,7 +54,7 @@ fn main() {
     println!(
         "CPU: {}; AMX: {}; oneDNN: {}",
         cpu_model(),
-        bench_support::amx_status(),
+        burn_accelerate::capability::amx_status(),
         match &onednn {
             Ok(_) => "libdnnl.so.2 loaded".to_string(),
             Err(e) => format!("not loaded ({e}; `apt-get install libdnnl-dev`)"),

@@ -61,11 +61,6 @@ pub fn bf16_gemm(
     })
 }
 
-/// Why the CPU's AMX tiles are or are not used.
-pub fn amx_status() -> String {
-    bf16_gemm::amx_support().to_string()
-}
-
 /// `c = a @ b` of row-major f32 matrices by Flex's f32 GEMM (the `gemm` crate), what the
 /// widened route runs where the CPU has no bf16 kernel.
 pub fn f32_gemm(a: &[f32], b: &[f32], [m, k, n]: [usize; 3], c: &mut [f32]) {
