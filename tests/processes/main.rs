@@ -2455,9 +2455,18 @@ mod validation {
         let valid = DataLoaderBuilder::<Accelerated<Flex>, _, _>::new(BlobBatcher)
             .batch_size(4)
             .build(InMemDataset::new(blobs(args.valid_items, 2)));
-        // One directory for all processes, as a user's run has.
+        // One directory for all processes, as a user's run has; except where the strategy is
+        // installed with Burn's own hook: there nothing keeps the other processes from writing
+        // Burn's metric logs, and Burn reads its epoch's numbers back from those files, so
+        // processes sharing them read each other's lines (a wrong loss, or a parse panic
+        // while a line is half written).
+        let own_dir = if args.install == Install::TrainingStrategy {
+            format!("-rank{}", state.process_index())
+        } else {
+            String::new()
+        };
         let dir = std::env::temp_dir().join(format!(
-            "burn-accelerate-validation-{}-{}",
+            "burn-accelerate-validation-{}-{}{own_dir}",
             std::env::var("MASTER_PORT").unwrap_or_default(),
             args.valid_items
         ));
