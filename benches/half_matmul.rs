@@ -51,12 +51,11 @@ fn variants<const D: usize>(c: &mut Criterion, name: &str, a: Tensor<Acc, D>, b:
         (HalfPath::Widened, "bf16_widened"),
         (HalfPath::ViaF32, "bf16_dot"),
     ] {
-        capability::set_half_path(path);
+        let _path = capability::scope_half_path(path);
         group.bench_function(label, |bench| {
             bench.iter(|| black_box(al.clone().matmul(bl.clone())).into_data())
         });
     }
-    capability::set_half_path(HalfPath::ViaF32);
 }
 
 fn matmuls(c: &mut Criterion, name: &str, [m, k, n]: [usize; 3], transposed_a: bool) {

@@ -31,6 +31,7 @@ use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::{BiLstm, BiLstmConfig, Linear, LinearConfig, PaddingConfig2d, Relu};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Tensor};
+use burn_accelerate::Context;
 use burn_accelerate::autocast::SmallOps;
 use burn_accelerate::capability::{self, HalfPath};
 use burn_accelerate::{Accelerated, Precision, autocast, threads};
@@ -318,10 +319,15 @@ fn main() {
         }
     }
     if args.widened {
-        capability::set_half_path(HalfPath::Widened);
+        Context::process()
+            .with_half_path(HalfPath::Widened)
+            .set_as_default();
     }
     if args.cast_small {
-        autocast::set_small_ops(SmallOps::Cast).expect("a valid rule");
+        Context::process()
+            .with_small_ops(SmallOps::Cast)
+            .expect("a valid rule")
+            .set_as_default();
     }
     let bench = Bench::new(args.model, args.batch, args.hidden);
     if args.serve {

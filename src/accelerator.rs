@@ -43,6 +43,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use serde::{Deserialize, Serialize};
 
 use crate::autocast::{self, Autocast, AutocastConfig, AutocastScope, LowerOpTally, SmallOps};
+use crate::context::Context;
 use crate::distributed::ProcessState;
 use crate::fp8::DelayedScaling;
 use crate::gradient_state::{Accumulate, GradientState, GradientStateSnapshot};
@@ -233,6 +234,9 @@ pub struct AcceleratorState {
 pub struct Accelerator<B: AutodiffBackend> {
     config: AccelerateConfig,
     autocast: Autocast,
+    // The training's context (the autocast's settings and its own fp8 state), which
+    // `autocast()` enters.
+    context: Context,
     process: ProcessState,
     // The loss scale, the window, the sync and the step (shared with `with_accelerate`).
     core: StepCore<B>,
@@ -278,10 +282,13 @@ impl<B: AutodiffBackend> Accelerator<B> {
             config.gradient_accumulation_steps,
             config.sync_with_dataloader,
         )?;
-        let core = StepCore::new(config.step_settings(), loss_scale, state, group);
+        let context = autocast.context();
+        let core = StepCore::new(config.step_settings(), loss_scale, state, group)
+            .with_context(context.clone());
         Ok(Self {
             config,
             autocast,
+            context,
             process,
             core,
             device: device.clone(),
@@ -325,12 +332,18 @@ impl<B: AutodiffBackend> Accelerator<B> {
     }
 
     /// Autocasts this thread until the guard drops (`with accelerator.autocast():`); for an
-    /// [`Accelerated`](crate::Accelerated) backend. Use
-    /// [`Autocast::set_default`] on [`autocast_config`](Self::autocast_config) for every
-    /// thread.
+    /// [`Accelerated`](crate::Accelerated) backend. It enters the accelerator's
+    /// [`context`](Self::context): its settings and its own fp8 state, so that two
+    /// accelerators on two threads of one process never share them. Use
+    /// [`Context::set_as_default`] on it for threads the crate does not start.
     #[must_use = "autocast is only on while the guard lives"]
     pub fn autocast(&self) -> AutocastScope {
-        self.autocast.enter()
+        self.context.enter()
+    }
+
+    /// The training's context: what [`autocast`](Self::autocast) enters.
+    pub fn context(&self) -> &Context {
+        &self.context
     }
 
     /// What autocast did with the lower-class ops this thread ran since the accelerator was
@@ -409,7 +422,11 @@ impl<B: AutodiffBackend> Accelerator<B> {
         model: &M,
     ) {
         let loss = self.core.transform_loss(loss);
-        let grads = GradientsParams::from_grads(loss.backward(), model);
+        // In the training's context: fp8's backward records its gradients' amaxes there.
+        let grads = {
+            let _entered = self.context.enter();
+            GradientsParams::from_grads(loss.backward(), model)
+        };
         self.core.add_gradients(model, grads);
         self.core.end_pass();
     }

@@ -33,7 +33,6 @@
 use std::any::TypeId;
 use std::collections::{HashMap, HashSet};
 use std::panic::{self, AssertUnwindSafe};
-use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Mutex, Once, OnceLock, RwLock};
 use std::time::{Duration, Instant};
 
@@ -45,7 +44,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::autocast::Op;
 use crate::backend::kernels::{self, Route};
-use crate::scope::{ThreadScope, thread_value};
+use crate::context::{self, Context, ContextGuard, Setting, Slot};
 use crate::{AccelerateError, Precision};
 
 /// Which path autocast takes for a half-precision op where the crate has an f32 one for the
@@ -59,7 +58,8 @@ use crate::{AccelerateError, Precision};
 /// The choice is a rule, never a timing: a run that must give the same numbers on every
 /// machine, or a test of one path, fixes it: for a training with `AccelerateConfig::half_path`
 /// (or `AutocastConfig::half_path`: the threads that enter its autocast take it), for a thread
-/// with [`scope_half_path`], for the process with [`set_half_path`].
+/// with [`scope_half_path`], for the process with [`Context::with_half_path`] and
+/// [`Context::set_as_default`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 #[non_exhaustive]
 pub enum HalfPath {
@@ -73,48 +73,25 @@ pub enum HalfPath {
     Own,
 }
 
-static HALF_PATH: AtomicU8 = AtomicU8::new(0);
-
-thread_local! {
-    // The thread's own path; `None` follows the process's.
-    static THREAD_HALF_PATH: Cell<Option<HalfPath>> = const { Cell::new(None) };
-}
-
-fn code(path: HalfPath) -> u8 {
-    match path {
-        HalfPath::ViaF32 => 0,
-        HalfPath::Own => 2,
-        HalfPath::Widened => 3,
+impl Setting for HalfPath {
+    const SLOT: Slot = Slot::HalfPath;
+    fn unset() -> Self {
+        HalfPath::ViaF32
     }
 }
 
-fn from_code(code: u8) -> HalfPath {
-    match code {
-        2 => HalfPath::Own,
-        3 => HalfPath::Widened,
-        _ => HalfPath::ViaF32,
+impl Context {
+    /// This context with half-precision ops taking `path` where the crate has an f32 one.
+    pub fn with_half_path(self, path: HalfPath) -> Context {
+        self.with(path)
     }
 }
 
-/// Fixes, for the whole process, which path half-precision ops take where the crate has an
-/// f32 one, on every thread without a path of its own ([`scope_half_path`]).
-///
-/// ```
-/// use burn_accelerate::capability::{self, HalfPath};
-///
-/// capability::set_half_path(HalfPath::Widened);
-/// assert_eq!(capability::half_path(), HalfPath::Widened);
-/// capability::set_half_path(HalfPath::ViaF32);
-/// ```
-pub fn set_half_path(path: HalfPath) {
-    HALF_PATH.store(code(path), Ordering::Relaxed);
-}
-
-/// The path half-precision ops take on this thread: its own ([`scope_half_path`], or an
-/// entered autocast that sets one), else the process's ([`set_half_path`];
-/// [`HalfPath::ViaF32`] unless set).
+/// The path half-precision ops take on this thread: its context's ([`scope_half_path`], an
+/// entered autocast that sets one, or [`Context::with_half_path`]; [`HalfPath::ViaF32`]
+/// unless set).
 pub fn half_path() -> HalfPath {
-    thread_value(&THREAD_HALF_PATH).unwrap_or_else(|| from_code(HALF_PATH.load(Ordering::Relaxed)))
+    context::get::<HalfPath>()
 }
 
 /// Gives this thread `path` until the guard drops, whatever the process's is.
@@ -131,12 +108,12 @@ pub fn half_path() -> HalfPath {
 /// assert_eq!(capability::half_path(), process);
 /// ```
 pub fn scope_half_path(path: HalfPath) -> HalfPathGuard {
-    ThreadScope::enter(&THREAD_HALF_PATH, path)
+    context::scope(path)
 }
 
 /// Restores this thread's previous half path when dropped ([`scope_half_path`]); tied to its
 /// thread.
-pub type HalfPathGuard = ThreadScope<HalfPath>;
+pub type HalfPathGuard = ContextGuard;
 
 // The route the crate's kernels take under the path set: only `Widened` fixes theirs.
 pub(crate) fn route() -> Route {

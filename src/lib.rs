@@ -11,7 +11,10 @@
 //!
 //! - [`Accelerated`]: the backend decorator; every Burn op forwarded, the autocast table's ops
 //!   cast first.
-//! - [`autocast`]: the precision in force (process default, thread-scoped guards), the op table
+//! - [`Context`]: every setting the decorator's ops and the training step read (precision, op
+//!   classes, small-op rule, half path, placement switches, fp8 recipe and state, armed loss
+//!   transform, sync layout), one value entered per thread by a guard, with one process default.
+//! - [`autocast`]: the precision in force (thread-scoped guards over the context), the op table
 //!   and its classes, user overrides.
 //! - [`capability`]: which low precisions a device really runs, found by running them.
 //! - [`fp8`]: fp8 autocast's rounding, Transformer Engine's delayed scaling and its per-tensor
@@ -73,6 +76,7 @@ mod backend;
 pub mod bench_support;
 pub mod capability;
 pub mod checkpoint;
+pub mod context;
 mod cpu;
 pub mod data;
 pub mod distributed;
@@ -83,7 +87,6 @@ pub mod grads;
 pub mod placement;
 mod precision;
 pub mod scaler;
-mod scope;
 pub mod step;
 #[cfg(feature = "flex")]
 pub mod threads;
@@ -93,9 +96,9 @@ pub mod zero;
 pub use accelerator::{AccelerateConfig, Accelerator, AcceleratorState};
 pub use autocast::{Autocast, AutocastConfig};
 pub use backend::Accelerated;
+pub use context::{Context, ContextGuard};
 pub use error::AccelerateError;
 pub use gradient_state::{Accumulate, ActiveDataLoader, GradientState, GradientStateSnapshot};
 pub use precision::Precision;
 pub use scaler::{ArmedLossScale, DynamicLossScale, GradScalerConfig, LossScale};
-pub use scope::ThreadScope;
 pub use step::StepOutcome;

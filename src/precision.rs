@@ -105,28 +105,6 @@ impl Precision {
     pub fn wants_loss_scaling(self) -> bool {
         matches!(self, Precision::F16)
     }
-
-    // A one-byte code, so the process-wide default fits an atomic. 0 is reserved for "off".
-    pub(crate) fn code(self) -> u8 {
-        match self {
-            Precision::F32 => 1,
-            Precision::Bf16 => 2,
-            Precision::F16 => 3,
-            Precision::Fp8(Fp8Mode::E4M3) => 4,
-            Precision::Fp8(Fp8Mode::Hybrid) => 5,
-        }
-    }
-
-    pub(crate) fn from_code(code: u8) -> Option<Precision> {
-        match code {
-            1 => Some(Precision::F32),
-            2 => Some(Precision::Bf16),
-            3 => Some(Precision::F16),
-            4 => Some(Precision::Fp8(Fp8Mode::E4M3)),
-            5 => Some(Precision::Fp8(Fp8Mode::Hybrid)),
-            _ => None,
-        }
-    }
 }
 
 impl fmt::Display for Precision {
@@ -169,7 +147,6 @@ mod tests {
             // "fp8" names both fp8 modes; it parses to the default one.
             assert_eq!(by_accelerate_name.accelerate_name(), p.accelerate_name());
             assert_eq!(p.to_string().parse::<Precision>().unwrap(), p);
-            assert_eq!(Precision::from_code(p.code()), Some(p));
         }
         assert_eq!(
             "FP8_E4M3".parse::<Precision>().unwrap(),

@@ -21,15 +21,14 @@
 //! `Accelerated<B>`'s `backward` applies, so that an unmodified `loss.backward()` in a Burn
 //! `TrainStep` produces scaled gradients.
 
-use core::cell::Cell;
-use std::sync::atomic::{AtomicU64, Ordering};
-
 use burn::config::Config;
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 use serde::{Deserialize, Serialize};
 
-use crate::scope::{ThreadScope, thread_value};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::context::{self, ContextGuard, Setting, Slot};
 use crate::step::divisor::LossTransform;
 use crate::{AccelerateError, Precision};
 
@@ -360,7 +359,9 @@ impl GradScalerConfig {
     }
 }
 
-// The armed transform: the scale's f32 bits in the low half, the divisor in bits 32..56,
+// The process's armed transform ([`ArmedLossScale`], a guard for loops the crate does not
+// run, on threads it does not start; kept beside the contexts, not in the process's one, so
+// that a context entered while it is armed does not keep it after the guard drops): the scale's f32 bits in the low half, the divisor in bits 32..56,
 // then flags. A flag for the scale (rather than 0 meaning "off") keeps a scale that has backed
 // off to exactly 0.0 armed, as torch keeps multiplying by it.
 static ARMED_SCALE: AtomicU64 = AtomicU64::new(0);
@@ -369,7 +370,19 @@ const HAS_SCALE: u64 = 1 << 62;
 const DIVISOR_SHIFT: u32 = 32;
 const DIVISOR_MASK: u64 = (1 << 24) - 1;
 
-/// The process-wide loss scale `Accelerated<B>`'s `backward` multiplies the loss by, if armed.
+// The armed transform, a context setting (`None`: nothing armed there).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Armed(Option<LossTransform>);
+
+impl Setting for Armed {
+    const SLOT: Slot = Slot::LossTransform;
+    fn unset() -> Self {
+        Armed(None)
+    }
+}
+
+/// The loss scale `Accelerated<B>`'s `backward` multiplies the loss by on this thread, if
+/// armed ([`armed_transform`]).
 ///
 /// Read once per `backward` call, from any thread (Burn's multi-device loop runs steps on
 /// worker threads).
@@ -380,18 +393,13 @@ pub fn armed() -> Option<f32> {
 
 /// What `Accelerated<B>`'s `backward` does to the loss on this thread, if armed: divide it by
 /// the window's length, then multiply it by the loss scale ([`LossTransform`]). The thread's
-/// own arming (the `with_accelerate` strategy's, on the threads that run its steps) comes
-/// first, then the process's ([`ArmedLossScale`]).
+/// context's arming (the `with_accelerate` strategy's, on the threads that run its steps)
+/// comes first, then the process's ([`ArmedLossScale`]).
 #[inline]
 pub fn armed_transform() -> Option<LossTransform> {
-    thread_value(&THREAD_ARMED)
-        .and_then(decode)
+    context::get::<Armed>()
+        .0
         .or_else(|| decode(ARMED_SCALE.load(Ordering::Acquire)))
-}
-
-thread_local! {
-    // This thread's armed transform, encoded as `ARMED_SCALE` (0: none, the process's then).
-    static THREAD_ARMED: Cell<Option<u64>> = const { Cell::new(None) };
 }
 
 /// Arms a loss transform for `Accelerated<B>`'s `backward` on this thread only, until
@@ -400,27 +408,23 @@ thread_local! {
 /// thread (not `Send`).
 #[derive(Debug)]
 #[must_use = "the transform is only armed while the guard lives"]
-pub(crate) struct ThreadArmed(ThreadScope<u64>);
+pub(crate) struct ThreadArmed(ContextGuard);
 
 impl ThreadArmed {
     /// Arms `transform` on this thread (nothing, where it leaves the loss as it is).
     pub(crate) fn arm(transform: LossTransform) -> Self {
-        Self(ThreadScope::enter(&THREAD_ARMED, thread_bits(transform)))
+        Self(context::scope(armed_on_thread(transform)))
     }
 
     /// Replaces the armed transform (after the loss scale changed).
     pub(crate) fn set(&self, transform: LossTransform) {
-        self.0.set(thread_bits(transform));
+        self.0.set(armed_on_thread(transform));
     }
 }
 
-// A transform that leaves the loss as it is arms nothing.
-fn thread_bits(transform: LossTransform) -> u64 {
-    if transform.is_identity() {
-        0
-    } else {
-        encode(transform)
-    }
+// A transform that leaves the loss as it is arms nothing (the process's then applies).
+fn armed_on_thread(transform: LossTransform) -> Armed {
+    Armed((!transform.is_identity()).then_some(transform))
 }
 
 /// Arms a loss scale for `Accelerated<B>`'s `backward` until dropped, process-wide.

@@ -4,12 +4,14 @@
 
 use std::thread;
 
-use burn_accelerate::Precision;
 use burn_accelerate::autocast::{self, Op, OpClass, OpClasses};
+use burn_accelerate::{Context, Precision};
 
 #[test]
 fn process_settings_reach_every_thread_without_a_scope_of_its_own() {
-    autocast::set_default(Some(Precision::F16));
+    let before = Context::process()
+        .with_precision(Some(Precision::F16))
+        .set_as_default();
     let seen = thread::spawn(autocast::current).join().unwrap();
     let overridden = thread::spawn(|| {
         let _off = autocast::disable();
@@ -17,12 +19,14 @@ fn process_settings_reach_every_thread_without_a_scope_of_its_own() {
     })
     .join()
     .unwrap();
-    autocast::set_default(None);
+    before.set_as_default();
     assert_eq!(seen, Some(Precision::F16));
     assert_eq!(overridden, None);
     assert_eq!(autocast::default_precision(), None);
 
-    autocast::set_op_class(Op::Matmul, OpClass::Fp32);
+    let before = Context::process()
+        .with_op_classes(OpClasses::new().with(Op::Matmul, OpClass::Fp32))
+        .set_as_default();
     let seen = thread::spawn(|| autocast::op_class(Op::Matmul))
         .join()
         .unwrap();
@@ -33,7 +37,7 @@ fn process_settings_reach_every_thread_without_a_scope_of_its_own() {
     })
     .join()
     .unwrap();
-    autocast::reset_op_classes();
+    before.set_as_default();
     assert_eq!(seen, OpClass::Fp32);
     assert_eq!(scoped, OpClass::Lower);
     assert_eq!(autocast::op_class(Op::Matmul), OpClass::Lower);

@@ -164,7 +164,9 @@ fn the_cpu_threshold_is_a_constant_not_a_timing() {
 fn bad_rules_are_typed_errors() {
     let bad = SmallOps::KeepF32Below { flops: 0 };
     let process = autocast::small_ops();
-    let set = autocast::set_small_ops(bad).unwrap_err();
+    let set = burn_accelerate::Context::process()
+        .with_small_ops(bad)
+        .unwrap_err();
     assert_eq!(
         autocast::small_ops(),
         process,

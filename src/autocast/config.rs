@@ -3,11 +3,9 @@
 use burn::config::Config;
 use burn_backend::Backend;
 
-use super::{
-    AutocastGuard, OpClasses, OpClassesGuard, SmallOps, SmallOpsGuard, scope_op_classes,
-    scope_small_ops, set_default, set_op_class, set_small_ops,
-};
+use super::{OpClasses, SmallOps};
 use crate::capability::{self, Capabilities};
+use crate::context::{Context, ContextGuard};
 use crate::fp8::{self, DelayedScaling};
 use crate::{AccelerateError, Precision};
 
@@ -42,8 +40,7 @@ pub struct AutocastConfig {
     /// (see [`SmallOps`]): the rule of the threads that enter the autocast
     /// ([`Autocast::enter`]), or of the process after [`Autocast::set_default`]. `None` (the
     /// default) leaves the rule in force: [`SmallOps::KeepF32`] (those below the device's
-    /// threshold) unless [`set_small_ops`] changed it. PyTorch casts every one:
-    /// [`SmallOps::Cast`].
+    /// threshold) unless the context changed it. PyTorch casts every one: [`SmallOps::Cast`].
     #[config(default = "None")]
     pub small_ops: Option<SmallOps>,
     /// Which path half-precision ops take where the crate has its own
@@ -189,46 +186,66 @@ impl Autocast {
         self.capabilities
     }
 
-    /// Autocasts on this thread until the scope drops, with the configuration's small-op
-    /// rule, half path and op classes, where it set them, and its fp8 recipe under fp8, as
-    /// this thread's.
-    #[must_use = "autocast is only on while the scope lives"]
-    pub fn enter(&self) -> AutocastScope {
-        AutocastScope {
-            _precision: super::enable(self.effective),
+    /// `base` with this autocast's settings: its precision, and the small-op rule, half path,
+    /// op classes and fp8 recipe where the configuration set them.
+    pub fn apply_to(&self, base: Context) -> Context {
+        let mut context = base
+            .with_precision(Some(self.effective))
+            .with_op_classes(self.op_classes);
+        if let Some(rule) = self.small_ops {
             // Checked by `init`.
-            _small_ops: self.small_ops.and_then(|rule| scope_small_ops(rule).ok()),
-            _half_path: self.half_path.map(capability::scope_half_path),
-            _op_classes: (!self.op_classes.is_empty()).then(|| scope_op_classes(self.op_classes)),
-            // Checked by `init`.
-            _fp8_recipe: self.fp8_recipe.and_then(|r| fp8::scope_recipe(r).ok()),
+            context = context.clone().with_small_ops(rule).unwrap_or(context);
         }
+        if let Some(path) = self.half_path {
+            context = context.with_half_path(path);
+        }
+        if let Some(recipe) = self.fp8_recipe {
+            // Checked by `init`.
+            context = context.clone().with_fp8_recipe(recipe).unwrap_or(context);
+        }
+        context
     }
 
-    /// Makes this the process-wide default, for every thread without a guard of its own, and
-    /// the configuration's small-op rule, half path and op classes, where it set them, the
-    /// process's.
+    /// A new training's context: the process's with this autocast's settings and an fp8
+    /// state of its own. A training keeps it and enters it on every thread that runs its
+    /// steps, so that two trainings in one process never share settings or fp8 histories.
+    ///
+    /// ```
+    /// # #[cfg(feature = "flex")] {
+    /// use burn_accelerate::{autocast, AutocastConfig, Precision};
+    /// type B = burn::backend::Flex;
+    ///
+    /// let bf16 = AutocastConfig::new(Precision::Bf16).init::<B>(&Default::default()).unwrap();
+    /// let training = bf16.context();
+    /// let worker = std::thread::spawn(move || {
+    ///     let _entered = training.enter();
+    ///     autocast::current()
+    /// });
+    /// assert_eq!(worker.join().unwrap(), Some(Precision::Bf16));
+    /// assert_eq!(autocast::current(), None);
+    /// # }
+    /// ```
+    pub fn context(&self) -> Context {
+        self.apply_to(Context::process()).with_new_fp8_state()
+    }
+
+    /// Autocasts on this thread until the scope drops: the thread's current context with this
+    /// autocast's settings ([`apply_to`](Self::apply_to)), its fp8 state shared with that
+    /// context. A training enters its own [`context`](Self::context) instead.
+    #[must_use = "autocast is only on while the scope lives"]
+    pub fn enter(&self) -> AutocastScope {
+        self.apply_to(Context::current()).enter()
+    }
+
+    /// Makes the process's context this autocast's ([`apply_to`](Self::apply_to) on it), for
+    /// every thread that entered none of its own.
     ///
     /// Prefer [`enter`](Self::enter) on the threads that run the model: a default outlives the
     /// training that set it. It remains for threads the crate does not start (Burn's backend
     /// ops take no context, so the decorator can only read what the thread or the process
     /// holds).
     pub fn set_default(&self) {
-        set_default(Some(self.effective));
-        if let Some(rule) = self.small_ops {
-            // Checked by `init`.
-            let _ = set_small_ops(rule);
-        }
-        if let Some(path) = self.half_path {
-            capability::set_half_path(path);
-        }
-        for (op, class) in self.op_classes.iter() {
-            set_op_class(op, class);
-        }
-        if let Some(recipe) = self.fp8_recipe {
-            // Checked by `init`.
-            let _ = fp8::set_recipe(recipe);
-        }
+        self.apply_to(Context::process()).set_as_default();
     }
 
     /// The small-op rule this autocast brings to the threads that enter it (`None`: the one in
@@ -238,15 +255,6 @@ impl Autocast {
     }
 }
 
-/// This thread's autocast while it lives ([`Autocast::enter`]): the precision, and the small-op
-/// rule, half path, op classes and fp8 recipe where the configuration set them; each comes back as it was when the
-/// scope drops. Tied to its thread.
-#[derive(Debug)]
-#[must_use = "autocast is only on while the scope lives"]
-pub struct AutocastScope {
-    _precision: AutocastGuard,
-    _small_ops: Option<SmallOpsGuard>,
-    _half_path: Option<capability::HalfPathGuard>,
-    _op_classes: Option<OpClassesGuard>,
-    _fp8_recipe: Option<crate::ThreadScope<DelayedScaling>>,
-}
+/// This thread's autocast while it lives ([`Autocast::enter`]): the thread's context with the
+/// autocast's settings; the one before comes back when the scope drops. Tied to its thread.
+pub type AutocastScope = ContextGuard;

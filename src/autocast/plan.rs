@@ -5,8 +5,9 @@ use burn_backend::{Backend, DType, FloatDType, TensorMetadata};
 
 use super::small_ops::{call_flops, keeps_f32};
 use super::tally::{self, Kept};
-use super::{Op, OpClass, current, op_class};
+use super::{Op, OpClass};
 use crate::capability;
+use crate::context;
 use crate::fp8::Fp8Site;
 use crate::precision::Precision;
 
@@ -23,8 +24,9 @@ pub enum CastInput<'a, T> {
 /// The dtype one op's float inputs are cast to, decided once per call, and under fp8 the call
 /// their rounding belongs to.
 ///
-/// With autocast off and inputs of one dtype, the plan is empty and costs a thread-local read,
-/// an atomic load and a dtype comparison per input.
+/// With autocast off and inputs of one dtype, the plan is empty and costs one read of the
+/// thread's context (a thread-local and, where it entered none, an atomic load) and a dtype
+/// comparison per input.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CastPlan {
     target: Option<FloatDType>,
@@ -47,10 +49,18 @@ impl CastPlan {
     #[inline]
     pub fn new<B: Backend>(op: Op, inputs: &[CastInput<'_, FloatTensor<B>>]) -> Self {
         let mut fp8 = None;
-        let class_target = match op_class(op) {
+        // The thread's context, read once for the op.
+        let (class, precision, rule) = context::with_current(|context| {
+            (
+                context.op_class(op),
+                context.precision(),
+                context.small_ops(),
+            )
+        });
+        let class_target = match class {
             OpClass::Passthrough | OpClass::Promote => None,
-            OpClass::Fp32 => current().map(|_| FloatDType::F32),
-            OpClass::Lower => match current() {
+            OpClass::Fp32 => precision.map(|_| FloatDType::F32),
+            OpClass::Lower => match precision {
                 // fp8 is emulated in f32, which every device runs: nothing to probe.
                 Some(Precision::Fp8(mode)) => {
                     fp8 = Some(Fp8Site::new(mode, op));
@@ -61,7 +71,9 @@ impl CastPlan {
                     let flops = call_flops::<B>(op, inputs);
                     match capability::lower_dtype::<B>(&device, precision, op) {
                         // Too small for the half type to pay: run as an fp32-class op.
-                        low if low != FloatDType::F32 && keeps_f32::<B>(&device, op, flops) => {
+                        low if low != FloatDType::F32
+                            && keeps_f32::<B>(rule, &device, op, flops) =>
+                        {
                             tally::record(Some(Kept::Small), flops);
                             FloatDType::F32
                         }

@@ -1,12 +1,9 @@
 //! Op classes and the run-time overrides of the op table's defaults.
 
-use core::cell::Cell;
-use std::sync::atomic::{AtomicU8, Ordering};
-
 use serde::{Deserialize, Serialize};
 
 use super::Op;
-use crate::scope::{ThreadScope, thread_value};
+use crate::context::{self, Context, ContextGuard, Setting, Slot};
 
 /// How autocast treats an op's float inputs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -136,24 +133,40 @@ impl From<OpClasses> for Vec<(Op, OpClass)> {
     }
 }
 
-// The process's overrides, one slot per op as in `OpClasses`. Atomics keep the lookup a plain
-// load on the hot path.
-static OVERRIDES: [AtomicU8; SLOTS] = [const { AtomicU8::new(0) }; SLOTS];
-
-thread_local! {
-    // The thread's overrides while a scope is entered; `None` follows the process's.
-    static THREAD: Cell<Option<OpClasses>> = const { Cell::new(None) };
+impl Setting for OpClasses {
+    const SLOT: Slot = Slot::OpClasses;
+    fn unset() -> Self {
+        OpClasses::new()
+    }
 }
 
-/// The class `op` has now on this thread: its override in the thread's scope
-/// ([`scope_op_classes`], or an entered autocast whose configuration set op classes), else the
-/// process's override ([`set_op_class`]), else the table's default.
+impl Context {
+    /// This context with `classes` over the overrides it already has.
+    pub fn with_op_classes(self, classes: OpClasses) -> Context {
+        let merged = classes.over(self.get::<OpClasses>());
+        self.with(merged)
+    }
+
+    /// The class `op` has in this context: its override, else the table's default.
+    #[inline]
+    pub fn op_class(&self, op: Op) -> OpClass {
+        self.get::<OpClasses>()
+            .get(op)
+            .unwrap_or(op.default_class())
+    }
+
+    /// This context with every op at its table's class (no override).
+    pub fn without_op_classes(self) -> Context {
+        self.with(OpClasses::new())
+    }
+}
+
+/// The class `op` has now on this thread: its context's override ([`scope_op_classes`], an
+/// entered autocast whose configuration set op classes, or [`Context::with_op_classes`]),
+/// else the table's default.
 #[inline]
 pub fn op_class(op: Op) -> OpClass {
-    thread_value(&THREAD)
-        .and_then(|classes| classes.get(op))
-        .or_else(|| OpClass::from_code(OVERRIDES[op as usize].load(Ordering::Relaxed)))
-        .unwrap_or(op.default_class())
+    context::with_current(|context| context.op_class(op))
 }
 
 /// Gives this thread `classes` over the overrides it already has, until the scope drops; other
@@ -172,35 +185,9 @@ pub fn op_class(op: Op) -> OpClass {
 /// assert_eq!(autocast::op_class(Op::Exp), OpClass::Fp32);
 /// ```
 pub fn scope_op_classes(classes: OpClasses) -> OpClassesGuard {
-    let merged = classes.over(thread_value(&THREAD).unwrap_or_default());
-    ThreadScope::enter(&THREAD, merged)
+    Context::current().with_op_classes(classes).enter()
 }
 
 /// Restores this thread's previous op classes when dropped ([`scope_op_classes`]); tied to
 /// its thread.
-pub type OpClassesGuard = ThreadScope<OpClasses>;
-
-/// Overrides the class of one op for the whole process: every thread whose own scope does not
-/// name the op. Prefer [`scope_op_classes`] or the configuration's `op_classes`, which belong
-/// to a training; this one remains for threads the crate does not start (Burn's backend ops
-/// take no context, so the decorator can only read what the thread or the process holds).
-///
-/// ```
-/// use burn_accelerate::autocast::{self, Op, OpClass};
-///
-/// autocast::set_op_class(Op::Softmax, OpClass::Passthrough);
-/// assert_eq!(autocast::op_class(Op::Softmax), OpClass::Passthrough);
-/// autocast::reset_op_classes();
-/// assert_eq!(autocast::op_class(Op::Softmax), OpClass::Fp32);
-/// ```
-pub fn set_op_class(op: Op, class: OpClass) {
-    OVERRIDES[op as usize].store(class.code(), Ordering::Relaxed);
-}
-
-/// Drops every process-wide override ([`set_op_class`]): each op gets its table default back
-/// on threads without a scope of their own.
-pub fn reset_op_classes() {
-    for slot in &OVERRIDES {
-        slot.store(0, Ordering::Relaxed);
-    }
-}
+pub type OpClassesGuard = ContextGuard;

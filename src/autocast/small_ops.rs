@@ -27,22 +27,19 @@
 //! [`HOST_CPU_MIN_HALF_FLOPS`] (16.8 MFLOP, chosen from the measurements in its docs); on a
 //! GPU (any backend that does not compute on the host's CPU) none, and every op is cast, as
 //! PyTorch does: there small ops are cheap to cast and gain from the half-precision units. It
-//! is set for the process ([`set_small_ops`], or
-//! [`AutocastConfig::small_ops`](crate::AutocastConfig)); [`SmallOps::Cast`] gives PyTorch's
-//! rule back and [`SmallOps::KeepF32Below`] sets a threshold of one's own.
+//! is a setting of the [`Context`](crate::Context) ([`Context::with_small_ops`],
+//! [`scope_small_ops`], or [`AutocastConfig::small_ops`](crate::AutocastConfig));
+//! [`SmallOps::Cast`] gives PyTorch's rule back and [`SmallOps::KeepF32Below`] sets a threshold
+//! of one's own.
 //!
 //! ```
 //! use burn_accelerate::autocast::{self, Op, SmallOps};
 //!
 //! // An LSTM gate's linear at batch 32, hidden 256: 8.4 MFLOP.
 //! assert_eq!(autocast::estimated_flops(Op::Linear, &[&[32, 512], &[512, 256]]), Some(8_388_608));
-//! autocast::set_small_ops(SmallOps::KeepF32Below { flops: 1_000_000 }).unwrap();
+//! let _rule = autocast::scope_small_ops(SmallOps::KeepF32Below { flops: 1_000_000 }).unwrap();
 //! assert_eq!(autocast::small_ops(), SmallOps::KeepF32Below { flops: 1_000_000 });
-//! autocast::set_small_ops(SmallOps::KeepF32).unwrap(); // the default
 //! ```
-
-use core::cell::Cell;
-use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, TensorMetadata};
@@ -51,7 +48,7 @@ use serde::{Deserialize, Serialize};
 use super::{CastInput, Op};
 use crate::AccelerateError;
 use crate::capability;
-use crate::scope::{ThreadScope, thread_value};
+use crate::context::{self, Context, ContextGuard, Setting, Slot};
 
 /// The flops ([`estimated_flops`]) from which a lower-class op runs in the half type on the
 /// host's CPU under [`SmallOps::KeepF32`]: 2^24, about 16.8 MFLOP.
@@ -113,40 +110,33 @@ impl SmallOps {
     }
 }
 
-// 0: `KeepF32` (the default), 1: `Cast`, 2: `KeepF32Below` with the threshold in `FLOPS`.
-static MODE: AtomicU8 = AtomicU8::new(0);
-static FLOPS: AtomicU64 = AtomicU64::new(0);
-
-thread_local! {
-    // This thread's rule while an `Autocast` with one is entered; `None` follows the process's.
-    static SCOPED: Cell<Option<SmallOps>> = const { Cell::new(None) };
-}
-
-/// Sets the process's rule: which lower-class ops run in the half type by their size, on
-/// every thread that has no rule of its own (an entered [`Autocast`](crate::Autocast) with
-/// `small_ops` set gives its thread one, as the `with_accelerate` strategy and the
-/// `Accelerator`'s `autocast()` do; [`Autocast::set_default`](crate::Autocast::set_default)
-/// sets this one).
-///
-/// # Errors
-/// As [`SmallOps::validate`]; the rule in force is then unchanged.
-pub fn set_small_ops(rule: SmallOps) -> Result<(), AccelerateError> {
-    rule.validate()?;
-    match rule {
-        SmallOps::KeepF32 => MODE.store(0, Ordering::Relaxed),
-        SmallOps::Cast => MODE.store(1, Ordering::Relaxed),
-        SmallOps::KeepF32Below { flops } => {
-            FLOPS.store(flops, Ordering::Relaxed);
-            MODE.store(2, Ordering::Relaxed);
-        }
+impl Setting for SmallOps {
+    const SLOT: Slot = Slot::SmallOps;
+    fn unset() -> Self {
+        SmallOps::KeepF32
     }
-    Ok(())
 }
 
-/// The rule in force on this thread: its own, while an [`Autocast`](crate::Autocast) with
-/// one is entered, else the process's ([`set_small_ops`]; [`SmallOps::KeepF32`] unless set).
+impl Context {
+    /// This context with `rule` deciding which lower-class ops run in the half type by their
+    /// size.
+    ///
+    /// # Errors
+    /// As [`SmallOps::validate`].
+    pub fn with_small_ops(self, rule: SmallOps) -> Result<Context, AccelerateError> {
+        rule.validate()?;
+        Ok(self.with(rule))
+    }
+
+    /// The small-op rule of this context ([`SmallOps::KeepF32`] unless set).
+    pub fn small_ops(&self) -> SmallOps {
+        self.get::<SmallOps>()
+    }
+}
+
+/// The rule in force on this thread: its context's ([`SmallOps::KeepF32`] unless set).
 pub fn small_ops() -> SmallOps {
-    thread_value(&SCOPED).unwrap_or_else(process_small_ops)
+    context::with_current(Context::small_ops)
 }
 
 /// Gives this thread `rule` until the scope drops, whatever the process's is (the
@@ -170,22 +160,12 @@ pub fn small_ops() -> SmallOps {
 /// As [`SmallOps::validate`].
 pub fn scope_small_ops(rule: SmallOps) -> Result<SmallOpsGuard, AccelerateError> {
     rule.validate()?;
-    Ok(ThreadScope::enter(&SCOPED, rule))
+    Ok(context::scope(rule))
 }
 
 /// Restores this thread's previous small-op rule when dropped ([`scope_small_ops`]); tied to
 /// its thread.
-pub type SmallOpsGuard = ThreadScope<SmallOps>;
-
-fn process_small_ops() -> SmallOps {
-    match MODE.load(Ordering::Relaxed) {
-        1 => SmallOps::Cast,
-        2 => SmallOps::KeepF32Below {
-            flops: FLOPS.load(Ordering::Relaxed),
-        },
-        _ => SmallOps::KeepF32,
-    }
-}
+pub type SmallOpsGuard = ContextGuard;
 
 /// The flops (two per multiply-add) of one call of lower-class `op` on inputs of these shapes,
 /// its required float inputs in signature order (no bias); `None` for shapes it cannot read.
@@ -296,11 +276,16 @@ pub fn applies_to(op: Op) -> bool {
 /// ([`call_flops`]) in f32: its work is below the threshold (the device kind's, for
 /// [`SmallOps::KeepF32`]).
 #[inline]
-pub(crate) fn keeps_f32<B: Backend>(device: &B::Device, op: Op, flops: Option<u64>) -> bool {
+pub(crate) fn keeps_f32<B: Backend>(
+    rule: SmallOps,
+    device: &B::Device,
+    op: Op,
+    flops: Option<u64>,
+) -> bool {
     if !applies_to(op) {
         return false;
     }
-    let threshold = match small_ops() {
+    let threshold = match rule {
         SmallOps::Cast => return false,
         SmallOps::KeepF32 => match capability::probe::<B>(device).min_half_flops {
             Some(flops) => flops,

@@ -9,7 +9,7 @@
 //!   batches with the same leading dimensions);
 //! - `B` has the kernel (Flex and `Autodiff<Flex>`);
 //! - the process's half path takes it: always, by rule (never by a timing), unless
-//!   `capability::set_half_path` fixed the backend's own.
+//!   the context fixed the backend's own (`HalfPath::Own`).
 
 use burn_backend::ops::ConvOptions;
 use burn_backend::tensor::FloatTensor;

@@ -30,7 +30,7 @@
 //! - [`low_gemm`]: autocast's lower-class matmul (batched too, as in attention) and linear
 //!   (an input of any rank taken as the matrix of its rows). Applies under autocast to half
 //!   operands of one dtype, 2-D or batches with the same leading dimensions, where the probe
-//!   chose the crate's path or the process fixed it (`capability::set_half_path`). Not for
+//!   chose the crate's path or the process fixed it (`Context::with_half_path`). Not for
 //!   broadcast batches, vectors, mixed dtypes, outside autocast, under `HalfPath::Own`, or
 //!   where Flex's own half GEMM timed clearly faster.
 //! - [`low_conv`] (over [`half_conv`]'s `im2col` GEMMs): autocast's lower-class conv2d, and

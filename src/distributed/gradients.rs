@@ -26,7 +26,6 @@
 //! flag is reduced with the gradients, in the same buffers, and every rank skips the same
 //! steps and keeps the same loss scale.
 
-use std::cell::Cell;
 use std::collections::HashMap;
 
 use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
@@ -39,9 +38,7 @@ pub use super::bucket::{BUCKET_VALUES, sync_copied_values};
 use super::bucket::{bucket_ranges, count_copied, numel};
 use super::error::DistributedError;
 use super::group::{ProcessGroup, ReduceOp};
-use crate::scope::ThreadScope;
-#[cfg(feature = "flex")]
-use crate::scope::thread_value;
+use crate::context::{self, ContextGuard, Setting};
 
 // A parameter's averaged gradient, flat, with the dtype and shape to give it back.
 pub(crate) type Reduced<B> = (Tensor<Inner<B>, 1>, DType, Vec<usize>);
@@ -70,23 +67,25 @@ pub enum SyncLayout {
     Contiguous,
 }
 
-thread_local! {
-    static LAYOUT: Cell<Option<SyncLayout>> = const { Cell::new(None) };
+impl Setting for SyncLayout {
+    const SLOT: context::Slot = context::Slot::SyncLayout;
+    fn unset() -> Self {
+        SyncLayout::AsStored
+    }
 }
 
 /// Syncs this thread's gradients with `layout` (both [`all_reduce_gradients`] and ZeRO stage
 /// 2's [`reduce_scatter_gradients`](crate::zero::reduce_scatter_gradients)) until the scope
 /// drops; [`SyncLayout::AsStored`] otherwise. For comparing the paths; every process must
 /// pick the same.
-pub fn scope_sync_layout(layout: SyncLayout) -> ThreadScope<SyncLayout> {
-    ThreadScope::enter(&LAYOUT, layout)
+pub fn scope_sync_layout(layout: SyncLayout) -> ContextGuard {
+    context::scope(layout)
 }
 
 /// Whether this thread syncs `B`'s gradients where they lie (see [`SyncLayout`]).
 #[cfg(feature = "flex")]
 pub(crate) fn as_stored<B: burn::tensor::backend::Backend>() -> bool {
-    thread_value(&LAYOUT).unwrap_or_default() == SyncLayout::AsStored
-        && super::flex_sync::applies::<B>()
+    context::get::<SyncLayout>() == SyncLayout::AsStored && super::flex_sync::applies::<B>()
 }
 
 /// Replaces the gradients of `module`'s parameters in `grads` by their mean over the

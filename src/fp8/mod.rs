@@ -55,6 +55,4 @@ pub use format::{Fp8Format, Fp8Mode};
 pub use qdq::{quantize_dequantize, quantize_dequantize_tensor};
 pub use recipe::{AmaxComputeAlgo, DelayedScaling, ScalingState};
 pub(crate) use site::Fp8Site;
-pub use state::{
-    Fp8State, Pass, TensorKey, load_state, recipe, reset, scope_recipe, set_recipe, state, step,
-};
+pub use state::{Fp8State, Pass, TensorKey, load_state, recipe, reset, scope_recipe, state, step};

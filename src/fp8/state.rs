@@ -1,17 +1,19 @@
 //! Per-tensor scaling state: what each fp8 tensor's scale and amax history are, which tensor
-//! an autocast call is, and the process-wide registry they live in.
+//! an autocast call is, and the training they belong to.
 //!
-//! The recipe is a training's: an entered fp8 [`Autocast`](crate::Autocast) gives its thread
-//! its configuration's recipe ([`scope_recipe`]), and [`step`] on that thread follows it. The
-//! amax histories stay process-wide, like Transformer Engine's global fp8 state manager: a
-//! tensor is named by which call of an op it is (Burn's tensors have no identity), and the
-//! backward pass records its amaxes wherever Burn's autodiff runs it, so the histories cannot
-//! be told apart by thread. Two fp8 trainings must not run at once in one process.
+//! The recipe and the state are settings of the [`Context`]: a training's context
+//! ([`Autocast::context`](crate::Autocast::context)) holds a state of its own, which every
+//! thread that enters it shares (the worker threads of Burn's multi-device loop, whose amaxes
+//! meet in one history as Transformer Engine's global fp8 state manager has them meet), and
+//! [`step`] on such a thread follows the context's recipe. Two fp8 trainings on two threads,
+//! each in its own context, never touch each other's histories. Threads that entered no
+//! training's context share the process's state. Burn's autodiff runs the backward pass on the
+//! thread that calls `backward`, so the gradients' amaxes land in the same context.
 
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use serde::{Deserialize, Serialize};
 
@@ -19,7 +21,7 @@ use super::format::Fp8Format;
 use super::recipe::{DelayedScaling, ScalingState};
 use crate::AccelerateError;
 use crate::autocast::Op;
-use crate::scope::{ThreadScope, thread_value};
+use crate::context::{self, Context, ContextGuard, Setting, Slot};
 
 /// The pass a scaled tensor belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -213,32 +215,91 @@ struct Registry {
     pending: Vec<(TensorKey, PendingAmax)>,
 }
 
-fn registry() -> MutexGuard<'static, Registry> {
-    static REGISTRY: OnceLock<Mutex<Registry>> = OnceLock::new();
-    REGISTRY
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
+// One training's fp8 state: shared by the threads that enter its context.
+struct Session {
+    // Names the session in the threads' call counters.
+    id: u64,
+    registry: Mutex<Registry>,
+    // Bumped by every `step`: a thread whose call counters belong to an older epoch restarts
+    // them.
+    epoch: AtomicU64,
 }
 
-// Bumped by every `step`: a thread whose call counters belong to an older epoch restarts them.
-static EPOCH: AtomicU64 = AtomicU64::new(0);
+impl Session {
+    fn new() -> Arc<Session> {
+        static IDS: AtomicU64 = AtomicU64::new(0);
+        Arc::new(Session {
+            id: IDS.fetch_add(1, Ordering::Relaxed),
+            registry: Mutex::default(),
+            epoch: AtomicU64::new(0),
+        })
+    }
+
+    fn registry(&self) -> MutexGuard<'_, Registry> {
+        self.registry.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+// The fp8 state setting: the session the thread's context holds.
+#[derive(Clone)]
+struct State(Arc<Session>);
+
+impl Setting for State {
+    const SLOT: Slot = Slot::Fp8State;
+    fn unset() -> Self {
+        // The process's, for threads that entered no training's context.
+        static PROCESS_FP8: OnceLock<Arc<Session>> = OnceLock::new();
+        State(PROCESS_FP8.get_or_init(Session::new).clone())
+    }
+}
+
+// The recipe setting: `None` follows the state's own.
+#[derive(Debug, Clone, Copy)]
+struct Recipe(Option<DelayedScaling>);
+
+impl Setting for Recipe {
+    const SLOT: Slot = Slot::Fp8Recipe;
+    fn unset() -> Self {
+        Recipe(None)
+    }
+}
+
+impl Context {
+    /// This context with `recipe` for the fp8 scales [`step`] sets.
+    ///
+    /// # Errors
+    /// [`AccelerateError::InvalidFp8Recipe`] when the recipe does not validate.
+    pub fn with_fp8_recipe(self, recipe: DelayedScaling) -> Result<Context, AccelerateError> {
+        recipe.validate()?;
+        Ok(self.with(Recipe(Some(recipe))))
+    }
+
+    /// This context with an fp8 state of its own, empty: a new training's, which no other
+    /// context shares (contexts made from this one share it).
+    pub fn with_new_fp8_state(self) -> Context {
+        self.with(State(Session::new()))
+    }
+}
+
+fn session() -> Arc<Session> {
+    context::get::<State>().0
+}
 
 thread_local! {
-    static CALLS: RefCell<(u64, [u32; 64])> = const { RefCell::new((0, [0; 64])) };
-    // The recipe of the training this thread runs; `None` follows the process state's.
-    static THREAD_RECIPE: Cell<Option<DelayedScaling>> = const { Cell::new(None) };
+    // The session, its epoch, and this thread's call count of each op in it.
+    static CALLS: RefCell<(u64, u64, [u32; 64])> = const { RefCell::new((u64::MAX, 0, [0; 64])) };
 }
 
 /// The next call number of `op` on this thread in the current step.
 pub(crate) fn next_call(op: Op) -> u32 {
-    let epoch = EPOCH.load(Ordering::Acquire);
+    let session = session();
+    let epoch = session.epoch.load(Ordering::Acquire);
     CALLS.with(|calls| {
         let mut calls = calls.borrow_mut();
-        if calls.0 != epoch {
-            *calls = (epoch, [0; 64]);
+        if (calls.0, calls.1) != (session.id, epoch) {
+            *calls = (session.id, epoch, [0; 64]);
         }
-        let slot = &mut calls.1[op as usize];
+        let slot = &mut calls.2[op as usize];
         let call = *slot;
         *slot = slot.saturating_add(1);
         call
@@ -247,32 +308,33 @@ pub(crate) fn next_call(op: Op) -> u32 {
 
 /// The scale `key` has in the current step.
 pub(crate) fn scale_of(key: &TensorKey) -> f32 {
-    registry().state.scale(key)
+    session().registry().state.scale(key)
 }
 
 /// Queues an amax of `key`, read when the step ends.
 pub(crate) fn record(key: TensorKey, amax: PendingAmax) {
+    let session = session();
     let overflow = {
-        let mut registry = registry();
+        let mut registry = session.registry();
         registry.pending.push((key, amax));
         (registry.pending.len() >= MAX_PENDING).then(|| std::mem::take(&mut registry.pending))
     };
     if let Some(pending) = overflow {
-        resolve(pending);
+        resolve(&session, pending);
     }
 }
 
 // Reads queued amaxes (outside the lock: reading waits for the device) into the state.
-fn resolve(pending: Vec<(TensorKey, PendingAmax)>) {
+fn resolve(session: &Session, pending: Vec<(TensorKey, PendingAmax)>) {
     let amaxes: Vec<(TensorKey, f32)> = pending.into_iter().map(|(k, read)| (k, read())).collect();
-    let mut registry = registry();
+    let mut registry = session.registry();
     for (key, amax) in amaxes {
         registry.state.observe(key, amax);
     }
 }
 
-fn take_pending() -> Vec<(TensorKey, PendingAmax)> {
-    std::mem::take(&mut registry().pending)
+fn take_pending(session: &Session) -> Vec<(TensorKey, PendingAmax)> {
+    std::mem::take(&mut session.registry().pending)
 }
 
 /// Ends an fp8 training step: reads the amaxes the step recorded, sets every tensor's scale
@@ -289,19 +351,20 @@ fn take_pending() -> Vec<(TensorKey, PendingAmax)> {
 /// assert!(fp8::state().steps() >= 1);
 /// ```
 pub fn step() {
-    resolve(take_pending());
-    let mut registry = registry();
-    if let Some(recipe) = thread_value(&THREAD_RECIPE) {
-        // Validated when scoped.
+    let session = session();
+    resolve(&session, take_pending(&session));
+    let mut registry = session.registry();
+    if let Recipe(Some(recipe)) = context::get::<Recipe>() {
+        // Validated when set.
         let _ = registry.state.set_recipe(recipe);
     }
     registry.state.step();
     drop(registry);
-    EPOCH.fetch_add(1, Ordering::AcqRel);
+    session.epoch.fetch_add(1, Ordering::AcqRel);
 }
 
-/// A copy of the process-wide fp8 state (amaxes still on the device are read first), for
-/// inspection or a checkpoint.
+/// A copy of this thread's fp8 state, its context's (amaxes still on the device are read
+/// first), for inspection or a checkpoint.
 ///
 /// ```
 /// use burn_accelerate::fp8;
@@ -311,20 +374,22 @@ pub fn step() {
 /// fp8::load_state(restored);
 /// ```
 pub fn state() -> Fp8State {
-    resolve(take_pending());
-    registry().state.clone()
+    let session = session();
+    resolve(&session, take_pending(&session));
+    session.registry().state.clone()
 }
 
-/// Replaces the process-wide fp8 state (a checkpoint's), dropping amaxes not yet read, and
-/// restarts call numbering.
+/// Replaces this thread's fp8 state, its context's (a checkpoint's), dropping amaxes not yet
+/// read, and restarts call numbering.
 pub fn load_state(state: Fp8State) {
+    let session = session();
     let dropped = {
-        let mut registry = registry();
+        let mut registry = session.registry();
         registry.state = state;
         std::mem::take(&mut registry.pending)
     };
     drop(dropped);
-    EPOCH.fetch_add(1, Ordering::AcqRel);
+    session.epoch.fetch_add(1, Ordering::AcqRel);
 }
 
 /// Forgets every tensor's scale and history, keeping the recipe.
@@ -336,10 +401,12 @@ pub fn reset() {
     });
 }
 
-/// The recipe [`step`] follows on this thread: its own ([`scope_recipe`], or an entered fp8
-/// autocast's), else the process state's ([`set_recipe`]).
+/// The recipe [`step`] follows on this thread: its context's ([`scope_recipe`], an entered
+/// fp8 autocast's, [`Context::with_fp8_recipe`]), else its fp8 state's.
 pub fn recipe() -> DelayedScaling {
-    thread_value(&THREAD_RECIPE).unwrap_or_else(|| registry().state.recipe())
+    context::get::<Recipe>()
+        .0
+        .unwrap_or_else(|| session().registry().state.recipe())
 }
 
 /// Gives this thread `recipe` until the scope drops: the scales [`step`] sets on this thread
@@ -360,27 +427,6 @@ pub fn recipe() -> DelayedScaling {
 ///
 /// # Errors
 /// [`AccelerateError::InvalidFp8Recipe`] when the recipe does not validate.
-pub fn scope_recipe(
-    recipe: DelayedScaling,
-) -> Result<ThreadScope<DelayedScaling>, AccelerateError> {
-    recipe.validate()?;
-    Ok(ThreadScope::enter(&THREAD_RECIPE, recipe))
-}
-
-/// Sets the recipe the process-wide scales follow from the next step on, on threads without
-/// a recipe of their own ([`scope_recipe`]). Remains for threads the crate does not start and
-/// for [`Autocast::set_default`](crate::Autocast::set_default).
-///
-/// # Errors
-/// [`AccelerateError::InvalidFp8Recipe`] when the recipe does not validate; the recipe in
-/// force is then unchanged.
-///
-/// ```
-/// use burn_accelerate::fp8::{self, DelayedScaling};
-///
-/// let err = fp8::set_recipe(DelayedScaling::default().with_margin(-1)).unwrap_err();
-/// assert!(err.to_string().contains("margin"));
-/// ```
-pub fn set_recipe(recipe: DelayedScaling) -> Result<(), AccelerateError> {
-    registry().state.set_recipe(recipe)
+pub fn scope_recipe(recipe: DelayedScaling) -> Result<ContextGuard, AccelerateError> {
+    Ok(Context::current().with_fp8_recipe(recipe)?.enter())
 }

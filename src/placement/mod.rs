@@ -13,7 +13,7 @@
 //!   budgets, keeping `no_split` submodules whole.
 //! - Running a placed model: Burn has no forward hooks, so activations are brought to the
 //!   next submodule's device either in `forward` with [`to_device_of`], or with no change to
-//!   `forward` by `Accelerated<B>`'s opt-in [co-locate rule](set_colocate_inputs).
+//!   `forward` by `Accelerated<B>`'s opt-in [co-locate rule](crate::Context::with_colocate_inputs).
 //! - [`check_data_parallel`]: a spread model cannot be trained data-parallel; the error names
 //!   its devices and a few parameters on each.
 //!
@@ -87,8 +87,7 @@ pub use key::DeviceKey;
 pub use map::{DeviceMap, Placement};
 pub use moves::{
     DeviceMoves, colocate_inputs, device_moves, device_of, fork, move_tensor,
-    scope_colocate_inputs, scope_device_moves, set_colocate_inputs, set_device_moves,
-    stages_through_host, to_device_of,
+    scope_colocate_inputs, scope_device_moves, stages_through_host, to_device_of,
 };
 pub use report::{
     DeviceTotal, ParamPlacement, PlacementReport, human_bytes, report, verify_device_map,

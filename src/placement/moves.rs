@@ -1,13 +1,10 @@
 //! Moving tensors between devices: the policy, and the helper a placed model's `forward` uses.
 
-use core::cell::Cell;
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
-
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::{BasicOps, Bool, Int, Tensor, TensorKind};
 
-use crate::scope::{ThreadScope, thread_value};
+use crate::context::{self, Context, ContextGuard, Setting, Slot};
 
 /// How tensors cross from one device to another, in [`Placement::apply`](super::Placement),
 /// [`move_tensor`] and the `Accelerated<B>` decorator's `to_device`.
@@ -27,30 +24,21 @@ pub enum DeviceMoves {
     HostStaged,
 }
 
-static MOVES: AtomicU8 = AtomicU8::new(0);
-static COLOCATE: AtomicBool = AtomicBool::new(false);
-
-thread_local! {
-    // The thread's own settings while a scope is entered; `None` follows the process's.
-    static THREAD_MOVES: Cell<Option<DeviceMoves>> = const { Cell::new(None) };
-    static THREAD_COLOCATE: Cell<Option<bool>> = const { Cell::new(None) };
+impl Setting for DeviceMoves {
+    const SLOT: Slot = Slot::DeviceMoves;
+    fn unset() -> Self {
+        DeviceMoves::Auto
+    }
 }
 
-impl DeviceMoves {
-    fn code(self) -> u8 {
-        match self {
-            DeviceMoves::Auto => 0,
-            DeviceMoves::Direct => 1,
-            DeviceMoves::HostStaged => 2,
-        }
-    }
+// The co-locate rule's setting (see `Context::with_colocate_inputs`).
+#[derive(Debug, Clone, Copy)]
+struct ColocateInputs(bool);
 
-    fn from_code(code: u8) -> Self {
-        match code {
-            1 => DeviceMoves::Direct,
-            2 => DeviceMoves::HostStaged,
-            _ => DeviceMoves::Auto,
-        }
+impl Setting for ColocateInputs {
+    const SLOT: Slot = Slot::ColocateInputs;
+    fn unset() -> Self {
+        ColocateInputs(false)
     }
 }
 
@@ -67,31 +55,45 @@ impl DeviceMoves {
 /// }
 /// assert_eq!(placement::device_moves(), DeviceMoves::Auto);
 /// ```
-pub fn scope_device_moves(moves: DeviceMoves) -> ThreadScope<DeviceMoves> {
-    ThreadScope::enter(&THREAD_MOVES, moves)
+pub fn scope_device_moves(moves: DeviceMoves) -> ContextGuard {
+    context::scope(moves)
 }
 
-/// Sets, process-wide, how tensors cross devices on threads without a scope of their own
-/// ([`scope_device_moves`]); returns the previous setting. It remains for threads the crate
-/// does not start: Burn's backend ops take no context, so the decorator's moves can only read
-/// what the thread or the process holds.
-///
-/// ```
-/// use burn_accelerate::placement::{self, DeviceMoves};
-///
-/// let before = placement::set_device_moves(DeviceMoves::HostStaged);
-/// assert_eq!(placement::device_moves(), DeviceMoves::HostStaged);
-/// placement::set_device_moves(before);
-/// ```
-pub fn set_device_moves(moves: DeviceMoves) -> DeviceMoves {
-    DeviceMoves::from_code(MOVES.swap(moves.code(), Ordering::Relaxed))
+impl Context {
+    /// This context with tensors crossing devices as `moves` says.
+    pub fn with_device_moves(self, moves: DeviceMoves) -> Context {
+        self.with(moves)
+    }
+
+    /// This context with the decorator's co-locate rule on or off.
+    ///
+    /// With the rule on, an op of the autocast table (matmul, linear, conv, add, cat, …) whose
+    /// tensor inputs arrive on different devices first moves them all to the device of its last
+    /// float input: in Burn's ops that is the weight or bias of `linear`/`conv*` and the
+    /// right-hand side of `matmul`, so activations follow the weights and a placed model runs
+    /// with an unchanged `forward`. Ops outside the table are not covered; bring their inputs
+    /// together with [`to_device_of`].
+    ///
+    /// Cost: off (the default), one read of the thread's context per table op that takes
+    /// several tensors; on, a device comparison per tensor input, plus the moves themselves
+    /// (each a read back to the host and an upload where the move is [staged](DeviceMoves)).
+    /// Only `Accelerated<B>` can apply the rule: a plain backend never sees it.
+    ///
+    /// ```
+    /// use burn_accelerate::{placement, Context};
+    ///
+    /// let _on = Context::current().with_colocate_inputs(true).enter();
+    /// assert!(placement::colocate_inputs());
+    /// ```
+    pub fn with_colocate_inputs(self, enabled: bool) -> Context {
+        self.with(ColocateInputs(enabled))
+    }
 }
 
-/// How tensors cross devices now on this thread: its own ([`scope_device_moves`]), else the
-/// process's ([`set_device_moves`]).
+/// How tensors cross devices now on this thread: its context's ([`scope_device_moves`],
+/// [`Context::with_device_moves`]).
 pub fn device_moves() -> DeviceMoves {
-    thread_value(&THREAD_MOVES)
-        .unwrap_or_else(|| DeviceMoves::from_code(MOVES.load(Ordering::Relaxed)))
+    context::get::<DeviceMoves>()
 }
 
 /// Whether a move onto `device` goes through the host under the current [`DeviceMoves`].
@@ -117,7 +119,7 @@ pub fn stages_through_host<B: Backend>(device: &B::Device) -> bool {
 }
 
 /// Turns the decorator's co-locate rule on or off for this thread until the scope drops;
-/// other threads keep theirs (see [`set_colocate_inputs`] for the rule).
+/// other threads keep theirs (see [`Context::with_colocate_inputs`] for the rule).
 ///
 /// ```
 /// use burn_accelerate::placement;
@@ -129,42 +131,15 @@ pub fn stages_through_host<B: Backend>(device: &B::Device) -> bool {
 /// }
 /// assert!(!placement::colocate_inputs());
 /// ```
-pub fn scope_colocate_inputs(enabled: bool) -> ThreadScope<bool> {
-    ThreadScope::enter(&THREAD_COLOCATE, enabled)
+pub fn scope_colocate_inputs(enabled: bool) -> ContextGuard {
+    context::scope(ColocateInputs(enabled))
 }
 
-/// Turns the decorator's co-locate rule on or off, process-wide, on threads without a scope
-/// of their own ([`scope_colocate_inputs`], which a training should prefer); returns the
-/// previous setting.
-///
-/// With the rule on, an op of the autocast table (matmul, linear, conv, add, cat, …) whose
-/// tensor inputs arrive on different devices first moves them all to the device of its last
-/// float input: in Burn's ops that is the weight or bias of `linear`/`conv*` and the
-/// right-hand side of `matmul`, so activations follow the weights and a placed model runs
-/// with an unchanged `forward`. Ops outside the table are not covered; bring their inputs
-/// together with [`to_device_of`].
-///
-/// Cost: off (the default), a thread-local read and one relaxed atomic load per table op that
-/// takes several tensors; on, a device comparison per tensor input, plus the moves themselves (each a read back to
-/// the host and an upload where the move is [staged](DeviceMoves)). Only
-/// `Accelerated<B>` can apply the rule: a plain backend never sees it.
-///
-/// ```
-/// use burn_accelerate::placement;
-///
-/// let before = placement::set_colocate_inputs(true);
-/// assert!(placement::colocate_inputs());
-/// placement::set_colocate_inputs(before);
-/// ```
-pub fn set_colocate_inputs(enabled: bool) -> bool {
-    COLOCATE.swap(enabled, Ordering::Relaxed)
-}
-
-/// Whether the co-locate rule is on for this thread: its own setting
-/// ([`scope_colocate_inputs`]), else the process's ([`set_colocate_inputs`]).
+/// Whether the co-locate rule is on for this thread: its context's
+/// ([`scope_colocate_inputs`], [`Context::with_colocate_inputs`]).
 #[inline]
 pub fn colocate_inputs() -> bool {
-    thread_value(&THREAD_COLOCATE).unwrap_or_else(|| COLOCATE.load(Ordering::Relaxed))
+    context::get::<ColocateInputs>().0
 }
 
 /// `tensor` on `device`, moved the way [`DeviceMoves`] says.

@@ -30,6 +30,7 @@ use burn::tensor::{ElementConversion, Tensor};
 pub use divisor::LossTransform;
 use divisor::Window;
 
+use crate::context::Context;
 use crate::distributed::{self, ProcessGroup};
 use crate::error::AccelerateError;
 use crate::gradient_state::GradientState;
@@ -84,6 +85,9 @@ pub(crate) struct StepCore<B: AutodiffBackend> {
     // Clipped this window (by the loop, or by `max_grad_norm`).
     clipped: bool,
     fp8: bool,
+    // The training's context, entered for fp8's step: the forward passes recorded their amaxes
+    // in its fp8 state, whichever thread ends the pass.
+    context: Option<Context>,
 }
 
 impl<B: AutodiffBackend> StepCore<B> {
@@ -114,6 +118,7 @@ impl<B: AutodiffBackend> StepCore<B> {
             max_grad_norm: settings.max_grad_norm,
             clipped: false,
             fp8: settings.fp8,
+            context: None,
         }
     }
 
@@ -167,8 +172,16 @@ impl<B: AutodiffBackend> StepCore<B> {
     /// recipe, whose per-tensor scales are keyed by call order since the last one.
     pub fn end_pass(&self) {
         if self.fp8 {
+            let _entered = self.context.as_ref().map(Context::enter);
             crate::fp8::step();
         }
+    }
+
+    /// This step with the training's `context`, whose fp8 state [`end_pass`](Self::end_pass)
+    /// steps (without one, the thread's).
+    pub fn with_context(mut self, context: Context) -> Self {
+        self.context = Some(context);
+        self
     }
 
     /// The window's gradients so far.

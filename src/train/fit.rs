@@ -373,7 +373,9 @@ where
         // The fit's precision and small-op rule are this thread's (the steps and the
         // validation run here; device workers enter them on theirs), not the process's: a
         // training on another thread, or Burn's metric threads, keep their own.
-        let _autocast = self.autocast.enter();
+        // The fit's own context: a training on another thread keeps its settings and fp8 state.
+        let context = self.autocast.context();
+        let _autocast = context.enter();
         let loss_scale = if starting_epoch > 1 {
             // Burn's `fit` has no error channel, and it panics itself on a checkpoint it
             // cannot load: a resumed run must not silently go on from the wrong state.
@@ -385,9 +387,10 @@ where
             self.initial_scale
         };
         // Each enters the fit's autocast on its own thread.
-        let workers =
-            (devices.len() > 1).then(|| DeviceWorkers::<LC>::start(&devices, self.autocast));
-        let mut core = self.fit_core(accumulation, loss_scale, loaders.len());
+        let workers = (devices.len() > 1).then(|| DeviceWorkers::<LC>::start(&devices, &context));
+        let mut core = self
+            .fit_core(accumulation, loss_scale, loaders.len())
+            .with_context(context.clone());
         // The user's `TrainStep` calls `loss.backward()` itself: the decorator's backward
         // divides and scales its loss as the `Accelerator`'s `backward` would, on this thread.
         let armed = ThreadArmed::arm(core.loss_transform());

@@ -34,8 +34,9 @@
 //!   with [`AccelerateConfig::gradient_accumulation_steps`] (which averages over the window):
 //!   a fit given both is refused at its start.
 //!
-//! What is still process-wide: the fp8 amax histories ([`fp8`](crate::fp8), where the module
-//! says why): two fp8 trainings must not run at once in one process.
+//! Each fit builds its own [`Context`](crate::Context) ([`Autocast::context`]), with an fp8
+//! state of its own: two trainings may run at once on two threads of one process, in
+//! different precisions (fp8 included).
 //!
 //! With [`AccelerateStrategy::with_checkpoint_dir`], every epoch ends with a checkpoint a
 //! crash cannot corrupt (the model, optimizer and scheduler records, the loss scale, the

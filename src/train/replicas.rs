@@ -7,7 +7,7 @@
 //! gradients back to the main device before answering, so that the moves run in parallel.
 //! The answers are returned in device order, so that summing them is deterministic.
 //!
-//! Each worker enters the strategy's [`Autocast`] for its steps (its precision and small-op
+//! Each worker enters the fit's [`Context`] for its steps (its precision and small-op
 //! rule are the training's, scoped to the threads that run it), and arms the step's loss
 //! transform on its thread, so the user's `loss.backward()` there is divided and scaled as
 //! on the main thread.
@@ -27,7 +27,7 @@ use burn::train::{
     LearningComponentsTypes, TrainOutput, TrainStep, TrainingBackend, TrainingModel,
 };
 
-use crate::autocast::Autocast;
+use crate::context::Context;
 use crate::placement;
 use crate::scaler::ThreadArmed;
 use crate::step::LossTransform;
@@ -51,7 +51,7 @@ pub(crate) struct DeviceWorkers<LC: LearningComponentsTypes> {
 
 impl<LC: LearningComponentsTypes> DeviceWorkers<LC> {
     /// Starts one worker per device of `devices` (the first is the main device).
-    pub(crate) fn start(devices: &[Device<TrainingBackend<LC>>], autocast: Autocast) -> Self {
+    pub(crate) fn start(devices: &[Device<TrainingBackend<LC>>], context: &Context) -> Self {
         let main = devices[0].clone();
         let (reply, answers) = channel();
         let mut inboxes = Vec::with_capacity(devices.len());
@@ -60,10 +60,11 @@ impl<LC: LearningComponentsTypes> DeviceWorkers<LC> {
             let (inbox, jobs) = channel::<Job<LC>>();
             let reply: Sender<Answer<LC>> = reply.clone();
             let main = main.clone();
+            let context = context.clone();
             let thread = std::thread::Builder::new()
                 .name(format!("burn-accelerate-device-{index}"))
                 .spawn(move || {
-                    let _autocast = autocast.enter();
+                    let _autocast = context.enter();
                     for (model, input, transform) in jobs {
                         let output = catch_unwind(AssertUnwindSafe(|| {
                             // The user's `loss.backward()` runs here: arm this thread.

@@ -153,8 +153,10 @@ struct HandLoopReport {
 
 fn hand_loop<B: AutodiffBackend>(args: &HandLoop) -> HandLoopReport {
     // The net is tiny: cast all its lower-class ops (PyTorch's rule), so that f16 overflows.
-    burn_accelerate::autocast::set_small_ops(burn_accelerate::autocast::SmallOps::Cast)
-        .expect("a valid rule");
+    burn_accelerate::Context::process()
+        .with_small_ops(burn_accelerate::autocast::SmallOps::Cast)
+        .expect("a valid rule")
+        .set_as_default();
     if args.adam {
         hand_loop_with::<B, _>(args, burn::optim::AdamConfig::new().init())
     } else {
@@ -685,8 +687,10 @@ mod supervised {
         if args.f16 {
             // The net is tiny: cast all its lower-class ops (PyTorch's rule), so that f16
             // overflows.
-            burn_accelerate::autocast::set_small_ops(burn_accelerate::autocast::SmallOps::Cast)
-                .expect("a valid rule");
+            burn_accelerate::Context::process()
+                .with_small_ops(burn_accelerate::autocast::SmallOps::Cast)
+                .expect("a valid rule")
+                .set_as_default();
             config = config
                 .with_mixed_precision(Precision::F16)
                 .with_grad_scaler(
@@ -2206,7 +2210,7 @@ fn processes_on_one_machine_pin_their_threads_to_disjoint_cpus() {
 /// The transformer language model of `examples/train_lm.rs` (`train::lm`), small, on processes.
 mod lm_run {
     use super::*;
-    use burn_accelerate::autocast::{self, SmallOps};
+    use burn_accelerate::autocast::SmallOps;
     use burn_accelerate::train::lm::{self, LmConfig};
 
     #[derive(Debug, Serialize, Deserialize)]
@@ -2231,7 +2235,10 @@ mod lm_run {
         let precision: Precision = args.precision.parse().unwrap();
         // The model is tiny: cast every lower-class op (PyTorch's rule), so that the half
         // precisions are what runs.
-        autocast::set_small_ops(SmallOps::Cast).expect("a valid rule");
+        burn_accelerate::Context::process()
+            .with_small_ops(SmallOps::Cast)
+            .expect("a valid rule")
+            .set_as_default();
         let config = LmConfig::new()
             .with_precision(precision)
             .with_d_model(32)
