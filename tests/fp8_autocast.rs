@@ -16,7 +16,7 @@ use burn_accelerate::autocast::{self, Op};
 use burn_accelerate::fp8::{
     self, DelayedScaling, Fp8Format, Fp8Mode, Pass, TensorKey, quantize_dequantize_tensor,
 };
-use burn_accelerate::{AccelerateError, Accelerated, AutocastConfig, Precision};
+use burn_accelerate::{AccelerateError, Accelerated, AutocastConfig, Context, ContextGuard, Precision};
 use suite::models::Mlp;
 
 type Ad = Autodiff<Flex>;
@@ -25,13 +25,12 @@ type B = Accelerated<Ad>;
 const E4M3: Precision = Precision::Fp8(Fp8Mode::E4M3);
 const HYBRID: Precision = Precision::Fp8(Fp8Mode::Hybrid);
 
-// The fp8 amax histories are process-wide (as Transformer Engine's are; src/fp8/state.rs says
-// why): tests in this binary take turns.
-fn exclusive() -> MutexGuard<'static, ()> {
+// Tests in this binary take turns only for Burn's generator, which is the process's (they
+// seed it); each runs in a context with an fp8 state of its own.
+fn exclusive() -> (MutexGuard<'static, ()>, ContextGuard) {
     static LOCK: Mutex<()> = Mutex::new(());
     let guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    fp8::load_state(Default::default());
-    guard
+    (guard, Context::current().with_new_fp8_state().enter())
 }
 
 fn key(op: Op, call: u32, input: u32, pass: Pass) -> TensorKey {
