@@ -47,6 +47,7 @@ pub use burn_accelerate_checkpoint::{
 use crate::AccelerateError;
 
 mod accelerator;
+pub(crate) mod records;
 pub use accelerator::Resumed;
 
 /// The checkpoints of a directory: [`burn_accelerate_checkpoint::CheckpointDir`], failing with

@@ -3,6 +3,7 @@
 
 use super::fit::Core;
 use super::*;
+use crate::checkpoint::records::Scheme;
 
 // A loader whose epoch and position a checkpoint holds, whatever its item types. Copies of a
 // `ShardLoader` share its position, so the strategy's copy sees what Burn's copy iterates.
@@ -47,7 +48,7 @@ pub struct AccelerateCheckpoint {
 impl AccelerateCheckpoint {
     /// The file that holds epoch `epoch`'s state in `dir`.
     pub fn path(dir: &Path, epoch: usize) -> PathBuf {
-        dir.join(format!("accelerate-{epoch}.json"))
+        dir.join(Scheme::Strategy.names(epoch).state)
     }
 
     /// Writes it for `epoch` into `dir`.
@@ -94,11 +95,7 @@ impl AccelerateCheckpoint {
             .map(|m| m.checkpoints.iter().map(|c| c.epoch).collect())
             .unwrap_or_default();
         for name in &names {
-            let epoch = name
-                .strip_prefix("accelerate-")
-                .and_then(|rest| rest.strip_suffix(".json"))
-                .and_then(|n| n.parse::<usize>().ok());
-            if let Some(epoch) = epoch
+            if let Some(epoch) = Scheme::Strategy.state_number(name)
                 && epoch < latest
                 && !has_model(epoch)
                 && !listed.contains(&epoch)
