@@ -48,7 +48,7 @@ use crate::fp8::DelayedScaling;
 use crate::gradient_state::{Accumulate, GradientState, GradientStateSnapshot};
 use crate::scaler::{GradScalerConfig, LossScale};
 use crate::step::{StepCore, StepOutcome, StepSettings};
-use crate::zero::{self, ParamStateRecord, Partition, ZeroStage};
+use crate::zero::{ParamStateRecord, ZeroStage};
 use crate::{AccelerateError, Precision};
 
 /// How to accelerate a training loop, with Accelerate's names.
@@ -568,16 +568,8 @@ impl<B: AutodiffBackend> Accelerator<B> {
         model: &M,
         record: R,
     ) -> Result<Option<R>, AccelerateError> {
-        match self.core.sharded() {
-            Some((group, _)) => Ok(zero::consolidate_state::<B, M, R>(
-                group,
-                model,
-                record,
-                0,
-                &self.device,
-            )?),
-            _ => Ok(self.is_main_process().then_some(record)),
-        }
+        self.core
+            .whole_optimizer_record(model, record, &self.device)
     }
 
     /// The part of a whole optimizer state (a checkpoint's, from
@@ -591,14 +583,12 @@ impl<B: AutodiffBackend> Accelerator<B> {
         model: &M,
         record: R,
     ) -> R {
-        let Some((group, _)) = self.core.sharded() else {
-            return record;
-        };
-        // Anew: a model loaded from a checkpoint has the checkpoint's parameter ids.
-        let partition = Partition::of::<B, M>(model, group.world_size());
-        let own = zero::keep_own_state(record, &partition, group.rank());
-        self.core.set_partition(partition);
-        own
+        self.core.own_optimizer_record(model, record)
+    }
+
+    // The process group of the steps, when there are several processes.
+    pub(crate) fn core_group(&self) -> Option<&crate::distributed::ProcessGroup> {
+        self.core.group()
     }
 
     /// The loss scale and gradient-state position, for a checkpoint.
@@ -630,21 +620,7 @@ impl<B: AutodiffBackend> Accelerator<B> {
                 current: self.config.sync_with_dataloader.to_string(),
             });
         }
-        let kind = |s: &LossScale| match s {
-            LossScale::None => "no loss scaling",
-            LossScale::Static { .. } => "a static loss scale",
-            LossScale::Dynamic(_) => "a dynamic loss scale",
-        };
-        if kind(&saved.loss_scale) != kind(self.core.loss_scale()) {
-            return Err(AccelerateError::StateMismatch {
-                what: "loss scaling",
-                saved: kind(&saved.loss_scale).into(),
-                current: kind(self.core.loss_scale()).into(),
-            });
-        }
-        self.core.state().restore(g)?;
-        self.core.set_loss_scale(saved.loss_scale);
-        self.core.zero_grad();
+        self.core.restore(g, saved.loss_scale)?;
         Ok(())
     }
 }

@@ -166,14 +166,8 @@ impl<B: AutodiffBackend> Accelerator<B> {
         O: Optimizer<M, B>,
         O::Record: ParamStateRecord<B>,
     {
-        let group = self.process().group()?;
-        let newest = if self.is_main_process() {
-            dir.load_newest(None)?
-        } else {
-            None
-        };
-        let chosen: Option<usize> = group.broadcast_object(&newest.as_ref().map(|c| c.epoch), 0)?;
-        let Some(number) = chosen else {
+        let picked = super::agree_on_checkpoint(self.core_group(), dir, || dir.load_newest(None))?;
+        let Some(mut loaded) = picked else {
             return Ok(Resumed {
                 from: None,
                 model,
@@ -181,10 +175,7 @@ impl<B: AutodiffBackend> Accelerator<B> {
                 files: Default::default(),
             });
         };
-        let mut loaded = match newest {
-            Some(loaded) => loaded,
-            None => dir.load(number)?,
-        };
+        let number = loaded.epoch;
         let own = Scheme::Accelerator.names(number);
         let state: AcceleratorState = serde_json::from_slice(&records::file(&loaded, &own.state)?)
             .map_err(|e| record_error(&own.state, e))?;

@@ -21,6 +21,7 @@
 //! its length.
 
 pub(crate) mod divisor;
+mod restore;
 
 use burn::module::AutodiffModule;
 use burn::optim::GradientsParams;
@@ -29,13 +30,14 @@ use burn::tensor::{ElementConversion, Tensor};
 
 pub use divisor::LossTransform;
 use divisor::Window;
+pub(crate) use restore::restore_position;
 
 use crate::distributed::{self, ProcessGroup};
 use crate::error::AccelerateError;
-use crate::gradient_state::GradientState;
+use crate::gradient_state::{GradientState, GradientStateSnapshot};
 use crate::grads::{self, OverflowCheck};
 use crate::scaler::LossScale;
-use crate::zero::{self, Partition, ZeroStage};
+use crate::zero::{self, ParamStateRecord, Partition, ZeroStage};
 
 /// What a batch's optimizer step did ([`Accelerator::optimizer_step`](crate::Accelerator::optimizer_step)).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -198,6 +200,11 @@ impl<B: AutodiffBackend> StepCore<B> {
         self.loss_scale = loss_scale;
     }
 
+    /// The process group, when there are several processes.
+    pub fn group(&self) -> Option<&ProcessGroup> {
+        self.group.as_ref()
+    }
+
     /// The group and the ZeRO stage, when the stage shards anything (several processes).
     pub fn sharded(&self) -> Option<(&ProcessGroup, ZeroStage)> {
         let group = self.group.as_ref()?;
@@ -213,10 +220,65 @@ impl<B: AutodiffBackend> StepCore<B> {
         )
     }
 
-    /// Replaces the partition (that of a model loaded from a checkpoint, whose parameter ids
-    /// are the checkpoint's).
-    pub fn set_partition(&mut self, partition: Partition) {
+    /// Goes on from a checkpoint's position and loss scale (see [`restore_position`]), with
+    /// no gradients.
+    ///
+    /// # Errors
+    /// What [`restore_position`] returns; nothing changes then.
+    pub fn restore(
+        &mut self,
+        saved: &GradientStateSnapshot,
+        saved_scale: LossScale,
+    ) -> Result<(), AccelerateError> {
+        restore_position(&self.state, &self.loss_scale, saved, &saved_scale)?;
+        self.set_loss_scale(saved_scale);
+        self.zero_grad();
+        Ok(())
+    }
+
+    /// The whole optimizer state, for a checkpoint, on process 0 (`None` on the others),
+    /// from this process's `record` of it: merged from every process's partition when
+    /// sharded (every process must call it at the same step), as it is otherwise. Its
+    /// tensors go to `device`.
+    ///
+    /// # Errors
+    /// [`AccelerateError::Distributed`] when a process left, or sent a state this process
+    /// cannot read.
+    pub fn whole_optimizer_record<M: AutodiffModule<B>, R: ParamStateRecord<B>>(
+        &self,
+        model: &M,
+        record: R,
+        device: &B::Device,
+    ) -> Result<Option<R>, AccelerateError> {
+        match self.sharded() {
+            Some((group, _)) => Ok(zero::consolidate_state::<B, M, R>(
+                group, model, record, 0, device,
+            )?),
+            None => Ok(self
+                .group
+                .as_ref()
+                .is_none_or(|group| group.rank() == 0)
+                .then_some(record)),
+        }
+    }
+
+    /// The part of a whole optimizer `record` (a checkpoint's, or a fresh optimizer's) that
+    /// this process steps: its partition's when sharded, all of it otherwise. The partition
+    /// is computed anew from `model` (one loaded from a checkpoint has the checkpoint's
+    /// parameter ids) and kept for the steps.
+    pub fn own_optimizer_record<M: AutodiffModule<B>, R: ParamStateRecord<B>>(
+        &mut self,
+        model: &M,
+        record: R,
+    ) -> R {
+        let Some((group, _)) = self.sharded() else {
+            return record;
+        };
+        let (rank, world) = (group.rank(), group.world_size());
+        let partition = Partition::of::<B, M>(model, world);
+        let own = zero::keep_own_state(record, &partition, rank);
         self.partition = Some(partition);
+        own
     }
 
     /// Averages the window's gradients over the processes (at stage 2, this process's

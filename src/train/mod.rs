@@ -131,7 +131,7 @@ use crate::gradient_state::GradientState;
 use crate::placement::check_data_parallel;
 use crate::scaler::{LossScale, ThreadArmed};
 use crate::step::{StepCore, StepOutcome};
-use crate::zero::{self, ParamStateRecord, ZeroStage};
+use crate::zero::{ParamStateRecord, ZeroStage};
 use crate::{AccelerateConfig, AccelerateError, AcceleratorState, Precision};
 pub use checkpoint::AccelerateCheckpoint;
 use checkpoint::LoaderPosition;

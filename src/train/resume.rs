@@ -35,7 +35,7 @@ use super::sharded::{Always, Discard, Hand};
 use super::{AccelerateCheckpoint, AccelerateStrategy, fail};
 use crate::AccelerateError;
 use crate::checkpoint::records::{self, Bytes, Scheme, record_error};
-use crate::checkpoint::{CheckpointDir, LoadedCheckpoint, Manifest};
+use crate::checkpoint::{CheckpointDir, LoadedCheckpoint, Manifest, agree_on_checkpoint};
 
 /// How the strategy keeps and uses its checkpoints.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -201,37 +201,14 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
             return (learner, None);
         }
         let checkpoints = self.checkpoints(dir);
-        // The main process picks, and every process loads its pick: each choosing for itself
-        // could start processes from different epochs.
-        let mut loaded = None;
-        if self.process.is_main_process() {
-            loaded = self
-                .choose(&checkpoints, asked, components.checkpointer.is_some())
-                .unwrap_or_else(|err| fail("cannot resume", err));
-        }
-        let picked = loaded.as_ref().map(|l: &LoadedCheckpoint| l.epoch);
-        let picked = match &self.group {
-            Some(group) => group
-                .broadcast_object(&picked, 0)
-                .unwrap_or_else(|err| fail("cannot agree on the checkpoint to resume from", err)),
-            None => picked,
-        };
-        let Some(epoch) = picked else {
+        let picked = agree_on_checkpoint(self.group.as_ref(), &checkpoints, || {
+            self.choose(&checkpoints, asked, components.checkpointer.is_some())
+        })
+        .unwrap_or_else(|err| fail("cannot resume", err));
+        let Some(loaded) = picked else {
             return (learner, None);
         };
-        let loaded = match loaded {
-            Some(loaded) => loaded,
-            None => checkpoints.load(epoch).unwrap_or_else(|err| {
-                fail(
-                    &format!(
-                        "process {} cannot read the checkpoint of epoch {epoch} the main process \
-                         resumes from (every process needs the same checkpoint directory)",
-                        self.process.process_index()
-                    ),
-                    err,
-                )
-            }),
-        };
+        let epoch = loaded.epoch;
         let names = Scheme::Strategy.names(epoch);
         let take = |name: &str| {
             records::file(&loaded, name).unwrap_or_else(|err| fail("cannot resume", err))
