@@ -43,7 +43,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use serde::{Deserialize, Serialize};
 
 use crate::autocast::{self, Autocast, AutocastConfig, AutocastScope, LowerOpTally, SmallOps};
-use crate::distributed::ProcessState;
+use crate::distributed::{ProcessGroup, ProcessState};
 use crate::fp8::DelayedScaling;
 use crate::gradient_state::{Accumulate, GradientState, GradientStateSnapshot};
 use crate::scaler::{GradScalerConfig, LossScale};
@@ -159,6 +159,26 @@ impl AccelerateConfig {
         Ok((autocast, loss_scale))
     }
 
+    /// Joins this process's run (its process group when there are several) and configures
+    /// `state` with the accumulation settings: the part of building an [`Accelerator`] after
+    /// the precision that the training strategy shares.
+    ///
+    /// # Errors
+    /// [`AccelerateError::Distributed`] for a bad launch environment or a process group that
+    /// cannot be joined; what [`GradientState::configure`] returns.
+    pub(crate) fn join_run(
+        &self,
+        state: &GradientState,
+    ) -> Result<(ProcessState, Option<ProcessGroup>), AccelerateError> {
+        let process = ProcessState::from_env()?;
+        let group = process
+            .is_distributed()
+            .then(|| process.group())
+            .transpose()?;
+        state.configure(self.gradient_accumulation_steps, self.sync_with_dataloader)?;
+        Ok((process, group))
+    }
+
     // What the step core reads of the configuration.
     pub(crate) fn step_settings(&self) -> StepSettings {
         StepSettings {
@@ -269,15 +289,7 @@ impl<B: AutodiffBackend> Accelerator<B> {
     ) -> Result<Self, AccelerateError> {
         // Before touching the (maybe shared) state, so that a wrong config changes nothing.
         let (autocast, loss_scale) = config.init_mixed_precision::<B>(device)?;
-        let process = ProcessState::from_env()?;
-        let group = process
-            .is_distributed()
-            .then(|| process.group())
-            .transpose()?;
-        state.configure(
-            config.gradient_accumulation_steps,
-            config.sync_with_dataloader,
-        )?;
+        let (process, group) = config.join_run(&state)?;
         let core = StepCore::new(config.step_settings(), loss_scale, state, group);
         Ok(Self {
             config,
