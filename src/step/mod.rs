@@ -291,8 +291,8 @@ impl<B: AutodiffBackend> StepCore<B> {
         if self.unscaled.is_some() || !self.state.sync_gradients() {
             return Ok(());
         }
-        match self.sharded().map(|(_, stage)| stage) {
-            Some(ZeroStage::Gradients) => {
+        match self.sharded().map(|(_, stage)| stage.scatters_gradients()) {
+            Some(true) => {
                 self.partition(model);
                 let (Some(group), Some(partition)) = (&self.group, &self.partition) else {
                     unreachable!("sharded, so a group and its partition");
@@ -338,9 +338,10 @@ impl<B: AutodiffBackend> StepCore<B> {
         }
         self.unscale(model)?;
         self.clipped = true;
-        let (Some(group), Some(ZeroStage::Gradients)) =
-            (&self.group, self.sharded().map(|(_, stage)| stage))
-        else {
+        let (Some(group), Some(true)) = (
+            &self.group,
+            self.sharded().map(|(_, stage)| stage.scatters_gradients()),
+        ) else {
             return Ok(grads::clip_grad_norm::<B, M>(
                 model,
                 &mut self.grads,
@@ -418,7 +419,7 @@ impl<B: AutodiffBackend> StepCore<B> {
             unreachable!("sharded, so a group and its partition");
         };
         let mut grads = grads;
-        if stage == ZeroStage::OptimizerState {
+        if stage.drops_others_gradients() {
             zero::keep_own::<B, M>(&model, &mut grads, partition, group.rank());
         }
         let (model, lr) = apply(model, grads);
@@ -429,7 +430,10 @@ impl<B: AutodiffBackend> StepCore<B> {
     // At stage 2 each process checked its own partition: an inf in any skips the step on
     // every process (ShardedGradScaler). Elsewhere every process checked the same gradients.
     fn agree_on_overflow(&self, found_inf: bool) -> Result<bool, AccelerateError> {
-        let Some((group, ZeroStage::Gradients)) = self.sharded() else {
+        let Some((group, _)) = self
+            .sharded()
+            .filter(|(_, stage)| stage.scatters_gradients())
+        else {
             return Ok(found_inf);
         };
         let mut any = [u32::from(found_inf)];
