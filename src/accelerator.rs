@@ -44,12 +44,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::autocast::{self, Autocast, AutocastConfig, AutocastScope, LowerOpTally, SmallOps};
 use crate::context::Context;
-use crate::distributed::ProcessState;
+use crate::distributed::{ProcessGroup, ProcessState};
 use crate::fp8::DelayedScaling;
 use crate::gradient_state::{Accumulate, GradientState, GradientStateSnapshot};
 use crate::scaler::{GradScalerConfig, LossScale};
 use crate::step::{StepCore, StepOutcome, StepSettings};
-use crate::zero::{self, ParamStateRecord, Partition, ZeroStage};
+use crate::zero::{ParamStateRecord, ZeroStage};
 use crate::{AccelerateError, Precision};
 
 /// How to accelerate a training loop, with Accelerate's names.
@@ -158,6 +158,26 @@ impl AccelerateConfig {
             .init::<B>(device)?;
         let loss_scale = self.grad_scaler.init(autocast.precision())?;
         Ok((autocast, loss_scale))
+    }
+
+    /// Joins this process's run (its process group when there are several) and configures
+    /// `state` with the accumulation settings: the part of building an [`Accelerator`] after
+    /// the precision that the training strategy shares.
+    ///
+    /// # Errors
+    /// [`AccelerateError::Distributed`] for a bad launch environment or a process group that
+    /// cannot be joined; what [`GradientState::configure`] returns.
+    pub(crate) fn join_run(
+        &self,
+        state: &GradientState,
+    ) -> Result<(ProcessState, Option<ProcessGroup>), AccelerateError> {
+        let process = ProcessState::from_env()?;
+        let group = process
+            .is_distributed()
+            .then(|| process.group())
+            .transpose()?;
+        state.configure(self.gradient_accumulation_steps, self.sync_with_dataloader)?;
+        Ok((process, group))
     }
 
     // What the step core reads of the configuration.
@@ -273,15 +293,7 @@ impl<B: AutodiffBackend> Accelerator<B> {
     ) -> Result<Self, AccelerateError> {
         // Before touching the (maybe shared) state, so that a wrong config changes nothing.
         let (autocast, loss_scale) = config.init_mixed_precision::<B>(device)?;
-        let process = ProcessState::from_env()?;
-        let group = process
-            .is_distributed()
-            .then(|| process.group())
-            .transpose()?;
-        state.configure(
-            config.gradient_accumulation_steps,
-            config.sync_with_dataloader,
-        )?;
+        let (process, group) = config.join_run(&state)?;
         let context = autocast.context();
         let core = StepCore::new(config.step_settings(), loss_scale, state, group)
             .with_context(context.clone());
@@ -585,16 +597,8 @@ impl<B: AutodiffBackend> Accelerator<B> {
         model: &M,
         record: R,
     ) -> Result<Option<R>, AccelerateError> {
-        match self.core.sharded() {
-            Some((group, _)) => Ok(zero::consolidate_state::<B, M, R>(
-                group,
-                model,
-                record,
-                0,
-                &self.device,
-            )?),
-            _ => Ok(self.is_main_process().then_some(record)),
-        }
+        self.core
+            .whole_optimizer_record(model, record, &self.device)
     }
 
     /// The part of a whole optimizer state (a checkpoint's, from
@@ -608,14 +612,12 @@ impl<B: AutodiffBackend> Accelerator<B> {
         model: &M,
         record: R,
     ) -> R {
-        let Some((group, _)) = self.core.sharded() else {
-            return record;
-        };
-        // Anew: a model loaded from a checkpoint has the checkpoint's parameter ids.
-        let partition = Partition::of::<B, M>(model, group.world_size());
-        let own = zero::keep_own_state(record, &partition, group.rank());
-        self.core.set_partition(partition);
-        own
+        self.core.own_optimizer_record(model, record)
+    }
+
+    // The process group of the steps, when there are several processes.
+    pub(crate) fn core_group(&self) -> Option<&crate::distributed::ProcessGroup> {
+        self.core.group()
     }
 
     /// The loss scale and gradient-state position, for a checkpoint.
@@ -647,21 +649,7 @@ impl<B: AutodiffBackend> Accelerator<B> {
                 current: self.config.sync_with_dataloader.to_string(),
             });
         }
-        let kind = |s: &LossScale| match s {
-            LossScale::None => "no loss scaling",
-            LossScale::Static { .. } => "a static loss scale",
-            LossScale::Dynamic(_) => "a dynamic loss scale",
-        };
-        if kind(&saved.loss_scale) != kind(self.core.loss_scale()) {
-            return Err(AccelerateError::StateMismatch {
-                what: "loss scaling",
-                saved: kind(&saved.loss_scale).into(),
-                current: kind(self.core.loss_scale()).into(),
-            });
-        }
-        self.core.state().restore(g)?;
-        self.core.set_loss_scale(saved.loss_scale);
-        self.core.zero_grad();
+        self.core.restore(g, saved.loss_scale)?;
         Ok(())
     }
 }

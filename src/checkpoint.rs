@@ -47,7 +47,10 @@ pub use burn_accelerate_checkpoint::{
 use crate::AccelerateError;
 
 mod accelerator;
+mod agree;
+pub(crate) mod records;
 pub use accelerator::Resumed;
+pub(crate) use agree::agree_on_checkpoint;
 
 /// The checkpoints of a directory: [`burn_accelerate_checkpoint::CheckpointDir`], failing with
 /// [`AccelerateError::Checkpoint`].

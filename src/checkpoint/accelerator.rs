@@ -11,15 +11,12 @@
 
 use burn::module::AutodiffModule;
 use burn::optim::Optimizer;
-use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
 use burn::tensor::backend::AutodiffBackend;
 
 use super::CheckpointDir;
+use super::records::{self, Scheme, record_error};
 use crate::zero::ParamStateRecord;
 use crate::{AccelerateError, Accelerator, AcceleratorState};
-
-// Full precision, as the strategy's checkpoints (Burn's `CompactRecorder` stores f16).
-type Bytes = NamedMpkBytesRecorder<FullPrecisionSettings>;
 
 /// What [`Accelerator::resume`] found: the checkpoint's number, and the model and optimizer
 /// with its records loaded (as given when there was none).
@@ -44,21 +41,6 @@ impl<M, O> std::fmt::Debug for Resumed<M, O> {
             .field("from", &self.from)
             .field("files", &self.files.keys().collect::<Vec<_>>())
             .finish_non_exhaustive()
-    }
-}
-
-fn names(number: usize) -> [String; 3] {
-    [
-        format!("accelerator-{number}.json"),
-        format!("model-{number}.mpk"),
-        format!("optimizer-{number}.mpk"),
-    ]
-}
-
-fn record_error(what: &str, err: impl std::fmt::Display) -> AccelerateError {
-    AccelerateError::Checkpoint {
-        path: what.into(),
-        reason: err.to_string(),
     }
 }
 
@@ -137,8 +119,8 @@ impl<B: AutodiffBackend> Accelerator<B> {
         O: Optimizer<M, B>,
         O::Record: ParamStateRecord<B>,
     {
-        let own = names(number);
-        if let Some((name, _)) = files.iter().find(|(name, _)| own.iter().any(|o| o == name)) {
+        let own = Scheme::Accelerator.names(number);
+        if let Some((name, _)) = files.iter().find(|(name, _)| own.contains(name)) {
             return Err(record_error(
                 name,
                 "named as one of the accelerator's own files of the checkpoint: give it another \
@@ -146,18 +128,14 @@ impl<B: AutodiffBackend> Accelerator<B> {
             ));
         }
         if let Some(whole) = self.consolidate_optimizer_record(model, optimizer.to_record())? {
-            let bytes = Bytes::default();
-            let model = Recorder::<B>::record(&bytes, model.clone().into_record(), ())
-                .map_err(|e| record_error("the model's record", e))?;
-            let optim = Recorder::<B>::record(&bytes, whole, ())
-                .map_err(|e| record_error("the optimizer's record", e))?;
+            let model = records::encode::<B, _>(model.clone().into_record(), "the model's record")?;
+            let optim = records::encode::<B, _>(whole, "the optimizer's record")?;
             let state = serde_json::to_vec_pretty(&self.state())
                 .map_err(|e| record_error("the accelerator's state", e))?;
-            let [state_name, model_name, optim_name] = names(number);
             let mut all: Vec<(&str, &[u8])> = vec![
-                (&state_name, &state),
-                (&model_name, &model),
-                (&optim_name, &optim),
+                (&own.state, &state),
+                (&own.model, &model),
+                (&own.optimizer, &optim),
             ];
             all.extend_from_slice(files);
             dir.save(number, &all)?;
@@ -188,14 +166,8 @@ impl<B: AutodiffBackend> Accelerator<B> {
         O: Optimizer<M, B>,
         O::Record: ParamStateRecord<B>,
     {
-        let group = self.process().group()?;
-        let newest = if self.is_main_process() {
-            dir.load_newest(None)?
-        } else {
-            None
-        };
-        let chosen: Option<usize> = group.broadcast_object(&newest.as_ref().map(|c| c.epoch), 0)?;
-        let Some(number) = chosen else {
+        let picked = super::agree_on_checkpoint(self.core_group(), dir, || dir.load_newest(None))?;
+        let Some(mut loaded) = picked else {
             return Ok(Resumed {
                 from: None,
                 model,
@@ -203,32 +175,17 @@ impl<B: AutodiffBackend> Accelerator<B> {
                 files: Default::default(),
             });
         };
-        let mut loaded = match newest {
-            Some(loaded) => loaded,
-            None => dir.load(number)?,
-        };
-        let [state_name, model_name, optim_name] = names(number);
-        let file = |name: &str| {
-            loaded.files.get(name).cloned().ok_or_else(|| {
-                record_error(
-                    name,
-                    "listed in the checkpoint's manifest, but not read back",
-                )
-            })
-        };
-        let state: AcceleratorState = serde_json::from_slice(&file(&state_name)?)
-            .map_err(|e| record_error(&state_name, e))?;
-        let bytes = Bytes::default();
+        let number = loaded.epoch;
+        let own = Scheme::Accelerator.names(number);
+        let state: AcceleratorState = serde_json::from_slice(&records::file(&loaded, &own.state)?)
+            .map_err(|e| record_error(&own.state, e))?;
         let device = self.device().clone();
-        let model_record = Recorder::<B>::load(&bytes, file(&model_name)?, &device)
-            .map_err(|e| record_error(&model_name, e))?;
-        let model = model.load_record(model_record);
-        let optim_record: O::Record = Recorder::<B>::load(&bytes, file(&optim_name)?, &device)
-            .map_err(|e| record_error(&optim_name, e))?;
+        let model = model.load_record(records::decode::<B, _>(&loaded, &own.model, &device)?);
+        let optim_record: O::Record = records::decode::<B, _>(&loaded, &own.optimizer, &device)?;
         optimizer = optimizer.load_record(self.shard_optimizer_record(&model, optim_record));
         self.load_state(&state)?;
-        for own in [&state_name, &model_name, &optim_name] {
-            loaded.files.remove(own);
+        for name in own.all() {
+            loaded.files.remove(name);
         }
         Ok(Resumed {
             from: Some(number),

@@ -21,6 +21,7 @@
 //! its length.
 
 pub(crate) mod divisor;
+mod restore;
 
 use burn::module::AutodiffModule;
 use burn::optim::GradientsParams;
@@ -29,14 +30,15 @@ use burn::tensor::{ElementConversion, Tensor};
 
 pub use divisor::LossTransform;
 use divisor::Window;
+pub(crate) use restore::restore_position;
 
 use crate::context::Context;
 use crate::distributed::{self, ProcessGroup};
 use crate::error::AccelerateError;
-use crate::gradient_state::GradientState;
+use crate::gradient_state::{GradientState, GradientStateSnapshot};
 use crate::grads::{self, OverflowCheck};
 use crate::scaler::LossScale;
-use crate::zero::{self, Partition, ZeroStage};
+use crate::zero::{self, ParamStateRecord, Partition, ZeroStage};
 
 /// What a batch's optimizer step did ([`Accelerator::optimizer_step`](crate::Accelerator::optimizer_step)).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -211,6 +213,11 @@ impl<B: AutodiffBackend> StepCore<B> {
         self.loss_scale = loss_scale;
     }
 
+    /// The process group, when there are several processes.
+    pub fn group(&self) -> Option<&ProcessGroup> {
+        self.group.as_ref()
+    }
+
     /// The group and the ZeRO stage, when the stage shards anything (several processes).
     pub fn sharded(&self) -> Option<(&ProcessGroup, ZeroStage)> {
         let group = self.group.as_ref()?;
@@ -226,10 +233,65 @@ impl<B: AutodiffBackend> StepCore<B> {
         )
     }
 
-    /// Replaces the partition (that of a model loaded from a checkpoint, whose parameter ids
-    /// are the checkpoint's).
-    pub fn set_partition(&mut self, partition: Partition) {
+    /// Goes on from a checkpoint's position and loss scale (see [`restore_position`]), with
+    /// no gradients.
+    ///
+    /// # Errors
+    /// What [`restore_position`] returns; nothing changes then.
+    pub fn restore(
+        &mut self,
+        saved: &GradientStateSnapshot,
+        saved_scale: LossScale,
+    ) -> Result<(), AccelerateError> {
+        restore_position(&self.state, &self.loss_scale, saved, &saved_scale)?;
+        self.set_loss_scale(saved_scale);
+        self.zero_grad();
+        Ok(())
+    }
+
+    /// The whole optimizer state, for a checkpoint, on process 0 (`None` on the others),
+    /// from this process's `record` of it: merged from every process's partition when
+    /// sharded (every process must call it at the same step), as it is otherwise. Its
+    /// tensors go to `device`.
+    ///
+    /// # Errors
+    /// [`AccelerateError::Distributed`] when a process left, or sent a state this process
+    /// cannot read.
+    pub fn whole_optimizer_record<M: AutodiffModule<B>, R: ParamStateRecord<B>>(
+        &self,
+        model: &M,
+        record: R,
+        device: &B::Device,
+    ) -> Result<Option<R>, AccelerateError> {
+        match self.sharded() {
+            Some((group, _)) => Ok(zero::consolidate_state::<B, M, R>(
+                group, model, record, 0, device,
+            )?),
+            None => Ok(self
+                .group
+                .as_ref()
+                .is_none_or(|group| group.rank() == 0)
+                .then_some(record)),
+        }
+    }
+
+    /// The part of a whole optimizer `record` (a checkpoint's, or a fresh optimizer's) that
+    /// this process steps: its partition's when sharded, all of it otherwise. The partition
+    /// is computed anew from `model` (one loaded from a checkpoint has the checkpoint's
+    /// parameter ids) and kept for the steps.
+    pub fn own_optimizer_record<M: AutodiffModule<B>, R: ParamStateRecord<B>>(
+        &mut self,
+        model: &M,
+        record: R,
+    ) -> R {
+        let Some((group, _)) = self.sharded() else {
+            return record;
+        };
+        let (rank, world) = (group.rank(), group.world_size());
+        let partition = Partition::of::<B, M>(model, world);
+        let own = zero::keep_own_state(record, &partition, rank);
         self.partition = Some(partition);
+        own
     }
 
     /// Averages the window's gradients over the processes (at stage 2, this process's
@@ -242,8 +304,8 @@ impl<B: AutodiffBackend> StepCore<B> {
         if self.unscaled.is_some() || !self.state.sync_gradients() {
             return Ok(());
         }
-        match self.sharded().map(|(_, stage)| stage) {
-            Some(ZeroStage::Gradients) => {
+        match self.sharded().map(|(_, stage)| stage.scatters_gradients()) {
+            Some(true) => {
                 self.partition(model);
                 let (Some(group), Some(partition)) = (&self.group, &self.partition) else {
                     unreachable!("sharded, so a group and its partition");
@@ -289,9 +351,10 @@ impl<B: AutodiffBackend> StepCore<B> {
         }
         self.unscale(model)?;
         self.clipped = true;
-        let (Some(group), Some(ZeroStage::Gradients)) =
-            (&self.group, self.sharded().map(|(_, stage)| stage))
-        else {
+        let (Some(group), Some(true)) = (
+            &self.group,
+            self.sharded().map(|(_, stage)| stage.scatters_gradients()),
+        ) else {
             return Ok(grads::clip_grad_norm::<B, M>(
                 model,
                 &mut self.grads,
@@ -369,7 +432,7 @@ impl<B: AutodiffBackend> StepCore<B> {
             unreachable!("sharded, so a group and its partition");
         };
         let mut grads = grads;
-        if stage == ZeroStage::OptimizerState {
+        if stage.drops_others_gradients() {
             zero::keep_own::<B, M>(&model, &mut grads, partition, group.rank());
         }
         let (model, lr) = apply(model, grads);
@@ -380,7 +443,10 @@ impl<B: AutodiffBackend> StepCore<B> {
     // At stage 2 each process checked its own partition: an inf in any skips the step on
     // every process (ShardedGradScaler). Elsewhere every process checked the same gradients.
     fn agree_on_overflow(&self, found_inf: bool) -> Result<bool, AccelerateError> {
-        let Some((group, ZeroStage::Gradients)) = self.sharded() else {
+        let Some((group, _)) = self
+            .sharded()
+            .filter(|(_, stage)| stage.scatters_gradients())
+        else {
             return Ok(found_inf);
         };
         let mut any = [u32::from(found_inf)];

@@ -3,6 +3,7 @@
 
 use super::fit::Core;
 use super::*;
+use crate::checkpoint::records::Scheme;
 
 // A loader whose epoch and position a checkpoint holds, whatever its item types. Copies of a
 // `ShardLoader` share its position, so the strategy's copy sees what Burn's copy iterates.
@@ -47,7 +48,7 @@ pub struct AccelerateCheckpoint {
 impl AccelerateCheckpoint {
     /// The file that holds epoch `epoch`'s state in `dir`.
     pub fn path(dir: &Path, epoch: usize) -> PathBuf {
-        dir.join(format!("accelerate-{epoch}.json"))
+        dir.join(Scheme::Strategy.names(epoch).state)
     }
 
     /// Writes it for `epoch` into `dir`.
@@ -94,11 +95,7 @@ impl AccelerateCheckpoint {
             .map(|m| m.checkpoints.iter().map(|c| c.epoch).collect())
             .unwrap_or_default();
         for name in &names {
-            let epoch = name
-                .strip_prefix("accelerate-")
-                .and_then(|rest| rest.strip_suffix(".json"))
-                .and_then(|n| n.parse::<usize>().ok());
-            if let Some(epoch) = epoch
+            if let Some(epoch) = Scheme::Strategy.state_number(name)
                 && epoch < latest
                 && !has_model(epoch)
                 && !listed.contains(&epoch)
@@ -184,14 +181,6 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
             );
             return Ok(None);
         };
-        let kind = |s: &LossScale| core::mem::discriminant(s);
-        if kind(&saved.state.loss_scale) != kind(&self.initial_scale) {
-            return Err(AccelerateError::StateMismatch {
-                what: "loss scaling",
-                saved: format!("{:?}", saved.state.loss_scale),
-                current: format!("{:?}", self.initial_scale),
-            });
-        }
         let processes = self.process.num_processes();
         if saved.num_processes != processes {
             // Burn checkpoints at the end of an epoch, where every shard's position is 0: the
@@ -213,7 +202,12 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
                 saved.num_processes
             );
         }
-        self.state.restore(&saved.state.gradient_state)?;
+        crate::step::restore_position(
+            &self.state,
+            &self.initial_scale,
+            &saved.state.gradient_state,
+            &saved.state.loss_scale,
+        )?;
         self.restore_loaders(&saved.loaders)?;
         Ok(Some(saved.state.loss_scale))
     }
@@ -242,18 +236,13 @@ where
     ) {
         let writes = checkpointer.is_some() || self.checkpoint_dir.is_some();
         let own = match (core.sharded(), tap, writes) {
-            (Some((group, _)), Some(tap), true) => {
+            (Some(_), Some(tap), true) => {
                 // Read twice: records need not be `Clone`, and their tensors are shared.
                 let own = tap.record(learner, event_store);
                 let part = tap.record(learner, event_store);
-                let whole = zero::consolidate_state::<TrainingBackend<LC>, _, _>(
-                    group,
-                    &learner.model(),
-                    part,
-                    0,
-                    &self.device,
-                )
-                .unwrap_or_else(|err| fail("cannot gather the optimizer state", err));
+                let whole = core
+                    .whole_optimizer_record(&learner.model(), part, &self.device)
+                    .unwrap_or_else(|err| fail("cannot gather the optimizer state", err));
                 if let Some(whole) = whole {
                     learner.load_optim(whole);
                 }

@@ -398,11 +398,8 @@ where
         // learner was just given the whole state), and the tap reads it for checkpoints.
         let mut tap = core.sharded().map(|_| OptimizerTap::<LC>::new());
         if let Some(tap) = tap.as_mut() {
-            let model = learner.model();
-            let rank = core.sharded().map_or(0, |(group, _)| group.rank());
             let whole = tap.record(&learner, &training_components.event_store);
-            let partition = core.partition(&model).expect("sharded, so partitioned");
-            learner.load_optim(zero::keep_own_state(whole, partition, rank));
+            learner.load_optim(core.own_optimizer_record(&learner.model(), whole));
         }
 
         // What the main process's own checkpoints read the optimizer and scheduler with.

@@ -132,7 +132,7 @@ use crate::gradient_state::GradientState;
 use crate::placement::check_data_parallel;
 use crate::scaler::{LossScale, ThreadArmed};
 use crate::step::{StepCore, StepOutcome};
-use crate::zero::{self, ParamStateRecord, ZeroStage};
+use crate::zero::{ParamStateRecord, ZeroStage};
 use crate::{AccelerateConfig, AccelerateError, AcceleratorState, Precision};
 pub use checkpoint::AccelerateCheckpoint;
 use checkpoint::LoaderPosition;
@@ -239,18 +239,10 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
         let (autocast, initial_scale) =
             config.init_mixed_precision::<TrainingBackend<LC>>(device)?;
         ensure_accelerated::<TrainingBackend<LC>>(&autocast, device)?;
-        let process = ProcessState::from_env()?;
-        let group = process
-            .is_distributed()
-            .then(|| process.group())
-            .transpose()?;
         // A gradient state of its own: the process-wide one may be configured by a
         // hand-written loop's `Accelerator` with other settings.
         let state = GradientState::new();
-        state.configure(
-            config.gradient_accumulation_steps,
-            config.sync_with_dataloader,
-        )?;
+        let (process, group) = config.join_run(&state)?;
         let report = TrainingReport {
             inner: Arc::new(Mutex::new(TrainingStats {
                 requested: autocast.requested(),

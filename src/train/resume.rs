@@ -22,7 +22,7 @@ use std::sync::Mutex;
 use std::sync::mpsc::{Receiver, channel};
 
 use burn::module::Module;
-use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Record, Recorder};
+use burn::record::{Record, Recorder};
 use burn::tensor::backend::Backend;
 use burn::train::checkpoint::{AsyncCheckpointer, Checkpointer, CheckpointerError};
 use burn::train::metric::store::EventStoreClient;
@@ -34,7 +34,8 @@ use burn::train::{
 use super::sharded::{Always, Discard, Hand};
 use super::{AccelerateCheckpoint, AccelerateStrategy, fail};
 use crate::AccelerateError;
-use crate::checkpoint::{CheckpointDir, LoadedCheckpoint, Manifest};
+use crate::checkpoint::records::{self, Bytes, Scheme, record_error};
+use crate::checkpoint::{CheckpointDir, LoadedCheckpoint, Manifest, agree_on_checkpoint};
 
 /// How the strategy keeps and uses its checkpoints.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,27 +55,10 @@ impl Default for ResumeSettings {
     }
 }
 
-// Lossless: a resumed run must end where the uninterrupted one does, bit for bit (Burn's
-// `CompactRecorder` stores f16).
-type Bytes = NamedMpkBytesRecorder<FullPrecisionSettings>;
-
-/// The names of an epoch's files: model, optimizer, scheduler, the strategy's state.
-fn names(epoch: usize) -> [String; 4] {
-    [
-        format!("accelerate-{epoch}-model.mpk"),
-        format!("accelerate-{epoch}-optim.mpk"),
-        format!("accelerate-{epoch}-scheduler.mpk"),
-        format!("accelerate-{epoch}.json"),
-    ]
-}
-
 // Whether `name` is the strategy state of an epoch whose model Burn's own checkpointer still
 // keeps in `dir`: `.checkpoint(epoch)` through Burn's files needs it beside them.
 fn burn_keeps(dir: &Path, name: &str) -> bool {
-    let Some(epoch) = name
-        .strip_prefix("accelerate-")
-        .and_then(|rest| rest.strip_suffix(".json"))
-    else {
+    let Some(epoch) = Scheme::Strategy.state_number(name) else {
         return false;
     };
     let prefix = format!("model-{epoch}.");
@@ -83,13 +67,6 @@ fn burn_keeps(dir: &Path, name: &str) -> bool {
             .flatten()
             .any(|e| e.file_name().to_string_lossy().starts_with(&prefix))
     })
-}
-
-fn recorder_error(what: &str, err: impl std::fmt::Display) -> AccelerateError {
-    AccelerateError::Checkpoint {
-        path: what.into(),
-        reason: err.to_string(),
-    }
 }
 
 /// Reads a learner's optimizer and scheduler records (Burn 0.21's `Learner` hands them only to
@@ -125,7 +102,7 @@ impl<LC: LearningComponentsTypes> LearnerTap<LC> {
         store: &EventStoreClient,
     ) -> Result<(LearnerOptimizerRecord<LC>, LearnerSchedulerRecord<LC>), AccelerateError> {
         self.checkpointer.checkpoint(learner, 0, store);
-        let gone = |_| recorder_error("the learner's records", "their reader's thread ended");
+        let gone = |_| record_error("the learner's records", "their reader's thread ended");
         Ok((
             self.optim.recv().map_err(gone)?,
             self.scheduler.recv().map_err(gone)?,
@@ -183,24 +160,24 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
         state: &AccelerateCheckpoint,
         store: &EventStoreClient,
     ) -> Result<(), AccelerateError> {
-        let bytes = Bytes::default();
-        let model =
-            Recorder::<TrainingBackend<LC>>::record(&bytes, learner.model().into_record(), ())
-                .map_err(|e| recorder_error("the model's record", e))?;
+        let model = records::encode::<TrainingBackend<LC>, _>(
+            learner.model().into_record(),
+            "the model's record",
+        )?;
         let (optim, scheduler) = tap.records(learner, store)?;
-        let optim = Recorder::<TrainingBackend<LC>>::record(&bytes, optim, ())
-            .map_err(|e| recorder_error("the optimizer's record", e))?;
-        let scheduler = Recorder::<TrainingBackend<LC>>::record(&bytes, scheduler, ())
-            .map_err(|e| recorder_error("the scheduler's record", e))?;
+        let optim = records::encode::<TrainingBackend<LC>, _>(optim, "the optimizer's record")?;
+        let scheduler =
+            records::encode::<TrainingBackend<LC>, _>(scheduler, "the scheduler's record")?;
         let state = serde_json::to_vec_pretty(state).expect("the strategy's state serialises");
-        let [model_name, optim_name, scheduler_name, state_name] = names(epoch);
+        let names = Scheme::Strategy.names(epoch);
+        let scheduler_name = names.scheduler.as_deref().unwrap_or_default();
         self.checkpoints(dir).save_sparing(
             epoch,
             &[
-                (&model_name, &model),
-                (&optim_name, &optim),
-                (&scheduler_name, &scheduler),
-                (&state_name, &state),
+                (&names.model, &model),
+                (&names.optimizer, &optim),
+                (scheduler_name, &scheduler),
+                (&names.state, &state),
             ],
             |name| burn_keeps(dir, name),
         )?;
@@ -224,43 +201,24 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
             return (learner, None);
         }
         let checkpoints = self.checkpoints(dir);
-        // The main process picks, and every process loads its pick: each choosing for itself
-        // could start processes from different epochs.
-        let mut loaded = None;
-        if self.process.is_main_process() {
-            loaded = self
-                .choose(&checkpoints, asked, components.checkpointer.is_some())
-                .unwrap_or_else(|err| fail("cannot resume", err));
-        }
-        let picked = loaded.as_ref().map(|l: &LoadedCheckpoint| l.epoch);
-        let picked = match &self.group {
-            Some(group) => group
-                .broadcast_object(&picked, 0)
-                .unwrap_or_else(|err| fail("cannot agree on the checkpoint to resume from", err)),
-            None => picked,
-        };
-        let Some(epoch) = picked else {
+        let picked = agree_on_checkpoint(self.group.as_ref(), &checkpoints, || {
+            self.choose(&checkpoints, asked, components.checkpointer.is_some())
+        })
+        .unwrap_or_else(|err| fail("cannot resume", err));
+        let Some(loaded) = picked else {
             return (learner, None);
         };
-        let loaded = match loaded {
-            Some(loaded) => loaded,
-            None => checkpoints.load(epoch).unwrap_or_else(|err| {
-                fail(
-                    &format!(
-                        "process {} cannot read the checkpoint of epoch {epoch} the main process \
-                         resumes from (every process needs the same checkpoint directory)",
-                        self.process.process_index()
-                    ),
-                    err,
-                )
-            }),
+        let epoch = loaded.epoch;
+        let names = Scheme::Strategy.names(epoch);
+        let take = |name: &str| {
+            records::file(&loaded, name).unwrap_or_else(|err| fail("cannot resume", err))
         };
-        let [model, optim, scheduler, _] = names(epoch);
-        let take = |name: &str| loaded.files.get(name).cloned().unwrap_or_default();
         let loader = LearningCheckpointer::<LC>::new(
-            AsyncCheckpointer::new(Restore(take(&model))),
-            AsyncCheckpointer::new(Restore(take(&optim))),
-            AsyncCheckpointer::new(Restore(take(&scheduler))),
+            AsyncCheckpointer::new(Restore(take(&names.model))),
+            AsyncCheckpointer::new(Restore(take(&names.optimizer))),
+            AsyncCheckpointer::new(Restore(take(
+                names.scheduler.as_deref().unwrap_or_default(),
+            ))),
             Box::new(Always),
         );
         let learner = loader.load_checkpoint(learner, &self.device, epoch);
@@ -321,9 +279,8 @@ mod tests {
         assert!(burn_keeps(&dir, "accelerate-3.json"));
         assert!(!burn_keeps(&dir, "accelerate-2.json"));
         assert!(!burn_keeps(&dir, "accelerate-3-model.mpk"));
-        assert_eq!(names(3)[3], "accelerate-3.json");
         assert_eq!(
-            names(3)[3],
+            Scheme::Strategy.names(3).state,
             AccelerateCheckpoint::path(&dir, 3)
                 .file_name()
                 .unwrap()

@@ -10,6 +10,7 @@
 mod optimizer_record;
 mod sharded;
 mod sharding;
+mod stage;
 
 pub use optimizer_record::{ParamStateRecord, consolidate_state, keep_own_state};
 pub(crate) use sharded::shards;

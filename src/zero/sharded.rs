@@ -268,5 +268,5 @@ fn by_owner(owners: &[usize], sizes: &[usize], processes: usize) -> (Vec<usize>,
 
 /// Whether `stage` shards anything across `group`'s processes.
 pub(crate) fn shards(stage: ZeroStage, group: Option<&ProcessGroup>) -> bool {
-    stage != ZeroStage::None && group.is_some_and(|g| g.world_size() > 1)
+    stage.partitions_state() && group.is_some_and(|g| g.world_size() > 1)
 }

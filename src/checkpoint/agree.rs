@@ -1,0 +1,70 @@
+//! Which checkpoint a run resumes from, for both entry points: the main process picks, and
+//! every process loads its pick (each choosing for itself could start processes from
+//! different checkpoints, when one is written or damaged while they look).
+
+use super::{CheckpointDir, LoadedCheckpoint};
+use crate::AccelerateError;
+use crate::distributed::ProcessGroup;
+
+/// The checkpoint every process of `group` (one process: `None`) resumes from, read back;
+/// `None` to start afresh. `pick` runs on the main process alone; the others are told its
+/// number and read that checkpoint of `checkpoints`. Every process must call it.
+///
+/// # Errors
+/// What `pick` returns; [`AccelerateError::Distributed`] when the processes cannot agree;
+/// [`AccelerateError::Checkpoint`] when a process cannot read the checkpoint picked.
+pub(crate) fn agree_on_checkpoint(
+    group: Option<&ProcessGroup>,
+    checkpoints: &CheckpointDir,
+    pick: impl FnOnce() -> Result<Option<LoadedCheckpoint>, AccelerateError>,
+) -> Result<Option<LoadedCheckpoint>, AccelerateError> {
+    let rank = group.map_or(0, ProcessGroup::rank);
+    let picked = if rank == 0 { pick()? } else { None };
+    let number = picked.as_ref().map(|loaded| loaded.epoch);
+    let number = match group {
+        Some(group) => group.broadcast_object(&number, 0)?,
+        None => number,
+    };
+    let Some(number) = number else {
+        return Ok(None);
+    };
+    match picked {
+        Some(loaded) => Ok(Some(loaded)),
+        None => checkpoints
+            .load(number)
+            .map(Some)
+            .map_err(|err| AccelerateError::Checkpoint {
+                path: checkpoints.path().display().to_string(),
+                reason: format!(
+                    "process {rank} cannot read checkpoint {number}, which the main process \
+                     resumes from (every process needs the same checkpoint directory): {err}"
+                ),
+            }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_process_loads_what_it_picks_or_starts_afresh() {
+        let dir = std::env::temp_dir().join(format!("agree-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let checkpoints = CheckpointDir::new(&dir);
+        let none = agree_on_checkpoint(None, &checkpoints, || checkpoints.load_newest(None));
+        assert!(none.unwrap().is_none());
+        checkpoints.save(4, &[("a", b"four")]).unwrap();
+        let loaded = agree_on_checkpoint(None, &checkpoints, || checkpoints.load_newest(None))
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (loaded.epoch, loaded.files["a"].as_slice()),
+            (4, &b"four"[..])
+        );
+        let err =
+            agree_on_checkpoint(None, &checkpoints, || checkpoints.load(9).map(Some)).unwrap_err();
+        assert!(matches!(err, AccelerateError::Checkpoint { .. }), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,168 @@
+//! The files of a checkpoint of either entry point, once: what they are named, how a record
+//! becomes bytes and back, and the error for one that cannot.
+//!
+//! The [`Accelerator`](crate::Accelerator) and `with_accelerate` name their files differently
+//! (each scheme is read by checkpoints written before, so each stays), but both write records
+//! in Burn's `NamedMpk` format in full precision (Burn's `CompactRecorder` stores f16, and a
+//! resumed run must end where the uninterrupted one does, bit for bit).
+
+use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Record, Recorder};
+use burn::tensor::backend::Backend;
+
+use super::LoadedCheckpoint;
+use crate::AccelerateError;
+
+/// The recorder of every record a checkpoint holds.
+pub(crate) type Bytes = NamedMpkBytesRecorder<FullPrecisionSettings>;
+
+/// Which entry point's names a checkpoint's files have.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Scheme {
+    /// A hand-written loop's: `accelerator-N.json`, `model-N.mpk`, `optimizer-N.mpk`.
+    Accelerator,
+    /// `with_accelerate`'s: `accelerate-N.json` (which Burn's own checkpoints of epoch `N`
+    /// also read), `accelerate-N-model.mpk`, `accelerate-N-optim.mpk`,
+    /// `accelerate-N-scheduler.mpk`.
+    Strategy,
+}
+
+/// The names of one checkpoint's files.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct FileNames {
+    /// The loss scale and gradient-state position (JSON).
+    pub state: String,
+    /// The model's record.
+    pub model: String,
+    /// The optimizer's record.
+    pub optimizer: String,
+    /// The learning-rate scheduler's record, where the scheme keeps one.
+    pub scheduler: Option<String>,
+}
+
+impl Scheme {
+    /// The names of checkpoint `number`'s files.
+    pub(crate) fn names(self, number: usize) -> FileNames {
+        match self {
+            Self::Accelerator => FileNames {
+                state: format!("accelerator-{number}.json"),
+                model: format!("model-{number}.mpk"),
+                optimizer: format!("optimizer-{number}.mpk"),
+                scheduler: None,
+            },
+            Self::Strategy => FileNames {
+                state: format!("accelerate-{number}.json"),
+                model: format!("accelerate-{number}-model.mpk"),
+                optimizer: format!("accelerate-{number}-optim.mpk"),
+                scheduler: Some(format!("accelerate-{number}-scheduler.mpk")),
+            },
+        }
+    }
+
+    /// The number of the checkpoint whose state file `name` is, if it is one.
+    pub(crate) fn state_number(self, name: &str) -> Option<usize> {
+        let (prefix, suffix) = match self {
+            Self::Accelerator => ("accelerator-", ".json"),
+            Self::Strategy => ("accelerate-", ".json"),
+        };
+        name.strip_prefix(prefix)?
+            .strip_suffix(suffix)?
+            .parse()
+            .ok()
+    }
+}
+
+impl FileNames {
+    /// Every name, the scheduler's where there is one.
+    pub(crate) fn all(&self) -> impl Iterator<Item = &str> {
+        [&self.state, &self.model, &self.optimizer]
+            .into_iter()
+            .chain(&self.scheduler)
+            .map(String::as_str)
+    }
+
+    /// Whether `name` is one of these.
+    pub(crate) fn contains(&self, name: &str) -> bool {
+        self.all().any(|own| own == name)
+    }
+}
+
+/// A checkpoint's record (or file) `what` that cannot be written or read, and why.
+pub(crate) fn record_error(what: &str, err: impl std::fmt::Display) -> AccelerateError {
+    AccelerateError::Checkpoint {
+        path: what.into(),
+        reason: err.to_string(),
+    }
+}
+
+/// `record` as a checkpoint's bytes; `what` names it in the error.
+pub(crate) fn encode<B: Backend, R: Record<B>>(
+    record: R,
+    what: &str,
+) -> Result<Vec<u8>, AccelerateError> {
+    Recorder::<B>::record(&Bytes::default(), record, ()).map_err(|e| record_error(what, e))
+}
+
+/// The record `name` of `loaded`, on `device`.
+pub(crate) fn decode<B: Backend, R: Record<B>>(
+    loaded: &LoadedCheckpoint,
+    name: &str,
+    device: &B::Device,
+) -> Result<R, AccelerateError> {
+    Recorder::<B>::load(&Bytes::default(), file(loaded, name)?, device)
+        .map_err(|e| record_error(name, e))
+}
+
+/// The bytes of file `name` of `loaded`.
+pub(crate) fn file(loaded: &LoadedCheckpoint, name: &str) -> Result<Vec<u8>, AccelerateError> {
+    loaded.files.get(name).cloned().ok_or_else(|| {
+        record_error(
+            name,
+            "listed in the checkpoint's manifest, but not read back",
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_scheme_names_and_reads_back_its_state_file() {
+        let ours = Scheme::Accelerator.names(3);
+        assert_eq!(
+            ours.all().collect::<Vec<_>>(),
+            ["accelerator-3.json", "model-3.mpk", "optimizer-3.mpk"]
+        );
+        let strategy = Scheme::Strategy.names(3);
+        assert_eq!(
+            strategy.all().collect::<Vec<_>>(),
+            [
+                "accelerate-3.json",
+                "accelerate-3-model.mpk",
+                "accelerate-3-optim.mpk",
+                "accelerate-3-scheduler.mpk"
+            ]
+        );
+        for scheme in [Scheme::Accelerator, Scheme::Strategy] {
+            assert_eq!(scheme.state_number(&scheme.names(12).state), Some(12));
+            assert_eq!(scheme.state_number(&scheme.names(12).model), None);
+        }
+        assert_eq!(Scheme::Strategy.state_number("accelerate-x.json"), None);
+        assert!(strategy.contains("accelerate-3-optim.mpk"));
+        assert!(!strategy.contains("optimizer-3.mpk"));
+    }
+
+    #[test]
+    fn a_file_the_manifest_lists_but_that_was_not_read_is_an_error_naming_it() {
+        let loaded = LoadedCheckpoint {
+            epoch: 1,
+            files: Default::default(),
+            skipped: Vec::new(),
+        };
+        let err = file(&loaded, "model-1.mpk").unwrap_err();
+        assert!(
+            matches!(&err, AccelerateError::Checkpoint { path, .. } if path == "model-1.mpk"),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,47 @@
+//! What each ZeRO stage changes in a step, answered in one place: the step core asks the stage
+//! these questions and never matches on it, and the entry points ask the step core, so a stage
+//! (stage 3 next) is added here and in the collectives it needs, without touching the step's
+//! flow, the [`Accelerator`](crate::Accelerator) or `with_accelerate`.
+
+use super::sharding::ZeroStage;
+
+impl ZeroStage {
+    /// Whether the optimizer state is partitioned among the processes: each steps its own
+    /// partition, the updated parameters are shared back from their owners after the step,
+    /// and a checkpoint's optimizer record is consolidated on the main process.
+    pub(crate) fn partitions_state(self) -> bool {
+        !matches!(self, Self::None)
+    }
+
+    /// Whether the window's sync leaves each process its own partition's averaged gradients
+    /// only (a reduce-scatter) rather than all of them (an all-reduce): then a gradient norm
+    /// sums every process's part, and an overflow in any part skips the step everywhere.
+    pub(crate) fn scatters_gradients(self) -> bool {
+        matches!(self, Self::Gradients)
+    }
+
+    /// Whether the optimizer is given this process's partition's gradients out of whole ones
+    /// (so that it keeps state for its partition alone).
+    pub(crate) fn drops_others_gradients(self) -> bool {
+        matches!(self, Self::OptimizerState)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_stage_answers_as_its_table_row_says() {
+        let answers = |s: ZeroStage| {
+            (
+                s.partitions_state(),
+                s.scatters_gradients(),
+                s.drops_others_gradients(),
+            )
+        };
+        assert_eq!(answers(ZeroStage::None), (false, false, false));
+        assert_eq!(answers(ZeroStage::OptimizerState), (true, false, true));
+        assert_eq!(answers(ZeroStage::Gradients), (true, true, false));
+    }
+}
