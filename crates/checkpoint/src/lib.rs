@@ -192,6 +192,33 @@ impl Manifest {
                 ),
             ));
         }
+        // What `write` never writes, checked so that the checkpoint loaded and the entry that
+        // names it are the same (issue 49: a manifest listing an epoch twice loaded one
+        // entry's files under the other's).
+        let damaged = |why: String| {
+            checkpoint_error(
+                &path,
+                format!("{why}; it is only ever replaced whole, so something else wrote it"),
+            )
+        };
+        for pair in manifest.checkpoints.windows(2) {
+            if pair[0].epoch >= pair[1].epoch {
+                return Err(damaged(format!(
+                    "it lists epoch {} after epoch {}",
+                    pair[1].epoch, pair[0].epoch
+                )));
+            }
+        }
+        for entry in &manifest.checkpoints {
+            let mut names: Vec<&str> = entry.files.iter().map(|f| f.name.as_str()).collect();
+            names.sort_unstable();
+            if let Some(twice) = names.windows(2).find(|w| w[0] == w[1]) {
+                return Err(damaged(format!(
+                    "it lists {} twice in the checkpoint of epoch {}",
+                    twice[0], entry.epoch
+                )));
+            }
+        }
         Ok(manifest)
     }
 
@@ -815,7 +842,7 @@ mod tests {
     }
 
     #[test]
-    fn a_manifest_naming_a_file_outside_its_directory_or_too_large_is_refused() {
+    fn a_manifest_naming_a_file_outside_its_directory_twice_or_too_large_is_refused() {
         let dir = with_checkpoints("outside");
         for name in ["../m-1", "/etc/hostname", "a/b", "", "."] {
             let file = FileDigest {
@@ -826,6 +853,16 @@ mod tests {
             let why = read_verified(&dir, &file).unwrap_err();
             assert!(why.contains("not the name of a file"), "{name}: {why}");
         }
+        let mut twice = Manifest::default().with(entry(1));
+        twice.checkpoints.push(entry(1));
+        twice.write(&dir).unwrap();
+        let why = Manifest::read(&dir).unwrap_err().reason;
+        assert!(why.contains("epoch 1 after epoch 1"), "{why}");
+        let mut doubled = entry(2);
+        doubled.files.push(doubled.files[0].clone());
+        Manifest::default().with(doubled).write(&dir).unwrap();
+        let why = Manifest::read(&dir).unwrap_err().reason;
+        assert!(why.contains("m-2 twice"), "{why}");
         let huge = FileDigest {
             size: 1 << 40,
             ..FileDigest::of("m-3", &[3; 40])
