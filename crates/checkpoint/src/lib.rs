@@ -41,6 +41,8 @@
 //! under its temporary name and then kill its own process with `SIGKILL`: how the tests show
 //! that a crash in the middle of a checkpoint leaves the previous one to resume from.
 
+pub mod verify;
+
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -469,11 +471,12 @@ fn read_entry(dir: &Path, entry: &CheckpointEntry) -> Result<BTreeMap<String, Ve
         .collect()
 }
 
-/// `file` read from `dir` and checked against its digest.
+/// `file`'s path in `dir`, once it is known to be a plain name there whose file on disk has
+/// the listed length: what can be checked without reading it.
 ///
 /// # Errors
-/// Why it cannot be used, in words.
-pub fn read_verified(dir: &Path, file: &FileDigest) -> Result<Vec<u8>, String> {
+/// Why not, in words naming the file.
+pub(crate) fn listed_file(dir: &Path, file: &FileDigest) -> Result<PathBuf, String> {
     // A manifest names files of its own directory only: no `..`, no absolute path, which
     // would read a file outside it (issue 49).
     let mut parts = Path::new(&file.name).components();
@@ -499,6 +502,15 @@ pub fn read_verified(dir: &Path, file: &FileDigest) -> Result<Vec<u8>, String> {
             file.name, file.size
         ));
     }
+    Ok(path)
+}
+
+/// `file` read from `dir` and checked against its digest.
+///
+/// # Errors
+/// Why it cannot be used, in words.
+pub fn read_verified(dir: &Path, file: &FileDigest) -> Result<Vec<u8>, String> {
+    let path = listed_file(dir, file)?;
     let bytes = std::fs::read(&path).map_err(|e| format!("{} cannot be read ({e})", file.name))?;
     file.check(&bytes)?;
     Ok(bytes)
