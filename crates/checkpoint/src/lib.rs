@@ -41,6 +41,8 @@
 //! under its temporary name and then kill its own process with `SIGKILL`: how the tests show
 //! that a crash in the middle of a checkpoint leaves the previous one to resume from.
 
+pub mod verify;
+
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -191,6 +193,33 @@ impl Manifest {
                     manifest.version
                 ),
             ));
+        }
+        // What `write` never writes, checked so that the checkpoint loaded and the entry that
+        // names it are the same (issue 49: a manifest listing an epoch twice loaded one
+        // entry's files under the other's).
+        let damaged = |why: String| {
+            checkpoint_error(
+                &path,
+                format!("{why}; it is only ever replaced whole, so something else wrote it"),
+            )
+        };
+        for pair in manifest.checkpoints.windows(2) {
+            if pair[0].epoch >= pair[1].epoch {
+                return Err(damaged(format!(
+                    "it lists epoch {} after epoch {}",
+                    pair[1].epoch, pair[0].epoch
+                )));
+            }
+        }
+        for entry in &manifest.checkpoints {
+            let mut names: Vec<&str> = entry.files.iter().map(|f| f.name.as_str()).collect();
+            names.sort_unstable();
+            if let Some(twice) = names.windows(2).find(|w| w[0] == w[1]) {
+                return Err(damaged(format!(
+                    "it lists {} twice in the checkpoint of epoch {}",
+                    twice[0], entry.epoch
+                )));
+            }
         }
         Ok(manifest)
     }
@@ -442,13 +471,47 @@ fn read_entry(dir: &Path, entry: &CheckpointEntry) -> Result<BTreeMap<String, Ve
         .collect()
 }
 
+/// `file`'s path in `dir`, once it is known to be a plain name there whose file on disk has
+/// the listed length: what can be checked without reading it.
+///
+/// # Errors
+/// Why not, in words naming the file.
+pub(crate) fn listed_file(dir: &Path, file: &FileDigest) -> Result<PathBuf, String> {
+    // A manifest names files of its own directory only: no `..`, no absolute path, which
+    // would read a file outside it (issue 49).
+    let mut parts = Path::new(&file.name).components();
+    if !matches!(
+        (parts.next(), parts.next()),
+        (Some(std::path::Component::Normal(_)), None)
+    ) {
+        return Err(format!(
+            "{:?} is not the name of a file in the checkpoint directory",
+            file.name
+        ));
+    }
+    let path = dir.join(&file.name);
+    // The length first: a file longer than listed is refused before it is read, so that
+    // neither the manifest's sizes nor the file's make the process read more than was
+    // written (issue 49).
+    let len = std::fs::metadata(&path)
+        .map_err(|e| format!("{} cannot be read ({e})", file.name))?
+        .len();
+    if len != file.size {
+        return Err(format!(
+            "{} is {len} bytes long, but {} were written",
+            file.name, file.size
+        ));
+    }
+    Ok(path)
+}
+
 /// `file` read from `dir` and checked against its digest.
 ///
 /// # Errors
 /// Why it cannot be used, in words.
 pub fn read_verified(dir: &Path, file: &FileDigest) -> Result<Vec<u8>, String> {
-    let bytes = std::fs::read(dir.join(&file.name))
-        .map_err(|e| format!("{} cannot be read ({e})", file.name))?;
+    let path = listed_file(dir, file)?;
+    let bytes = std::fs::read(&path).map_err(|e| format!("{} cannot be read ({e})", file.name))?;
     file.check(&bytes)?;
     Ok(bytes)
 }
@@ -529,6 +592,12 @@ fn checkpoint_error(path: &Path, reason: String) -> CheckpointError {
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
+
+// The decoders' property-test kit, shared with the comm crate's tests (issue 49).
+#[cfg(test)]
+#[path = "../../comm/src/fuzz.rs"]
+#[allow(dead_code)]
+mod fuzz;
 
 #[cfg(test)]
 mod tests {
@@ -710,5 +779,109 @@ mod tests {
         assert_eq!(parse_crash_writing("m"), None);
         assert_eq!(parse_crash_writing("x:m"), None);
         assert_eq!(parse_crash_writing("0:"), None);
+    }
+
+    // The property tests of issue 49 (SECURITY.md): a manifest damaged in any way is refused
+    // naming it, or lists checkpoints that are read back verified or passed over saying why.
+
+    use proptest::prelude::*;
+
+    use crate::fuzz;
+
+    fn manifests() -> impl Strategy<Value = Vec<u8>> {
+        let manifest = Manifest::default()
+            .with(entry(1))
+            .with(entry(2))
+            .with(CheckpointEntry {
+                epoch: 3,
+                files: vec![
+                    FileDigest::of("m-3", &[3; 40]),
+                    FileDigest::of("s-3", b"{}"),
+                ],
+            });
+        let valid = serde_json::to_vec_pretty(&manifest).unwrap();
+        fuzz::inputs(vec![valid], 512)
+    }
+
+    fn damaged_manifest_is_named(dir: &Path, bytes: Vec<u8>) -> Result<(), TestCaseError> {
+        std::fs::write(dir.join(MANIFEST), &bytes).unwrap();
+        let (largest, loaded) =
+            fuzz::largest_allocation(|| CheckpointDir::new(dir).load_newest(None));
+        match loaded {
+            Ok(Some(found)) => {
+                let manifest = Manifest::read(dir).unwrap();
+                let entry = manifest.entry(found.epoch).unwrap();
+                for file in &entry.files {
+                    prop_assert_eq!(Ok(()), file.check(&found.files[&file.name]));
+                }
+            }
+            Ok(None) => {}
+            Err(err) => {
+                prop_assert!(err.path.ends_with(MANIFEST), "{}", err.path);
+                prop_assert!(!err.reason.is_empty());
+            }
+        }
+        // The files written are 40 bytes at most; the manifest 1 KiB.
+        prop_assert!(largest < 1 << 16, "{largest} bytes");
+        Ok(())
+    }
+
+    fn with_checkpoints(name: &str) -> PathBuf {
+        let dir = scratch(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        for (file, bytes) in [("m-1", vec![1]), ("m-2", vec![2]), ("m-3", vec![3; 40])] {
+            std::fs::write(dir.join(file), bytes).unwrap();
+        }
+        std::fs::write(dir.join("s-3"), b"{}").unwrap();
+        dir
+    }
+
+    #[test]
+    fn any_damaged_manifest_is_refused_by_name_or_verified() {
+        let dir = with_checkpoints("fuzz");
+        fuzz::check(1500, manifests(), |b| damaged_manifest_is_named(&dir, b));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    #[ignore = "long run: BURN_ACCELERATE_FUZZ_CASES cases, for SECURITY.md"]
+    fn long_run_manifest() {
+        let dir = with_checkpoints("fuzz-long");
+        fuzz::long_run("checkpoint manifest", manifests(), |b| {
+            damaged_manifest_is_named(&dir, b)
+        });
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_manifest_naming_a_file_outside_its_directory_twice_or_too_large_is_refused() {
+        let dir = with_checkpoints("outside");
+        for name in ["../m-1", "/etc/hostname", "a/b", "", "."] {
+            let file = FileDigest {
+                name: name.into(),
+                size: 1,
+                sha256: String::new(),
+            };
+            let why = read_verified(&dir, &file).unwrap_err();
+            assert!(why.contains("not the name of a file"), "{name}: {why}");
+        }
+        let mut twice = Manifest::default().with(entry(1));
+        twice.checkpoints.push(entry(1));
+        twice.write(&dir).unwrap();
+        let why = Manifest::read(&dir).unwrap_err().reason;
+        assert!(why.contains("epoch 1 after epoch 1"), "{why}");
+        let mut doubled = entry(2);
+        doubled.files.push(doubled.files[0].clone());
+        Manifest::default().with(doubled).write(&dir).unwrap();
+        let why = Manifest::read(&dir).unwrap_err().reason;
+        assert!(why.contains("m-2 twice"), "{why}");
+        let huge = FileDigest {
+            size: 1 << 40,
+            ..FileDigest::of("m-3", &[3; 40])
+        };
+        let (largest, read) = fuzz::largest_allocation(|| read_verified(&dir, &huge));
+        assert!(read.unwrap_err().contains("40 bytes long"));
+        assert!(largest < 1 << 16, "{largest}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -49,6 +49,10 @@ pub struct ProcessLayout {
     bound_by_launcher: bool,
 }
 
+/// The longest wait [`env::TIMEOUT`] and [`env::LIVENESS_TIMEOUT`] may set (about 31
+/// years): longer ones are refused rather than overflow a deadline.
+pub const MAX_WAIT_SECS: f64 = 1e9;
+
 impl ProcessLayout {
     /// One process: rank 0 of 1, on machine 0 of 1.
     pub fn single() -> Self {
@@ -411,12 +415,14 @@ impl ProcessLayout {
                 .trim()
                 .parse::<f64>()
                 .ok()
-                .filter(|s| s.is_finite() && *s > 0.0)
+                // Past the bound, `Duration::from_secs_f64` panics (found by the property
+                // test: 18446744073709551614) and a deadline `now + wait` overflows.
+                .filter(|s| s.is_finite() && *s > 0.0 && *s <= MAX_WAIT_SECS)
                 .map(Duration::from_secs_f64)
                 .ok_or_else(|| DistributedError::InvalidVariable {
                     name,
                     value,
-                    expected: "a positive number of seconds".into(),
+                    expected: format!("a positive number of seconds, at most {MAX_WAIT_SECS}"),
                 }),
         };
         let timeout = seconds(env::TIMEOUT, env::DEFAULT_TIMEOUT_SECS)?;
@@ -1176,5 +1182,128 @@ mod tests {
             &with(&[("BURN_ACCELERATE_ORCHESTRATOR", "rank0")]),
             "BURN_ACCELERATE_ORCHESTRATOR",
         );
+    }
+
+    // The property test of issue 49 (SECURITY.md): every variable the layout reads, set to
+    // anything a launcher, a scheduler or a person could write.
+
+    use proptest::prelude::*;
+
+    use crate::fuzz;
+
+    const NAMES: [&str; 36] = [
+        env::RANK,
+        env::WORLD_SIZE,
+        env::LOCAL_RANK,
+        env::LOCAL_WORLD_SIZE,
+        env::GROUP_RANK,
+        env::MASTER_ADDR,
+        env::MASTER_PORT,
+        env::DATA_PORT,
+        env::NODE_HOST,
+        env::TIMEOUT,
+        env::LIVENESS_TIMEOUT,
+        env::SECRET,
+        env::TORCHRUN_RUN_ID,
+        env::ORCHESTRATOR,
+        env::RESTART_COUNT,
+        env::TORCHRUN_RESTART_COUNT,
+        env::MAX_RESTARTS,
+        env::TORCHRUN_MAX_RESTARTS,
+        env::SLURM_STEP_ID,
+        env::SLURM_PROCID,
+        env::SLURM_NTASKS,
+        env::SLURM_STEP_NUM_TASKS,
+        env::SLURM_STEP_NUM_NODES,
+        env::SLURM_STEP_TASKS_PER_NODE,
+        env::SLURM_LOCALID,
+        env::SLURM_NODEID,
+        env::OMPI_RANK,
+        env::OMPI_SIZE,
+        env::OMPI_LOCAL_RANK,
+        env::OMPI_LOCAL_SIZE,
+        env::PMI_RANK,
+        env::PMI_SIZE,
+        env::PMIX_RANK,
+        env::MPI_LOCALRANKID,
+        env::MPI_LOCALNRANKS,
+        env::ENGINE,
+    ];
+
+    const VALUES: [&str; 14] = [
+        "0",
+        "1",
+        "2",
+        "3",
+        "4",
+        "29500",
+        "10.0.0.1",
+        "127.0.0.1",
+        "launcher",
+        "2(x3),1",
+        "tcp",
+        "mpi",
+        "",
+        " 7 ",
+    ];
+
+    // Each variable unset or set to a value; `base`: the unset torchrun ones take a valid
+    // 2x2 layout's, so that the values reach the checks past the first.
+    fn environments() -> impl Strategy<Value = Vec<(String, String)>> {
+        (
+            any::<bool>(),
+            prop::collection::vec(
+                prop::option::weighted(0.3, fuzz::text(&VALUES)),
+                NAMES.len(),
+            ),
+        )
+            .prop_map(|(base, values)| {
+                let mut vars: Vec<(String, String)> = NAMES
+                    .iter()
+                    .zip(values)
+                    .filter_map(|(n, v)| Some((n.to_string(), v?)))
+                    .collect();
+                if base {
+                    for (n, v) in TWO_BY_TWO {
+                        if !vars.iter().any(|(set, _)| set == n) {
+                            vars.push((n.into(), v.into()));
+                        }
+                    }
+                }
+                vars
+            })
+    }
+
+    fn layout_is_read_or_named(vars: Vec<(String, String)>) -> Result<(), TestCaseError> {
+        let lookup = |name: &str| vars.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
+        let results = [
+            ProcessLayout::from_vars(lookup).map(|layout| {
+                assert!(layout.process_index() < layout.num_processes());
+                assert!(layout.local_process_index() < layout.local_num_processes());
+            }),
+            crate::RunSecret::from_vars(&lookup).map(|_| ()),
+            crate::secret::restart_count(&lookup).map(|_| ()),
+        ];
+        for result in results {
+            if let Err(err) = result {
+                let said = err.to_string();
+                prop_assert!(
+                    NAMES.iter().any(|n| said.contains(n)),
+                    "no variable named in: {said}"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn any_environment_is_read_or_names_the_variable() {
+        fuzz::check(3000, environments(), layout_is_read_or_named);
+    }
+
+    #[test]
+    #[ignore = "long run: BURN_ACCELERATE_FUZZ_CASES cases, for SECURITY.md"]
+    fn long_run_environment() {
+        fuzz::long_run("environment", environments(), layout_is_read_or_named);
     }
 }

@@ -31,6 +31,8 @@ pub mod element;
 pub mod engine;
 pub mod env;
 pub mod error;
+#[cfg(test)]
+mod fuzz;
 pub mod layout;
 pub mod membership;
 pub mod rendezvous;

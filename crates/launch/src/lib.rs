@@ -33,6 +33,7 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use burn_accelerate_comm::layout::MAX_WAIT_SECS;
 use burn_accelerate_comm::{self as distributed, DistributedError, ProcessLayout, RunSecret, env};
 use clap::{Args, Parser, Subcommand};
 
@@ -333,26 +334,31 @@ impl Launch {
                 self.num_processes
             ));
         }
-        if machines.elastic && !(self.join_window.is_finite() && self.join_window >= 0.0) {
+        if machines.elastic
+            && !(self.join_window.is_finite() && (0.0..=MAX_WAIT_SECS).contains(&self.join_window))
+        {
             return bad(format!(
-                "--join-window {} is not a number of seconds",
+                "--join-window {} is not a number of seconds (at most {MAX_WAIT_SECS})",
                 self.join_window
             ));
         }
-        if !(self.timeout.is_finite() && self.timeout > 0.0) {
+        if !(self.timeout > 0.0 && self.timeout <= MAX_WAIT_SECS) {
             return bad(format!(
-                "--timeout {} is not a positive number of seconds",
+                "--timeout {} is not a positive number of seconds (at most {MAX_WAIT_SECS})",
                 self.timeout
             ));
         }
-        if !(self.liveness_timeout.is_finite() && self.liveness_timeout > 0.0) {
+        if !(self.liveness_timeout > 0.0 && self.liveness_timeout <= MAX_WAIT_SECS) {
             return bad(format!(
-                "--liveness-timeout {} is not a positive number of seconds",
+                "--liveness-timeout {} is not a positive number of seconds (at most {MAX_WAIT_SECS})",
                 self.liveness_timeout
             ));
         }
-        if !(self.grace.is_finite() && self.grace >= 0.0) {
-            return bad(format!("--grace {} is not a number of seconds", self.grace));
+        if !(0.0..=MAX_WAIT_SECS).contains(&self.grace) {
+            return bad(format!(
+                "--grace {} is not a number of seconds (at most {MAX_WAIT_SECS})",
+                self.grace
+            ));
         }
         let main_addr = match (&self.main_process_ip, count) {
             (Some(ip), _) => ip.clone(),

@@ -120,3 +120,38 @@ fn env_names_the_variable_of_a_bad_layout_and_says_where_the_backend_probes_are(
         "{stdout}"
     );
 }
+
+// Issue 49: every number-taking flag of `launch` at its edges (too large for a wait, negative,
+// not a number, empty, past u64): a usage error, exit code 2, naming the flag; never a panic
+// (exit 101: `--timeout 1e30` overflowed a Duration before).
+#[test]
+fn every_bad_number_flag_is_a_usage_error_naming_the_flag() {
+    let flags = [
+        "--timeout",
+        "--liveness-timeout",
+        "--grace",
+        "--num-processes",
+        "--main-process-port",
+        "--max-restarts",
+    ];
+    let values = [
+        "1e30",
+        "-1",
+        "abc",
+        "",
+        "18446744073709551616",
+        "NaN",
+        "inf",
+    ];
+    for flag in flags {
+        for value in values {
+            let out = launcher()
+                .args(["launch", &format!("{flag}={value}"), "--", "true"])
+                .output()
+                .unwrap();
+            let said = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{flag}={value}: {said}");
+            assert!(said.contains(flag), "{flag}={value}: {said}");
+        }
+    }
+}

@@ -345,4 +345,51 @@ mod tests {
         fields[4..8].copy_from_slice(&1u32.swap_bytes().to_ne_bytes());
         assert!(Hello::parse(&fields).unwrap_err().contains("byte order"));
     }
+
+    // The property tests of issue 49 (SECURITY.md): whatever a stranger sends before the
+    // handshake ends, each side reads a fixed number of bytes into a buffer on its stack,
+    // allocates nothing of its size, and refuses it saying why.
+
+    use proptest::prelude::*;
+
+    use crate::fuzz;
+
+    const CI_CASES: u32 = 2000;
+
+    fn hellos() -> impl Strategy<Value = Vec<u8>> {
+        let mut valid = HI.fields().to_vec();
+        valid.extend_from_slice(&[7; NONCE + TAG]);
+        let mut challenge = CHALLENGE.to_vec();
+        challenge.extend_from_slice(&[9; NONCE + TAG]);
+        fuzz::inputs(vec![valid, challenge], 3 * HELLO_LEN)
+    }
+
+    // `bytes` as what comes to either side: refused, with a reason, within a small allocation.
+    fn stranger_is_refused(bytes: Vec<u8>) -> Result<(), TestCaseError> {
+        let secret = RunSecret::from_text("the run's");
+        let (largest, (accepted, connected)) = fuzz::largest_allocation(|| {
+            block_on(async {
+                let mut sink = Vec::new();
+                let accepted = accept(&mut bytes.as_slice(), &mut sink, &secret).await;
+                let mut sink = Vec::new();
+                let connected = connect(&mut bytes.as_slice(), &mut sink, &secret, HI).await;
+                (accepted, connected)
+            })
+        });
+        prop_assert!(accepted.is_err_and(|why| !why.is_empty()));
+        prop_assert!(connected.is_err_and(|why| !why.is_empty()));
+        prop_assert!(largest < 1 << 16, "{largest} bytes");
+        Ok(())
+    }
+
+    #[test]
+    fn any_bytes_from_a_stranger_are_refused_at_the_handshake() {
+        fuzz::check(CI_CASES, hellos(), stranger_is_refused);
+    }
+
+    #[test]
+    #[ignore = "long run: BURN_ACCELERATE_FUZZ_CASES cases, for SECURITY.md"]
+    fn long_run_handshake() {
+        fuzz::long_run("handshake", hellos(), stranger_is_refused);
+    }
 }

@@ -21,6 +21,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::io::AsyncRead;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{Mutex, watch};
 
@@ -292,7 +293,9 @@ impl Control {
 }
 
 /// The next control frame: `None` for a heartbeat, the origin and reason of an abort.
-async fn read_control(reader: &mut OwnedReadHalf) -> Result<Option<(usize, String)>, ReadError> {
+async fn read_control<R: AsyncRead + Unpin>(
+    reader: &mut R,
+) -> Result<Option<(usize, String)>, ReadError> {
     let header = frame::read_header(reader).await?;
     match header.fingerprint.op {
         Op::Heartbeat if header.total == 0 => Ok(None),
@@ -366,5 +369,66 @@ mod tests {
         let pid = child.id();
         child.wait().unwrap();
         assert!(has_exited(pid));
+    }
+
+    // The property test of issue 49 (SECURITY.md): whatever an authenticated neighbour sends
+    // on the control connection, a heartbeat, an abort with its origin and a reason of at most
+    // REASON_LIMIT bytes, or why not, within that bound.
+
+    use proptest::prelude::*;
+
+    use crate::fuzz;
+
+    fn control_frames() -> impl Strategy<Value = Vec<u8>> {
+        let frame = |op: Op, payload: &[u8]| {
+            let mut wire = Vec::new();
+            tokio::runtime::Builder::new_current_thread()
+                .build()
+                .unwrap()
+                .block_on(frame::write_message(
+                    &mut wire,
+                    fingerprint(op),
+                    0,
+                    0,
+                    payload,
+                    16,
+                ))
+                .unwrap();
+            wire
+        };
+        let mut abort = 3u32.to_le_bytes().to_vec();
+        abort.extend_from_slice(b"rank 3 ran out of memory");
+        fuzz::inputs(
+            vec![frame(Op::Heartbeat, &[]), frame(Op::Abort, &abort)],
+            256,
+        )
+    }
+
+    fn control_frame_is_bounded(wire: Vec<u8>) -> Result<(), TestCaseError> {
+        let (largest, read) = fuzz::largest_allocation(|| {
+            tokio::runtime::Builder::new_current_thread()
+                .build()
+                .unwrap()
+                .block_on(read_control(&mut wire.as_slice()))
+        });
+        match read {
+            Ok(Some((_, reason))) => prop_assert!(reason.len() as u64 <= REASON_LIMIT),
+            Ok(None) => {}
+            Err(ReadError::Malformed(why)) => prop_assert!(!why.is_empty()),
+            Err(_) => {}
+        }
+        prop_assert!(largest <= 4 * REASON_LIMIT as usize, "{largest} bytes");
+        Ok(())
+    }
+
+    #[test]
+    fn any_control_frame_is_a_heartbeat_an_abort_or_says_why() {
+        fuzz::check(2000, control_frames(), control_frame_is_bounded);
+    }
+
+    #[test]
+    #[ignore = "long run: BURN_ACCELERATE_FUZZ_CASES cases, for SECURITY.md"]
+    fn long_run_control_frames() {
+        fuzz::long_run("control frames", control_frames(), control_frame_is_bounded);
     }
 }

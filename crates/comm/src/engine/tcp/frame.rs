@@ -22,6 +22,26 @@ pub(crate) const PIECE: usize = 1 << 20;
 /// this); anything larger is a malformed frame, not a reason to allocate.
 pub(crate) const MAX_PIECE: usize = 16 << 20;
 
+/// The most a receiver reserves ahead of the bytes for a message whose header claims more:
+/// past it, the buffer grows as pieces arrive, so that a header's `total` cannot make a
+/// process allocate what was never sent (SECURITY.md).
+pub(crate) const RESERVE_AHEAD: usize = 64 << 20;
+
+/// Makes room in `buffer` for a message whose header claims `total` bytes: all of it up to
+/// [`RESERVE_AHEAD`], the rest as it comes.
+///
+/// # Errors
+/// What is wrong, in words: `total` is more than this machine can address, or the room
+/// cannot be had.
+pub(crate) fn reserve_claimed(buffer: &mut Vec<u8>, total: u64) -> Result<(), String> {
+    let total = usize::try_from(total)
+        .map_err(|_| format!("a message of {total} bytes, more than this machine addresses"))?;
+    let ahead = total.min(RESERVE_AHEAD);
+    buffer
+        .try_reserve_exact(ahead)
+        .map_err(|_| format!("no room for the first {ahead} bytes of a message of {total}"))
+}
+
 /// What a message is part of.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Op {
@@ -158,7 +178,9 @@ impl FrameHeader {
                 header.len
             ));
         }
-        if header.offset.checked_add(u64::from(header.len)) > Some(header.total) {
+        // An end past u64::MAX is past any message's (`None > Some(_)` would let it through).
+        let end = header.offset.checked_add(u64::from(header.len));
+        if end.is_none_or(|end| end > header.total) {
             return Err(format!(
                 "a piece of {} bytes at {} in a message of {}",
                 header.len, header.offset, header.total
@@ -453,6 +475,13 @@ mod tests {
                 .unwrap_err()
                 .contains("at most")
         );
+        // Found by the property test: an end past u64::MAX was taken for one inside.
+        let wrapping = header(10, u64::MAX - 1, 4).encode();
+        assert!(
+            FrameHeader::decode(&wrapping)
+                .unwrap_err()
+                .contains("in a message of 10")
+        );
         let past_end = header(10, 8, 4).encode();
         assert!(
             FrameHeader::decode(&past_end)
@@ -590,5 +619,120 @@ mod tests {
         }
         let err = block_on(read_message(&mut wire.as_slice(), 9)).unwrap_err();
         assert!(matches!(err, ReadError::Malformed(m) if m.contains("at most 9")));
+    }
+
+    // The property tests of issue 49 (SECURITY.md): every input a peer could send.
+
+    use proptest::prelude::*;
+
+    use crate::fuzz;
+
+    const CI_CASES: u32 = 3000;
+    const LIMIT: u64 = 1 << 12;
+
+    fn valid_wires() -> Vec<Vec<u8>> {
+        let mut wires = vec![encoded(&[], PIECE), encoded(&[1; 10], 4)];
+        wires.push(encoded(&(0..200u8).collect::<Vec<_>>(), 64));
+        wires.push(header(1 << 40, 0, 8).encode().to_vec());
+        wires
+    }
+
+    fn headers() -> impl Strategy<Value = [u8; HEADER]> {
+        fuzz::inputs(valid_wires(), 2 * HEADER).prop_map(|mut bytes| {
+            bytes.resize(HEADER, 0);
+            bytes.try_into().expect("resized")
+        })
+    }
+
+    fn decoded_header_is_consistent(bytes: [u8; HEADER]) -> Result<(), TestCaseError> {
+        match FrameHeader::decode(&bytes) {
+            Ok(h) => {
+                prop_assert!(h.len as usize <= MAX_PIECE);
+                prop_assert!(
+                    h.offset
+                        .checked_add(u64::from(h.len))
+                        .is_some_and(|e| e <= h.total)
+                );
+                prop_assert_eq!(&h.encode()[..3], &bytes[..3]);
+                prop_assert_eq!(&h.encode()[4..], &bytes[4..]);
+            }
+            Err(why) => prop_assert!(!why.is_empty()),
+        }
+        Ok(())
+    }
+
+    // A message from `wire` never panics, never allocates past its limit or a piece, and ends
+    // (a slice cannot block): a whole message of at most LIMIT bytes, or why not.
+    fn message_is_bounded(wire: Vec<u8>) -> Result<(), TestCaseError> {
+        let (largest, read) =
+            fuzz::largest_allocation(|| block_on(read_message(&mut wire.as_slice(), LIMIT)));
+        match read {
+            Ok((h, payload)) => {
+                prop_assert_eq!(payload.len() as u64, h.total);
+                prop_assert!(h.total <= LIMIT);
+            }
+            Err(ReadError::Malformed(why)) => prop_assert!(!why.is_empty()),
+            Err(_) => {}
+        }
+        prop_assert!(largest <= MAX_PIECE + (1 << 16), "{largest} bytes");
+        Ok(())
+    }
+
+    #[test]
+    fn any_header_decodes_or_says_what_is_wrong() {
+        fuzz::check(CI_CASES, headers(), decoded_header_is_consistent);
+    }
+
+    #[test]
+    fn any_bytes_read_as_a_bounded_message_or_an_error() {
+        fuzz::check(
+            CI_CASES,
+            fuzz::inputs(valid_wires(), 4 * HEADER),
+            message_is_bounded,
+        );
+    }
+
+    #[test]
+    #[ignore = "long run: BURN_ACCELERATE_FUZZ_CASES cases, for SECURITY.md"]
+    fn long_run_frame_header() {
+        fuzz::long_run("frame header", headers(), decoded_header_is_consistent);
+    }
+
+    #[test]
+    #[ignore = "long run: BURN_ACCELERATE_FUZZ_CASES cases, for SECURITY.md"]
+    fn long_run_frame_message() {
+        fuzz::long_run(
+            "framed message",
+            fuzz::inputs(valid_wires(), 4 * HEADER),
+            message_is_bounded,
+        );
+    }
+
+    #[test]
+    fn a_claim_of_2_pow_40_bytes_allocates_at_most_the_bound() {
+        // A small message's reader refuses it before allocating.
+        let wire = header(1 << 40, 0, 8).encode();
+        let (largest, read) =
+            fuzz::largest_allocation(|| block_on(read_message(&mut wire.as_slice(), LIMIT)));
+        assert!(
+            matches!(&read, Err(ReadError::Malformed(m)) if m.contains("at most 4096")),
+            "{read:?}"
+        );
+        assert!(largest < 1 << 16, "{largest}");
+        // A stream's or a broadcast's reserves RESERVE_AHEAD, then grows with what arrives.
+        let mut buffer = Vec::new();
+        let (largest, reserved) =
+            fuzz::largest_allocation(|| reserve_claimed(&mut buffer, 1 << 40));
+        assert_eq!(reserved, Ok(()));
+        assert!(largest <= RESERVE_AHEAD, "{largest}");
+        assert_eq!(buffer.capacity(), RESERVE_AHEAD);
+        let small = reserve_claimed(&mut Vec::new(), 10);
+        assert_eq!(small, Ok(()));
+        // A piece is refused past MAX_PIECE whatever the message.
+        let wire = header(u64::MAX, 0, u32::MAX).encode();
+        let (largest, read) =
+            fuzz::largest_allocation(|| block_on(read_message(&mut wire.as_slice(), u64::MAX)));
+        assert!(matches!(read, Err(ReadError::Malformed(_))), "{read:?}");
+        assert!(largest < 1 << 16, "{largest}");
     }
 }

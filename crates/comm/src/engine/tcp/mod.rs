@@ -360,13 +360,10 @@ impl Engine for TcpEngine {
                 return Err((from, Failure::Disagree(detail)));
             }
             let mut payload = Vec::new();
-            usize::try_from(header.total)
-                .ok()
-                .and_then(|total| payload.try_reserve_exact(total).ok())
-                .ok_or_else(|| {
-                    let detail = format!("a stream message of {} bytes", header.total);
-                    (from, Failure::Read(ReadError::Malformed(detail)))
-                })?;
+            frame::reserve_claimed(&mut payload, header.total).map_err(|why| {
+                let detail = format!("a stream message: {why}");
+                (from, Failure::Read(ReadError::Malformed(detail)))
+            })?;
             while let Some(piece) = message.next().await.map_err(|e| (from, Failure::Read(e)))? {
                 payload.extend_from_slice(piece.bytes());
             }

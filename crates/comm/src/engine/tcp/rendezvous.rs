@@ -44,6 +44,9 @@ const MESSAGE_LIMIT: u64 = 16 << 20;
 /// How long a connection to the rendezvous may take to say why it came.
 const ARRIVAL_WITHIN: Duration = Duration::from_secs(10);
 
+/// How many of the ranks that never came a timed-out round names.
+const MISSING_LISTED: usize = 16;
+
 /// The lane a handshake with the rendezvous names.
 const LANE: u32 = u32::MAX - 1;
 
@@ -335,11 +338,22 @@ async fn arrive(
                 if r.number == number && !r.waiting.is_empty() {
                     let world = r.world_size.unwrap_or(0);
                     r.close(|came| {
-                        let missing: Vec<usize> =
-                            (0..world).filter(|rank| !came.contains_key(rank)).collect();
+                        // The first few only: the world size is the arrivals' word, and
+                        // listing all of 2^64 held this lock for ever (found by issue 49's
+                        // review of the rendezvous).
+                        let missing: Vec<usize> = (0..world)
+                            .filter(|rank| !came.contains_key(rank))
+                            .take(MISSING_LISTED)
+                            .collect();
+                        let more = world - came.len() - missing.len();
+                        let more = if more > 0 {
+                            format!(" (and {more} more)")
+                        } else {
+                            String::new()
+                        };
                         Answer::Refused(format!(
-                            "ranks {missing:?} of {world} never came within {timeout:?}: were \
-                             they started, with the same MASTER_ADDR and MASTER_PORT?"
+                            "ranks {missing:?}{more} of {world} never came within {timeout:?}: \
+                             were they started, with the same MASTER_ADDR and MASTER_PORT?"
                         ))
                     });
                 }
@@ -610,5 +624,139 @@ mod tests {
         assert_eq!(peers, [peer()]);
         let stale = runtime.block_on(join_as(1)).unwrap().unwrap_err();
         assert!(stale.to_string().contains("at attempt 3 now"), "{stale}");
+    }
+
+    #[test]
+    fn a_round_of_a_huge_world_times_out_naming_a_few_missing_ranks() {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .unwrap()
+            .port();
+        let secret = RunSecret::from_text("a test's secret");
+        let wait = Duration::from_millis(300);
+        let _host = serve("127.0.0.1", port, wait, secret.clone(), runtime.handle()).unwrap();
+        let main = format!("127.0.0.1:{port}");
+        let err = runtime
+            .block_on(join(&main, 0, usize::MAX, peer(), &secret, wait))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("ranks [1, 2,") && err.contains(&format!("{} more", usize::MAX - 17)),
+            "{err}"
+        );
+    }
+
+    // The property tests of issue 49 (SECURITY.md): every message of the rendezvous and the
+    // launchers' control connections, read from anything an authenticated peer could send.
+
+    use proptest::prelude::*;
+    use serde::de::DeserializeOwned;
+
+    use crate::fuzz;
+    use crate::membership::{AttemptPlan, Shape};
+
+    fn framed(message: &impl Serialize) -> Vec<u8> {
+        let mut wire = Vec::new();
+        tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap()
+            .block_on(control_send(&mut wire, message))
+            .unwrap();
+        wire
+    }
+
+    fn messages() -> impl Strategy<Value = Vec<u8>> {
+        let shape = Shape {
+            min: 1,
+            max: 4,
+            local: 2,
+        };
+        let plan = AttemptPlan {
+            attempt: 3,
+            machine_rank: 1,
+            machines: vec![0, 2, 5],
+        };
+        fuzz::inputs(
+            vec![
+                framed(&Arrival {
+                    rank: 1,
+                    world_size: 4,
+                    peer: peer(),
+                }),
+                framed(&Answer::Table {
+                    run: 7,
+                    peers: vec![peer(), peer()],
+                }),
+                framed(&Answer::Later(2)),
+                framed(&ToCoordinator::Hello(shape)),
+                framed(&ToCoordinator::<Shape>::Ended {
+                    attempt: 1,
+                    ok: false,
+                    what: "rank 3 exited with 1".into(),
+                }),
+                framed(&ToMember::Attempt(plan)),
+                framed(&ToMember::<AttemptPlan>::Finished {
+                    ok: true,
+                    why: String::new(),
+                }),
+            ],
+            256,
+        )
+    }
+
+    fn read_as<T: DeserializeOwned>(wire: &[u8]) -> (usize, Result<T, String>) {
+        fuzz::largest_allocation(|| {
+            tokio::runtime::Builder::new_current_thread()
+                .build()
+                .unwrap()
+                .block_on(control_read::<_, T>(&mut &wire[..]))
+        })
+    }
+
+    fn every_message_type_reads_or_says_why(wire: Vec<u8>) -> Result<(), TestCaseError> {
+        let results = [
+            read_as::<Arrival>(&wire).map_err_only(),
+            read_as::<Answer>(&wire).map_err_only(),
+            read_as::<ToCoordinator<Shape>>(&wire).map_err_only(),
+            read_as::<ToMember<AttemptPlan>>(&wire).map_err_only(),
+        ];
+        for (largest, error) in results {
+            // A message is at most MESSAGE_LIMIT; the input here is far smaller.
+            prop_assert!(largest <= MESSAGE_LIMIT as usize, "{largest} bytes");
+            if let Some(why) = error {
+                prop_assert!(!why.is_empty());
+            }
+        }
+        Ok(())
+    }
+
+    trait ErrOnly {
+        fn map_err_only(self) -> (usize, Option<String>);
+    }
+
+    impl<T> ErrOnly for (usize, Result<T, String>) {
+        fn map_err_only(self) -> (usize, Option<String>) {
+            (self.0, self.1.err())
+        }
+    }
+
+    #[test]
+    fn any_control_or_rendezvous_message_reads_or_says_why() {
+        fuzz::check(2000, messages(), every_message_type_reads_or_says_why);
+    }
+
+    #[test]
+    #[ignore = "long run: BURN_ACCELERATE_FUZZ_CASES cases, for SECURITY.md"]
+    fn long_run_rendezvous_messages() {
+        fuzz::long_run(
+            "rendezvous and control messages",
+            messages(),
+            every_message_type_reads_or_says_why,
+        );
     }
 }

@@ -108,13 +108,10 @@ impl Ring<'_> {
         self.check(message.header(), 0, None)?;
         let total = message.header().total;
         data.clear();
-        usize::try_from(total)
-            .ok()
-            .and_then(|total| data.try_reserve_exact(total).ok())
-            .ok_or_else(|| {
-                let detail = format!("this process cannot hold a broadcast of {total} bytes");
-                (prev, Failure::Disagree(detail))
-            })?;
+        frame::reserve_claimed(data, total).map_err(|why| {
+            let detail = format!("this process cannot hold a broadcast: {why}");
+            (prev, Failure::Disagree(detail))
+        })?;
         let mut next = if !last {
             Some(self.next.lock().await)
         } else {
