@@ -16,7 +16,9 @@ use burn_accelerate::autocast::{self, Op};
 use burn_accelerate::fp8::{
     self, DelayedScaling, Fp8Format, Fp8Mode, Pass, TensorKey, quantize_dequantize_tensor,
 };
-use burn_accelerate::{AccelerateError, Accelerated, AutocastConfig, Context, ContextGuard, Precision};
+use burn_accelerate::{
+    AccelerateError, Accelerated, AutocastConfig, Context, ContextGuard, Precision,
+};
 use suite::models::Mlp;
 
 type Ad = Autodiff<Flex>;

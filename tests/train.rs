@@ -38,6 +38,29 @@ mod flex {
 
     type Train = Accelerated<Autodiff<Flex>>;
 
+    #[test]
+    fn a_damaged_checkpoint_directory_is_a_typed_error_before_training() {
+        let dir = std::env::temp_dir().join(format!(
+            "burn-accelerate-damaged-manifest-{}",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let manifest = dir.join("accelerate-checkpoints.json");
+        // Cut short, as a crash mid-write outside the crate would leave it.
+        std::fs::write(&manifest, br#"{"checkpoints": [{"epoch": 1, "fi"#).unwrap();
+        let config = small(Precision::F32)
+            .with_epochs(1)
+            .with_checkpoint_dir(Some(dir.to_string_lossy().into_owned()));
+        let err = train_with_rule::<Train>(&config, SmallOps::KeepF32).unwrap_err();
+        let _ = std::fs::remove_dir_all(&dir);
+        match &err {
+            AccelerateError::Checkpoint { path, .. } => {
+                assert_eq!(std::path::Path::new(path), manifest, "{err}")
+            }
+            other => panic!("expected a checkpoint error naming the manifest, got {other:?}"),
+        }
+    }
+
     fn small(precision: Precision) -> DemoConfig {
         DemoConfig::new()
             .with_precision(precision)
