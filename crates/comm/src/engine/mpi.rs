@@ -28,6 +28,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use mpi::ffi;
 
+use super::tcp::frame::reserve_claimed;
 use super::{Engine, Lane, Tag};
 use crate::element::Element;
 use crate::error::DistributedError;
@@ -392,8 +393,20 @@ impl Engine for MpiEngine {
         let seq = u64::from_le_bytes(header[..8].try_into().expect("8 bytes"));
         let step = u32::from_le_bytes(header[8..12].try_into().expect("4 bytes"));
         let len = u64::from_le_bytes(header[12..].try_into().expect("8 bytes"));
-        let mut payload = vec![0u8; usize::try_from(len).unwrap_or(usize::MAX)];
-        payload.chunks_mut(SLICE).try_for_each(recv)?;
+        // Room as the slices arrive, not what the header claims: a wrong length costs at most
+        // what the peer really sends (and the first reservation's cap).
+        let mut payload = Vec::new();
+        reserve_claimed(&mut payload, len).map_err(|detail| DistributedError::Malformed {
+            rank: from,
+            detail,
+        })?;
+        // `reserve_claimed` checked that it fits a usize.
+        let total = usize::try_from(len).unwrap_or(usize::MAX);
+        while payload.len() < total {
+            let start = payload.len();
+            payload.resize(start + SLICE.min(total - start), 0);
+            recv(&mut payload[start..])?;
+        }
         Ok(((seq, step), payload))
     }
 

@@ -37,7 +37,7 @@ use crate::rendezvous::Rendezvous;
 
 mod auth;
 mod control;
-mod frame;
+pub(crate) mod frame;
 mod link;
 pub(crate) mod rendezvous;
 mod ring;
