@@ -396,10 +396,8 @@ impl Engine for MpiEngine {
         // Room as the slices arrive, not what the header claims: a wrong length costs at most
         // what the peer really sends (and the first reservation's cap).
         let mut payload = Vec::new();
-        reserve_claimed(&mut payload, len).map_err(|detail| DistributedError::Malformed {
-            rank: from,
-            detail,
-        })?;
+        reserve_claimed(&mut payload, len)
+            .map_err(|detail| DistributedError::Malformed { rank: from, detail })?;
         // `reserve_claimed` checked that it fits a usize.
         let total = usize::try_from(len).unwrap_or(usize::MAX);
         while payload.len() < total {
