@@ -5,6 +5,7 @@
 //! Every accelerator here owns its `GradientState`, so the tests can run in parallel.
 #![cfg(feature = "flex")]
 
+mod fixed;
 mod param_bits;
 
 use burn::backend::{Autodiff, Flex};
@@ -21,6 +22,7 @@ use burn_accelerate::{
     AccelerateConfig, AccelerateError, Accelerated, Accelerator, AcceleratorState,
     GradScalerConfig, GradientState, LossScale, Precision, StepOutcome, grads,
 };
+use fixed::{fixed, fixed_linear};
 use param_bits::param_bits;
 
 type B = Autodiff<Flex>;
@@ -66,39 +68,6 @@ fn unit_linear<Bk: Backend>(device: &Bk::Device) -> Linear<Bk> {
     Linear {
         weight: Param::from_tensor(Tensor::ones([1, 1], device)),
         bias: Some(Param::from_tensor(Tensor::zeros([1], device))),
-    }
-}
-
-/// Deterministic values in [-amplitude, amplitude]: the tests that compare runs or expect a
-/// trajectory must not draw from Burn's RNG, which parallel tests share and reseed.
-fn fixed<Bk: Backend, const D: usize>(
-    shape: [usize; D],
-    salt: f32,
-    amplitude: f32,
-    device: &Bk::Device,
-) -> Tensor<Bk, D> {
-    let n = shape.iter().product::<usize>();
-    let values: Vec<f32> = (0..n)
-        .map(|i| (salt * 7.3 + i as f32 * 1.7).sin() * amplitude)
-        .collect();
-    Tensor::from_data(TensorData::new(values, shape), device)
-}
-
-/// A `Linear` with fixed weights (scaled like Burn's default init) and zero bias.
-fn fixed_linear<Bk: Backend>(
-    d_in: usize,
-    d_out: usize,
-    salt: f32,
-    device: &Bk::Device,
-) -> Linear<Bk> {
-    Linear {
-        weight: Param::from_tensor(fixed(
-            [d_in, d_out],
-            salt,
-            (1.0 / d_in as f32).sqrt(),
-            device,
-        )),
-        bias: Some(Param::from_tensor(Tensor::zeros([d_out], device))),
     }
 }
 

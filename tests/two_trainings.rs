@@ -3,21 +3,23 @@
 //! each reads only its own context (precision, small-op rule, fp8 recipe and amax histories).
 #![cfg(feature = "flex")]
 
+mod fixed;
 mod param_bits;
 
 use std::sync::{Arc, Barrier};
 use std::thread;
 
 use burn::backend::{Autodiff, Flex};
-use burn::module::{Module, Param};
+use burn::module::Module;
 use burn::nn::loss::{MseLoss, Reduction};
 use burn::nn::{Linear, Relu};
 use burn::optim::SgdConfig;
+use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
 use burn_accelerate::autocast::SmallOps;
 use burn_accelerate::fp8::{self, DelayedScaling, Fp8Mode};
 use burn_accelerate::{AccelerateConfig, Accelerated, GradientState, Precision, StepOutcome};
+use fixed::{fixed, fixed_linear};
 use param_bits::param_bits;
 
 // The decorated backend every training here runs on.
@@ -38,31 +40,12 @@ impl<B: Backend> Mlp<B> {
     }
 }
 
-/// Deterministic values in [-amplitude, amplitude] (not Burn's RNG, which is process-wide).
-fn fixed<const D: usize>(shape: [usize; D], seed: u32, amplitude: f32) -> Tensor<Ab, D> {
-    let n: usize = shape.iter().product();
-    let mut state = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
-    let values: Vec<f32> = (0..n)
-        .map(|_| {
-            state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-            ((state >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0) * amplitude
-        })
-        .collect();
-    Tensor::from_data(TensorData::new(values, shape), &Default::default())
-}
-
-fn linear(inputs: usize, outputs: usize, seed: u32) -> Linear<Ab> {
-    Linear {
-        weight: Param::from_tensor(fixed([inputs, outputs], seed, 0.5)),
-        bias: Some(Param::from_tensor(fixed([outputs], seed + 1, 0.1))),
-    }
-}
-
 fn model() -> Mlp<Ab> {
+    let device = Default::default();
     Mlp {
-        first: linear(16, 32, 1),
+        first: fixed_linear(16, 32, 1.0, &device),
         act: Relu,
-        second: linear(32, 4, 3),
+        second: fixed_linear(32, 4, 3.0, &device),
     }
 }
 
@@ -102,8 +85,9 @@ fn train(precision: Precision, barrier: Option<&Barrier>) -> Ended {
     let mut acc = config
         .init_with_state::<Ab>(&Default::default(), GradientState::new())
         .expect("a valid configuration");
-    let x = fixed([64, 16], 11, 1.0);
-    let y = fixed([64, 4], 12, 1.0);
+    let device = Default::default();
+    let x = fixed([64, 16], 11.0, 1.0, &device);
+    let y = fixed([64, 4], 12.0, 1.0, &device);
     let mut model = model();
     let mut optim = SgdConfig::new().init::<Ab, Mlp<Ab>>();
     for _ in 0..STEPS {
