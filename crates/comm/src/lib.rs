@@ -34,6 +34,8 @@ pub mod error;
 #[cfg(test)]
 mod fuzz;
 pub mod layout;
+#[cfg(test)]
+mod loopback;
 pub mod membership;
 pub mod rendezvous;
 pub mod secret;

@@ -702,15 +702,8 @@ mod tests {
 
     #[test]
     fn a_member_joins_is_told_to_start_and_its_loss_fails_the_attempt() {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .unwrap()
-            .port();
+        let runtime = crate::loopback::runtime();
+        let port = crate::loopback::free_port();
         let secret = RunSecret::from_text("a membership test's secret");
         let host = crate::serve_rendezvous(
             "127.0.0.1",

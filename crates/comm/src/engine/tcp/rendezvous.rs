@@ -579,15 +579,8 @@ mod tests {
 
     #[test]
     fn only_the_current_attempts_processes_are_heard() {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .unwrap()
-            .port();
+        let runtime = crate::loopback::runtime();
+        let port = crate::loopback::free_port();
         let secret = RunSecret::from_text("a test's secret");
         let wait = Duration::from_secs(20);
         let host = serve(
@@ -628,15 +621,8 @@ mod tests {
 
     #[test]
     fn a_round_of_a_huge_world_times_out_naming_a_few_missing_ranks() {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .unwrap()
-            .port();
+        let runtime = crate::loopback::runtime();
+        let port = crate::loopback::free_port();
         let secret = RunSecret::from_text("a test's secret");
         let wait = Duration::from_millis(300);
         let _host = serve("127.0.0.1", port, wait, secret.clone(), runtime.handle()).unwrap();
