@@ -194,14 +194,14 @@ impl Autocast {
             .with_op_classes(self.op_classes);
         if let Some(rule) = self.small_ops {
             // Checked by `init`.
-            context = context.clone().with_small_ops(rule).unwrap_or(context);
+            context = context.with(rule);
         }
         if let Some(path) = self.half_path {
             context = context.with_half_path(path);
         }
         if let Some(recipe) = self.fp8_recipe {
             // Checked by `init`.
-            context = context.clone().with_fp8_recipe(recipe).unwrap_or(context);
+            context = context.with_checked_fp8_recipe(recipe);
         }
         context
     }

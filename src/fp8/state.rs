@@ -271,7 +271,12 @@ impl Context {
     /// [`AccelerateError::InvalidFp8Recipe`] when the recipe does not validate.
     pub fn with_fp8_recipe(self, recipe: DelayedScaling) -> Result<Context, AccelerateError> {
         recipe.validate()?;
-        Ok(self.with(Recipe(Some(recipe))))
+        Ok(self.with_checked_fp8_recipe(recipe))
+    }
+
+    // For a recipe validated already (an `Autocast`'s, by `AutocastConfig::init`).
+    pub(crate) fn with_checked_fp8_recipe(self, recipe: DelayedScaling) -> Context {
+        self.with(Recipe(Some(recipe)))
     }
 
     /// This context with an fp8 state of its own, empty: a new training's, which no other
