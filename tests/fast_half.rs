@@ -257,6 +257,67 @@ fn batched_matmuls_give_burns_numbers_on_every_path() {
     }
 }
 
+// Queries by transposed keys, the keys' batch broadcast against the queries' (shared keys, as
+// multi-query attention multiplies them: a 1 where the other side's batch is larger). Under
+// autocast to `precision` on the decorator, or (`None`) through Burn's own ops in bf16 on a
+// plain autodiff backend, casts written out by hand.
+fn broadcast_matmul(q: [usize; 4], k: [usize; 4], precision: Option<Precision>) -> Run {
+    fn run<B: AutodiffBackend>(q: [usize; 4], k: [usize; 4], low: Option<FloatDType>) -> Run {
+        let device = Default::default();
+        let q = Tensor::<B, 4>::from_data(data(q, 1), &device).require_grad();
+        let k = Tensor::<B, 4>::from_data(data(k, 2), &device).require_grad();
+        let unused = Tensor::<B, 1>::from_data(TensorData::new(vec![0f32], [1]), &device);
+        let cast = |t: Tensor<B, 4>| low.map_or(t.clone(), |low| t.cast(low));
+        let out = cast(q.clone()).matmul(cast(k.clone()).swap_dims(2, 3));
+        let grads = (out.clone().cast(FloatDType::F32) * 0.5).sum().backward();
+        outcome(out, &grads, &q, &k, &unused.require_grad())
+    }
+    match precision {
+        None => run::<Plain>(q, k, Some(FloatDType::BF16)),
+        Some(precision) => {
+            let _low = autocast::enable(precision);
+            run::<Acc>(q, k, None)
+        }
+    }
+}
+
+#[test]
+fn broadcast_batched_matmuls_take_the_kernel() {
+    let cases = [
+        ([2, 3, 6, 32], [1, 3, 24, 32]),
+        ([2, 3, 6, 32], [2, 1, 24, 32]),
+        ([1, 3, 6, 32], [2, 1, 24, 32]),
+    ];
+    for (q, k) in cases {
+        // On the widened path: Burn's own bits, forward and backward (the broadcast operand's
+        // gradient summed over the batch in bf16 by Burn's expand node, as Burn's matmul sums it).
+        let want = broadcast_matmul(q, k, None);
+        let widened = on_path(HalfPath::Widened, || {
+            broadcast_matmul(q, k, Some(Precision::Bf16))
+        });
+        assert_eq!(widened, want, "bf16, widened: {q:?} by {k:?}");
+        let dot = on_path(HalfPath::ViaF32, || {
+            broadcast_matmul(q, k, Some(Precision::Bf16))
+        });
+        assert_within_a_bf16_rounding(&dot, &want, &format!("bf16, dot products: {q:?} by {k:?}"));
+        // The product ran on the crate's kernel, on every path and in both half types: counted
+        // by the thread's tally (the forward product; the backward's products are nodes of
+        // their own, not autocast calls).
+        for path in [HalfPath::ViaF32, HalfPath::Widened] {
+            for precision in [Precision::Bf16, Precision::F16] {
+                let before = autocast::thread_tally();
+                on_path(path, || broadcast_matmul(q, k, Some(precision)));
+                let ran = autocast::thread_tally().since(&before);
+                assert_eq!(
+                    (ran.half_ops, ran.crate_kernel_ops),
+                    (1, 1),
+                    "{precision:?} on {path:?}: {q:?} by {k:?}"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn f16_linear_is_within_an_f16_rounding_of_burns() {
     let want = burns(FloatDType::F16, true);

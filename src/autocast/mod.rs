@@ -38,6 +38,7 @@ pub use small_ops::{
     HOST_CPU_MIN_HALF_FLOPS, SmallOps, SmallOpsGuard, applies_to, estimated_flops, scope_small_ops,
     small_ops,
 };
+pub(crate) use tally::record_crate_kernel;
 pub use tally::{LowerOpTally, thread_tally};
 
 use crate::context::{self, Context, ContextGuard, Setting, Slot};

@@ -45,6 +45,9 @@ pub struct LowerOpTally {
     pub unsupported_ops: u64,
     /// Their flops.
     pub unsupported_flops: u64,
+    /// Of the calls run in the half type, the products the crate's own kernels computed
+    /// (matmuls, linears and convolutions on Flex; the rest ran on the backend's own ops).
+    pub crate_kernel_ops: u64,
 }
 
 impl LowerOpTally {
@@ -59,6 +62,20 @@ impl LowerOpTally {
             unsupported_flops: self
                 .unsupported_flops
                 .wrapping_sub(earlier.unsupported_flops),
+            crate_kernel_ops: self.crate_kernel_ops.wrapping_sub(earlier.crate_kernel_ops),
+        }
+    }
+
+    /// Two tallies added: the calls of two spans of work (validation's, epoch after epoch).
+    pub fn plus(&self, other: &LowerOpTally) -> LowerOpTally {
+        LowerOpTally {
+            half_ops: self.half_ops.wrapping_add(other.half_ops),
+            half_flops: self.half_flops.wrapping_add(other.half_flops),
+            small_ops: self.small_ops.wrapping_add(other.small_ops),
+            small_flops: self.small_flops.wrapping_add(other.small_flops),
+            unsupported_ops: self.unsupported_ops.wrapping_add(other.unsupported_ops),
+            unsupported_flops: self.unsupported_flops.wrapping_add(other.unsupported_flops),
+            crate_kernel_ops: self.crate_kernel_ops.wrapping_add(other.crate_kernel_ops),
         }
     }
 
@@ -103,6 +120,7 @@ thread_local! {
             small_flops: 0,
             unsupported_ops: 0,
             unsupported_flops: 0,
+            crate_kernel_ops: 0,
         })
     };
 }
@@ -130,6 +148,17 @@ pub(crate) fn record(kept: Option<Kept>, flops: Option<u64>) {
     });
 }
 
+/// Counts one half-precision product computed by the crate's own kernels
+/// (`backend::lowered`), already counted by [`record`] as run in the half type.
+#[inline]
+pub(crate) fn record_crate_kernel() {
+    TALLY.with(|tally| {
+        let mut t = tally.get();
+        t.crate_kernel_ops = t.crate_kernel_ops.wrapping_add(1);
+        tally.set(t);
+    });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -151,6 +180,7 @@ mod tests {
                 small_flops: 7,
                 unsupported_ops: 1,
                 unsupported_flops: 5,
+                crate_kernel_ops: 0,
             }
         );
         assert_eq!((ran.ops(), ran.flops()), (4, 112));
@@ -159,9 +189,14 @@ mod tests {
             ran.summary(),
             "half_ops=2/4 half_flops=89.3% kept_f32=1 small,1 unsupported"
         );
+        record_crate_kernel();
+        let with_kernel = thread_tally().since(&before);
+        assert_eq!(with_kernel.crate_kernel_ops, 1);
+        assert_eq!(ran.plus(&ran).half_ops, 4);
+        assert_eq!(ran.plus(&with_kernel).crate_kernel_ops, 1);
         // Another thread's calls are its own.
         std::thread::spawn(|| record(None, Some(1))).join().unwrap();
-        assert_eq!(thread_tally().since(&before), ran);
+        assert_eq!(thread_tally().since(&before), with_kernel);
         assert_eq!(LowerOpTally::default().half_flops_share(), 0.0);
     }
 }

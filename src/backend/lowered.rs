@@ -6,7 +6,7 @@
 //! ([`kernels`]) when four things hold, and `B`'s own op otherwise:
 //! - autocast lowers the call (a run with autocast off is the backend's own);
 //! - the operands are what the kernel takes (half tensors of one dtype; for a matmul, 2-D or
-//!   batches with the same leading dimensions);
+//!   batches whose leading dimensions are equal or broadcast, a size 1 on one side);
 //! - `B` has the kernel (Flex and `Autodiff<Flex>`);
 //! - the process's half path takes it: always, by rule (never by a timing), unless
 //!   the context fixed the backend's own (`HalfPath::Own`).
@@ -16,7 +16,7 @@ use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, DType, Shape, TensorMetadata};
 
 use super::kernels::{self, Kernels, Route};
-use crate::autocast::CastPlan;
+use crate::autocast::{self, CastPlan};
 use crate::capability::{self, HalfPath};
 
 /// Whether `x`, `weight` and `bias` (if any) are all bf16 or all f16: the operands the
@@ -26,15 +26,26 @@ fn half_operands<T: TensorMetadata>(x: &T, weight: &T, bias: Option<&T>) -> bool
     half && weight.dtype() == x.dtype() && bias.is_none_or(|b| b.dtype() == x.dtype())
 }
 
-// Half matmul operands of two dimensions, or more with the same leading (batch) dimensions,
-// no broadcasting: what the matmul kernel takes.
-fn eligible<T: TensorMetadata>(a: &T, b: &T) -> bool {
-    let (a_shape, b_shape) = (a.shape(), b.shape());
+// The shapes the two half matmul operands take for the kernel, which multiplies batches of
+// one size: each leading (batch) dimension the larger of the two where the other is 1, as
+// Burn broadcasts them; the matrices' own dimensions kept. `None` where the kernel does not
+// apply (other dtypes, fewer than two dimensions, ranks that differ, batch sizes that
+// neither equal nor broadcast).
+fn batch_shapes<T: TensorMetadata>(a: &T, b: &T) -> Option<(Shape, Shape)> {
+    let (mut a_shape, mut b_shape) = (a.shape(), b.shape());
     let dims = a_shape.num_dims();
-    half_operands(a, b, None)
-        && dims >= 2
-        && b_shape.num_dims() == dims
-        && a_shape[..dims - 2] == b_shape[..dims - 2]
+    if !half_operands(a, b, None) || dims < 2 || b_shape.num_dims() != dims {
+        return None;
+    }
+    for d in 0..dims - 2 {
+        match (a_shape[d], b_shape[d]) {
+            (x, y) if x == y => {}
+            (1, y) => a_shape[d] = y,
+            (x, 1) => b_shape[d] = x,
+            _ => return None,
+        }
+    }
+    Some((a_shape, b_shape))
 }
 
 // The kernels for `B` and the route they take, where autocast takes them: always, unless the
@@ -45,7 +56,10 @@ fn chosen<B: Backend>() -> Option<(Kernels<B>, Route)> {
         HalfPath::ViaF32 | HalfPath::Widened => true,
         HalfPath::Own => false,
     };
-    take.then(|| (kernels, capability::route()))
+    take.then(|| {
+        autocast::record_crate_kernel();
+        (kernels, capability::route())
+    })
 }
 
 /// `B::float_matmul` of an autocast call, on the registered kernel where it applies (see the
@@ -57,10 +71,17 @@ pub(crate) fn matmul<B: Backend>(
     b: FloatTensor<B>,
 ) -> FloatTensor<B> {
     if plan.target().is_some()
-        && eligible(&a, &b)
+        && let Some((a_shape, b_shape)) = batch_shapes(&a, &b)
         && let Some((kernels, route)) = chosen::<B>()
     {
-        return (kernels.matmul)(a, b, route);
+        // A broadcast operand is expanded, a view Flex's kernel reads in place (stride 0 over
+        // the batch), and Burn's expand node sums its gradient over the broadcast dimensions,
+        // in the half type, as Burn's own matmul's backward does.
+        let expanded = |t: FloatTensor<B>, shape: Shape| match t.shape() == shape {
+            true => t,
+            false => B::float_expand(t, shape),
+        };
+        return (kernels.matmul)(expanded(a, a_shape), expanded(b, b_shape), route);
     }
     B::float_matmul(a, b)
 }
@@ -165,20 +186,44 @@ mod tests {
     use burn_backend::FloatDType;
     use burn_backend::ops::FloatTensorOps;
 
-    use super::eligible;
+    use super::batch_shapes;
+
+    fn t(shape: &[usize]) -> FlexTensor {
+        let n = shape.iter().product();
+        let data = TensorData::new(vec![1f32; n], shape.to_vec());
+        Flex::float_cast(FlexTensor::from_data(data), FloatDType::BF16)
+    }
+
+    fn shapes(a: &[usize], b: &[usize]) -> Option<(Vec<usize>, Vec<usize>)> {
+        batch_shapes(&t(a), &t(b)).map(|(a, b)| (a.to_vec(), b.to_vec()))
+    }
 
     #[test]
-    fn the_gemm_takes_batches_of_the_same_size_only() {
-        let t = |shape: &[usize]| {
-            let n = shape.iter().product();
-            let data = TensorData::new(vec![1f32; n], shape.to_vec());
-            Flex::float_cast(FlexTensor::from_data(data), FloatDType::BF16)
-        };
-        assert!(eligible(&t(&[4, 5]), &t(&[5, 6])));
-        assert!(eligible(&t(&[2, 3, 4, 5]), &t(&[2, 3, 5, 6])));
-        // Broadcast batches, ranks that differ, vectors: Flex's own matmul.
-        assert!(!eligible(&t(&[2, 4, 5]), &t(&[1, 5, 6])));
-        assert!(!eligible(&t(&[2, 4, 5]), &t(&[5, 6])));
-        assert!(!eligible(&t(&[5]), &t(&[5])));
+    fn the_gemm_takes_batches_of_one_size_or_broadcast_to_one() {
+        let same = |a: &[usize], b: &[usize]| Some((a.to_vec(), b.to_vec()));
+        assert_eq!(shapes(&[4, 5], &[5, 6]), same(&[4, 5], &[5, 6]));
+        assert_eq!(
+            shapes(&[2, 3, 4, 5], &[2, 3, 5, 6]),
+            same(&[2, 3, 4, 5], &[2, 3, 5, 6])
+        );
+        // Broadcast batches: expanded to the larger size, on either side or both.
+        assert_eq!(shapes(&[2, 4, 5], &[1, 5, 6]), same(&[2, 4, 5], &[2, 5, 6]));
+        assert_eq!(shapes(&[1, 4, 5], &[3, 5, 6]), same(&[3, 4, 5], &[3, 5, 6]));
+        assert_eq!(
+            shapes(&[2, 1, 4, 5], &[1, 3, 5, 6]),
+            same(&[2, 3, 4, 5], &[2, 3, 5, 6])
+        );
+        // The matrices' own sizes are not broadcast: a 1 there stays.
+        assert_eq!(shapes(&[2, 1, 5], &[1, 5, 1]), same(&[2, 1, 5], &[2, 5, 1]));
+    }
+
+    #[test]
+    fn other_operands_go_to_the_backends_own_matmul() {
+        // Ranks that differ, vectors, batch sizes that do not broadcast, mixed dtypes.
+        assert_eq!(shapes(&[2, 4, 5], &[5, 6]), None);
+        assert_eq!(shapes(&[5], &[5]), None);
+        assert_eq!(shapes(&[2, 4, 5], &[3, 5, 6]), None);
+        let f32s = FlexTensor::from_data(TensorData::new(vec![1f32; 30], [5, 6]));
+        assert!(batch_shapes(&t(&[4, 5]), &f32s).is_none());
     }
 }

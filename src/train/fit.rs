@@ -453,7 +453,7 @@ where
             {
                 let mut stats = self.report.lock();
                 stats.valid_processes = self.process.num_processes();
-                stats.valid_lower_ops = add_tallies(&stats.valid_lower_ops, &valid_ops);
+                stats.valid_lower_ops = stats.valid_lower_ops.plus(&valid_ops);
                 if let Some(report) = stats.epochs.last_mut() {
                     report.valid_batches = valid_batches;
                     report.valid_items = valid_items;
@@ -588,17 +588,5 @@ where
             );
         }
         agreed
-    }
-}
-
-// Two tallies of the same thread added (validation's, epoch after epoch).
-fn add_tallies(a: &LowerOpTally, b: &LowerOpTally) -> LowerOpTally {
-    LowerOpTally {
-        half_ops: a.half_ops + b.half_ops,
-        half_flops: a.half_flops + b.half_flops,
-        small_ops: a.small_ops + b.small_ops,
-        small_flops: a.small_flops + b.small_flops,
-        unsupported_ops: a.unsupported_ops + b.unsupported_ops,
-        unsupported_flops: a.unsupported_flops + b.unsupported_flops,
     }
 }
