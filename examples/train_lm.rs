@@ -95,7 +95,7 @@ struct Args {
 fn parse_precision(value: &str) -> Result<Precision, String> {
     value
         .parse()
-        .map_err(|e: burn_accelerate::AccelerateError| e.to_string())
+        .map_err(|e: burn_accelerate::UnknownPrecision| e.to_string())
 }
 
 fn main() -> ExitCode {

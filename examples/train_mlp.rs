@@ -96,7 +96,7 @@ enum BackendName {
 fn parse_precision(value: &str) -> Result<Precision, String> {
     value
         .parse()
-        .map_err(|e: burn_accelerate::AccelerateError| e.to_string())
+        .map_err(|e: burn_accelerate::UnknownPrecision| e.to_string())
 }
 
 fn train(config: &DemoConfig, backend: BackendName) -> Result<DemoOutcome, String> {

@@ -266,14 +266,7 @@ def room(rel):
 # listed pair that is gone (then strike it from this list).
 KNOWN_FOLDER_PAIRS = {
     ("autocast", "backend"),
-    ("autocast", "capability"),
-    ("autocast", "fp8"),
     ("backend", "capability"),
-    ("backend", "placement"),
-    ("data", "distributed"),
-    ("data", "error"),
-    ("error", "precision"),
-    ("scaler", "step"),
 }
 
 

@@ -78,9 +78,9 @@ pub(crate) enum Slot {
     SmallOps,
     /// `capability`: the half path.
     HalfPath,
-    /// `placement::moves`: how tensors cross devices.
+    /// `device_moves`: how tensors cross devices.
     DeviceMoves,
-    /// `placement::moves`: the co-locate rule.
+    /// `device_moves`: the co-locate rule.
     ColocateInputs,
     /// `fp8::state`: the recipe the scales follow.
     Fp8Recipe,

@@ -5,6 +5,7 @@ use thiserror::Error;
 use crate::Precision;
 use crate::data::DataLoaderError;
 use crate::distributed::DistributedError;
+use crate::precision::UnknownPrecision;
 
 use crate::placement::PlacementError;
 
@@ -13,11 +14,8 @@ use crate::placement::PlacementError;
 #[non_exhaustive]
 pub enum AccelerateError {
     /// A precision name that is none of the known ones.
-    #[error(
-        "unknown precision {0:?}: use one of \"no\"/\"f32\", \"bf16\", \"fp16\"/\"f16\", \
-         \"fp8\" (= \"fp8-hybrid\"), \"fp8-e4m3\""
-    )]
-    UnknownPrecision(String),
+    #[error(transparent)]
+    UnknownPrecision(#[from] UnknownPrecision),
 
     /// A parameter of the fp8 delayed-scaling recipe out of its range.
     #[error(
@@ -178,5 +176,28 @@ impl From<burn_accelerate_checkpoint::CheckpointError> for AccelerateError {
             path: err.path,
             reason: err.reason,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loader_errors_convert_into_the_crate_error() {
+        let err: AccelerateError = DataLoaderError::ZeroPrefetch {
+            num_workers: 1,
+            non_blocking: false,
+        }
+        .into();
+        assert!(err.to_string().starts_with("prefetch is 0"));
+    }
+
+    #[test]
+    fn an_unknown_precision_converts_into_the_crate_error_with_its_message() {
+        let unknown = "fp12".parse::<Precision>().unwrap_err();
+        let err: AccelerateError = unknown.clone().into();
+        assert_eq!(err, AccelerateError::UnknownPrecision(unknown.clone()));
+        assert_eq!(err.to_string(), unknown.to_string());
     }
 }

@@ -5,7 +5,6 @@ use core::fmt;
 use core::str::FromStr;
 use serde::{Deserialize, Serialize};
 
-use crate::error::AccelerateError;
 use crate::fp8::Fp8Mode;
 
 /// The mixed-precision mode: which low dtype autocast lowers eligible ops to.
@@ -119,8 +118,17 @@ impl fmt::Display for Precision {
     }
 }
 
+/// A precision name [`Precision`]'s `from_str` does not know (the name it was given); an
+/// [`AccelerateError::UnknownPrecision`](crate::AccelerateError::UnknownPrecision) by `?`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "unknown precision {0:?}: use one of \"no\"/\"f32\", \"bf16\", \"fp16\"/\"f16\", \
+     \"fp8\" (= \"fp8-hybrid\"), \"fp8-e4m3\""
+)]
+pub struct UnknownPrecision(pub String);
+
 impl FromStr for Precision {
-    type Err = AccelerateError;
+    type Err = UnknownPrecision;
 
     /// Accepts Accelerate's names (`no`, `bf16`, `fp16`, `fp8`), Burn-style ones (`f32`,
     /// `f16`) and the fp8 modes (`fp8-e4m3`, `fp8-hybrid`; `_` for `-` too).
@@ -131,7 +139,7 @@ impl FromStr for Precision {
             "fp16" | "f16" | "float16" | "half" => Ok(Precision::F16),
             "fp8" | "fp8-hybrid" | "f8" => Ok(Precision::Fp8(Fp8Mode::Hybrid)),
             "fp8-e4m3" => Ok(Precision::Fp8(Fp8Mode::E4M3)),
-            _ => Err(AccelerateError::UnknownPrecision(s.to_string())),
+            _ => Err(UnknownPrecision(s.to_string())),
         }
     }
 }
@@ -166,7 +174,7 @@ mod tests {
     #[test]
     fn unknown_name_is_a_typed_error_that_lists_the_choices() {
         let err = "fp12".parse::<Precision>().unwrap_err();
-        assert!(matches!(err, AccelerateError::UnknownPrecision(ref s) if s == "fp12"));
+        assert_eq!(err, UnknownPrecision("fp12".into()));
         assert!(err.to_string().contains("bf16"), "{err}");
     }
 }

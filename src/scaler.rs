@@ -29,7 +29,7 @@ use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::context::{self, ContextGuard, Setting, Slot};
-use crate::step::divisor::LossTransform;
+use crate::loss_transform::LossTransform;
 use crate::{AccelerateError, Precision};
 
 /// torch's `GradScaler` defaults.

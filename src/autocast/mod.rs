@@ -23,17 +23,16 @@
 //! ```
 
 mod config;
-mod ops;
 mod plan;
 mod policy;
 mod small_ops;
 mod tally;
 
 pub use crate::Precision;
+pub use crate::op_table::{Op, OpClass};
 pub use config::{Autocast, AutocastConfig, AutocastScope};
-pub use ops::Op;
 pub use plan::{CastInput, CastPlan};
-pub use policy::{OpClass, OpClasses, OpClassesGuard, op_class, scope_op_classes};
+pub use policy::{OpClasses, OpClassesGuard, op_class, scope_op_classes};
 pub use small_ops::{
     HOST_CPU_MIN_HALF_FLOPS, SmallOps, SmallOpsGuard, applies_to, estimated_flops, scope_small_ops,
     small_ops,

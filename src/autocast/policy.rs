@@ -2,42 +2,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::Op;
 use crate::context::{self, Context, ContextGuard, Setting, Slot};
-
-/// How autocast treats an op's float inputs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum OpClass {
-    /// Cast inputs to the autocast dtype (bf16/f16), where the device can run it.
-    Lower,
-    /// Cast low-precision inputs up to f32; the result is f32.
-    Fp32,
-    /// Run in the widest dtype among the inputs, so mixed dtypes never reach the backend.
-    Promote,
-    /// Leave the inputs alone.
-    Passthrough,
-}
-
-impl OpClass {
-    const fn code(self) -> u8 {
-        match self {
-            OpClass::Lower => 1,
-            OpClass::Fp32 => 2,
-            OpClass::Promote => 3,
-            OpClass::Passthrough => 4,
-        }
-    }
-
-    fn from_code(code: u8) -> Option<OpClass> {
-        Some(match code {
-            1 => OpClass::Lower,
-            2 => OpClass::Fp32,
-            3 => OpClass::Promote,
-            4 => OpClass::Passthrough,
-            _ => return None,
-        })
-    }
-}
+use crate::op_table::{Op, OpClass};
 
 /// Overrides of the op table's classes, as a value: what an [`AutocastConfig`](crate::AutocastConfig)
 /// or [`AccelerateConfig`](crate::AccelerateConfig) carries for the threads that run its

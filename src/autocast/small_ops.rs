@@ -50,20 +50,8 @@ use crate::AccelerateError;
 use crate::capability;
 use crate::context::{self, Context, ContextGuard, Setting, Slot};
 
-/// The flops ([`estimated_flops`]) from which a lower-class op runs in the half type on the
-/// host's CPU under [`SmallOps::KeepF32`]: 2^24, about 16.8 MFLOP.
-///
-/// Chosen from step times on Flex (BENCHMARKS.md, issues 28 and 37): an LSTM at batch 32 trains
-/// 1.8–4.3× slower in bf16 than in f32 when its gates are cast, up to hidden 256 at least,
-/// whose largest product (`[32, 512] × [512, 256]`) is 8.4 MFLOP; a conv net's first
-/// convolution (57 MFLOP) and an MLP's `[8, 512] × [512, 2048]` linear (16.8 MFLOP) and larger
-/// gain from bf16 (0.49× and 0.52× f32's step). The threshold sits at twice the LSTM's product.
-/// (Ops with large weights gain below it too: the MLP at 4 rows, 8.4 MFLOP, took 0.41× f32's
-/// step. Flops alone cannot tell the two apart; a lower threshold would slow the LSTM, and
-/// keeping an op in f32 is never slower than f32.) It is a constant, not a timing: until issue
-/// 37 it was the probe's measured f32 rate times 200 µs, which moved with the load (15–41
-/// MFLOP on the same machine) and could change a run's numbers from one start to the next.
-pub const HOST_CPU_MIN_HALF_FLOPS: u64 = 1 << 24;
+/// Defined with the probe that applies it to the host's CPU, re-exported here beside the rule.
+pub use crate::capability::HOST_CPU_MIN_HALF_FLOPS;
 
 /// Which lower-class ops autocast runs in the half type, by their size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]

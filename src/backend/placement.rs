@@ -11,7 +11,7 @@ use std::sync::Once;
 use burn_backend::{Backend, TensorData, try_read_sync};
 
 use crate::autocast::CastInput;
-use crate::placement::{colocate_inputs, stages_through_host};
+use crate::device_moves::{colocate_inputs, stages_through_host};
 
 /// A float tensor moved onto `device`.
 ///

@@ -198,16 +198,6 @@ mod tests {
     }
 
     #[test]
-    fn loader_errors_convert_into_the_crate_error() {
-        let err: crate::AccelerateError = DataLoaderError::ZeroPrefetch {
-            num_workers: 1,
-            non_blocking: false,
-        }
-        .into();
-        assert!(err.to_string().starts_with("prefetch is 0"));
-    }
-
-    #[test]
     fn defaults_are_accelerates() {
         let c = DataLoaderConfig::new(8);
         assert!(!c.split_batches && !c.dispatch_batches && c.even_batches);

@@ -10,8 +10,7 @@
 //! or [`ShardIter::metrics_padding`](super::ShardIter::metrics_padding), which is 0 on every
 //! batch but the last.
 
-use burn::tensor::backend::Backend;
-use burn::tensor::{BasicOps, Tensor};
+pub use crate::distributed::padding::{drop_padding, drop_padding_tensor};
 
 /// Concatenates one step's per-process outputs, in process order, and drops `padding`
 /// duplicates from the end (never more than there are).
@@ -25,41 +24,6 @@ use burn::tensor::{BasicOps, Tensor};
 /// ```
 pub fn gather_for_metrics<T>(per_process: Vec<Vec<T>>, padding: usize) -> Vec<T> {
     drop_padding(per_process.into_iter().flatten().collect(), padding)
-}
-
-/// Drops `padding` duplicates from the end of an already gathered batch.
-pub fn drop_padding<T>(mut gathered: Vec<T>, padding: usize) -> Vec<T> {
-    gathered.truncate(gathered.len().saturating_sub(padding));
-    gathered
-}
-
-/// [`drop_padding`] for a gathered tensor whose first dimension is the batch.
-///
-/// ```
-/// # #[cfg(feature = "flex")] {
-/// use burn::tensor::Tensor;
-/// use burn_accelerate::data::drop_padding_tensor;
-/// type B = burn::backend::Flex;
-///
-/// let gathered = Tensor::<B, 1>::from_floats([4.0, 0.0, 1.0, 2.0], &Default::default());
-/// assert_eq!(drop_padding_tensor(gathered, 3).dims(), [1]);
-/// # }
-/// ```
-pub fn drop_padding_tensor<B, const D: usize, K>(
-    gathered: Tensor<B, D, K>,
-    padding: usize,
-) -> Tensor<B, D, K>
-where
-    B: Backend,
-    K: BasicOps<B>,
-{
-    let len = gathered.dims()[0];
-    let keep = len.saturating_sub(padding);
-    if keep == len {
-        gathered
-    } else {
-        gathered.narrow(0, 0, keep)
-    }
 }
 
 #[cfg(test)]

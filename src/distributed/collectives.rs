@@ -19,7 +19,7 @@ use super::dtype::ElementOf;
 use super::element::Element;
 use super::error::DistributedError;
 use super::group::{ProcessGroup, ReduceOp};
-use crate::data::drop_padding_tensor;
+use super::padding::drop_padding_tensor;
 
 /// What the processes must agree on before a tensor's bytes are combined.
 type Meta = (DType, Vec<usize>);

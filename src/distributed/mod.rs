@@ -42,6 +42,7 @@ mod grad_layout;
 pub(crate) mod gradients;
 mod group;
 mod guard;
+pub(crate) mod padding;
 mod process_state;
 mod seed;
 

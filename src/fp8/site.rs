@@ -11,7 +11,7 @@ use super::autodiff;
 use super::cast::{Fp8Cast, Quantizer};
 use super::format::Fp8Mode;
 use super::state::{self, Pass, TensorKey};
-use crate::autocast::Op;
+use crate::op_table::Op;
 
 /// Where an autocast fp8 cast happens: the op call it belongs to, decided once per call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

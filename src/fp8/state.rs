@@ -20,8 +20,8 @@ use serde::{Deserialize, Serialize};
 use super::format::Fp8Format;
 use super::recipe::{DelayedScaling, ScalingState};
 use crate::AccelerateError;
-use crate::autocast::Op;
 use crate::context::{self, Context, ContextGuard, Setting, Slot};
+use crate::op_table::Op;
 
 /// The pass a scaled tensor belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]

@@ -81,14 +81,15 @@ mod strategy;
 mod walk;
 
 pub use crate::backend::tracked_move::register as register_tracked_moves;
+pub use crate::device_moves::{
+    DeviceMoves, colocate_inputs, device_moves, scope_colocate_inputs, scope_device_moves,
+    stages_through_host,
+};
 pub use error::PlacementError;
 pub use infer::infer_device_map;
 pub use key::DeviceKey;
 pub use map::{DeviceMap, Placement};
-pub use moves::{
-    DeviceMoves, colocate_inputs, device_moves, device_of, fork, move_tensor,
-    scope_colocate_inputs, scope_device_moves, stages_through_host, to_device_of,
-};
+pub use moves::{device_of, fork, move_tensor, to_device_of};
 pub use report::{
     DeviceTotal, ParamPlacement, PlacementReport, human_bytes, report, verify_device_map,
 };

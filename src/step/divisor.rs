@@ -2,7 +2,8 @@
 //! points.
 //!
 //! As Accelerate's `accelerator.backward`, every batch's loss is divided by the window's
-//! length `k` before it is differentiated, then multiplied by the loss scale ([`LossTransform`]):
+//! length `k` before it is differentiated, then multiplied by the loss scale ([`LossTransform`],
+//! a value of its own below this rule and the loss scale's arming):
 //! the `Accelerator` does it to the loss it is given, and the `with_accelerate` strategy arms
 //! the decorator's `backward` to do it to the loss of the user's unmodified `TrainStep`
 //! ([`ArmedLossScale`](crate::scaler::ArmedLossScale)). The ops are the same, in the same
@@ -21,9 +22,7 @@
 //! f32), whose `backward` cannot be armed, the window's sum is divided by `k` instead
 //! ([`Window::loss_divided`]).
 
-use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorPrimitive};
-use burn_backend::tensor::FloatTensor;
+pub use crate::loss_transform::LossTransform;
 
 /// How a training step's window is divided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -73,46 +72,6 @@ pub(crate) fn unscale_factor(
         factor /= replicas as f64;
     }
     factor as f32
-}
-
-/// What happens to a loss before it is differentiated: divided by the window's length, then
-/// multiplied by the loss scale, each only where it is not 1 (so that without accumulation or
-/// scaling the loss is differentiated as it is).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct LossTransform {
-    /// What the loss is divided by (1: not divided).
-    pub divisor: u32,
-    /// What it is then multiplied by (`None`: no loss scaling).
-    pub scale: Option<f32>,
-}
-
-impl LossTransform {
-    /// Whether it leaves the loss as it is.
-    pub fn is_identity(&self) -> bool {
-        self.divisor <= 1 && self.scale.is_none()
-    }
-
-    /// The transform applied to a backend's tensor: the decorator's `backward` calls this on
-    /// the armed transform.
-    pub fn apply_primitive<B: Backend>(&self, loss: FloatTensor<B>) -> FloatTensor<B> {
-        let loss = match self.divisor {
-            0 | 1 => loss,
-            k => B::float_div_scalar(loss, (k as f32).into()),
-        };
-        match self.scale {
-            Some(scale) => B::float_mul_scalar(loss, scale.into()),
-            None => loss,
-        }
-    }
-
-    /// The same on a tensor: the `Accelerator`'s `backward` calls this on the loss it is given.
-    pub fn apply<B: Backend, const D: usize>(&self, loss: Tensor<B, D>) -> Tensor<B, D> {
-        if self.is_identity() {
-            return loss;
-        }
-        let primitive = self.apply_primitive::<B>(loss.into_primitive().tensor());
-        Tensor::from_primitive(TensorPrimitive::Float(primitive))
-    }
 }
 
 #[cfg(test)]

@@ -1,4 +1,6 @@
-//! The autocast op table: every backend op autocast may touch, with its default class.
+//! The autocast op table: every backend op autocast may touch, with its default class, and
+//! the classes. Data below everything that reads it (autocast's cast plans, the capability
+//! probe, fp8's sites), re-exported as `autocast::{Op, OpClass}`.
 //!
 //! This is the one place that decides what runs in low precision. It follows PyTorch's CUDA
 //! autocast lists (`lower_precision_fp`, `fp32`, `promote` in ATen's `autocast_mode.h`) on every
@@ -13,7 +15,41 @@
 //! for a training with [`OpClasses`](crate::autocast::OpClasses) (`AutocastConfig::op_classes`,
 //! `AccelerateConfig::op_classes`, [`scope_op_classes`](crate::autocast::scope_op_classes)).
 
-use super::OpClass;
+use serde::{Deserialize, Serialize};
+
+/// How autocast treats an op's float inputs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum OpClass {
+    /// Cast inputs to the autocast dtype (bf16/f16), where the device can run it.
+    Lower,
+    /// Cast low-precision inputs up to f32; the result is f32.
+    Fp32,
+    /// Run in the widest dtype among the inputs, so mixed dtypes never reach the backend.
+    Promote,
+    /// Leave the inputs alone.
+    Passthrough,
+}
+
+impl OpClass {
+    pub(crate) const fn code(self) -> u8 {
+        match self {
+            OpClass::Lower => 1,
+            OpClass::Fp32 => 2,
+            OpClass::Promote => 3,
+            OpClass::Passthrough => 4,
+        }
+    }
+
+    pub(crate) fn from_code(code: u8) -> Option<OpClass> {
+        Some(match code {
+            1 => OpClass::Lower,
+            2 => OpClass::Fp32,
+            3 => OpClass::Promote,
+            4 => OpClass::Passthrough,
+            _ => return None,
+        })
+    }
+}
 
 macro_rules! autocast_ops {
     ($($(#[$doc:meta])* $variant:ident = $method:ident => $class:ident,)*) => {
