@@ -1,7 +1,7 @@
-//! The transformer language model of `examples/train_lm.rs` (`examples/common/lm.rs`), small: it trains
-//! through `with_accelerate` in f32, bf16 and f16, its loss falls, the half precisions end
-//! near f32, and autocast reports which lower-class ops ran in half precision. Its run on two
-//! processes is in `tests/processes`.
+//! The transformer language model of `examples/train_lm.rs` (`examples/common/lm.rs`), small:
+//! it trains through `with_accelerate` in f32, bf16 and f16, its loss falls, the half
+//! precisions end near f32, and autocast reports which lower-class ops ran in half precision.
+//! Its run on two processes is in `tests/processes`.
 //!
 //! Each training's autocast and small-op rule are its own (`LmConfig::small_ops`). The
 //! trainings still take turns ([`ONE_TRAINING`]) for one reason: they seed the backend's

@@ -1,9 +1,9 @@
 //! A run that survives losing a process: `burn-accelerate launch --max-restarts` stops the
-//! group, starts it again, and `train_mlp`'s training (`examples/common/mlp.rs`'s `run` with a checkpoint
-//! directory) resumes from its newest complete checkpoint, ending with the uninterrupted run's
-//! loss, bit for bit. Real processes, killed by real signals: where and when is chosen by the
-//! test hooks (`BURN_ACCELERATE_TEST_FAIL_AT`, `BURN_ACCELERATE_TEST_CRASH_WRITING`) at a
-//! training step or a file, never by timing.
+//! group, starts it again, and `train_mlp`'s training (`run` of `examples/common/mlp.rs`, with
+//! a checkpoint directory) resumes from its newest complete checkpoint, ending with the
+//! uninterrupted run's loss, bit for bit. Real processes, killed by real signals: where and
+//! when is chosen by the test hooks (`BURN_ACCELERATE_TEST_FAIL_AT`,
+//! `BURN_ACCELERATE_TEST_CRASH_WRITING`) at a training step or a file, never by timing.
 
 use std::collections::HashMap;
 use std::path::PathBuf;

@@ -2208,7 +2208,8 @@ fn processes_on_one_machine_pin_their_threads_to_disjoint_cpus() {
     );
 }
 
-/// The transformer language model of `examples/train_lm.rs` (`examples/common/lm.rs`), small, on processes.
+/// The transformer language model of `examples/train_lm.rs` (`examples/common/lm.rs`), small,
+/// on processes.
 mod lm_run {
     use super::*;
     use crate::lm::{self, LmConfig};
