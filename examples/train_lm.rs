@@ -14,16 +14,18 @@
 //! the median step, the throughput, the losses, the peak memory of the largest process, and
 //! how many of the lower-class ops (and of their flops) autocast ran in half precision.
 
+#[path = "common/lm.rs"]
+mod lm;
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use burn::backend::{Autodiff, Flex};
 use burn_accelerate::distributed::ProcessState;
-use burn_accelerate::train::demo;
-use burn_accelerate::train::lm::{self, LmConfig};
 use burn_accelerate::zero::ZeroStage;
 use burn_accelerate::{Accelerated, Precision};
 use clap::Parser;
+use lm::LmConfig;
 
 /// The text trained on by default: files of this crate, in this order (the twin,
 /// `benches/accelerate_lm.py`, reads the same ones).
@@ -138,8 +140,8 @@ fn main() -> ExitCode {
             if outcome.stats.fell_back {
                 eprintln!(
                     "Flex cannot run {}: trained in {} instead",
-                    demo::flag_name(outcome.stats.requested),
-                    demo::flag_name(outcome.stats.precision)
+                    outcome.stats.requested.short_name(),
+                    outcome.stats.precision.short_name()
                 );
             }
             println!(

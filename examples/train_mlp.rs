@@ -16,7 +16,7 @@
 //! with; it then prints `resumed from the checkpoint of epoch <n>` first. For tests only,
 //! `BURN_ACCELERATE_TEST_FAIL_AT` makes a process fail at a given step of a given attempt, and
 //! `BURN_ACCELERATE_TEST_CRASH_WRITING` kills the main process in the middle of writing a
-//! checkpoint (`burn_accelerate::train::demo`, `burn_accelerate::checkpoint`).
+//! checkpoint (`examples/common/mlp.rs`, `burn_accelerate::checkpoint`).
 //!
 //! The last line printed (by the main process only, under the launcher) is
 //! `final loss=<f> accuracy=<f> skipped_steps=<n> precision=<p> half_ops=<n>/<all> …`, where
@@ -29,15 +29,18 @@
 //! process evaluated of all processes' (`valid_batches=<own>/<all>`: under the launcher every
 //! process validates its own) and the validation phase's wall time (`valid_s`).
 
+#[path = "common/mlp.rs"]
+mod mlp;
+
 use std::process::ExitCode;
 
 use burn::backend::Autodiff;
 use burn_accelerate::distributed::ProcessState;
 use burn_accelerate::threads::StepThreadsConfig;
-use burn_accelerate::train::demo::{self, DemoConfig, DemoOutcome};
 use burn_accelerate::zero::ZeroStage;
 use burn_accelerate::{Accelerated, Precision};
 use clap::{Parser, ValueEnum};
+use mlp::{DemoConfig, DemoOutcome};
 
 /// Train an MLP classifier with Burn's SupervisedTraining and `with_accelerate`.
 #[derive(Parser, Debug)]
@@ -102,11 +105,11 @@ fn parse_precision(value: &str) -> Result<Precision, String> {
 fn train(config: &DemoConfig, backend: BackendName) -> Result<DemoOutcome, String> {
     let outcome = match backend {
         BackendName::Flex => {
-            demo::run::<Accelerated<Autodiff<burn::backend::Flex>>>(config, &Default::default())
+            mlp::run::<Accelerated<Autodiff<burn::backend::Flex>>>(config, &Default::default())
         }
         #[cfg(feature = "ndarray")]
         BackendName::Ndarray => {
-            demo::run::<Accelerated<Autodiff<burn::backend::NdArray>>>(config, &Default::default())
+            mlp::run::<Accelerated<Autodiff<burn::backend::NdArray>>>(config, &Default::default())
         }
         #[cfg(not(feature = "ndarray"))]
         BackendName::Ndarray => {
@@ -165,8 +168,8 @@ fn main() -> ExitCode {
                 eprintln!(
                     "{:?} cannot run {}: trained in {} instead",
                     args.backend,
-                    demo::flag_name(outcome.stats.requested),
-                    demo::flag_name(outcome.stats.precision)
+                    outcome.stats.requested.short_name(),
+                    outcome.stats.precision.short_name()
                 );
             }
             if let Some(epoch) = outcome.stats.resumed_from {

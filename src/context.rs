@@ -39,7 +39,7 @@
 //!
 //! Besides the process's context, the crate's statics are caches, registries, counters and
 //! one-time warnings; none is a setting a training chooses. Each, with why it is process-wide
-//! (40 in `src/`, test-only ones left out):
+//! (38 in `src/`, test-only ones left out):
 //!
 //! | static | where | kind | why |
 //! |---|---|---|---|
@@ -57,7 +57,6 @@
 //! | `SAID`, `ONCE`, `WARN` | `data::prefetch`, `backend::placement`, `fp8::autodiff` | one-time warnings | |
 //! | `SCRATCH` (2), `PACKED` (2), `IMAGE_WORK`, `KEY`, `KERNEL`, `SUPPORT`, `AVAILABLE` (2) | `cpu`, `bench_support` | caches | kernels' buffers reused across calls; the CPU's instructions, found once |
 //! | `STREAMS` | `cpu::counter_rng` | the RNG | Burn's `Backend::seed` is process-wide: the decorator's generator follows it |
-//! | `STEPS`, `ARMED` | `train::demo` | test hooks | the demo model's fault injection (stop at step N) |
 
 use core::any::Any;
 use core::fmt;

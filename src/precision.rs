@@ -87,10 +87,16 @@ impl Precision {
     }
 
     /// The precision without its fp8 mode (`"f32"`, `"bf16"`, `"f16"`, `"fp8"`): how the
-    /// examples' `--precision` flag spells it
-    /// ([`train::demo::flag_name`](crate::train::demo::flag_name)) and how the training
-    /// metrics label their values.
-    pub(crate) fn short_name(self) -> &'static str {
+    /// training metrics and [`TrainingStats`](crate::train::TrainingStats) label their values,
+    /// and how the examples' `--precision` flag spells it.
+    ///
+    /// ```
+    /// use burn_accelerate::Precision;
+    ///
+    /// assert_eq!("fp8-e4m3".parse::<Precision>()?.short_name(), "fp8");
+    /// # Ok::<(), burn_accelerate::AccelerateError>(())
+    /// ```
+    pub fn short_name(self) -> &'static str {
         match self {
             Precision::F32 => "f32",
             Precision::Bf16 => "bf16",

@@ -11,6 +11,10 @@
 #[allow(dead_code)] // The helpers of the processes suite this file does not need.
 #[path = "processes/harness.rs"]
 mod harness;
+#[path = "../examples/common/lm.rs"]
+mod lm;
+#[path = "../examples/common/mlp.rs"]
+mod mlp;
 mod param_bits;
 
 use std::panic::AssertUnwindSafe;
@@ -23,9 +27,9 @@ use burn::optim::AdamConfig;
 use burn::tensor::backend::Backend;
 use burn::train::{Learner, SupervisedTraining};
 use burn_accelerate::AccelerateConfig;
-use burn_accelerate::train::demo::{BlobBatcher, Mlp, MlpComponents, QuietRenderer, blobs};
 use burn_accelerate::train::{AccelerateStrategy, WithAccelerate};
 use harness::{launch, report, worker};
+use mlp::{BlobBatcher, Mlp, MlpComponents, QuietRenderer, blobs};
 use param_bits::param_bits;
 use serde::{Deserialize, Serialize};
 
@@ -142,6 +146,8 @@ fn burns_and_accelerates_accumulation_together_are_refused_at_the_start_of_the_f
 // Burn's `DataLoaderBuilder` loaders under the launcher: a small text-generation loop.
 
 mod lm_loaders {
+    use crate::lm::split_windows;
+    use crate::lm::{CausalLm, LmBatch, LmBatcher, LmConfig, Window};
     use burn::data::dataloader::DataLoader;
     use burn::module::AutodiffModule;
     use burn::tensor::ElementConversion;
@@ -154,8 +160,6 @@ mod lm_loaders {
     use burn_accelerate::Accelerated;
     use burn_accelerate::data::{DataLoaderConfig, ShardLoaderBuilder, StreamLoaderBuilder};
     use burn_accelerate::distributed::ProcessState;
-    use burn_accelerate::train::lm::split_windows;
-    use burn_accelerate::train::lm::{CausalLm, LmBatch, LmBatcher, LmConfig, Window};
 
     use super::*;
 
@@ -545,7 +549,7 @@ fn burns_own_loaders_are_sliced_per_process_and_only_the_main_process_logs() {
         assert_eq!(prepared.again_items, 4);
         let (windows, _) = {
             let text = include_bytes!("../LICENSE-APACHE");
-            burn_accelerate::train::lm::split_windows(text, 16).unwrap()
+            crate::lm::split_windows(text, 16).unwrap()
         };
         let first: Vec<i64> = windows[4 * rank].0[..16]
             .iter()

@@ -12,14 +12,17 @@
 //! f32 on another.
 #![cfg(feature = "flex")]
 
+#[path = "../examples/common/mlp.rs"]
+mod mlp;
+
 use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
 
 use burn::backend::{Autodiff, Flex};
-use burn_accelerate::train::demo::{self, DemoConfig};
 use burn_accelerate::{Accelerated, Precision, capability};
+use mlp::DemoConfig;
 
 const TEST: &str = "a_busy_machine_changes_no_cast_decision_and_no_bit";
 const WORKER: &str = "BURN_ACCELERATE_LOAD_TEST_WORKER";
@@ -38,7 +41,7 @@ fn train_and_report() {
         .with_valid_items(128)
         .with_epochs(1)
         .with_allow_fallback(false);
-    let outcome = demo::run::<B>(&config, &Default::default()).expect("the demo trains");
+    let outcome = mlp::run::<B>(&config, &Default::default()).expect("the demo trains");
     let ops = outcome.stats.lower_ops;
     println!(
         "{LINE} bf16_via_f32={} bf16_dot_products={} min_half_flops={:?} fastest={} \

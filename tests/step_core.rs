@@ -11,6 +11,8 @@
 //! other's initial weights.
 #![cfg(feature = "flex")]
 
+#[path = "../examples/common/mlp.rs"]
+mod mlp;
 mod param_bits;
 
 use std::sync::{Arc, Mutex};
@@ -23,11 +25,11 @@ use burn::optim::AdamConfig;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::train::{Learner, SupervisedTraining};
 use burn_accelerate::autocast::SmallOps;
-use burn_accelerate::train::demo::{BlobBatch, BlobBatcher, Mlp, QuietRenderer, blobs};
 use burn_accelerate::train::{AccelerateStrategy, WithAccelerate};
 use burn_accelerate::{
     AccelerateConfig, Accelerated, GradScalerConfig, GradientState, Precision, StepOutcome,
 };
+use mlp::{BlobBatch, BlobBatcher, Mlp, QuietRenderer, blobs};
 use param_bits::param_bits;
 
 type B = Accelerated<Autodiff<Flex>>;

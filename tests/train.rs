@@ -5,12 +5,15 @@
 //! seed the backend's generator, which is the process's (Burn's `Backend::seed`), and Burn
 //! draws a model's initial weights lazily, during the fit: two at once would draw each other's.
 
+#[path = "../examples/common/mlp.rs"]
+mod mlp;
+
 use std::sync::Mutex;
 
 use burn::backend::Autodiff;
 use burn_accelerate::autocast::SmallOps;
-use burn_accelerate::train::demo::{self, DemoConfig, DemoOutcome};
 use burn_accelerate::{AccelerateError, Accelerated, Precision};
+use mlp::{DemoConfig, DemoOutcome};
 
 static ONE_TRAINING: Mutex<()> = Mutex::new(());
 
@@ -28,7 +31,7 @@ fn train_with_rule<B: burn::tensor::backend::AutodiffBackend>(
 ) -> Result<DemoOutcome, AccelerateError> {
     let config = config.clone().with_small_ops(Some(rule));
     let _one = ONE_TRAINING.lock().unwrap_or_else(|e| e.into_inner());
-    demo::run::<B>(&config, &Default::default())
+    mlp::run::<B>(&config, &Default::default())
 }
 
 #[cfg(feature = "flex")]
@@ -194,11 +197,11 @@ mod flex {
 
     #[test]
     fn a_zero_stage_over_the_devices_of_one_process_is_refused_not_ignored() {
+        use crate::mlp::{BlobBatcher, Mlp, MlpComponents, blobs};
         use burn::data::dataset::InMemDataset;
         use burn_accelerate::AccelerateConfig;
         use burn_accelerate::data::{DataLoaderConfig, ShardLoaderBuilder};
         use burn_accelerate::train::AccelerateStrategy;
-        use burn_accelerate::train::demo::{BlobBatcher, Mlp, MlpComponents, blobs};
         use burn_accelerate::zero::ZeroStage;
         type B = Autodiff<Flex>;
         let device = Default::default();
@@ -290,6 +293,7 @@ mod burn_machinery {
     use std::path::Path;
     use std::sync::Arc;
 
+    use crate::mlp::{BlobBatcher, Mlp, MlpComponents, QuietRenderer, blobs};
     use burn::backend::Flex;
     use burn::data::dataloader::DataLoaderBuilder;
     use burn::data::dataset::InMemDataset;
@@ -300,7 +304,6 @@ mod burn_machinery {
     use burn::train::{Learner, SupervisedTraining};
     use burn_accelerate::AccelerateConfig;
     use burn_accelerate::scaler::GradScalerConfig;
-    use burn_accelerate::train::demo::{BlobBatcher, Mlp, MlpComponents, QuietRenderer, blobs};
     use burn_accelerate::train::metrics::AccelerateMetric;
     use burn_accelerate::train::{
         AccelerateStrategy, TrainingReport, TrainingStats, WithAccelerate,
@@ -633,5 +636,48 @@ mod burn_machinery {
         assert_eq!(stats.epochs.len(), 1);
         assert_eq!(stats.epochs[0].batches, 1);
         assert_eq!(stats.epochs[0].optimizer_steps, 0);
+    }
+}
+
+// The test hook of `examples/common/mlp.rs` (the runs that use it are in tests/faults).
+mod fail_at_hook {
+    use crate::mlp::{FailAction, StepFailure, parse_fail_at};
+
+    #[test]
+    fn the_fail_at_hook_reads_attempts_ranks_steps_and_actions() {
+        assert_eq!(
+            parse_fail_at("0:1:21, 1:0:5:exit=7").unwrap(),
+            [
+                StepFailure {
+                    restart: 0,
+                    rank: 1,
+                    step: 21,
+                    action: FailAction::Kill
+                },
+                StepFailure {
+                    restart: 1,
+                    rank: 0,
+                    step: 5,
+                    action: FailAction::Exit(7)
+                }
+            ]
+        );
+        assert_eq!(parse_fail_at("").unwrap(), []);
+        assert!(
+            parse_fail_at("0:1")
+                .unwrap_err()
+                .contains("RESTART:RANK:STEP")
+        );
+        assert!(parse_fail_at("0:x:3").unwrap_err().contains("the rank"));
+        assert_eq!(
+            parse_fail_at("2:0:1:stop").unwrap()[0].action,
+            FailAction::Stop
+        );
+        assert!(
+            parse_fail_at("0:1:3:halt")
+                .unwrap_err()
+                .contains("`kill`, `stop` or `exit=N`")
+        );
+        assert!(parse_fail_at("0:1:3:exit=").unwrap_err().contains("exit=N"));
     }
 }

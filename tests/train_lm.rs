@@ -1,7 +1,7 @@
-//! The transformer language model of `examples/train_lm.rs` (`train::lm`), small: it trains
-//! through `with_accelerate` in f32, bf16 and f16, its loss falls, the half precisions end
-//! near f32, and autocast reports which lower-class ops ran in half precision. Its run on two
-//! processes is in `tests/processes`.
+//! The transformer language model of `examples/train_lm.rs` (`examples/common/lm.rs`), small:
+//! it trains through `with_accelerate` in f32, bf16 and f16, its loss falls, the half
+//! precisions end near f32, and autocast reports which lower-class ops ran in half precision.
+//! Its run on two processes is in `tests/processes`.
 //!
 //! Each training's autocast and small-op rule are its own (`LmConfig::small_ops`). The
 //! trainings still take turns ([`ONE_TRAINING`]) for one reason: they seed the backend's
@@ -10,12 +10,15 @@
 
 #![cfg(feature = "flex")]
 
+#[path = "../examples/common/lm.rs"]
+mod lm;
+
 use std::sync::Mutex;
 
 use burn::backend::{Autodiff, Flex};
 use burn_accelerate::autocast::SmallOps;
-use burn_accelerate::train::lm::{self, LmConfig, LmOutcome};
 use burn_accelerate::{AccelerateError, Accelerated, Precision};
+use lm::{LmConfig, LmOutcome};
 
 type Train = Accelerated<Autodiff<Flex>>;
 
@@ -87,10 +90,7 @@ fn the_lm_learns_in_f32_and_the_half_precisions_end_near_it() {
                 "{valid:?}: {line}"
             );
         }
-        let said = format!(
-            "valid_precision={}",
-            burn_accelerate::train::demo::flag_name(precision)
-        );
+        let said = format!("valid_precision={}", precision.short_name());
         assert!(line.contains(&said), "{line}");
         // Stated tolerance: 3% of f32's validation loss after the same 36 steps (the same
         // data order, other dropout draws under autocast, and half-precision products).
@@ -151,4 +151,78 @@ fn a_run_too_long_for_its_text_or_a_bad_model_is_refused_with_the_setting_to_cha
         ),
         "{err}"
     );
+}
+
+// The pieces of `examples/common/lm.rs` that need no training.
+mod pieces {
+    use std::time::Instant;
+
+    use burn::lr_scheduler::LrScheduler;
+    use burn_accelerate::AccelerateError;
+
+    use crate::lm::{LmConfig, WarmupLr, median, split_windows, step_times};
+
+    #[test]
+    fn windows_overlap_by_one_byte_and_the_last_tenth_validates() {
+        let text: Vec<u8> = (0..=100u8).collect();
+        let (train, valid) = split_windows(&text, 4).unwrap();
+        // (101 - 1) / 4 = 25 windows; 2 validate.
+        assert_eq!((train.len(), valid.len()), (23, 2));
+        assert_eq!(train[0].0, [0, 1, 2, 3, 4]);
+        assert_eq!(train[1].0, [4, 5, 6, 7, 8]);
+        assert_eq!(valid[1].0, [96, 97, 98, 99, 100]);
+        let err = split_windows(&text[..8], 4).unwrap_err();
+        assert!(matches!(
+            err,
+            AccelerateError::InvalidConfig {
+                field: "seq_len",
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn bad_settings_name_themselves() {
+        let field = |config: LmConfig| match config.validate() {
+            Err(AccelerateError::InvalidConfig { field, .. }) => field,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(field(LmConfig::new().with_heads(5)), "heads");
+        assert_eq!(field(LmConfig::new().with_layers(0)), "layers");
+        assert_eq!(field(LmConfig::new().with_dropout(1.0)), "dropout");
+        assert_eq!(field(LmConfig::new().with_lr(0.0)), "lr");
+        assert_eq!(field(LmConfig::new().with_steps(Some(0))), "steps");
+        assert!(LmConfig::new().validate().is_ok());
+    }
+
+    #[test]
+    fn steps_are_timed_from_window_ends_past_the_warm_up_and_epoch_starts() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + std::time::Duration::from_millis(ms);
+        // Accumulation 2: steps end at items 1, 3, 5, ...; epoch 2 starts at item 12.
+        let items: Vec<(usize, Instant, f64)> = (0..16)
+            .map(|i| {
+                (
+                    1 + usize::from(i >= 12),
+                    at(10 * i as u64 * (i as u64)),
+                    0.0,
+                )
+            })
+            .collect();
+        let times = step_times(&items, 2);
+        // Step ends (ms): 10, 90, 250, 490, 810, 1210 | 1690, 2250. Steps 0..=2 warm up;
+        // 6 opens epoch 2.
+        let ms: Vec<u64> = times.iter().map(|t| (t * 1e3).round() as u64).collect();
+        assert_eq!(ms, [240, 320, 400, 560]);
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
+        assert!(median(&[]).is_nan());
+    }
+
+    #[test]
+    fn the_warm_up_rises_linearly_to_the_peak_then_holds() {
+        let mut lr = WarmupLr::new(1e-3, 4);
+        let rates: Vec<f64> = (0..6).map(|_| lr.step()).collect();
+        assert_eq!(rates, [2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3]);
+    }
 }

@@ -9,6 +9,9 @@
 //! gives the whole batch's, up to the order of float sums.
 #![cfg(feature = "wgpu")]
 
+#[path = "../examples/common/mlp.rs"]
+mod mlp;
+
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -24,11 +27,9 @@ use burn::train::{Learner, SupervisedTraining};
 use burn_accelerate::data::{DataLoaderConfig, ShardLoader, ShardLoaderBuilder};
 use burn_accelerate::placement::{DeviceKey, DeviceMap, PlacementError};
 use burn_accelerate::scaler::GradScalerConfig;
-use burn_accelerate::train::demo::{
-    BlobBatch, BlobBatcher, CountedScheduler, Mlp, QuietRenderer, Sample, blobs,
-};
 use burn_accelerate::train::{AccelerateStrategy, TrainingStats, WithAccelerate};
 use burn_accelerate::{AccelerateConfig, AccelerateError, Accelerated, Precision};
+use mlp::{BlobBatch, BlobBatcher, CountedScheduler, Mlp, QuietRenderer, Sample, blobs};
 
 type Train = Accelerated<Autodiff<Wgpu>>;
 type Valid = Accelerated<Wgpu>;

@@ -43,4 +43,4 @@ pub use observer::{GradientStateObserver, LoaderObserver};
 pub use state::LoaderState;
 pub use stream::StreamFactory;
 pub use stream_loader::{StreamIter, StreamLoader, StreamLoaderBuilder};
-pub(crate) use valid_split::BatchSplit;
+pub use valid_split::BatchSplit;

@@ -13,21 +13,35 @@
 /// (Accelerate's `BatchSamplerShard` without `even_batches` gives each process as many
 /// batches, taken round-robin instead). Every item is read by exactly one process; a process
 /// may get none when there are fewer batches than processes.
+///
+/// The fit's validation ([`AccelerateStrategy::prepare_valid_loader`]) divides a loader so;
+/// an evaluation written by hand that takes the same part on each process combines to the
+/// same sums.
+///
+/// ```
+/// use burn_accelerate::data::BatchSplit;
+///
+/// // 13 items in batches of 4 ([0..4) [4..8) [8..12) [12..13)) over 2 processes.
+/// let second = BatchSplit::of(13, 4, 2, 1).unwrap();
+/// assert_eq!((second.start, second.end, second.batches), (8, 13, 2));
+/// ```
+///
+/// [`AccelerateStrategy::prepare_valid_loader`]: crate::train::AccelerateStrategy::prepare_valid_loader
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct BatchSplit {
+pub struct BatchSplit {
     /// The first item of this process's part.
-    pub(crate) start: usize,
+    pub start: usize,
     /// One past its last item.
-    pub(crate) end: usize,
+    pub end: usize,
     /// The batches it holds.
-    pub(crate) batches: usize,
+    pub batches: usize,
 }
 
 impl BatchSplit {
     /// Process `process_index`'s part of `num_items` items in batches of `batch_size` over
     /// `num_processes` processes; `None` for a zero batch size or process count, or an index
     /// out of range.
-    pub(crate) fn of(
+    pub fn of(
         num_items: usize,
         batch_size: usize,
         num_processes: usize,

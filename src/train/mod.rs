@@ -92,9 +92,7 @@
 //! implements (NCCL), and which Flex and NdArray do not implement at all.
 
 mod checkpoint;
-pub mod demo;
 mod fit;
-pub mod lm;
 pub mod metrics;
 mod replicas;
 mod report;
@@ -574,30 +572,18 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
     /// [`data_parallel`](Self::data_parallel) strategy saves its shards' without being asked.
     /// Needs [`with_checkpoint_dir`](Self::with_checkpoint_dir).
     ///
-    /// ```no_run
-    /// # #[cfg(feature = "flex")] {
-    /// # use burn::backend::{Autodiff, Flex};
-    /// # use burn::data::dataset::InMemDataset;
-    /// # use burn_accelerate::{AccelerateConfig, Accelerated};
-    /// # use burn_accelerate::data::{DataLoaderConfig, ShardLoaderBuilder};
-    /// # use burn_accelerate::train::AccelerateStrategy;
-    /// # use burn_accelerate::train::demo::{BlobBatcher, MlpComponents, blobs};
-    /// # type Train = Accelerated<Autodiff<Flex>>;
-    /// # type Components = MlpComponents<Train>;
-    /// let device = Default::default();
-    /// let loader = ShardLoaderBuilder::new(
-    ///     DataLoaderConfig::new(32).with_shuffle(true).with_data_seed(Some(7)),
-    ///     InMemDataset::new(blobs(256, 1)),
+    /// ```text
+    /// // As `examples/common/mlp.rs`'s `run` does, for the MLP of `examples/train_mlp.rs`:
+    /// let train = ShardLoaderBuilder::<B, Sample, BlobBatch<B>>::new(
+    ///     DataLoaderConfig::new(64).with_shuffle(true).with_data_seed(Some(42)),
+    ///     InMemDataset::new(samples),
     ///     BlobBatcher,
     /// )
-    /// .build(&[device])?
-    /// .remove(0);
-    /// let strategy = AccelerateStrategy::<Components>::new(AccelerateConfig::new(), &device)?
+    /// .build_for(&ProcessState::from_env()?, device.clone())?;
+    /// let strategy = AccelerateStrategy::new(AccelerateConfig::new(), &device)?
     ///     .with_checkpoint_dir("/tmp/run/checkpoint")
-    ///     .with_checkpointed_loader(&loader);
-    /// // SupervisedTraining::new("/tmp/run", loader, valid).with_accelerate(strategy)...
-    /// # }
-    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    ///     .with_checkpointed_loader(&train);
+    /// // SupervisedTraining::new("/tmp/run", Arc::new(train), valid).with_accelerate(strategy)...
     /// ```
     pub fn with_checkpointed_loader<I>(
         mut self,
@@ -618,19 +604,17 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
     /// stopping and checkpoint choice still work) and a warning says so. Not needed on one
     /// process, where Burn's own logger writes them.
     ///
-    /// ```no_run
-    /// # #[cfg(feature = "flex")] {
-    /// # use burn::backend::{Autodiff, Flex};
-    /// # use burn_accelerate::{AccelerateConfig, Accelerated};
-    /// # use burn_accelerate::train::AccelerateStrategy;
-    /// # use burn_accelerate::train::demo::MlpComponents;
-    /// # type Components = MlpComponents<Accelerated<Autodiff<Flex>>>;
-    /// let dir = "/tmp/run";
-    /// let strategy = AccelerateStrategy::<Components>::new(AccelerateConfig::new(), &Default::default())?
-    ///     .with_artifact_dir(dir);
-    /// // SupervisedTraining::new(dir, train, valid).with_accelerate(strategy)...
-    /// # }
-    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    /// use burn::train::LearningComponentsTypes;
+    /// use burn_accelerate::train::AccelerateStrategy;
+    ///
+    /// fn with_logs<LC: LearningComponentsTypes>(
+    ///     strategy: AccelerateStrategy<LC>,
+    /// ) -> AccelerateStrategy<LC> {
+    ///     let dir = "/tmp/run";
+    ///     // SupervisedTraining::new(dir, train, valid).with_accelerate(strategy)...
+    ///     strategy.with_artifact_dir(dir)
+    /// }
     /// ```
     pub fn with_artifact_dir(mut self, dir: impl Into<PathBuf>) -> Self {
         self.artifact_dir = Some(dir.into());

@@ -16,9 +16,8 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use burn_accelerate::train::demo;
-
 use super::harness::{self, Launched, report, worker};
+use super::mlp;
 use super::needs;
 use super::restarts::{Ended, MID_EPOCH_2, Run, refuse_under_mpi, train};
 
@@ -37,7 +36,7 @@ fn launch_here(test: &str, processes: usize, run: &Run, fail_at: &str) -> Launch
     let (mut command, dir) =
         harness::launch_command(test, processes, run, &["--grace", "2", "--timeout", "120"]);
     if !fail_at.is_empty() {
-        command.env(demo::FAIL_AT, fail_at);
+        command.env(mlp::FAIL_AT, fail_at);
     }
     harness::run(command, dir)
 }
@@ -200,7 +199,7 @@ impl Elastic {
             .args(harness::WORKER_FLAGS)
             .env(harness::WORKER_DIR, &self.dir)
             .env("BURN_ACCELERATE_TEST_WORKER_ARGS", &self.run)
-            .env(demo::FAIL_AT, fail_at);
+            .env(mlp::FAIL_AT, fail_at);
         let dir = self.dir.clone();
         std::thread::spawn(move || harness::run(command, dir))
     }

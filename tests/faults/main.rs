@@ -9,6 +9,8 @@
 #[allow(dead_code)]
 #[path = "../processes/harness.rs"]
 mod harness;
+#[path = "../../examples/common/mlp.rs"]
+mod mlp;
 #[path = "../needs/mod.rs"]
 mod needs;
 // `burn-accelerate launch --num-machines MIN:MAX`: a run that goes on with the machines left.
@@ -395,12 +397,12 @@ struct Trained {
 
 fn demo_worker() -> Trained {
     type Train = burn_accelerate::Accelerated<burn::backend::Autodiff<burn::backend::Flex>>;
-    let config = burn_accelerate::train::demo::DemoConfig::new()
+    let config = mlp::DemoConfig::new()
         .with_epochs(1)
         .with_train_items(512)
         .with_valid_items(128)
         .with_batch_size(32);
-    let outcome = burn_accelerate::train::demo::run::<Train>(&config, &Default::default()).unwrap();
+    let outcome = mlp::run::<Train>(&config, &Default::default()).unwrap();
     Trained {
         loss: outcome.loss as f64,
         accuracy: outcome.accuracy as f64,

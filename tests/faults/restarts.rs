@@ -1,9 +1,9 @@
 //! A run that survives losing a process: `burn-accelerate launch --max-restarts` stops the
-//! group, starts it again, and `train_mlp`'s training (`train::demo::run` with a checkpoint
-//! directory) resumes from its newest complete checkpoint, ending with the uninterrupted run's
-//! loss, bit for bit. Real processes, killed by real signals: where and when is chosen by the
-//! test hooks (`BURN_ACCELERATE_TEST_FAIL_AT`, `BURN_ACCELERATE_TEST_CRASH_WRITING`) at a
-//! training step or a file, never by timing.
+//! group, starts it again, and `train_mlp`'s training (`run` of `examples/common/mlp.rs`, with
+//! a checkpoint directory) resumes from its newest complete checkpoint, ending with the
+//! uninterrupted run's loss, bit for bit. Real processes, killed by real signals: where and
+//! when is chosen by the test hooks (`BURN_ACCELERATE_TEST_FAIL_AT`,
+//! `BURN_ACCELERATE_TEST_CRASH_WRITING`) at a training step or a file, never by timing.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -13,12 +13,12 @@ use std::time::{Duration, Instant};
 use burn::backend::{Autodiff, Flex};
 use burn_accelerate::autocast::SmallOps;
 use burn_accelerate::distributed::ProcessState;
-use burn_accelerate::train::demo::{self, DemoConfig};
 use burn_accelerate::zero::ZeroStage;
 use burn_accelerate::{Accelerated, Precision};
 use serde::{Deserialize, Serialize};
 
 use super::harness::{self, Launched, report, worker};
+use super::mlp::{self, DemoConfig};
 use super::needs;
 
 /// 1024 samples, 32 per process and step on 2 processes: 16 steps an epoch.
@@ -72,7 +72,7 @@ pub(super) fn train(run: &Run) -> Ended {
             .with_small_ops(Some(SmallOps::Cast))
             .with_init_scale(Some(2f64.powi(22)));
     }
-    let outcome = demo::run::<Train>(&config, &Default::default()).unwrap();
+    let outcome = mlp::run::<Train>(&config, &Default::default()).unwrap();
     Ended {
         loss: outcome.loss,
         loss_bits: outcome.loss.to_bits(),
@@ -182,7 +182,7 @@ fn assert_lines_name_their_attempt(run: &Launched) {
 /// epoch 1's checkpoint and ends bit for bit where the uninterrupted run does.
 fn killed_and_resumed(test: &str, f16: bool, zero_stage: u8) {
     let whole = uninterrupted(test, f16, zero_stage);
-    let fail_at = [(demo::FAIL_AT, format!("0:1:{MID_EPOCH_2}"))];
+    let fail_at = [(mlp::FAIL_AT, format!("0:1:{MID_EPOCH_2}"))];
     let (run, checkpoints) = launch(test, f16, zero_stage, false, 1, &fail_at, &[]);
     run.assert_success();
     for said in [
@@ -255,7 +255,7 @@ fn a_frozen_process_fails_the_run_by_liveness_and_the_restart_ends_at_the_same_l
     let whole = uninterrupted(TEST, false, 0);
     // Rank 1 freezes (SIGSTOP) in epoch 2: it never exits; rank 0's liveness check fails
     // the run, and the launcher stops both and restarts them.
-    let freeze = [(demo::FAIL_AT, format!("0:1:{MID_EPOCH_2}:stop"))];
+    let freeze = [(mlp::FAIL_AT, format!("0:1:{MID_EPOCH_2}:stop"))];
     let (run, checkpoints) = launch(
         TEST,
         false,
@@ -349,7 +349,7 @@ fn a_spent_restart_budget_ends_the_run_naming_every_attempts_failure() {
     }
     refuse_under_mpi();
     // Rank 1 is killed in the first attempt; rank 0 gives up in the second.
-    let fail_at = [(demo::FAIL_AT, format!("0:1:{MID_EPOCH_2},1:0:3:exit=7"))];
+    let fail_at = [(mlp::FAIL_AT, format!("0:1:{MID_EPOCH_2},1:0:3:exit=7"))];
     let (run, checkpoints) = launch(TEST, false, 0, false, 1, &fail_at, &[]);
     assert_eq!(run.status.code(), Some(1), "{}", run.output());
     assert_lines_name_their_attempt(&run);
@@ -435,7 +435,7 @@ fn a_process_of_an_earlier_attempt_cannot_join_a_later_one() {
     }
     refuse_under_mpi();
     let whole = uninterrupted(TEST, false, 0);
-    let fail_at = [(demo::FAIL_AT, format!("0:1:{MID_EPOCH_2}"))];
+    let fail_at = [(mlp::FAIL_AT, format!("0:1:{MID_EPOCH_2}"))];
     let (run, checkpoints) = launch(TEST, false, 0, true, 1, &fail_at, &[]);
     let dir = run.dir().to_path_buf();
     let pid: i32 = std::fs::read_to_string(dir.join("stale.pid"))
@@ -521,7 +521,7 @@ fn torchrun_restarts_resume_as_the_launchers_do() {
             "BURN_ACCELERATE_TEST_WORKER_ARGS",
             serde_json::to_string(&run).unwrap(),
         )
-        .env(demo::FAIL_AT, format!("0:1:{MID_EPOCH_2}"))
+        .env(mlp::FAIL_AT, format!("0:1:{MID_EPOCH_2}"))
         // As the launcher gives each of two processes on two cores.
         .env("RAYON_NUM_THREADS", "1");
     let ran = harness::run(command, dir.clone());

@@ -6,6 +6,10 @@
 #![cfg(feature = "flex")]
 
 mod harness;
+#[path = "../../examples/common/lm.rs"]
+mod lm;
+#[path = "../../examples/common/mlp.rs"]
+mod mlp;
 #[path = "../needs/mod.rs"]
 mod needs;
 
@@ -603,15 +607,13 @@ fn a_sharded_optimizer_state_resumes_on_any_number_of_processes_at_any_stage() {
 mod supervised {
     use std::sync::Arc;
 
+    use crate::mlp::{BlobBatch, BlobBatcher, Mlp, MlpComponents, QuietRenderer, Sample, blobs};
     use burn::data::dataloader::DataLoaderBuilder;
     use burn::optim::AdamConfig;
     use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
     use burn::train::metric::LossMetric;
     use burn::train::metric::store::EventStoreClient;
     use burn::train::{EarlyStoppingStrategy, Learner, SupervisedTraining};
-    use burn_accelerate::train::demo::{
-        BlobBatch, BlobBatcher, Mlp, MlpComponents, QuietRenderer, Sample, blobs,
-    };
     use burn_accelerate::train::{AccelerateStrategy, WithAccelerate};
     use burn_accelerate::zero::ZeroStage;
 
@@ -2111,13 +2113,12 @@ fn train_mlp_on_two_processes_ends_with_one_process_accuracy() {
     const TEST: &str = "train_mlp_on_two_processes_ends_with_one_process_accuracy";
     type Train = Accelerated<Autodiff<Flex>>;
     if let Some(batch_size) = worker::<usize>() {
-        let config = burn_accelerate::train::demo::DemoConfig::new()
+        let config = crate::mlp::DemoConfig::new()
             .with_epochs(2)
             .with_train_items(1024)
             .with_valid_items(256)
             .with_batch_size(batch_size);
-        let outcome =
-            burn_accelerate::train::demo::run::<Train>(&config, &Default::default()).unwrap();
+        let outcome = crate::mlp::run::<Train>(&config, &Default::default()).unwrap();
         return report(&MlpRun {
             loss: outcome.loss,
             accuracy: outcome.accuracy,
@@ -2207,11 +2208,12 @@ fn processes_on_one_machine_pin_their_threads_to_disjoint_cpus() {
     );
 }
 
-/// The transformer language model of `examples/train_lm.rs` (`train::lm`), small, on processes.
+/// The transformer language model of `examples/train_lm.rs` (`examples/common/lm.rs`), small,
+/// on processes.
 mod lm_run {
     use super::*;
+    use crate::lm::{self, LmConfig};
     use burn_accelerate::autocast::SmallOps;
-    use burn_accelerate::train::lm::{self, LmConfig};
 
     #[derive(Debug, Serialize, Deserialize)]
     pub struct Run {
@@ -2331,6 +2333,7 @@ fn the_transformer_lm_trains_on_two_processes_as_on_one_in_every_precision() {
 mod validation {
     use std::sync::{Arc, Mutex};
 
+    use crate::mlp::{BlobBatcher, Mlp, MlpComponents, QuietRenderer, blobs};
     use burn::data::dataloader::DataLoaderBuilder;
     use burn::optim::AdamConfig;
     use burn::train::checkpoint::MetricCheckpointingStrategy;
@@ -2340,7 +2343,6 @@ mod validation {
         EarlyStoppingStrategy, Learner, MetricEarlyStoppingStrategy, StoppingCondition,
         SupervisedTraining, TrainingStrategy,
     };
-    use burn_accelerate::train::demo::{BlobBatcher, Mlp, MlpComponents, QuietRenderer, blobs};
     use burn_accelerate::train::{AccelerateStrategy, WithAccelerate};
 
     use super::*;

@@ -1,6 +1,6 @@
-//! The model, data and run of `examples/train_mlp.rs`, shared with the tests: an MLP
-//! classifier trained through Burn's `SupervisedTraining` and
-//! [`with_accelerate`](super::WithAccelerate::with_accelerate) on a dataset this crate makes
+//! The model, data and run of `examples/train_mlp.rs`, shared with the tests (which include
+//! this file with `#[path]`; the library exports no example model): an MLP classifier trained
+//! through Burn's `SupervisedTraining` and `with_accelerate` on a dataset this file makes
 //! (overlapping Gaussian blobs; nothing is downloaded).
 //!
 //! # Test hook
@@ -13,6 +13,9 @@
 //! or exit with status `N` (`exit=N`) as its `STEP`th training step (counted from 1 in that
 //! process, a resumed one from its resumed epoch) begins. The tests of restarts use
 //! it to fail a run in the middle of an epoch at a place that does not depend on timing.
+
+// Each example and test that includes this file uses a part of it.
+#![allow(dead_code)]
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -37,13 +40,13 @@ use burn::train::{
     ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainOutput, TrainStep,
 };
 
-use super::metrics::AccelerateMetric;
-use super::{AccelerateStrategy, TrainingStats, WithAccelerate};
-use crate::data::{DataLoaderConfig, ShardLoaderBuilder};
-use crate::distributed::ProcessState;
-use crate::scaler::GradScalerConfig;
-use crate::zero::ZeroStage;
-use crate::{AccelerateConfig, AccelerateError, Precision};
+use burn_accelerate::data::{DataLoaderConfig, ShardLoaderBuilder};
+use burn_accelerate::distributed::{DistributedError, ProcessState};
+use burn_accelerate::scaler::GradScalerConfig;
+use burn_accelerate::train::metrics::AccelerateMetric;
+use burn_accelerate::train::{AccelerateStrategy, TrainingStats, WithAccelerate};
+use burn_accelerate::zero::ZeroStage;
+use burn_accelerate::{AccelerateConfig, AccelerateError, Precision};
 
 /// Input features of a sample.
 pub const FEATURES: usize = 8;
@@ -59,12 +62,17 @@ pub struct Sample {
     pub label: usize,
 }
 
-// The loader's splitmix64 stream: dependency-free, so the dataset is the same everywhere.
+// SplitMix64 (Steele, Lea, Flood 2014), the loader's generator: dependency-free, so the
+// dataset is the same everywhere.
 struct SplitMix(u64);
 
 impl SplitMix {
     fn next_u64(&mut self) -> u64 {
-        crate::data::shard::splitmix_next(&mut self.0)
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
     }
 
     // Uniform in (0, 1].
@@ -297,7 +305,7 @@ pub struct DemoConfig {
     #[config(default = "ZeroStage::None")]
     pub zero_stage: ZeroStage,
     /// The training's small-op rule (`AccelerateConfig::small_ops`); `None`: the one in force.
-    pub small_ops: Option<crate::autocast::SmallOps>,
+    pub small_ops: Option<burn_accelerate::autocast::SmallOps>,
     /// Where to checkpoint every epoch, crash-safely, and resume from when started again
     /// (`AccelerateStrategy::with_checkpoint_dir`); `None`: no checkpoints.
     pub checkpoint_dir: Option<String>,
@@ -317,7 +325,7 @@ pub struct DemoOutcome {
     /// What the strategy reported.
     pub stats: TrainingStats,
     /// Each epoch's validation phase's wall time on this process, in seconds
-    /// ([`TrainingReport::valid_seconds`](super::TrainingReport::valid_seconds)).
+    /// (`TrainingReport::valid_seconds`).
     pub valid_seconds: Vec<f64>,
 }
 
@@ -342,16 +350,11 @@ impl DemoOutcome {
             self.loss,
             self.accuracy,
             self.stats.skipped_steps(),
-            flag_name(self.stats.precision),
+            self.stats.precision.short_name(),
             ops.summary(),
-            flag_name(self.stats.precision),
+            self.stats.precision.short_name(),
         )
     }
-}
-
-/// The precision as the example's `--precision` flag spells it.
-pub fn flag_name(precision: Precision) -> &'static str {
-    precision.short_name()
 }
 
 /// Trains the [`Mlp`] on [`blobs`] through `SupervisedTraining` + `with_accelerate` on
@@ -538,15 +541,13 @@ fn arm_failures() -> Result<(), AccelerateError> {
         Err(_) => Vec::new(),
         Ok(value) => {
             let failures = parse_fail_at(&value).map_err(|why| {
-                AccelerateError::Distributed(
-                    crate::distributed::DistributedError::InvalidVariable {
-                        name: FAIL_AT,
-                        value: value.clone(),
-                        expected: why,
-                    },
-                )
+                AccelerateError::Distributed(DistributedError::InvalidVariable {
+                    name: FAIL_AT,
+                    value: value.clone(),
+                    expected: why,
+                })
             })?;
-            let restart = crate::distributed::restart_count()?;
+            let restart = burn_accelerate::distributed::restart_count()?;
             let rank = ProcessState::from_env()?.process_index();
             failures
                 .into_iter()
@@ -582,48 +583,5 @@ fn fail_if_asked() {
             }
             std::process::abort()
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_fail_at_hook_reads_attempts_ranks_steps_and_actions() {
-        assert_eq!(
-            parse_fail_at("0:1:21, 1:0:5:exit=7").unwrap(),
-            [
-                StepFailure {
-                    restart: 0,
-                    rank: 1,
-                    step: 21,
-                    action: FailAction::Kill
-                },
-                StepFailure {
-                    restart: 1,
-                    rank: 0,
-                    step: 5,
-                    action: FailAction::Exit(7)
-                }
-            ]
-        );
-        assert_eq!(parse_fail_at("").unwrap(), []);
-        assert!(
-            parse_fail_at("0:1")
-                .unwrap_err()
-                .contains("RESTART:RANK:STEP")
-        );
-        assert!(parse_fail_at("0:x:3").unwrap_err().contains("the rank"));
-        assert_eq!(
-            parse_fail_at("2:0:1:stop").unwrap()[0].action,
-            FailAction::Stop
-        );
-        assert!(
-            parse_fail_at("0:1:3:halt")
-                .unwrap_err()
-                .contains("`kill`, `stop` or `exit=N`")
-        );
-        assert!(parse_fail_at("0:1:3:exit=").unwrap_err().contains("exit=N"));
     }
 }

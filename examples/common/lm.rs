@@ -1,6 +1,7 @@
-//! The model, data and run of `examples/train_lm.rs`, shared with the tests: a GPT-style causal
+//! The model, data and run of `examples/train_lm.rs`, shared with the tests (which include
+//! this file with `#[path]`; the library exports no example model): a GPT-style causal
 //! language model over bytes, built from Burn's own `nn` and trained through Burn's
-//! `SupervisedTraining` and [`with_accelerate`](super::WithAccelerate::with_accelerate).
+//! `SupervisedTraining` and `with_accelerate`.
 //!
 //! - **Tokens:** bytes (a vocabulary of [`VOCAB`]), so any text trains, with no tokenizer
 //!   to download.
@@ -14,17 +15,14 @@
 //! `benches/accelerate_lm.py` is its twin in PyTorch and Accelerate: the same windows,
 //! model, initialisation distributions, optimizer and schedule (not the same random draws).
 //!
-//! ```no_run
-//! use burn::backend::{Autodiff, Flex};
-//! use burn_accelerate::train::lm::{self, LmConfig};
-//! use burn_accelerate::{Accelerated, Precision};
-//!
-//! let text = std::fs::read("README.md").unwrap();
+//! ```text
 //! let config = LmConfig::new().with_precision(Precision::Bf16).with_steps(Some(20));
 //! let outcome = lm::run::<Accelerated<Autodiff<Flex>>>(&config, &text, &Default::default())?;
 //! println!("{}", outcome.summary_line());
-//! # Ok::<(), burn_accelerate::AccelerateError>(())
 //! ```
+
+// Each example and test that includes this file uses a part of it.
+#![allow(dead_code)]
 
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
@@ -53,11 +51,12 @@ use burn::train::{
     ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainOutput, TrainStep,
 };
 
-use super::{AccelerateStrategy, TrainingStats, WithAccelerate};
-use crate::data::{BatchSplit, DataLoaderConfig, ShardLoaderBuilder};
-use crate::distributed::{ProcessState, ReduceOp};
-use crate::zero::ZeroStage;
-use crate::{AccelerateConfig, AccelerateError, Precision};
+use burn_accelerate::autocast::{LowerOpTally, SmallOps, thread_tally};
+use burn_accelerate::data::{BatchSplit, DataLoaderConfig, ShardLoaderBuilder};
+use burn_accelerate::distributed::{ProcessState, ReduceOp};
+use burn_accelerate::train::{AccelerateStrategy, TrainingStats, WithAccelerate};
+use burn_accelerate::zero::ZeroStage;
+use burn_accelerate::{AccelerateConfig, AccelerateError, Precision};
 
 /// Tokens are bytes.
 pub const VOCAB: usize = 256;
@@ -124,7 +123,7 @@ pub struct LmConfig {
     /// The training's small-op rule ([`AccelerateConfig::small_ops`]); `None`: the one in
     /// force.
     #[config(default = "None")]
-    pub small_ops: Option<crate::autocast::SmallOps>,
+    pub small_ops: Option<SmallOps>,
 }
 
 impl LmConfig {
@@ -320,14 +319,7 @@ impl<B: Backend> InferenceStep for CausalLm<B> {
 /// (from 0) runs at `peak × min(1, (s + 1) / warmup)`, as torch's
 /// `LambdaLR(lambda s: min(1, (s + 1) / warmup))`.
 ///
-/// ```
-/// use burn::lr_scheduler::LrScheduler;
-/// use burn_accelerate::train::lm::WarmupLr;
-///
-/// let mut lr = WarmupLr::new(1e-3, 4);
-/// let rates: Vec<f64> = (0..6).map(|_| lr.step()).collect();
-/// assert_eq!(rates, [2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3]);
-/// ```
+/// (`tests/train_lm.rs` checks the rates.)
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct WarmupLr {
     peak: f64,
@@ -438,7 +430,7 @@ impl MetricsRenderer for StepClock {
 /// its window's last item, and lasts from the previous step's end. The first
 /// [`WARM_UP_STEPS`] steps and each epoch's first step (after the previous epoch's
 /// validation) are left out.
-fn step_times(items: &[(usize, Instant, f64)], grad_accum: usize) -> Vec<f64> {
+pub fn step_times(items: &[(usize, Instant, f64)], grad_accum: usize) -> Vec<f64> {
     let ends: Vec<(usize, Instant)> = items
         .chunks(grad_accum)
         .filter(|window| window.len() == grad_accum)
@@ -454,7 +446,8 @@ fn step_times(items: &[(usize, Instant, f64)], grad_accum: usize) -> Vec<f64> {
         .collect()
 }
 
-fn median(values: &[f64]) -> f64 {
+/// The median of `values` (NaN for none).
+pub fn median(values: &[f64]) -> f64 {
     let mut sorted = values.to_vec();
     sorted.sort_by(f64::total_cmp);
     match sorted.len() {
@@ -483,7 +476,7 @@ pub struct LmOutcome {
     /// combined, so every process has the same value.
     pub valid_loss: f64,
     /// What the final validation's lower-class ops ran in (half type, or f32 and why).
-    pub final_valid_ops: crate::autocast::LowerOpTally,
+    pub final_valid_ops: LowerOpTally,
     /// The median optimizer step, in milliseconds (see [`WARM_UP_STEPS`]).
     pub step_ms: f64,
     /// Tokens trained per second over the timed steps, all processes together.
@@ -665,7 +658,7 @@ pub fn run<B: AutodiffBackend>(
         process.process_index(),
     )
     .expect("a batch size of at least 1 (validated) and a process of the run");
-    let tally = crate::autocast::thread_tally();
+    let tally = thread_tally();
     let (sum, tokens) = {
         let _autocast = autocast.enter();
         loss_sum(
@@ -675,7 +668,7 @@ pub fn run<B: AutodiffBackend>(
             device,
         )
     };
-    let final_valid_ops = crate::autocast::thread_tally().since(&tally);
+    let final_valid_ops = thread_tally().since(&tally);
     let mut valid = [sum, tokens as f64];
     if processes > 1 {
         let group = process.group()?;
@@ -702,66 +695,4 @@ pub fn run<B: AutodiffBackend>(
         peak_rss_mib: peak,
         stats,
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn windows_overlap_by_one_byte_and_the_last_tenth_validates() {
-        let text: Vec<u8> = (0..=100u8).collect();
-        let (train, valid) = split_windows(&text, 4).unwrap();
-        // (101 - 1) / 4 = 25 windows; 2 validate.
-        assert_eq!((train.len(), valid.len()), (23, 2));
-        assert_eq!(train[0].0, [0, 1, 2, 3, 4]);
-        assert_eq!(train[1].0, [4, 5, 6, 7, 8]);
-        assert_eq!(valid[1].0, [96, 97, 98, 99, 100]);
-        let err = split_windows(&text[..8], 4).unwrap_err();
-        assert!(matches!(
-            err,
-            AccelerateError::InvalidConfig {
-                field: "seq_len",
-                ..
-            }
-        ));
-    }
-
-    #[test]
-    fn bad_settings_name_themselves() {
-        let field = |config: LmConfig| match config.validate() {
-            Err(AccelerateError::InvalidConfig { field, .. }) => field,
-            other => panic!("{other:?}"),
-        };
-        assert_eq!(field(LmConfig::new().with_heads(5)), "heads");
-        assert_eq!(field(LmConfig::new().with_layers(0)), "layers");
-        assert_eq!(field(LmConfig::new().with_dropout(1.0)), "dropout");
-        assert_eq!(field(LmConfig::new().with_lr(0.0)), "lr");
-        assert_eq!(field(LmConfig::new().with_steps(Some(0))), "steps");
-        assert!(LmConfig::new().validate().is_ok());
-    }
-
-    #[test]
-    fn steps_are_timed_from_window_ends_past_the_warm_up_and_epoch_starts() {
-        let t0 = Instant::now();
-        let at = |ms: u64| t0 + std::time::Duration::from_millis(ms);
-        // Accumulation 2: steps end at items 1, 3, 5, ...; epoch 2 starts at item 12.
-        let items: Vec<(usize, Instant, f64)> = (0..16)
-            .map(|i| {
-                (
-                    1 + usize::from(i >= 12),
-                    at(10 * i as u64 * (i as u64)),
-                    0.0,
-                )
-            })
-            .collect();
-        let times = step_times(&items, 2);
-        // Step ends (ms): 10, 90, 250, 490, 810, 1210 | 1690, 2250. Steps 0..=2 warm up;
-        // 6 opens epoch 2.
-        let ms: Vec<u64> = times.iter().map(|t| (t * 1e3).round() as u64).collect();
-        assert_eq!(ms, [240, 320, 400, 560]);
-        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
-        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
-        assert!(median(&[]).is_nan());
-    }
 }
