@@ -36,11 +36,15 @@ use burn_backend::tensor::FloatTensor;
 
 use rayon::prelude::*;
 
+use burn_accelerate_kernels::f32_gemm::Kernel;
+use burn_accelerate_kernels::half::Half as _;
+use burn_accelerate_kernels::half_conv::{self, Conv2dOptions, Geometry};
+use burn_accelerate_kernels::several_threads;
+
+use super::Route;
 use super::fast_cast::convert;
-use super::half_conv::{self, Geometry};
 use super::half_kernels::{Half, TASK, with_half};
-use super::low_gemm::Kernel;
-use super::{Route, several_threads};
+use super::low_gemm::kernel_for;
 
 fn wide(t: &FlexTensor) -> FlexTensor {
     convert(t.clone(), FloatDType::F32)
@@ -78,8 +82,14 @@ fn gemm_conv(
     if route == Route::Widened {
         return None;
     }
-    let kernel = Kernel::for_dtype(x.dtype(), route);
-    let geometry = Geometry::new(x.layout().shape(), weight.layout().shape(), options)?;
+    let kernel = kernel_for(x.dtype(), route);
+    let options = Conv2dOptions::new(
+        options.stride,
+        options.padding,
+        options.dilation,
+        options.groups,
+    );
+    let geometry = Geometry::new(x.layout().shape(), weight.layout().shape(), &options)?;
     Some((kernel, geometry))
 }
 

@@ -73,11 +73,7 @@
 //! in, always.
 
 #[cfg(feature = "flex")]
-pub(crate) mod bf16_gemm;
-#[cfg(feature = "flex")]
 pub(crate) mod counter_rng;
-#[cfg(feature = "flex")]
-pub(crate) mod exp;
 #[cfg(feature = "flex")]
 pub(crate) mod fast_cast;
 #[cfg(feature = "flex")]
@@ -85,13 +81,9 @@ pub(crate) mod gelu;
 #[cfg(feature = "flex")]
 pub(crate) mod half_activation;
 #[cfg(feature = "flex")]
-pub(crate) mod half_conv;
-#[cfg(feature = "flex")]
 pub(crate) mod half_elementwise;
 #[cfg(feature = "flex")]
 pub(crate) mod half_kernels;
-#[cfg(feature = "flex")]
-pub(crate) mod isa;
 #[cfg(feature = "flex")]
 pub(crate) mod low_conv;
 #[cfg(feature = "flex")]
@@ -114,13 +106,4 @@ pub(crate) enum Route {
     /// The operands widened to f32 and Flex's own f32 kernels (its GEMM, its convolution): for
     /// bf16 Flex's own bits, the same on every CPU (`HalfPath::Widened`).
     Widened,
-}
-
-/// Whether rayon has several threads to share work among. The crate's CPU kernels run their
-/// parallel loops only then: from outside the pool, a loop in a pool of one thread only adds
-/// a hand-over to its worker and back (4% of a one-thread f16 step for the conversions, 6% of
-/// a bf16 step for the GEMMs), as the `gemm` crate knows.
-#[cfg(feature = "flex")]
-pub(crate) fn several_threads() -> bool {
-    rayon::current_num_threads() > 1
 }

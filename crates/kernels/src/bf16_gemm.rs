@@ -40,12 +40,12 @@ use std::mem::MaybeUninit;
 
 use half::bf16;
 
-use super::half_kernels::round_bf16_into;
+use crate::half::round_bf16_into;
 
 #[cfg(target_arch = "x86_64")]
 mod dots;
-pub(crate) mod tile_gemm;
-pub(crate) mod tiles;
+pub mod tile_gemm;
+pub mod tiles;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
@@ -55,7 +55,7 @@ use tiles::model::TileModel;
 /// A bf16 matrix read in place: `data[offset + i * row_stride + j * col_stride]` is its
 /// element `(i, j)`, so transposed views need no copy.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Bf16Matrix<'a> {
+pub struct Bf16Matrix<'a> {
     data: &'a [bf16],
     offset: usize,
     rows: usize,
@@ -67,7 +67,7 @@ pub(crate) struct Bf16Matrix<'a> {
 impl<'a> Bf16Matrix<'a> {
     /// The `rows × cols` matrix at `offset` and those strides in `data`; `None` if any element
     /// lies outside `data`.
-    pub(crate) fn new(
+    pub fn new(
         data: &'a [bf16],
         offset: usize,
         [rows, cols]: [usize; 2],
@@ -118,7 +118,7 @@ impl<'a> Bf16Matrix<'a> {
 
 /// Which kernel multiplies bf16 matrices.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Bf16Kernel {
+pub enum Bf16Kernel {
     /// The CPU's AMX tiles ([`tile_gemm`] on [`Amx`]).
     Tiles,
     /// The CPU's AVX512-BF16 dot products (`x86`).
@@ -131,7 +131,7 @@ pub(crate) enum Bf16Kernel {
 
 impl Bf16Kernel {
     /// Whether this process runs it.
-    pub(crate) fn runs_here(self) -> bool {
+    pub fn runs_here(self) -> bool {
         match self {
             Bf16Kernel::Tiles => amx::support() == Support::Granted,
             Bf16Kernel::DotProducts => dot_products(),
@@ -171,7 +171,7 @@ fn avx512bw() -> bool {
 /// The kernel this CPU runs bf16 GEMMs on: its tiles where it has AMX-BF16 and Linux granted
 /// them, else its dot products where it has AVX512-BF16, else none (the caller widens to
 /// f32). A CPU with AMX whose tiles were refused says so once, in the log.
-pub(crate) fn kernel() -> Option<Bf16Kernel> {
+pub fn kernel() -> Option<Bf16Kernel> {
     use std::sync::OnceLock;
     static KERNEL: OnceLock<Option<Bf16Kernel>> = OnceLock::new();
     *KERNEL.get_or_init(|| {
@@ -192,16 +192,16 @@ pub(crate) fn kernel() -> Option<Bf16Kernel> {
 }
 
 /// Why the CPU's AMX tiles are or are not used, for `burn-accelerate env`.
-pub(crate) fn amx_support() -> Support {
+pub fn amx_support() -> Support {
     amx::support()
 }
 
 /// Alters a run of a product row's values in place once rounded to bf16:
 /// `epilogue(column, values)`, `column` the run's first column (a linear adds its bias).
-pub(crate) type Epilogue<'a> = &'a (dyn Fn(usize, &mut [bf16]) + Sync);
+pub type Epilogue<'a> = &'a (dyn Fn(usize, &mut [bf16]) + Sync);
 
 /// Where a GEMM puts its product of `a.rows × b.cols` values.
-pub(crate) enum Product<'a> {
+pub enum Product<'a> {
     /// The f32 sums, in row-major order.
     F32(&'a mut [f32]),
     /// The sums rounded to bf16 (to nearest even, `half`'s bits), laid out and altered as
@@ -239,7 +239,7 @@ impl Product<'_> {
 
 /// How a product rounded to bf16 is laid out, and what is done to it on the way.
 #[derive(Clone, Copy)]
-pub(crate) enum Finish<'a> {
+pub enum Finish<'a> {
     /// In row-major order, each run passed through the epilogue once rounded (a linear adds
     /// its bias, in bf16 as Flex does).
     Rows(Option<Epilogue<'a>>),
@@ -288,7 +288,7 @@ impl Finish<'_> {
 /// when `parallel`; `packed` is scratch for the packed operands, kept by the caller (whatever
 /// it holds is overwritten). `None` (and `product` untouched) where the CPU has no bf16
 /// kernel or the shapes do not match.
-pub(crate) fn gemm(
+pub fn gemm(
     a: Bf16Matrix,
     b: Bf16Matrix,
     product: Product,
@@ -299,7 +299,7 @@ pub(crate) fn gemm(
 }
 
 /// [`gemm`] on `kernel`; `None` where this process does not run it.
-pub(crate) fn gemm_on(
+pub fn gemm_on(
     kernel: Bf16Kernel,
     a: Bf16Matrix,
     b: Bf16Matrix,
@@ -519,18 +519,18 @@ fn finish_run(
 /// packing writes every word before the kernel reads it, and zeroing an 8 MiB panel buffer
 /// afresh (larger than `SCRATCH_KEPT`, it goes back after each GEMM) took 1% of a step on the
 /// calling thread alone.
-pub(crate) type Packed = [Vec<MaybeUninit<u32>>; 2];
+pub type Packed = [Vec<MaybeUninit<u32>>; 2];
 
 /// The largest scratch buffer kept between GEMMs, in bytes (8 MiB). Larger ones go back after
 /// their GEMM: kept, they would sit beside the activations autocast halves (13 MiB of a 200 MiB
 /// peak on `examples/autocast_memory`), and a GEMM that large costs enough that mapping its
 /// buffers afresh is lost in it.
-pub(crate) const SCRATCH_KEPT: usize = 8 << 20;
+pub const SCRATCH_KEPT: usize = 8 << 20;
 
 /// `f` of this thread's scratch in `key`, or of a fresh one where the thread's is in use: a
 /// rayon worker waiting on its own GEMM's tasks may run another caller's job meanwhile, and
 /// that job may be a GEMM or convolution too.
-pub(crate) fn with_scratch<S: Default, R>(
+pub fn with_scratch<S: Default, R>(
     key: &'static std::thread::LocalKey<std::cell::RefCell<S>>,
     f: impl FnOnce(&mut S) -> R,
 ) -> R {
@@ -541,7 +541,7 @@ pub(crate) fn with_scratch<S: Default, R>(
 }
 
 /// Frees the scratch buffer `buf` if it holds more than 8 MiB (see `SCRATCH_KEPT`).
-pub(crate) fn release_large<T>(buf: &mut Vec<T>) {
+pub fn release_large<T>(buf: &mut Vec<T>) {
     if buf.capacity() * size_of::<T>() > SCRATCH_KEPT {
         *buf = Vec::new();
     }
@@ -551,7 +551,7 @@ pub(crate) fn release_large<T>(buf: &mut Vec<T>) {
 /// longest use so far: callers write every value before they read it, and a GEMM's buffers
 /// change size from call to call (zeroing what a shorter call had cut off showed as 3% of a
 /// bf16 training step).
-pub(crate) fn scratch_of<T: Copy + Default>(buf: &mut Vec<T>, len: usize) -> &mut [T] {
+pub fn scratch_of<T: Copy + Default>(buf: &mut Vec<T>, len: usize) -> &mut [T] {
     if buf.len() < len {
         buf.resize(len, T::default());
     }
