@@ -10,8 +10,7 @@ use burn::tensor::{Bytes, Element};
 use burn_accelerate_kernels::half as kernels;
 
 pub(crate) use burn_accelerate_kernels::half::{
-    TASK, add_row, add_widened, as_half, filled, in_row_tasks, round_add_row, widen_in_tasks,
-    widened,
+    TASK, add_row, add_widened, in_row_tasks, round_add_row, widen_in_tasks, widened,
 };
 
 /// A half type Flex stores (bf16 or f16): one the kernels compute on, and one Flex's tensors

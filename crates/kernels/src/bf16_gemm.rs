@@ -2,7 +2,7 @@
 //! or on AVX512-BF16 dot products (`vdpbf16ps`), whichever the CPU has ([`kernel`]).
 //!
 //! Autocast's lower-class matmul on Flex otherwise widens its bf16 operands to f32 and runs
-//! Flex's f32 GEMM (see [`low_gemm`](super::low_gemm)): the numbers of a bf16 GEMM at f32 speed.
+//! Flex's f32 GEMM (see [`f32_gemm`](crate::f32_gemm)): the numbers of a bf16 GEMM at f32 speed.
 //! `vdpbf16ps` multiplies pairs of bf16 values and adds both products to an f32 lane, twice the
 //! multiply-adds of an f32 FMA per instruction (on the 2-core EPYC this crate is built on,
 //! 220–230 GFLOP/s a core against 100–115 for f32 FMAs, register-bound loops). It is what
@@ -207,7 +207,7 @@ pub enum Product<'a> {
     /// The sums rounded to bf16 (to nearest even, `half`'s bits), laid out and altered as
     /// `finish` says, each run as soon as a task has summed it: no f32 product goes out to
     /// memory (for a linear's `4096 × 1024` output, 16 MiB written, mapped afresh and read back
-    /// to be rounded). Every value of `out` is written where [`gemm`] returns `Some`.
+    /// to be rounded). Every value of `out` is written where [`gemm()`] returns `Some`.
     Bf16 {
         out: &'a mut [MaybeUninit<bf16>],
         finish: Finish<'a>,
@@ -298,7 +298,7 @@ pub fn gemm(
     gemm_on(kernel()?, a, b, product, parallel, packed)
 }
 
-/// [`gemm`] on `kernel`; `None` where this process does not run it.
+/// [`gemm()`] on `kernel`; `None` where this process does not run it.
 pub fn gemm_on(
     kernel: Bf16Kernel,
     a: Bf16Matrix,

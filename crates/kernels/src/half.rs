@@ -318,7 +318,7 @@ fn in_tasks<T: Send>(values: &mut [T], f: impl Fn(usize, &mut [T]) + Sync) {
     in_row_tasks(1, values, f);
 }
 
-/// [`in_tasks`] for values in rows of `row` values, each task whole rows (about `TASK` values,
+/// `in_tasks` for values in rows of `row` values, each task whole rows (about `TASK` values,
 /// one row at least): `f(first, rows)`, `first` the index of the chunk's first row.
 pub fn in_row_tasks<T: Send>(row: usize, values: &mut [T], f: impl Fn(usize, &mut [T]) + Sync) {
     let row = row.max(1);
@@ -362,6 +362,21 @@ pub fn filled<T: bytemuck::Pod + Send>(
 pub fn widen_in_tasks<H: Half>(src: &[H], dst: &mut [f32]) {
     assert_eq!(src.len(), dst.len(), "one value widened per value");
     in_tasks(dst, |start, dst| H::widen(&src[start..][..dst.len()], dst));
+}
+
+/// `values` rounded to `H`, as bits (for a tensor's bytes), in tasks on rayon's threads where
+/// they are large, written in order with no pass to zero the buffer first.
+pub fn rounded<H: Half>(values: &[f32]) -> Vec<u16> {
+    filled(values.len(), |start, block: &mut [u16]| {
+        H::round(&values[start..][..block.len()], as_half::<H>(block));
+    })
+}
+
+/// `values` widened to f32, as [`rounded`] rounds them: in tasks, into a new buffer.
+pub fn widened_in_tasks<H: Half>(values: &[H]) -> Vec<f32> {
+    filled(values.len(), |start, block| {
+        H::widen(&values[start..][..block.len()], block);
+    })
 }
 
 /// `buf`'s bits as half values.

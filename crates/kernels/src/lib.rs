@@ -11,16 +11,21 @@
 //!   whichever the CPU has (detected at run time).
 //! - [`f32_gemm`]: the f32 GEMM Flex itself runs (the `gemm` crate), called with strides, and
 //!   the choice between it and the bf16 one.
-//! - [`half_conv`]: 2-D convolution of half tensors, forward and backward, as `im2col` GEMMs.
+//! - [`half_conv`]: 2-D convolution of half tensors, forward and backward, as `im2col` GEMMs,
+//!   and its bias gradient's channel sums.
 //! - [`softmax`], [`gelu`] (over [`exp`]): row-wise softmax and log-softmax and GELU, with
 //!   their gradients, compiled for AVX-512, AVX2 and a portable fallback that give the same
 //!   bits ([`isa`]).
 //! - [`philox`]: Philox4x32-10 words on every core, and Bernoulli values written from them.
+//! - [`strided`]: strided views copied out in order, and values filled through a broadcast
+//!   mask read by its own strides.
 //!
-//! What the process holds here: the CPU's capabilities, detected once (`OnceLock`s in
-//! [`bf16_gemm`] and its AMX support), and per-thread scratch reused across calls
-//! (`thread_local`s in [`bf16_gemm`] and [`half_conv`]). None of it is configuration: each
-//! kernel gives the same values whichever thread runs it.
+//! What the process holds here (6 statics, none a setting): the CPU's capabilities, detected
+//! once (`OnceLock`s: `AVAILABLE` twice and `KERNEL` in [`bf16_gemm`], `SUPPORT` for its AMX
+//! tiles, which also asks Linux for the tile state once), and per-thread scratch reused across
+//! calls, as a fresh buffer is mapped and page-faulted in on every call (`thread_local`s
+//! `SCRATCH` and `IMAGE_WORK` in [`half_conv`]). Each kernel gives the same values whichever
+//! thread runs it.
 
 pub mod bf16_gemm;
 pub mod exp;
@@ -31,6 +36,7 @@ pub mod half_conv;
 pub mod isa;
 pub mod philox;
 pub mod softmax;
+pub mod strided;
 
 /// Whether rayon has several threads to share work among. The kernels run their parallel
 /// loops only then: from outside the pool, a loop in a pool of one thread only adds a

@@ -18,7 +18,7 @@
 //! # Vectorisation
 //!
 //! The arithmetic is written once, as scalar code without branches, and compiled three times
-//! ([`Isa`], [`isa_variants!`]). Each value sees the same operations in the same order, sums are taken in
+//! ([`Isa`], `isa_variants!`). Each value sees the same operations in the same order, sums are taken in
 //! sixteen lanes whatever the vector width, and fused multiply-adds round once on every path
 //! (the portable code calls libm's `fmaf`: exact everywhere, slow only on x86 CPUs without
 //! FMA, from before 2013), so the three give the same bits, on any number of threads.
