@@ -9,8 +9,8 @@
 //! oneDNN, and so PyTorch's CPU autocast, runs on such CPUs. On Intel Xeons with AMX (4th
 //! generation and later) oneDNN runs its bf16 GEMMs on tiles instead: `tdpbf16ps` does
 //! 16 × 16 × 32 multiply-adds per instruction, several times the vector units' rate, and so
-//! does [`tile_gemm`] where the CPU has AMX-BF16 and Linux grants the tile state
-//! ([`tiles::amx::support`]; refused, the dot products, said once in the log and in
+//! does `tile_gemm` where the CPU has AMX-BF16 and Linux grants the tile state
+//! ([`amx_support`]; refused, the dot products, said once in the log and in
 //! `burn-accelerate env`).
 //!
 //! Numerics, both kernels: f32 sums of exact bf16 products (a bf16 product is exact in f32),
@@ -18,7 +18,7 @@
 //! operands: the sums run in another order, and the two kernels' orders differ too. The dot
 //! products add each k-pair's two products to a lane's sum, pair after pair in k order; the
 //! tiles sum each step of 16 pairs' even and odd products apart and add both to the sum,
-//! step after step (see [`tiles::model`]). Both treat bf16 subnormal inputs as zero and flush
+//! step after step (see `tiles::model`). Both treat bf16 subnormal inputs as zero and flush
 //! subnormal sums to zero (Intel SDM, `VDPBF16PS`, `TDPBF16PS`), as oneDNN's bf16 GEMM does.
 //! Neither result depends on the number of threads.
 //!
@@ -44,12 +44,13 @@ use crate::half::round_bf16_into;
 
 #[cfg(target_arch = "x86_64")]
 mod dots;
-pub mod tile_gemm;
-pub mod tiles;
+mod tile_gemm;
+mod tiles;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
-use tiles::amx::{self, Amx, Support};
+pub use tiles::amx::Support;
+use tiles::amx::{self, Amx};
 use tiles::model::TileModel;
 
 /// A bf16 matrix read in place: `data[offset + i * row_stride + j * col_stride]` is its
@@ -119,11 +120,11 @@ impl<'a> Bf16Matrix<'a> {
 /// Which kernel multiplies bf16 matrices.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Bf16Kernel {
-    /// The CPU's AMX tiles ([`tile_gemm`] on [`Amx`]).
+    /// The CPU's AMX tiles (`tile_gemm` on `Amx`).
     Tiles,
     /// The CPU's AVX512-BF16 dot products (`x86`).
     DotProducts,
-    /// [`tile_gemm`] on the software model of the tiles ([`TileModel`]): the tile kernel's
+    /// `tile_gemm` on the software model of the tiles (`TileModel`): the tile kernel's
     /// code and bits on any CPU, far slower. For tests and benchmarks, never chosen by
     /// [`kernel`].
     TileModel,
