@@ -6,7 +6,9 @@ use std::cell::RefCell;
 
 use half::bf16;
 
-use crate::cpu::bf16_gemm::{self, Bf16Kernel, Bf16Matrix, Packed, Product, release_large};
+use burn_accelerate_kernels::bf16_gemm::{
+    self, Bf16Kernel, Bf16Matrix, Packed, Product, release_large,
+};
 
 /// The bf16 GEMM kernels a benchmark can name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,6 +66,6 @@ pub fn bf16_gemm(
 /// `c = a @ b` of row-major f32 matrices by Flex's f32 GEMM (the `gemm` crate), what the
 /// widened route runs where the CPU has no bf16 kernel.
 pub fn f32_gemm(a: &[f32], b: &[f32], [m, k, n]: [usize; 3], c: &mut [f32]) {
-    crate::cpu::low_gemm::f32_gemm((a, [k, 1]), (b, [n, 1]), [m, k, n], c, true)
+    burn_accelerate_kernels::f32_gemm::f32_gemm((a, [k, 1]), (b, [n, 1]), [m, k, n], c, true)
         .expect("row-major operands of these sizes");
 }

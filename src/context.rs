@@ -39,7 +39,8 @@
 //!
 //! Besides the process's context, the crate's statics are caches, registries, counters and
 //! one-time warnings; none is a setting a training chooses. Each, with why it is process-wide
-//! (38 in `src/`, test-only ones left out):
+//! (32 in `src/`, which `grep -rn "^\s*static [A-Z_0-9]*\s*:" src` counts, one of them
+//! test-only (`backend::hooks`'s own test); the CPU kernels' own caches are in crates/kernels, listed in its crate docs):
 //!
 //! | static | where | kind | why |
 //! |---|---|---|---|
@@ -47,7 +48,7 @@
 //! | `ARMED_SCALE` | `scaler` | a guard's value | [`ArmedLossScale`](crate::ArmedLossScale): a user's own loop arms a scale for threads the crate does not start; kept beside the contexts so that a context entered meanwhile does not keep it after the guard drops |
 //! | `CALLS`, `IDS` | `fp8::state` | counters | each thread numbers its fp8 op calls per step (tensors are named by call order), per fp8 state; fp8 states are told apart by number |
 //! | `PROCESS_FP8` | `fp8::state` | registry | the fp8 state of threads that entered no training's context |
-//! | `HOOKS` (fp8), `HOOKS`, `KERNELS` (backend) | `fp8::autodiff`, `backend` | registries | per-backend functions registered by type, which Burn's traits leave no place for |
+//! | `HOOKS` (fp8), `HOOKS` (2), `KERNELS` (backend) | `fp8::autodiff`, `backend` | registries | per-backend functions registered by type, which Burn's traits leave no place for |
 //! | `CACHE`, `LAST`, `PROBING`, `LOG`, `COUNTS`, `INSTALL` | `capability` | caches, guard, warnings | what a device runs is a fact of the device, probed once (the last answer kept per thread; a probe's own ops must not probe); fallbacks and slow precisions said once, counted |
 //! | `HOST_READS`, `TALLY` | `grads`, `autocast::tally` | counters | per thread, for tests, reports and benchmarks |
 //! | `GLOBAL` | `gradient_state` | registry | Accelerate's `GradientState` singleton |
@@ -55,7 +56,7 @@
 //! | `COPIED`, `BUCKET` | `distributed` | counter, cache | values copied by the sync (benchmarks); the flat bucket reused across steps |
 //! | `MOVED` | `data::loader` | hand-off | which share a loader holds, from Burn's `to_device` (which returns nothing else) to its caller on the same thread |
 //! | `SAID`, `ONCE`, `WARN` | `data::prefetch`, `backend::placement`, `fp8::autodiff` | one-time warnings | |
-//! | `SCRATCH` (2), `PACKED` (2), `IMAGE_WORK`, `KEY`, `KERNEL`, `SUPPORT`, `AVAILABLE` (2) | `cpu`, `bench_support` | caches | kernels' buffers reused across calls; the CPU's instructions, found once |
+//! | `SCRATCH`, `PACKED` (2) | `cpu::low_gemm`, `bench_support` | caches | the matmul adapter's buffers (operands widened to f32, the bf16 GEMM's packed panels) reused across calls; the kernels' own (the CPU's instructions found once, the convolution's scratch: 6, `OnceLock`s and `thread_local`s) are `burn_accelerate_kernels`' |
 //! | `STREAMS` | `cpu::counter_rng` | the RNG | Burn's `Backend::seed` is process-wide: the decorator's generator follows it |
 
 use core::any::Any;

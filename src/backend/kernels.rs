@@ -170,7 +170,7 @@ pub(crate) fn has_bf16_dot_products() -> bool {
 pub(crate) fn bf16_gemm_instructions() -> Option<&'static str> {
     #[cfg(feature = "flex")]
     {
-        use crate::cpu::bf16_gemm::{self, Bf16Kernel};
+        use burn_accelerate_kernels::bf16_gemm::{self, Bf16Kernel};
         match bf16_gemm::kernel()? {
             Bf16Kernel::Tiles => Some("AMX tiles (tdpbf16ps)"),
             Bf16Kernel::DotProducts => Some("AVX512-BF16 dot products (vdpbf16ps)"),
@@ -185,7 +185,7 @@ pub(crate) fn bf16_gemm_instructions() -> Option<&'static str> {
 pub(crate) fn amx_status() -> String {
     #[cfg(feature = "flex")]
     {
-        crate::cpu::bf16_gemm::amx_support().to_string()
+        burn_accelerate_kernels::bf16_gemm::amx_support().to_string()
     }
     #[cfg(not(feature = "flex"))]
     "not used (the CPU kernels come with the `flex` feature)".to_string()

@@ -2,7 +2,7 @@
 //!
 //! Flex 0.21 casts through an f64 copy of every value (`float_cast` in
 //! `burn-flex-0.21.0/src/ops/float.rs`), about 2 ns per element: on the benchmark MLP the casts
-//! autocast inserts cost a third of a bf16 step. The [`Half`] conversions do the same
+//! autocast inserts cost a third of a bf16 step. The kernels' `Half` conversions do the same
 //! rounding (round to nearest even, from the exact value) in one vectorised pass. Casting through f64 first would change nothing, an f32 being exact in f64,
 //! but `half` 2.7.1's f64 conversions drop the f64's low 32 mantissa bits before they round
 //! (`f64_to_bf16` in `half-2.7.1/src/bfloat/convert.rs`, `f64_to_f16_fallback` in
@@ -26,9 +26,9 @@ use burn_backend::ops::FloatTensorOps;
 use burn_backend::tensor::FloatTensor;
 use half::{bf16, f16};
 
-use super::half_kernels::{Half, as_half, filled};
+use burn_accelerate_kernels::half::{rounded, widened_in_tasks};
 
-/// The cast, with the [`Half`] conversions between f32 and the half types, and Flex's own
+/// The cast, with the kernels' `Half` conversions between f32 and the half types, and Flex's own
 /// for everything else.
 pub(crate) fn convert(tensor: FlexTensor, dtype: FloatDType) -> FlexTensor {
     let (from, to) = (tensor.dtype(), DType::from(dtype));
@@ -38,25 +38,13 @@ pub(crate) fn convert(tensor: FlexTensor, dtype: FloatDType) -> FlexTensor {
     let tensor = tensor.to_contiguous();
     let shape = tensor.layout().shape().clone();
     let bytes = match (from, to) {
-        (DType::F32, DType::BF16) => Bytes::from_elems(narrow::<bf16>(tensor.storage())),
-        (DType::F32, DType::F16) => Bytes::from_elems(narrow::<f16>(tensor.storage())),
-        (DType::BF16, DType::F32) => Bytes::from_elems(wide::<bf16>(tensor.storage())),
-        (DType::F16, DType::F32) => Bytes::from_elems(wide::<f16>(tensor.storage())),
+        (DType::F32, DType::BF16) => Bytes::from_elems(rounded::<bf16>(tensor.storage())),
+        (DType::F32, DType::F16) => Bytes::from_elems(rounded::<f16>(tensor.storage())),
+        (DType::BF16, DType::F32) => Bytes::from_elems(widened_in_tasks::<bf16>(tensor.storage())),
+        (DType::F16, DType::F32) => Bytes::from_elems(widened_in_tasks::<f16>(tensor.storage())),
         _ => return Flex::float_cast(tensor, dtype),
     };
     FlexTensor::new(bytes, Layout::contiguous(shape), to)
-}
-
-fn narrow<H: Half>(values: &[f32]) -> Vec<u16> {
-    filled(values.len(), |start, block: &mut [u16]| {
-        H::round(&values[start..][..block.len()], as_half::<H>(block));
-    })
-}
-
-fn wide<H: Half>(values: &[H]) -> Vec<f32> {
-    filled(values.len(), |start, block| {
-        H::widen(&values[start..][..block.len()], block);
-    })
 }
 
 /// The cast as a node of Burn's autodiff: the gradient comes back cast to the input's

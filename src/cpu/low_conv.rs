@@ -34,13 +34,15 @@ use burn_backend::FloatDType;
 use burn_backend::ops::{ConvOptions, ModuleOps};
 use burn_backend::tensor::FloatTensor;
 
-use rayon::prelude::*;
+use burn_accelerate_kernels::f32_gemm::Kernel;
+use burn_accelerate_kernels::half::Half as _;
+use burn_accelerate_kernels::half_conv::{self, Conv2dOptions, Geometry, SumOrder};
+use burn_accelerate_kernels::several_threads;
 
+use super::Route;
 use super::fast_cast::convert;
-use super::half_conv::{self, Geometry};
-use super::half_kernels::{Half, TASK, with_half};
-use super::low_gemm::Kernel;
-use super::{Route, several_threads};
+use super::half_kernels::{TASK, with_half};
+use super::low_gemm::kernel_for;
 
 fn wide(t: &FlexTensor) -> FlexTensor {
     convert(t.clone(), FloatDType::F32)
@@ -78,8 +80,14 @@ fn gemm_conv(
     if route == Route::Widened {
         return None;
     }
-    let kernel = Kernel::for_dtype(x.dtype(), route);
-    let geometry = Geometry::new(x.layout().shape(), weight.layout().shape(), options)?;
+    let kernel = kernel_for(x.dtype(), route);
+    let options = Conv2dOptions::new(
+        options.stride,
+        options.padding,
+        options.dilation,
+        options.groups,
+    );
+    let geometry = Geometry::new(x.layout().shape(), weight.layout().shape(), &options)?;
     Some((kernel, geometry))
 }
 
@@ -123,53 +131,16 @@ fn bias_grad(grad: &FlexTensor, route: Route) -> FlexTensor {
         let values: &[H] = grad.storage();
         // On threads from two tasks' worth up, as the elementwise kernels.
         let parallel = values.len() > TASK && several_threads();
-        let sums = channel_sums(values, sizes, route, parallel);
+        let order = match route {
+            Route::Widened => SumOrder::InOrder,
+            Route::Fastest => SumOrder::InLanes,
+        };
+        let sums = half_conv::channel_sums(values, sizes, order, parallel);
         let mut out = vec![H::default(); sums.len()];
         H::round(&sums, &mut out);
         Bytes::from_elems(out)
     }, _ => unreachable!("the hook admits half tensors only"));
     FlexTensor::new(bytes, Layout::contiguous([sizes[1]].into()), dtype)
-}
-
-// The f32 sum of each channel of `values`, `[batch, channels, positions]`, over the images in
-// order (see `bias_grad`); the channels shared among rayon's threads where `parallel`.
-fn channel_sums<H: Half>(
-    values: &[H],
-    [batch, channels, positions]: [usize; 3],
-    route: Route,
-    parallel: bool,
-) -> Vec<f32> {
-    let channel_sum = |c: usize, wide: &mut Vec<f32>| {
-        wide.resize(positions, 0.0);
-        (0..batch).fold(0f32, |sum, n| {
-            H::widen(&values[(n * channels + c) * positions..][..positions], wide);
-            match route {
-                Route::Widened => wide.iter().fold(sum, |acc, g| acc + g),
-                Route::Fastest => sum + sum_in_lanes(wide),
-            }
-        })
-    };
-    match parallel {
-        true => (0..channels)
-            .into_par_iter()
-            .map_init(Vec::new, |wide, c| channel_sum(c, wide))
-            .collect(),
-        false => {
-            let mut wide = Vec::new();
-            (0..channels).map(|c| channel_sum(c, &mut wide)).collect()
-        }
-    }
-}
-
-// The sum of `values` in 16 running sums (one vector's worth), then across them.
-fn sum_in_lanes(values: &[f32]) -> f32 {
-    let mut lanes = [0f32; 16];
-    let chunks = values.chunks_exact(16);
-    let rest = chunks.remainder().iter().sum::<f32>();
-    for chunk in chunks {
-        lanes.iter_mut().zip(chunk).for_each(|(lane, v)| *lane += v);
-    }
-    lanes.iter().sum::<f32>() + rest
 }
 
 // The node's state: the half operands, the options and the route of the forward pass.
@@ -275,36 +246,5 @@ pub(crate) fn conv2d_tracked(
     match &bias {
         Some(bias) => node([&x, &weight, bias], saved, output),
         None => node([&x, &weight], saved, output),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use half::bf16;
-
-    use super::*;
-
-    #[test]
-    fn channel_sums_on_threads_are_the_sums_on_one() {
-        let sizes = [3, 5, 1000];
-        let values: Vec<bf16> = (0..sizes.iter().product::<usize>())
-            .map(|i| bf16::from_f32(((i * 7919) % 201) as f32 / 50.0 - 2.0))
-            .collect();
-        for route in [Route::Widened, Route::Fastest] {
-            let on_one = channel_sums(&values, sizes, route, false);
-            let on_threads = channel_sums(&values, sizes, route, true);
-            let bits = |sums: &[f32]| sums.iter().map(|s| s.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&on_threads), bits(&on_one), "{route:?}");
-            for (c, sum) in on_one.iter().enumerate() {
-                let exact: f64 = (0..sizes[0])
-                    .flat_map(|n| &values[(n * sizes[1] + c) * sizes[2]..][..sizes[2]])
-                    .map(|v| f64::from(v.to_f32()))
-                    .sum();
-                assert!(
-                    (f64::from(*sum) - exact).abs() < 1e-3,
-                    "{route:?} channel {c}"
-                );
-            }
-        }
     }
 }

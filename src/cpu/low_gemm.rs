@@ -39,14 +39,17 @@ use burn_backend::tensor::FloatTensor;
 use half::bf16;
 use rayon::prelude::*;
 
-use super::bf16_gemm::{
+use burn_accelerate_kernels::bf16_gemm::{
     self, Bf16Kernel, Bf16Matrix, Epilogue, Finish, Packed, Product, SCRATCH_KEPT, release_large,
     scratch_of, with_scratch,
 };
+use burn_accelerate_kernels::f32_gemm::{Kernel, f32_gemm, large, parallel};
+use burn_accelerate_kernels::several_threads;
+
+use super::Route;
 use super::half_kernels::{
     add_row, add_widened, round_add_row, sum_rows, widen_in_tasks, widened, with_half,
 };
-use super::{Route, several_threads};
 
 // Scratch for one GEMM's operands widened to f32 and its f32 product, kept per thread: a
 // fresh buffer is mapped and page-faulted in on every call, which costs as much again as
@@ -71,26 +74,12 @@ thread_local! {
     static PACKED: RefCell<Packed> = RefCell::default();
 }
 
-/// Which GEMM multiplies half matrices (a matmul's, or a convolution's patches).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Kernel {
-    /// The bf16 GEMM (`bf16_gemm`) on this kernel: bf16 only, 1.5–2× as fast on dot
-    /// products. A convolution's GEMMs run on the process's kernel ([`bf16_gemm::kernel`])
-    /// whichever this names.
-    Bf16(Bf16Kernel),
-    /// Flex's f32 GEMM over the operands widened to f32: for a bf16 matmul, Flex's own
-    /// bits.
-    F32,
-}
-
-impl Kernel {
-    /// The CPU's bf16 kernel for bf16 where it has one, unless the route is
-    /// [`Route::Widened`]; the f32 one otherwise.
-    pub(crate) fn for_dtype(dtype: DType, route: Route) -> Self {
-        match bf16_gemm::kernel() {
-            Some(kernel) if dtype == DType::BF16 && route == Route::Fastest => Self::Bf16(kernel),
-            _ => Self::F32,
-        }
+/// The CPU's bf16 GEMM for bf16 operands where it has one, unless the route is
+/// [`Route::Widened`]; Flex's f32 GEMM over the widened operands otherwise.
+pub(crate) fn kernel_for(dtype: DType, route: Route) -> Kernel {
+    match dtype {
+        DType::BF16 => Kernel::for_bf16(route == Route::Widened),
+        _ => Kernel::F32,
     }
 }
 
@@ -110,16 +99,6 @@ fn widen_into(t: &FlexTensor, buf: &mut Vec<f32>) -> Vec<usize> {
         .iter()
         .map(|s| s.unsigned_abs())
         .collect()
-}
-
-/// Flex's rule for an `m × k` by `k × n` product: threads from 192³ multiply-adds up,
-/// where rayon has several (`several_threads`).
-pub(crate) fn parallel(m: usize, n: usize, k: usize) -> bool {
-    large(m, n, k) && several_threads()
-}
-
-fn large(m: usize, n: usize, k: usize) -> bool {
-    m.saturating_mul(n).saturating_mul(k) >= 192 * 192 * 192
 }
 
 // The sizes of a product of half matrices: its batch (the leading dimensions, the same
@@ -285,61 +264,6 @@ fn each_matrix<T: Send>(
     }
 }
 
-/// `c = a @ b` of f32 matrices `[m, k]` and `[k, n]`, each given as a slice and the
-/// (row, column) strides of its values from the slice's start, by Flex's GEMM (the `gemm`
-/// crate, on rayon's threads where `parallel`); `c` row-major. `None` where a matrix
-/// does not fit its slice or `c` is not `m × n`.
-pub(crate) fn f32_gemm(
-    (a, [a_rs, a_cs]): (&[f32], [usize; 2]),
-    (b, [b_rs, b_cs]): (&[f32], [usize; 2]),
-    [m, k, n]: [usize; 3],
-    c: &mut [f32],
-    parallel: bool,
-) -> Option<()> {
-    let fits = |len: usize, [rows, cols]: [usize; 2], [rs, cs]: [usize; 2]| {
-        rows == 0 || cols == 0 || (rows - 1) * rs + (cols - 1) * cs < len
-    };
-    if !fits(a.len(), [m, k], [a_rs, a_cs]) || !fits(b.len(), [k, n], [b_rs, b_cs]) {
-        return None;
-    }
-    if c.len() != m * n {
-        return None;
-    }
-    let parallelism = match parallel {
-        true => gemm::Parallelism::Rayon(0),
-        false => gemm::Parallelism::None,
-    };
-    let stride = |s: usize| isize::try_from(s).ok();
-    let (a_rs, a_cs, b_rs, b_cs) = (stride(a_rs)?, stride(a_cs)?, stride(b_rs)?, stride(b_cs)?);
-    // SAFETY: `a` holds the `m×k` matrix at strides (a_rs, a_cs) from its start, `b` the
-    // `k×n` one likewise (both checked above), and `c` `m×n` row-major values; `c` is
-    // borrowed mutably, so it overlaps neither.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            c.as_mut_ptr(),
-            1,
-            n as isize,
-            false,
-            a.as_ptr(),
-            a_cs,
-            a_rs,
-            b.as_ptr(),
-            b_cs,
-            b_rs,
-            0.0,
-            1.0,
-            false,
-            false,
-            false,
-            parallelism,
-        );
-    }
-    Some(())
-}
-
 /// `a @ b + bias` of half matrices: f32 sums of the products, rounded once to the half
 /// type, the bias (if any) added to the rounded product in the half type.
 fn half_gemm(
@@ -394,7 +318,7 @@ fn half_gemm(
 
 /// `a @ b` of two half matrices: f32 products and sums, rounded once to the half type.
 pub(crate) fn gemm(a: FlexTensor, b: FlexTensor, route: Route) -> FlexTensor {
-    let kernel = Kernel::for_dtype(a.dtype(), route);
+    let kernel = kernel_for(a.dtype(), route);
     half_gemm(&a, &b, None, kernel)
 }
 
@@ -406,7 +330,7 @@ pub(crate) fn linear(
     bias: Option<FlexTensor>,
     route: Route,
 ) -> FlexTensor {
-    let kernel = Kernel::for_dtype(x.dtype(), route);
+    let kernel = kernel_for(x.dtype(), route);
     half_gemm(&x, &weight, bias.as_ref(), kernel)
 }
 

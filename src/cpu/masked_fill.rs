@@ -24,27 +24,12 @@ use burn_backend::ops::FloatTensorOps;
 use burn_backend::tensor::{BoolTensor, FloatTensor};
 use half::{bf16, f16};
 
-use super::half_kernels::filled;
+use burn_accelerate_kernels::strided;
 
 /// The mask's strides along each of the tensor's dimensions (0 where it is broadcast), or
 /// `None` where it does not broadcast to `shape`.
 fn broadcast_strides(shape: &[usize], mask: &Layout) -> Option<Vec<usize>> {
-    let (mask_shape, mask_strides) = (mask.shape(), mask.strides());
-    let rank = shape.len();
-    let lead = rank.checked_sub(mask_shape.num_dims())?;
-    (0..rank)
-        .map(|d| {
-            let Some(m) = d.checked_sub(lead) else {
-                return Some(0);
-            };
-            match (mask_shape[m], mask_strides[m]) {
-                (n, s) if n == shape[d] && shape[d] > 1 => usize::try_from(s).ok(),
-                (1, _) => Some(0),
-                (n, _) if n == shape[d] => Some(0),
-                _ => None,
-            }
-        })
-        .collect()
+    strided::broadcast_strides(shape, mask.shape(), mask.strides())
 }
 
 /// `tensor` with `value` where `mask` is true, as `Flex::float_mask_fill` gives it.
@@ -82,34 +67,8 @@ fn fill<T: bytemuck::Pod + burn_backend::Element + Send + Sync>(
     };
     let start = tensor.layout().start_offset();
     let values = &tensor.storage::<T>()[start..start + len];
-    let bits: &[u8] = mask.bytes();
-    let mask_start = mask.layout().start_offset();
-    let last = shape[rank - 1];
-    let last_stride = strides[rank - 1];
-    // The mask's offset of row `row` (a row: the last dimension).
-    let row_offset = |mut row: usize| {
-        let mut offset = mask_start;
-        for d in (0..rank - 1).rev() {
-            offset += (row % shape[d]) * strides[d];
-            row /= shape[d];
-        }
-        offset
-    };
-    let out = filled::<T>(len, |begin, block| {
-        let (mut row, mut col) = (begin / last, begin % last);
-        let mut base = row_offset(row);
-        for (i, dst) in block.iter_mut().enumerate() {
-            *dst = match bits[base + col * last_stride] != 0 {
-                true => value,
-                false => values[begin + i],
-            };
-            col += 1;
-            if col == last {
-                (row, col) = (row + 1, 0);
-                base = row_offset(row);
-            }
-        }
-    });
+    let mask_at = (mask.bytes(), mask.layout().start_offset(), &strides[..]);
+    let out = strided::masked_fill(values, &shape, mask_at, value);
     Some(FlexTensor::new(
         Bytes::from_elems(out),
         Layout::contiguous(Shape::from(shape)),

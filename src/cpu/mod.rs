@@ -1,12 +1,16 @@
-//! The crate's own CPU kernels for half-precision ops on Flex, where Flex 0.21's are slow.
+//! The crate's own CPU kernels for half-precision ops on Flex, where Flex 0.21's are slow: the
+//! adapters between Flex's tensors and the kernels of `burn_accelerate_kernels`
+//! (crates/kernels), which do the arithmetic on slices and know no Burn.
 //!
 //! Flex computes bf16 and f16 one scalar conversion at a time around its f32 kernels (or with
 //! the `gemm` crate's f16 kernels, which sum in f16), so that without these a bf16 training
-//! step on a CPU costs more than an f32 one. Each kernel here does the arithmetic of a
+//! step on a CPU costs more than an f32 one. Each kernel does the arithmetic of a
 //! half-precision op with f32 accumulation, on vectorised conversions and on every core, and
-//! comes in two forms: on `FlexTensor`s (for `Flex`), and as a node of Burn's autodiff (for
-//! `Autodiff<Flex>`, default checkpointing), since a backward node can only be built with the
-//! concrete backend in hand.
+//! comes here in two forms: on `FlexTensor`s (for `Flex`), and as a node of Burn's autodiff
+//! (for `Autodiff<Flex>`, default checkpointing), since a backward node can only be built with
+//! the concrete backend in hand. An adapter decides which tensors a kernel takes (dtype,
+//! layout, shapes), hands it their buffers (in place where nothing else holds one), wraps what
+//! comes back, and otherwise calls Flex's own op; its tests hold the pair against Flex.
 //!
 //! Nothing here knows the decorator or autocast. The decorator reaches these kernels through
 //! one table, `crate::backend::kernels`, which registers them for `Flex` and `Autodiff<Flex>`;
@@ -33,15 +37,16 @@
 //!   chose the crate's path or the process fixed it (`Context::with_half_path`). Not for
 //!   broadcast batches, vectors, mixed dtypes, outside autocast, under `HalfPath::Own`, or
 //!   where Flex's own half GEMM timed clearly faster.
-//! - [`low_conv`] (over [`half_conv`]'s `im2col` GEMMs): autocast's lower-class conv2d, and
-//!   conv1d as a convolution of one-pixel-high images, forward and backward, on the same
-//!   conditions as `low_gemm`. Grouped convolutions and [`Route::Widened`] run Flex's own f32
-//!   convolution over widened operands instead of the GEMMs. Not for conv3d, transposed or
-//!   deformable convolutions (Flex's own).
-//! - [`bf16_gemm`]: the GEMM on AVX512-BF16 dot products that `low_gemm` and `half_conv` use
-//!   for bf16 on [`Route::Fastest`], where the CPU has the instructions (x86-64: AMD Zen 4,
-//!   Intel Cooper Lake and later, detected at run time). Not for f16, on other CPUs or on
-//!   [`Route::Widened`]: there the operands are widened to f32 for Flex's f32 GEMM.
+//! - [`low_conv`] (over the kernels' `half_conv`, `im2col` GEMMs): autocast's lower-class
+//!   conv2d, and conv1d as a convolution of one-pixel-high images, forward and backward, on
+//!   the same conditions as `low_gemm`. Grouped convolutions and [`Route::Widened`] run Flex's
+//!   own f32 convolution over widened operands instead of the GEMMs. Not for conv3d,
+//!   transposed or deformable convolutions (Flex's own).
+//! - the kernels' `bf16_gemm`: the GEMM on AMX tiles or AVX512-BF16 dot products that
+//!   `low_gemm` and `half_conv` use for bf16 on [`Route::Fastest`], where the CPU has the
+//!   instructions (x86-64: AMD Zen 4, Intel Cooper Lake and later, detected at run time). Not
+//!   for f16, on other CPUs or on [`Route::Widened`]: there the operands are widened to f32
+//!   for Flex's f32 GEMM.
 //! - [`counter_rng`]: Bernoulli tensors (`float_random`) from a counter-based generator
 //!   (Philox4x32-10) on every core, written in f32, bf16 or f16 directly: dropout's masks,
 //!   which Flex draws one value at a time. Taken under autocast only, with the decorator's
@@ -65,19 +70,15 @@
 //!   reshape that Flex would copy it for (attention's head transposes), in runs of its last
 //!   dimension on every core, with or without autocast (the same values). Not for flipped
 //!   views or those of one or two dimensions (Flex's own copy, already tiled).
-//! - [`half_kernels`]: the elementwise blocks the others are built of (conversions, a
-//!   linear's epilogue, the bias gradient's row sums, ReLU's map), bit for bit Flex's
-//!   arithmetic.
+//! - [`half_kernels`]: Flex's half tensors handed to the elementwise blocks the others are
+//!   built of (the kernels' `half`: conversions, a linear's epilogue, the bias gradient's row
+//!   sums, ReLU's map), bit for bit Flex's arithmetic.
 //!
 //! All of it is compiled with the `flex` feature only; [`Route`], which the decorator passes
 //! in, always.
 
 #[cfg(feature = "flex")]
-pub(crate) mod bf16_gemm;
-#[cfg(feature = "flex")]
 pub(crate) mod counter_rng;
-#[cfg(feature = "flex")]
-pub(crate) mod exp;
 #[cfg(feature = "flex")]
 pub(crate) mod fast_cast;
 #[cfg(feature = "flex")]
@@ -85,13 +86,9 @@ pub(crate) mod gelu;
 #[cfg(feature = "flex")]
 pub(crate) mod half_activation;
 #[cfg(feature = "flex")]
-pub(crate) mod half_conv;
-#[cfg(feature = "flex")]
 pub(crate) mod half_elementwise;
 #[cfg(feature = "flex")]
 pub(crate) mod half_kernels;
-#[cfg(feature = "flex")]
-pub(crate) mod isa;
 #[cfg(feature = "flex")]
 pub(crate) mod low_conv;
 #[cfg(feature = "flex")]
@@ -114,13 +111,4 @@ pub(crate) enum Route {
     /// The operands widened to f32 and Flex's own f32 kernels (its GEMM, its convolution): for
     /// bf16 Flex's own bits, the same on every CPU (`HalfPath::Widened`).
     Widened,
-}
-
-/// Whether rayon has several threads to share work among. The crate's CPU kernels run their
-/// parallel loops only then: from outside the pool, a loop in a pool of one thread only adds
-/// a hand-over to its worker and back (4% of a one-thread f16 step for the conversions, 6% of
-/// a bf16 step for the GEMMs), as the `gemm` crate knows.
-#[cfg(feature = "flex")]
-pub(crate) fn several_threads() -> bool {
-    rayon::current_num_threads() > 1
 }

@@ -11,23 +11,10 @@
 //! computes `dx = y · (g - Σ g·y)` row by row, in one pass. Log-softmax likewise:
 //! `y = (x - max) - ln Σ exp(x - max)`, and `dx = g - exp(y) · Σ g`.
 //!
-//! # Accuracy
-//!
-//! [`exp`] is within 1 ulp of the exact value over the whole f32 range (see
-//! [`exp`](super::exp)). A softmax output then differs from the f64 softmax of the same f32 input by at
-//! most `(6 + n/16 + |x - max|) · 2⁻²⁴` relative (`n` the row's length): the exp, the
-//! row sum in sixteen running lanes, the scaling, and the rounding of `x - max` in f32,
-//! which every f32 softmax (Flex's own included) makes. Masked entries (`-1e4`, `-∞`) give
-//! exact zeros. A row that is entirely `-∞` gives NaN, as Flex's softmax and Burn's default
-//! composition do (and PyTorch's): `-∞ - (-∞)` is NaN; so does a row with a NaN or a `+∞`.
-//!
-//! # Vectorisation
-//!
-//! The arithmetic is written once, as scalar code without branches, and compiled three times
-//! ([`Isa`], [`isa_variants!`]). Each value sees the same operations in the same order, sums are taken in
-//! sixteen lanes whatever the vector width, and fused multiply-adds round once on every path
-//! (the portable code calls libm's `fmaf`: exact everywhere, slow only on x86 CPUs without
-//! FMA, from before 2013), so the three give the same bits, on any number of threads.
+//! The rows' arithmetic, its accuracy (within `(6 + n/16 + |x - max|) · 2⁻²⁴` relative of the
+//! f64 softmax) and its three compilations that give the same bits are
+//! `burn_accelerate_kernels::softmax`'s; here Flex's tensors are handed to it, in place where
+//! their buffer is their own, rows shared among rayon's threads.
 //!
 //! Taken for contiguous f32 tensors along their last dimension; anything else (another
 //! dimension, a strided view, f64, half tensors) goes to Flex's own softmax or to Burn's
@@ -43,142 +30,10 @@ use burn::tensor::{Bytes, DType};
 use burn_backend::ops::{ActivationOps, FloatTensorOps};
 use burn_backend::tensor::FloatTensor;
 
-use super::exp::exp;
+use burn_accelerate_kernels::isa::Isa;
+use burn_accelerate_kernels::softmax as rows;
+
 use super::half_kernels::in_row_tasks;
-use super::isa::{Isa, isa_variants};
-
-/// Lanes of the running maxima and sums: one AVX-512 register, two AVX2 ones; the same lanes
-/// on every path, so the same sums.
-const LANES: usize = 16;
-/// Values per block of [`log_softmax_rows`]'s exponentials (a stack buffer in L1).
-const BLOCK: usize = 256;
-
-// `acc` folded in halves, lane `i` with lane `i + half`: a fixed order.
-#[inline(always)]
-fn fold(mut acc: [f32; LANES], op: impl Fn(f32, f32) -> f32) -> f32 {
-    let mut half = LANES / 2;
-    while half > 0 {
-        let (low, high) = acc.split_at_mut(half);
-        for (a, b) in low.iter_mut().zip(high.iter()) {
-            *a = op(*a, *b);
-        }
-        half /= 2;
-    }
-    acc[0]
-}
-
-// `acc[i % LANES] = op(acc[i % LANES], values[i])` over `values`, in order.
-#[inline(always)]
-fn accumulate(acc: &mut [f32; LANES], values: &[f32], op: impl Fn(f32, f32) -> f32) {
-    let mut chunks = values.chunks_exact(LANES);
-    for chunk in &mut chunks {
-        for (a, v) in acc.iter_mut().zip(chunk) {
-            *a = op(*a, *v);
-        }
-    }
-    for (a, v) in acc.iter_mut().zip(chunks.remainder()) {
-        *a = op(*a, *v);
-    }
-}
-
-// The larger, ignoring a NaN in `b` (a NaN in a row reaches every output through the sum).
-#[inline(always)]
-fn larger(a: f32, b: f32) -> f32 {
-    if b > a { b } else { a }
-}
-
-#[inline(always)]
-fn row_max(row: &[f32]) -> f32 {
-    let mut acc = [f32::NEG_INFINITY; LANES];
-    accumulate(&mut acc, row, larger);
-    fold(acc, larger)
-}
-
-#[inline(always)]
-fn row_sum(row: &[f32]) -> f32 {
-    let mut acc = [0.0; LANES];
-    accumulate(&mut acc, row, |a, v| a + v);
-    fold(acc, |a, b| a + b)
-}
-
-/// Softmax of each row of `len` values of `rows`, in place.
-#[inline(always)]
-fn softmax_rows(rows: &mut [f32], len: usize) {
-    for row in rows.chunks_exact_mut(len) {
-        let max = row_max(row);
-        for v in row.iter_mut() {
-            *v = exp(*v - max);
-        }
-        let scale = 1.0 / row_sum(row);
-        for v in row.iter_mut() {
-            *v *= scale;
-        }
-    }
-}
-
-/// Log-softmax of each row of `len` values of `rows`, in place: `(x - max) - ln Σ e^(x - max)`,
-/// Burn's order of operations.
-#[inline(always)]
-fn log_softmax_rows(rows: &mut [f32], len: usize) {
-    let mut block = [0f32; BLOCK];
-    for row in rows.chunks_exact_mut(len) {
-        let max = row_max(row);
-        let mut acc = [0.0; LANES];
-        for chunk in row.chunks_mut(BLOCK) {
-            let block = &mut block[..chunk.len()];
-            for (e, v) in block.iter_mut().zip(chunk.iter_mut()) {
-                *v -= max;
-                *e = exp(*v);
-            }
-            accumulate(&mut acc, block, |a, v| a + v);
-        }
-        let log_sum = fold(acc, |a, b| a + b).ln();
-        for v in row.iter_mut() {
-            *v -= log_sum;
-        }
-    }
-}
-
-/// Softmax's gradient row by row, in place in `grads`: `y · (g - Σ g·y)`.
-#[inline(always)]
-fn softmax_backward_rows(outputs: &[f32], grads: &mut [f32], len: usize) {
-    for (y, g) in outputs.chunks_exact(len).zip(grads.chunks_exact_mut(len)) {
-        let mut acc = [0.0; LANES];
-        let mut ys = y.chunks_exact(LANES);
-        let mut gs = g.chunks_exact(LANES);
-        for (y, g) in (&mut ys).zip(&mut gs) {
-            for ((a, y), g) in acc.iter_mut().zip(y).zip(g) {
-                *a = g.mul_add(*y, *a);
-            }
-        }
-        for ((a, y), g) in acc.iter_mut().zip(ys.remainder()).zip(gs.remainder()) {
-            *a = g.mul_add(*y, *a);
-        }
-        let dot = fold(acc, |a, b| a + b);
-        for (g, y) in g.iter_mut().zip(y) {
-            *g = y * (*g - dot);
-        }
-    }
-}
-
-/// Log-softmax's gradient row by row, in place in `grads`: `g - e^y · Σ g`.
-#[inline(always)]
-fn log_softmax_backward_rows(outputs: &[f32], grads: &mut [f32], len: usize) {
-    for (y, g) in outputs.chunks_exact(len).zip(grads.chunks_exact_mut(len)) {
-        let sum = row_sum(g);
-        for (g, y) in g.iter_mut().zip(y) {
-            *g = (-exp(*y)).mul_add(sum, *g);
-        }
-    }
-}
-
-// `e^x` of each value in place: the loop the tests hold against f64.
-isa_variants! {
-    fn softmax_rows(rows: &mut [f32], len: usize);
-    fn log_softmax_rows(rows: &mut [f32], len: usize);
-    fn softmax_backward_rows(outputs: &[f32], grads: &mut [f32], len: usize);
-    fn log_softmax_backward_rows(outputs: &[f32], grads: &mut [f32], len: usize);
-}
 
 /// Which of the two the kernels compute.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -237,8 +92,8 @@ fn rows_in_place(
 
 fn forward(t: FlexTensor, len: usize, kind: Kind, isa: Isa) -> FlexTensor {
     rows_in_place(t, len, |_, rows| match kind {
-        Kind::Softmax => on::softmax_rows(isa, rows, len),
-        Kind::LogSoftmax => on::log_softmax_rows(isa, rows, len),
+        Kind::Softmax => rows::softmax(isa, rows, len),
+        Kind::LogSoftmax => rows::log_softmax(isa, rows, len),
     })
 }
 
@@ -280,8 +135,8 @@ fn backward(y: FlexTensor, grad: FlexTensor, kind: Kind, isa: Isa) -> FlexTensor
     rows_in_place(grad, len, |first, rows| {
         let ys = &ys[first * len..][..rows.len()];
         match kind {
-            Kind::Softmax => on::softmax_backward_rows(isa, ys, rows, len),
-            Kind::LogSoftmax => on::log_softmax_backward_rows(isa, ys, rows, len),
+            Kind::Softmax => rows::softmax_backward(isa, ys, rows, len),
+            Kind::LogSoftmax => rows::log_softmax_backward(isa, ys, rows, len),
         }
     })
 }
@@ -365,7 +220,11 @@ mod tests {
     use burn::tensor::TensorData;
 
     use super::*;
-    use crate::cpu::isa::tests::paths;
+
+    // Every path this CPU runs: the portable fallback always.
+    fn paths() -> Vec<Isa> {
+        Isa::ALL.into_iter().filter(|isa| isa.supported()).collect()
+    }
 
     fn tensor(values: Vec<f32>, shape: &[usize]) -> FlexTensor {
         FlexTensor::from_data(TensorData::new(values, shape.to_vec()))

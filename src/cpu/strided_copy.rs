@@ -25,7 +25,7 @@ use burn_backend::TensorMetadata;
 use burn_backend::ops::FloatTensorOps;
 use burn_backend::tensor::FloatTensor;
 
-use super::half_kernels::filled;
+use burn_accelerate_kernels::strided;
 
 /// Whether Flex's reshape copies `t` (it is a view only of a tensor contiguous from its
 /// buffer's start).
@@ -36,24 +36,7 @@ pub(crate) fn reshape_copies(t: &FlexTensor) -> bool {
 // The view's dimensions without those of size 1, adjacent ones merged where they lie
 // contiguous: (sizes, strides), outermost first. `None` for a negative stride.
 fn collapsed(layout: &Layout) -> Option<(Vec<usize>, Vec<usize>)> {
-    let (mut sizes, mut strides): (Vec<usize>, Vec<usize>) = (Vec::new(), Vec::new());
-    for (&size, &stride) in layout.shape().iter().zip(layout.strides()) {
-        let stride = usize::try_from(stride).ok()?;
-        if size == 1 {
-            continue;
-        }
-        match (sizes.last_mut(), strides.last()) {
-            (Some(outer), Some(&outer_stride)) if outer_stride == stride * size => {
-                *outer *= size;
-                *strides.last_mut().expect("pushed with its size") = stride;
-            }
-            _ => {
-                sizes.push(size);
-                strides.push(stride);
-            }
-        }
-    }
-    Some((sizes, strides))
+    strided::collapsed(layout.shape(), layout.strides())
 }
 
 /// `t`'s values in order, in a contiguous tensor of its shape: `t` itself where it is
@@ -88,38 +71,12 @@ fn copy<T: bytemuck::Pod + Send + Sync>(
     strides: &[usize],
 ) -> Bytes {
     let src: &[T] = bytemuck::cast_slice(t.bytes());
-    let start = t.layout().start_offset();
-    let rank = sizes.len();
-    let (last, last_stride) = (sizes[rank - 1], strides[rank - 1]);
-    let len: usize = sizes.iter().product();
-    // Where row `row` (a run of the last dimension) starts in `src`.
-    let row_start = |mut row: usize| {
-        let mut offset = start;
-        for d in (0..rank - 1).rev() {
-            offset += (row % sizes[d]) * strides[d];
-            row /= sizes[d];
-        }
-        offset
-    };
-    let out = filled::<T>(len, |begin, block| {
-        let (mut row, mut col) = (begin / last, begin % last);
-        let mut done = 0;
-        while done < block.len() {
-            let run = (last - col).min(block.len() - done);
-            let from = row_start(row) + col * last_stride;
-            let dst = &mut block[done..done + run];
-            match last_stride {
-                1 => dst.copy_from_slice(&src[from..from + run]),
-                s => dst
-                    .iter_mut()
-                    .enumerate()
-                    .for_each(|(i, v)| *v = src[from + i * s]),
-            }
-            done += run;
-            (row, col) = (row + 1, 0);
-        }
-    });
-    Bytes::from_elems(out)
+    Bytes::from_elems(strided::copy(
+        src,
+        t.layout().start_offset(),
+        sizes,
+        strides,
+    ))
 }
 
 /// `Flex::float_reshape` of `t`, copied out by [`contiguous`] first where Flex would copy it.

@@ -16,7 +16,7 @@ use super::Tiles;
 
 /// Whether this process runs AMX tile instructions, and why not where it does not.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Support {
+pub enum Support {
     /// The CPU has AMX-TILE and AMX-BF16, and the OS granted the tile state.
     Granted,
     /// The CPU has no AMX-BF16 (or this is not an x86-64 build).
@@ -28,10 +28,6 @@ pub(crate) enum Support {
     /// (a signal stack too small for the tile state, a seccomp filter, ...).
     Refused(i32),
     /// The CPU has AMX, but this OS is not Linux, where the crate knows how to ask for it.
-    #[cfg_attr(
-        target_os = "linux",
-        expect(dead_code, reason = "built on other systems only")
-    )]
     NotLinux,
 }
 
@@ -60,7 +56,7 @@ impl fmt::Display for Support {
 
 /// Whether this process may run the tile instructions: checked, and the tile state asked for,
 /// once per process.
-pub(crate) fn support() -> Support {
+pub fn support() -> Support {
     #[cfg(target_arch = "x86_64")]
     {
         static SUPPORT: OnceLock<Support> = OnceLock::new();
@@ -139,11 +135,11 @@ fn permission() -> Support {
 
 /// The CPU's tile registers. Only built where [`support`] is [`Support::Granted`].
 #[derive(Debug)]
-pub(crate) struct Amx(());
+pub struct Amx(());
 
 impl Amx {
     /// The tile registers, where this process may run them.
-    pub(crate) fn new() -> Option<Self> {
+    pub fn new() -> Option<Self> {
         (support() == Support::Granted).then_some(Amx(()))
     }
 }

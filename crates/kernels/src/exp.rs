@@ -3,7 +3,7 @@
 //! [`exp`] is within 1 ulp of the exact value over the whole f32 range (tested against f64's
 //! `exp`, subnormal results included); it is `+∞` above 88.72, `0` below -103.97, and NaN
 //! for NaN. It has no branches, so the compiler vectorises the loops that call it, and it
-//! gives the same bits on every [`Isa`](super::isa::Isa) (fused multiply-adds round once on
+//! gives the same bits on every [`Isa`](crate::isa::Isa) (fused multiply-adds round once on
 //! every path).
 
 // exp(x) = 2ⁿ · exp(r), n = round(x / ln 2), r = x - n · ln 2 in two steps (Cody and Waite;
@@ -37,7 +37,7 @@ fn pow2(k: i32) -> f32 {
 
 /// `e^x` in f32, within 1 ulp, without branches (see the [module docs](self)).
 #[inline(always)]
-pub(crate) fn exp(x: f32) -> f32 {
+pub fn exp(x: f32) -> f32 {
     exp_scaled(x, 0.0, 0)
 }
 
@@ -47,7 +47,7 @@ pub(crate) fn exp(x: f32) -> f32 {
 /// a result that would be subnormal whole for a later product. `scale` is 0, or in `1..=64`
 /// with `hi ≤ 0`. NaN in `hi` gives NaN.
 #[inline(always)]
-pub(crate) fn exp_scaled(hi: f32, lo: f32, scale: i32) -> f32 {
+pub fn exp_scaled(hi: f32, lo: f32, scale: i32) -> f32 {
     // Comparisons that keep a NaN (`f32::max` would drop it).
     let x = if hi < EXP_MIN { EXP_MIN } else { hi };
     let x = if x > EXP_MAX { EXP_MAX } else { x };
@@ -77,19 +77,19 @@ fn exp_values(values: &mut [f32]) {
 }
 
 #[cfg(test)]
-super::isa::isa_variants! {
+crate::isa::isa_variants! {
     fn exp_values(values: &mut [f32]);
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+pub mod tests {
     use super::*;
-    use crate::cpu::isa::Isa;
-    use crate::cpu::isa::tests::paths;
+    use crate::isa::Isa;
+    use crate::isa::tests::paths;
 
     /// The distance from `got` to `want` in ulps of `want` rounded to f32 (2⁻¹⁴⁹ for
     /// subnormals).
-    pub(crate) fn ulps(got: f32, want: f64) -> f64 {
+    pub fn ulps(got: f32, want: f64) -> f64 {
         if got as f64 == want {
             return 0.0;
         }

@@ -7,7 +7,7 @@
 //! `p`, column `n`), the layout `tdpbf16ps` reads. The product is computed in micro tiles of
 //! 2 × 2 product tiles (32 × 32 f32 sums in `tmm0`–`tmm3`), two A tiles (`tmm4`, `tmm5`)
 //! and two B tiles (`tmm6`, `tmm7`) loaded per k step of 16 pairs, four `tdpbf16ps` on
-//! them; the k dimension runs in blocks of [`BLOCK_STEPS`] steps, the sums stored and loaded
+//! them; the k dimension runs in blocks of `BLOCK_STEPS` steps, the sums stored and loaded
 //! again between blocks, and the threads share the product by blocks of `MC × NC`.
 //!
 //! Numerics: each value of the product is the instruction's arithmetic applied step after

@@ -18,7 +18,7 @@ use super::{TILE_ROW_BYTES, TILE_ROWS, TILE_WORDS, Tiles};
 /// arithmetic above. Slow (a library call per multiply-add where the CPU has no FMA): for
 /// tests of the code that drives the tiles.
 #[derive(Clone)]
-pub(crate) struct TileModel {
+pub struct TileModel {
     tiles: [[u32; TILE_ROWS * TILE_WORDS]; 8],
     configured: bool,
 }
@@ -33,7 +33,7 @@ impl Default for TileModel {
 }
 
 /// A bf16 value as f32, subnormals as zero of their sign (the instruction's DAZ).
-pub(crate) fn widen_daz(bits: u16) -> f32 {
+pub fn widen_daz(bits: u16) -> f32 {
     let bits = match bits & 0x7F80 == 0 {
         true => bits & 0x8000,
         false => bits,
@@ -42,7 +42,7 @@ pub(crate) fn widen_daz(bits: u16) -> f32 {
 }
 
 /// `x`, or a zero of its sign where it is subnormal (FTZ, and DAZ on an input).
-pub(crate) fn flush(x: f32) -> f32 {
+pub fn flush(x: f32) -> f32 {
     match x.is_subnormal() {
         true => f32::from_bits(x.to_bits() & 0x8000_0000),
         false => x,

@@ -2,15 +2,15 @@
 //! or on AVX512-BF16 dot products (`vdpbf16ps`), whichever the CPU has ([`kernel`]).
 //!
 //! Autocast's lower-class matmul on Flex otherwise widens its bf16 operands to f32 and runs
-//! Flex's f32 GEMM (see [`low_gemm`](super::low_gemm)): the numbers of a bf16 GEMM at f32 speed.
+//! Flex's f32 GEMM (see [`f32_gemm`](crate::f32_gemm)): the numbers of a bf16 GEMM at f32 speed.
 //! `vdpbf16ps` multiplies pairs of bf16 values and adds both products to an f32 lane, twice the
 //! multiply-adds of an f32 FMA per instruction (on the 2-core EPYC this crate is built on,
 //! 220–230 GFLOP/s a core against 100–115 for f32 FMAs, register-bound loops). It is what
 //! oneDNN, and so PyTorch's CPU autocast, runs on such CPUs. On Intel Xeons with AMX (4th
 //! generation and later) oneDNN runs its bf16 GEMMs on tiles instead: `tdpbf16ps` does
 //! 16 × 16 × 32 multiply-adds per instruction, several times the vector units' rate, and so
-//! does [`tile_gemm`] where the CPU has AMX-BF16 and Linux grants the tile state
-//! ([`tiles::amx::support`]; refused, the dot products, said once in the log and in
+//! does `tile_gemm` where the CPU has AMX-BF16 and Linux grants the tile state
+//! ([`amx_support`]; refused, the dot products, said once in the log and in
 //! `burn-accelerate env`).
 //!
 //! Numerics, both kernels: f32 sums of exact bf16 products (a bf16 product is exact in f32),
@@ -18,7 +18,7 @@
 //! operands: the sums run in another order, and the two kernels' orders differ too. The dot
 //! products add each k-pair's two products to a lane's sum, pair after pair in k order; the
 //! tiles sum each step of 16 pairs' even and odd products apart and add both to the sum,
-//! step after step (see [`tiles::model`]). Both treat bf16 subnormal inputs as zero and flush
+//! step after step (see `tiles::model`). Both treat bf16 subnormal inputs as zero and flush
 //! subnormal sums to zero (Intel SDM, `VDPBF16PS`, `TDPBF16PS`), as oneDNN's bf16 GEMM does.
 //! Neither result depends on the number of threads.
 //!
@@ -40,22 +40,23 @@ use std::mem::MaybeUninit;
 
 use half::bf16;
 
-use super::half_kernels::round_bf16_into;
+use crate::half::round_bf16_into;
 
 #[cfg(target_arch = "x86_64")]
 mod dots;
-pub(crate) mod tile_gemm;
-pub(crate) mod tiles;
+mod tile_gemm;
+mod tiles;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
-use tiles::amx::{self, Amx, Support};
+pub use tiles::amx::Support;
+use tiles::amx::{self, Amx};
 use tiles::model::TileModel;
 
 /// A bf16 matrix read in place: `data[offset + i * row_stride + j * col_stride]` is its
 /// element `(i, j)`, so transposed views need no copy.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Bf16Matrix<'a> {
+pub struct Bf16Matrix<'a> {
     data: &'a [bf16],
     offset: usize,
     rows: usize,
@@ -67,7 +68,7 @@ pub(crate) struct Bf16Matrix<'a> {
 impl<'a> Bf16Matrix<'a> {
     /// The `rows × cols` matrix at `offset` and those strides in `data`; `None` if any element
     /// lies outside `data`.
-    pub(crate) fn new(
+    pub fn new(
         data: &'a [bf16],
         offset: usize,
         [rows, cols]: [usize; 2],
@@ -118,12 +119,12 @@ impl<'a> Bf16Matrix<'a> {
 
 /// Which kernel multiplies bf16 matrices.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Bf16Kernel {
-    /// The CPU's AMX tiles ([`tile_gemm`] on [`Amx`]).
+pub enum Bf16Kernel {
+    /// The CPU's AMX tiles (`tile_gemm` on `Amx`).
     Tiles,
     /// The CPU's AVX512-BF16 dot products (`x86`).
     DotProducts,
-    /// [`tile_gemm`] on the software model of the tiles ([`TileModel`]): the tile kernel's
+    /// `tile_gemm` on the software model of the tiles (`TileModel`): the tile kernel's
     /// code and bits on any CPU, far slower. For tests and benchmarks, never chosen by
     /// [`kernel`].
     TileModel,
@@ -131,7 +132,7 @@ pub(crate) enum Bf16Kernel {
 
 impl Bf16Kernel {
     /// Whether this process runs it.
-    pub(crate) fn runs_here(self) -> bool {
+    pub fn runs_here(self) -> bool {
         match self {
             Bf16Kernel::Tiles => amx::support() == Support::Granted,
             Bf16Kernel::DotProducts => dot_products(),
@@ -171,7 +172,7 @@ fn avx512bw() -> bool {
 /// The kernel this CPU runs bf16 GEMMs on: its tiles where it has AMX-BF16 and Linux granted
 /// them, else its dot products where it has AVX512-BF16, else none (the caller widens to
 /// f32). A CPU with AMX whose tiles were refused says so once, in the log.
-pub(crate) fn kernel() -> Option<Bf16Kernel> {
+pub fn kernel() -> Option<Bf16Kernel> {
     use std::sync::OnceLock;
     static KERNEL: OnceLock<Option<Bf16Kernel>> = OnceLock::new();
     *KERNEL.get_or_init(|| {
@@ -192,22 +193,22 @@ pub(crate) fn kernel() -> Option<Bf16Kernel> {
 }
 
 /// Why the CPU's AMX tiles are or are not used, for `burn-accelerate env`.
-pub(crate) fn amx_support() -> Support {
+pub fn amx_support() -> Support {
     amx::support()
 }
 
 /// Alters a run of a product row's values in place once rounded to bf16:
 /// `epilogue(column, values)`, `column` the run's first column (a linear adds its bias).
-pub(crate) type Epilogue<'a> = &'a (dyn Fn(usize, &mut [bf16]) + Sync);
+pub type Epilogue<'a> = &'a (dyn Fn(usize, &mut [bf16]) + Sync);
 
 /// Where a GEMM puts its product of `a.rows × b.cols` values.
-pub(crate) enum Product<'a> {
+pub enum Product<'a> {
     /// The f32 sums, in row-major order.
     F32(&'a mut [f32]),
     /// The sums rounded to bf16 (to nearest even, `half`'s bits), laid out and altered as
     /// `finish` says, each run as soon as a task has summed it: no f32 product goes out to
     /// memory (for a linear's `4096 × 1024` output, 16 MiB written, mapped afresh and read back
-    /// to be rounded). Every value of `out` is written where [`gemm`] returns `Some`.
+    /// to be rounded). Every value of `out` is written where [`gemm()`] returns `Some`.
     Bf16 {
         out: &'a mut [MaybeUninit<bf16>],
         finish: Finish<'a>,
@@ -239,7 +240,7 @@ impl Product<'_> {
 
 /// How a product rounded to bf16 is laid out, and what is done to it on the way.
 #[derive(Clone, Copy)]
-pub(crate) enum Finish<'a> {
+pub enum Finish<'a> {
     /// In row-major order, each run passed through the epilogue once rounded (a linear adds
     /// its bias, in bf16 as Flex does).
     Rows(Option<Epilogue<'a>>),
@@ -288,7 +289,7 @@ impl Finish<'_> {
 /// when `parallel`; `packed` is scratch for the packed operands, kept by the caller (whatever
 /// it holds is overwritten). `None` (and `product` untouched) where the CPU has no bf16
 /// kernel or the shapes do not match.
-pub(crate) fn gemm(
+pub fn gemm(
     a: Bf16Matrix,
     b: Bf16Matrix,
     product: Product,
@@ -298,8 +299,8 @@ pub(crate) fn gemm(
     gemm_on(kernel()?, a, b, product, parallel, packed)
 }
 
-/// [`gemm`] on `kernel`; `None` where this process does not run it.
-pub(crate) fn gemm_on(
+/// [`gemm()`] on `kernel`; `None` where this process does not run it.
+pub fn gemm_on(
     kernel: Bf16Kernel,
     a: Bf16Matrix,
     b: Bf16Matrix,
@@ -519,18 +520,18 @@ fn finish_run(
 /// packing writes every word before the kernel reads it, and zeroing an 8 MiB panel buffer
 /// afresh (larger than `SCRATCH_KEPT`, it goes back after each GEMM) took 1% of a step on the
 /// calling thread alone.
-pub(crate) type Packed = [Vec<MaybeUninit<u32>>; 2];
+pub type Packed = [Vec<MaybeUninit<u32>>; 2];
 
 /// The largest scratch buffer kept between GEMMs, in bytes (8 MiB). Larger ones go back after
 /// their GEMM: kept, they would sit beside the activations autocast halves (13 MiB of a 200 MiB
 /// peak on `examples/autocast_memory`), and a GEMM that large costs enough that mapping its
 /// buffers afresh is lost in it.
-pub(crate) const SCRATCH_KEPT: usize = 8 << 20;
+pub const SCRATCH_KEPT: usize = 8 << 20;
 
 /// `f` of this thread's scratch in `key`, or of a fresh one where the thread's is in use: a
 /// rayon worker waiting on its own GEMM's tasks may run another caller's job meanwhile, and
 /// that job may be a GEMM or convolution too.
-pub(crate) fn with_scratch<S: Default, R>(
+pub fn with_scratch<S: Default, R>(
     key: &'static std::thread::LocalKey<std::cell::RefCell<S>>,
     f: impl FnOnce(&mut S) -> R,
 ) -> R {
@@ -541,7 +542,7 @@ pub(crate) fn with_scratch<S: Default, R>(
 }
 
 /// Frees the scratch buffer `buf` if it holds more than 8 MiB (see `SCRATCH_KEPT`).
-pub(crate) fn release_large<T>(buf: &mut Vec<T>) {
+pub fn release_large<T>(buf: &mut Vec<T>) {
     if buf.capacity() * size_of::<T>() > SCRATCH_KEPT {
         *buf = Vec::new();
     }
@@ -551,7 +552,7 @@ pub(crate) fn release_large<T>(buf: &mut Vec<T>) {
 /// longest use so far: callers write every value before they read it, and a GEMM's buffers
 /// change size from call to call (zeroing what a shorter call had cut off showed as 3% of a
 /// bf16 training step).
-pub(crate) fn scratch_of<T: Copy + Default>(buf: &mut Vec<T>, len: usize) -> &mut [T] {
+pub fn scratch_of<T: Copy + Default>(buf: &mut Vec<T>, len: usize) -> &mut [T] {
     if buf.len() < len {
         buf.resize(len, T::default());
     }

@@ -8,7 +8,7 @@
 
 /// The instruction set a kernel's loops run on, detected at run time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Isa {
+pub enum Isa {
     /// AVX-512 F with FMA: sixteen f32 lanes.
     Avx512,
     /// AVX2 with FMA: eight f32 lanes.
@@ -18,8 +18,11 @@ pub(crate) enum Isa {
 }
 
 impl Isa {
+    /// Every instruction set, widest first.
+    pub const ALL: [Isa; 3] = [Isa::Avx512, Isa::Avx2, Isa::Portable];
+
     /// The widest this CPU has.
-    pub(crate) fn best() -> Isa {
+    pub fn best() -> Isa {
         #[cfg(target_arch = "x86_64")]
         {
             if Isa::Avx512.supported() {
@@ -33,7 +36,7 @@ impl Isa {
     }
 
     /// Whether this CPU runs `self`'s code.
-    pub(crate) fn supported(self) -> bool {
+    pub fn supported(self) -> bool {
         #[cfg(target_arch = "x86_64")]
         {
             let fma = std::is_x86_feature_detected!("fma");
@@ -49,7 +52,7 @@ impl Isa {
 
     /// `self` where the CPU runs it, else [`Isa::Portable`]: what the dispatch matches on, so
     /// that an `Isa` named by hand never runs instructions the CPU lacks.
-    pub(crate) fn checked(self) -> Isa {
+    pub fn checked(self) -> Isa {
         if self.supported() {
             self
         } else {
@@ -96,7 +99,7 @@ macro_rules! isa_variants {
         mod on {
             #[allow(unused_imports)]
             use super::*;
-            use $crate::cpu::isa::Isa;
+            use $crate::isa::Isa;
             $(
                 $(#[$attr])*
                 #[inline]
@@ -119,14 +122,11 @@ macro_rules! isa_variants {
 pub(crate) use isa_variants;
 
 #[cfg(test)]
-pub(crate) mod tests {
+pub mod tests {
     use super::Isa;
 
     /// Every path this CPU runs: the portable fallback always.
-    pub(crate) fn paths() -> Vec<Isa> {
-        [Isa::Avx512, Isa::Avx2, Isa::Portable]
-            .into_iter()
-            .filter(|isa| isa.supported())
-            .collect()
+    pub fn paths() -> Vec<Isa> {
+        Isa::ALL.into_iter().filter(|isa| isa.supported()).collect()
     }
 }

@@ -12,15 +12,15 @@
 //! [`TILE_ROWS`] rows of [`TILE_ROW_BYTES`] bytes, and `tilezero`, `tileloadd`, `tilestored`,
 //! `tdpbf16ps`, `tilerelease`.
 
-pub(crate) mod amx;
-pub(crate) mod model;
+pub mod amx;
+pub mod model;
 
 /// Rows of every tile as the GEMM configures them (the most palette 1 allows).
-pub(crate) const TILE_ROWS: usize = 16;
+pub const TILE_ROWS: usize = 16;
 /// Bytes of each tile row (the most palette 1 allows): 16 f32 sums, or 16 pairs of bf16.
-pub(crate) const TILE_ROW_BYTES: usize = 64;
+pub const TILE_ROW_BYTES: usize = 64;
 /// 32-bit words in a tile row: f32 sums of a product tile, bf16 pairs of an operand tile.
-pub(crate) const TILE_WORDS: usize = TILE_ROW_BYTES / 4;
+pub const TILE_WORDS: usize = TILE_ROW_BYTES / 4;
 
 /// The tile registers and the instructions on them. A tile is named by its register number
 /// (`0..8`), a const parameter as in the instructions' encoding.
@@ -31,7 +31,7 @@ pub(crate) const TILE_WORDS: usize = TILE_ROW_BYTES / 4;
 /// `release` (the hardware faults otherwise). Loads and stores touch [`TILE_ROWS`] rows of
 /// [`TILE_ROW_BYTES`] bytes, `stride` bytes apart from `at`: the caller promises they are
 /// readable (writable for a store).
-pub(crate) trait Tiles {
+pub trait Tiles {
     /// Configures the tiles: palette 1, all 8 as [`TILE_ROWS`] × [`TILE_ROW_BYTES`] (`ldtilecfg`).
     unsafe fn configure(&mut self);
     /// Sets every byte of tile `T` to zero (`tilezero`).
@@ -50,7 +50,7 @@ pub(crate) trait Tiles {
 
 /// The 64-byte operand of `ldtilecfg` that [`Tiles::configure`] loads: palette 1, no restart
 /// row, each of the 8 tiles [`TILE_ROWS`] rows of [`TILE_ROW_BYTES`] bytes.
-pub(crate) fn configuration() -> [u8; 64] {
+pub fn configuration() -> [u8; 64] {
     let mut config = [0u8; 64];
     config[0] = 1;
     for tile in 0..8 {
