@@ -22,7 +22,7 @@
 //!   operands rounded to the half type, rounded once after; bf16 on the CPU's dot-product
 //!   instructions where it has them, see [`HalfPath`]), autocast takes it;
 //! - on the host's CPU a lower-class op below
-//!   [`HOST_CPU_MIN_HALF_FLOPS`](crate::autocast::HOST_CPU_MIN_HALF_FLOPS) stays in f32
+//!   [`HOST_CPU_MIN_HALF_FLOPS`] stays in f32
 //!   ([`SmallOps`](crate::autocast::SmallOps)); on an accelerator every one is cast;
 //! - [`Capabilities::fastest`] picks bf16 on a CPU only where the crate runs it on bf16
 //!   dot-product instructions, and on an accelerator the first half type that runs at speed.
@@ -42,8 +42,8 @@ use core::cell::Cell;
 use core::fmt;
 use serde::{Deserialize, Serialize};
 
-use crate::backend::kernels::{self, Route};
 use crate::context::{self, Context, ContextGuard, Setting, Slot};
+use crate::cpu::table::{self as kernels, Route};
 use crate::op_table::Op;
 use crate::{AccelerateError, Precision};
 
@@ -202,7 +202,7 @@ pub struct Capabilities {
     pub bf16_via_f32: bool,
     /// The flops below which a lower-class op runs in f32 under
     /// [`SmallOps::KeepF32`](crate::autocast::SmallOps::KeepF32):
-    /// [`HOST_CPU_MIN_HALF_FLOPS`](crate::autocast::HOST_CPU_MIN_HALF_FLOPS) on the host's CPU;
+    /// [`HOST_CPU_MIN_HALF_FLOPS`] on the host's CPU;
     /// `None` on an accelerator, where every lower-class op is cast, as PyTorch does.
     pub min_half_flops: Option<u64>,
     /// The device computes on the host's CPU (Flex, NdArray, LibTorch's and Candle's CPU

@@ -14,7 +14,7 @@
 //! threads, never read each other's settings or fp8 state.
 //!
 //! Each setting is a plain value whose module says what it means and how it is read; this
-//! module only stores them, one slot per kind ([`Slot`]), so that its arrows point nowhere
+//! module only stores them, one slot per kind (`Slot`), so that its arrows point nowhere
 //! but down: the modules that define settings use it, it uses none of them.
 //!
 //! ```
@@ -40,7 +40,8 @@
 //! Besides the process's context, the crate's statics are caches, registries, counters and
 //! one-time warnings; none is a setting a training chooses. Each, with why it is process-wide
 //! (32 in `src/`, which `grep -rn "^\s*static [A-Z_0-9]*\s*:" src` counts, one of them
-//! test-only (`backend::hooks`'s own test); the CPU kernels' own caches are in crates/kernels, listed in its crate docs):
+//! test-only (`hooks`'s own test); the CPU kernels' own caches are in crates/kernels, listed
+//! in its crate docs):
 //!
 //! | static | where | kind | why |
 //! |---|---|---|---|
@@ -48,7 +49,7 @@
 //! | `ARMED_SCALE` | `scaler` | a guard's value | [`ArmedLossScale`](crate::ArmedLossScale): a user's own loop arms a scale for threads the crate does not start; kept beside the contexts so that a context entered meanwhile does not keep it after the guard drops |
 //! | `CALLS`, `IDS` | `fp8::state` | counters | each thread numbers its fp8 op calls per step (tensors are named by call order), per fp8 state; fp8 states are told apart by number |
 //! | `PROCESS_FP8` | `fp8::state` | registry | the fp8 state of threads that entered no training's context |
-//! | `HOOKS` (fp8), `HOOKS` (2), `KERNELS` (backend) | `fp8::autodiff`, `backend` | registries | per-backend functions registered by type, which Burn's traits leave no place for |
+//! | `HOOKS` (fp8), `HOOKS` (tracked moves), `KERNELS` | `fp8::autodiff`, `backend::tracked_move`, `cpu::table` | registries | per-backend functions registered by type, which Burn's traits leave no place for |
 //! | `CACHE`, `LAST`, `PROBING`, `LOG`, `COUNTS`, `INSTALL` | `capability` | caches, guard, warnings | what a device runs is a fact of the device, probed once (the last answer kept per thread; a probe's own ops must not probe); fallbacks and slow precisions said once, counted |
 //! | `HOST_READS`, `TALLY` | `grads`, `autocast::tally` | counters | per thread, for tests, reports and benchmarks |
 //! | `GLOBAL` | `gradient_state` | registry | Accelerate's `GradientState` singleton |

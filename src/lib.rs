@@ -85,6 +85,7 @@ mod error;
 pub mod fp8;
 pub mod gradient_state;
 pub mod grads;
+mod hooks;
 mod loss_transform;
 mod op_table;
 pub mod placement;

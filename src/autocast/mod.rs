@@ -1,6 +1,6 @@
 //! Autocast: which precision ops run in, decided per op class and per thread.
 //!
-//! The precision is a setting of the [`Context`](crate::Context) the thread reads: the one it
+//! The precision is a setting of the [`Context`] the thread reads: the one it
 //! entered, else the process's (read by every thread, including the worker threads of Burn's
 //! multi-device training loop). RAII guards, the Rust form of `with torch.autocast(...)`,
 //! enter the current context with the precision changed and restore what was there before

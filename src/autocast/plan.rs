@@ -170,7 +170,7 @@ impl CastPlan {
             None => false,
         };
         if castable && dtype != DType::from(target) {
-            crate::backend::kernels::cast::<B>(tensor, target)
+            crate::cpu::table::cast::<B>(tensor, target)
         } else {
             tensor
         }

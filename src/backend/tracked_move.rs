@@ -17,7 +17,7 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
 use burn_backend::tensor::{Device, FloatTensor};
 use burn_backend::{Backend, try_read_sync};
 
-use super::hooks::Hooks;
+use crate::hooks::Hooks;
 
 /// A float tensor of the inner backend rebuilt on `device` from a host copy (same dtype);
 /// `None` when the read fails.

@@ -13,7 +13,7 @@
 //! comes back, and otherwise calls Flex's own op; its tests hold the pair against Flex.
 //!
 //! Nothing here knows the decorator or autocast. The decorator reaches these kernels through
-//! one table, `crate::backend::kernels`, which registers them for `Flex` and `Autodiff<Flex>`;
+//! one table, [`table`], which registers them for `Flex` and `Autodiff<Flex>`;
 //! `crate::backend::lowered` decides when autocast's lower-class ops take them, and the
 //! capability probe times them against Flex's own (`crate::capability`). Every other backend,
 //! and every op or operand not listed below, keeps the backend's own kernel.
@@ -75,7 +75,7 @@
 //!   sums, ReLU's map), bit for bit Flex's arithmetic.
 //!
 //! All of it is compiled with the `flex` feature only; [`Route`], which the decorator passes
-//! in, always.
+//! in, and [`table`], the kernels each backend type has (none without `flex`), always.
 
 #[cfg(feature = "flex")]
 pub(crate) mod counter_rng;
@@ -99,6 +99,7 @@ pub(crate) mod masked_fill;
 pub(crate) mod softmax;
 #[cfg(feature = "flex")]
 pub(crate) mod strided_copy;
+pub(crate) mod table;
 
 /// How the GEMMs and convolutions compute: what the thread's (or the process's) half path says
 /// (`capability::half_path`), decided by the decorator at each op and kept by the op's backward

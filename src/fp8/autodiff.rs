@@ -20,7 +20,7 @@ use burn_backend::{Backend, get_device_settings};
 
 use super::cast::{Fp8Cast, Quantizer};
 use crate::Accelerated;
-use crate::backend::hooks::Hooks;
+use crate::hooks::Hooks;
 
 /// A backend whose autodiff graph an fp8 cast can add its own node to: the forward pass
 /// rounds, the backward pass passes the gradient straight through (E4M3) or rounds it to E5M2
