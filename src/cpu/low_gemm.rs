@@ -639,6 +639,56 @@ mod tests {
         assert_rounded_as_summed_is_rounded_after(Bf16Kernel::TileModel);
     }
 
+    /// A batch whose one operand is broadcast (expanded as a view, stride 0 over the batch, as
+    /// autocast's matmul hands it over) gives `kernel`'s bits of the same product with that
+    /// operand copied out whole, on both sides, transposed or not.
+    fn assert_a_broadcast_batch_gives_the_bits_of_its_operands_copied_out(kernel: Bf16Kernel) {
+        assert!(
+            kernel.runs_here(),
+            "not run: this test needs a CPU that runs {kernel:?}"
+        );
+        let bf16 = |n, seed, shape: [usize; 4]| half(values(n, seed), shape, FloatDType::BF16);
+        let expand = |t: FlexTensor, shape: [usize; 4]| Flex::float_expand(t, shape.into());
+        // Shared keys [1, 3, 7, 33] (transposed), queries [2, 3, 17, 33]: m, n and k off the
+        // tiles' 16 and 32; and the queries shared instead, [2, 1, ...] against [2, 3, ...].
+        let q = bf16(2 * 3 * 17 * 33, 1, [2, 3, 17, 33]);
+        let k_shared = transposed(bf16(3 * 7 * 33, 2, [1, 3, 7, 33]));
+        let q_shared = bf16(2 * 17 * 33, 3, [2, 1, 17, 33]);
+        let k = transposed(bf16(2 * 3 * 7 * 33, 4, [2, 3, 7, 33]));
+        let cases = [
+            (q.clone(), expand(k_shared, [2, 3, 33, 7])),
+            (expand(q_shared, [2, 3, 17, 33]), k),
+        ];
+        for (a, b) in cases {
+            let product = half_gemm(&a, &b, None, Kernel::Bf16(kernel));
+            assert_eq!(product.layout().shape().to_vec(), vec![2, 3, 17, 7]);
+            let whole = half_gemm(
+                &a.to_contiguous(),
+                &b.to_contiguous(),
+                None,
+                Kernel::Bf16(kernel),
+            );
+            assert_eq!(bits(product), bits(whole), "{kernel:?}");
+        }
+    }
+
+    #[test]
+    fn a_broadcast_batch_on_the_tile_model_gives_the_bits_of_its_operands_copied_out() {
+        assert_a_broadcast_batch_gives_the_bits_of_its_operands_copied_out(Bf16Kernel::TileModel);
+    }
+
+    #[test]
+    #[ignore = "needs a CPU with AVX512-BF16: .ci/run runs it with --ignored where the CPU has it"]
+    fn a_broadcast_batch_by_dot_products_gives_the_bits_of_its_operands_copied_out() {
+        assert_a_broadcast_batch_gives_the_bits_of_its_operands_copied_out(Bf16Kernel::DotProducts);
+    }
+
+    #[test]
+    #[ignore = "needs a CPU with AMX-BF16 (on_amx_tiles): .ci/run runs it with --ignored where the CPU has it"]
+    fn a_broadcast_batch_on_amx_tiles_gives_the_bits_of_its_operands_copied_out() {
+        assert_a_broadcast_batch_gives_the_bits_of_its_operands_copied_out(Bf16Kernel::Tiles);
+    }
+
     #[test]
     fn a_bias_is_added_in_the_products_own_buffer_where_it_is_whole() {
         let (m, n) = (6, 5);
