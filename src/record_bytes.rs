@@ -39,14 +39,23 @@ pub(crate) fn from_bytes<B: Backend, R: Record<B>>(
 
 /// Checks, before Burn builds a record, that each tensor in `bytes` (a map with `bytes`,
 /// `shape` and `dtype`, Burn's `TensorData`) holds as many bytes as its shape says; Burn does
-/// not (a record whose shape claims 2^40 rows over 48 bytes of data loads), and a backend then
-/// reads past the data. The walk keeps nothing but the path to the tensor it is in.
-fn check_tensors(bytes: &[u8]) -> Result<(), String> {
+/// not (a record whose shape claims 2^40 rows over 48 bytes of data loads, a tensor whose
+/// shape says nothing true about its data). The walk keeps nothing but the path to the tensor it is in.
+///
+/// It also refuses a record nested deeper than [`MAX_DEPTH`], before any recursive decoder
+/// (this walk, or serde's skipping of a field) can overflow a thread's stack on it.
+pub(crate) fn check_tensors(bytes: &[u8]) -> Result<(), String> {
     let mut path = Vec::new();
     let mut deserializer = rmp_serde::Deserializer::from_read_ref(bytes);
+    deserializer.set_max_depth(MAX_DEPTH);
     serde::de::DeserializeSeed::deserialize(Walk { path: &mut path }, &mut deserializer)
         .map_err(|e| e.to_string())
 }
+
+/// The deepest nesting a record may have: Burn's records nest as deep as their modules, a
+/// few levels (MessagePack's own limit, 1024, still overflows a test thread's 2 MiB stack in
+/// a debug build).
+const MAX_DEPTH: usize = 64;
 
 /// The most dimensions a shape is read with (Burn's tensors have a handful).
 const MAX_DIMS: usize = 64;
@@ -234,5 +243,24 @@ impl<'de> serde::de::Visitor<'de> for Look<'_> {
     fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<Seen, A::Error> {
         Walk { path: self.path }.visit_map(map)?;
         Ok(Seen::Other)
+    }
+}
+
+#[cfg(all(test, feature = "flex"))]
+mod tests {
+    use burn::backend::Flex;
+
+    use super::*;
+
+    // The walk recurses: MessagePack nested a million deep must be refused by the decoder's
+    // depth limit, not overflow the stack.
+    #[test]
+    fn a_record_nested_a_million_deep_is_refused() {
+        let mut bytes = vec![0x91u8; 1_000_000];
+        bytes.push(0xc0);
+        let err = from_bytes::<Flex, burn::nn::LinearRecord<Flex>>(bytes, &Default::default())
+            .err()
+            .expect("not a record");
+        assert!(err.contains("depth limit exceeded"), "{err}");
     }
 }

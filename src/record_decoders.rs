@@ -500,3 +500,21 @@ fn a_sent_state_claiming_4_gib_is_refused_without_allocating_it() {
     assert!(largest <= bound(len), "{largest} bytes");
     assert!(result.is_err(), "a claim of 4 GiB over {len} bytes decoded");
 }
+
+// A checkpoint's record nested a million deep: refused naming the file, no stack overflow
+// (the metadata check skips the item recursively, after the depth-limited walk).
+#[test]
+fn a_model_record_nested_a_million_deep_is_refused_naming_the_file() {
+    let mut bytes = vec![0x91u8; 1_000_000];
+    bytes.push(0xc0);
+    let loaded = checkpoint("model-1.mpk", bytes);
+    let err =
+        records::decode::<Inner, TwoRecord<Inner>>(&loaded, "model-1.mpk", &Default::default())
+            .err()
+            .expect("not a record");
+    assert!(
+        matches!(&err, AccelerateError::Checkpoint { path, reason }
+            if path == "model-1.mpk" && reason.contains("depth limit exceeded")),
+        "{err}"
+    );
+}

@@ -113,6 +113,8 @@ pub(crate) fn decode<B: Backend, R: Record<B>>(
     device: &B::Device,
 ) -> Result<R, AccelerateError> {
     let mut bytes = file(loaded, name)?;
+    // First, so that no decoder recurses into a record nested too deep.
+    crate::record_bytes::check_tensors(&bytes).map_err(|reason| record_error(name, reason))?;
     check_metadata::<B>(&mut bytes, name)?;
     from_bytes::<B, R>(bytes, device).map_err(|reason| record_error(name, reason))
 }
