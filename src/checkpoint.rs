@@ -48,9 +48,11 @@ use crate::AccelerateError;
 
 mod accelerator;
 mod agree;
+mod fits;
 pub(crate) mod records;
 pub use accelerator::Resumed;
 pub(crate) use agree::agree_on_checkpoint;
+pub(crate) use fits::load_fitting;
 
 /// The checkpoints of a directory: [`burn_accelerate_checkpoint::CheckpointDir`], failing with
 /// [`AccelerateError::Checkpoint`].

@@ -257,9 +257,23 @@ impl GradientState {
     /// resumed loader registers itself again.
     ///
     /// # Errors
-    /// [`AccelerateError::InvalidConfig`] for a snapshot with zero steps.
+    /// [`AccelerateError::InvalidConfig`] for a snapshot with zero steps, or a counter past
+    /// [`MAX_SAVED_COUNT`] (no run counts that far: the snapshot is damaged).
     pub fn restore(&self, snapshot: &GradientStateSnapshot) -> Result<(), AccelerateError> {
         check_num_steps(snapshot.num_steps)?;
+        for (field, count) in [
+            ("gradient_state.step", snapshot.step),
+            ("gradient_state.window_batches", snapshot.window_batches),
+        ] {
+            if count > MAX_SAVED_COUNT {
+                return Err(AccelerateError::InvalidConfig {
+                    field,
+                    value: count.to_string(),
+                    fix: "a saved batch counter is below 2^63 (usize::MAX / 2): the checkpoint \
+                          is damaged; resume from another or start afresh",
+                });
+            }
+        }
         let mut s = self.lock();
         s.num_steps = snapshot.num_steps;
         s.sync_with_dataloader = snapshot.sync_with_dataloader;
@@ -269,6 +283,11 @@ impl GradientState {
         Ok(())
     }
 }
+
+/// The largest batch counter ([`GradientStateSnapshot::step`], `window_batches`) a restored
+/// snapshot may hold: a run adds one per batch, so one this large is a damaged checkpoint, and
+/// the counting would overflow.
+pub const MAX_SAVED_COUNT: usize = usize::MAX / 2;
 
 fn check_num_steps(num_steps: usize) -> Result<(), AccelerateError> {
     if num_steps == 0 {
@@ -469,6 +488,44 @@ mod tests {
             .unwrap();
         assert_eq!(other.snapshot(), snapshot);
         assert_eq!(decisions(&other, 5), decisions(&state, 5));
+    }
+
+    // Found by the accelerator state's property test (src/record_decoders.rs): a snapshot
+    // whose step was usize::MAX restored, and the next batch overflowed the counter.
+    #[test]
+    fn a_counter_no_run_reaches_is_refused_and_the_state_stays() {
+        let state = GradientState::new();
+        state.configure(4, false).unwrap();
+        let before = state.snapshot();
+        for (field, snapshot) in [
+            (
+                "gradient_state.step",
+                GradientStateSnapshot {
+                    step: usize::MAX,
+                    ..before
+                },
+            ),
+            (
+                "gradient_state.window_batches",
+                GradientStateSnapshot {
+                    window_batches: MAX_SAVED_COUNT + 1,
+                    ..before
+                },
+            ),
+        ] {
+            let err = state.restore(&snapshot).unwrap_err();
+            assert!(
+                matches!(&err, AccelerateError::InvalidConfig { field: f, .. } if *f == field),
+                "{err}"
+            );
+            assert_eq!(state.snapshot(), before);
+        }
+        let at_most = GradientStateSnapshot {
+            step: MAX_SAVED_COUNT,
+            ..before
+        };
+        state.restore(&at_most).unwrap();
+        drop(state.accumulate());
     }
 
     #[test]

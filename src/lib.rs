@@ -90,12 +90,22 @@ mod loss_transform;
 mod op_table;
 pub mod placement;
 mod precision;
+mod record_bytes;
 pub mod scaler;
 pub mod step;
 #[cfg(feature = "flex")]
 pub mod threads;
 pub mod train;
 pub mod zero;
+
+// The decoders' property-test kit, shared with the comm and checkpoint crates' tests (issue
+// 49), and this crate's decoders tried with it.
+#[cfg(test)]
+#[path = "../crates/comm/src/fuzz.rs"]
+#[allow(dead_code)]
+mod fuzz;
+#[cfg(all(test, feature = "flex"))]
+mod record_decoders;
 
 pub use accelerator::{AccelerateConfig, Accelerator, AcceleratorState};
 pub use autocast::{Autocast, AutocastConfig};

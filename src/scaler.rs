@@ -53,6 +53,7 @@ pub enum LossScale {
     /// changes.
     Static {
         /// The factor the loss is multiplied by.
+        #[serde(deserialize_with = "saved_static_scale")]
         scale: f32,
     },
     /// torch's `GradScaler`: backs off on overflow, grows after a run of clean steps.
@@ -284,6 +285,19 @@ impl TryFrom<DynamicLossScaleFields> for DynamicLossScale {
             growth_tracker: f.growth_tracker,
             ..checked
         })
+    }
+}
+
+// A static scale read back (a checkpoint): finite and positive, as the configuration that
+// made it required; a damaged or hand-edited file otherwise scales every loss by it.
+fn saved_static_scale<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<f32, D::Error> {
+    let scale = f32::deserialize(deserializer)?;
+    if scale.is_finite() && scale > 0.0 {
+        Ok(scale)
+    } else {
+        Err(serde::de::Error::custom(format!(
+            "a saved static loss scale must be finite and positive, not {scale}"
+        )))
     }
 }
 
@@ -661,6 +675,21 @@ mod tests {
         let fixed = LossScale::Static { scale: 8.0 };
         let json = serde_json::to_string(&fixed).unwrap();
         assert_eq!(serde_json::from_str::<LossScale>(&json).unwrap(), fixed);
+    }
+
+    // Found by the accelerator state's property test (src/record_decoders.rs): a static scale
+    // of -2147483600 read back, and scaled every loss by it.
+    #[test]
+    fn a_saved_static_scale_that_no_configuration_makes_is_refused() {
+        for bad in ["-2147483600", "0", "-0.0", "1e39"] {
+            let json = format!(r#"{{"kind":"static","scale":{bad}}}"#);
+            let err = serde_json::from_str::<LossScale>(&json).unwrap_err();
+            assert!(
+                err.to_string()
+                    .contains("a saved static loss scale must be finite and positive"),
+                "{bad}: {err}"
+            );
+        }
     }
 
     #[test]

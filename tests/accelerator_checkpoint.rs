@@ -180,3 +180,68 @@ fn a_checkpoint_saved_with_other_accumulation_is_refused_naming_it() {
         "{err}"
     );
 }
+
+// Issue 49: a record of another model is refused by name, before anything is loaded.
+#[test]
+fn a_checkpoint_of_another_model_is_refused_naming_the_parameter() {
+    let dir = scratch("other-model");
+    let (model, optim) = fresh();
+    let _ = train(&mut accelerator(), model, optim, 0, 1, Some(&dir));
+    let wider = LinearConfig::new(5, 3).init::<B>(&Default::default());
+    let err = accelerator()
+        .resume(&dir, wider, AdamConfig::new().init())
+        .unwrap_err();
+    match &err {
+        AccelerateError::Checkpoint { path, reason } => {
+            assert_eq!(path, "model-1.mpk");
+            assert!(
+                reason.contains(
+                    "parameter `weight` has shape [4, 3] in the record, [5, 3] in the model"
+                ),
+                "{reason}"
+            );
+        }
+        other => panic!("not a checkpoint error: {other}"),
+    }
+}
+
+// Issue 49: a record written by another version of Burn is refused naming the versions,
+// even where its bytes would decode.
+#[test]
+fn a_record_of_another_burn_version_is_refused_naming_it() {
+    let dir = scratch("other-version");
+    let (model, optim) = fresh();
+    let _ = train(&mut accelerator(), model, optim, 0, 1, Some(&dir));
+    let read = |name: &str| std::fs::read(dir.path().join(name)).unwrap();
+    let model = read("model-1.mpk");
+    let at = model
+        .windows(b"version".len())
+        .position(|w| w == b"version")
+        .expect("the record's metadata names its Burn version")
+        + b"version".len();
+    // The version's string: a short-string tag, then its characters ("0.21.0").
+    let len = usize::from(model[at] & 0x1f);
+    let mut older = model.clone();
+    older[at + 1..at + 1 + len].copy_from_slice(&b"0.20.9"[..len]);
+    dir.save(
+        2,
+        &[
+            ("accelerator-2.json", &read("accelerator-1.json")),
+            ("model-2.mpk", &older),
+            ("optimizer-2.mpk", &read("optimizer-1.mpk")),
+        ],
+    )
+    .unwrap();
+    let (model, optim) = fresh();
+    let err = accelerator().resume(&dir, model, optim).unwrap_err();
+    match &err {
+        AccelerateError::Checkpoint { path, reason } => {
+            assert_eq!(path, "model-2.mpk");
+            assert!(
+                reason.contains("Burn version \"0.20.9\" where this build has \"0.21.0\""),
+                "{reason}"
+            );
+        }
+        other => panic!("not a checkpoint error: {other}"),
+    }
+}

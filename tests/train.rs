@@ -64,6 +64,50 @@ mod flex {
         }
     }
 
+    // Issue 49: where the directory is given to the strategy, not inside Burn's fit.
+    #[test]
+    fn try_with_checkpoint_dir_refuses_a_damaged_directory_naming_the_manifest() {
+        use crate::mlp::MlpComponents;
+        use burn_accelerate::AccelerateConfig;
+        use burn_accelerate::train::AccelerateStrategy;
+
+        let dir = std::env::temp_dir().join(format!(
+            "burn-accelerate-try-checkpoint-dir-{}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        let strategy = || {
+            AccelerateStrategy::<MlpComponents<Train>>::new(
+                AccelerateConfig::new(),
+                &Default::default(),
+            )
+            .unwrap()
+        };
+        // No directory yet: a fresh run.
+        assert!(strategy().try_with_checkpoint_dir(&dir).is_ok());
+        std::fs::create_dir_all(&dir).unwrap();
+        let manifest = dir.join("accelerate-checkpoints.json");
+        // A size no file has: 10^18 bytes.
+        std::fs::write(
+            &manifest,
+            format!(
+                r#"{{"version": 1, "checkpoints": [{{"epoch": 1, "files": [{{"name": "accelerate-1.json", "size": 1000000000000000000, "sha256": "{}"}}]}}]}}"#,
+                "0".repeat(64)
+            ),
+        )
+        .unwrap();
+        let err = strategy().try_with_checkpoint_dir(&dir).err();
+        let _ = std::fs::remove_dir_all(&dir);
+        match err {
+            Some(AccelerateError::Checkpoint { path, reason }) => {
+                assert_eq!(std::path::Path::new(&path), manifest, "{reason}");
+                assert!(reason.contains("accelerate-1.json"), "{reason}");
+            }
+            Some(other) => panic!("expected a checkpoint error naming the manifest, got {other:?}"),
+            None => panic!("a manifest listing a file of 10^18 bytes was accepted"),
+        }
+    }
+
     fn small(precision: Precision) -> DemoConfig {
         DemoConfig::new()
             .with_precision(precision)

@@ -180,7 +180,11 @@ impl<B: AutodiffBackend> Accelerator<B> {
         let state: AcceleratorState = serde_json::from_slice(&records::file(&loaded, &own.state)?)
             .map_err(|e| record_error(&own.state, e))?;
         let device = self.device().clone();
-        let model = model.load_record(records::decode::<B, _>(&loaded, &own.model, &device)?);
+        let model = super::load_fitting::<B, _>(
+            model,
+            records::decode::<B, _>(&loaded, &own.model, &device)?,
+            &own.model,
+        )?;
         let optim_record: O::Record = records::decode::<B, _>(&loaded, &own.optimizer, &device)?;
         optimizer = optimizer.load_record(self.shard_optimizer_record(&model, optim_record));
         self.load_state(&state)?;

@@ -6,14 +6,13 @@
 //! in Burn's `NamedMpk` format in full precision (Burn's `CompactRecorder` stores f16, and a
 //! resumed run must end where the uninterrupted one does, bit for bit).
 
-use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Record, Recorder};
+use burn::record::{BurnMetadata, BurnRecordNoItem, Record, Recorder};
 use burn::tensor::backend::Backend;
 
 use super::LoadedCheckpoint;
 use crate::AccelerateError;
 
-/// The recorder of every record a checkpoint holds.
-pub(crate) type Bytes = NamedMpkBytesRecorder<FullPrecisionSettings>;
+pub(crate) use crate::record_bytes::{Bytes, from_bytes};
 
 /// Which entry point's names a checkpoint's files have.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -103,13 +102,66 @@ pub(crate) fn encode<B: Backend, R: Record<B>>(
 }
 
 /// The record `name` of `loaded`, on `device`.
+///
+/// # Errors
+/// [`AccelerateError::Checkpoint`] naming `name`: a record written by another version of Burn
+/// (or with other precision settings) than this build's, whatever else it holds, or one that
+/// does not decode as `R`.
 pub(crate) fn decode<B: Backend, R: Record<B>>(
     loaded: &LoadedCheckpoint,
     name: &str,
     device: &B::Device,
 ) -> Result<R, AccelerateError> {
-    Recorder::<B>::load(&Bytes::default(), file(loaded, name)?, device)
-        .map_err(|e| record_error(name, e))
+    let mut bytes = file(loaded, name)?;
+    // First, so that no decoder recurses into a record nested too deep.
+    crate::record_bytes::check_tensors(&bytes).map_err(|reason| record_error(name, reason))?;
+    check_metadata::<B>(&mut bytes, name)?;
+    from_bytes::<B, R>(bytes, device).map_err(|reason| record_error(name, reason))
+}
+
+// Burn's recorder compares a record's metadata with its own only once the record fails to
+// decode; a record of another Burn version that happens to decode would load. The metadata
+// is read first (the item is skipped, not kept) and must be what this build writes.
+fn check_metadata<B: Backend>(bytes: &mut Vec<u8>, name: &str) -> Result<(), AccelerateError> {
+    let recorder = Bytes::default();
+    let saved: BurnRecordNoItem = Recorder::<B>::load_item(&recorder, bytes)
+        .map_err(|e| record_error(name, format!("not a Burn record: {e}")))?;
+    let mut ours = encode::<B, ()>((), "an empty record")?;
+    let ours: BurnRecordNoItem = Recorder::<B>::load_item(&recorder, &mut ours)
+        .map_err(|e| record_error("an empty record", e))?;
+    let differs = |what: &str, saved: &str, ours: &str| {
+        (saved != ours).then(|| format!("{what} {saved:?} where this build has {ours:?}"))
+    };
+    let (
+        BurnMetadata {
+            float,
+            int,
+            format,
+            version,
+            ..
+        },
+        ours,
+    ) = (&saved.metadata, &ours.metadata);
+    let differences: Vec<String> = [
+        differs("Burn version", version, &ours.version),
+        differs("record format", format, &ours.format),
+        differs("float type", float, &ours.float),
+        differs("int type", int, &ours.int),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    if differences.is_empty() {
+        return Ok(());
+    }
+    Err(record_error(
+        name,
+        format!(
+            "written with {}: resume with the build that wrote it, or start without this \
+             checkpoint directory",
+            differences.join(", ")
+        ),
+    ))
 }
 
 /// The bytes of file `name` of `loaded`.

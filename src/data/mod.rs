@@ -29,7 +29,7 @@ mod process_dispatch;
 mod processes;
 mod run;
 pub mod shard;
-mod state;
+pub(crate) mod state;
 mod stream;
 mod stream_loader;
 mod valid_split;

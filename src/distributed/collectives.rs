@@ -18,7 +18,7 @@ use serde::de::DeserializeOwned;
 use super::dtype::ElementOf;
 use super::element::Element;
 use super::error::DistributedError;
-use super::group::{ProcessGroup, ReduceOp};
+use super::group::{ProcessGroup, ReduceOp, gather_buffer};
 use super::padding::drop_padding_tensor;
 
 /// What the processes must agree on before a tensor's bytes are combined.
@@ -65,11 +65,25 @@ impl ProcessGroup {
              pad_across_processes)",
         )?;
         let row = dims[1..].iter().product::<usize>() * dtype.size();
-        let counts: Vec<usize> = metas.iter().map(|(_, d)| d[0] * row).collect();
+        // Another process's first dimension, as it claims it: a product past usize is its
+        // error, not this process's overflow.
+        let counts = metas
+            .iter()
+            .enumerate()
+            .map(|(rank, (_, d))| {
+                d[0].checked_mul(row)
+                    .ok_or_else(|| DistributedError::Malformed {
+                        rank,
+                        detail: format!(
+                            "its tensor of shape {d:?} has more bytes than usize holds"
+                        ),
+                    })
+            })
+            .collect::<Result<Vec<usize>, _>>()?;
+        let mut gathered = gather_buffer::<u8>(&counts)?;
         let own: usize = counts[..self.rank()].iter().sum();
         let device = tensor.device();
         let data = tensor.into_data();
-        let mut gathered = vec![0u8; counts.iter().sum()];
         gathered[own..own + data.bytes.len()].copy_from_slice(&data.bytes);
         self.all_gather_in_place(&mut gathered, &counts)?;
         let mut shape = dims.to_vec();
@@ -351,8 +365,8 @@ impl ProcessGroup {
     /// Every process's `bytes`, in rank order (of any lengths).
     pub(crate) fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>, DistributedError> {
         let counts = self.counts(bytes.len())?;
+        let mut gathered = gather_buffer::<u8>(&counts)?;
         let own: usize = counts[..self.rank()].iter().sum();
-        let mut gathered = vec![0u8; counts.iter().sum()];
         gathered[own..own + bytes.len()].copy_from_slice(bytes);
         self.all_gather_in_place(&mut gathered, &counts)?;
         let mut rest = gathered.as_slice();

@@ -256,8 +256,8 @@ impl ProcessGroup {
     /// As [`all_reduce`](Self::all_reduce).
     pub fn all_gather<T: Pod>(&self, values: &[T]) -> Result<Vec<T>, DistributedError> {
         let counts = self.counts(values.len())?;
+        let mut gathered = gather_buffer::<T>(&counts)?;
         let own = engine::blocks(counts.iter().copied(), 1)[self.rank()].clone();
-        let mut gathered = vec![T::zeroed(); counts.iter().sum()];
         gathered[own].copy_from_slice(values);
         self.all_gather_in_place(&mut gathered, &counts)?;
         Ok(gathered)
@@ -451,9 +451,55 @@ impl Stream {
     }
 }
 
+/// A zeroed buffer for `counts[r]` values of `T` from each process `r`: the counts other
+/// processes claim (issue 49). A claim that no buffer can hold, alone or summed with the
+/// others', is an error naming the process that made it, not an overflow or an abort.
+pub(crate) fn gather_buffer<T: Pod>(counts: &[usize]) -> Result<Vec<T>, DistributedError> {
+    let most = isize::MAX as usize / size_of::<T>().max(1);
+    let mut total = 0usize;
+    for (rank, &count) in counts.iter().enumerate() {
+        total = total
+            .checked_add(count)
+            .filter(|&total| total <= most)
+            .ok_or_else(|| DistributedError::Malformed {
+                rank,
+                detail: format!(
+                    "it claims {count} values to gather, more than a buffer can hold with the \
+                     other processes' {total}"
+                ),
+            })?;
+    }
+    let mut buffer = Vec::new();
+    buffer
+        .try_reserve_exact(total)
+        .map_err(|e| DistributedError::Io {
+            what: format!("a buffer for the {total} values the processes gather"),
+            reason: e.to_string(),
+        })?;
+    buffer.resize(total, T::zeroed());
+    Ok(buffer)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    // Issue 49: the counts another process claims for a gather, summed and allocated.
+    #[test]
+    fn a_gather_claim_no_buffer_holds_is_an_error_naming_the_process() {
+        assert_eq!(gather_buffer::<u32>(&[2, 0, 3]).unwrap(), vec![0; 5]);
+        for (counts, rank) in [
+            (vec![5, usize::MAX], 1),
+            (vec![usize::MAX / 16, 1, usize::MAX / 8], 2),
+            (vec![1 << 62, 1], 0),
+        ] {
+            let err = gather_buffer::<f32>(&counts).unwrap_err();
+            assert!(
+                matches!(&err, DistributedError::Malformed { rank: r, .. } if *r == rank),
+                "{counts:?}: {err}"
+            );
+        }
+    }
 
     #[test]
     fn shard_counts_split_like_torch_and_sum_to_the_length() {

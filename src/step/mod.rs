@@ -21,7 +21,7 @@
 //! its length.
 
 pub(crate) mod divisor;
-mod restore;
+pub(crate) mod restore;
 
 use burn::module::AutodiffModule;
 use burn::optim::GradientsParams;

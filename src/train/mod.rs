@@ -559,9 +559,46 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
     /// recorder, your checkpointing strategy) beside these: drop `with_file_checkpointer` to
     /// write each epoch once. A strategy-state file goes with its checkpoint, unless Burn
     /// still keeps that epoch's model in `dir`.
+    ///
+    /// Burn's `fit` has no error channel: a directory that cannot be resumed from (a damaged
+    /// manifest, every listed checkpoint missing a file, a record of another model) stops the
+    /// training with a panic that says why. [`try_with_checkpoint_dir`](Self::try_with_checkpoint_dir)
+    /// checks what can be checked before the training starts and returns it as an error.
     pub fn with_checkpoint_dir(mut self, dir: impl Into<PathBuf>) -> Self {
         self.checkpoint_dir = Some(dir.into());
         self
+    }
+
+    /// [`with_checkpoint_dir`](Self::with_checkpoint_dir), once `dir` is found fit to resume
+    /// from: its manifest (`accelerate-checkpoints.json`) is absent (a fresh run) or reads, and
+    /// some checkpoint it lists has every file at its listed length. Call it where the strategy
+    /// is built, so that a damaged directory is an error the program prints in one line, not a
+    /// panic inside Burn's `fit`. (The files' checksums and the records themselves are checked
+    /// when the training resumes, which passes over a checkpoint that does not verify for the
+    /// one before it.)
+    ///
+    /// ```
+    /// use burn::train::{LearningComponentsTypes, TrainingBackend};
+    /// use burn::tensor::Device;
+    /// use burn_accelerate::train::AccelerateStrategy;
+    /// use burn_accelerate::{AccelerateConfig, AccelerateError};
+    ///
+    /// fn strategy<LC: LearningComponentsTypes>(
+    ///     device: &Device<TrainingBackend<LC>>,
+    /// ) -> Result<AccelerateStrategy<LC>, AccelerateError> {
+    ///     AccelerateStrategy::new(AccelerateConfig::new(), device)?
+    ///         .try_with_checkpoint_dir("runs/mlp/checkpoint")
+    /// }
+    /// ```
+    ///
+    /// # Errors
+    /// [`AccelerateError::Checkpoint`] naming the manifest when it cannot be read or parsed, or
+    /// when it lists checkpoints and none has all its files (each one's first missing or cut
+    /// file named).
+    pub fn try_with_checkpoint_dir(self, dir: impl Into<PathBuf>) -> Result<Self, AccelerateError> {
+        let dir = dir.into();
+        burn_accelerate_checkpoint::verify::precheck(&dir)?;
+        Ok(self.with_checkpoint_dir(dir))
     }
 
     /// Saves `loader`'s epoch and position (and its seeds) with every checkpoint, and restores

@@ -35,7 +35,9 @@ use super::sharded::{Always, Discard, Hand};
 use super::{AccelerateCheckpoint, AccelerateStrategy, fail};
 use crate::AccelerateError;
 use crate::checkpoint::records::{self, Bytes, Scheme, record_error};
-use crate::checkpoint::{CheckpointDir, LoadedCheckpoint, Manifest, agree_on_checkpoint};
+use crate::checkpoint::{
+    CheckpointDir, LoadedCheckpoint, Manifest, agree_on_checkpoint, load_fitting,
+};
 
 /// How the strategy keeps and uses its checkpoints.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -213,6 +215,13 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
         let take = |name: &str| {
             records::file(&loaded, name).unwrap_or_else(|err| fail("cannot resume", err))
         };
+        // Burn's load_checkpoint loads a record of another model without a word; refuse it
+        // here, naming the parameter, before any of it is loaded.
+        let fits = records::decode::<TrainingBackend<LC>, _>(&loaded, &names.model, &self.device)
+            .and_then(|record| load_fitting(learner.model(), record, &names.model));
+        if let Err(err) = fits {
+            fail("cannot resume", err);
+        }
         let loader = LearningCheckpointer::<LC>::new(
             AsyncCheckpointer::new(Restore(take(&names.model))),
             AsyncCheckpointer::new(Restore(take(&names.optimizer))),

@@ -8,11 +8,12 @@
 //! each keeping its new partition's part ([`keep_own_state`]).
 
 use burn::module::{AutodiffModule, ParamId};
-use burn::record::{BinBytesRecorder, FullPrecisionSettings, Record, Recorder};
+use burn::record::{Record, Recorder};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use hashbrown::HashMap;
 
 use crate::distributed::{DistributedError, ProcessGroup};
+use crate::record_bytes::{Bytes, from_bytes};
 
 use super::sharded::{Partition, param_ids};
 
@@ -88,7 +89,10 @@ where
     }
     let ids = param_ids::<B, M>(module);
     let place: HashMap<ParamId, u64> = ids.iter().zip(0u64..).map(|(id, i)| (*id, i)).collect();
-    let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
+    // NamedMpk rather than bincode: Burn's bincode recorder allocates whatever length the
+    // bytes claim (a damaged part aborted the main process), and MessagePack's decoder reads
+    // a claimed length only as far as the bytes go (SECURITY.md).
+    let recorder = Bytes::default();
     // Every process opens the stream, so that the streams opened after it pair up.
     let stream = group.stream();
     if rank != root {
@@ -103,9 +107,8 @@ where
     let mut whole = part;
     for from in (0..n).filter(|&r| r != root) {
         let (_, _, bytes) = stream.recv(from)?;
-        let other: R = recorder
-            .load(bytes, device)
-            .map_err(|e| DistributedError::Malformed {
+        let other: R =
+            from_bytes::<B, R>(bytes, device).map_err(|e| DistributedError::Malformed {
                 rank: from,
                 detail: format!("its optimizer state cannot be read: {e}"),
             })?;

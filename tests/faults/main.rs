@@ -17,6 +17,8 @@ mod needs;
 mod elastic;
 // `burn-accelerate launch --max-restarts`: restarts that resume from the last checkpoint.
 mod restarts;
+// 1,000 silent connections per port during a run of 2 processes.
+mod flood;
 
 use std::time::{Duration, Instant};
 

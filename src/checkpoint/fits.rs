@@ -1,0 +1,177 @@
+//! Whether a checkpoint's model record fits this model: every parameter the model has, under
+//! the same path and of the same shape (issue 49). Burn's `load_record` checks neither: a
+//! record of another model loads, and fails later, inside a forward pass, with a shape error
+//! that names no parameter; a record lacking an optional parameter (a bias) silently removes
+//! it from the model. (A record's parameters that the model lacks are dropped by Burn's
+//! `load_record` before they can be seen; they change nothing in the model.)
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::prelude::{Bool, Int, Tensor};
+use burn::tensor::backend::Backend;
+
+use super::records::record_error;
+use crate::AccelerateError;
+
+/// Every parameter of a module, by its path (`encoder.layers.0.weight`), with its shape.
+#[derive(Default)]
+struct Shapes {
+    path: Vec<String>,
+    found: Vec<(String, Vec<usize>)>,
+}
+
+impl Shapes {
+    fn of<B: Backend, M: Module<B>>(module: &M) -> Vec<(String, Vec<usize>)> {
+        let mut shapes = Self::default();
+        module.visit(&mut shapes);
+        shapes.found.sort();
+        shapes.found
+    }
+
+    fn note(&mut self, dims: Vec<usize>) {
+        let name = self.path.join(".");
+        self.found.push((name, dims));
+    }
+}
+
+impl<B: Backend> ModuleVisitor<B> for Shapes {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        self.note(param.lazy_shape().dims::<D>().to_vec());
+    }
+
+    fn visit_int<const D: usize>(&mut self, param: &Param<Tensor<B, D, Int>>) {
+        self.note(param.lazy_shape().dims::<D>().to_vec());
+    }
+
+    fn visit_bool<const D: usize>(&mut self, param: &Param<Tensor<B, D, Bool>>) {
+        self.note(param.lazy_shape().dims::<D>().to_vec());
+    }
+}
+
+/// `model` with `record` (the checkpoint's file `what`) loaded, once the record has been found
+/// to hold exactly `model`'s parameters, each of its shape.
+///
+/// # Errors
+/// [`AccelerateError::Checkpoint`] naming `what` and the first parameter that the record lacks
+/// or holds in another shape; `model` is not changed (it is dropped
+/// with the error: nothing is loaded half).
+pub(crate) fn load_fitting<B: Backend, M: Module<B>>(
+    model: M,
+    record: M::Record,
+    what: &str,
+) -> Result<M, AccelerateError> {
+    let expected = Shapes::of::<B, _>(&model);
+    let loaded = model.load_record(record);
+    let got = Shapes::of::<B, _>(&loaded);
+    if let Some(reason) = first_difference(&expected, &got) {
+        return Err(record_error(
+            what,
+            format!(
+                "{reason}: the checkpoint is of another model (resume with the model that saved \
+                 it, or start without this checkpoint directory)"
+            ),
+        ));
+    }
+    Ok(loaded)
+}
+
+// What first differs between the model's parameters and the record's (both sorted by path).
+fn first_difference(
+    expected: &[(String, Vec<usize>)],
+    got: &[(String, Vec<usize>)],
+) -> Option<String> {
+    for (name, dims) in expected {
+        match got.binary_search_by(|(n, _)| n.cmp(name)) {
+            Err(_) => {
+                return Some(format!(
+                    "parameter `{name}` (shape {dims:?}) is not in the record"
+                ));
+            }
+            Ok(at) if &got[at].1 != dims => {
+                return Some(format!(
+                    "parameter `{name}` has shape {:?} in the record, {dims:?} in the model",
+                    got[at].1
+                ));
+            }
+            Ok(_) => {}
+        }
+    }
+    None
+}
+
+#[cfg(all(test, feature = "flex"))]
+mod tests {
+    use burn::backend::Flex;
+    use burn::nn::{Linear, LinearConfig};
+
+    use super::*;
+
+    type B = Flex;
+
+    #[derive(Module, Debug)]
+    struct Two<B: Backend> {
+        first: Linear<B>,
+        second: Linear<B>,
+    }
+
+    fn two(hidden: usize, bias: bool) -> Two<B> {
+        let device = Default::default();
+        Two {
+            first: LinearConfig::new(3, hidden).init(&device),
+            second: LinearConfig::new(hidden, 2).with_bias(bias).init(&device),
+        }
+    }
+
+    fn reason(err: AccelerateError) -> String {
+        match err {
+            AccelerateError::Checkpoint { path, reason } => {
+                assert_eq!(path, "model-1.mpk");
+                reason
+            }
+            other => panic!("not a checkpoint error: {other}"),
+        }
+    }
+
+    #[test]
+    fn the_same_model_loads_its_own_record() {
+        let saved = two(4, true);
+        let weight = saved.second.weight.val();
+        let loaded = load_fitting::<B, _>(two(4, true), saved.into_record(), "model-1.mpk")
+            .expect("its own record");
+        loaded
+            .second
+            .weight
+            .val()
+            .into_data()
+            .assert_eq(&weight.into_data(), true);
+    }
+
+    #[test]
+    fn another_shape_is_refused_naming_the_parameter() {
+        let err = load_fitting::<B, _>(two(5, true), two(4, true).into_record(), "model-1.mpk")
+            .unwrap_err();
+        let reason = reason(err);
+        assert!(
+            reason.contains("parameter `first.bias` has shape [4] in the record, [5] in the model"),
+            "{reason}"
+        );
+    }
+
+    #[test]
+    fn a_missing_parameter_is_refused_naming_it() {
+        let err = load_fitting::<B, _>(two(4, true), two(4, false).into_record(), "model-1.mpk")
+            .unwrap_err();
+        let reason = reason(err);
+        assert!(
+            reason.contains("parameter `second.bias` (shape [2]) is not in the record"),
+            "{reason}"
+        );
+    }
+}
