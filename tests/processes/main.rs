@@ -2335,7 +2335,7 @@ mod validation {
     use burn::optim::AdamConfig;
     use burn::train::checkpoint::MetricCheckpointingStrategy;
     use burn::train::metric::store::{Aggregate, Direction, EventStoreClient, Split};
-    use burn::train::metric::{AccuracyMetric, LossMetric};
+    use burn::train::metric::{AccuracyMetric, LossMetric, PerplexityMetric};
     use burn::train::{
         EarlyStoppingStrategy, Learner, MetricEarlyStoppingStrategy, StoppingCondition,
         SupervisedTraining, TrainingStrategy,
@@ -2366,6 +2366,9 @@ mod validation {
         /// `MetricCheckpointingStrategy`, which the main process runs on its event store).
         #[serde(default)]
         pub best_checkpoint: bool,
+        /// Also Burn's `PerplexityMetric`, whose entries carry state across batches.
+        #[serde(default)]
+        pub perplexity: bool,
     }
 
     #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
@@ -2385,6 +2388,8 @@ mod validation {
         pub epoch: usize,
         pub loss: Option<f64>,
         pub accuracy: Option<f64>,
+        #[serde(default)]
+        pub perplexity: Option<f64>,
         /// What this process's own early stopping strategy answered.
         pub stop: bool,
     }
@@ -2404,6 +2409,9 @@ mod validation {
         pub summary_loss: Option<f64>,
         /// The epochs whose model checkpoints Burn kept (main process).
         pub checkpoints: Vec<usize>,
+        /// The validation metrics shown per process (`TrainingStats`).
+        #[serde(default)]
+        pub per_process_metrics: Vec<String>,
     }
 
     /// Reads the validation metrics of each epoch from Burn's event store (where early stopping
@@ -2418,7 +2426,7 @@ mod validation {
     impl EarlyStoppingStrategy for Recording {
         fn should_stop(&mut self, epoch: usize, store: &EventStoreClient) -> bool {
             let read = |name: &str| store.find_metric(name, epoch, Aggregate::Mean, &Split::Valid);
-            let (loss, accuracy) = (read("Loss"), read("Accuracy"));
+            let (loss, accuracy, perplexity) = (read("Loss"), read("Accuracy"), read("Perplexity"));
             let stop = self
                 .inner
                 .as_mut()
@@ -2427,6 +2435,7 @@ mod validation {
                 epoch,
                 loss,
                 accuracy,
+                perplexity,
                 stop,
             });
             stop
@@ -2506,6 +2515,11 @@ mod validation {
             .with_application_logger(None)
             .early_stopping(stopping)
             .summary();
+        let builder = if args.perplexity {
+            builder.metric_valid_numeric(PerplexityMetric::new())
+        } else {
+            builder
+        };
         let builder = if args.best_checkpoint {
             builder
                 .with_file_checkpointer(burn::record::CompactRecorder::new())
@@ -2584,6 +2598,7 @@ mod validation {
             logged_losses,
             summary_loss,
             checkpoints: if main { checkpoints } else { Vec::new() },
+            per_process_metrics: stats.valid_metrics_per_process,
         }
     }
 }
@@ -2608,6 +2623,7 @@ fn every_process_validates_its_batches_and_reports_the_one_process_metrics() {
             stop_after: None,
             install: validation::Install::WithArtifactDir,
             best_checkpoint: false,
+            perplexity: false,
         };
         let single: validation::Report = launch(TEST, 1, &run, &[]).assert_success().report(0);
         let batches = valid_items.div_ceil(4);
@@ -2677,6 +2693,7 @@ fn early_stopping_on_the_combined_metric_stops_every_process_at_the_same_epoch()
         stop_after: Some(1),
         install: validation::Install::WithArtifactDir,
         best_checkpoint: true,
+        perplexity: false,
     };
     let single: validation::Report = launch(TEST, 1, &run, &[]).assert_success().report(0);
     let stopped = single.trained.len();
@@ -2729,6 +2746,7 @@ fn without_the_artifact_directory_or_with_accelerate_the_metrics_are_still_the_w
         stop_after: None,
         install,
         best_checkpoint: false,
+        perplexity: false,
     };
     let single: validation::Report =
         launch(TEST, 1, &run(validation::Install::WithArtifactDir), &[])
@@ -2758,6 +2776,47 @@ fn without_the_artifact_directory_or_with_accelerate_the_metrics_are_still_the_w
         }
         if install == validation::Install::NoArtifactDir {
             assert!(reports[0].logged_losses.is_empty(), "{:?}", reports[0]);
+        }
+    }
+}
+
+#[test]
+fn a_metric_whose_entries_carry_state_is_shown_per_process_and_the_others_combine() {
+    const TEST: &str =
+        "a_metric_whose_entries_carry_state_is_shown_per_process_and_the_others_combine";
+    if let Some(args) = worker::<validation::Run>() {
+        return report(&validation::train(&args));
+    }
+    // Burn's perplexity logs the epoch's perplexity so far with the tokens so far: no mean
+    // of the processes' entries is the one-process value. 13 items: 4 batches, 2 a process,
+    // enough for each process to tell.
+    let run = validation::Run {
+        valid_items: 13,
+        epochs: 2,
+        lr: 0.0,
+        stop_after: None,
+        install: validation::Install::WithArtifactDir,
+        best_checkpoint: false,
+        perplexity: true,
+    };
+    let single: validation::Report = launch(TEST, 1, &run, &[]).assert_success().report(0);
+    assert!(single.per_process_metrics.is_empty(), "{single:?}");
+    let reports: Vec<validation::Report> = launch(TEST, 2, &run, &[]).assert_success().reports(2);
+    for (rank, r) in reports.iter().enumerate() {
+        assert_eq!(r.per_process_metrics, ["Perplexity"], "rank {rank}: {r:?}");
+        assert_eq!(r.epochs.len(), 2, "rank {rank}: {r:?}");
+        for (got, want) in r.epochs.iter().zip(&single.epochs) {
+            // The metrics whose entries are per batch are still combined.
+            for (got, want) in [(got.loss, want.loss), (got.accuracy, want.accuracy)] {
+                let (got, want) = (got.unwrap(), want.unwrap());
+                assert!(relative(got, want) <= 1e-6, "rank {rank}: {got} vs {want}");
+            }
+            // Its own batches' perplexity: a value, not NaN.
+            let perplexity = got.perplexity.unwrap();
+            assert!(
+                perplexity.is_finite() && perplexity >= 1.0,
+                "rank {rank}: {r:?}"
+            );
         }
     }
 }
