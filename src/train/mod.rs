@@ -159,9 +159,9 @@ where
     /// [`ProcessMetricLogger`]: every process validates its own batches and the logger combines
     /// the validation entries of all processes (see [`AccelerateStrategy::prepare_valid_loader`]),
     /// so that Burn's epoch values, early stopping, checkpoint choice and summary read the
-    /// same numbers on every process. A numeric metric whose entries cannot be combined
-    /// (Burn's `PerplexityMetric`, whose entry is the epoch's value so far) is shown per
-    /// process and named in a warning and in
+    /// same numbers on every process (Burn's perplexity included, whose entries are rebuilt).
+    /// A numeric metric whose entries cannot be combined (an entry that carries state from
+    /// the batches before it) is shown per process and named in a warning and in
     /// [`TrainingStats::valid_metrics_per_process`]. It writes Burn's metric log files in the artifact
     /// directory on the main process
     /// ([`AccelerateStrategy::with_artifact_dir`]: Burn does not tell a strategy its builder's

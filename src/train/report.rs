@@ -53,9 +53,9 @@ pub struct TrainingStats {
     pub valid_processes: usize,
     /// Validation metrics shown per process, by name: on several processes, those whose
     /// epoch value cannot be rebuilt from the processes' entries (an entry that carries state
-    /// from the batches before it, as Burn's `PerplexityMetric`'s does, or one that is not a
-    /// number). Each process's Burn metrics hold its own entries of these; every other
-    /// metric is combined. A warning names each once.
+    /// from the batches before it, or one that is not a number; Burn's `PerplexityMetric`,
+    /// whose state is known, is rebuilt and combined). Each process's Burn metrics hold its
+    /// own entries of these; every other metric is combined. A warning names each once.
     pub valid_metrics_per_process: Vec<String>,
     /// The epoch whose checkpoint this training resumed from (`None`: it started afresh).
     pub resumed_from: Option<usize>,

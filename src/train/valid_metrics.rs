@@ -30,9 +30,14 @@
 //! - an entry that is not a number Burn can read back (`value` or `value,count`);
 //! - a running value that is not the item-weighted mean of the entries so far (its count not
 //!   their item count, or its value not their mean): the entry carries state from the batches
-//!   before it. Burn's `PerplexityMetric` is one (its entry is the epoch's perplexity so far,
-//!   with the epoch's token count so far), and so are gauges whose running value is the last
-//!   reading (`CpuUse`, `CpuMemory`, `CpuTemperature`, which are each process's own anyway).
+//!   before it, as gauges' do whose running value is the last reading (`CpuUse`, `CpuMemory`,
+//!   `CpuTemperature`, which are each process's own anyway).
+//!
+//! Burn's `PerplexityMetric` carries state too (its entry is the epoch's perplexity so far,
+//! with the epoch's tokens so far), but what it carries is known: where every process's
+//! entries of it are its running values, they are rebuilt as one process's
+//! (`rebuild_perplexity`), each process's batches' log-likelihoods and tokens summed on in
+//! process order, and it is combined like the others.
 //!
 //! The processes exchange what they found, so every process shows the same metrics per
 //! process. A process that validated one batch of such a metric cannot tell (its one entry is
@@ -44,7 +49,7 @@
 //! away. What does not pass through the logger is Burn's renderer's live view, which shows
 //! this process's batches while they run.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use burn::train::logger::MetricLogger;
@@ -97,6 +102,9 @@ pub(super) struct Consistency {
     /// Per metric: the sum of value × items and the items of its entries so far.
     sums: HashMap<String, (f64, usize)>,
     found: BTreeMap<String, Uncombinable>,
+    /// Per metric: whether every entry so far was the metric's running value itself (the
+    /// epoch's value so far, as Burn's perplexity logs it).
+    cumulative: BTreeMap<String, bool>,
 }
 
 impl Consistency {
@@ -111,6 +119,20 @@ impl Consistency {
                 .insert(metric.to_string(), Uncombinable::NotNumeric);
             return;
         };
+        let is_running = match (&entry, running) {
+            (
+                NumericEntry::Aggregated {
+                    aggregated_value: value,
+                    count,
+                },
+                NumericEntry::Aggregated {
+                    aggregated_value: running,
+                    count: running_count,
+                },
+            ) => count == running_count && value.to_bits() == running.to_bits(),
+            _ => false,
+        };
+        *self.cumulative.entry(metric.to_string()).or_insert(true) &= is_running;
         let (sum, items) = self.sums.entry(metric.to_string()).or_default();
         let (value, count) = weighted(&entry);
         *sum += value * count as f64;
@@ -127,6 +149,15 @@ impl Consistency {
             self.found
                 .insert(metric.to_string(), Uncombinable::CarriesState);
         }
+    }
+
+    /// The metrics whose every entry was the metric's running value.
+    pub(super) fn cumulative(&self) -> BTreeSet<String> {
+        self.cumulative
+            .iter()
+            .filter(|(_, every)| **every)
+            .map(|(metric, _)| metric.clone())
+            .collect()
     }
 
     /// The metrics found uncombinable, by name.
@@ -159,6 +190,57 @@ fn same(a: f64, b: f64) -> bool {
 struct ProcessEntries {
     batches: Vec<Vec<Entry>>,
     uncombinable: BTreeMap<String, Uncombinable>,
+    /// The metrics whose every entry of this process was the metric's running value.
+    cumulative: BTreeSet<String>,
+}
+
+/// The name of Burn's `PerplexityMetric`, whose entries are rebuilt rather than shown per
+/// process: its entry is the epoch's perplexity so far, `exp(nll so far / tokens so far)`,
+/// with the tokens so far (burn-train 0.21, src/metric/perplexity.rs, `PerplexityState`).
+const PERPLEXITY: &str = "Perplexity";
+
+// Rewrites the processes' cumulative entries of Burn's perplexity, `metric`, as the entries
+// one process would have logged over all batches in process order: each process's entries
+// give its batches' negative log-likelihoods and tokens (the differences of `ln(value) ×
+// tokens` and of the tokens), which are summed on across processes. Returns false, the
+// entries untouched, where an entry is not a finite cumulative perplexity.
+fn rebuild_perplexity(processes: &mut [ProcessEntries], metric: &str) -> bool {
+    let mut rewritten = Vec::new();
+    let (mut nll, mut tokens) = (0.0_f64, 0_usize);
+    for (p, process) in processes.iter().enumerate() {
+        let (mut own_nll, mut own_tokens) = (0.0_f64, 0_usize);
+        for (b, batch) in process.batches.iter().enumerate() {
+            for (i, entry) in batch.iter().enumerate() {
+                if entry.metric != metric || !entry.numeric {
+                    continue;
+                }
+                let Ok(NumericEntry::Aggregated {
+                    aggregated_value,
+                    count,
+                }) = NumericEntry::deserialize(&entry.serialized)
+                else {
+                    return false;
+                };
+                if !(aggregated_value.is_finite() && aggregated_value > 0.0) || count < own_tokens {
+                    return false;
+                }
+                let so_far = aggregated_value.ln() * count as f64;
+                nll += so_far - own_nll;
+                tokens += count - own_tokens;
+                (own_nll, own_tokens) = (so_far, count);
+                let value = (nll / tokens as f64).exp();
+                let combined = NumericEntry::Aggregated {
+                    aggregated_value: value,
+                    count: tokens,
+                };
+                rewritten.push((p, b, i, combined.serialize()));
+            }
+        }
+    }
+    for (p, b, i, serialized) in rewritten {
+        processes[p].batches[b][i].serialized = serialized;
+    }
+    true
 }
 
 /// What a validation epoch's entries came to, this process's and the combined ones.
@@ -238,7 +320,7 @@ impl ProcessMetrics {
             let mut shared = self.lock();
             let held = std::mem::take(&mut shared.held);
             let epoch = held.first().map_or(shared.valid_epoch, |(epoch, _)| *epoch);
-            let uncombinable = shared.consistency(&held);
+            let (uncombinable, cumulative) = shared.consistency(&held);
             let batches: Vec<Vec<Entry>> = held
                 .into_iter()
                 .map(|(_, update)| shared.entries(update))
@@ -247,18 +329,38 @@ impl ProcessMetrics {
                 ProcessEntries {
                     batches,
                     uncombinable,
+                    cumulative,
                 },
                 epoch,
             )
         };
         let own_batches = own.batches.len();
         // Outside the lock: Burn's store thread logs through it meanwhile.
-        let all = group.all_gather_object(&own)?;
+        let mut all = group.all_gather_object(&own)?;
         let mut shared = self.lock();
-        let found: BTreeMap<String, Uncombinable> = all
+        let mut found: BTreeMap<String, Uncombinable> = all
             .iter()
             .flat_map(|process| process.uncombinable.clone())
             .collect();
+        // Burn's perplexity is rebuilt where every process's entries of it are its running
+        // values (even where no process had two batches to tell by).
+        let logs = |process: &ProcessEntries| {
+            process
+                .batches
+                .iter()
+                .flatten()
+                .any(|e| e.metric == PERPLEXITY)
+        };
+        if all.iter().any(logs)
+            && all
+                .iter()
+                .filter(|p| logs(p))
+                .all(|p| p.cumulative.contains(PERPLEXITY))
+            && !shared.per_process.contains_key(PERPLEXITY)
+            && rebuild_perplexity(&mut all, PERPLEXITY)
+        {
+            found.remove(PERPLEXITY);
+        }
         for (metric, why) in found {
             if shared.per_process.contains_key(&metric) {
                 continue;
@@ -327,7 +429,11 @@ impl Running {
 
 impl Shared {
     // Which of this process's numeric metrics of the epoch cannot be combined.
-    fn consistency(&self, held: &[(usize, MetricsUpdate)]) -> BTreeMap<String, Uncombinable> {
+    // Also the metrics whose every entry was their running value.
+    fn consistency(
+        &self,
+        held: &[(usize, MetricsUpdate)],
+    ) -> (BTreeMap<String, Uncombinable>, BTreeSet<String>) {
         let mut consistency = Consistency::default();
         for (_, update) in held {
             for numeric in &update.entries_numeric {
@@ -338,7 +444,8 @@ impl Shared {
                 );
             }
         }
-        consistency.found()
+        let cumulative = consistency.cumulative();
+        (consistency.found(), cumulative)
     }
 
     fn name(&self, id: &MetricId) -> String {
@@ -658,6 +765,55 @@ mod tests {
         );
         // One batch alone cannot tell.
         assert!(checked(&mut PerplexityMetric::<B>::new(), &perplexity[..1]).is_empty());
+
+        // Its entries on one process, and on two (the first batch, then the other two),
+        // rebuilt: the same, but for the rounding of ln and exp.
+        let logged = |inputs: &[PerplexityInput<B>]| -> Vec<Entry> {
+            use burn::data::dataloader::Progress;
+            use burn::train::metric::{Metric, MetricMetadata, Numeric};
+            let metadata = MetricMetadata {
+                progress: Progress::new(1, 1),
+                global_progress: Progress::new(1, 1),
+                iteration: Some(1),
+                lr: None,
+            };
+            let mut metric = PerplexityMetric::<B>::new();
+            inputs
+                .iter()
+                .map(|input| {
+                    let entry = metric.update(input, &metadata);
+                    assert_eq!(entry.serialized, metric.running_value().serialize());
+                    Entry {
+                        metric: PERPLEXITY.into(),
+                        formatted: entry.formatted,
+                        serialized: entry.serialized,
+                        numeric: true,
+                    }
+                })
+                .collect()
+        };
+        let one = logged(&perplexity);
+        let process = |entries: Vec<Entry>| ProcessEntries {
+            batches: entries.into_iter().map(|e| vec![e]).collect(),
+            uncombinable: BTreeMap::new(),
+            cumulative: BTreeSet::from([PERPLEXITY.to_string()]),
+        };
+        let mut two = [
+            process(logged(&perplexity[..1])),
+            process(logged(&perplexity[1..])),
+        ];
+        assert!(rebuild_perplexity(&mut two, PERPLEXITY));
+        let rebuilt: Vec<Entry> = two.into_iter().flat_map(|p| p.batches).flatten().collect();
+        assert_eq!(rebuilt.len(), one.len());
+        for (got, want) in rebuilt.iter().zip(&one) {
+            let (got, want) = (
+                NumericEntry::deserialize(&got.serialized).unwrap(),
+                NumericEntry::deserialize(&want.serialized).unwrap(),
+            );
+            assert_eq!(weighted(&got).1, weighted(&want).1, "tokens");
+            let (got, want) = (got.current(), want.current());
+            assert!((got - want).abs() <= 1e-12 * want, "{got} vs {want}");
+        }
     }
 
     #[test]
