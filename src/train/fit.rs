@@ -191,21 +191,22 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
     // Waits until Burn's store holds this process's validation entries of the epoch (Burn's
     // processor hands them on asynchronously: early stopping and the checkpointing strategy
     // would read, and Burn's store cache, a part of the epoch), then, on several processes,
-    // combines every process's (`valid_metrics`); returns the batches of all processes.
+    // combines every process's (`valid_metrics`); returns the batches of all processes and
+    // the metrics shown per process.
     fn combine_valid_metrics(
         &self,
         own_batches: usize,
         processor: &mut SupervisedTrainingEventProcessor<LC>,
         store: &EventStoreClient,
-    ) -> usize {
+    ) -> (usize, Vec<String>) {
         flush_events::<LC>(processor, store);
         let (Some(metrics), Some(group)) = (&self.valid_metrics, &self.group) else {
-            return own_batches;
+            return (own_batches, Vec::new());
         };
-        metrics
+        let combined = metrics
             .combine(group)
-            .unwrap_or_else(|err| fail("cannot combine the validation metrics", err))
-            .batches
+            .unwrap_or_else(|err| fail("cannot combine the validation metrics", err));
+        (combined.batches, combined.per_process)
     }
 }
 
@@ -444,7 +445,7 @@ where
                 interrupter,
             );
             let valid_ops = autocast::thread_tally().since(&tally);
-            let combined = self.combine_valid_metrics(
+            let (combined, per_process) = self.combine_valid_metrics(
                 valid_batches,
                 &mut event_processor,
                 &training_components.event_store,
@@ -453,6 +454,7 @@ where
             {
                 let mut stats = self.report.lock();
                 stats.valid_processes = self.process.num_processes();
+                stats.valid_metrics_per_process = per_process;
                 stats.valid_lower_ops = stats.valid_lower_ops.plus(&valid_ops);
                 if let Some(report) = stats.epochs.last_mut() {
                     report.valid_batches = valid_batches;

@@ -157,7 +157,10 @@ where
     /// [`ProcessMetricLogger`]: every process validates its own batches and the logger combines
     /// the validation entries of all processes (see [`AccelerateStrategy::prepare_valid_loader`]),
     /// so that Burn's epoch values, early stopping, checkpoint choice and summary read the
-    /// same numbers on every process. It writes Burn's metric log files in the artifact
+    /// same numbers on every process (Burn's perplexity included, whose entries are rebuilt).
+    /// A numeric metric whose entries cannot be combined (an entry that carries state from
+    /// the batches before it) is shown per process and named in a warning and in
+    /// [`TrainingStats::valid_metrics_per_process`]. It writes Burn's metric log files in the artifact
     /// directory on the main process
     /// ([`AccelerateStrategy::with_artifact_dir`]: Burn does not tell a strategy its builder's
     /// directory) and keeps them in memory on the others, which share the directory (every
@@ -251,6 +254,7 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
                 lower_ops: LowerOpTally::default(),
                 valid_lower_ops: LowerOpTally::default(),
                 valid_processes: 1,
+                valid_metrics_per_process: Vec::new(),
                 resumed_from: None,
                 skipped_live: 0,
             })),
@@ -659,6 +663,16 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
     }
 
     // The logger the combined metrics of this process go to (see `with_accelerate`).
+    //
+    // Why the directory must be given again: burn-train 0.21 keeps it where neither
+    // `with_accelerate` nor the strategy can read it. `SupervisedTraining`'s `directory` is a
+    // private field (src/learner/supervised/paradigm.rs:60) with no getter among its public
+    // methods (paradigm.rs:92-328); `launch` uses it for its own file logger only when no
+    // logger was registered (paradigm.rs:338-341), and `with_accelerate` registers this one.
+    // What reaches the strategy's `train` is `TrainingComponents` (src/learner/supervised/
+    // strategies/base.rs:144-163), which holds no directory; its `summary`, a
+    // `LearnerSummaryConfig`, holds it as `pub(crate)` (src/learner/summary.rs:388-391), and
+    // only when `.summary()` was called.
     fn metric_logger(&self) -> Box<dyn MetricLogger> {
         let rank = self.process.process_index();
         let processes = self.process.num_processes();

@@ -51,6 +51,12 @@ pub struct TrainingStats {
     /// Processes the validation was divided between (each evaluated its own batches, and the
     /// metrics were combined).
     pub valid_processes: usize,
+    /// Validation metrics shown per process, by name: on several processes, those whose
+    /// epoch value cannot be rebuilt from the processes' entries (an entry that carries state
+    /// from the batches before it, or one that is not a number; Burn's `PerplexityMetric`,
+    /// whose state is known, is rebuilt and combined). Each process's Burn metrics hold its
+    /// own entries of these; every other metric is combined. A warning names each once.
+    pub valid_metrics_per_process: Vec<String>,
     /// The epoch whose checkpoint this training resumed from (`None`: it started afresh).
     pub resumed_from: Option<usize>,
     // Skipped steps so far, the current epoch included (for the live metric).

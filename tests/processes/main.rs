@@ -2338,7 +2338,7 @@ mod validation {
     use burn::optim::AdamConfig;
     use burn::train::checkpoint::MetricCheckpointingStrategy;
     use burn::train::metric::store::{Aggregate, Direction, EventStoreClient, Split};
-    use burn::train::metric::{AccuracyMetric, LossMetric};
+    use burn::train::metric::{AccuracyMetric, LossMetric, PerplexityMetric};
     use burn::train::{
         EarlyStoppingStrategy, Learner, MetricEarlyStoppingStrategy, StoppingCondition,
         SupervisedTraining, TrainingStrategy,
@@ -2368,6 +2368,9 @@ mod validation {
         /// `MetricCheckpointingStrategy`, which the main process runs on its event store).
         #[serde(default)]
         pub best_checkpoint: bool,
+        /// Also Burn's `PerplexityMetric`, whose entries carry state across batches.
+        #[serde(default)]
+        pub perplexity: bool,
     }
 
     #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
@@ -2387,6 +2390,8 @@ mod validation {
         pub epoch: usize,
         pub loss: Option<f64>,
         pub accuracy: Option<f64>,
+        #[serde(default)]
+        pub perplexity: Option<f64>,
         /// What this process's own early stopping strategy answered.
         pub stop: bool,
     }
@@ -2406,6 +2411,9 @@ mod validation {
         pub summary_loss: Option<f64>,
         /// The epochs whose model checkpoints Burn kept (main process).
         pub checkpoints: Vec<usize>,
+        /// The validation metrics shown per process (`TrainingStats`).
+        #[serde(default)]
+        pub per_process_metrics: Vec<String>,
     }
 
     /// Reads the validation metrics of each epoch from Burn's event store (where early stopping
@@ -2420,7 +2428,7 @@ mod validation {
     impl EarlyStoppingStrategy for Recording {
         fn should_stop(&mut self, epoch: usize, store: &EventStoreClient) -> bool {
             let read = |name: &str| store.find_metric(name, epoch, Aggregate::Mean, &Split::Valid);
-            let (loss, accuracy) = (read("Loss"), read("Accuracy"));
+            let (loss, accuracy, perplexity) = (read("Loss"), read("Accuracy"), read("Perplexity"));
             let stop = self
                 .inner
                 .as_mut()
@@ -2429,6 +2437,7 @@ mod validation {
                 epoch,
                 loss,
                 accuracy,
+                perplexity,
                 stop,
             });
             stop
@@ -2508,6 +2517,11 @@ mod validation {
             .with_application_logger(None)
             .early_stopping(stopping)
             .summary();
+        let builder = if args.perplexity {
+            builder.metric_valid_numeric(PerplexityMetric::new())
+        } else {
+            builder
+        };
         let builder = if args.best_checkpoint {
             builder
                 .with_file_checkpointer(burn::record::CompactRecorder::new())
@@ -2586,6 +2600,7 @@ mod validation {
             logged_losses,
             summary_loss,
             checkpoints: if main { checkpoints } else { Vec::new() },
+            per_process_metrics: stats.valid_metrics_per_process,
         }
     }
 }
@@ -2610,6 +2625,7 @@ fn every_process_validates_its_batches_and_reports_the_one_process_metrics() {
             stop_after: None,
             install: validation::Install::WithArtifactDir,
             best_checkpoint: false,
+            perplexity: false,
         };
         let single: validation::Report = launch(TEST, 1, &run, &[]).assert_success().report(0);
         let batches = valid_items.div_ceil(4);
@@ -2679,6 +2695,7 @@ fn early_stopping_on_the_combined_metric_stops_every_process_at_the_same_epoch()
         stop_after: Some(1),
         install: validation::Install::WithArtifactDir,
         best_checkpoint: true,
+        perplexity: false,
     };
     let single: validation::Report = launch(TEST, 1, &run, &[]).assert_success().report(0);
     let stopped = single.trained.len();
@@ -2731,6 +2748,7 @@ fn without_the_artifact_directory_or_with_accelerate_the_metrics_are_still_the_w
         stop_after: None,
         install,
         best_checkpoint: false,
+        perplexity: false,
     };
     let single: validation::Report =
         launch(TEST, 1, &run(validation::Install::WithArtifactDir), &[])
@@ -2760,6 +2778,53 @@ fn without_the_artifact_directory_or_with_accelerate_the_metrics_are_still_the_w
         }
         if install == validation::Install::NoArtifactDir {
             assert!(reports[0].logged_losses.is_empty(), "{:?}", reports[0]);
+        }
+    }
+}
+
+#[test]
+fn burns_perplexity_whose_entries_carry_state_is_rebuilt_across_processes() {
+    const TEST: &str = "burns_perplexity_whose_entries_carry_state_is_rebuilt_across_processes";
+    if let Some(args) = worker::<validation::Run>() {
+        return report(&validation::train(&args));
+    }
+    // Burn's perplexity logs the epoch's perplexity so far with the tokens so far: no mean
+    // of the processes' entries is the one-process value, so they are rebuilt from each
+    // process's sums. 13 items (4 batches, the last of 1) and 2 (one batch on some
+    // processes, none on the others).
+    for valid_items in [13, 2] {
+        let run = validation::Run {
+            valid_items,
+            epochs: 2,
+            lr: 0.0,
+            stop_after: None,
+            install: validation::Install::WithArtifactDir,
+            best_checkpoint: false,
+            perplexity: true,
+        };
+        let single: validation::Report = launch(TEST, 1, &run, &[]).assert_success().report(0);
+        for processes in [2, 3] {
+            let reports: Vec<validation::Report> = launch(TEST, processes, &run, &[])
+                .assert_success()
+                .reports(processes);
+            for (rank, r) in reports.iter().enumerate() {
+                let case = format!("{valid_items} items, rank {rank} of {processes}");
+                assert!(r.per_process_metrics.is_empty(), "{case}: {r:?}");
+                assert_eq!(r.epochs.len(), 2, "{case}: {r:?}");
+                for (got, want) in r.epochs.iter().zip(&single.epochs) {
+                    for (name, got, want) in [
+                        ("loss", got.loss, want.loss),
+                        ("accuracy", got.accuracy, want.accuracy),
+                        ("perplexity", got.perplexity, want.perplexity),
+                    ] {
+                        let (got, want) = (got.unwrap(), want.unwrap());
+                        assert!(
+                            relative(got, want) <= 1e-6,
+                            "{case}: {name} {got} vs {want}"
+                        );
+                    }
+                }
+            }
         }
     }
 }

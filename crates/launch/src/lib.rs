@@ -15,6 +15,12 @@
 //! environment and in every line the launcher writes, with a rendezvous that hears only its
 //! own attempt's processes.
 //!
+//! With several processes on a machine, each gets `RAYON_NUM_THREADS` and `OMP_NUM_THREADS`
+//! = max(1, cores / processes on the machine) where the launcher's environment does not set
+//! them (a variable set there is kept), and the launcher says once what it set: as torchrun
+//! sets `OMP_NUM_THREADS=1`, so that each process's thread pool does not take every core.
+//! The training library's numbers do not depend on the thread count.
+//!
 //! With `--num-machines MIN:MAX` (torchrun's `--nnodes`), machine 0's launcher decides each
 //! attempt's machines among the launchers connected to it (`distributed::membership`): a lost
 //! machine's attempt is restarted with the machines that are left, if at least MIN.
@@ -61,6 +67,13 @@ enum Task {
     /// the others are stopped, and the run is started again while --max-restarts allows
     /// (otherwise the launcher exits non-zero, naming the rank of each attempt's failure).
     /// With --num-machines MIN:MAX, a restart takes the machines that are left, if at least MIN.
+    ///
+    /// Threads: with several processes on a machine, each gets RAYON_NUM_THREADS and
+    /// OMP_NUM_THREADS = max(1, cores / processes on the machine), its share of the cores,
+    /// so that every process's thread pool does not start a thread per core (torchrun sets
+    /// OMP_NUM_THREADS=1 for the same reason). A variable set in the launcher's environment
+    /// is kept as it is (`RAYON_NUM_THREADS=2 burn-accelerate launch ...`); the launcher
+    /// says once what it set.
     Launch(Launch),
     /// Write a fresh run secret (64 hex characters) to PATH (readable by its owner only), or
     /// print it
@@ -948,7 +961,8 @@ fn start(
         #[cfg(unix)]
         std::os::unix::process::CommandExt::process_group(&mut command, 0);
         if let Some(threads) = threads {
-            for var in ["RAYON_NUM_THREADS", "OMP_NUM_THREADS"] {
+            // The user's own choice is kept (`ThreadShare`).
+            for var in THREAD_VARIABLES {
                 if std::env::var_os(var).is_none() {
                     command.env(var, threads.to_string());
                 }
@@ -969,24 +983,91 @@ fn start(
     Ok(children)
 }
 
-// With several processes on a machine, each gets its share of the cores (torchrun sets
-// OMP_NUM_THREADS=1 for the same reason): otherwise every process starts a thread per core.
+/// The thread-count variables the launcher gives each process: rayon's (Flex, the `gemm`
+/// crate, the training library's CPU kernels) and OpenMP's (LibTorch under tch).
+const THREAD_VARIABLES: [&str; 2] = ["RAYON_NUM_THREADS", "OMP_NUM_THREADS"];
+
+/// How a machine's cores are shared among its processes: the variables the launcher sets in
+/// each process and those the user set, which the processes inherit unchanged.
+#[derive(Debug, PartialEq, Eq)]
+struct ThreadShare {
+    local: u32,
+    cores: usize,
+    /// Each process's share: `max(1, cores / local)`.
+    threads: usize,
+    /// The variables nobody set, which each process gets as `threads`.
+    set: Vec<&'static str>,
+    /// The variables the user set, with their values.
+    kept: Vec<(&'static str, String)>,
+}
+
+impl ThreadShare {
+    // `None` for one process on the machine: its pools take every core, as they would
+    // without the launcher. `user` reads the launcher's environment.
+    fn of(local: u32, cores: usize, user: impl Fn(&str) -> Option<String>) -> Option<Self> {
+        if local < 2 {
+            return None;
+        }
+        let threads = (cores / local as usize).max(1);
+        let (mut set, mut kept) = (Vec::new(), Vec::new());
+        for var in THREAD_VARIABLES {
+            match user(var) {
+                Some(value) => kept.push((var, value)),
+                None => set.push(var),
+            }
+        }
+        Some(Self {
+            local,
+            cores,
+            threads,
+            set,
+            kept,
+        })
+    }
+
+    // What the launcher says once, when it sets anything (as torchrun warns when it sets
+    // OMP_NUM_THREADS=1).
+    fn message(&self) -> Option<String> {
+        if self.set.is_empty() {
+            return None;
+        }
+        let set = self
+            .set
+            .iter()
+            .map(|var| format!("{var}={}", self.threads))
+            .collect::<Vec<_>>()
+            .join(" and ");
+        let kept = self
+            .kept
+            .iter()
+            .map(|(var, value)| format!("; {var}={value:?} is yours and kept"))
+            .collect::<String>();
+        Some(format!(
+            "{} processes on this machine's {} cores: each process gets {set}, its share of \
+             the cores, so that their thread pools do not oversubscribe them{kept}; set {} \
+             yourself to choose another count",
+            self.local,
+            self.cores,
+            self.set.join(" / ")
+        ))
+    }
+}
+
+// With several processes on a machine, each gets its share of the cores where the user has
+// not chosen: otherwise every process's thread pool starts a thread per core, and the
+// processes fight over them. torchrun does the same for OpenMP (torch 2.9,
+// torch/distributed/run.py, `config_from_args`: OMP_NUM_THREADS=1 when it is unset and
+// nproc_per_node > 1, with a warning); the launcher gives each process its share rather
+// than one thread, and sets rayon's variable too.
 fn threads_per_process(local: u32, attempt: Attempt) -> Option<usize> {
-    if local < 2 {
-        return None;
-    }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let threads = (cores / local as usize).max(1);
-    if ["RAYON_NUM_THREADS", "OMP_NUM_THREADS"]
-        .iter()
-        .any(|v| std::env::var_os(v).is_none())
-    {
-        eprintln!(
-            "{attempt}: {local} processes on {cores} cores: each gets \
-             RAYON_NUM_THREADS / OMP_NUM_THREADS = {threads} (set them to choose)"
-        );
+    let share = ThreadShare::of(local, cores, |var| {
+        std::env::var_os(var).map(|v| v.to_string_lossy().into_owned())
+    })?;
+    if let Some(message) = share.message() {
+        eprintln!("{attempt}: {message}");
     }
-    Some(threads)
+    Some(share.threads)
 }
 
 // The first `n` ports from `first` on that are free now: the ports after the main one, as
@@ -1283,6 +1364,44 @@ mod tests {
                 ),
             "{said}"
         );
+    }
+
+    #[test]
+    fn several_processes_share_the_cores_unless_the_user_chose() {
+        let nobody = |_: &str| None;
+        assert_eq!(
+            ThreadShare::of(1, 8, nobody),
+            None,
+            "one process keeps them all"
+        );
+        let share = ThreadShare::of(2, 2, nobody).unwrap();
+        assert_eq!(
+            (share.threads, share.set.as_slice()),
+            (1, &THREAD_VARIABLES[..])
+        );
+        let said = share.message().unwrap();
+        assert!(
+            said.contains(
+                "2 processes on this machine's 2 cores: each process gets \
+                 RAYON_NUM_THREADS=1 and OMP_NUM_THREADS=1"
+            ) && said.contains("set RAYON_NUM_THREADS / OMP_NUM_THREADS yourself"),
+            "{said}"
+        );
+        // Each its share, and at least one thread.
+        assert_eq!(ThreadShare::of(3, 16, nobody).unwrap().threads, 5);
+        assert_eq!(ThreadShare::of(4, 2, nobody).unwrap().threads, 1);
+        // The user's own value is kept and named; nothing said when nothing is set.
+        let rayon = |var: &str| (var == "RAYON_NUM_THREADS").then(|| "3".to_string());
+        let share = ThreadShare::of(2, 8, rayon).unwrap();
+        assert_eq!(share.set, ["OMP_NUM_THREADS"]);
+        let said = share.message().unwrap();
+        assert!(
+            said.contains("each process gets OMP_NUM_THREADS=4")
+                && said.contains("RAYON_NUM_THREADS=\"3\" is yours and kept"),
+            "{said}"
+        );
+        let both = |_: &str| Some("2".to_string());
+        assert_eq!(ThreadShare::of(2, 8, both).unwrap().message(), None);
     }
 
     #[test]

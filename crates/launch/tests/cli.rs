@@ -57,6 +57,80 @@ fn launch_gives_each_process_its_rank_and_prefixes_its_lines() {
     }
 }
 
+// Launches 2 processes that print their thread variables, with `env` set in the launcher's
+// environment (every thread variable removed first); returns stdout and stderr.
+fn launch_printing_threads(env: &[(&str, &str)]) -> (String, String) {
+    let _one = exclusive();
+    let mut command = launcher();
+    command
+        .env_remove("RAYON_NUM_THREADS")
+        .env_remove("OMP_NUM_THREADS")
+        .envs(env.iter().copied())
+        .args([
+            "launch",
+            "--num-processes",
+            "2",
+            "--main-process-port",
+            &free_port(),
+            "--",
+            "sh",
+            "-c",
+            "echo \"rayon=${RAYON_NUM_THREADS-unset} omp=${OMP_NUM_THREADS-unset}\"",
+        ]);
+    let out = command.output().unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    );
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    (stdout, stderr)
+}
+
+#[test]
+fn each_process_gets_its_share_of_the_cores_unless_the_user_chose() {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let share = (cores / 2).max(1);
+    let (stdout, stderr) = launch_printing_threads(&[]);
+    for rank in 0..2 {
+        let line = format!("[rank {rank}] rayon={share} omp={share}");
+        assert!(stdout.lines().any(|l| l == line), "{line:?} in\n{stdout}");
+    }
+    // Said once, naming what was set and how to choose.
+    let said: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains("each process gets"))
+        .collect();
+    assert_eq!(said.len(), 1, "{stderr}");
+    assert!(
+        said[0].contains(&format!(
+            "2 processes on this machine's {cores} cores: each process gets \
+             RAYON_NUM_THREADS={share} and OMP_NUM_THREADS={share}"
+        )) && said[0].contains("set RAYON_NUM_THREADS / OMP_NUM_THREADS yourself"),
+        "{stderr}"
+    );
+
+    // The user's own count is kept, and the other variable still gets the share.
+    let (stdout, stderr) = launch_printing_threads(&[("RAYON_NUM_THREADS", "7")]);
+    for rank in 0..2 {
+        let line = format!("[rank {rank}] rayon=7 omp={share}");
+        assert!(stdout.lines().any(|l| l == line), "{line:?} in\n{stdout}");
+    }
+    assert!(
+        stderr.contains(&format!("each process gets OMP_NUM_THREADS={share}"))
+            && stderr.contains("RAYON_NUM_THREADS=\"7\" is yours and kept"),
+        "{stderr}"
+    );
+
+    // Both chosen: nothing set, nothing said.
+    let (stdout, stderr) =
+        launch_printing_threads(&[("RAYON_NUM_THREADS", "3"), ("OMP_NUM_THREADS", "5")]);
+    for rank in 0..2 {
+        let line = format!("[rank {rank}] rayon=3 omp=5");
+        assert!(stdout.lines().any(|l| l == line), "{line:?} in\n{stdout}");
+    }
+    assert!(!stderr.contains("each process gets"), "{stderr}");
+}
+
 #[test]
 fn a_failing_process_fails_the_launch_naming_its_rank() {
     let _one = exclusive();
