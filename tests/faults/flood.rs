@@ -104,18 +104,8 @@ fn run(test: &str, flood: bool) -> Vec<Ended> {
     let dir = harness::scratch_dir(&format!("{test}-{flood}"));
     let processes: Vec<_> = (0..2)
         .map(|rank| {
-            let mut command = std::process::Command::new(std::env::current_exe().unwrap());
-            command
-                .arg(test)
-                .args(harness::WORKER_FLAGS)
-                .env(harness::WORKER_DIR, &dir)
-                .env("BURN_ACCELERATE_TEST_WORKER_ARGS", "null")
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", "2")
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", main.to_string())
-                .env("BURN_ACCELERATE_DATA_PORT", (data + rank).to_string())
-                .env("BURN_ACCELERATE_SECRET", "the flooded run's secret");
+            let command =
+                harness::rank_of_two(test, &dir, rank, [main, data], "the flooded run's secret");
             let dir = dir.clone();
             std::thread::spawn(move || harness::run(command, dir))
         })

@@ -324,18 +324,7 @@ fn strangers_are_refused_and_the_run_carries_on() {
     let dir = harness::scratch_dir(TEST);
     let processes: Vec<_> = (0..2)
         .map(|rank| {
-            let mut command = std::process::Command::new(std::env::current_exe().unwrap());
-            command
-                .arg(TEST)
-                .args(harness::WORKER_FLAGS)
-                .env(harness::WORKER_DIR, &dir)
-                .env("BURN_ACCELERATE_TEST_WORKER_ARGS", "null")
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", "2")
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", main.to_string())
-                .env("BURN_ACCELERATE_DATA_PORT", (data + rank).to_string())
-                .env("BURN_ACCELERATE_SECRET", SECRET);
+            let command = harness::rank_of_two(TEST, &dir, rank, [main, data], SECRET);
             let dir = dir.clone();
             std::thread::spawn(move || harness::run(command, dir))
         })

@@ -256,6 +256,35 @@ pub fn scratch_dir(test: &str) -> PathBuf {
     dir
 }
 
+/// Process `rank` of a 2-process run of this test binary's `test` started without a launcher,
+/// as a scheduler would start it: torchrun's variables with the rendezvous on `main`, the data
+/// port `data + rank`, the run's `secret`; reporting to `dir`.
+#[allow(dead_code)] // The fault tests' (this file is shared).
+pub fn rank_of_two(
+    test: &str,
+    dir: &Path,
+    rank: usize,
+    [main, data]: [u16; 2],
+    secret: &str,
+) -> Command {
+    let mut command = Command::new(std::env::current_exe().unwrap());
+    command
+        .arg(test)
+        .args(WORKER_FLAGS)
+        .env(WORKER_DIR, dir)
+        .env("BURN_ACCELERATE_TEST_WORKER_ARGS", "null")
+        .env("RANK", rank.to_string())
+        .env("WORLD_SIZE", "2")
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", main.to_string())
+        .env(
+            "BURN_ACCELERATE_DATA_PORT",
+            (usize::from(data) + rank).to_string(),
+        )
+        .env("BURN_ACCELERATE_SECRET", secret);
+    command
+}
+
 /// Runs `command` to its end (or the deadline), capturing its output.
 pub fn run(mut command: Command, dir: PathBuf) -> Launched {
     let start = Instant::now();
