@@ -513,16 +513,9 @@ impl LmOutcome {
     }
 }
 
-/// This process's peak resident memory in MiB (Linux's `VmHWM`; 0 elsewhere).
-fn peak_rss_mib() -> f64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|status| {
-            let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-            line.split_whitespace().nth(1)?.parse::<f64>().ok()
-        })
-        .map_or(0.0, |kib| kib / 1024.0)
-}
+// This process's peak resident memory, as the other examples that measure memory read it.
+#[path = "memory.rs"]
+mod memory;
 
 // The cross-entropy summed over every token of `windows`, in batches of `batch_size`, and
 // the tokens.
@@ -649,7 +642,7 @@ pub fn run<B: AutodiffBackend>(
     let tokens_per_step = config.batch_size * config.grad_accum * processes * config.seq_len;
     let tail = &items[items.len().saturating_sub(10)..];
     let mut train_loss = [tail.iter().map(|i| i.2).sum::<f64>() / tail.len().max(1) as f64];
-    let mut peak = peak_rss_mib();
+    let mut peak = memory::peak_memory_mib();
     // This process's whole batches of the validation windows, evaluated as the fit validates.
     let part = BatchSplit::of(
         valid_windows.len(),
