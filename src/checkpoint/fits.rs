@@ -5,54 +5,23 @@
 //! it from the model. (A record's parameters that the model lacks are dropped by Burn's
 //! `load_record` before they can be seen; they change nothing in the model.)
 
-use burn::module::{Module, ModuleVisitor, Param};
-use burn::prelude::{Bool, Int, Tensor};
+use burn::module::Module;
 use burn::tensor::backend::Backend;
 
 use super::records::record_error;
 use crate::AccelerateError;
+use crate::placement::walk::walk;
 
-/// Every parameter of a module, by its path (`encoder.layers.0.weight`), with its shape.
-#[derive(Default)]
-struct Shapes {
-    path: Vec<String>,
-    found: Vec<(String, Vec<usize>)>,
-}
-
-impl Shapes {
-    fn of<B: Backend, M: Module<B>>(module: &M) -> Vec<(String, Vec<usize>)> {
-        let mut shapes = Self::default();
-        module.visit(&mut shapes);
-        shapes.found.sort();
-        shapes.found
-    }
-
-    fn note(&mut self, dims: Vec<usize>) {
-        let name = self.path.join(".");
-        self.found.push((name, dims));
-    }
-}
-
-impl<B: Backend> ModuleVisitor<B> for Shapes {
-    fn enter_module(&mut self, name: &str, _container_type: &str) {
-        self.path.push(name.to_string());
-    }
-
-    fn exit_module(&mut self, _name: &str, _container_type: &str) {
-        self.path.pop();
-    }
-
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        self.note(param.lazy_shape().dims::<D>().to_vec());
-    }
-
-    fn visit_int<const D: usize>(&mut self, param: &Param<Tensor<B, D, Int>>) {
-        self.note(param.lazy_shape().dims::<D>().to_vec());
-    }
-
-    fn visit_bool<const D: usize>(&mut self, param: &Param<Tensor<B, D, Bool>>) {
-        self.note(param.lazy_shape().dims::<D>().to_vec());
-    }
+/// Every parameter of a module, by its path (`encoder.layers.0.weight`) with its shape, sorted
+/// by path: the placement walk's, which reads lazy parameters without creating them.
+fn shapes<B: Backend, M: Module<B>>(module: &M) -> Vec<(String, Vec<usize>)> {
+    let mut found: Vec<_> = walk::<B, M>(module)
+        .params
+        .into_iter()
+        .map(|param| (param.path, param.shape))
+        .collect();
+    found.sort();
+    found
 }
 
 /// `model` with `record` (the checkpoint's file `what`) loaded, once the record has been found
@@ -67,9 +36,9 @@ pub(crate) fn load_fitting<B: Backend, M: Module<B>>(
     record: M::Record,
     what: &str,
 ) -> Result<M, AccelerateError> {
-    let expected = Shapes::of::<B, _>(&model);
+    let expected = shapes::<B, _>(&model);
     let loaded = model.load_record(record);
-    let got = Shapes::of::<B, _>(&loaded);
+    let got = shapes::<B, _>(&loaded);
     if let Some(reason) = first_difference(&expected, &got) {
         return Err(record_error(
             what,

@@ -78,7 +78,7 @@ mod map;
 mod moves;
 mod report;
 mod strategy;
-mod walk;
+pub(crate) mod walk;
 
 pub use crate::backend::tracked_move::register as register_tracked_moves;
 pub use crate::device_moves::{
