@@ -74,9 +74,10 @@ pub(crate) fn matmul<B: Backend>(
         && let Some((a_shape, b_shape)) = batch_shapes(&a, &b)
         && let Some((kernels, route)) = chosen::<B>()
     {
-        // A broadcast operand is expanded, a view Flex's kernel reads in place (stride 0 over
-        // the batch), and Burn's expand node sums its gradient over the broadcast dimensions,
-        // in the half type, as Burn's own matmul's backward does.
+        // A broadcast operand is expanded as a view (stride 0 over the batch: the dot-product
+        // and tile kernels read it in place, the widened route copies it out), and Burn's
+        // expand node sums its gradient over the broadcast dimensions, in the half type, as
+        // Burn's own matmul's backward does.
         let expanded = |t: FloatTensor<B>, shape: Shape| match t.shape() == shape {
             true => t,
             false => B::float_expand(t, shape),

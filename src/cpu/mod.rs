@@ -33,10 +33,10 @@
 //!   f32 or f64 (Flex's own, and Burn's own node on `Autodiff<Flex>`).
 //! - [`low_gemm`]: autocast's lower-class matmul (batched too, as in attention) and linear
 //!   (an input of any rank taken as the matrix of its rows). Applies under autocast to half
-//!   operands of one dtype, 2-D or batches with the same leading dimensions, where the probe
-//!   chose the crate's path or the process fixed it (`Context::with_half_path`). Not for
-//!   broadcast batches, vectors, mixed dtypes, outside autocast, under `HalfPath::Own`, or
-//!   where Flex's own half GEMM timed clearly faster.
+//!   operands of one dtype, 2-D or batches with the same leading dimensions (a broadcast
+//!   batch comes expanded, as a stride-0 view: `backend::lowered`), by rule unless the context
+//!   fixed Flex's own path (`Context::with_half_path`). Not for vectors, mixed dtypes, outside
+//!   autocast or under `HalfPath::Own`.
 //! - [`low_conv`] (over the kernels' `half_conv`, `im2col` GEMMs): autocast's lower-class
 //!   conv2d, and conv1d as a convolution of one-pixel-high images, forward and backward, on
 //!   the same conditions as `low_gemm`. Grouped convolutions and [`Route::Widened`] run Flex's
