@@ -208,43 +208,50 @@ fn a_linear_of_three_dimensions_is_the_linear_of_its_rows() {
     same_either_way(autocasts_rows);
 }
 
-// Queries `[2, 3, 6, 32]` by transposed keys `[2, 3, 24, 32]`, as attention multiplies them:
-// a batch of matrices, one operand a transposed view. Through Burn's own ops in `low` (casts
-// written out by hand) on a plain autodiff backend, or under autocast to `precision`.
-fn batched_matmul(low: FloatDType, precision: Option<Precision>) -> Run {
-    fn run<B: AutodiffBackend>(cast: impl Fn(Tensor<B, 4>) -> Tensor<B, 4>) -> Run {
+// Queries `q` by transposed keys `k` (`[2, 3, 6, 32]` by `[2, 3, 24, 32]`, as attention
+// multiplies them: a batch of matrices, one operand a transposed view; or with a batch size of
+// 1 on one side, broadcast). Through Burn's own ops in `low` (casts written out by hand) on a
+// plain autodiff backend, or under autocast to `precision`.
+fn batched_matmul([q, k]: [[usize; 4]; 2], low: FloatDType, precision: Option<Precision>) -> Run {
+    fn run<B: AutodiffBackend>(
+        [q, k]: [[usize; 4]; 2],
+        cast: impl Fn(Tensor<B, 4>) -> Tensor<B, 4>,
+    ) -> Run {
         let device = Default::default();
-        let q = Tensor::<B, 4>::from_data(data([2, 3, 6, 32], 1), &device).require_grad();
-        let k = Tensor::<B, 4>::from_data(data([2, 3, 24, 32], 2), &device).require_grad();
+        let q = Tensor::<B, 4>::from_data(data(q, 1), &device).require_grad();
+        let k = Tensor::<B, 4>::from_data(data(k, 2), &device).require_grad();
         let unused = Tensor::<B, 1>::from_data(TensorData::new(vec![0f32], [1]), &device);
         let out = cast(q.clone()).matmul(cast(k.clone()).swap_dims(2, 3));
         let grads = (out.clone().cast(FloatDType::F32) * 0.5).sum().backward();
         outcome(out, &grads, &q, &k, &unused.require_grad())
     }
     match precision {
-        None => run::<Plain>(|t| t.cast(low)),
+        None => run::<Plain>([q, k], |t| t.cast(low)),
         Some(precision) => {
             let _low = autocast::enable(precision);
-            run::<Acc>(|t| t)
+            run::<Acc>([q, k], |t| t)
         }
     }
 }
 
+// Attention's queries and keys, one batch of each size.
+const ATTENTION: [[usize; 4]; 2] = [[2, 3, 6, 32], [2, 3, 24, 32]];
+
 #[test]
 fn batched_matmuls_give_burns_numbers_on_every_path() {
-    let want = batched_matmul(FloatDType::BF16, None);
+    let want = batched_matmul(ATTENTION, FloatDType::BF16, None);
     let widened = on_path(HalfPath::Widened, || {
-        batched_matmul(FloatDType::BF16, Some(Precision::Bf16))
+        batched_matmul(ATTENTION, FloatDType::BF16, Some(Precision::Bf16))
     });
     assert_eq!(widened, want, "bf16, widened: Burn's bits");
     let dot = on_path(HalfPath::ViaF32, || {
-        batched_matmul(FloatDType::BF16, Some(Precision::Bf16))
+        batched_matmul(ATTENTION, FloatDType::BF16, Some(Precision::Bf16))
     });
     assert_within_a_bf16_rounding(&dot, &want, "bf16, dot products");
     // f16: the f32 sums rounded once, within an f16 rounding of Burn's f16 sums.
-    let want = batched_matmul(FloatDType::F16, None);
+    let want = batched_matmul(ATTENTION, FloatDType::F16, None);
     let got = on_path(HalfPath::ViaF32, || {
-        batched_matmul(FloatDType::F16, Some(Precision::F16))
+        batched_matmul(ATTENTION, FloatDType::F16, Some(Precision::F16))
     });
     for (i, (got, want)) in got.iter().zip(&want).enumerate() {
         for (g, w) in got.iter().zip(want) {
@@ -257,32 +264,9 @@ fn batched_matmuls_give_burns_numbers_on_every_path() {
     }
 }
 
-// Queries by transposed keys, the keys' batch broadcast against the queries' (shared keys, as
-// multi-query attention multiplies them: a 1 where the other side's batch is larger). Under
-// autocast to `precision` on the decorator, or (`None`) through Burn's own ops in bf16 on a
-// plain autodiff backend, casts written out by hand.
-fn broadcast_matmul(q: [usize; 4], k: [usize; 4], precision: Option<Precision>) -> Run {
-    fn run<B: AutodiffBackend>(q: [usize; 4], k: [usize; 4], low: Option<FloatDType>) -> Run {
-        let device = Default::default();
-        let q = Tensor::<B, 4>::from_data(data(q, 1), &device).require_grad();
-        let k = Tensor::<B, 4>::from_data(data(k, 2), &device).require_grad();
-        let unused = Tensor::<B, 1>::from_data(TensorData::new(vec![0f32], [1]), &device);
-        let cast = |t: Tensor<B, 4>| low.map_or(t.clone(), |low| t.cast(low));
-        let out = cast(q.clone()).matmul(cast(k.clone()).swap_dims(2, 3));
-        let grads = (out.clone().cast(FloatDType::F32) * 0.5).sum().backward();
-        outcome(out, &grads, &q, &k, &unused.require_grad())
-    }
-    match precision {
-        None => run::<Plain>(q, k, Some(FloatDType::BF16)),
-        Some(precision) => {
-            let _low = autocast::enable(precision);
-            run::<Acc>(q, k, None)
-        }
-    }
-}
-
 #[test]
 fn broadcast_batched_matmuls_take_the_kernel() {
+    // Shared keys (multi-query attention), shared heads, and both.
     let cases = [
         ([2, 3, 6, 32], [1, 3, 24, 32]),
         ([2, 3, 6, 32], [2, 1, 24, 32]),
@@ -291,13 +275,13 @@ fn broadcast_batched_matmuls_take_the_kernel() {
     for (q, k) in cases {
         // On the widened path: Burn's own bits, forward and backward (the broadcast operand's
         // gradient summed over the batch in bf16 by Burn's expand node, as Burn's matmul sums it).
-        let want = broadcast_matmul(q, k, None);
+        let want = batched_matmul([q, k], FloatDType::BF16, None);
         let widened = on_path(HalfPath::Widened, || {
-            broadcast_matmul(q, k, Some(Precision::Bf16))
+            batched_matmul([q, k], FloatDType::BF16, Some(Precision::Bf16))
         });
         assert_eq!(widened, want, "bf16, widened: {q:?} by {k:?}");
         let dot = on_path(HalfPath::ViaF32, || {
-            broadcast_matmul(q, k, Some(Precision::Bf16))
+            batched_matmul([q, k], FloatDType::BF16, Some(Precision::Bf16))
         });
         assert_within_a_bf16_rounding(&dot, &want, &format!("bf16, dot products: {q:?} by {k:?}"));
         // The product ran on the crate's kernel, on every path and in both half types: counted
@@ -306,7 +290,9 @@ fn broadcast_batched_matmuls_take_the_kernel() {
         for path in [HalfPath::ViaF32, HalfPath::Widened] {
             for precision in [Precision::Bf16, Precision::F16] {
                 let before = autocast::thread_tally();
-                on_path(path, || broadcast_matmul(q, k, Some(precision)));
+                on_path(path, || {
+                    batched_matmul([q, k], FloatDType::BF16, Some(precision))
+                });
                 let ran = autocast::thread_tally().since(&before);
                 assert_eq!(
                     (ran.half_ops, ran.crate_kernel_ops),
