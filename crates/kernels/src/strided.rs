@@ -99,6 +99,10 @@ pub fn broadcast_strides(
 /// `values` (contiguous, of `shape`, at least one dimension) with `value` where the mask is
 /// set: the mask's bytes `mask` read from `mask_start` by `mask_strides` along each dimension
 /// of `shape` (see [`broadcast_strides`]), nonzero for set.
+///
+/// Taken a run of the last dimension at a time, as [`copy`] takes its rows: an attention
+/// mask's row lies contiguous (or is one byte broadcast along it), and choosing value by value
+/// with an index computed and checked for each was most of a transformer's mask fills.
 pub fn masked_fill<T: bytemuck::Pod + Send + Sync>(
     values: &[T],
     shape: &[usize],
@@ -110,17 +114,97 @@ pub fn masked_fill<T: bytemuck::Pod + Send + Sync>(
     let last_stride = mask_strides[rank - 1];
     filled::<T>(values.len(), |begin, block| {
         let (mut row, mut col) = (begin / last, begin % last);
-        let mut base = row_start(mask_start, shape, mask_strides, row);
-        for (i, dst) in block.iter_mut().enumerate() {
-            *dst = match mask[base + col * last_stride] != 0 {
-                true => value,
-                false => values[begin + i],
-            };
-            col += 1;
-            if col == last {
-                (row, col) = (row + 1, 0);
-                base = row_start(mask_start, shape, mask_strides, row);
+        let mut done = 0;
+        while done < block.len() {
+            let run = (last - col).min(block.len() - done);
+            let from = row_start(mask_start, shape, mask_strides, row) + col * last_stride;
+            let dst = &mut block[done..done + run];
+            let src = &values[begin + done..][..run];
+            match last_stride {
+                0 if mask[from] != 0 => dst.fill(value),
+                0 => dst.copy_from_slice(src),
+                1 => select(dst, src, &mask[from..from + run], value),
+                s => {
+                    let set = mask[from..].iter().step_by(s);
+                    select_each(dst, src, set, value)
+                }
             }
+            done += run;
+            (row, col) = (row + 1, 0);
         }
     })
+}
+
+// `value` where `set` is nonzero, `src`'s own value elsewhere, into `dst` (all as long): a
+// branch-free select over slices, which the compiler vectorises.
+fn select<T: bytemuck::Pod>(dst: &mut [T], src: &[T], set: &[u8], value: T) {
+    for ((dst, &src), &set) in dst.iter_mut().zip(src).zip(set) {
+        *dst = if set != 0 { value } else { src };
+    }
+}
+
+// `select` with the mask's bytes read through an iterator (a strided run).
+fn select_each<'a, T: bytemuck::Pod>(
+    dst: &mut [T],
+    src: &[T],
+    set: impl Iterator<Item = &'a u8>,
+    value: T,
+) {
+    for ((dst, &src), &set) in dst.iter_mut().zip(src).zip(set) {
+        *dst = if set != 0 { value } else { src };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // The fill value by value, each mask byte found from its own index: what `masked_fill`
+    // must equal.
+    fn fill_by_index(values: &[u16], shape: &[usize], mask: (&[u8], usize, &[usize])) -> Vec<u16> {
+        let (bytes, start, strides) = mask;
+        (0..values.len())
+            .map(|i| {
+                let (mut rest, mut at) = (i, start);
+                for d in (0..shape.len()).rev() {
+                    at += (rest % shape[d]) * strides[d];
+                    rest /= shape[d];
+                }
+                if bytes[at] != 0 { 0xFFFF } else { values[i] }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn runs_fill_as_index_by_index_for_every_mask_layout() {
+        // (shape, mask strides): a causal mask broadcast over batch and heads, a mask row
+        // broadcast along the last dimension (stride 0), a transposed mask (stride > 1), a
+        // mask from an offset, and rows shorter and longer than a block of `filled`.
+        let cases: [(&[usize], &[usize], usize); 6] = [
+            (&[2, 3, 5, 5], &[0, 0, 5, 1], 0),
+            (&[2, 3, 5, 7], &[0, 7, 1, 0], 0),
+            (&[4, 6], &[1, 4], 0),
+            (&[3, 300], &[300, 1], 11),
+            (&[2, 2, 700], &[0, 700, 1], 3),
+            (&[1], &[0], 2),
+        ];
+        for (shape, strides, start) in cases {
+            let len: usize = shape.iter().product();
+            let values: Vec<u16> = (0..len as u16).collect();
+            let extent = start
+                + shape
+                    .iter()
+                    .zip(strides)
+                    .map(|(n, s)| (n - 1) * s)
+                    .sum::<usize>()
+                + 1;
+            let bytes: Vec<u8> = (0..extent).map(|i| ((i * 7 + 3) % 5 < 2) as u8).collect();
+            let mask = (&bytes[..], start, strides);
+            assert_eq!(
+                masked_fill(&values, shape, mask, 0xFFFF),
+                fill_by_index(&values, shape, mask),
+                "shape {shape:?}, mask strides {strides:?} from {start}"
+            );
+        }
+    }
 }
