@@ -58,6 +58,32 @@ pub(super) unsafe fn gemm(
     parallel: bool,
     packed: &mut Packed,
 ) {
+    // SAFETY: the caller's promises.
+    unsafe { gemm_reading_a(a, b, product, parallel, packed, reads_a_in_place(&a)) }
+}
+
+/// Whether the kernel reads A's k-pairs where they lie instead of packing them: each row's
+/// pairs are whole 32-bit words side by side (a row-major A with an even k), which is what
+/// a packed panel holds too, only `MR` rows apart instead of adjacent. The broadcasts then
+/// read `MR` rows' lines, which stay in L1 across the tile's B panels as the packed panel
+/// did; packing A was a tenth of the GEMM's time in a transformer's step on Zen 4 (attention's
+/// 256 × 256 probabilities packed for 32 columns of V), for no change in the sums.
+fn reads_a_in_place(a: &Bf16Matrix) -> bool {
+    a.col_stride == 1 && a.cols.is_multiple_of(2)
+}
+
+// `gemm`, with A packed or read in place as `a_in_place` says (the same sums in the same
+// order either way: tested bit for bit).
+//
+// SAFETY: as for `gemm`; where `a_in_place`, `reads_a_in_place(&a)`.
+unsafe fn gemm_reading_a(
+    a: Bf16Matrix,
+    b: Bf16Matrix,
+    product: Product,
+    parallel: bool,
+    packed: &mut Packed,
+    a_in_place: bool,
+) {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     if k == 0 {
         return zero_product(product, m, n);
@@ -67,14 +93,17 @@ pub(super) unsafe fn gemm(
     // A is packed by rows and B by columns alike: B's columns are the rows of its transpose.
     let [packed_a, packed_b] = packed;
     // SAFETY: the CPU has AVX512-F and AVX512-BW (the caller's promise).
-    let (packed_a, packed_b) = unsafe {
+    let (a_panels, packed_b) = unsafe {
         (
-            pack(a, pairs, mr, packed_a, parallel),
+            match a_in_place {
+                true => APanels::InPlace(a),
+                false => APanels::Packed(pack(a, pairs, mr, packed_a, parallel)),
+            },
             pack(b.transposed(), pairs, NR, packed_b, parallel),
         )
     };
     let blocks = Blocks {
-        packed_a,
+        a: a_panels,
         packed_b,
         out: Out::of(product),
         m,
@@ -93,6 +122,15 @@ pub(super) unsafe fn gemm(
         true => (0..row_blocks * col_blocks).into_par_iter().for_each(task),
         false => (0..row_blocks * col_blocks).for_each(task),
     }
+}
+
+/// Where the tiles read A's k-pairs.
+#[derive(Clone, Copy)]
+enum APanels<'a> {
+    /// Packed in panels of `mr` rows (`pack`).
+    Packed(&'a [u32]),
+    /// In A itself, each row's pairs side by side (`reads_a_in_place`).
+    InPlace(Bf16Matrix<'a>),
 }
 
 // `m`'s rows (A's rows, or B's columns through its transpose) in panels of `width` rows, into
@@ -342,7 +380,7 @@ fn transpose16(rows: &mut [__m512i; 16]) {
 
 #[derive(Clone, Copy)]
 struct Blocks<'a> {
-    packed_a: &'a [u32],
+    a: APanels<'a>,
     packed_b: &'a [u32],
     out: Out<'a>,
     m: usize,
@@ -401,7 +439,29 @@ impl Blocks<'_> {
             let kc = block_pairs.min(self.pairs - p0);
             // Row tiles outer: each A panel stays in L1 across the B panels (see `KC`).
             for i in rows.clone().step_by(mr) {
-                let a = &self.packed_a[(i / mr) * self.pairs * mr + p0 * mr..];
+                // An edge tile's rows of an A read in place are packed here, zero past the
+                // last row, as `pack` would have them: the kernel reads `mr` rows.
+                let mut edge: [u32; KC * MR];
+                let a = match self.a {
+                    APanels::Packed(packed) => {
+                        ARows::Packed(&packed[(i / mr) * self.pairs * mr + p0 * mr..])
+                    }
+                    APanels::InPlace(a) if i + mr <= self.m => ARows::InPlace {
+                        // SAFETY: row `i` and its pairs from `p0` lie in `a.data`.
+                        first: unsafe { a.data.as_ptr().add(a.offset + i * a.row_stride + 2 * p0) },
+                        stride: a.row_stride,
+                    },
+                    APanels::InPlace(a) => {
+                        edge = [0; KC * MR];
+                        for (p, words) in edge.chunks_exact_mut(mr).take(kc).enumerate() {
+                            for (r, word) in words.iter_mut().enumerate().take(self.m - i) {
+                                *word = a.bits(i + r, 2 * (p0 + p))
+                                    | a.bits(i + r, 2 * (p0 + p) + 1) << 16;
+                            }
+                        }
+                        ARows::Packed(&edge[..kc * mr])
+                    }
+                };
                 for j in cols.clone().step_by(NR) {
                     let b = &self.packed_b[(j / NR) * self.pairs * NR + p0 * NR..];
                     // SAFETY: the panels hold `kc` pairs from `p0`; the tile lies in the
@@ -423,7 +483,7 @@ impl Blocks<'_> {
     unsafe fn tile(
         &self,
         kc: usize,
-        a: &[u32],
+        a: ARows,
         b: &[u32],
         [i, j]: [usize; 2],
         corner: *mut f32,
@@ -447,26 +507,35 @@ impl Blocks<'_> {
     }
 }
 
-// `c (+)= a · b` for one tile of `ROWS` rows: `a` the A panel from its first pair (`ROWS`
-// words a pair), `b` the B panel likewise (`NR` words), `c` the tile's corner with rows `ldc`
-// apart; the sums start from the tile's values when `add` (a later k block), from zero
-// otherwise.
+/// A tile's rows of A from its first k-pair, as the kernel reads them.
+#[derive(Clone, Copy)]
+enum ARows<'a> {
+    /// A packed panel: `ROWS` words a pair.
+    Packed(&'a [u32]),
+    /// A itself: the tile's first row at `first`, its rows `stride` values apart, each
+    /// row's pairs side by side (`reads_a_in_place`).
+    InPlace { first: *const bf16, stride: usize },
+}
+
+// `c (+)= a · b` for one tile of `ROWS` rows: `a` the tile's rows of A, `b` the B panel from
+// its first pair (`NR` words a pair), `c` the tile's corner with rows `ldc` apart; the sums
+// start from the tile's values when `add` (a later k block), from zero otherwise.
 //
-// SAFETY: the CPU has AVX512-F and AVX512-BF16; `a` and `b` hold `kc` pairs; `c` points at
-// `ROWS` rows of `NR` writable values, `ldc` apart.
+// SAFETY: the CPU has AVX512-F and AVX512-BF16; `a` and `b` hold `kc` pairs (`a` read in
+// place: `ROWS` rows of them); `c` points at `ROWS` rows of `NR` writable values, `ldc` apart.
 //
 // Never inlined, for its 26 vectors' sake (see `dots::dots`).
 #[inline(never)]
 #[target_feature(enable = "avx512f,avx512bf16")]
 unsafe fn kernel<const ROWS: usize>(
     kc: usize,
-    a: &[u32],
+    a: ARows,
     b: &[u32],
     c: *mut f32,
     ldc: usize,
     add: bool,
 ) {
-    let (a, b) = (&a[..kc * ROWS], &b[..kc * NR]);
+    let b = &b[..kc * NR];
     let mut acc = [[_mm512_setzero_ps(); 2]; ROWS];
     if add {
         for (r, acc) in acc.iter_mut().enumerate() {
@@ -477,21 +546,24 @@ unsafe fn kernel<const ROWS: usize>(
             }
         }
     }
-    // 32 bf16 values from 16 words: a `__m512i` and a `__m512bh` are the same 512 bits.
-    let pairs = |words: __m512i| unsafe { std::mem::transmute::<__m512i, __m512bh>(words) };
-    for (a, b) in a.chunks_exact(ROWS).zip(b.chunks_exact(NR)) {
-        // SAFETY: `b` holds `NR` = 32 words, two vectors of 16.
-        let (b0, b1) = unsafe {
-            let b = b.as_ptr().cast::<__m512i>();
-            (
-                pairs(_mm512_loadu_si512(b)),
-                pairs(_mm512_loadu_si512(b.add(1))),
-            )
-        };
-        for (acc, &word) in acc.iter_mut().zip(a) {
-            let a = pairs(_mm512_set1_epi32(word as i32));
-            acc[0] = _mm512_dpbf16_ps(acc[0], a, b0);
-            acc[1] = _mm512_dpbf16_ps(acc[1], a, b1);
+    match a {
+        ARows::Packed(a) => {
+            let a = &a[..kc * ROWS];
+            for (a, b) in a.chunks_exact(ROWS).zip(b.chunks_exact(NR)) {
+                // SAFETY: `b` holds `NR` words; `a` the pair's `ROWS`.
+                unsafe { pair_step(&mut acc, b, |r| a[r]) };
+            }
+        }
+        ARows::InPlace { first, stride } => {
+            for (p, b) in b.chunks_exact(NR).enumerate() {
+                // SAFETY: the caller's promise: row `r`'s pair `p` lies at `first`, `r`
+                // rows and `p` pairs on (read unaligned: a row may start at an odd value).
+                let word = |r: usize| unsafe {
+                    first.add(r * stride + 2 * p).cast::<u32>().read_unaligned()
+                };
+                // SAFETY: `b` holds `NR` words.
+                unsafe { pair_step(&mut acc, b, word) };
+            }
         }
     }
     for (r, acc) in acc.iter().enumerate() {
@@ -503,9 +575,96 @@ unsafe fn kernel<const ROWS: usize>(
     }
 }
 
+// One k-pair of a tile: each row's word of A (`word(r)`), broadcast, dotted with B's `NR`
+// words of the pair into the row's two accumulators.
+//
+// SAFETY: the CPU has AVX512-F and AVX512-BF16; `b` holds `NR` words.
+#[inline(always)]
+unsafe fn pair_step<const ROWS: usize>(
+    acc: &mut [[__m512; 2]; ROWS],
+    b: &[u32],
+    word: impl Fn(usize) -> u32,
+) {
+    // 32 bf16 values from 16 words: a `__m512i` and a `__m512bh` are the same 512 bits.
+    let pairs = |words: __m512i| unsafe { std::mem::transmute::<__m512i, __m512bh>(words) };
+    // SAFETY: `b` holds `NR` = 32 words, two vectors of 16.
+    let (b0, b1) = unsafe {
+        let b = b.as_ptr().cast::<__m512i>();
+        (
+            pairs(_mm512_loadu_si512(b)),
+            pairs(_mm512_loadu_si512(b.add(1))),
+        )
+    };
+    for (r, acc) in acc.iter_mut().enumerate() {
+        // SAFETY: the CPU has AVX512-F and AVX512-BF16 (the caller's promise); inlined into
+        // the kernel, compiled for them.
+        unsafe {
+            let a = pairs(_mm512_set1_epi32(word(r) as i32));
+            acc[0] = _mm512_dpbf16_ps(acc[0], a, b0);
+            acc[1] = _mm512_dpbf16_ps(acc[1], a, b1);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use super::super::tests::{matrix, values};
     use super::*;
+
+    #[test]
+    #[ignore = "needs a CPU with AVX512-BF16: .ci/run runs it with --ignored where the CPU has it"]
+    fn a_read_in_place_gives_the_bits_of_a_packed_a() {
+        assert!(
+            super::super::dot_products(),
+            "not run: this test needs a CPU with AVX512-BF16"
+        );
+        // Even k only (an odd one is always packed): edge tiles of 12 and of 8 rows, k blocks
+        // that split (600 pairs: three blocks), rows from an offset and `stride` apart, a row
+        // starting at an odd value (the words read unaligned), several tasks.
+        let shapes = [
+            [1, 2, 1],
+            [13, 8, 33],
+            [12, 512, 32],
+            [37, 1200, 70],
+            [64, 30, 40],
+            [5, 2, 7],
+        ];
+        for [m, k, n] in shapes {
+            let a_values = matrix(&values(m * (k + 3) + 1, 7));
+            let b_values = matrix(&values(k * n, 8));
+            let b = Bf16Matrix::new(&b_values, 0, [k, n], [n, 1]).unwrap();
+            for (offset, stride) in [(0, k), (1, k + 3)] {
+                let a = Bf16Matrix::new(&a_values, offset, [m, k], [stride, 1]).unwrap();
+                assert!(reads_a_in_place(&a));
+                for parallel in [false, true] {
+                    let product = |in_place| {
+                        let mut c = vec![f32::NAN; m * n];
+                        let out = Product::F32(&mut c);
+                        // SAFETY: the CPU has the kernel's features (asserted above), the
+                        // shapes agree, `c` holds the product, and `in_place` only where
+                        // `reads_a_in_place` (asserted above).
+                        unsafe {
+                            gemm_reading_a(a, b, out, parallel, &mut Default::default(), in_place)
+                        };
+                        c.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+                    };
+                    assert_eq!(
+                        product(true),
+                        product(false),
+                        "{m}×{k}×{n}, A from {offset}, rows {stride} apart, parallel {parallel}"
+                    );
+                }
+            }
+        }
+        // What is never read in place: an odd k, or rows that do not run along k.
+        let a_values = matrix(&values(64, 1));
+        assert!(!reads_a_in_place(
+            &Bf16Matrix::new(&a_values, 0, [4, 3], [3, 1]).unwrap()
+        ));
+        assert!(!reads_a_in_place(
+            &Bf16Matrix::new(&a_values, 0, [4, 4], [1, 4]).unwrap()
+        ));
+    }
 
     #[test]
     fn short_tiles_take_products_whose_rows_they_divide_where_tall_ones_waste() {
