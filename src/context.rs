@@ -278,14 +278,14 @@ static PROCESS: Process = Process {
 
 // A thread's side: the context it entered, and the process's as it last read it, with its
 // generation.
-struct Entered {
+struct ThisThread {
     context: RefCell<Option<Arc<Context>>>,
     seen: RefCell<(u64, Option<Arc<Context>>)>,
 }
 
 thread_local! {
-    static THREAD: Entered = const {
-        Entered {
+    static THREAD: ThisThread = const {
+        ThisThread {
             context: RefCell::new(None),
             seen: RefCell::new((u64::MAX, None)),
         }
@@ -318,7 +318,8 @@ fn process_context() -> Arc<Context> {
 /// The value of `S` shared by every context, on every thread, that sets none: made by `make`
 /// on first use and kept for the process. For a setting that is state rather than a choice
 /// (the fp8 scaling state of threads that entered no training's context), whose unset value
-/// must be one and the same everywhere.
+/// must be one and the same everywhere. Kept per slot, as a context's values are: each slot
+/// holds one type of setting.
 pub(crate) fn shared_unset<S: Setting>(make: fn() -> S) -> S {
     PROCESS.shared[S::SLOT as usize]
         .get_or_init(|| Box::new(make()))
@@ -372,6 +373,33 @@ mod tests {
         });
         assert!(caught.is_err());
         assert_eq!(get::<Layout>(), Layout(0));
+    }
+
+    // State rather than a choice: one value, wherever none is set.
+    #[derive(Clone)]
+    struct Shared(Arc<()>);
+
+    // A slot whose setting in the crate has no shared value (the slot's one type owns it).
+    impl Setting for Shared {
+        const SLOT: Slot = Slot::SyncLayout;
+        fn unset() -> Self {
+            shared_unset(|| Shared(Arc::new(())))
+        }
+    }
+
+    #[test]
+    fn a_shared_unset_value_is_one_for_every_context_and_thread() {
+        let here = get::<Shared>().0;
+        let _entered = Context::new().enter();
+        assert!(Arc::ptr_eq(&get::<Shared>().0, &here));
+        assert!(Arc::ptr_eq(&Context::new().get::<Shared>().0, &here));
+        let there = std::thread::spawn(|| get::<Shared>().0).join().unwrap();
+        assert!(Arc::ptr_eq(&there, &here));
+        let own = Shared(Arc::new(()));
+        assert!(!Arc::ptr_eq(
+            &Context::new().with(own).get::<Shared>().0,
+            &here
+        ));
     }
 
     #[test]
