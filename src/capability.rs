@@ -31,9 +31,9 @@
 //! print.
 
 use std::any::TypeId;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::panic::{self, AssertUnwindSafe};
-use std::sync::{Mutex, Once, OnceLock, RwLock};
+use std::sync::{LazyLock, Mutex, Once, RwLock};
 use std::time::{Duration, Instant};
 
 use burn::tensor::{Tensor, TensorData};
@@ -45,6 +45,7 @@ use serde::{Deserialize, Serialize};
 use crate::context::{self, Context, ContextGuard, Setting, Slot};
 use crate::cpu::table::{self as kernels, Route};
 use crate::op_table::Op;
+use crate::warnings;
 use crate::{AccelerateError, Precision};
 
 /// The flops ([`estimated_flops`](crate::autocast::estimated_flops)) from which a lower-class op runs in the half type on the
@@ -346,15 +347,42 @@ impl fmt::Display for Capabilities {
 
 type Key = (TypeId, DeviceId);
 
-fn cache() -> &'static RwLock<HashMap<Key, Capabilities>> {
-    static CACHE: OnceLock<RwLock<HashMap<Key, Capabilities>>> = OnceLock::new();
-    CACHE.get_or_init(Default::default)
+// What the process has found out about its devices, each fact once: the capabilities of each
+// (backend, device), the device counts asked, the f32 fallbacks reported; and the panic hook
+// that keeps probes quiet, installed once.
+struct Probes {
+    capabilities: RwLock<HashMap<Key, Capabilities>>,
+    device_counts: Mutex<Vec<(TypeId, u16, usize)>>,
+    fallbacks: Mutex<Vec<Fallback>>,
+    quiet_panics: Once,
+}
+
+static PROBES: LazyLock<Probes> = LazyLock::new(|| Probes {
+    capabilities: RwLock::default(),
+    device_counts: Mutex::default(),
+    fallbacks: Mutex::default(),
+    quiet_panics: Once::new(),
+});
+
+// A thread's side of the probe.
+struct OnThread {
+    // The last lookup: a training step asks about the same device over and over.
+    last: Cell<Option<(Key, Capabilities)>>,
+    // A probe runs on this thread: its panics stay quiet.
+    probing: Cell<bool>,
 }
 
 thread_local! {
-    // The last lookup: a training step asks about the same device over and over.
-    static LAST: Cell<Option<(Key, Capabilities)>> = const { Cell::new(None) };
-    static PROBING: Cell<bool> = const { Cell::new(false) };
+    static ON_THREAD: OnThread = const {
+        OnThread {
+            last: Cell::new(None),
+            probing: Cell::new(false),
+        }
+    };
+}
+
+fn set_probing(probing: bool) {
+    ON_THREAD.with(|thread| thread.probing.set(probing));
 }
 
 /// Probes (once, then from cache) which low dtypes `device` runs on backend `B`.
@@ -370,12 +398,13 @@ thread_local! {
 /// ```
 pub fn probe<B: Backend>(device: &B::Device) -> Capabilities {
     let key = (TypeId::of::<B>(), device.id());
-    if let Some((k, caps)) = LAST.with(Cell::get)
+    if let Some((k, caps)) = ON_THREAD.with(|thread| thread.last.get())
         && k == key
     {
         return caps;
     }
-    let cached = cache()
+    let cached = PROBES
+        .capabilities
         .read()
         .unwrap_or_else(|e| e.into_inner())
         .get(&key)
@@ -401,13 +430,14 @@ pub fn probe<B: Backend>(device: &B::Device) -> Capabilities {
             host_cpu,
             bf16_dot_products: bf16 && own_path && kernels::has_bf16_dot_products(),
         };
-        cache()
+        PROBES
+            .capabilities
             .write()
             .unwrap_or_else(|e| e.into_inner())
             .insert(key, caps);
         caps
     });
-    LAST.with(|l| l.set(Some((key, caps))));
+    ON_THREAD.with(|thread| thread.last.set(Some((key, caps))));
     caps
 }
 
@@ -471,7 +501,7 @@ fn runs_dtype<B: Backend>(device: &B::Device, dtype: FloatDType) -> bool {
         return false;
     }
     silence_probe_panics();
-    PROBING.with(|p| p.set(true));
+    set_probing(true);
     let result = panic::catch_unwind(AssertUnwindSafe(|| {
         let x =
             Tensor::<B, 2>::from_data(TensorData::new(vec![1.0f32, 2., 3., 4.], [2, 2]), device)
@@ -482,7 +512,7 @@ fn runs_dtype<B: Backend>(device: &B::Device, dtype: FloatDType) -> bool {
             .convert::<f32>()
             .to_vec::<f32>()
     }));
-    PROBING.with(|p| p.set(false));
+    set_probing(false);
     // [[1,2],[3,4]] · its transpose + itself, exact in every half type.
     matches!(result, Ok(Ok(v)) if v == [6.0, 13.0, 14.0, 29.0])
 }
@@ -546,7 +576,7 @@ fn timings<B: Backend>(device: &B::Device, f16: bool, bf16: bool) -> Timings {
 // allocation. `None` if any panicked.
 fn matmul_times<B: Backend>(device: &B::Device, dtypes: &[FloatDType]) -> Option<Vec<Duration>> {
     silence_probe_panics();
-    PROBING.with(|p| p.set(true));
+    set_probing(true);
     let result = panic::catch_unwind(AssertUnwindSafe(|| {
         let n = TIMED_MATMUL_SIZE;
         let inputs: Vec<Tensor<B, 2>> = dtypes
@@ -565,18 +595,17 @@ fn matmul_times<B: Backend>(device: &B::Device, dtypes: &[FloatDType]) -> Option
         }
         best
     }));
-    PROBING.with(|p| p.set(false));
+    set_probing(false);
     result.ok()
 }
 
 // Installs, once, a panic hook that stays quiet for panics raised inside a probe on the
 // probing thread and defers to the previous hook for everything else.
 fn silence_probe_panics() {
-    static INSTALL: Once = Once::new();
-    INSTALL.call_once(|| {
+    PROBES.quiet_panics.call_once(|| {
         let previous = panic::take_hook();
         panic::set_hook(Box::new(move |info| {
-            if !PROBING.with(Cell::get) {
+            if !ON_THREAD.with(|thread| thread.probing.get()) {
                 previous(info)
             }
         }));
@@ -609,26 +638,12 @@ impl fmt::Display for Fallback {
     }
 }
 
-// The fallbacks taken so far: which (backend, device, precision) have been reported, and the
-// reports in the order they happened.
-#[derive(Default)]
-struct FallbackLog {
-    seen: HashSet<(Key, Precision)>,
-    slow_warned: HashSet<(Key, Precision)>,
-    reports: Vec<Fallback>,
-}
-
-fn fallback_log() -> &'static Mutex<FallbackLog> {
-    static LOG: OnceLock<Mutex<FallbackLog>> = OnceLock::new();
-    LOG.get_or_init(Default::default)
-}
-
 /// Every f32 fallback autocast has taken in this process, once per backend, device and precision.
 pub fn fallbacks() -> Vec<Fallback> {
-    fallback_log()
+    PROBES
+        .fallbacks
         .lock()
         .unwrap_or_else(|e| e.into_inner())
-        .reports
         .clone()
 }
 
@@ -650,8 +665,8 @@ pub(crate) fn lower_dtype<B: Backend>(
         }
         return low;
     }
-    let mut log = fallback_log().lock().unwrap_or_else(|e| e.into_inner());
-    if log.seen.insert(key) {
+    // Reported in the order they happened, once per backend, device and precision.
+    warnings::once("autocast falls back to f32", key, || {
         let fallback = Fallback {
             backend: B::name(device),
             device: format!("{device:?}"),
@@ -659,8 +674,12 @@ pub(crate) fn lower_dtype<B: Backend>(
             op,
         };
         log::warn!("burn-accelerate autocast: {fallback}");
-        log.reports.push(fallback);
-    }
+        PROBES
+            .fallbacks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(fallback);
+    });
     FloatDType::F32
 }
 
@@ -671,14 +690,13 @@ fn warn_slow_once<B: Backend>(
     precision: Precision,
     slowdown: u32,
 ) {
-    let mut log = fallback_log().lock().unwrap_or_else(|e| e.into_inner());
-    if log.slow_warned.insert(key) {
+    warnings::once("autocast runs a slow precision", key, || {
         log::warn!(
             "burn-accelerate autocast: {precision} on {} ({device:?}) runs about {slowdown}× \
              slower than f32; `AutocastConfig::init` would have refused it",
             B::name(device)
         );
-    }
+    });
 }
 
 /// How many devices of `device`'s kind backend `B` sees, 0 where asking panics.
@@ -688,17 +706,19 @@ fn warn_slow_once<B: Backend>(
 /// the process: CUDA's runtime panics on its own server thread, where the panic cannot be
 /// kept quiet, so asking once prints its message once.
 pub fn device_count<B: Backend>(device: &B::Device) -> usize {
-    static COUNTS: Mutex<Vec<(TypeId, u16, usize)>> = Mutex::new(Vec::new());
     let type_id = device.id().type_id;
     let key = (TypeId::of::<B>(), type_id);
-    let mut counts = COUNTS.lock().unwrap_or_else(|e| e.into_inner());
+    let mut counts = PROBES
+        .device_counts
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
     if let Some(&(_, _, count)) = counts.iter().find(|(b, t, _)| (*b, *t) == key) {
         return count;
     }
     silence_probe_panics();
-    PROBING.with(|p| p.set(true));
+    set_probing(true);
     let count = panic::catch_unwind(|| B::device_count(type_id)).unwrap_or(0);
-    PROBING.with(|p| p.set(false));
+    set_probing(false);
     counts.push((key.0, key.1, count));
     count
 }

@@ -39,24 +39,24 @@
 //!
 //! Besides the process's context, the crate's statics are caches, registries, counters and
 //! one-time warnings; none is a setting a training chooses. Each, with why it is process-wide
-//! (32 in `src/`, which `grep -rn "^\s*static [A-Z_0-9]*\s*:" src` counts, one of them
-//! test-only (`hooks`'s own test); the CPU kernels' own caches are in crates/kernels, listed
-//! in its crate docs):
+//! or per thread: 19 in `src/`, which `grep -rn "^\s*static [A-Z_0-9]*\s*:" src` counts, and
+//! `scripts/statics.py` (run by CI) keeps at 20 or fewer. The CPU kernels' own caches are in
+//! crates/kernels, listed in its crate docs.
 //!
 //! | static | where | kind | why |
 //! |---|---|---|---|
-//! | `PROCESS`, `GENERATION`, `ENTERED`, `SEEN` | `context` | the context | the process's context and its version; this thread's entered context; the version it last read |
+//! | `PROCESS` | `context` | the context | the process's context (for threads that entered none), its version, and the values shared by every context that sets none of a kind of state (the fp8 state of threads outside any training's context) |
+//! | `THREAD` | `context` | the context | this thread's entered context, and the process's as it last read it |
 //! | `ARMED_SCALE` | `scaler` | a guard's value | [`ArmedLossScale`](crate::ArmedLossScale): a user's own loop arms a scale for threads the crate does not start; kept beside the contexts so that a context entered meanwhile does not keep it after the guard drops |
-//! | `CALLS`, `IDS` | `fp8::state` | counters | each thread numbers its fp8 op calls per step (tensors are named by call order), per fp8 state; fp8 states are told apart by number |
-//! | `PROCESS_FP8` | `fp8::state` | registry | the fp8 state of threads that entered no training's context |
-//! | `HOOKS` (fp8), `HOOKS` (tracked moves), `KERNELS` | `fp8::autodiff`, `backend::tracked_move`, `cpu::table` | registries | per-backend functions registered by type, which Burn's traits leave no place for |
-//! | `CACHE`, `LAST`, `PROBING`, `LOG`, `COUNTS`, `INSTALL` | `capability` | caches, guard, warnings | what a device runs is a fact of the device, probed once (the last answer kept per thread; a probe's own ops must not probe); fallbacks and slow precisions said once, counted |
+//! | `CALLS` | `fp8::state` | counters | each thread numbers its fp8 op calls per step (tensors are named by call order), per fp8 state |
+//! | `REGISTRY` | `hooks` | registry | per-backend functions registered by type, which Burn's traits leave no place for: fp8's casts, the staged moves, the CPU kernels' table, one table per kind |
+//! | `PROBES`, `ON_THREAD` | `capability` | caches | what a device runs is a fact of the device, probed once: its capabilities, device counts, the f32 fallbacks taken, the panic hook that keeps probes quiet; per thread, the last answer and whether a probe runs |
+//! | `SAID` | `warnings` | one-time warnings | each warning said once per process (per device, for the capability probe's) |
 //! | `HOST_READS`, `TALLY` | `grads`, `autocast::tally` | counters | per thread, for tests, reports and benchmarks |
 //! | `GLOBAL` | `gradient_state` | registry | Accelerate's `GradientState` singleton |
 //! | `JOINED` | `distributed::group` | registry | the process group a process joined (one per process, as torch.distributed's) |
 //! | `COPIED`, `BUCKET` | `distributed` | counter, cache | values copied by the sync (benchmarks); the flat bucket reused across steps |
 //! | `MOVED` | `data::loader` | hand-off | which share a loader holds, from Burn's `to_device` (which returns nothing else) to its caller on the same thread |
-//! | `SAID`, `ONCE`, `WARN` | `data::prefetch`, `backend::placement`, `fp8::autodiff` | one-time warnings | |
 //! | `SCRATCH`, `PACKED` (2) | `cpu::low_gemm`, `bench_support` | caches | the matmul adapter's buffers (operands widened to f32, the bf16 GEMM's packed panels) reused across calls; the kernels' own (the CPU's instructions found once, the convolution's scratch: 6, `OnceLock`s and `thread_local`s) are `burn_accelerate_kernels`' |
 //! | `STREAMS` | `cpu::counter_rng` | the RNG | Burn's `Backend::seed` is process-wide: the decorator's generator follows it |
 
@@ -65,7 +65,7 @@ use core::fmt;
 use core::marker::PhantomData;
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::{Arc, OnceLock, PoisonError, RwLock};
 
 /// The kinds of setting a context holds, one slot each. The settings themselves live in the
 /// modules that give them meaning (named here).
@@ -137,7 +137,7 @@ impl Context {
     #[must_use = "the context is only this thread's while the guard lives"]
     pub fn enter(&self) -> ContextGuard {
         ContextGuard {
-            previous: ENTERED.with(|e| e.replace(Some(Arc::new(self.clone())))),
+            previous: replace_entered(Some(Arc::new(self.clone()))),
             _not_send: PhantomData,
         }
     }
@@ -156,9 +156,12 @@ impl Context {
     /// before.set_as_default();
     /// ```
     pub fn set_as_default(self) -> Context {
-        let mut process = PROCESS.write().unwrap_or_else(PoisonError::into_inner);
+        let mut process = PROCESS
+            .context
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
         let previous = process.replace(Arc::new(self));
-        GENERATION.fetch_add(1, Ordering::Release);
+        PROCESS.generation.fetch_add(1, Ordering::Release);
         previous.map_or_else(Context::new, |p| p.as_ref().clone())
     }
 
@@ -218,14 +221,13 @@ impl ContextGuard {
     /// the value from before the change when it drops.
     pub(crate) fn set<S: Setting>(&self, value: S) {
         let changed = Context::current().with(value);
-        ENTERED.with(|e| e.replace(Some(Arc::new(changed))));
+        replace_entered(Some(Arc::new(changed)));
     }
 }
 
 impl Drop for ContextGuard {
     fn drop(&mut self) {
-        let previous = self.previous.take();
-        ENTERED.with(|e| e.replace(previous));
+        replace_entered(self.previous.take());
     }
 }
 
@@ -253,33 +255,77 @@ pub(crate) fn get<S: Setting>() -> S {
 /// read per op.
 #[inline]
 pub(crate) fn with_current<R>(read: impl FnOnce(&Context) -> R) -> R {
-    let entered = ENTERED.with(|e| e.borrow().clone());
-    match entered {
+    match entered() {
         Some(context) => read(&context),
         None => read(&process_context()),
     }
 }
 
-static PROCESS: RwLock<Option<Arc<Context>>> = RwLock::new(None);
-// Bumped by every `set_as_default`, so that a thread re-reads `PROCESS` only after a change.
-static GENERATION: AtomicU64 = AtomicU64::new(0);
+// The process's side: the context threads that entered none read, and the values shared by
+// every context that sets none of a kind of state ([`shared_unset`]).
+struct Process {
+    context: RwLock<Option<Arc<Context>>>,
+    // Bumped by every `set_as_default`, so that a thread re-reads `context` only after a change.
+    generation: AtomicU64,
+    shared: [OnceLock<Box<dyn Any + Send + Sync>>; SLOTS],
+}
+
+static PROCESS: Process = Process {
+    context: RwLock::new(None),
+    generation: AtomicU64::new(0),
+    shared: [const { OnceLock::new() }; SLOTS],
+};
+
+// A thread's side: the context it entered, and the process's as it last read it, with its
+// generation.
+struct ThisThread {
+    context: RefCell<Option<Arc<Context>>>,
+    seen: RefCell<(u64, Option<Arc<Context>>)>,
+}
 
 thread_local! {
-    static ENTERED: RefCell<Option<Arc<Context>>> = const { RefCell::new(None) };
-    // The process's context as this thread last read it, with its generation.
-    static SEEN: RefCell<(u64, Option<Arc<Context>>)> = const { RefCell::new((u64::MAX, None)) };
+    static THREAD: ThisThread = const {
+        ThisThread {
+            context: RefCell::new(None),
+            seen: RefCell::new((u64::MAX, None)),
+        }
+    };
+}
+
+fn entered() -> Option<Arc<Context>> {
+    THREAD.with(|thread| thread.context.borrow().clone())
+}
+
+fn replace_entered(context: Option<Arc<Context>>) -> Option<Arc<Context>> {
+    THREAD.with(|thread| thread.context.replace(context))
 }
 
 fn process_context() -> Arc<Context> {
-    let generation = GENERATION.load(Ordering::Acquire);
-    SEEN.with(|seen| {
-        let mut seen = seen.borrow_mut();
+    let generation = PROCESS.generation.load(Ordering::Acquire);
+    THREAD.with(|thread| {
+        let mut seen = thread.seen.borrow_mut();
         if seen.0 != generation || seen.1.is_none() {
-            let process = PROCESS.read().unwrap_or_else(PoisonError::into_inner);
+            let process = PROCESS
+                .context
+                .read()
+                .unwrap_or_else(PoisonError::into_inner);
             *seen = (generation, Some(process.clone().unwrap_or_default()));
         }
         seen.1.clone().unwrap_or_default()
     })
+}
+
+/// The value of `S` shared by every context, on every thread, that sets none: made by `make`
+/// on first use and kept for the process. For a setting that is state rather than a choice
+/// (the fp8 scaling state of threads that entered no training's context), whose unset value
+/// must be one and the same everywhere. Kept per slot, as a context's values are: each slot
+/// holds one type of setting.
+pub(crate) fn shared_unset<S: Setting>(make: fn() -> S) -> S {
+    PROCESS.shared[S::SLOT as usize]
+        .get_or_init(|| Box::new(make()))
+        .downcast_ref::<S>()
+        .cloned()
+        .unwrap_or_else(make)
 }
 
 #[cfg(test)]
@@ -327,6 +373,33 @@ mod tests {
         });
         assert!(caught.is_err());
         assert_eq!(get::<Layout>(), Layout(0));
+    }
+
+    // State rather than a choice: one value, wherever none is set.
+    #[derive(Clone)]
+    struct Shared(Arc<()>);
+
+    // A slot whose setting in the crate has no shared value (the slot's one type owns it).
+    impl Setting for Shared {
+        const SLOT: Slot = Slot::SyncLayout;
+        fn unset() -> Self {
+            shared_unset(|| Shared(Arc::new(())))
+        }
+    }
+
+    #[test]
+    fn a_shared_unset_value_is_one_for_every_context_and_thread() {
+        let here = get::<Shared>().0;
+        let _entered = Context::new().enter();
+        assert!(Arc::ptr_eq(&get::<Shared>().0, &here));
+        assert!(Arc::ptr_eq(&Context::new().get::<Shared>().0, &here));
+        let there = std::thread::spawn(|| get::<Shared>().0).join().unwrap();
+        assert!(Arc::ptr_eq(&there, &here));
+        let own = Shared(Arc::new(()));
+        assert!(!Arc::ptr_eq(
+            &Context::new().with(own).get::<Shared>().0,
+            &here
+        ));
     }
 
     #[test]

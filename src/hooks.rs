@@ -1,67 +1,108 @@
 //! Functions registered per backend type, for the ops that need the concrete
-//! `Autodiff<B, C>` in hand to build a backward node (fp8's cast, the staged move), while the
-//! decorator only sees a generic `B: Backend`. Code that has the concrete type registers a
-//! function under its `TypeId`; the decorator looks it up.
+//! `Autodiff<B, C>` in hand to build a backward node (fp8's cast, the staged move), or that
+//! run the crate's own kernels (the CPU kernels' table), while the decorator only sees a
+//! generic `B: Backend`. Code that has the concrete type registers a function under its
+//! `TypeId`; the decorator looks it up.
+//!
+//! One registry holds every kind of hook ([`HookKind`]), each kind a table keyed by backend
+//! type, so that the process holds one registry rather than one per kind.
 
 use std::any::{Any, TypeId};
 use std::collections::HashMap;
-use std::sync::{Once, OnceLock, PoisonError, RwLock};
+use std::sync::{Arc, Once, PoisonError, RwLock};
 
-/// A table of hooks of one kind, keyed by backend type, with the hooks of the backends the
-/// crate knows (Burn's autodiff over each backend feature) registered on the first lookup.
-pub(crate) struct Hooks {
-    table: OnceLock<RwLock<HashMap<TypeId, Box<dyn Any + Send + Sync>>>>,
-    known: Once,
-    register_known: fn(),
+/// One kind of hook (fp8's cast, the staged move, the CPU kernels), named by a marker type.
+pub(crate) trait HookKind: 'static {
+    /// Registers the hooks of the backends the crate knows (Burn's autodiff over each backend
+    /// feature); run once, on the kind's first lookup.
+    fn register_known();
 }
 
-impl Hooks {
-    /// A table whose first lookup runs `register_known` once.
-    pub(crate) const fn new(register_known: fn()) -> Self {
-        Self {
-            table: OnceLock::new(),
-            known: Once::new(),
-            register_known,
+// One kind's table, and whether the backends the crate knows have been registered in it.
+struct Table {
+    kind: TypeId,
+    hooks: HashMap<TypeId, Box<dyn Any + Send + Sync>>,
+    known: Arc<Once>,
+}
+
+// Every kind's table: a few kinds, each found by a scan.
+static REGISTRY: RwLock<Vec<Table>> = RwLock::new(Vec::new());
+
+// Runs `change` on kind `K`'s table, made empty if it has none yet.
+fn change<K: HookKind, R>(change: impl FnOnce(&mut Table) -> R) -> R {
+    let mut registry = REGISTRY.write().unwrap_or_else(PoisonError::into_inner);
+    let kind = TypeId::of::<K>();
+    let index = match registry.iter().position(|table| table.kind == kind) {
+        Some(index) => index,
+        None => {
+            registry.push(Table {
+                kind,
+                hooks: HashMap::new(),
+                known: Arc::new(Once::new()),
+            });
+            registry.len() - 1
         }
-    }
+    };
+    change(&mut registry[index])
+}
 
-    fn table(&self) -> &RwLock<HashMap<TypeId, Box<dyn Any + Send + Sync>>> {
-        self.table.get_or_init(Default::default)
-    }
+/// Registers `hook` of kind `K` for backend `B`, replacing any earlier one.
+pub(crate) fn insert<K: HookKind, B: 'static, H: Any + Send + Sync>(hook: H) {
+    change::<K, _>(|table| table.hooks.insert(TypeId::of::<B>(), Box::new(hook)));
+}
 
-    /// Registers `hook` for backend `B`, replacing any earlier one.
-    pub(crate) fn insert<B: 'static, H: Any + Send + Sync>(&self, hook: H) {
-        self.table()
-            .write()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(TypeId::of::<B>(), Box::new(hook));
-    }
-
-    /// The hook registered for backend `B`, if it has the type `H`.
-    pub(crate) fn get<B: 'static, H: Any + Copy>(&self) -> Option<H> {
-        self.known.call_once(self.register_known);
-        self.table()
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(&TypeId::of::<B>())
-            .and_then(|hook| hook.downcast_ref::<H>().copied())
-    }
+/// The hook of kind `K` registered for backend `B`, if it has the type `H`. The kind's first
+/// lookup registers the backends the crate knows ([`HookKind::register_known`]); lookups of
+/// the kind on other threads wait for it.
+pub(crate) fn get<K: HookKind, B: 'static, H: Any + Copy>() -> Option<H> {
+    let kind = TypeId::of::<K>();
+    let pending = {
+        let registry = REGISTRY.read().unwrap_or_else(PoisonError::into_inner);
+        match registry.iter().find(|table| table.kind == kind) {
+            Some(table) if table.known.is_completed() => {
+                return table
+                    .hooks
+                    .get(&TypeId::of::<B>())
+                    .and_then(|hook| hook.downcast_ref::<H>().copied());
+            }
+            Some(table) => Some(table.known.clone()),
+            None => None,
+        }
+    };
+    // Registering inserts into the registry: the lock is not held meanwhile.
+    let known = pending.unwrap_or_else(|| change::<K, _>(|table| table.known.clone()));
+    known.call_once(K::register_known);
+    get::<K, B, H>()
 }
 
 #[cfg(test)]
 mod tests {
-    use super::Hooks;
+    use super::{HookKind, get, insert};
+
+    struct Numbers;
+
+    impl HookKind for Numbers {
+        fn register_known() {
+            insert::<Numbers, i8, fn() -> u32>(|| 7);
+        }
+    }
+
+    struct Others;
+
+    impl HookKind for Others {
+        fn register_known() {}
+    }
 
     #[test]
     fn hooks_are_found_by_backend_type_and_hook_type() {
-        static HOOKS: Hooks = Hooks::new(|| HOOKS.insert::<i8, fn() -> u32>(|| 7));
-        HOOKS.insert::<u8, fn() -> u32>(|| 1);
-        assert_eq!(HOOKS.get::<u8, fn() -> u32>().map(|f| f()), Some(1));
-        assert!(HOOKS.get::<u16, fn() -> u32>().is_none());
-        assert!(HOOKS.get::<u8, fn() -> u64>().is_none());
-        HOOKS.insert::<u8, fn() -> u32>(|| 2);
-        assert_eq!(HOOKS.get::<u8, fn() -> u32>().map(|f| f()), Some(2));
+        insert::<Numbers, u8, fn() -> u32>(|| 1);
+        assert_eq!(get::<Numbers, u8, fn() -> u32>().map(|f| f()), Some(1));
+        assert!(get::<Numbers, u16, fn() -> u32>().is_none());
+        assert!(get::<Numbers, u8, fn() -> u64>().is_none());
+        assert!(get::<Others, u8, fn() -> u32>().is_none());
+        insert::<Numbers, u8, fn() -> u32>(|| 2);
+        assert_eq!(get::<Numbers, u8, fn() -> u32>().map(|f| f()), Some(2));
         // The known backends were registered by the first lookup.
-        assert_eq!(HOOKS.get::<i8, fn() -> u32>().map(|f| f()), Some(7));
+        assert_eq!(get::<Numbers, i8, fn() -> u32>().map(|f| f()), Some(7));
     }
 }

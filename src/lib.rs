@@ -96,6 +96,7 @@ pub mod step;
 #[cfg(feature = "flex")]
 pub mod threads;
 pub mod train;
+mod warnings;
 pub mod zero;
 
 // The decoders' property-test kit, shared with the comm and checkpoint crates' tests (issue

@@ -33,6 +33,8 @@ use mlp::{BlobBatcher, Mlp, MlpComponents, QuietRenderer, blobs};
 use param_bits::param_bits;
 use serde::{Deserialize, Serialize};
 
+// Held for Burn's process-wide seed only (`Backend::seed`, see the module docs): every
+// training here seeds it, a refused one included.
 static ONE_TRAINING: Mutex<()> = Mutex::new(());
 
 fn one_training() -> MutexGuard<'static, ()> {

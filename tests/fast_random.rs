@@ -23,7 +23,8 @@ type AccAd = Accelerated<Autodiff<Flex>>;
 
 const HALVES_AND_F32: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
 
-// One test at a time: they seed process-wide generators.
+// One test at a time, for one reason: each seeds Burn's generator, which is the process's
+// (`Backend::seed`; the decorator's follows it), and draws after it.
 fn exclusive() -> MutexGuard<'static, ()> {
     static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
     ONE_AT_A_TIME

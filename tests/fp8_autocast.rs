@@ -27,12 +27,18 @@ type B = Accelerated<Ad>;
 const E4M3: Precision = Precision::Fp8(Fp8Mode::E4M3);
 const HYBRID: Precision = Precision::Fp8(Fp8Mode::Hybrid);
 
-// Tests in this binary take turns only for Burn's generator, which is the process's (they
-// seed it); each runs in a context with an fp8 state of its own.
+// Each test runs in a context with an fp8 state of its own: tests that run at once never
+// share amax histories, recipes or call numbers.
+fn own_fp8_state() -> ContextGuard {
+    Context::current().with_new_fp8_state().enter()
+}
+
+// The tests that draw random tensors also take turns, for one reason: they seed Burn's
+// generator, which is the process's (`Backend::seed`), so two at once would draw each other's.
 fn exclusive() -> (MutexGuard<'static, ()>, ContextGuard) {
-    static LOCK: Mutex<()> = Mutex::new(());
-    let guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    (guard, Context::current().with_new_fp8_state().enter())
+    static SEEDING: Mutex<()> = Mutex::new(());
+    let guard = SEEDING.lock().unwrap_or_else(|e| e.into_inner());
+    (guard, own_fp8_state())
 }
 
 fn key(op: Op, call: u32, input: u32, pass: Pass) -> TensorKey {
@@ -100,7 +106,7 @@ fn half_inputs_are_widened_then_rounded() {
 
 #[test]
 fn linear_rounds_input_and_weight_but_not_bias() {
-    let _lock = exclusive();
+    let _state = own_fp8_state();
     let device = Default::default();
     let x = Tensor::<Flex, 2>::from_floats([[0.3, 1.0]], &device);
     let w = Tensor::<Flex, 2>::from_floats([[1.0], [0.3]], &device);
@@ -115,7 +121,7 @@ fn linear_rounds_input_and_weight_but_not_bias() {
 
 #[test]
 fn an_fp8_autocast_brings_its_recipe_to_its_thread_only() {
-    let _lock = exclusive();
+    let _state = own_fp8_state();
     let short = DelayedScaling::default().with_amax_history_len(3);
     let autocast = AutocastConfig::new(E4M3)
         .with_fp8_recipe(short)
@@ -137,7 +143,7 @@ fn an_fp8_autocast_brings_its_recipe_to_its_thread_only() {
 
 #[test]
 fn scales_follow_the_recipe_from_step_to_step() {
-    let _lock = exclusive();
+    let _state = own_fp8_state();
     let _recipe = fp8::scope_recipe(DelayedScaling::default().with_amax_history_len(2)).unwrap();
     let device = Default::default();
     let x_key = key(Op::Matmul, 0, 0, Pass::Forward);
@@ -305,7 +311,7 @@ fn checkpointed_state_restores_every_scale_and_history() {
 
 #[test]
 fn init_checks_the_recipe_and_enter_installs_it() {
-    let _lock = exclusive();
+    let _state = own_fp8_state();
     let device = Default::default();
     let recipe = DelayedScaling::default()
         .with_margin(2)

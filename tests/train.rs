@@ -15,6 +15,7 @@ use burn_accelerate::autocast::SmallOps;
 use burn_accelerate::{AccelerateError, Accelerated, Precision};
 use mlp::{DemoConfig, DemoOutcome};
 
+// Held for Burn's process-wide seed only (`Backend::seed`, see the module docs).
 static ONE_TRAINING: Mutex<()> = Mutex::new(());
 
 fn train<B: burn::tensor::backend::AutodiffBackend>(

@@ -22,6 +22,7 @@ use lm::{LmConfig, LmOutcome};
 
 type Train = Accelerated<Autodiff<Flex>>;
 
+// Held for Burn's process-wide seed only (`Backend::seed`, see the module docs).
 static ONE_TRAINING: Mutex<()> = Mutex::new(());
 
 /// Text that does not change from one commit to the next (the README does), so that the

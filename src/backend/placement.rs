@@ -6,7 +6,6 @@
 //! than one tensor.
 
 use burn_backend::tensor::{BoolTensor, FloatTensor, IntTensor};
-use std::sync::Once;
 
 use burn_backend::{Backend, TensorData, try_read_sync};
 
@@ -47,8 +46,7 @@ pub(crate) fn float_to_device<B: Backend>(
 // tensor is never written and nothing panics where it could be caught): say why, once.
 #[cold]
 fn warn_tracked_move<B: Backend>(device: &B::Device) {
-    static ONCE: Once = Once::new();
-    ONCE.call_once(|| {
+    crate::warnings::once("no staged move for an autodiff backend", (), || {
         log::error!(
             "moving a float tensor to {device:?} under autodiff on {}, which has no \
              device-to-device copy, and no staged move is registered for this autodiff backend: \

@@ -17,7 +17,7 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
 use burn_backend::tensor::{Device, FloatTensor};
 use burn_backend::{Backend, try_read_sync};
 
-use crate::hooks::Hooks;
+use crate::hooks::{self, HookKind};
 
 /// A float tensor of the inner backend rebuilt on `device` from a host copy (same dtype);
 /// `None` when the read fails.
@@ -69,14 +69,21 @@ fn autodiff_move<B: Backend, C: CheckpointStrategy>(
 
 type Hook<B> = fn(FloatTensor<B>, &Device<B>) -> Option<FloatTensor<B>>;
 
-static HOOKS: Hooks = Hooks::new(register_known);
+// The hooks' kind in the crate's registry.
+struct StagedMoves;
+
+impl HookKind for StagedMoves {
+    fn register_known() {
+        register_known();
+    }
+}
 
 /// Lets the decorator stage tracked moves on `Autodiff<B, C>` (Burn's autodiff over the
 /// backends this crate has features for, with default checkpointing, is registered without
 /// asking).
 pub fn register<B: Backend, C: CheckpointStrategy>() {
     let hook: Hook<Autodiff<B, C>> = autodiff_move::<B, C>;
-    HOOKS.insert::<Autodiff<B, C>, _>(hook);
+    hooks::insert::<StagedMoves, Autodiff<B, C>, _>(hook);
 }
 
 fn register_known() {
@@ -99,7 +106,7 @@ pub(crate) fn staged<B: Backend>(
     tensor: FloatTensor<B>,
     device: &B::Device,
 ) -> Result<FloatTensor<B>, FloatTensor<B>> {
-    match HOOKS.get::<B, Hook<B>>() {
+    match hooks::get::<StagedMoves, B, Hook<B>>() {
         Some(hook) => hook(tensor.clone(), device).ok_or(tensor),
         None => Err(tensor),
     }

@@ -1,7 +1,8 @@
 //! The crate's own kernels a backend type has: one [`Kernels`] table per backend type,
-//! looked up by `TypeId` (see [`Hooks`]), since the kernels take Flex's tensors (or
-//! `Autodiff<Flex>`'s, for their backward nodes) while their callers only see a generic
-//! `B: Backend`. A lookup for any other backend finds nothing and the backend's own op runs.
+//! looked up by `TypeId` in the crate's hook registry (`crate::hooks`), since the kernels
+//! take Flex's tensors (or `Autodiff<Flex>`'s, for their backward nodes) while their callers
+//! only see a generic `B: Backend`. A lookup for any other backend finds nothing and the
+//! backend's own op runs.
 //!
 //! Read by the decorator's routes (`backend::kernels`, `backend::lowered`), autocast's casts
 //! ([`cast`]) and the capability probe, which times the registered matmul against the
@@ -12,7 +13,7 @@ use burn_backend::tensor::{BoolTensor, FloatTensor};
 use burn_backend::{Backend, Distribution, FloatDType, Scalar, Shape};
 
 pub(crate) use super::Route;
-use crate::hooks::Hooks;
+use crate::hooks::{self, HookKind};
 
 type Cast<B> = fn(FloatTensor<B>, FloatDType) -> FloatTensor<B>;
 type Matmul<B> = fn(FloatTensor<B>, FloatTensor<B>, Route) -> FloatTensor<B>;
@@ -92,7 +93,14 @@ impl<B: Backend> Clone for Kernels<B> {
 
 impl<B: Backend> Copy for Kernels<B> {}
 
-static KERNELS: Hooks = Hooks::new(register_known);
+// The kernels' kind in the crate's hook registry.
+struct CpuKernels;
+
+impl HookKind for CpuKernels {
+    fn register_known() {
+        register_known();
+    }
+}
 
 // The registration point: this folder's kernels for Flex, and their autodiff nodes for
 // `Autodiff<Flex>` (default checkpointing; another strategy keeps Burn's own ops).
@@ -105,7 +113,7 @@ fn register_known() {
         };
         use burn::backend::{Autodiff, Flex};
 
-        KERNELS.insert::<Flex, _>(Kernels::<Flex> {
+        hooks::insert::<CpuKernels, Flex, _>(Kernels::<Flex> {
             cast: fast_cast::convert,
             matmul: low_gemm::gemm,
             linear: low_gemm::linear,
@@ -126,7 +134,7 @@ fn register_known() {
             mul_scalar: half_elementwise::mul_scalar,
             div_scalar: half_elementwise::div_scalar,
         });
-        KERNELS.insert::<Autodiff<Flex>, _>(Kernels::<Autodiff<Flex>> {
+        hooks::insert::<CpuKernels, Autodiff<Flex>, _>(Kernels::<Autodiff<Flex>> {
             cast: fast_cast::convert_tracked,
             matmul: low_gemm::gemm_tracked,
             linear: low_gemm::linear_tracked,
@@ -153,7 +161,7 @@ fn register_known() {
 /// The kernels registered for `B`, if any.
 #[inline]
 pub(crate) fn of<B: Backend>() -> Option<Kernels<B>> {
-    KERNELS.get::<B, Kernels<B>>()
+    hooks::get::<CpuKernels, B, Kernels<B>>()
 }
 
 /// Whether the CPU kernels can run bf16 GEMMs on this CPU's own bf16 instructions (AMX tiles

@@ -17,7 +17,7 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, Once, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 
 use burn::tensor::backend::Backend;
@@ -79,8 +79,7 @@ impl Threading {
         if !self.batch_in_worker || !B::name(device).contains("cubecl") {
             return self;
         }
-        static SAID: Once = Once::new();
-        SAID.call_once(|| {
+        crate::warnings::once("non_blocking batches made by the consumer", (), || {
             log::info!(
                 "non_blocking on {}: batches are made on the device by the iterating thread \
                  (cubecl's per-thread streams cannot hand device buffers between threads \

@@ -8,8 +8,6 @@
 //! autodiff backends automatically. The lookup happens only under fp8 autocast; the bound is
 //! added nowhere else, so `Accelerated<B>` stays a decorator for every `B: Backend`.
 
-use std::sync::Once;
-
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -20,7 +18,7 @@ use burn_backend::{Backend, get_device_settings};
 
 use super::cast::{Fp8Cast, Quantizer};
 use crate::Accelerated;
-use crate::hooks::Hooks;
+use crate::hooks::{self, HookKind};
 
 /// A backend whose autodiff graph an fp8 cast can add its own node to: the forward pass
 /// rounds, the backward pass passes the gradient straight through (E4M3) or rounds it to E5M2
@@ -121,15 +119,22 @@ pub fn needs_registration<B: Backend>(device: &B::Device) -> bool {
 
 type Hook<B> = fn(FloatTensor<B>, Fp8Cast) -> FloatTensor<B>;
 
-static HOOKS: Hooks = Hooks::new(register_known);
+// The hooks' kind in the crate's registry.
+struct Fp8Casts;
+
+impl HookKind for Fp8Casts {
+    fn register_known() {
+        register_known();
+    }
+}
 
 fn insert<B: Fp8Differentiable>() {
     let hook: Hook<B> = B::fp8_cast;
-    HOOKS.insert::<B, _>(hook);
+    hooks::insert::<Fp8Casts, B, _>(hook);
 }
 
 fn hook<B: Backend>() -> Option<Hook<B>> {
-    HOOKS.get::<B, Hook<B>>()
+    hooks::get::<Fp8Casts, B, Hook<B>>()
 }
 
 // Burn's own autodiff backends, for every backend feature this crate was built with.
@@ -167,8 +172,7 @@ fn straight_through<B: Backend>(
     cast: Fp8Cast,
     device: &B::Device,
 ) -> FloatTensor<B> {
-    static WARN: Once = Once::new();
-    WARN.call_once(|| {
+    crate::warnings::once("fp8 straight-through estimate", (), || {
         log::warn!(
             "burn-accelerate fp8: {} has no registered fp8 cast (see `fp8::register`): using a \
              straight-through estimate, which leaves gradients unrounded",

@@ -13,7 +13,7 @@
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use serde::{Deserialize, Serialize};
 
@@ -217,8 +217,6 @@ struct Registry {
 
 // One training's fp8 state: shared by the threads that enter its context.
 struct Session {
-    // Names the session in the threads' call counters.
-    id: u64,
     registry: Mutex<Registry>,
     // Bumped by every `step`: a thread whose call counters belong to an older epoch restarts
     // them.
@@ -227,9 +225,7 @@ struct Session {
 
 impl Session {
     fn new() -> Arc<Session> {
-        static IDS: AtomicU64 = AtomicU64::new(0);
         Arc::new(Session {
-            id: IDS.fetch_add(1, Ordering::Relaxed),
             registry: Mutex::default(),
             epoch: AtomicU64::new(0),
         })
@@ -248,8 +244,7 @@ impl Setting for State {
     const SLOT: Slot = Slot::Fp8State;
     fn unset() -> Self {
         // The process's, for threads that entered no training's context.
-        static PROCESS_FP8: OnceLock<Arc<Session>> = OnceLock::new();
-        State(PROCESS_FP8.get_or_init(Session::new).clone())
+        context::shared_unset(|| State(Session::new()))
     }
 }
 
@@ -290,9 +285,23 @@ fn session() -> Arc<Session> {
     context::get::<State>().0
 }
 
+// This thread's call count of each op in one session's epoch.
+struct Calls {
+    // The session counted. Held weakly, which keeps its allocation (not the session) alive,
+    // so that a later session is never taken for it at the same address.
+    session: Weak<Session>,
+    epoch: u64,
+    counts: [u32; 64],
+}
+
 thread_local! {
-    // The session, its epoch, and this thread's call count of each op in it.
-    static CALLS: RefCell<(u64, u64, [u32; 64])> = const { RefCell::new((u64::MAX, 0, [0; 64])) };
+    static CALLS: RefCell<Calls> = const {
+        RefCell::new(Calls {
+            session: Weak::new(),
+            epoch: 0,
+            counts: [0; 64],
+        })
+    };
 }
 
 /// The next call number of `op` on this thread in the current step.
@@ -301,10 +310,14 @@ pub(crate) fn next_call(op: Op) -> u32 {
     let epoch = session.epoch.load(Ordering::Acquire);
     CALLS.with(|calls| {
         let mut calls = calls.borrow_mut();
-        if (calls.0, calls.1) != (session.id, epoch) {
-            *calls = (session.id, epoch, [0; 64]);
+        if !(Weak::as_ptr(&calls.session) == Arc::as_ptr(&session) && calls.epoch == epoch) {
+            *calls = Calls {
+                session: Arc::downgrade(&session),
+                epoch,
+                counts: [0; 64],
+            };
         }
-        let slot = &mut calls.2[op as usize];
+        let slot = &mut calls.counts[op as usize];
         let call = *slot;
         *slot = slot.saturating_add(1);
         call
