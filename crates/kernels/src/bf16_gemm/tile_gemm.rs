@@ -18,6 +18,7 @@
 
 use std::mem::MaybeUninit;
 
+use half::bf16;
 use rayon::prelude::*;
 
 use super::tiles::{TILE_ROW_BYTES, TILE_ROWS, TILE_WORDS, Tiles};
@@ -57,12 +58,45 @@ pub(super) unsafe fn gemm<T: Tiles>(
     if k == 0 {
         return zero_product(product, m, n);
     }
+    // SAFETY: the caller's promises.
+    unsafe { gemm_reading_a(a, b, product, parallel, packed, tiles, reads_a_in_place(&a)) }
+}
+
+/// Whether the A tiles are loaded from A where it lies instead of from packed tiles: an A
+/// tile is 16 rows of 16 k-pairs side by side, which a row-major A with whole steps of k
+/// (`k` a multiple of 32) already is, rows `row_stride` apart, and `tileloadd` takes any
+/// stride (oneDNN's brgemm reads A so too). Only micro tiles of whole rows; the bottom edge's
+/// are packed as the kernel reaches them. The same words reach the same instructions, so
+/// the bits are those of the packed path (tested).
+fn reads_a_in_place(a: &Bf16Matrix) -> bool {
+    a.col_stride == 1 && a.cols.is_multiple_of(2 * STEP)
+}
+
+// `gemm`, with A packed or loaded in place as `a_in_place` says.
+//
+// SAFETY: as for `gemm`; where `a_in_place`, `reads_a_in_place(&a)`.
+unsafe fn gemm_reading_a<T: Tiles>(
+    a: Bf16Matrix,
+    b: Bf16Matrix,
+    product: Product,
+    parallel: bool,
+    packed: &mut super::Packed,
+    tiles: impl Fn() -> T + Sync,
+    a_in_place: bool,
+) {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    if k == 0 {
+        return zero_product(product, m, n);
+    }
     let steps = k.div_ceil(2 * STEP);
     let [packed_a, packed_b] = packed;
-    let packed_a = pack(a, steps, Order::Rows, packed_a, parallel);
+    let a_tiles = match a_in_place {
+        true => ATiles::InPlace(a),
+        false => ATiles::Packed(pack(a, steps, Order::Rows, packed_a, parallel)),
+    };
     let packed_b = pack(b.transposed(), steps, Order::Pairs, packed_b, parallel);
     let blocks = Blocks {
-        packed_a,
+        a: a_tiles,
         packed_b,
         out: Out::of(product),
         m,
@@ -226,9 +260,27 @@ fn pack_tile_as_compiled(
     }
 }
 
+/// Where the A tiles are loaded from.
+#[derive(Clone, Copy)]
+enum ATiles<'a> {
+    /// Packed tiles (`pack`, `Order::Rows`).
+    Packed(&'a [u32]),
+    /// A itself (`reads_a_in_place`).
+    InPlace(Bf16Matrix<'a>),
+}
+
+/// A micro tile's two A tiles of its first step: their first rows, the bytes between a
+/// tile's rows, and the bytes from one step's tile to the next.
+#[derive(Clone, Copy)]
+struct ARows {
+    first: [*const u8; 2],
+    stride: usize,
+    step: usize,
+}
+
 #[derive(Clone, Copy)]
 struct Blocks<'a> {
-    packed_a: &'a [u32],
+    a: ATiles<'a>,
     packed_b: &'a [u32],
     out: Out<'a>,
     m: usize,
@@ -291,8 +343,41 @@ impl Blocks<'_> {
             let steps = BLOCK_STEPS.min(self.steps - s0);
             for ti in 0..row_tiles {
                 let i = i0 + ti * MICRO;
-                let a_panel = (i / TILE_ROWS) * panel_len + s0 * TILE;
-                let a = [a_panel, a_panel + panel_len].map(|at| self.packed_a[at..].as_ptr());
+                // The bottom edge's A tiles of an A read in place, packed here (zero past the
+                // last row, every word written) as `pack` would have them.
+                let mut edge = [MaybeUninit::<u32>::uninit(); 2 * BLOCK_STEPS * TILE];
+                let a = match self.a {
+                    ATiles::Packed(packed) => {
+                        let a_panel = (i / TILE_ROWS) * panel_len + s0 * TILE;
+                        ARows {
+                            first: [a_panel, a_panel + panel_len]
+                                .map(|at| packed[at..].as_ptr().cast()),
+                            stride: TILE_ROW_BYTES,
+                            step: TILE * size_of::<u32>(),
+                        }
+                    }
+                    ATiles::InPlace(a) if i + MICRO <= self.m => {
+                        let row = |r: usize| a.offset + r * a.row_stride + 2 * STEP * s0;
+                        ARows {
+                            first: [i, i + TILE_ROWS].map(|r| a.data[row(r)..].as_ptr().cast()),
+                            stride: a.row_stride * size_of::<bf16>(),
+                            step: 2 * STEP * size_of::<bf16>(),
+                        }
+                    }
+                    ATiles::InPlace(a) => {
+                        for (half, panel) in edge.chunks_exact_mut(BLOCK_STEPS * TILE).enumerate() {
+                            for (s, tile) in panel.chunks_exact_mut(TILE).take(steps).enumerate() {
+                                let (r0, p0) = (i + half * TILE_ROWS, (s0 + s) * STEP);
+                                pack_tile(a, r0, p0, Order::Rows, tile);
+                            }
+                        }
+                        ARows {
+                            first: [0, BLOCK_STEPS * TILE].map(|at| edge[at..].as_ptr().cast()),
+                            stride: TILE_ROW_BYTES,
+                            step: TILE * size_of::<u32>(),
+                        }
+                    }
+                };
                 for tj in 0..col_tiles {
                     let j = j0 + tj * MICRO;
                     let b_panel = (j / TILE_ROWS) * panel_len + s0 * TILE;
@@ -328,19 +413,20 @@ impl Blocks<'_> {
     }
 }
 
-/// `c (+)= a · b` for one 32 × 32 micro tile over `steps` k steps: `a` the two A panels from
-/// the block's first step (a tile a step), `b` the two B panels likewise, `c` the micro tile's
+/// `c (+)= a · b` for one 32 × 32 micro tile over `steps` k steps: `a` the two A tiles of the
+/// block's first step (packed or in A itself), `b` the two B panels from the block's first
+/// step (a tile a step), `c` the micro tile's
 /// corner with rows `ldc` values apart; the sums start from `c`'s values where `add` (a later
 /// k block), from zero otherwise.
 ///
 /// # Safety
 ///
-/// `tiles` are configured; the panels hold `steps` tiles; `c` points at 32 rows of 32
+/// `tiles` are configured; the panels and `a` hold `steps` tiles; `c` points at 32 rows of 32
 /// writable values, `ldc` apart.
 #[inline(always)]
 unsafe fn micro<T: Tiles>(
     tiles: &mut T,
-    [a0, a1]: [*const u32; 2],
+    a: ARows,
     [b0, b1]: [*const u32; 2],
     steps: usize,
     c: *mut f32,
@@ -364,14 +450,15 @@ unsafe fn micro<T: Tiles>(
             tiles.zero::<2>();
             tiles.zero::<3>();
         }
+        let [a0, a1] = a.first;
         for s in 0..steps {
             let at = s * TILE;
-            tiles.load::<4>(a0.add(at).cast(), TILE_ROW_BYTES);
+            tiles.load::<4>(a0.add(s * a.step), a.stride);
             tiles.load::<6>(b0.add(at).cast(), TILE_ROW_BYTES);
             tiles.dot::<0, 4, 6>();
             tiles.load::<7>(b1.add(at).cast(), TILE_ROW_BYTES);
             tiles.dot::<1, 4, 7>();
-            tiles.load::<5>(a1.add(at).cast(), TILE_ROW_BYTES);
+            tiles.load::<5>(a1.add(s * a.step), a.stride);
             tiles.dot::<2, 5, 6>();
             tiles.dot::<3, 5, 7>();
         }
@@ -488,6 +575,52 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn an_a_loaded_in_place_gives_the_bits_of_a_packed_a_on_the_model() {
+        use super::super::tiles::model::TileModel;
+        // Whole steps of k only (else A is packed): a micro row with an edge (70 rows: 6
+        // past two micro rows), k across three blocks (33 steps: 16, 16, 1), one row, rows
+        // past a task's; A from an offset with rows an odd count of values apart (the tiles'
+        // rows start unaligned).
+        let shapes = [[70, 64, 40], [33, 1056, 17], [1, 32, 1], [96, 32, 300]];
+        for [m, k, n] in shapes {
+            let a_values = matrix(&values(m * (k + 3) + 1, 9));
+            let b_values = matrix(&values(k * n, 10));
+            let b = Bf16Matrix::new(&b_values, 0, [k, n], [n, 1]).unwrap();
+            for (offset, stride) in [(0, k), (1, k + 3)] {
+                let a = Bf16Matrix::new(&a_values, offset, [m, k], [stride, 1]).unwrap();
+                assert!(reads_a_in_place(&a));
+                let want: Vec<u32> = instruction_order(&a, &b)
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect();
+                for in_place in [true, false] {
+                    let mut c = vec![f32::NAN; m * n];
+                    let product = Product::F32(&mut c);
+                    let packed = &mut Default::default();
+                    // SAFETY: the model runs anywhere; the shapes agree and `c` holds the
+                    // product; `in_place` only where `reads_a_in_place` (asserted).
+                    unsafe {
+                        gemm_reading_a(a, b, product, true, packed, TileModel::default, in_place)
+                    };
+                    let got: Vec<u32> = c.iter().map(|v| v.to_bits()).collect();
+                    assert_eq!(
+                        got, want,
+                        "{m}×{k}×{n}, A from {offset}, rows {stride} apart, in place {in_place}"
+                    );
+                }
+            }
+        }
+        // What is never read in place: k not whole steps, or rows that do not run along k.
+        let a_values = matrix(&values(2048, 1));
+        assert!(!reads_a_in_place(
+            &Bf16Matrix::new(&a_values, 0, [4, 48], [48, 1]).unwrap()
+        ));
+        assert!(!reads_a_in_place(
+            &Bf16Matrix::new(&a_values, 0, [4, 64], [1, 4]).unwrap()
+        ));
     }
 
     #[test]
