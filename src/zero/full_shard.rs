@@ -1,0 +1,147 @@
+//! ZeRO stage 3 ([`ZeroStage::Parameters`](super::ZeroStage::Parameters), FSDP's
+//! `FULL_SHARD`): between steps each process holds only the parameters its partition owns,
+//! and gathers every other one from its owner at that parameter's first use.
+//!
+//! # The mechanism
+//!
+//! After the optimizer steps this process's partition, [`release_parameters`] turns every float
+//! parameter of the model into one of Burn's lazy parameters (`Param::uninitialized`, the
+//! form `Module::init` builds): the value is dropped, and the parameter keeps its id, shape,
+//! device, gradient requirement and an initializer. The owner's initializer holds the owned
+//! value; the others' hold nothing but the owner's rank. The first `Param::val()` of the next
+//! forward pass runs the initializer, which broadcasts the owner's bytes to every process: a
+//! gather at the parameter's first use, in the order the forward pass uses the parameters.
+//! Every process runs the same forward pass, so every process gathers the same parameter at
+//! the same moment, and the collectives pair up with no schedule agreed beforehand. A process
+//! that reads a parameter the others do not (a parameter used on one rank only, a module
+//! visited on the main process only) waits on a broadcast the others never join; the group's
+//! timeout then ends it with an error that names the missing processes, and the
+//! initializer panics with it (Burn's lazy initializers cannot return an error).
+//!
+//! Gradients and optimizer state follow stage 2: the window's gradients are
+//! reduce-scattered owner by owner ([`reduce_scatter_gradients`](super::reduce_scatter_gradients)),
+//! each process's optimizer keeps state for its own partition and steps it, and the sums run
+//! in stage 2's order (so stage 3 ends bit for bit where stage 2 does, and where stage 0 does
+//! on two processes). Ownership is per parameter ([`partition`](super::partition): whole
+//! parameters, largest first), not FSDP's 1/N slice of each parameter: a process's share of
+//! the model is balanced to within its largest parameter.
+//!
+//! # What is bounded, and what is not yet
+//!
+//! Between steps (from the end of one step to the next forward pass) a process holds its
+//! partition's parameters and optimizer state and no gradients: about 1/N of the model's
+//! training state. During the forward and backward passes it is not bounded layer by layer:
+//! a gathered parameter stays in its `Param` (and in the autodiff graph, which keeps a
+//! matmul's weight for its backward) until the step releases it, so by the end of the
+//! forward pass every parameter the pass used is whole, and the backward pass adds whole
+//! gradients until the reduce-scatter. The peak is then stage 2's: this is FSDP's
+//! `FULL_SHARD` with one unit, the whole model, not its per-layer units. Freeing a parameter
+//! after its op and gathering it again in backward needs the decorator to give each use of
+//! a parameter a backward node of its own that holds the shard instead of the gathered
+//! weight (`docs/DESIGN.md`, "The training step"); that is the next increment.
+//!
+//! Burn's parameter mappers (the transforms a record applies on save and load) are not kept
+//! by a released parameter, which is one reason checkpoints refuse stage 3 for now
+//! ([`ZeroStage::check_checkpointable`](super::ZeroStage)).
+
+use burn::module::{AutodiffModule, ModuleMapper, Param};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{DType, Shape, Tensor, TensorData};
+
+use crate::distributed::{DistributedError, ProcessGroup};
+
+use super::sharded::Partition;
+
+/// Stage 3, after the step: every float parameter of `module` released, to be gathered from
+/// its owner at its first use (see the [module docs](self)). The parameters this process
+/// owns keep their values (inside their initializer); the others' values are dropped.
+///
+/// Every process must call it at the same step, with the same partition, and afterwards read
+/// the parameters in the same order (a forward pass, a visit of the whole module): each first
+/// read is a collective.
+pub fn release_parameters<B: AutodiffBackend, M: AutodiffModule<B>>(
+    group: &ProcessGroup,
+    module: M,
+    partition: &Partition,
+) -> M {
+    struct Release<'a> {
+        group: &'a ProcessGroup,
+        partition: &'a Partition,
+    }
+    impl<B: AutodiffBackend> ModuleMapper<B> for Release<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let (id, value, _mappers) = param.consume();
+            let require_grad = value.is_require_grad();
+            let (shape, dtype, device) = (value.shape(), value.dtype(), value.device());
+            let owner = self.partition.owner(id);
+            // The autodiff wrapper is not kept: the next use starts a new leaf, as Burn's
+            // optimizers start one for the values they step.
+            let own = (owner == self.group.rank()).then(|| value.inner());
+            let group = self.group.clone();
+            let gathered_shape = shape.clone();
+            Param::uninitialized(
+                id,
+                move |device: &B::Device, require_grad: bool| {
+                    let value = gather::<B, D>(
+                        &group,
+                        owner,
+                        own.as_ref(),
+                        &gathered_shape,
+                        dtype,
+                        device,
+                    )
+                    .unwrap_or_else(|err| {
+                        panic!(
+                            "ZeRO stage 3 could not gather a parameter from process {owner} \
+                                 at its first use: {err}. Every process must run the same \
+                                 forward pass and read the same parameters in the same order"
+                        )
+                    });
+                    if require_grad {
+                        value.require_grad()
+                    } else {
+                        value
+                    }
+                },
+                device,
+                require_grad,
+                shape,
+            )
+        }
+    }
+    if group.world_size() == 1 {
+        return module;
+    }
+    module.map(&mut Release::<'_> { group, partition })
+}
+
+/// Gathers one released parameter: its owner's value on every process (the owner sends it,
+/// the others receive it), as a new leaf without a gradient requirement.
+fn gather<B: AutodiffBackend, const D: usize>(
+    group: &ProcessGroup,
+    owner: usize,
+    own: Option<&Tensor<B::InnerBackend, D>>,
+    shape: &Shape,
+    dtype: DType,
+    device: &B::Device,
+) -> Result<Tensor<B, D>, DistributedError> {
+    if let Some(own) = own {
+        let bytes = own.clone().into_data().bytes.to_vec();
+        group.broadcast_bytes(owner, bytes)?;
+        return Ok(Tensor::from_inner(own.clone()));
+    }
+    let bytes = group.broadcast_bytes(owner, Vec::new())?;
+    let expected = shape.num_elements() * dtype.size();
+    if bytes.len() != expected {
+        return Err(DistributedError::Mismatch {
+            rank: owner,
+            detail: format!(
+                "it sent {} bytes for a {dtype:?} parameter of shape {shape:?} ({expected} \
+                 bytes): the processes' models differ",
+                bytes.len()
+            ),
+        });
+    }
+    let data = TensorData::from_bytes_vec(bytes, shape.clone(), dtype);
+    Ok(Tensor::from_data(data, device))
+}
