@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 /// | [`None`](Self::None) | ZeRO stage 0 | `NO_SHARD` (DDP) | every gradient and optimizer state |
 /// | [`OptimizerState`](Self::OptimizerState) | ZeRO stage 1 | — (torch's `ZeroRedundancyOptimizer`) | every gradient, its partition's optimizer state |
 /// | [`Gradients`](Self::Gradients) | ZeRO stage 2 | `SHARD_GRAD_OP` | its partition's averaged gradients and optimizer state |
-/// | [`Parameters`](Self::Parameters) | ZeRO stage 3 | `FULL_SHARD` | between steps, its partition's parameters, gradients and optimizer state |
+/// | [`Parameters`](Self::Parameters) | ZeRO stage 3 | `FULL_SHARD` | its partition's averaged gradients and optimizer state, and between steps its partition's parameters only |
 ///
 /// At stages 0 to 2 parameters stay whole on every process. At stage 3 they are whole only
 /// from their first use in a forward pass to the step (see
@@ -29,7 +29,9 @@ use serde::{Deserialize, Serialize};
 /// merged on the main process ([`consolidate_state`](crate::zero::consolidate_state);
 /// `with_accelerate` does it for Burn's checkpoints, a hand-written loop calls
 /// `Accelerator::consolidate_optimizer_record`), so a run resumes at any stage on any number
-/// of processes.
+/// of processes. Stage 3 runs in the `Accelerator`'s loops only for now: `with_accelerate`
+/// and saving a checkpoint refuse it with [`AccelerateError::InvalidConfig`](crate::AccelerateError)
+/// naming `zero_stage`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum ZeroStage {
     /// Data parallel: every process steps the whole model.

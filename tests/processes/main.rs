@@ -550,6 +550,8 @@ fn stage_3_keeps_parameters_sharded_between_steps_and_ends_where_stage_0_does() 
             (Precision::F32, None, 1),
             (Precision::F32, None, 2),
             (Precision::F32, Some(0.5), 2),
+            // 3 processes: 8 batches an epoch, the last window of 3 is partial.
+            (Precision::F32, None, 3),
             (Precision::F16, Some(0.5), 2),
         ];
         for (precision, clip_norm, grad_accum) in cases {
@@ -601,13 +603,13 @@ fn stage_3_keeps_parameters_sharded_between_steps_and_ends_where_stage_0_does() 
                 // Against stage 0's all-reduce: a mean of two values is one rounding whatever
                 // the order, so two processes end bit for bit without clipping. Of three, the
                 // ring sums in another order than the reduce-scatter, and clipping's norm sums
-                // partition by partition: rounding, compounded through Adam's steps (as stage
-                // 2's test holds).
+                // partition by partition: rounding, compounded through Adam's 24 steps (about
+                // 2.5e-7 at most here).
                 if processes == 2 && clip_norm.is_none() {
                     assert_eq!(bits(&r.parameters), bits(&stage0[0].parameters), "{what}");
                 } else {
                     let d = max_relative_difference(&r.parameters, &stage0[0].parameters);
-                    assert!(d < 1e-5, "{what}: {d:e}");
+                    assert!(d < 1e-6, "{what}: {d:e}");
                 }
             }
             // Stage 0 holds every parameter after every batch.
@@ -616,6 +618,107 @@ fn stage_3_keeps_parameters_sharded_between_steps_and_ends_where_stage_0_does() 
                 assert!(stage3[0].outcomes.iter().any(|o| o == "SkippedOverflow"));
             }
         }
+    }
+}
+
+/// A net whose `shared` layer runs twice each forward pass and whose `unused` layer never
+/// runs: at stage 3 the first use gathers a parameter, the second reuses it, and the unused
+/// one is gathered where the gradients are read (every process reads them in the same order).
+#[derive(Module, Debug)]
+struct Uneven<B: Backend> {
+    input: Linear<B>,
+    shared: Linear<B>,
+    unused: Linear<B>,
+    out: Linear<B>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct UnevenRun {
+    zero_stage: u8,
+    steps: usize,
+}
+
+fn uneven_worker(args: &UnevenRun) -> HandLoopReport {
+    type B = Accelerated<Autodiff<Flex>>;
+    let state = ProcessState::from_env().unwrap();
+    let device = Default::default();
+    B::seed(&device, 11);
+    let mut model = Uneven::<B> {
+        input: LinearConfig::new(FEATURES, 16).init(&device),
+        shared: LinearConfig::new(16, 16).init(&device),
+        unused: LinearConfig::new(16, 16).init(&device),
+        out: LinearConfig::new(16, CLASSES).init(&device),
+    };
+    let mut accelerator = AccelerateConfig::new()
+        .with_zero_stage(burn_accelerate::zero::ZeroStage::from_number(args.zero_stage).unwrap())
+        .init::<B>(&device)
+        .unwrap();
+    let mut optim = burn::optim::AdamConfig::new().init();
+    let (mut outcomes, mut held_after_step) = (Vec::new(), Vec::new());
+    for step in 0..args.steps {
+        let items: Vec<usize> = (0..4)
+            .map(|i| step * 16 + state.process_index() * 4 + i)
+            .collect();
+        let batch: Batch<B> = Samples.batch(items, &device);
+        let relu = Relu::new();
+        let h = relu.forward(model.input.forward(batch.x));
+        let h = relu.forward(model.shared.forward(h));
+        let h = relu.forward(model.shared.forward(h));
+        let logits = model.out.forward(h);
+        let loss = CrossEntropyLossConfig::new()
+            .init(&device)
+            .forward(logits, batch.y);
+        accelerator.backward(loss, &model);
+        let (next, outcome) = accelerator
+            .optimizer_step(&mut optim, model, &mut 0.01)
+            .unwrap();
+        model = next;
+        outcomes.push(format!("{outcome:?}"));
+        held_after_step.push(held_parameters(&model));
+    }
+    HandLoopReport {
+        parameters: parameters(&model),
+        outcomes,
+        loss_scale: accelerator.loss_scale().loss_scale(),
+        held_after_step,
+    }
+}
+
+#[test]
+fn stage_3_gathers_a_layer_used_twice_once_and_an_unused_layer_where_gradients_are_read() {
+    const TEST: &str =
+        "stage_3_gathers_a_layer_used_twice_once_and_an_unused_layer_where_gradients_are_read";
+    if let Some(args) = worker::<UnevenRun>() {
+        return report(&uneven_worker(&args));
+    }
+    let run = |zero_stage: u8| -> Vec<HandLoopReport> {
+        launch(
+            TEST,
+            2,
+            &UnevenRun {
+                zero_stage,
+                steps: 4,
+            },
+            &[],
+        )
+        .assert_success()
+        .reports(2)
+    };
+    let (stage0, stage3) = (run(0), run(3));
+    for (rank, r) in stage3.iter().enumerate() {
+        assert_eq!(r.outcomes, stage0[0].outcomes, "rank {rank}");
+        assert!(
+            r.held_after_step.iter().all(|&h| h == 0),
+            "rank {rank}: {:?}",
+            r.held_after_step
+        );
+        // Two processes: every mean is one rounding, as stage 0's. The unused layer has no
+        // gradient at either stage: stage 3 gathers it from its owner unchanged.
+        assert_eq!(
+            bits(&r.parameters),
+            bits(&stage0[0].parameters),
+            "rank {rank}"
+        );
     }
 }
 
