@@ -553,6 +553,10 @@ fn stage_3_keeps_parameters_sharded_between_steps_and_ends_where_stage_0_does() 
             // 3 processes: 8 batches an epoch, the last window of 3 is partial.
             (Precision::F32, None, 3),
             (Precision::F16, Some(0.5), 2),
+            // Autocast casts the gathered f32 parameter per op, as it casts a held one; fp8's
+            // amax histories are per process, as at stage 0.
+            (Precision::Bf16, None, 1),
+            (Precision::Fp8(Fp8Mode::Hybrid), Some(0.5), 2),
         ];
         for (precision, clip_norm, grad_accum) in cases {
             let args = |zero_stage: u8| HandLoop {
