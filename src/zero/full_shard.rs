@@ -40,6 +40,23 @@
 //! a parameter a backward node of its own that holds the shard instead of the gathered
 //! weight (`docs/DESIGN.md`, "The training step"); that is the next increment.
 //!
+//! # The next increment: the per-layer bound
+//!
+//! Burn caches a lazy parameter's value in the `Param` until the module is mapped again, so
+//! the per-layer bound needs what the `Param` caches to be tiny: a *placeholder* of the full
+//! shape, with the shard kept beside it, resolved by the decorator (`Accelerated<B>`, which
+//! sees every op) when an op reads it. Checked on Burn 0.21 and Flex (a scratch program, not
+//! kept): a placeholder made as `Tensor::from_inner(scalar(-0.0).expand(shape)).require_grad()`
+//! is a stride-0 view (an 8192×8192 one added 0.7 MiB of resident memory, a real one 256 MiB),
+//! is an autodiff leaf whose gradient comes back whole, and `placeholder + gathered` is the
+//! gathered value bit for bit (−0.0 is the additive identity), with the sum's gradient flowing
+//! to the placeholder: an op can swap in the gathered weight without the parameter's
+//! gradient changing key. What is left: the decorator's ops recognising a placeholder (by its
+//! autodiff node id, through the concrete `Autodiff<B, C>` that `crate::hooks` registers per
+//! backend type), and a backward node per use that holds the placeholder and gathers again,
+//! instead of the op's own node keeping the gathered weight (`docs/DESIGN.md`, "The training
+//! step"). Both are in `src/backend/`, outside this increment.
+//!
 //! Burn's parameter mappers (the transforms a record applies on save and load) are not kept
 //! by a released parameter, which is one reason checkpoints refuse stage 3 for now
 //! ([`ZeroStage::check_checkpointable`](super::ZeroStage)).
@@ -53,12 +70,23 @@ use crate::distributed::{DistributedError, ProcessGroup};
 use super::sharded::Partition;
 
 /// Stage 3, after the step: every float parameter of `module` released, to be gathered from
-/// its owner at its first use (see the [module docs](self)). The parameters this process
-/// owns keep their values (inside their initializer); the others' values are dropped.
+/// its owner at its first use. Each becomes one of Burn's lazy parameters (same id, shape,
+/// device, gradient requirement) whose initializer broadcasts the owner's value: the
+/// parameters this process owns keep their values (inside their initializer), the others'
+/// values are dropped.
 ///
 /// Every process must call it at the same step, with the same partition, and afterwards read
 /// the parameters in the same order (a forward pass, a visit of the whole module): each first
-/// read is a collective.
+/// read is a collective. A read on some processes only waits until the group's timeout, and
+/// then panics with the group's error, which names the missing processes.
+///
+/// # Memory
+///
+/// Between steps a process holds its partition's parameters and optimizer state and no
+/// gradients. During a step it is not bounded layer by layer: a gathered parameter stays
+/// whole until the step releases it, so the peak is ZeRO stage 2's (FSDP's `FULL_SHARD` with
+/// the whole model as its one unit). The design, and what the per-layer bound needs, are in
+/// the notes atop `src/zero/full_shard.rs`.
 pub fn release_parameters<B: AutodiffBackend, M: AutodiffModule<B>>(
     group: &ProcessGroup,
     module: M,
