@@ -791,14 +791,22 @@ fn a_sharded_optimizer_state_resumes_on_any_number_of_processes_at_any_stage() {
     assert_eq!(bits(&same[0].parameters), bits(&whole[0].parameters));
     assert_eq!(same[0].outcomes, whole[0].outcomes[8..]);
     // Re-partitioned over other numbers of processes, and at other stages: the same training
-    // to rounding (sums in another order).
-    for (processes, zero_stage) in [(3, 1), (4, 2), (1, 0), (2, 0)] {
+    // to rounding (sums in another order). Stage 3 starts from the whole loaded model and
+    // releases it after its first step.
+    for (processes, zero_stage) in [(3, 1), (4, 2), (1, 0), (2, 0), (3, 3)] {
         let resumed: Vec<HandLoopReport> =
             launch(TEST, processes, &resume(processes, zero_stage), &[])
                 .assert_success()
                 .reports(processes);
         for r in &resumed {
             assert_eq!(bits(&r.parameters), bits(&resumed[0].parameters));
+            if zero_stage == 3 {
+                assert!(
+                    r.held_after_step.iter().all(|&h| h == 0),
+                    "{:?}",
+                    r.held_after_step
+                );
+            }
         }
         let d = max_relative_difference(&resumed[0].parameters, &whole[0].parameters);
         assert!(
