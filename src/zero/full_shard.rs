@@ -12,10 +12,10 @@
 //! forward pass runs the initializer, which broadcasts the owner's bytes to every process: a
 //! gather at the parameter's first use, in the order the forward pass uses the parameters.
 //! Every process runs the same forward pass, so every process gathers the same parameter at
-//! the same moment, and the collectives pair up with no schedule agreed beforehand. A process
-//! that reads a parameter the others do not (a parameter used on one rank only, a module
-//! visited on the main process only) waits on a broadcast the others never join; the group's
-//! timeout then ends it with an error that names the missing processes, and the
+//! the same moment, and the collectives pair up with no schedule agreed beforehand. Each
+//! gather first all-gathers the parameter's place in the model's visiting order (8 bytes), so
+//! processes that read different parameters (a parameter used on one rank only, a module
+//! visited on the main process only) fail at once with an error naming both, and the
 //! initializer panics with it (Burn's lazy initializers cannot return an error).
 //!
 //! Gradients and optimizer state follow stage 2: the window's gradients are
@@ -77,8 +77,11 @@ use super::sharded::Partition;
 ///
 /// Every process must call it at the same step, with the same partition, and afterwards read
 /// the parameters in the same order (a forward pass, a visit of the whole module): each first
-/// read is a collective. A read on some processes only waits until the group's timeout, and
-/// then panics with the group's error, which names the missing processes.
+/// read is a collective: the processes first agree on which parameter they gather, so a
+/// read of another parameter (or of one on some processes only, paired with the others' next
+/// gather) panics at once with a [`DistributedError::Mismatch`] naming both parameters; a
+/// read that no other collective ever meets waits until the group's timeout, and panics with
+/// its error.
 ///
 /// # Memory
 ///
@@ -95,6 +98,8 @@ pub fn release_parameters<B: AutodiffBackend, M: AutodiffModule<B>>(
     struct Release<'a> {
         group: &'a ProcessGroup,
         partition: &'a Partition,
+        // The next parameter's place in visiting order.
+        place: u64,
     }
     impl<B: AutodiffBackend> ModuleMapper<B> for Release<'_> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
@@ -107,24 +112,29 @@ pub fn release_parameters<B: AutodiffBackend, M: AutodiffModule<B>>(
             let own = (owner == self.group.rank()).then(|| value.inner());
             let group = self.group.clone();
             let gathered_shape = shape.clone();
+            let place = self.place;
+            self.place += 1;
             Param::uninitialized(
                 id,
                 move |device: &B::Device, require_grad: bool| {
-                    let value = gather::<B, D>(
-                        &group,
-                        owner,
-                        own.as_ref(),
-                        &gathered_shape,
-                        dtype,
-                        device,
-                    )
-                    .unwrap_or_else(|err| {
-                        panic!(
-                            "ZeRO stage 3 could not gather a parameter from process {owner} \
+                    let value = agree_on(&group, place)
+                        .and_then(|()| {
+                            gather::<B, D>(
+                                &group,
+                                owner,
+                                own.as_ref(),
+                                &gathered_shape,
+                                dtype,
+                                device,
+                            )
+                        })
+                        .unwrap_or_else(|err| {
+                            panic!(
+                                "ZeRO stage 3 could not gather a parameter from process {owner} \
                                  at its first use: {err}. Every process must run the same \
                                  forward pass and read the same parameters in the same order"
-                        )
-                    });
+                            )
+                        });
                     if require_grad {
                         value.require_grad()
                     } else {
@@ -140,7 +150,30 @@ pub fn release_parameters<B: AutodiffBackend, M: AutodiffModule<B>>(
     if group.world_size() == 1 {
         return module;
     }
-    module.map(&mut Release::<'_> { group, partition })
+    module.map(&mut Release::<'_> {
+        group,
+        partition,
+        place: 0,
+    })
+}
+
+// Every process gathers the parameter at `place` (in the model's visiting order) now: a
+// process that reads another parameter, or another process's collective paired with this
+// one, is a typed error at once instead of bytes of the wrong parameter or a wait until the
+// group's timeout.
+fn agree_on(group: &ProcessGroup, place: u64) -> Result<(), DistributedError> {
+    let places = group.all_gather(&[place])?;
+    match places.iter().position(|&p| p != place) {
+        None => Ok(()),
+        Some(rank) => Err(DistributedError::Mismatch {
+            rank,
+            detail: format!(
+                "it gathers parameter #{} while this process gathers #{place} (in the model's \
+                 visiting order): the processes read different parameters",
+                places[rank]
+            ),
+        }),
+    }
 }
 
 /// Gathers one released parameter: its owner's value on every process (the owner sends it,

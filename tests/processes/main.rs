@@ -640,6 +640,10 @@ struct Uneven<B: Backend> {
 struct UnevenRun {
     zero_stage: u8,
     steps: usize,
+    /// After the steps, rank 0 reads `input`'s weight and the others `out`'s (a process
+    /// that logs a parameter the others do not read).
+    #[serde(default)]
+    read_different_parameters: bool,
 }
 
 fn uneven_worker(args: &UnevenRun) -> HandLoopReport {
@@ -680,6 +684,13 @@ fn uneven_worker(args: &UnevenRun) -> HandLoopReport {
         outcomes.push(format!("{outcome:?}"));
         held_after_step.push(held_parameters(&model));
     }
+    if args.read_different_parameters {
+        let _ = if state.process_index() == 0 {
+            model.input.weight.val().sum()
+        } else {
+            model.out.weight.val().sum()
+        };
+    }
     HandLoopReport {
         parameters: parameters(&model),
         outcomes,
@@ -702,6 +713,7 @@ fn stage_3_gathers_a_layer_used_twice_once_and_an_unused_layer_where_gradients_a
             &UnevenRun {
                 zero_stage,
                 steps: 4,
+                read_different_parameters: false,
             },
             &[],
         )
@@ -724,6 +736,30 @@ fn stage_3_gathers_a_layer_used_twice_once_and_an_unused_layer_where_gradients_a
             "rank {rank}"
         );
     }
+}
+
+#[test]
+fn stage_3_processes_that_read_different_parameters_fail_at_once_naming_both() {
+    const TEST: &str = "stage_3_processes_that_read_different_parameters_fail_at_once_naming_both";
+    if let Some(args) = worker::<UnevenRun>() {
+        return report(&uneven_worker(&args));
+    }
+    let args = UnevenRun {
+        zero_stage: 3,
+        steps: 2,
+        read_different_parameters: true,
+    };
+    // A timeout far below the default half hour: were the processes to wait on each other's
+    // gathers instead of failing at once, the test would end with the timeout's error, which
+    // does not name the parameters.
+    let launched = launch(TEST, 2, &args, &["--timeout", "120"]);
+    assert!(!launched.status.success(), "{}", launched.output());
+    let output = launched.output();
+    assert!(
+        output.contains("it gathers parameter #6 while this process gathers #0")
+            || output.contains("it gathers parameter #0 while this process gathers #6"),
+        "{output}"
+    );
 }
 
 #[test]
