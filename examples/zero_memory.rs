@@ -8,10 +8,17 @@
 //!     target/release/examples/zero_memory --params 100000000 --zero-stage 2
 //! ```
 //!
-//! Printed: `zero_stage=S processes=P params=N peak_rss_mib=M final_loss=L`. With
+//! Printed: `zero_stage=S processes=P params=N peak_rss_mib=M rest_rss_mib=R final_loss=L`,
+//! where `rest_rss_mib` is the largest resident memory over the processes right after the
+//! last step (between steps: what a process keeps of the training state). With
 //! `--checkpoint DIR`, the whole optimizer state is then gathered on the main process and
 //! written with the model into `DIR`, and a second line says what that cost:
 //! `checkpoint_s=T main_peak_rss_mib=M` (the main process's peak over the whole run).
+//! Stage 3 refuses `--checkpoint` (its checkpoints are not supported yet).
+//!
+//! At stage 3 a parameter is gathered at its first use in the forward pass and stays whole
+//! until the step (`burn_accelerate::zero::release_parameters`): the peak is stage 2's, and
+//! what stage 3 saves is the memory between steps.
 
 #[path = "common/memory.rs"]
 mod memory;
@@ -36,8 +43,9 @@ struct Args {
     /// as it takes.
     #[arg(long, default_value_t = 20_000_000)]
     params: usize,
-    /// The ZeRO stage: 0 (data parallel), 1 (optimizer state sharded), 2 (and gradients).
-    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
+    /// The ZeRO stage: 0 (data parallel), 1 (optimizer state sharded), 2 (and gradients), 3
+    /// (and parameters, between steps).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
     zero_stage: u8,
     /// Optimizer steps.
     #[arg(long, default_value_t = 3)]
@@ -84,6 +92,9 @@ fn main() {
             .collect(),
         act: Relu::new(),
     };
+    // Counted on every process before training: at stage 3 reading a released parameter is a
+    // collective, which the main process alone (where it is printed) would wait on forever.
+    let params = model.num_params();
     let mut optim = AdamConfig::new().init();
     let x = Tensor::<Train, 2>::random([args.batch, WIDTH], Distribution::Normal(0., 1.), &device);
     let mut loss_value = 0.0;
@@ -97,18 +108,23 @@ fn main() {
         model = next;
     }
     let process = accelerator.process().clone();
-    let peak = peak_memory_mib();
-    let peaks: Vec<f64> = match process.group() {
-        Ok(group) => group.all_gather(&[peak]).expect("all-gather"),
-        Err(_) => vec![peak],
+    let (peak, rest) = (peak_memory_mib(), resident_memory_mib());
+    let (peaks, rests): (Vec<f64>, Vec<f64>) = match process.group() {
+        Ok(group) => (
+            group.all_gather(&[peak]).expect("all-gather"),
+            group.all_gather(&[rest]).expect("all-gather"),
+        ),
+        Err(_) => (vec![peak], vec![rest]),
     };
     if process.is_main_process() {
         println!(
-            "zero_stage={} processes={} params={} peak_rss_mib={:.0} final_loss={loss_value}",
+            "zero_stage={} processes={} params={} peak_rss_mib={:.0} rest_rss_mib={:.0} \
+             final_loss={loss_value}",
             args.zero_stage,
             process.num_processes(),
-            model.num_params(),
+            params,
             peaks.iter().copied().fold(0.0, f64::max),
+            rests.iter().copied().fold(0.0, f64::max),
         );
     }
     if let Some(dir) = &args.checkpoint {
@@ -134,4 +150,15 @@ fn main() {
             );
         }
     }
+}
+
+// This process's resident memory now, in MiB (Linux's `VmRSS`; 0 elsewhere).
+fn resident_memory_mib() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+            line.split_whitespace().nth(1)?.parse::<f64>().ok()
+        })
+        .map_or(0.0, |kib| kib / 1024.0)
 }

@@ -97,7 +97,8 @@ pub struct AccelerateConfig {
     pub fp8_recipe: DelayedScaling,
     /// Sharded data parallel over several processes (DeepSpeed's ZeRO stages; see
     /// [`ZeroStage`]): each process steps, and keeps optimizer state for, its own partition
-    /// of the parameters. Nothing changes for one process.
+    /// of the parameters (at stage 3 it also keeps only its partition's parameters between
+    /// steps). Nothing changes for one process.
     #[config(default = "ZeroStage::None")]
     pub zero_stage: ZeroStage,
     /// Clips every window's gradients, unscaled, to this global 2-norm before the optimizer

@@ -181,6 +181,36 @@ fn a_checkpoint_saved_with_other_accumulation_is_refused_naming_it() {
     );
 }
 
+// ZeRO stage 3's checkpoints are not supported yet: saving is refused by name (on one process
+// too, so that a script tried on one process fails there, not once launched), and nothing is
+// written.
+#[test]
+fn a_checkpoint_at_zero_stage_3_is_refused_naming_the_stage() {
+    let dir = scratch("stage-3");
+    let mut acc = config()
+        .with_zero_stage(burn_accelerate::zero::ZeroStage::Parameters)
+        .init_with_state::<B>(&Default::default(), GradientState::new())
+        .unwrap();
+    let (model, optim) = fresh();
+    let (model, optim) = train(&mut acc, model, optim, 0, 1, None);
+    let err = acc.save_checkpoint(&dir, 1, &model, &optim).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            AccelerateError::InvalidConfig {
+                field: "zero_stage",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("stage 3 are not supported yet"),
+        "{err}"
+    );
+    assert!(!dir.path().exists(), "nothing saved");
+}
+
 // Issue 49: a record of another model is refused by name, before anything is loaded.
 #[test]
 fn a_checkpoint_of_another_model_is_refused_naming_the_parameter() {

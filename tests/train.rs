@@ -276,6 +276,30 @@ mod flex {
     }
 
     #[test]
+    fn zero_stage_3_with_accelerate_is_refused_not_run_as_another_stage() {
+        use crate::mlp::MlpComponents;
+        use burn_accelerate::AccelerateConfig;
+        use burn_accelerate::train::AccelerateStrategy;
+        use burn_accelerate::zero::ZeroStage;
+        type B = Autodiff<Flex>;
+        let config = AccelerateConfig::new().with_zero_stage(ZeroStage::Parameters);
+        let err = AccelerateStrategy::<MlpComponents<B>>::new(config, &Default::default())
+            .err()
+            .expect("refused");
+        assert!(
+            matches!(
+                err,
+                AccelerateError::InvalidConfig {
+                    field: "zero_stage",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(err.to_string().contains("hand-written loops"), "{err}");
+    }
+
+    #[test]
     fn mixed_precision_on_a_plain_autodiff_backend_is_a_typed_error() {
         let err = train::<Autodiff<Flex>>(&small(Precision::Bf16)).unwrap_err();
         assert!(

@@ -1,6 +1,6 @@
 //! What a training step is, written once: the loss scale, the gradient-accumulation window
 //! and its divisor ([`LossTransform`] and the rule beside it), the gradient sync (none, an
-//! all-reduce, or ZeRO stage 1 or 2 over its partition), the agreement on overflow, clipping
+//! all-reduce, or ZeRO stage 1, 2 or 3 over its partition), the agreement on overflow, clipping
 //! by the global norm, the fp8 recipe's step, and the optimizer step over the parameters this
 //! process owns.
 //!
@@ -256,13 +256,15 @@ impl<B: AutodiffBackend> StepCore<B> {
     ///
     /// # Errors
     /// [`AccelerateError::Distributed`] when a process left, or sent a state this process
-    /// cannot read.
+    /// cannot read; [`AccelerateError::InvalidConfig`] at ZeRO stage 3, whose checkpoints are
+    /// not supported yet.
     pub fn whole_optimizer_record<M: AutodiffModule<B>, R: ParamStateRecord<B>>(
         &self,
         model: &M,
         record: R,
         device: &B::Device,
     ) -> Result<Option<R>, AccelerateError> {
+        self.zero_stage.check_checkpointable()?;
         match self.sharded() {
             Some((group, _)) => Ok(zero::consolidate_state::<B, M, R>(
                 group, model, record, 0, device,
@@ -399,7 +401,9 @@ impl<B: AutodiffBackend> StepCore<B> {
     /// partition), adjusts the loss scale, and then either skips the step or runs `apply`
     /// (the scheduler's and the optimizer's step: it returns the model and the learning rate)
     /// on this process's gradients (at stage 1, its partition's), after which every parameter
-    /// comes from its owner. Drops the window's gradients either way. Elsewhere, nothing.
+    /// comes from its owner (at stage 3, every other process's parameter is released until
+    /// its next use, on a skipped step too). Drops the window's gradients either way.
+    /// Elsewhere, nothing.
     ///
     /// # Errors
     /// [`AccelerateError::Distributed`] when the processes cannot average, agree or share.
@@ -421,6 +425,9 @@ impl<B: AutodiffBackend> StepCore<B> {
         let found_inf = self.agree_on_overflow(found_inf)?;
         self.set_loss_scale(self.loss_scale.adjust(found_inf));
         if found_inf {
+            // A skipped step leaves the parameters as they were: sharded at rest, as after a
+            // step, where the stage keeps them so.
+            let model = self.release(model);
             return Ok((model, StepOutcome::SkippedOverflow));
         }
         let Some((_, stage)) = self.sharded() else {
@@ -436,8 +443,27 @@ impl<B: AutodiffBackend> StepCore<B> {
             zero::keep_own::<B, M>(&model, &mut grads, partition, group.rank());
         }
         let (model, lr) = apply(model, grads);
-        let model = zero::share_parameters::<B, M>(group, model, partition)?;
+        let model = if stage.shards_parameters() {
+            zero::release_parameters::<B, M>(group, model, partition)
+        } else {
+            zero::share_parameters::<B, M>(group, model, partition)?
+        };
         Ok((model, StepOutcome::Applied { lr }))
+    }
+
+    // Where the stage keeps the parameters sharded between steps: every parameter but this
+    // process's partition's released, to be gathered at its next use. Elsewhere the model.
+    fn release<M: AutodiffModule<B>>(&mut self, model: M) -> M {
+        match self.sharded() {
+            Some((_, stage)) if stage.shards_parameters() => {
+                self.partition(&model);
+                let (Some(group), Some(partition)) = (&self.group, &self.partition) else {
+                    unreachable!("sharded, so a group and its partition");
+                };
+                zero::release_parameters::<B, M>(group, model, partition)
+            }
+            _ => model,
+        }
     }
 
     // At stage 2 each process checked its own partition: an inf in any skips the step on

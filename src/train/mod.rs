@@ -226,9 +226,9 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
     /// A strategy training on `device` as `config` says.
     ///
     /// # Errors
-    /// [`AccelerateError::InvalidConfig`] for zero accumulation steps or an invalid scaler
-    /// setting; [`AccelerateError::UnsupportedPrecision`] when the device cannot run
-    /// `mixed_precision` and `allow_fallback` is off;
+    /// [`AccelerateError::InvalidConfig`] for zero accumulation steps, an invalid scaler
+    /// setting or ZeRO stage 3 (not offered here yet); [`AccelerateError::UnsupportedPrecision`]
+    /// when the device cannot run `mixed_precision` and `allow_fallback` is off;
     /// [`AccelerateError::NotAccelerated`] for bf16 or f16 on a training backend that is not
     /// [`Accelerated`](crate::Accelerated) (autocast would do nothing there);
     /// [`AccelerateError::Distributed`] for a bad launch environment or a process group that
@@ -237,6 +237,20 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
         config: AccelerateConfig,
         device: &Device<TrainingBackend<LC>>,
     ) -> Result<Self, AccelerateError> {
+        if config.zero_stage.shards_parameters() {
+            // Burn's learner holds and reloads the model whole around each step (its
+            // `load_model` of the stepped record): stage 3's released parameters would be
+            // gathered back at once, a silent stage 2.
+            return Err(AccelerateError::InvalidConfig {
+                field: "zero_stage",
+                value: format!(
+                    "{:?} (ZeRO stage 3) with with_accelerate",
+                    config.zero_stage
+                ),
+                fix: "ZeRO stage 3 runs in hand-written loops (Accelerator) only for now: \
+                      train with_accelerate at ZeroStage::Gradients (stage 2)",
+            });
+        }
         let (autocast, initial_scale) =
             config.init_mixed_precision::<TrainingBackend<LC>>(device)?;
         ensure_accelerated::<TrainingBackend<LC>>(&autocast, device)?;

@@ -1,17 +1,20 @@
-//! Sharded data parallel (DeepSpeed's ZeRO stages 1 and 2): which process owns which
+//! Sharded data parallel (DeepSpeed's ZeRO stages 1 to 3): which process owns which
 //! parameter ([`partition`], pure arithmetic), the stage-2 gradient sync that leaves each
 //! process its partition's mean ([`reduce_scatter_gradients`]), the parameters shared from
-//! their owners after the step ([`share_parameters`]), and the optimizer state kept per
-//! partition and merged whole for a checkpoint ([`consolidate_state`], [`keep_own_state`]).
+//! their owners after the step ([`share_parameters`]) or, at stage 3, released until their
+//! next use ([`release_parameters`]), and the optimizer state kept per partition and merged
+//! whole for a checkpoint ([`consolidate_state`], [`keep_own_state`]).
 //!
 //! The step core ([`step`](crate::step)) runs them for both entry points; this module sits on
 //! the process group of [`distributed`](crate::distributed), which carries the bytes.
 
+mod full_shard;
 mod optimizer_record;
 mod sharded;
 mod sharding;
 mod stage;
 
+pub use full_shard::release_parameters;
 pub use optimizer_record::{ParamStateRecord, consolidate_state, keep_own_state};
 pub(crate) use sharded::shards;
 pub use sharded::{Partition, keep_own, reduce_scatter_gradients, share_parameters};

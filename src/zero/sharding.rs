@@ -16,9 +16,11 @@ use serde::{Deserialize, Serialize};
 /// | [`None`](Self::None) | ZeRO stage 0 | `NO_SHARD` (DDP) | every gradient and optimizer state |
 /// | [`OptimizerState`](Self::OptimizerState) | ZeRO stage 1 | — (torch's `ZeroRedundancyOptimizer`) | every gradient, its partition's optimizer state |
 /// | [`Gradients`](Self::Gradients) | ZeRO stage 2 | `SHARD_GRAD_OP` | its partition's averaged gradients and optimizer state |
+/// | [`Parameters`](Self::Parameters) | ZeRO stage 3 | `FULL_SHARD` | its partition's averaged gradients and optimizer state, and between steps its partition's parameters only |
 ///
-/// Parameters stay whole on every process (ZeRO stage 3, FSDP's `FULL_SHARD`, is not
-/// offered).
+/// At stages 0 to 2 parameters stay whole on every process. At stage 3 they are whole only
+/// from their first use in a forward pass to the step (see
+/// [`release_parameters`](crate::zero::release_parameters) for what is and is not bounded).
 ///
 /// Where it runs: the [`Accelerator`](crate::Accelerator)'s hand-written loops and
 /// `with_accelerate` (`AccelerateConfig::with_zero_stage`), across processes (a
@@ -27,7 +29,9 @@ use serde::{Deserialize, Serialize};
 /// merged on the main process ([`consolidate_state`](crate::zero::consolidate_state);
 /// `with_accelerate` does it for Burn's checkpoints, a hand-written loop calls
 /// `Accelerator::consolidate_optimizer_record`), so a run resumes at any stage on any number
-/// of processes.
+/// of processes. Stage 3 runs in the `Accelerator`'s loops only for now: `with_accelerate`
+/// and saving a checkpoint refuse it with [`AccelerateError::InvalidConfig`](crate::AccelerateError)
+/// naming `zero_stage`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum ZeroStage {
     /// Data parallel: every process steps the whole model.
@@ -39,23 +43,35 @@ pub enum ZeroStage {
     /// As [`OptimizerState`](Self::OptimizerState), with gradients reduce-scattered: each
     /// process keeps only its partition's averaged gradients.
     Gradients,
+    /// As [`Gradients`](Self::Gradients), and between steps each process holds only its
+    /// partition's parameters: the others' are gathered from their owners at their first use
+    /// in the next forward pass ([`release_parameters`](crate::zero::release_parameters)).
+    /// Hand-written loops (the [`Accelerator`](crate::Accelerator)) only for now: the
+    /// `with_accelerate` strategy and checkpoints refuse it with an error.
+    Parameters,
 }
 
 impl ZeroStage {
-    /// The stage's DeepSpeed number (0, 1 or 2).
+    /// The stage's DeepSpeed number (0 to 3).
     pub fn number(self) -> u8 {
         match self {
             Self::None => 0,
             Self::OptimizerState => 1,
             Self::Gradients => 2,
+            Self::Parameters => 3,
         }
     }
 
     /// The stage of DeepSpeed number `stage`, for a command line's `--zero-stage`.
     pub fn from_number(stage: u8) -> Option<Self> {
-        [Self::None, Self::OptimizerState, Self::Gradients]
-            .into_iter()
-            .find(|s| s.number() == stage)
+        [
+            Self::None,
+            Self::OptimizerState,
+            Self::Gradients,
+            Self::Parameters,
+        ]
+        .into_iter()
+        .find(|s| s.number() == stage)
     }
 }
 
@@ -92,10 +108,11 @@ mod tests {
 
     #[test]
     fn stages_have_deepspeed_s_numbers() {
-        for n in 0..3 {
+        for n in 0..4 {
             assert_eq!(ZeroStage::from_number(n).unwrap().number(), n);
         }
-        assert_eq!(ZeroStage::from_number(3), None);
+        assert_eq!(ZeroStage::from_number(3), Some(ZeroStage::Parameters));
+        assert_eq!(ZeroStage::from_number(4), None);
         assert_eq!(ZeroStage::default(), ZeroStage::None);
     }
 

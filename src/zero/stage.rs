@@ -2,6 +2,11 @@
 //! these questions and never matches on it, and the entry points ask the step core, so a stage
 //! (stage 3 next) is added here and in the collectives it needs, without touching the step's
 //! flow, the [`Accelerator`](crate::Accelerator) or `with_accelerate`.
+//!
+//! Stage 3 ([`ZeroStage::Parameters`]) answers as stage 2 does for the gradients and the
+//! optimizer state, and adds the parameters' own questions: they are released after the step
+//! instead of shared, and what stage 3 does not do yet (checkpoints, `with_accelerate`) is
+//! refused by name.
 
 use super::sharding::ZeroStage;
 
@@ -17,7 +22,30 @@ impl ZeroStage {
     /// only (a reduce-scatter) rather than all of them (an all-reduce): then a gradient norm
     /// sums every process's part, and an overflow in any part skips the step everywhere.
     pub(crate) fn scatters_gradients(self) -> bool {
-        matches!(self, Self::Gradients)
+        matches!(self, Self::Gradients | Self::Parameters)
+    }
+
+    /// Whether the parameters stay sharded between steps: after the step each process keeps
+    /// its partition's parameters and releases the others' (gathered again at their first use,
+    /// [`release_parameters`](super::release_parameters)) instead of receiving every updated
+    /// parameter from its owner.
+    pub(crate) fn shards_parameters(self) -> bool {
+        matches!(self, Self::Parameters)
+    }
+
+    /// Whether the optimizer state can be merged for a checkpoint at this stage: not yet at
+    /// stage 3 (its parameters' save mappers are not kept by the released parameters, and no
+    /// test covers it). The error names the stage and what to do instead.
+    pub(crate) fn check_checkpointable(self) -> Result<(), crate::error::AccelerateError> {
+        if self.shards_parameters() {
+            return Err(crate::error::AccelerateError::InvalidConfig {
+                field: "zero_stage",
+                value: format!("{self:?} (ZeRO stage {}) for a checkpoint", self.number()),
+                fix: "checkpoints of ZeRO stage 3 are not supported yet: train at \
+                      ZeroStage::Gradients (stage 2) to save, or save no checkpoint",
+            });
+        }
+        Ok(())
     }
 
     /// Whether the optimizer is given this process's partition's gradients out of whole ones
@@ -38,10 +66,22 @@ mod tests {
                 s.partitions_state(),
                 s.scatters_gradients(),
                 s.drops_others_gradients(),
+                s.shards_parameters(),
+                s.check_checkpointable().is_ok(),
             )
         };
-        assert_eq!(answers(ZeroStage::None), (false, false, false));
-        assert_eq!(answers(ZeroStage::OptimizerState), (true, false, true));
-        assert_eq!(answers(ZeroStage::Gradients), (true, true, false));
+        assert_eq!(answers(ZeroStage::None), (false, false, false, false, true));
+        assert_eq!(
+            answers(ZeroStage::OptimizerState),
+            (true, false, true, false, true)
+        );
+        assert_eq!(
+            answers(ZeroStage::Gradients),
+            (true, true, false, false, true)
+        );
+        assert_eq!(
+            answers(ZeroStage::Parameters),
+            (true, true, false, true, false)
+        );
     }
 }

@@ -153,6 +153,23 @@ struct HandLoopReport {
     parameters: Vec<f32>,
     outcomes: Vec<String>,
     loss_scale: f32,
+    /// After each batch's `optimizer_step`, how many of the model's parameters held a value
+    /// (the others are released, to be gathered at their next use: ZeRO stage 3).
+    #[serde(default)]
+    held_after_step: Vec<usize>,
+}
+
+/// How many of `module`'s float parameters hold a value (are not lazy).
+fn held_parameters<B: Backend, M: Module<B>>(module: &M) -> usize {
+    struct Count(usize);
+    impl<B: Backend> ModuleVisitor<B> for Count {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0 += usize::from(param.is_initialized());
+        }
+    }
+    let mut count = Count(0);
+    module.visit(&mut count);
+    count.0
 }
 
 fn hand_loop<B: AutodiffBackend>(args: &HandLoop) -> HandLoopReport {
@@ -205,6 +222,7 @@ where
         loader.load_state(position).unwrap();
     }
     let mut outcomes = Vec::new();
+    let mut held_after_step = Vec::new();
     let mut batch_index = 0;
     for _ in 0..args.epochs {
         for batch in loader.iter() {
@@ -225,6 +243,7 @@ where
                 .unwrap();
             model = next;
             outcomes.push(format!("{outcome:?}"));
+            held_after_step.push(held_parameters(&model));
             batch_index += 1;
         }
     }
@@ -244,6 +263,7 @@ where
         parameters: parameters(&model),
         outcomes,
         loss_scale: accelerator.loss_scale().loss_scale(),
+        held_after_step,
     }
 }
 
@@ -514,6 +534,235 @@ fn sharded_stages_end_where_stage_0_does() {
 }
 
 #[test]
+fn stage_3_keeps_parameters_sharded_between_steps_and_ends_where_stage_0_does() {
+    const TEST: &str = "stage_3_keeps_parameters_sharded_between_steps_and_ends_where_stage_0_does";
+    if let Some(args) = worker::<HandLoop>() {
+        return report(&hand_loop::<Accelerated<Autodiff<Flex>>>(&args));
+    }
+    // The net's parameters: two weights and two biases.
+    const PARAMETERS: usize = 4;
+    for processes in [2, 3] {
+        // Adam (state per parameter, kept by its owner), with and without clipping to the
+        // global norm, a window of 1 and of 2 batches (the parameters stay gathered while the
+        // window accumulates), and f16 with an overflow on one rank (a skipped step releases
+        // the parameters too).
+        let cases = [
+            (Precision::F32, None, 1),
+            (Precision::F32, None, 2),
+            (Precision::F32, Some(0.5), 2),
+            // 3 processes: 8 batches an epoch, the last window of 3 is partial.
+            (Precision::F32, None, 3),
+            (Precision::F16, Some(0.5), 2),
+            // Autocast casts the gathered f32 parameter per op, as it casts a held one; fp8's
+            // amax histories are per process, as at stage 0.
+            (Precision::Bf16, None, 1),
+            (Precision::Fp8(Fp8Mode::Hybrid), Some(0.5), 2),
+        ];
+        for (precision, clip_norm, grad_accum) in cases {
+            let args = |zero_stage: u8| HandLoop {
+                batch_size: 4,
+                grad_accum,
+                epochs: 2,
+                precision,
+                overflow_rank: (precision == Precision::F16).then_some(1),
+                overflow_batch: 3,
+                zero_stage,
+                adam: true,
+                clip_norm,
+                save_to: None,
+                resume_from: None,
+            };
+            let run = |stage: u8| -> Vec<HandLoopReport> {
+                launch(TEST, processes, &args(stage), &[])
+                    .assert_success()
+                    .reports(processes)
+            };
+            let (stage0, stage2, stage3) = (run(0), run(2), run(3));
+            let what = format!(
+                "{processes} processes, {precision:?}, clip {clip_norm:?}, window {grad_accum}"
+            );
+            for (rank, r) in stage3.iter().enumerate() {
+                let what = format!("{what}, rank {rank}");
+                assert_eq!(r.outcomes, stage0[0].outcomes, "{what}");
+                assert_eq!(r.loss_scale, stage0[0].loss_scale, "{what}");
+                // Between steps every parameter is released (lazy: its owner's value waits in
+                // its initializer, the others' are dropped); mid-window they stay gathered.
+                for (outcome, held) in r.outcomes.iter().zip(&r.held_after_step) {
+                    let expected = if outcome == "Accumulating" {
+                        PARAMETERS
+                    } else {
+                        0
+                    };
+                    assert_eq!(*held, expected, "{what}: {outcome} {:?}", r.held_after_step);
+                }
+                // Gathered whole at the end (the report's visit of every parameter), the same
+                // bits on every process.
+                assert_eq!(bits(&r.parameters), bits(&stage3[0].parameters), "{what}");
+                // Stage 3 reduce-scatters as stage 2 does, in the same order: the same bits.
+                assert_eq!(
+                    bits(&r.parameters),
+                    bits(&stage2[rank].parameters),
+                    "{what}"
+                );
+                // Against stage 0's all-reduce: a mean of two values is one rounding whatever
+                // the order, so two processes end bit for bit without clipping. Of three, the
+                // ring sums in another order than the reduce-scatter, and clipping's norm sums
+                // partition by partition: rounding, compounded through Adam's 24 steps (about
+                // 2.5e-7 at most here).
+                if processes == 2 && clip_norm.is_none() {
+                    assert_eq!(bits(&r.parameters), bits(&stage0[0].parameters), "{what}");
+                } else {
+                    let d = max_relative_difference(&r.parameters, &stage0[0].parameters);
+                    assert!(d < 1e-6, "{what}: {d:e}");
+                }
+            }
+            // Stage 0 holds every parameter after every batch.
+            assert!(stage0[0].held_after_step.iter().all(|&h| h == PARAMETERS));
+            if precision == Precision::F16 {
+                assert!(stage3[0].outcomes.iter().any(|o| o == "SkippedOverflow"));
+            }
+        }
+    }
+}
+
+/// A net whose `shared` layer runs twice each forward pass and whose `unused` layer never
+/// runs: at stage 3 the first use gathers a parameter, the second reuses it, and the unused
+/// one is gathered where the gradients are read (every process reads them in the same order).
+#[derive(Module, Debug)]
+struct Uneven<B: Backend> {
+    input: Linear<B>,
+    shared: Linear<B>,
+    unused: Linear<B>,
+    out: Linear<B>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct UnevenRun {
+    zero_stage: u8,
+    steps: usize,
+    /// After the steps, rank 0 reads `input`'s weight and the others `out`'s (a process
+    /// that logs a parameter the others do not read).
+    #[serde(default)]
+    read_different_parameters: bool,
+}
+
+fn uneven_worker(args: &UnevenRun) -> HandLoopReport {
+    type B = Accelerated<Autodiff<Flex>>;
+    let state = ProcessState::from_env().unwrap();
+    let device = Default::default();
+    B::seed(&device, 11);
+    let mut model = Uneven::<B> {
+        input: LinearConfig::new(FEATURES, 16).init(&device),
+        shared: LinearConfig::new(16, 16).init(&device),
+        unused: LinearConfig::new(16, 16).init(&device),
+        out: LinearConfig::new(16, CLASSES).init(&device),
+    };
+    let mut accelerator = AccelerateConfig::new()
+        .with_zero_stage(burn_accelerate::zero::ZeroStage::from_number(args.zero_stage).unwrap())
+        .init::<B>(&device)
+        .unwrap();
+    let mut optim = burn::optim::AdamConfig::new().init();
+    let (mut outcomes, mut held_after_step) = (Vec::new(), Vec::new());
+    for step in 0..args.steps {
+        let items: Vec<usize> = (0..4)
+            .map(|i| step * 16 + state.process_index() * 4 + i)
+            .collect();
+        let batch: Batch<B> = Samples.batch(items, &device);
+        let relu = Relu::new();
+        let h = relu.forward(model.input.forward(batch.x));
+        let h = relu.forward(model.shared.forward(h));
+        let h = relu.forward(model.shared.forward(h));
+        let logits = model.out.forward(h);
+        let loss = CrossEntropyLossConfig::new()
+            .init(&device)
+            .forward(logits, batch.y);
+        accelerator.backward(loss, &model);
+        let (next, outcome) = accelerator
+            .optimizer_step(&mut optim, model, &mut 0.01)
+            .unwrap();
+        model = next;
+        outcomes.push(format!("{outcome:?}"));
+        held_after_step.push(held_parameters(&model));
+    }
+    if args.read_different_parameters {
+        let _ = if state.process_index() == 0 {
+            model.input.weight.val().sum()
+        } else {
+            model.out.weight.val().sum()
+        };
+    }
+    HandLoopReport {
+        parameters: parameters(&model),
+        outcomes,
+        loss_scale: accelerator.loss_scale().loss_scale(),
+        held_after_step,
+    }
+}
+
+#[test]
+fn stage_3_gathers_a_layer_used_twice_once_and_an_unused_layer_where_gradients_are_read() {
+    const TEST: &str =
+        "stage_3_gathers_a_layer_used_twice_once_and_an_unused_layer_where_gradients_are_read";
+    if let Some(args) = worker::<UnevenRun>() {
+        return report(&uneven_worker(&args));
+    }
+    let run = |zero_stage: u8| -> Vec<HandLoopReport> {
+        launch(
+            TEST,
+            2,
+            &UnevenRun {
+                zero_stage,
+                steps: 4,
+                read_different_parameters: false,
+            },
+            &[],
+        )
+        .assert_success()
+        .reports(2)
+    };
+    let (stage0, stage3) = (run(0), run(3));
+    for (rank, r) in stage3.iter().enumerate() {
+        assert_eq!(r.outcomes, stage0[0].outcomes, "rank {rank}");
+        assert!(
+            r.held_after_step.iter().all(|&h| h == 0),
+            "rank {rank}: {:?}",
+            r.held_after_step
+        );
+        // Two processes: every mean is one rounding, as stage 0's. The unused layer has no
+        // gradient at either stage: stage 3 gathers it from its owner unchanged.
+        assert_eq!(
+            bits(&r.parameters),
+            bits(&stage0[0].parameters),
+            "rank {rank}"
+        );
+    }
+}
+
+#[test]
+fn stage_3_processes_that_read_different_parameters_fail_at_once_naming_both() {
+    const TEST: &str = "stage_3_processes_that_read_different_parameters_fail_at_once_naming_both";
+    if let Some(args) = worker::<UnevenRun>() {
+        return report(&uneven_worker(&args));
+    }
+    let args = UnevenRun {
+        zero_stage: 3,
+        steps: 2,
+        read_different_parameters: true,
+    };
+    // A timeout far below the default half hour: were the processes to wait on each other's
+    // gathers instead of failing at once, the test would end with the timeout's error, which
+    // does not name the parameters.
+    let launched = launch(TEST, 2, &args, &["--timeout", "120"]);
+    assert!(!launched.status.success(), "{}", launched.output());
+    let output = launched.output();
+    assert!(
+        output.contains("it gathers parameter #6 while this process gathers #0")
+            || output.contains("it gathers parameter #0 while this process gathers #6"),
+        "{output}"
+    );
+}
+
+#[test]
 fn a_sharded_optimizer_state_resumes_on_any_number_of_processes_at_any_stage() {
     const TEST: &str = "a_sharded_optimizer_state_resumes_on_any_number_of_processes_at_any_stage";
     if let Some(args) = worker::<HandLoop>() {
@@ -578,14 +827,22 @@ fn a_sharded_optimizer_state_resumes_on_any_number_of_processes_at_any_stage() {
     assert_eq!(bits(&same[0].parameters), bits(&whole[0].parameters));
     assert_eq!(same[0].outcomes, whole[0].outcomes[8..]);
     // Re-partitioned over other numbers of processes, and at other stages: the same training
-    // to rounding (sums in another order).
-    for (processes, zero_stage) in [(3, 1), (4, 2), (1, 0), (2, 0)] {
+    // to rounding (sums in another order). Stage 3 starts from the whole loaded model and
+    // releases it after its first step.
+    for (processes, zero_stage) in [(3, 1), (4, 2), (1, 0), (2, 0), (3, 3)] {
         let resumed: Vec<HandLoopReport> =
             launch(TEST, processes, &resume(processes, zero_stage), &[])
                 .assert_success()
                 .reports(processes);
         for r in &resumed {
             assert_eq!(bits(&r.parameters), bits(&resumed[0].parameters));
+            if zero_stage == 3 {
+                assert!(
+                    r.held_after_step.iter().all(|&h| h == 0),
+                    "{:?}",
+                    r.held_after_step
+                );
+            }
         }
         let d = max_relative_difference(&resumed[0].parameters, &whole[0].parameters);
         assert!(
