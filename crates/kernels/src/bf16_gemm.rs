@@ -158,6 +158,34 @@ fn dot_products() -> bool {
     false
 }
 
+/// Lines of 64 bytes and 64 sets: the L1 data cache of Zen 4 (32 KiB, 8 ways) and of the
+/// Xeons with AMX (48 KiB, 12 ways) alike, so addresses 4 KiB apart share a set.
+const L1_SETS: usize = 64;
+const LINE: usize = 64;
+
+/// Whether `rows` rows of a matrix, `row_bytes` apart, spread over the L1 data cache's sets
+/// so that at most 4 share one (half of its 8 ways or fewer, the rest left to the other
+/// operand and the sums). A kernel that reads a tile's rows of A where they lie keeps them
+/// in L1 across the tile's B panels; rows whose starts fall into a few sets (k = 2048: every
+/// row 4 KiB on, all in one set) evict each other, and the GEMM fell to 0.90 of its packed
+/// speed on Zen 4, so such an A is packed. A fact of the shape, never of a timing.
+fn rows_spread_over_l1(row_bytes: usize, rows: usize) -> bool {
+    if !row_bytes.is_multiple_of(LINE) {
+        // Each row starts elsewhere in its line: the starts drift across the sets.
+        return true;
+    }
+    let lines = (row_bytes / LINE) % L1_SETS;
+    let gcd = |mut a: usize, mut b: usize| {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a
+    };
+    // Row starts cycle through `period` sets.
+    let period = L1_SETS / gcd(lines, L1_SETS);
+    rows.div_ceil(period) <= 4
+}
+
 /// Whether this CPU has AVX512-F and AVX512-BW, checked once: what the tile kernel's packing
 /// is compiled for where the CPU has it.
 #[cfg(target_arch = "x86_64")]
@@ -826,6 +854,17 @@ mod tests {
                 assert_eq!(c[i * n + j], want, "({i}, {j})");
             }
         }
+    }
+
+    #[test]
+    fn rows_that_share_l1_sets_are_told_apart_by_their_stride() {
+        // 12 rows of k bf16 values: k = 384, 512, 1536 spread; 1024 (6 rows a set) and
+        // 2048 (all 12 in one set) do not; a stride off the lines' grid drifts.
+        let spread = |k: usize| rows_spread_over_l1(2 * k, 12);
+        assert!(spread(384) && spread(512) && spread(1536) && spread(385) && spread(32));
+        assert!(!spread(1024) && !spread(2048) && !spread(4096));
+        // The tiles' 32 rows: k = 384 spreads, 1536 (8 rows a set) does not.
+        assert!(rows_spread_over_l1(768, 32) && !rows_spread_over_l1(3072, 32));
     }
 
     #[test]

@@ -66,10 +66,13 @@ pub(super) unsafe fn gemm<T: Tiles>(
 /// tile is 16 rows of 16 k-pairs side by side, which a row-major A with whole steps of k
 /// (`k` a multiple of 32) already is, rows `row_stride` apart, and `tileloadd` takes any
 /// stride (oneDNN's brgemm reads A so too). Only micro tiles of whole rows; the bottom edge's
-/// are packed as the kernel reaches them. The same words reach the same instructions, so
-/// the bits are those of the packed path (tested).
+/// are packed as the kernel reaches them, and so is an A whose rows would crowd a few of L1's
+/// sets (`rows_spread_over_l1`). The same words reach the same instructions, so the bits are
+/// those of the packed path (tested).
 fn reads_a_in_place(a: &Bf16Matrix) -> bool {
-    a.col_stride == 1 && a.cols.is_multiple_of(2 * STEP)
+    a.col_stride == 1
+        && a.cols.is_multiple_of(2 * STEP)
+        && super::rows_spread_over_l1(a.row_stride * size_of::<bf16>(), MICRO)
 }
 
 // `gemm`, with A packed or loaded in place as `a_in_place` says.

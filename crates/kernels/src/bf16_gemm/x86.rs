@@ -67,9 +67,12 @@ pub(super) unsafe fn gemm(
 /// a packed panel holds too, only `MR` rows apart instead of adjacent. The broadcasts then
 /// read `MR` rows' lines, which stay in L1 across the tile's B panels as the packed panel
 /// did; packing A was a tenth of the GEMM's time in a transformer's step on Zen 4 (attention's
-/// 256 × 256 probabilities packed for 32 columns of V), for no change in the sums.
+/// 256 × 256 probabilities packed for 32 columns of V), for no change in the sums. Unless the
+/// rows would crowd a few of L1's sets (`rows_spread_over_l1`).
 fn reads_a_in_place(a: &Bf16Matrix) -> bool {
-    a.col_stride == 1 && a.cols.is_multiple_of(2)
+    a.col_stride == 1
+        && a.cols.is_multiple_of(2)
+        && super::rows_spread_over_l1(a.row_stride * size_of::<bf16>(), MR)
 }
 
 // `gemm`, with A packed or read in place as `a_in_place` says (the same sums in the same
