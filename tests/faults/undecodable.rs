@@ -1,6 +1,7 @@
 //! `dispatch_batches` across processes, where process 0 sends a batch the receiver cannot
 //! decode (issue 49): here process 0's items are text and process 1's numbers, so every
-//! batch it is sent is bytes it cannot read as its own. The receiver's epoch ends without a
+//! batch it is sent is bytes it cannot read as its own; through the indexed and the stream
+//! loader. The receiver's epoch ends without a
 //! panic, and its next call that can fail (`wait_for_everyone`) returns a typed error naming
 //! process 0.
 
@@ -8,7 +9,7 @@ use burn::backend::{Autodiff, Flex};
 use burn::data::dataloader::DataLoader;
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::InMemDataset;
-use burn_accelerate::data::{DataLoaderConfig, ShardLoaderBuilder};
+use burn_accelerate::data::{DataLoaderConfig, ShardLoaderBuilder, StreamLoaderBuilder};
 use burn_accelerate::distributed::ProcessState;
 use burn_accelerate::{AccelerateConfig, Accelerator};
 use serde::{Deserialize, Serialize};
@@ -39,27 +40,53 @@ impl Batcher<Flex, u64, Vec<usize>> for Sizes {
     }
 }
 
-fn undecodable_worker() -> Seen {
+// `stream`: through the stream loader, else the indexed one.
+fn undecodable_worker(stream: bool) -> Seen {
     let device = Default::default();
     let state = ProcessState::from_env().unwrap();
     let accelerator = Accelerator::<Autodiff<Flex>>::new(AccelerateConfig::new(), &device).unwrap();
     let config = DataLoaderConfig::new(2)
         .with_dispatch_batches(true)
         .with_shuffle(false);
-    let batches = if state.is_main_process() {
-        let items: Vec<String> = (0..8).map(|i| format!("item {i}")).collect();
-        ShardLoaderBuilder::<Flex, String, Vec<usize>>::new(config, InMemDataset::new(items), Sizes)
-            .build_dispatching(&state, device)
-            .unwrap()
-            .iter()
-            .count()
-    } else {
-        let items: Vec<u64> = (0..8).collect();
-        ShardLoaderBuilder::<Flex, u64, Vec<usize>>::new(config, InMemDataset::new(items), Sizes)
-            .build_dispatching(&state, device)
-            .unwrap()
-            .iter()
-            .count()
+    let text = || (0..8).map(|i| format!("item {i}")).collect::<Vec<String>>();
+    let numbers = || (0..8).collect::<Vec<u64>>();
+    let batches = match (state.is_main_process(), stream) {
+        (true, false) => ShardLoaderBuilder::<Flex, String, Vec<usize>>::new(
+            config,
+            InMemDataset::new(text()),
+            Sizes,
+        )
+        .build_dispatching(&state, device)
+        .unwrap()
+        .iter()
+        .count(),
+        (false, false) => ShardLoaderBuilder::<Flex, u64, Vec<usize>>::new(
+            config,
+            InMemDataset::new(numbers()),
+            Sizes,
+        )
+        .build_dispatching(&state, device)
+        .unwrap()
+        .iter()
+        .count(),
+        (true, true) => StreamLoaderBuilder::<Flex, String, Vec<usize>>::new(
+            config,
+            move |_: u64| text(),
+            Sizes,
+        )
+        .build_dispatching(&state, device)
+        .unwrap()
+        .iter()
+        .count(),
+        (false, true) => StreamLoaderBuilder::<Flex, u64, Vec<usize>>::new(
+            config,
+            move |_: u64| numbers(),
+            Sizes,
+        )
+        .build_dispatching(&state, device)
+        .unwrap()
+        .iter()
+        .count(),
     };
     let error = accelerator
         .wait_for_everyone()
@@ -72,28 +99,30 @@ fn undecodable_worker() -> Seen {
 #[test]
 fn a_dispatched_batch_that_does_not_decode_is_a_typed_error_naming_process_0_not_a_panic() {
     const TEST: &str = "undecodable::a_dispatched_batch_that_does_not_decode_is_a_typed_error_naming_process_0_not_a_panic";
-    if worker::<()>().is_some() {
-        return report(&undecodable_worker());
+    if let Some(stream) = worker::<bool>() {
+        return report(&undecodable_worker(stream));
     }
-    let run = launch(TEST, 2, &(), &[]);
-    // No process panicked: each ended its epoch and reported.
-    run.assert_success();
-    assert!(!run.output().contains("panicked"), "{}", run.output());
-    let [main, receiver]: [Seen; 2] = run.reports(2).try_into().unwrap();
-    // Process 0 read its own 2 steps (and sent process 1 its slices).
-    assert_eq!(main.batches, 2, "{}", run.output());
-    // Process 1's epoch ended at the first batch it could not decode...
-    assert_eq!(receiver.batches, 0, "{}", run.output());
-    // ... and its next collective says why, naming process 0 and the batch.
-    assert!(
-        receiver
-            .error
-            .contains("process 0 sent a malformed message")
-            && receiver
+    for stream in [false, true] {
+        let run = launch(TEST, 2, &stream, &[]);
+        // No process panicked: each ended its epoch and reported.
+        run.assert_success();
+        assert!(!run.output().contains("panicked"), "{}", run.output());
+        let [main, receiver]: [Seen; 2] = run.reports(2).try_into().unwrap();
+        // Process 0 read its own 2 steps (and sent process 1 its slices).
+        assert_eq!(main.batches, 2, "stream: {stream}\n{}", run.output());
+        // Process 1's epoch ended at the first batch it could not decode...
+        assert_eq!(receiver.batches, 0, "stream: {stream}\n{}", run.output());
+        // ... and its next collective says why, naming process 0 and the batch.
+        assert!(
+            receiver
                 .error
-                .contains("the batch it dispatched for epoch 0, step 0")
-            && receiver.error.contains("is not this loader's items"),
-        "{}",
-        receiver.error
-    );
+                .contains("process 0 sent a malformed message")
+                && receiver
+                    .error
+                    .contains("the batch it dispatched for epoch 0, step 0")
+                && receiver.error.contains("is not this loader's items"),
+            "stream: {stream}: {}",
+            receiver.error
+        );
+    }
 }
