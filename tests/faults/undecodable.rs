@@ -1,9 +1,8 @@
 //! `dispatch_batches` across processes, where process 0 sends a batch the receiver cannot
 //! decode (issue 49): here process 0's items are text and process 1's numbers, so every
 //! batch it is sent is bytes it cannot read as its own; through the indexed and the stream
-//! loader. The receiver's epoch ends without a
-//! panic, and its next call that can fail (`wait_for_everyone`) returns a typed error naming
-//! process 0.
+//! loader. The receiver's epoch ends without a panic, and its next call that can fail
+//! (`wait_for_everyone`) returns a typed error naming process 0.
 
 use burn::backend::{Autodiff, Flex};
 use burn::data::dataloader::DataLoader;
