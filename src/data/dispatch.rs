@@ -230,8 +230,11 @@ impl<S: StepSource> Dispatcher<S, S::Cursor, S::Slice> {
 /// [`Dispatcher`]; across processes, [`ProcessDispatch`](super::process_dispatch::ProcessDispatch)
 /// has process 0 read and send. `E` is the epoch as the source sees it, `T` a slice.
 pub(crate) trait Dispatch<E, T>: Send + Sync {
-    /// Process `process`'s slice of step `step` of `epoch` (see [`Dispatcher::take`]).
-    fn take(&self, process: usize, epoch: &E, step: usize, first_step: usize) -> T;
+    /// Process `process`'s slice of step `step` of `epoch` (see [`Dispatcher::take`]);
+    /// `None` when it cannot come (a batch sent by process 0 that does not decode): the
+    /// epoch ends there, and the reason is the process group's next error (Burn's batch
+    /// iterator has no error channel).
+    fn take(&self, process: usize, epoch: &E, step: usize, first_step: usize) -> Option<T>;
 
     /// Process `process` is done with `key`'s epoch.
     fn leave(&self, process: usize, key: EpochKey);
@@ -242,8 +245,14 @@ where
     S::Cursor: Send,
     S::Slice: Send,
 {
-    fn take(&self, process: usize, epoch: &S::Epoch, step: usize, first_step: usize) -> S::Slice {
-        Dispatcher::take(self, process, epoch, step, first_step)
+    fn take(
+        &self,
+        process: usize,
+        epoch: &S::Epoch,
+        step: usize,
+        first_step: usize,
+    ) -> Option<S::Slice> {
+        Some(Dispatcher::take(self, process, epoch, step, first_step))
     }
 
     fn leave(&self, process: usize, key: EpochKey) {

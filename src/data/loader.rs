@@ -519,10 +519,10 @@ where
     type Items = Vec<I>;
     type Batch = O;
 
-    fn read(&self, index: usize) -> Vec<I> {
+    fn read(&self, index: usize) -> Option<Vec<I>> {
         match &self.dispatcher {
             Some((hub, process)) => hub.take(*process, &self.epoch, index, self.first_step),
-            None => self.epoch.read(self.dataset.as_ref(), index),
+            None => Some(self.epoch.read(self.dataset.as_ref(), index)),
         }
     }
 

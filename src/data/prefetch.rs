@@ -28,8 +28,9 @@ pub(crate) trait Produce: Send + Sync + 'static {
     type Items: Send + 'static;
     /// The finished batch.
     type Batch: Send + 'static;
-    /// Reads batch `index`'s items.
-    fn read(&self, index: usize) -> Self::Items;
+    /// Reads batch `index`'s items; `None` ends the epoch there (they cannot come: a
+    /// dispatched batch that does not decode, whose reason the reader keeps).
+    fn read(&self, index: usize) -> Option<Self::Items>;
     /// Turns items into the batch, on the target device.
     fn batch(&self, items: Self::Items) -> Self::Batch;
     /// Whether nothing comes after `items` (a stream's last step, or its end): a worker
@@ -314,7 +315,9 @@ impl<P: Produce> Pipeline<P> {
                     if stop.load(Ordering::Relaxed) || !queue.wait_for_room() {
                         return; // The iterator is gone.
                     }
-                    let items = producer.read(index);
+                    let Some(items) = producer.read(index) else {
+                        return; // The consumer ends the epoch where this batch was due.
+                    };
                     let ends = producer.ends(&items);
                     queue.push(if batch_in_worker {
                         Prepared::Batch(producer.batch(items))
@@ -358,8 +361,11 @@ impl<P: Produce> Iterator for Pipeline<P> {
         }
         let index = self.next;
         if self.lanes.is_empty() {
+            let Some(items) = self.producer.read(index) else {
+                self.next = self.end;
+                return None;
+            };
             self.next += 1;
-            let items = self.producer.read(index);
             return Some(self.producer.batch(items));
         }
         let lane = (index - self.start) % self.lanes.len();
@@ -371,8 +377,8 @@ impl<P: Produce> Iterator for Pipeline<P> {
             });
         }
         // The worker ended without this batch: it panicked (in the dataset or the batcher,
-        // i.e. user code). Surface that panic here, where it would have happened without a
-        // worker.
+        // i.e. user code), or its batch could not be read (`Produce::read`'s `None`). Surface
+        // a panic here, where it would have happened without a worker.
         let handle = self.lanes[lane].handle.take();
         self.shutdown();
         if let Some(Err(payload)) = handle.map(JoinHandle::join) {
@@ -400,6 +406,8 @@ mod tests {
         read: AtomicUsize,
         alive: AtomicUsize,
         panic_at: Option<usize>,
+        /// The batch whose items cannot be read (`read`'s `None`).
+        unread_at: Option<usize>,
     }
 
     struct Alive<'a>(&'a AtomicUsize);
@@ -412,12 +420,15 @@ mod tests {
     impl Produce for Probe {
         type Items = usize;
         type Batch = (usize, Option<String>);
-        fn read(&self, index: usize) -> usize {
+        fn read(&self, index: usize) -> Option<usize> {
             self.alive.fetch_add(1, Ordering::SeqCst);
             let _alive = Alive(&self.alive);
             assert_ne!(Some(index), self.panic_at, "dataset failure");
+            if self.unread_at.is_some_and(|at| index >= at) {
+                return None;
+            }
             self.read.fetch_add(1, Ordering::SeqCst);
-            index
+            Some(index)
         }
         fn batch(&self, index: usize) -> (usize, Option<String>) {
             (index, std::thread::current().name().map(str::to_owned))
@@ -521,5 +532,19 @@ mod tests {
         }
         let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| pipeline.next()));
         assert!(caught.is_err());
+    }
+
+    #[test]
+    fn a_batch_that_cannot_be_read_ends_the_epoch_there_without_a_panic() {
+        for workers in [0, 1, 3] {
+            let probe = Arc::new(Probe {
+                unread_at: Some(4),
+                ..Probe::default()
+            });
+            let pipeline = Pipeline::new(Arc::clone(&probe), 1, 10, threading(workers, 2, false));
+            let got: Vec<usize> = pipeline.map(|b| b.0).collect();
+            assert_eq!(got, [1, 2, 3], "{workers} workers");
+            assert_eq!(probe.alive.load(Ordering::SeqCst), 0, "{workers} workers");
+        }
     }
 }

@@ -12,9 +12,14 @@
 //! Each message is tagged with its epoch and step; a receiver keeps the steps that arrive
 //! before its prefetch threads ask for them. A process that left fails the others' next
 //! batch with the reason (a panic in the loader: Burn's data loader iterator has no error
-//! channel), and a stuck one times out.
+//! channel), and a stuck one times out. A batch that arrives but does not decode (process 0's
+//! items are of another type, or the bytes were changed) ends the receiver's epoch there, and
+//! every later one at once, without a panic: the reason, naming process 0, breaks the process
+//! group, so that the next collective (the gradients' all-reduce in `optimizer_step`,
+//! `wait_for_everyone`) returns it as an error.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use serde::Serialize;
@@ -40,6 +45,9 @@ enum Role<S: StepSource> {
     /// for (by epoch number and step).
     Receiver {
         kept: Mutex<BTreeMap<(u64, usize), S::Slice>>,
+        /// A batch did not decode: nothing more is read (the stream's next bytes are no
+        /// longer known to start a batch), and every epoch ends at once.
+        undecodable: AtomicBool,
     },
 }
 
@@ -78,6 +86,7 @@ where
         } else {
             Role::Receiver {
                 kept: Mutex::new(BTreeMap::new()),
+                undecodable: AtomicBool::new(false),
             }
         };
         Self { stream, role }
@@ -112,7 +121,13 @@ where
     S: StepSource,
     S::Slice: Serialize + DeserializeOwned,
 {
-    fn take(&self, _process: usize, epoch: &S::Epoch, step: usize, first_step: usize) -> S::Slice {
+    fn take(
+        &self,
+        _process: usize,
+        epoch: &S::Epoch,
+        step: usize,
+        first_step: usize,
+    ) -> Option<S::Slice> {
         match &self.role {
             Role::Reader { source, reading } => {
                 let mut reading = lock(reading);
@@ -138,27 +153,46 @@ where
                 }
                 let reading = reading.as_mut().expect("set above");
                 if let Some(slice) = reading.kept.remove(&step) {
-                    return slice;
+                    return Some(slice);
                 }
                 let to = source.read_to(epoch, step);
                 self.read(source, reading, epoch, to);
-                reading.kept.remove(&step).expect("the step was just read")
+                Some(reading.kept.remove(&step).expect("the step was just read"))
             }
-            Role::Receiver { kept } => {
+            Role::Receiver { kept, undecodable } => {
                 let mut kept = lock(kept);
                 let wanted = (S::key(epoch).0, step);
                 loop {
+                    if undecodable.load(Ordering::Relaxed) {
+                        return None;
+                    }
                     if let Some(slice) = kept.remove(&wanted) {
-                        return slice;
+                        return Some(slice);
                     }
                     let (epoch_number, got_step, bytes) =
                         self.stream.recv(0).unwrap_or_else(|err| fail(err));
-                    let slice: S::Slice = rmp_serde::from_slice(&bytes).unwrap_or_else(|e| {
-                        fail(DistributedError::Mismatch {
-                            rank: 0,
-                            detail: format!("its items are not this loader's: {e}"),
-                        })
-                    });
+                    let slice: S::Slice = match rmp_serde::from_slice(&bytes) {
+                        Ok(slice) => slice,
+                        Err(e) => {
+                            let err = DistributedError::Malformed {
+                                rank: 0,
+                                detail: format!(
+                                    "the batch it dispatched for epoch {epoch_number}, step \
+                                     {got_step} ({} bytes) is not this loader's items ({e}); \
+                                     every process must build its dispatch_batches loader \
+                                     over items of the same type",
+                                    bytes.len()
+                                ),
+                            };
+                            log::error!(
+                                "burn-accelerate: dispatch_batches across processes: {err}; \
+                                 the epoch ends here"
+                            );
+                            undecodable.store(true, Ordering::Relaxed);
+                            self.stream.group().break_with(err);
+                            return None;
+                        }
+                    };
                     // Steps of epochs before the one asked for will not be asked again.
                     kept.retain(|(e, _), _| *e >= wanted.0);
                     if epoch_number >= wanted.0 {

@@ -627,13 +627,15 @@ where
     type Items = Option<StreamSlice<I>>;
     type Batch = Option<StreamBatch<O>>;
 
-    fn read(&self, index: usize) -> Option<StreamSlice<I>> {
+    fn read(&self, index: usize) -> Option<Option<StreamSlice<I>>> {
         match &self.reader {
             Reader::Shard(hub) => hub.take(self.process, &self.epoch, index, self.first_step),
-            Reader::Window(window) => window
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .batch(index),
+            Reader::Window(window) => Some(
+                window
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .batch(index),
+            ),
         }
     }
 

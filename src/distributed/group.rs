@@ -334,6 +334,21 @@ impl ProcessGroup {
         Ok(())
     }
 
+    /// Breaks this process's group with `err`, as a failed collective does: its next
+    /// collective returns it ([`DistributedError::Broken`]). For a failure found where nothing
+    /// can return it (a dispatching loader's receiver, inside Burn's batch iterator). The
+    /// first failure stays.
+    pub(crate) fn break_with(&self, err: DistributedError) {
+        let mut sequence = self
+            .inner
+            .sequence
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if sequence.is_ok() {
+            *sequence = Err(err);
+        }
+    }
+
     /// Ends the run's collectives on every process: this process failed where the others
     /// must not go on (a panic while they wait for its work). Nothing for one process.
     pub(crate) fn abort(&self, reason: String) {

@@ -1,8 +1,9 @@
 //! A flood of half-open connections during a run of 2 processes (issue 49): 1,000 connections
 //! that never say a word, on each port the run listens on (the rendezvous and both processes'
 //! data ports), held through the run. Before authentication a stranger may cost a listener one
-//! small buffer and one timeout: the run's final loss must be the unflooded run's, bit for bit,
-//! and each process's peak memory may grow by at most a page per connection it was sent.
+//! small buffer and one timeout, and a listener holds at most `MAX_PENDING` (128) strangers at
+//! once (the oldest is dropped): the run's final loss must be the unflooded run's, bit for bit,
+//! and each process's peak memory within 10% of the unflooded run's (issue 49).
 
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
@@ -146,14 +147,15 @@ fn run(test: &str, flood: bool) -> Vec<Ended> {
     ended
 }
 
-/// What a silent connection may cost the process it reaches, at most: one page (a task, its
-/// socket's halves and the handshake's buffers measure about 1.3 KiB).
-const PER_CONNECTION_KIB: u64 = 4;
+/// How much a flood may raise a process's peak memory, in percent of the unflooded run's
+/// (issue 49's goal). Without the cap on pending handshakes, 2,000 connections to process 0's
+/// two listeners cost it 10.6% (1.4 KiB each); with it, at most 2 x 128 of them are held at
+/// once.
+const GROWTH_PERCENT: u64 = 10;
 
 #[test]
-fn a_thousand_silent_connections_per_port_leave_the_loss_and_cost_at_most_a_page_each() {
-    const TEST: &str =
-        "flood::a_thousand_silent_connections_per_port_leave_the_loss_and_cost_at_most_a_page_each";
+fn a_thousand_silent_connections_per_port_leave_the_loss_and_the_memory_within_ten_percent() {
+    const TEST: &str = "flood::a_thousand_silent_connections_per_port_leave_the_loss_and_the_memory_within_ten_percent";
     if worker::<()>().is_some() {
         return report(&training_worker());
     }
@@ -167,17 +169,17 @@ fn a_thousand_silent_connections_per_port_leave_the_loss_and_cost_at_most_a_page
             "rank {rank}: the final loss, as bits"
         );
         let (with, without) = (flooded[rank].peak_kib, quiet[rank].peak_kib);
-        // Printed for SECURITY.md: this run's process is small (about 23 MiB), so the
-        // connections' share of it is larger than in a real training's.
+        // Printed for SECURITY.md.
         eprintln!(
             "rank {rank}: peak {without} KiB quiet, {with} KiB with {} silent connections ({:+.1}%)",
             ports * FLOOD,
             (with as f64 / without as f64 - 1.0) * 100.0
         );
-        let bound = without + PER_CONNECTION_KIB * (ports * FLOOD) as u64;
+        let bound = without + without * GROWTH_PERCENT / 100;
         assert!(
             with <= bound,
-            "rank {rank}: peak memory {with} KiB flooded, {without} KiB quiet (at most {bound})"
+            "rank {rank}: peak memory {with} KiB flooded, {without} KiB quiet (at most {bound}, \
+             {GROWTH_PERCENT}% more)"
         );
     }
 }

@@ -19,6 +19,8 @@ mod elastic;
 mod restarts;
 // 1,000 silent connections per port during a run of 2 processes.
 mod flood;
+// A dispatched batch the receiver cannot decode: a typed error, not a panic.
+mod undecodable;
 
 use std::time::{Duration, Instant};
 

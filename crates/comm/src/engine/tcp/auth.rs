@@ -35,6 +35,20 @@ const TAG: usize = 32;
 const CHALLENGE_LEN: usize = 4 + NONCE;
 const HELLO_LEN: usize = 24 + NONCE + TAG;
 
+/// What the accepting side sends in place of its proof to a connection it drops because
+/// newer ones are waiting for their handshakes ([`pending`](super::pending)): the dialer
+/// tries again. No HMAC output is these bytes but by a 2^-256 chance.
+pub(crate) const BUSY: [u8; TAG] = *b"BACB: too many handshakes; again";
+
+/// How a connecting side's handshake ended, when the other side did not refuse it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Connected {
+    /// Both sides proved they know the secret.
+    Proved,
+    /// The other side had too many handshakes in progress and dropped this one: try again.
+    Busy,
+}
+
 /// Who connects, for which lane, in which run (0 before the rendezvous gave it one).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Hello {
@@ -167,13 +181,37 @@ where
 }
 
 /// The connecting side: answers the challenge as `hello` and checks that the other side,
-/// too, knows the secret.
+/// too, knows the secret; a busy listener ([`try_connect`]'s [`Connected::Busy`]) is an error
+/// here.
+#[cfg(test)]
 pub(crate) async fn connect<R, W>(
     reader: &mut R,
     writer: &mut W,
     secret: &RunSecret,
     hello: Hello,
 ) -> Result<(), String>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    match try_connect(reader, writer, secret, hello).await? {
+        Connected::Proved => Ok(()),
+        Connected::Busy => Err(BUSY_REASON.into()),
+    }
+}
+
+/// Why a dialer that kept finding the listener busy gave up.
+pub(crate) const BUSY_REASON: &str = "it had too many connections in their handshake (a flood \
+     of connections that never answer?) every time this process tried";
+
+/// [`connect`], telling a listener that dropped this connection for newer ones
+/// ([`Connected::Busy`]: try again) from one that refused it.
+pub(crate) async fn try_connect<R, W>(
+    reader: &mut R,
+    writer: &mut W,
+    secret: &RunSecret,
+    hello: Hello,
+) -> Result<Connected, String>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
@@ -206,9 +244,20 @@ where
          (BURN_ACCELERATE_SECRET, the launcher's --secret-file)?"
             .to_string()
     })?;
+    if proof == BUSY {
+        return Ok(Connected::Busy);
+    }
     mac(secret, &[b"server", &ours, theirs])
         .verify_slice(&proof)
-        .map_err(|_| "what answers there does not know the run's secret".to_string())
+        .map_err(|_| "what answers there does not know the run's secret".to_string())?;
+    Ok(Connected::Proved)
+}
+
+/// Tells a connection dropped for newer ones ([`pending`](super::pending)) to try again,
+/// where its proof would come; never waits (a stranger that reads nothing is not waited
+/// for).
+pub(crate) fn tell_busy(writer: &tokio::net::tcp::OwnedWriteHalf) {
+    let _ = writer.try_write(&BUSY);
 }
 
 #[cfg(test)]
@@ -253,6 +302,19 @@ mod tests {
         let (accepted, connected) = handshake(&secret, &secret);
         assert_eq!(accepted, Ok(HI));
         assert_eq!(connected, Ok(()));
+    }
+
+    #[test]
+    fn a_listener_that_drops_the_connection_for_newer_ones_is_told_from_a_refusal() {
+        let secret = RunSecret::from_text("s3cret");
+        let mut busy = CHALLENGE.to_vec();
+        busy.extend_from_slice(&[5; NONCE]);
+        busy.extend_from_slice(&BUSY);
+        let mut sink = Vec::new();
+        let connected = block_on(try_connect(&mut busy.as_slice(), &mut sink, &secret, HI));
+        assert_eq!(connected, Ok(Connected::Busy));
+        let connected = block_on(connect(&mut busy.as_slice(), &mut sink, &secret, HI));
+        assert!(connected.unwrap_err().contains("too many connections"));
     }
 
     #[test]

@@ -20,6 +20,7 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc, watch};
 
 use super::auth::{self, HANDSHAKE_WITHIN, Hello};
 use super::frame::{self, Assembly, FrameHeader, ReadError};
+use super::pending::{MAX_PENDING, Pending, Ticket};
 use crate::RunSecret;
 
 pub(crate) use crate::engine::Lane;
@@ -207,6 +208,7 @@ impl Links {
             outgoing: tokio::sync::Mutex::default(),
         });
         let weak = Arc::downgrade(&links);
+        let pending = Pending::new(MAX_PENDING);
         tokio::spawn(async move {
             loop {
                 let (stream, from) = match listener.accept().await {
@@ -219,8 +221,9 @@ impl Links {
                     }
                 };
                 let Some(links) = weak.upgrade() else { return };
+                let ticket = pending.admit();
                 tokio::spawn(async move {
-                    if let Err(why) = links.accept(stream).await {
+                    if let Err(why) = links.accept(stream, ticket).await {
                         log::warn!("burn-accelerate: a connection from {from} was refused: {why}");
                     }
                 });
@@ -238,15 +241,27 @@ impl Links {
         *self.run.borrow()
     }
 
-    async fn accept(self: Arc<Self>, stream: tokio::net::TcpStream) -> Result<(), String> {
+    async fn accept(
+        self: Arc<Self>,
+        stream: tokio::net::TcpStream,
+        ticket: Ticket,
+    ) -> Result<(), String> {
         let _ = stream.set_nodelay(true);
         let (mut reader, mut writer) = stream.into_split();
         let handshake = auth::verify(&mut reader, &mut writer, &self.secret);
-        let verified = tokio::time::timeout(HANDSHAKE_WITHIN, handshake)
+        let Some(verified) = ticket
+            .handshake(tokio::time::timeout(HANDSHAKE_WITHIN, handshake))
             .await
-            .map_err(|_| {
-                format!("it did not finish the handshake within {HANDSHAKE_WITHIN:?}")
-            })??;
+        else {
+            auth::tell_busy(&writer);
+            return Err(format!(
+                "it was dropped for newer connections, {MAX_PENDING} of which were in their \
+                 handshake"
+            ));
+        };
+        let verified = verified.map_err(|_| {
+            format!("it did not finish the handshake within {HANDSHAKE_WITHIN:?}")
+        })??;
         let hello = verified.hello;
         let mut run = self.run.subscribe();
         let ours = tokio::time::timeout(HANDSHAKE_WITHIN, run.wait_for(Option::is_some))
@@ -445,9 +460,18 @@ async fn dial(
             Ok(Ok(stream)) => {
                 let _ = stream.set_nodelay(true);
                 let (mut reader, mut writer) = stream.into_split();
-                let handshake = auth::connect(&mut reader, &mut writer, secret, hello);
+                let handshake = auth::try_connect(&mut reader, &mut writer, secret, hello);
                 return match tokio::time::timeout(HANDSHAKE_WITHIN, handshake).await {
-                    Ok(Ok(())) => Ok((reader, writer)),
+                    Ok(Ok(auth::Connected::Proved)) => Ok((reader, writer)),
+                    // Too many handshakes in progress there (a flood): again, within `within`.
+                    Ok(Ok(auth::Connected::Busy)) => {
+                        last = auth::BUSY_REASON.to_string();
+                        if tokio::time::Instant::now() >= deadline {
+                            return Err(DialError::Unreachable(last));
+                        }
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
                     Ok(Err(why)) => Err(DialError::Refused(why)),
                     Err(_) => Err(DialError::Refused(format!(
                         "it did not finish the handshake within {HANDSHAKE_WITHIN:?}"

@@ -39,6 +39,7 @@ mod auth;
 mod control;
 pub(crate) mod frame;
 mod link;
+mod pending;
 pub(crate) mod rendezvous;
 mod ring;
 mod schedule;

@@ -34,6 +34,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::auth::{self, HANDSHAKE_WITHIN, Hello};
 use super::frame::{self, Fingerprint, Op};
+use super::pending::{MAX_PENDING, Pending};
 use crate::RunSecret;
 use crate::element::Element;
 use crate::error::DistributedError;
@@ -233,6 +234,7 @@ pub(crate) fn serve(
     let control = Arc::clone(&served.control);
     let secret = Arc::new(secret);
     let handle = runtime.clone();
+    let pending = Pending::new(MAX_PENDING);
     runtime.spawn(async move {
         loop {
             let stream = match listener.accept().await {
@@ -248,17 +250,23 @@ pub(crate) fn serve(
             let handle = handle.clone();
             let secret = Arc::clone(&secret);
             let control = Arc::clone(&control);
+            let ticket = pending.admit();
             tokio::spawn(async move {
                 let _ = stream.set_nodelay(true);
                 let (mut reader, mut writer) = stream.into_split();
                 let handshake = auth::accept(&mut reader, &mut writer, &secret);
-                let hello = match tokio::time::timeout(HANDSHAKE_WITHIN, handshake).await {
-                    Ok(Ok(hello)) => hello,
-                    Ok(Err(why)) => {
+                let handshake = tokio::time::timeout(HANDSHAKE_WITHIN, handshake);
+                let hello = match ticket.handshake(handshake).await {
+                    Some(Ok(Ok(hello))) => hello,
+                    Some(Ok(Err(why))) => {
                         log::warn!("burn-accelerate: the rendezvous refused a connection: {why}");
                         return;
                     }
-                    Err(_) => return,
+                    Some(Err(_)) => return,
+                    None => {
+                        auth::tell_busy(&writer);
+                        return;
+                    }
                 };
                 if hello.lane == CONTROL_LANE {
                     let sink = control
@@ -451,22 +459,6 @@ async fn ask(
     timeout: Duration,
     deadline: tokio::time::Instant,
 ) -> Result<Answer, DistributedError> {
-    let stream = loop {
-        if let Ok(Ok(stream)) = tokio::time::timeout_at(deadline, TcpStream::connect(main)).await {
-            break stream;
-        }
-        if tokio::time::Instant::now() >= deadline {
-            return Err(DistributedError::Timeout {
-                what: format!("the rendezvous at {main}"),
-                after: timeout,
-                hint: "nothing answers there: is the launcher (or rank 0) running, and are \
-                       MASTER_ADDR and MASTER_PORT the same for every process?",
-            });
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    let _ = stream.set_nodelay(true);
-    let (mut reader, mut writer) = stream.into_split();
     let refused = |reason: String| DistributedError::Rendezvous {
         address: main.to_string(),
         reason,
@@ -476,13 +468,42 @@ async fn ask(
         lane: LANE,
         run: secret.attempt(),
     };
-    tokio::time::timeout(
-        HANDSHAKE_WITHIN,
-        auth::connect(&mut reader, &mut writer, secret, hello),
-    )
-    .await
-    .map_err(|_| refused(format!("no handshake within {HANDSHAKE_WITHIN:?}")))?
-    .map_err(refused)?;
+    // Again while the rendezvous has too many handshakes in progress (a flood) to take this
+    // one, within the rendezvous's timeout.
+    let (mut reader, mut writer) = loop {
+        let stream = loop {
+            if let Ok(Ok(stream)) =
+                tokio::time::timeout_at(deadline, TcpStream::connect(main)).await
+            {
+                break stream;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(DistributedError::Timeout {
+                    what: format!("the rendezvous at {main}"),
+                    after: timeout,
+                    hint: "nothing answers there: is the launcher (or rank 0) running, and are \
+                           MASTER_ADDR and MASTER_PORT the same for every process?",
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        let _ = stream.set_nodelay(true);
+        let (mut reader, mut writer) = stream.into_split();
+        let connected = tokio::time::timeout(
+            HANDSHAKE_WITHIN,
+            auth::try_connect(&mut reader, &mut writer, secret, hello),
+        )
+        .await
+        .map_err(|_| refused(format!("no handshake within {HANDSHAKE_WITHIN:?}")))?
+        .map_err(refused)?;
+        match connected {
+            auth::Connected::Proved => break (reader, writer),
+            auth::Connected::Busy if tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            auth::Connected::Busy => return Err(refused(auth::BUSY_REASON.into())),
+        }
+    };
     let arrival = Arrival {
         rank,
         world_size,
@@ -519,24 +540,34 @@ pub(crate) async fn control_connect(
     secret: &RunSecret,
     within: Duration,
 ) -> Result<(OwnedReadHalf, OwnedWriteHalf), String> {
-    let stream = tokio::time::timeout(within, TcpStream::connect(main))
-        .await
-        .map_err(|_| format!("no answer within {within:?}"))?
-        .map_err(|e| e.to_string())?;
-    let _ = stream.set_nodelay(true);
-    let (mut reader, mut writer) = stream.into_split();
+    let deadline = tokio::time::Instant::now() + within;
     let hello = Hello {
         rank: machine,
         lane: CONTROL_LANE,
         run: 0,
     };
-    tokio::time::timeout(
-        HANDSHAKE_WITHIN,
-        auth::connect(&mut reader, &mut writer, secret, hello),
-    )
-    .await
-    .map_err(|_| format!("no handshake within {HANDSHAKE_WITHIN:?}"))??;
-    Ok((reader, writer))
+    // Again while the rendezvous is too busy with other handshakes to take this one.
+    loop {
+        let stream = tokio::time::timeout_at(deadline, TcpStream::connect(main))
+            .await
+            .map_err(|_| format!("no answer within {within:?}"))?
+            .map_err(|e| e.to_string())?;
+        let _ = stream.set_nodelay(true);
+        let (mut reader, mut writer) = stream.into_split();
+        let connected = tokio::time::timeout(
+            HANDSHAKE_WITHIN,
+            auth::try_connect(&mut reader, &mut writer, secret, hello),
+        )
+        .await
+        .map_err(|_| format!("no handshake within {HANDSHAKE_WITHIN:?}"))??;
+        match connected {
+            auth::Connected::Proved => return Ok((reader, writer)),
+            auth::Connected::Busy if tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            auth::Connected::Busy => return Err(auth::BUSY_REASON.into()),
+        }
+    }
 }
 
 /// Sends one control message (JSON in the transport's frames).
@@ -635,6 +666,43 @@ mod tests {
             err.contains("ranks [1, 2,") && err.contains(&format!("{} more", usize::MAX - 17)),
             "{err}"
         );
+    }
+
+    #[test]
+    fn a_flood_past_the_cap_pushes_out_the_oldest_and_a_real_process_still_joins() {
+        use std::io::Read;
+
+        let runtime = crate::loopback::runtime();
+        let port = crate::loopback::free_port();
+        let secret = RunSecret::from_text("a test's secret");
+        let wait = Duration::from_secs(20);
+        let _host = serve("127.0.0.1", port, wait, secret.clone(), runtime.handle()).unwrap();
+        // Twice the cap of silent connections, each challenged, none answering.
+        let mut silent: Vec<_> = (0..2 * MAX_PENDING)
+            .map(|_| std::net::TcpStream::connect(("127.0.0.1", port)).unwrap())
+            .collect();
+        // A real process arriving in the middle of the flood joins, within less than a silent
+        // connection's handshake timeout.
+        let main = format!("127.0.0.1:{port}");
+        let within = HANDSHAKE_WITHIN / 2;
+        let (_, peers) = runtime
+            .block_on(join(&main, 0, 1, peer(), &secret, within))
+            .unwrap();
+        assert_eq!(peers, [peer()]);
+        // The oldest were pushed out: challenged, then told to try again, then closed.
+        let first = &mut silent[0];
+        first.set_read_timeout(Some(wait)).unwrap();
+        let mut heard = Vec::new();
+        first.read_to_end(&mut heard).unwrap();
+        assert_eq!(heard.len(), 36 + auth::BUSY.len(), "{heard:?}");
+        assert!(heard.ends_with(&auth::BUSY));
+        // The newest are still in their handshake (nothing more than the challenge).
+        let last = silent.last_mut().unwrap();
+        last.set_read_timeout(Some(Duration::from_millis(200)))
+            .unwrap();
+        let mut challenge = [0u8; 36];
+        last.read_exact(&mut challenge).unwrap();
+        assert!(last.read(&mut [0u8; 1]).is_err(), "the newest was dropped");
     }
 
     // The property tests of issue 49 (SECURITY.md): every message of the rendezvous and the

@@ -1,0 +1,151 @@
+//! A listener's connections that have not yet proved they know the run's secret: at most
+//! [`MAX_PENDING`] at once per listener, so that a flood of silent connections costs the
+//! process a bounded amount (each pending one is a task, its socket and a timer, about
+//! 1.4 KiB), whatever their number.
+//!
+//! Past the cap the *oldest* pending connection is dropped, not the new one. A real peer's
+//! handshake takes one round trip; a silent stranger's lasts until its timeout
+//! ([`HANDSHAKE_WITHIN`](super::auth::HANDSHAKE_WITHIN)). Dropping the oldest, a real peer
+//! arriving during a flood is the newest and finishes its handshake long before `MAX_PENDING`
+//! newer connections push it out; refusing new ones instead, a flood that keeps the cap full
+//! (opening a connection for each one that times out) would refuse every real peer for as
+//! long as it lasts. A dropped connection is told so ([`auth::BUSY`](super::auth::BUSY), in
+//! place of the proof) and its dialer tries again within its own timeout, so even a real peer
+//! pushed out by a faster flood is only delayed.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use tokio::sync::oneshot;
+
+/// Connections of one listener that may be in their handshake at once. A run's own
+/// connections arrive at most a few per peer at a time (every process at the rendezvous at
+/// once, in a run of hundreds, is the largest burst): one pushed out tries again.
+pub(crate) const MAX_PENDING: usize = 128;
+
+/// The handshakes in progress at one listener.
+pub(crate) struct Pending {
+    cap: usize,
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    next: u64,
+    /// By arrival: dropping a sender tells its connection it was pushed out.
+    waiting: BTreeMap<u64, oneshot::Sender<()>>,
+}
+
+/// One connection's place among its listener's pending handshakes, given up when dropped.
+pub(crate) struct Ticket {
+    pending: Arc<Pending>,
+    id: u64,
+    pushed_out: oneshot::Receiver<()>,
+}
+
+impl Pending {
+    /// No handshake in progress; at most `cap` at once.
+    pub(crate) fn new(cap: usize) -> Arc<Self> {
+        Arc::new(Self {
+            cap: cap.max(1),
+            state: Mutex::default(),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A place for a new connection, pushing out the oldest one when all are taken.
+    pub(crate) fn admit(self: &Arc<Self>) -> Ticket {
+        let (sender, pushed_out) = oneshot::channel();
+        let mut state = self.lock();
+        let id = state.next;
+        state.next += 1;
+        state.waiting.insert(id, sender);
+        if state.waiting.len() > self.cap {
+            // Its sender dropped: the oldest connection's `handshake` ends with `None`.
+            state.waiting.pop_first();
+        }
+        drop(state);
+        Ticket {
+            pending: Arc::clone(self),
+            id,
+            pushed_out,
+        }
+    }
+
+    /// How many connections are in their handshake now.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.lock().waiting.len()
+    }
+}
+
+impl Ticket {
+    /// Runs `handshake` (which keeps its own timeout) to its end, or `None` once newer
+    /// connections push this one out.
+    pub(crate) async fn handshake<F: Future>(mut self, handshake: F) -> Option<F::Output> {
+        tokio::select! {
+            // A handshake that ended wins over a push that came at the same time: it is no
+            // longer pending, and its peer is not made to start again.
+            biased;
+            outcome = handshake => Some(outcome),
+            _ = &mut self.pushed_out => None,
+        }
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        self.pending.lock().waiting.remove(&self.id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    fn block_on<F: Future>(f: F) -> F::Output {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap()
+            .block_on(f)
+    }
+
+    #[test]
+    fn past_the_cap_the_oldest_handshake_is_pushed_out_and_the_newest_ends() {
+        block_on(async {
+            let pending = Pending::new(3);
+            let mut silent = Vec::new();
+            for _ in 0..5 {
+                let ticket = pending.admit();
+                silent.push(tokio::spawn(ticket.handshake(std::future::pending::<()>())));
+                tokio::task::yield_now().await;
+                assert!(pending.len() <= 3);
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            // The two oldest were pushed out; the three newest still wait.
+            for (i, task) in silent.iter().enumerate() {
+                assert_eq!(task.is_finished(), i < 2, "connection {i}");
+            }
+            // A real peer arriving now answers at once, and the oldest silent one goes.
+            let real = pending.admit();
+            let done = real.handshake(async { "proved" }).await;
+            assert_eq!(done, Some("proved"));
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            assert!(silent[2].is_finished());
+            // A finished handshake gives its place back.
+            assert_eq!(pending.len(), 2);
+            for task in silent.drain(..) {
+                task.abort();
+                let _ = task.await;
+            }
+            assert_eq!(pending.len(), 0);
+        });
+    }
+}
