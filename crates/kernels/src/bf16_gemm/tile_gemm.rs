@@ -187,14 +187,28 @@ unsafe fn pack_tile_avx512(
     order: Order,
     tile: &mut [MaybeUninit<u32>],
 ) {
-    pack_tile_as_compiled(m, r0, p0, order, tile)
+    use std::arch::x86_64::{__m512i, _mm512_loadu_si512, _mm512_storeu_si512};
+    let (words, gathered) = gather_tile(m, r0, p0);
+    if gathered == order {
+        return write_tile(&words, gathered, order, tile);
+    }
+    // The tile's transpose by vector shuffles: 256 scalar stores 64 bytes apart were the
+    // packing of a transposed A (a weight gradient's activations) or of a column-major B.
+    assert_eq!(tile.len(), TILE);
+    let mut rows: [__m512i; TILE_ROWS] = core::array::from_fn(|r| {
+        // SAFETY: row `r` of `words` holds `TILE_WORDS` = 16 words.
+        unsafe { _mm512_loadu_si512(words[r * TILE_WORDS..].as_ptr().cast()) }
+    });
+    super::x86::transpose16(&mut rows);
+    for (r, row) in rows.iter().enumerate() {
+        // SAFETY: `tile` holds 16 rows of 16 words (asserted); every word is written.
+        unsafe { _mm512_storeu_si512(tile[r * TILE_WORDS..].as_mut_ptr().cast(), *row) };
+    }
 }
 
 /// The tile of `m`'s rows from `r0` and pairs from `p0` in `order` into `tile` (every word
 /// written): word `(r, p)` is `m[r][2p] | m[r][2p + 1] << 16`, zero past `m`'s last row or
-/// column. The words are gathered in the order the matrix lies in (along a row where its
-/// columns are contiguous, along a column where its rows are) and transposed where the tile
-/// wants the other.
+/// column.
 #[inline(always)]
 fn pack_tile_as_compiled(
     m: Bf16Matrix,
@@ -203,6 +217,15 @@ fn pack_tile_as_compiled(
     order: Order,
     tile: &mut [MaybeUninit<u32>],
 ) {
+    let (words, gathered) = gather_tile(m, r0, p0);
+    write_tile(&words, gathered, order, tile)
+}
+
+/// The words of the tile of `m`'s rows from `r0` and pairs from `p0`, gathered in the order
+/// the matrix lies in (along a row where its columns are contiguous, along a column where
+/// its rows are), and that order: zero past `m`'s last row or column.
+#[inline(always)]
+fn gather_tile(m: Bf16Matrix, r0: usize, p0: usize) -> ([u32; TILE], Order) {
     let mut words = [0u32; TILE];
     let rows = TILE_ROWS.min(m.rows.saturating_sub(r0));
     let pairs = STEP.min(m.cols.div_ceil(2).saturating_sub(p0));
@@ -250,9 +273,15 @@ fn pack_tile_as_compiled(
         }
         Order::Rows
     };
+    (words, gathered)
+}
+
+/// `words`, gathered in `gathered` order, into `tile` in `order` (every word written).
+#[inline(always)]
+fn write_tile(words: &[u32; TILE], gathered: Order, order: Order, tile: &mut [MaybeUninit<u32>]) {
     if gathered == order {
-        for (out, w) in tile.iter_mut().zip(words) {
-            out.write(w);
+        for (out, w) in tile.iter_mut().zip(words.iter()) {
+            out.write(*w);
         }
     } else {
         for (i, row) in words.chunks_exact(TILE_WORDS).enumerate() {

@@ -354,7 +354,7 @@ unsafe fn transpose_pairs(
 // The transpose of 16 rows of 16 32-bit words, in three rounds of shuffles: words, then
 // pairs of words within each 128-bit lane, then lanes.
 #[target_feature(enable = "avx512f")]
-fn transpose16(rows: &mut [__m512i; 16]) {
+pub(super) fn transpose16(rows: &mut [__m512i; 16]) {
     let mut t = [_mm512_setzero_si512(); 16];
     for i in 0..8 {
         t[2 * i] = _mm512_unpacklo_epi32(rows[2 * i], rows[2 * i + 1]);
