@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The LibTorch tier, from nothing: PyTorch 2.9.0 from PyPI in a virtual environment (see
 # tch-env.sh), then the generic suite and the probe's checks on LibTorch's CPU device.
-# Extra arguments go to `cargo test`. Its costs are in BENCHMARKS.md ("The LibTorch tier").
+# Extra arguments go to `cargo test`. Its costs are in BENCHMARKS.md ("LibTorch CPU", "The tier's costs").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/tch-env.sh
