@@ -83,8 +83,9 @@ pub struct DataLoaderConfig {
     /// to half, so at depth 2 it is woken after every batch taken, and that wake-up per batch
     /// made the loader up to 2x slower than Burn's on cheap batches; at 8 one wake per 4
     /// batches still left it 10–15% behind Burn's with 2 workers in some runs, at 16 it was
-    /// ahead in every run (BENCHMARKS.md, "Sharded data loader vs Burn's `DataLoaderBuilder`"). Up to 6 workers that holds fewer batches
-    /// than Burn's own loader (100). Lower it for very large batches to bound memory.
+    /// ahead in every run (BENCHMARKS.md, "Sharded data loader vs Burn's
+    /// `DataLoaderBuilder`"). Up to 6 workers that holds fewer batches than Burn's own loader
+    /// (100). Lower it for very large batches to bound memory.
     #[config(default = 16)]
     pub prefetch: usize,
 }
