@@ -164,12 +164,19 @@ LOW_PATHS = {
 # and it applies, see src/backend/kernels.rs: softmax's under autocast; the elementwise
 # arithmetic's, given the promoted operands, with or without), as "module::function".
 FUSED_PATHS = {
-    "softmax": "kernels::softmax",
-    "log_softmax": "kernels::log_softmax",
     "float_add": "kernels::add",
     "float_sub": "kernels::sub",
     "float_mul": "kernels::mul",
     "float_div": "kernels::div",
+}
+
+# Op-table ops whose call goes through a function of `crate::backend` with the plan and the
+# inputs as given, which casts them itself: softmax's widens a half input inside its own
+# kernel, where the plan would have cast it to f32 first (the same bits, one pass fewer over
+# attention's largest tensor), as "module::function".
+CASTING_PATHS = {
+    "softmax": "kernels::softmax",
+    "log_softmax": "kernels::log_softmax",
 }
 
 # Ops outside the op table forwarded through a function of `crate::backend` (the crate's own
@@ -244,6 +251,9 @@ def emit(name, generics, params, ret, where, op):
         for p, t in tensors:
             lines.append("        let %s = %s;\n" % (p, COLOCATE[t] % p))
     lines.append("        let plan = CastPlan::new::<B>(Op::%s, &[%s]);\n" % (op, inputs))
+    if name in CASTING_PATHS:
+        call = "crate::backend::%s::<B>(&plan, %s)" % (CASTING_PATHS[name], args)
+        return head + "".join(lines) + "        %s\n    }\n" % call
     # Required inputs are numbered (fp8 keeps a scale per input); optional ones are not rounded.
     required = 0
     for p, t in floats:
@@ -308,8 +318,13 @@ def main():
         sys.exit("low paths name ops outside the op table: %s" % sorted(set(LOW_PATHS) - seen))
     if set(FUSED_PATHS) - seen:
         sys.exit("fused paths name ops outside the op table: %s" % sorted(set(FUSED_PATHS) - seen))
-    if set(FUSED_PATHS) & set(LOW_PATHS):
-        sys.exit("an op is both a low and a fused path: %s" % sorted(set(FUSED_PATHS) & set(LOW_PATHS)))
+    if set(CASTING_PATHS) - seen:
+        sys.exit("casting paths name ops outside the op table: %s" % sorted(set(CASTING_PATHS) - seen))
+    routed = [set(LOW_PATHS), set(FUSED_PATHS), set(CASTING_PATHS)]
+    for i, a in enumerate(routed):
+        for b in routed[i + 1:]:
+            if a & b:
+                sys.exit("an op has two routes: %s" % sorted(a & b))
     missing_hooks = (MOVE_HOOKS | set(HALF_PATHS)) - hooked
     if missing_hooks:
         sys.exit("move hooks or half paths name methods Burn does not have: %s" % sorted(missing_hooks))

@@ -138,6 +138,58 @@ fn softmax_and_log_softmax_under_autocast_are_burns_within_tolerance() {
     }
 }
 
+#[test]
+fn a_half_input_is_widened_by_the_kernel_as_its_cast_would_widen_it() {
+    // A bf16 (or f16) input of softmax under autocast is widened inside the kernel, not cast
+    // first: the output is the f32 softmax of the half values, the gradient comes back in
+    // the input's type. Against Burn's own f32 softmax of the same (widened) values, with the
+    // tolerances above, and the gradient within one rounding to the half type.
+    for (dtype, eps) in [
+        (FloatDType::BF16, 1.0 / 256.0),
+        (FloatDType::F16, 1.0 / 2048.0),
+    ] {
+        for len in [7, 256] {
+            let x = scores(10, len, 3 * len as u32);
+            // The half values, exactly, as f32 (a half value widens exactly).
+            let halves = f32s(
+                Tensor::<Flex, 1>::from_data(
+                    TensorData::new(x.clone(), [x.len()]),
+                    &Default::default(),
+                )
+                .cast(dtype)
+                .into_data(),
+            );
+            for op in [Op::Softmax, Op::LogSoftmax] {
+                let (want_y, want_dx) = run::<Plain>(op, &halves, len, FloatDType::F32, None);
+                let (y, dx) = run::<Acc>(op, &x, len, dtype, Some(Precision::Bf16));
+                for (i, (g, w)) in y.iter().zip(&want_y).enumerate() {
+                    let tol = match op {
+                        Op::Softmax => 2e-6 * w.abs() + 1e-37,
+                        _ => 2e-6 * (1.0 + w.abs()),
+                    };
+                    match w.is_finite() {
+                        true => assert!(
+                            (g - w).abs() <= tol,
+                            "{dtype:?} {op:?} [{i}] of {len}: {g}, not {w}"
+                        ),
+                        false => assert_eq!(g, w, "{dtype:?} {op:?} [{i}] of {len}"),
+                    }
+                }
+                let scale = |d: &[f32]| d.iter().fold(0f32, |m, v| m.max(v.abs()));
+                for (row, (got, want)) in dx.chunks(len).zip(want_dx.chunks(len)).enumerate() {
+                    let tol = 4e-6 * (1.0 + scale(want));
+                    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+                        assert!(
+                            (g - w).abs() <= tol + eps * w.abs() + 1e-30,
+                            "{dtype:?} {op:?}' [{row}][{i}] of {len}: {g}, not {w}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 // Values from -6 to 6 and a few beyond, in an odd count.
 fn gelu_inputs(n: usize) -> Vec<f32> {
     let mut v: Vec<f32> = (0..n).map(|i| (i as f32 / n as f32) * 12.0 - 6.0).collect();

@@ -4,6 +4,7 @@
 //! kernels a backend type has is [`crate::cpu::table`], below the decorator, autocast and the
 //! capability probe, which read it too (autocast's casts; the probe's paths).
 
+use crate::autocast::CastPlan;
 use burn_backend::tensor::{BoolTensor, FloatTensor};
 use burn_backend::{Backend, DType, Distribution, FloatDType, Scalar, Shape, TensorMetadata};
 
@@ -148,11 +149,35 @@ fn fused_softmax<T: TensorMetadata>(tensor: &T, dim: usize) -> bool {
     crate::autocast::current().is_some() && tensor.dtype() == DType::F32 && dim + 1 == tensor.rank()
 }
 
-/// `B::softmax` of an autocast call (its input already cast), through the registered kernel
-/// under autocast for f32 along the last dimension; the kernel hands a strided view to `B`'s
-/// own.
+/// Whether the plan would cast `tensor`, a half tensor, to f32 for a softmax along its last
+/// dimension `dim`: then the kernel takes it as it is and widens each row as it reads it,
+/// with the bits of the cast and the f32 softmax (widening is exact), and without the f32
+/// copy (attention's scores are the largest tensor of a transformer's step, and their cast
+/// and its fresh pages a few percent of it).
 #[inline]
-pub(crate) fn softmax<B: Backend>(tensor: FloatTensor<B>, dim: usize) -> FloatTensor<B> {
+fn widened_softmax<T: TensorMetadata>(plan: &CastPlan, tensor: &T, dim: usize) -> bool {
+    plan.target() == Some(FloatDType::F32)
+        && !plan.rounds_to_fp8()
+        && matches!(tensor.dtype(), DType::BF16 | DType::F16)
+        && dim + 1 == tensor.rank()
+}
+
+/// `B::softmax` of an autocast call, given its plan and its input as the caller passed it:
+/// through the registered kernel under autocast for f32, or a half input the plan would widen,
+/// along the last dimension; the plan's cast and `B`'s own otherwise. The kernel hands a
+/// strided view to `B`'s own.
+#[inline]
+pub(crate) fn softmax<B: Backend>(
+    plan: &CastPlan,
+    tensor: FloatTensor<B>,
+    dim: usize,
+) -> FloatTensor<B> {
+    if widened_softmax(plan, &tensor, dim)
+        && let Some(kernels) = of::<B>()
+    {
+        return (kernels.softmax_of_half)(tensor, dim);
+    }
+    let tensor = plan.cast_at::<B>(0, tensor);
     if fused_softmax(&tensor, dim)
         && let Some(kernels) = of::<B>()
     {
@@ -163,7 +188,17 @@ pub(crate) fn softmax<B: Backend>(tensor: FloatTensor<B>, dim: usize) -> FloatTe
 
 /// `B::log_softmax` of an autocast call, as [`softmax`].
 #[inline]
-pub(crate) fn log_softmax<B: Backend>(tensor: FloatTensor<B>, dim: usize) -> FloatTensor<B> {
+pub(crate) fn log_softmax<B: Backend>(
+    plan: &CastPlan,
+    tensor: FloatTensor<B>,
+    dim: usize,
+) -> FloatTensor<B> {
+    if widened_softmax(plan, &tensor, dim)
+        && let Some(kernels) = of::<B>()
+    {
+        return (kernels.log_softmax_of_half)(tensor, dim);
+    }
+    let tensor = plan.cast_at::<B>(0, tensor);
     if fused_softmax(&tensor, dim)
         && let Some(kernels) = of::<B>()
     {

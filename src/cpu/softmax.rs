@@ -16,9 +16,14 @@
 //! `burn_accelerate_kernels::softmax`'s; here Flex's tensors are handed to it, in place where
 //! their buffer is their own, rows shared among rayon's threads.
 //!
-//! Taken for contiguous f32 tensors along their last dimension; anything else (another
-//! dimension, a strided view, f64, half tensors) goes to Flex's own softmax or to Burn's
-//! composition on `Autodiff<Flex>`.
+//! Taken for contiguous f32 tensors along their last dimension, and for bf16 and f16 tensors
+//! along their last dimension, which autocast would first cast to f32: each row is widened
+//! into the f32 output as it is read (widening is exact, so the bits are those of the cast
+//! and the f32 softmax), and the backward rounds each row's gradient back to the input's type
+//! as the cast's node would, while the row is in L1. Attention's scores are a transformer's
+//! largest tensor; their f32 copy, its fresh pages and the gradient's were a few percent of a
+//! bf16 step. Anything else (another dimension, a strided f32 view, f64) goes to Flex's own
+//! softmax or to Burn's composition on `Autodiff<Flex>`.
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
@@ -27,11 +32,16 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
 use burn::backend::flex::{FlexTensor, Layout};
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::{Bytes, DType};
+use burn_backend::FloatDType;
 use burn_backend::ops::{ActivationOps, FloatTensorOps};
 use burn_backend::tensor::FloatTensor;
 
+use burn_accelerate_kernels::half::{Half, as_half, half_buffer};
 use burn_accelerate_kernels::isa::Isa;
 use burn_accelerate_kernels::softmax as rows;
+use half::{bf16, f16};
+
+use super::fast_cast;
 
 use super::half_kernels::in_row_tasks;
 
@@ -97,6 +107,57 @@ fn forward(t: FlexTensor, len: usize, kind: Kind, isa: Isa) -> FlexTensor {
     })
 }
 
+/// The length of `t`'s rows where the kernels take a softmax of the half tensor `t` along
+/// `dim` widened to f32: a bf16 or f16 tensor along its last dimension, not empty (a view is
+/// copied out first, as the cast would).
+fn half_rows_of(t: &FlexTensor, dim: usize) -> Option<usize> {
+    let shape = t.layout().shape();
+    let rank = shape.num_dims();
+    let takes = matches!(t.dtype(), DType::BF16 | DType::F16)
+        && rank >= 1
+        && dim + 1 == rank
+        && shape.num_elements() > 0;
+    takes.then(|| shape[rank - 1])
+}
+
+/// The softmax (or log-softmax) of the half tensor `t`, rows of `len`, each row widened into
+/// the f32 output and computed there.
+fn forward_widening(t: FlexTensor, len: usize, kind: Kind, isa: Isa) -> FlexTensor {
+    fn rows_of_type<H: Half + burn_backend::Element>(
+        t: &FlexTensor,
+        len: usize,
+        kind: Kind,
+        isa: Isa,
+    ) -> Vec<f32> {
+        let start = t.layout().start_offset();
+        let n = t.layout().shape().num_elements();
+        let src = &t.storage::<H>()[start..start + n];
+        // Zeros from `calloc`, as `rows_in_place`'s copy.
+        let mut out = vec![0f32; n];
+        in_row_tasks(len, &mut out, |first, rows| {
+            H::widen(&src[first * len..][..rows.len()], rows);
+            match kind {
+                Kind::Softmax => rows::softmax(isa, rows, len),
+                Kind::LogSoftmax => rows::log_softmax(isa, rows, len),
+            }
+        });
+        out
+    }
+    let t = match t.layout().is_contiguous() {
+        true => t,
+        false => t.to_contiguous(),
+    };
+    let out = match t.dtype() {
+        DType::BF16 => rows_of_type::<bf16>(&t, len, kind, isa),
+        _ => rows_of_type::<f16>(&t, len, kind, isa),
+    };
+    FlexTensor::new(
+        Bytes::from_elems(out),
+        Layout::contiguous(t.layout().shape().clone()),
+        DType::F32,
+    )
+}
+
 /// Softmax along `dim`: the fused kernel for a contiguous f32 tensor along its last dimension,
 /// Flex's own otherwise.
 pub(crate) fn softmax(tensor: FlexTensor, dim: usize) -> FlexTensor {
@@ -111,6 +172,24 @@ pub(crate) fn log_softmax(tensor: FlexTensor, dim: usize) -> FlexTensor {
     match rows_of(&tensor, dim) {
         Some(len) => forward(tensor, len, Kind::LogSoftmax, Isa::best()),
         None => Flex::log_softmax(tensor, dim),
+    }
+}
+
+/// The f32 softmax along `dim` of a half tensor, as autocast's cast to f32 and then
+/// [`softmax`] give it: widened row by row as read along the last dimension, cast first
+/// otherwise.
+pub(crate) fn softmax_of_half(tensor: FlexTensor, dim: usize) -> FlexTensor {
+    match half_rows_of(&tensor, dim) {
+        Some(len) => forward_widening(tensor, len, Kind::Softmax, Isa::best()),
+        None => softmax(fast_cast::convert(tensor, FloatDType::F32), dim),
+    }
+}
+
+/// The f32 log-softmax of a half tensor, as [`softmax_of_half`].
+pub(crate) fn log_softmax_of_half(tensor: FlexTensor, dim: usize) -> FlexTensor {
+    match half_rows_of(&tensor, dim) {
+        Some(len) => forward_widening(tensor, len, Kind::LogSoftmax, Isa::best()),
+        None => log_softmax(fast_cast::convert(tensor, FloatDType::F32), dim),
     }
 }
 
@@ -141,6 +220,53 @@ fn backward(y: FlexTensor, grad: FlexTensor, kind: Kind, isa: Isa) -> FlexTensor
     })
 }
 
+/// The gradient of the half input of a widening softmax (or log-softmax): [`backward`]'s
+/// rows, each rounded to `dtype` while in cache, as the cast's node would round the whole
+/// gradient after it.
+fn backward_rounding(
+    y: FlexTensor,
+    grad: FlexTensor,
+    kind: Kind,
+    dtype: DType,
+    isa: Isa,
+) -> FlexTensor {
+    fn rows_of_type<H: Half>(ys: &[f32], gs: &[f32], len: usize, kind: Kind, isa: Isa) -> Vec<u16> {
+        let mut out = half_buffer(ys.len());
+        in_row_tasks(len, &mut out, |first, out| {
+            let ys = &ys[first * len..][..out.len()];
+            let mut rows = gs[first * len..][..out.len()].to_vec();
+            match kind {
+                Kind::Softmax => rows::softmax_backward(isa, ys, &mut rows, len),
+                Kind::LogSoftmax => rows::log_softmax_backward(isa, ys, &mut rows, len),
+            }
+            H::round(&rows, as_half::<H>(out));
+        });
+        out
+    }
+    let shape = y.layout().shape().clone();
+    let last = shape.num_dims() - 1;
+    let fits = grad.dtype() == DType::F32 && grad.layout().shape() == &shape;
+    let (Some(len), true) = (rows_of(&y, last), fits) else {
+        // Never for the outputs the kernels make and the f32 gradients Burn hands back; for
+        // anything else, the same formula in Flex's ops, then the cast.
+        let dx = composed_backward(y, grad, kind);
+        return fast_cast::convert(dx, dtype.into());
+    };
+    let grad = match grad.layout().is_contiguous() {
+        true => grad,
+        false => grad.to_contiguous(),
+    };
+    let ys = y
+        .as_slice::<f32>()
+        .expect("rows_of took a contiguous f32 tensor");
+    let gs = grad.as_slice::<f32>().expect("made contiguous above");
+    let out = match dtype {
+        DType::BF16 => rows_of_type::<bf16>(ys, gs, len, kind, isa),
+        _ => rows_of_type::<f16>(ys, gs, len, kind, isa),
+    };
+    FlexTensor::new(Bytes::from_elems(out), Layout::contiguous(shape), dtype)
+}
+
 fn composed_backward(y: FlexTensor, grad: FlexTensor, kind: Kind) -> FlexTensor {
     let last = y.layout().shape().num_dims() - 1;
     let grad = Flex::float_cast(grad, y.dtype().into());
@@ -156,10 +282,12 @@ fn composed_backward(y: FlexTensor, grad: FlexTensor, kind: Kind) -> FlexTensor 
     }
 }
 
-/// The node both tracked forms record: it keeps the output.
+/// The node both tracked forms record: it keeps the output, and the input's dtype where it
+/// was a half type widened as read (its gradient rounded back to it).
 #[derive(Debug)]
 struct Node {
     kind: Kind,
+    widened_from: Option<DType>,
 }
 
 impl Backward<Flex, 1> for Node {
@@ -167,9 +295,10 @@ impl Backward<Flex, 1> for Node {
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
         let output = ops.state;
-        let kind = self.kind;
-        unary::<Flex, _>(ops.parents, ops.node, grads, |grad| {
-            backward(output, grad, kind, Isa::best())
+        let Node { kind, widened_from } = self;
+        unary::<Flex, _>(ops.parents, ops.node, grads, |grad| match widened_from {
+            Some(dtype) => backward_rounding(output, grad, kind, dtype, Isa::best()),
+            None => backward(output, grad, kind, Isa::best()),
         });
     }
 }
@@ -180,8 +309,13 @@ fn tracked(
     kind: Kind,
 ) -> FloatTensor<Autodiff<Flex>> {
     let node = tensor.node.clone();
-    let output = forward(tensor.primitive, len, kind, Isa::best());
-    let backward = Node { kind };
+    let widened_from = matches!(tensor.primitive.dtype(), DType::BF16 | DType::F16)
+        .then(|| tensor.primitive.dtype());
+    let output = match widened_from {
+        Some(_) => forward_widening(tensor.primitive, len, kind, Isa::best()),
+        None => forward(tensor.primitive, len, kind, Isa::best()),
+    };
+    let backward = Node { kind, widened_from };
     match backward
         .prepare::<NoCheckpointing>([node])
         .compute_bound()
@@ -212,6 +346,30 @@ pub(crate) fn log_softmax_tracked(
     match rows_of(&tensor.primitive, dim) {
         Some(len) => tracked(tensor, len, Kind::LogSoftmax),
         None => Autodiff::<Flex>::log_softmax(tensor, dim),
+    }
+}
+
+/// [`softmax_of_half`] as one node of Burn's autodiff in place of the cast's and the
+/// softmax's: it keeps the f32 output, and rounds the input's gradient to the input's type
+/// as the cast's node would.
+pub(crate) fn softmax_of_half_tracked(
+    tensor: FloatTensor<Autodiff<Flex>>,
+    dim: usize,
+) -> FloatTensor<Autodiff<Flex>> {
+    match half_rows_of(&tensor.primitive, dim) {
+        Some(len) => tracked(tensor, len, Kind::Softmax),
+        None => softmax_tracked(fast_cast::convert_tracked(tensor, FloatDType::F32), dim),
+    }
+}
+
+/// [`log_softmax_of_half`] as one node of Burn's autodiff, as [`softmax_of_half_tracked`].
+pub(crate) fn log_softmax_of_half_tracked(
+    tensor: FloatTensor<Autodiff<Flex>>,
+    dim: usize,
+) -> FloatTensor<Autodiff<Flex>> {
+    match half_rows_of(&tensor.primitive, dim) {
+        Some(len) => tracked(tensor, len, Kind::LogSoftmax),
+        None => log_softmax_tracked(fast_cast::convert_tracked(tensor, FloatDType::F32), dim),
     }
 }
 
@@ -452,6 +610,78 @@ mod tests {
         let one = run(1, false);
         assert!(one == run(2, false), "two threads");
         assert!(one == run(2, true), "a shared input");
+    }
+
+    #[test]
+    fn a_half_input_widened_as_read_has_the_bits_of_its_cast_then_the_f32_kernel() {
+        // Rows of attention's kind (masked, -inf, fully masked), in bf16 and f16, contiguous
+        // and as a transposed view (copied out first, as the cast copies it).
+        let len = 40;
+        let values = rows(len, 12, 5);
+        for dtype in [FloatDType::BF16, FloatDType::F16] {
+            let half = fast_cast::convert(tensor(values.clone(), &[3, 4, len]), dtype);
+            let view = Flex::float_swap_dims(
+                fast_cast::convert(tensor(values.clone(), &[3, len, 4]), dtype),
+                1,
+                2,
+            );
+            for t in [half, view] {
+                let widened = fast_cast::convert(t.clone(), FloatDType::F32);
+                assert_eq!(
+                    bits(softmax_of_half(t.clone(), 2)),
+                    bits(softmax(widened.clone(), 2))
+                );
+                assert_eq!(
+                    bits(log_softmax_of_half(t, 2)),
+                    bits(log_softmax(widened, 2))
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_widening_node_gives_the_cast_and_softmax_nodes_values_and_gradient() {
+        use burn::tensor::{Tensor, TensorPrimitive};
+        type A = Autodiff<Flex>;
+        let device = Default::default();
+        let (len, count) = (33, 18);
+        let shape = [3, count / 3, len];
+        let x = rows(len, count, 9);
+        let w: Vec<f32> = (0..len * count)
+            .map(|i| ((i * 53) % 97) as f32 / 9.0 - 5.0)
+            .collect();
+        for dtype in [FloatDType::BF16, FloatDType::F16] {
+            for kind in [Kind::Softmax, Kind::LogSoftmax] {
+                let run = |fused: bool| {
+                    let x = Tensor::<A, 3>::from_data(TensorData::new(x.clone(), shape), &device)
+                        .cast(dtype)
+                        .require_grad();
+                    let input = x.clone().into_primitive().tensor();
+                    let widened = |input| fast_cast::convert_tracked(input, FloatDType::F32);
+                    let y = match (kind, fused) {
+                        (Kind::Softmax, true) => softmax_of_half_tracked(input, 2),
+                        (Kind::Softmax, false) => softmax_tracked(widened(input), 2),
+                        (Kind::LogSoftmax, true) => log_softmax_of_half_tracked(input, 2),
+                        (Kind::LogSoftmax, false) => log_softmax_tracked(widened(input), 2),
+                    };
+                    let y = Tensor::<A, 3>::from_primitive(TensorPrimitive::Float(y));
+                    let weights =
+                        Tensor::<A, 3>::from_data(TensorData::new(w.clone(), shape), &device);
+                    let grads = (y.clone() * weights).sum().backward();
+                    let grad = x.grad(&grads).expect("x is tracked");
+                    assert_eq!(
+                        grad.dtype(),
+                        dtype.into(),
+                        "the gradient has the input's type"
+                    );
+                    (
+                        y.into_data().bytes.to_vec(),
+                        grad.into_data().bytes.to_vec(),
+                    )
+                };
+                assert_eq!(run(true), run(false), "{dtype:?}, {kind:?}");
+            }
+        }
     }
 
     #[test]

@@ -62,6 +62,11 @@ pub(crate) struct Kernels<B: Backend> {
     pub(crate) softmax: Softmax<B>,
     /// Log-softmax along a dimension, as `softmax`.
     pub(crate) log_softmax: Softmax<B>,
+    /// The f32 softmax of a half tensor along a dimension, as its cast to f32 and `softmax`
+    /// give it (widened as the kernel reads it along the last dimension).
+    pub(crate) softmax_of_half: Softmax<B>,
+    /// The f32 log-softmax of a half tensor, as `softmax_of_half`.
+    pub(crate) log_softmax_of_half: Softmax<B>,
     /// GELU (f32, bf16 and f16 in the kernel, anything else through the backend's own).
     pub(crate) gelu: Gelu<B>,
     /// `lhs + rhs` of two half tensors of one dtype and shape (the backend's own bits; any
@@ -124,6 +129,8 @@ fn register_known() {
             random: counter_rng::random,
             softmax: softmax::softmax,
             log_softmax: softmax::log_softmax,
+            softmax_of_half: softmax::softmax_of_half,
+            log_softmax_of_half: softmax::log_softmax_of_half,
             gelu: gelu::gelu,
             add: half_elementwise::add,
             sub: half_elementwise::sub,
@@ -145,6 +152,8 @@ fn register_known() {
             random: counter_rng::random_tracked,
             softmax: softmax::softmax_tracked,
             log_softmax: softmax::log_softmax_tracked,
+            softmax_of_half: softmax::softmax_of_half_tracked,
+            log_softmax_of_half: softmax::log_softmax_of_half_tracked,
             gelu: gelu::gelu_tracked,
             add: half_elementwise::add_tracked,
             sub: half_elementwise::sub_tracked,

@@ -58,13 +58,11 @@ impl<B: Backend> ActivationOps<Self> for Accelerated<B> {
     }
     fn softmax(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::Softmax, &[CastInput::One(&tensor)]);
-        let tensor = plan.cast_at::<B>(0, tensor);
-        crate::backend::kernels::softmax::<B>(tensor, dim)
+        crate::backend::kernels::softmax::<B>(&plan, tensor, dim)
     }
     fn log_softmax(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::LogSoftmax, &[CastInput::One(&tensor)]);
-        let tensor = plan.cast_at::<B>(0, tensor);
-        crate::backend::kernels::log_softmax::<B>(tensor, dim)
+        crate::backend::kernels::log_softmax::<B>(&plan, tensor, dim)
     }
     fn softmin(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         let plan = CastPlan::new::<B>(Op::Softmin, &[CastInput::One(&tensor)]);
