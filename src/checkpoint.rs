@@ -52,7 +52,6 @@ mod fits;
 pub(crate) mod records;
 pub use accelerator::Resumed;
 pub(crate) use agree::agree_on_checkpoint;
-pub(crate) use fits::load_fitting;
 
 /// The checkpoints of a directory: [`burn_accelerate_checkpoint::CheckpointDir`], failing with
 /// [`AccelerateError::Checkpoint`].

@@ -19,7 +19,7 @@ use burn::prelude::Backend;
 use burn::record::Recorder;
 use proptest::prelude::*;
 
-use crate::checkpoint::{LoadedCheckpoint, load_fitting, records};
+use crate::checkpoint::{LoadedCheckpoint, records};
 use crate::data::LoaderState;
 use crate::fuzz;
 use crate::gradient_state::{GradientState, GradientStateSnapshot};
@@ -234,6 +234,17 @@ fn two<K: Backend>() -> Two<K> {
     }
 }
 
+// A record's refusal must come from the checks before Burn builds it: a panic of Burn's, even
+// caught, runs the panic hook (megabytes with `RUST_BACKTRACE=1`), so reaching the catch is a
+// failure of the checks.
+fn burn_did_not_panic(reason: &str) -> Result<(), TestCaseError> {
+    prop_assert!(
+        !reason.contains(crate::record_bytes::BURN_PANICKED),
+        "Burn panicked past the checks: {reason}"
+    );
+    Ok(())
+}
+
 fn checkpoint(name: &str, bytes: Vec<u8>) -> LoadedCheckpoint {
     LoadedCheckpoint {
         epoch: 1,
@@ -253,8 +264,7 @@ fn model_record_loads_or_is_refused(bytes: Vec<u8>) -> Result<(), TestCaseError>
     let loaded = checkpoint("model-1.mpk", bytes);
     let device = Default::default();
     let (largest, result) = fuzz::largest_allocation(|| {
-        records::decode::<Inner, _>(&loaded, "model-1.mpk", &device)
-            .and_then(|record| load_fitting::<Inner, _>(two(), record, "model-1.mpk"))
+        records::decode_model::<Inner, _>(&loaded, "model-1.mpk", two(), &device)
     });
     prop_assert!(largest <= bound(len), "{largest} bytes for {len}");
     match result {
@@ -264,7 +274,10 @@ fn model_record_loads_or_is_refused(bytes: Vec<u8>) -> Result<(), TestCaseError>
             let y = model.second.forward(model.first.forward(x));
             prop_assert_eq!(y.dims(), [2, 2]);
         }
-        Err(AccelerateError::Checkpoint { path, .. }) => prop_assert_eq!(path, "model-1.mpk"),
+        Err(AccelerateError::Checkpoint { path, reason }) => {
+            prop_assert_eq!(path, "model-1.mpk");
+            burn_did_not_panic(&reason)?;
+        }
         Err(other) => prop_assert!(false, "untyped refusal: {other}"),
     }
     Ok(())
@@ -325,8 +338,9 @@ fn optimizer_record_loads_or_is_refused(bytes: Vec<u8>) -> Result<(), TestCaseEr
             let partition = crate::zero::Partition::of::<B, _>(&two(), 2);
             let _ = crate::zero::keep_own_state::<B, _>(record, &partition, 1);
         }
-        Err(AccelerateError::Checkpoint { path, .. }) => {
-            prop_assert_eq!(path, "optimizer-1.mpk")
+        Err(AccelerateError::Checkpoint { path, reason }) => {
+            prop_assert_eq!(path, "optimizer-1.mpk");
+            burn_did_not_panic(&reason)?;
         }
         Err(other) => prop_assert!(false, "untyped refusal: {other}"),
     }
@@ -366,9 +380,12 @@ fn sent_states() -> Vec<Vec<u8>> {
 fn sent_state_decodes_or_is_refused(bytes: Vec<u8>) -> Result<(), TestCaseError> {
     let len = bytes.len();
     let device = Default::default();
-    let (largest, _result) =
+    let (largest, result) =
         fuzz::largest_allocation(|| records::from_bytes::<B, OptimRecord>(bytes, &device));
     prop_assert!(largest <= bound(len), "{largest} bytes for {len}");
+    if let Err(reason) = result {
+        burn_did_not_panic(&reason)?;
+    }
     Ok(())
 }
 
@@ -515,6 +532,80 @@ fn a_model_record_nested_a_million_deep_is_refused_naming_the_file() {
     assert!(
         matches!(&err, AccelerateError::Checkpoint { path, reason }
             if path == "model-1.mpk" && reason.contains("depth limit exceeded")),
+        "{err}"
+    );
+}
+
+// Found by the sent optimizer state's long run: Burn's `from_item` panics ("Tensor rank: '3',
+// given dimensions: '[3, 4]'") on a state whose `RankN` variant says another rank than its
+// tensors have; it is now refused before Burn builds it.
+#[test]
+fn an_optimizer_state_of_another_rank_is_refused_before_burn_builds_it() {
+    let mut bytes = optimizer_records().remove(0);
+    let at = bytes
+        .windows(5)
+        .position(|w| w == b"Rank2")
+        .expect("the state of a weight");
+    bytes[at + 4] = b'3';
+    let loaded = checkpoint("optimizer-1.mpk", bytes);
+    let err = records::decode::<B, OptimRecord>(&loaded, "optimizer-1.mpk", &Default::default())
+        .err()
+        .expect("a state of rank 3 over tensors of rank 2");
+    assert!(
+        matches!(&err, AccelerateError::Checkpoint { path, reason }
+            if path == "optimizer-1.mpk" && reason.contains("optimizer state of rank 3")
+                && !reason.contains(crate::record_bytes::BURN_PANICKED)),
+        "{err}"
+    );
+}
+
+// A weight stored as [12] where the model has [3, 4] (the same 48 bytes): Burn's `from_item`
+// would panic on the rank; refused naming the parameter and both shapes.
+#[test]
+fn a_model_record_of_another_rank_is_refused_naming_the_parameter() {
+    let mut bytes = model_records().remove(0);
+    let shape = [b"shape".as_slice(), &[0x92, 0x03, 0x04]].concat();
+    let at = bytes
+        .windows(shape.len())
+        .position(|w| w == shape)
+        .expect("the first weight's shape, [3, 4]")
+        + 5;
+    bytes.splice(at..at + 3, [0x91, 0x0c]);
+    let loaded = checkpoint("model-1.mpk", bytes);
+    let err = records::decode_model::<Inner, _>(&loaded, "model-1.mpk", two(), &Default::default())
+        .err()
+        .expect("a weight of rank 1");
+    assert!(
+        matches!(&err, AccelerateError::Checkpoint { path, reason }
+            if path == "model-1.mpk"
+                && reason.contains("parameter `first.weight` has shape [12] in the record, [3, 4] in the model")),
+        "{err}"
+    );
+}
+
+// An id of 20 base32 characters decodes to 12 bytes, which Burn's `ParamId::try_deserialize`
+// copies into 8 (a slice-index panic inside it, not its "Invalid id."): refused first.
+#[test]
+fn a_parameter_id_too_long_for_burn_is_refused_naming_the_file() {
+    let mut bytes = model_records().remove(0);
+    let at = bytes
+        .windows(3)
+        .position(|w| w == [0xa2, b'i', b'd'])
+        .expect("a parameter's id")
+        + 3;
+    let len = usize::from(bytes[at] & 0x1f);
+    let mut long = vec![0xa0 | 20];
+    long.extend_from_slice(b"0123456789abcdefghij");
+    bytes.splice(at..at + 1 + len, long);
+    let loaded = checkpoint("model-1.mpk", bytes);
+    let err =
+        records::decode::<Inner, TwoRecord<Inner>>(&loaded, "model-1.mpk", &Default::default())
+            .err()
+            .expect("an id of 12 bytes");
+    assert!(
+        matches!(&err, AccelerateError::Checkpoint { path, reason }
+            if path == "model-1.mpk" && reason.contains("Invalid id")
+                && !reason.contains(crate::record_bytes::BURN_PANICKED)),
         "{err}"
     );
 }

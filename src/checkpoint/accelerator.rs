@@ -180,11 +180,7 @@ impl<B: AutodiffBackend> Accelerator<B> {
         let state: AcceleratorState = serde_json::from_slice(&records::file(&loaded, &own.state)?)
             .map_err(|e| record_error(&own.state, e))?;
         let device = self.device().clone();
-        let model = super::load_fitting::<B, _>(
-            model,
-            records::decode::<B, _>(&loaded, &own.model, &device)?,
-            &own.model,
-        )?;
+        let model = records::decode_model::<B, _>(&loaded, &own.model, model, &device)?;
         let optim_record: O::Record = records::decode::<B, _>(&loaded, &own.optimizer, &device)?;
         optimizer = optimizer.load_record(self.shard_optimizer_record(&model, optim_record));
         self.load_state(&state)?;

@@ -35,9 +35,7 @@ use super::sharded::{Always, Discard, Hand};
 use super::{AccelerateCheckpoint, AccelerateStrategy, fail};
 use crate::AccelerateError;
 use crate::checkpoint::records::{self, Bytes, Scheme, record_error};
-use crate::checkpoint::{
-    CheckpointDir, LoadedCheckpoint, Manifest, agree_on_checkpoint, load_fitting,
-};
+use crate::checkpoint::{CheckpointDir, LoadedCheckpoint, Manifest, agree_on_checkpoint};
 
 /// How the strategy keeps and uses its checkpoints.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -217,8 +215,12 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
         };
         // Burn's load_checkpoint loads a record of another model without a word; refuse it
         // here, naming the parameter, before any of it is loaded.
-        let fits = records::decode::<TrainingBackend<LC>, _>(&loaded, &names.model, &self.device)
-            .and_then(|record| load_fitting(learner.model(), record, &names.model));
+        let fits = records::decode_model::<TrainingBackend<LC>, _>(
+            &loaded,
+            &names.model,
+            learner.model(),
+            &self.device,
+        );
         if let Err(err) = fits {
             fail("cannot resume", err);
         }
