@@ -15,7 +15,9 @@ use super::fits::load_fitting;
 use crate::AccelerateError;
 use crate::record_bytes::{Shapes, build, check_tensors};
 
-pub(crate) use crate::record_bytes::{Bytes, from_bytes};
+pub(crate) use crate::record_bytes::Bytes;
+#[cfg(test)]
+pub(crate) use crate::record_bytes::from_bytes;
 
 /// Which entry point's names a checkpoint's files have.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
