@@ -634,21 +634,7 @@ impl<B: AutodiffBackend> Accelerator<B> {
     /// [`AccelerateError::StateMismatch`] when the checkpoint was saved with different
     /// accumulation settings or another kind of loss scaling (none / static / dynamic).
     pub fn load_state(&mut self, saved: &AcceleratorState) -> Result<(), AccelerateError> {
-        self.restore_checkpoint_state(&crate::checkpoint::CheckpointState {
-            state: *saved,
-            loaders: Vec::new(),
-            num_processes: self.process.num_processes(),
-        })
-    }
-
-    // A checkpoint's state file restored as both entry points restore it
-    // (`CheckpointState::restore`), once it is found to have this accelerator's accumulation
-    // settings; the loop's loaders are its own files of the checkpoint.
-    pub(crate) fn restore_checkpoint_state(
-        &mut self,
-        saved: &crate::checkpoint::CheckpointState,
-    ) -> Result<(), AccelerateError> {
-        let g = &saved.state.gradient_state;
+        let g = &saved.gradient_state;
         if g.num_steps != self.config.gradient_accumulation_steps {
             return Err(AccelerateError::StateMismatch {
                 what: "gradient_accumulation_steps",
@@ -663,12 +649,7 @@ impl<B: AutodiffBackend> Accelerator<B> {
                 current: self.config.sync_with_dataloader.to_string(),
             });
         }
-        let core = &mut self.core;
-        saved.restore(
-            self.process.num_processes(),
-            |position, scale| core.restore(position, scale),
-            &[],
-        )?;
+        self.core.restore(g, saved.loss_scale)?;
         Ok(())
     }
 }

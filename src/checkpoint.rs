@@ -56,6 +56,7 @@ pub(crate) mod records;
 mod state;
 pub use accelerator::Resumed;
 pub(crate) use agree::agree_on_checkpoint;
+pub(crate) use fits::decode_model;
 pub use state::CheckpointState;
 pub(crate) use state::LoaderPosition;
 

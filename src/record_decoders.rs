@@ -264,7 +264,7 @@ fn model_record_loads_or_is_refused(bytes: Vec<u8>) -> Result<(), TestCaseError>
     let loaded = checkpoint("model-1.mpk", bytes);
     let device = Default::default();
     let (largest, result) = fuzz::largest_allocation(|| {
-        records::decode_model::<Inner, _>(&loaded, "model-1.mpk", two(), &device)
+        crate::checkpoint::decode_model::<Inner, _>(&loaded, "model-1.mpk", two(), &device)
     });
     prop_assert!(largest <= bound(len), "{largest} bytes for {len}");
     match result {
@@ -572,9 +572,13 @@ fn a_model_record_of_another_rank_is_refused_naming_the_parameter() {
         + 5;
     bytes.splice(at..at + 3, [0x91, 0x0c]);
     let loaded = checkpoint("model-1.mpk", bytes);
-    let err = records::decode_model::<Inner, _>(&loaded, "model-1.mpk", two(), &Default::default())
-        .err()
-        .expect("a weight of rank 1");
+    let err = crate::checkpoint::decode_model::<Inner, _>(
+        &loaded,
+        "model-1.mpk",
+        two(),
+        &Default::default(),
+    )
+    .expect_err("a weight of rank 1");
     assert!(
         matches!(&err, AccelerateError::Checkpoint { path, reason }
             if path == "model-1.mpk"

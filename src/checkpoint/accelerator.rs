@@ -17,7 +17,7 @@ use super::contents::{self, Records, Resume};
 use super::records::Scheme;
 use super::{CheckpointDir, CheckpointState};
 use crate::zero::ParamStateRecord;
-use crate::{AccelerateError, Accelerator};
+use crate::{AccelerateError, Accelerator, AcceleratorState};
 
 /// What [`Accelerator::resume`] found: the checkpoint's number, and the model and optimizer
 /// with its records loaded (as given when there was none).
@@ -186,7 +186,20 @@ impl<B: AutodiffBackend> Accelerator<B> {
         };
         let own = self.shard_optimizer_record(&read.model, read.optimizer);
         optimizer = optimizer.load_record(own);
-        self.restore_checkpoint_state(&read.state)?;
+        // The state in the one order of both entry points; the position and loss scale as
+        // `load_state` restores them, once it has checked the accumulation settings (the
+        // loop's loaders are its own files of the checkpoint).
+        let processes = self.process().num_processes();
+        read.state.restore(
+            processes,
+            |gradient_state, loss_scale| {
+                self.load_state(&AcceleratorState {
+                    loss_scale,
+                    gradient_state: *gradient_state,
+                })
+            },
+            &[],
+        )?;
         let (number, model) = (read.number, read.model);
         Ok(Resumed {
             from: Some(number),

@@ -181,7 +181,7 @@ pub(crate) fn read<B: Backend, M: Module<B>, O: Record<B>, S: Record<B>>(
     let number = loaded.epoch;
     let names = scheme.names(number);
     let state = CheckpointState::from_json(&records::file(&loaded, &names.state)?, &names.state)?;
-    let model = records::decode_model::<B, M>(&loaded, &names.model, model, device)?;
+    let model = super::decode_model::<B, M>(&loaded, &names.model, model, device)?;
     let optimizer = records::decode::<B, O>(&loaded, &names.optimizer, device)?;
     let scheduler = match &names.scheduler {
         Some(name) => Some(records::decode::<B, S>(&loaded, name, device)?),

@@ -8,9 +8,11 @@
 use burn::module::Module;
 use burn::tensor::backend::Backend;
 
-use super::records::record_error;
+use super::LoadedCheckpoint;
+use super::records::{self, record_error};
 use crate::AccelerateError;
 use crate::placement::walk::walk;
+use crate::record_bytes::Shapes;
 
 /// Every parameter of a module, by its path (`encoder.layers.0.weight`) with its shape, sorted
 /// by path: the placement walk's, which reads lazy parameters without creating them.
@@ -22,6 +24,27 @@ fn shapes<B: Backend, M: Module<B>>(module: &M) -> Vec<(String, Vec<usize>)> {
         .collect();
     found.sort();
     found
+}
+
+/// `model` with the model record `name` of `loaded` loaded, once the record is found to hold
+/// exactly `model`'s parameters, each of its shape ([`load_fitting`]).
+///
+/// The record's tensors are checked against the model's shapes before Burn builds them
+/// (Burn's `from_item` panics on a tensor of another rank than its parameter's).
+///
+/// # Errors
+/// As [`records::decode`]; [`AccelerateError::Checkpoint`] naming `name` and the first
+/// parameter that the record lacks or holds in another shape (the model is then not loaded
+/// half).
+pub(crate) fn decode_model<B: Backend, M: Module<B>>(
+    loaded: &LoadedCheckpoint,
+    name: &str,
+    model: M,
+    device: &B::Device,
+) -> Result<M, AccelerateError> {
+    let shapes = Shapes::of_model::<B, M>(&model);
+    let record = records::decode_checked::<B, M::Record>(loaded, name, &shapes, device)?;
+    load_fitting::<B, M>(model, record, name)
 }
 
 /// `model` with `record` (the checkpoint's file `what`) loaded, once the record has been found

@@ -6,12 +6,10 @@
 //! in Burn's `NamedMpk` format in full precision (Burn's `CompactRecorder` stores f16, and a
 //! resumed run must end where the uninterrupted one does, bit for bit).
 
-use burn::module::Module;
 use burn::record::{BurnMetadata, BurnRecordNoItem, Record, Recorder};
 use burn::tensor::backend::Backend;
 
 use super::LoadedCheckpoint;
-use super::fits::load_fitting;
 use crate::AccelerateError;
 use crate::record_bytes::{Shapes, build, check_tensors};
 
@@ -120,27 +118,12 @@ pub(crate) fn decode<B: Backend, R: Record<B>>(
     decode_checked(loaded, name, &Shapes::default(), device)
 }
 
-/// `model` with the model record `name` of `loaded` loaded, once the record is found to hold
-/// exactly `model`'s parameters, each of its shape ([`load_fitting`]).
-///
-/// The record's tensors are checked against the model's shapes before Burn builds them
-/// (Burn's `from_item` panics on a tensor of another rank than its parameter's).
+/// The record `name` of `loaded`, on `device`, its tensors checked against `shapes` (a
+/// model's parameters, [`Shapes::of_model`]) besides what [`decode`] checks.
 ///
 /// # Errors
-/// As [`decode`]; [`AccelerateError::Checkpoint`] naming `name` and the first parameter that
-/// the record lacks or holds in another shape (the model is then not loaded half).
-pub(crate) fn decode_model<B: Backend, M: Module<B>>(
-    loaded: &LoadedCheckpoint,
-    name: &str,
-    model: M,
-    device: &B::Device,
-) -> Result<M, AccelerateError> {
-    let shapes = Shapes::of_model::<B, M>(&model);
-    let record = decode_checked::<B, M::Record>(loaded, name, &shapes, device)?;
-    load_fitting::<B, M>(model, record, name)
-}
-
-fn decode_checked<B: Backend, R: Record<B>>(
+/// As [`decode`]; a tensor of another shape than its parameter's.
+pub(crate) fn decode_checked<B: Backend, R: Record<B>>(
     loaded: &LoadedCheckpoint,
     name: &str,
     shapes: &Shapes,
