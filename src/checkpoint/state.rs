@@ -18,7 +18,7 @@ use crate::{AccelerateError, AcceleratorState};
 /// shuffled order it would have seen.
 ///
 /// An `Accelerator`'s checkpoints written before this type held only the [`AcceleratorState`]:
-/// [`from_json`](Self::from_json) reads them as a state with no loader position.
+/// a resumed run reads them as a state with no loader position.
 #[derive(Config, Debug)]
 pub struct CheckpointState {
     /// The saved state.
