@@ -19,7 +19,7 @@ use burn::prelude::Backend;
 use burn::record::Recorder;
 use proptest::prelude::*;
 
-use crate::checkpoint::{LoadedCheckpoint, records};
+use crate::checkpoint::{CheckpointState, LoadedCheckpoint, records};
 use crate::data::LoaderState;
 use crate::fuzz;
 use crate::gradient_state::{GradientState, GradientStateSnapshot};
@@ -167,6 +167,104 @@ fn long_run_accelerator_state() {
         "accelerator state",
         json_edges(states()),
         state_restores_or_is_refused,
+    );
+}
+
+// The state file of a checkpoint of either entry point (`CheckpointState`), in both its forms:
+// the one both write now (the state, the loaders' positions, the number of processes), and an
+// `Accelerator`'s older one (its state alone).
+fn checkpoint_states() -> Vec<Vec<u8>> {
+    let loaders: Vec<LoaderState> = loader_states()
+        .iter()
+        .map(|bytes| serde_json::from_slice(bytes).unwrap())
+        .collect();
+    let mut all = states();
+    for (at, bytes) in states().iter().enumerate() {
+        let state = CheckpointState {
+            state: serde_json::from_slice(bytes).unwrap(),
+            loaders: loaders[..at % 3].to_vec(),
+            num_processes: 1 + at % 2,
+        };
+        all.push(state.to_json());
+    }
+    all
+}
+
+// A loader position a checkpoint's state is restored into (a loader of 20 batches).
+struct Position(crate::data::state::Tracker);
+
+impl crate::checkpoint::LoaderPosition for Position {
+    fn state(&self) -> LoaderState {
+        self.0.state()
+    }
+
+    fn load_state(&self, state: LoaderState) -> Result<(), crate::data::DataLoaderError> {
+        self.0.load(state, 20)
+    }
+}
+
+// A checkpoint's state file, as both entry points read and restore it: decoded, then restored
+// in the one order of both (processes, position and loss scale, loaders) into a run of one
+// process with one loader, whose next batches and epoch then run; or refused with a typed
+// error.
+fn checkpoint_state_restores_or_is_refused(bytes: Vec<u8>) -> Result<(), TestCaseError> {
+    let (largest, decoded) =
+        fuzz::largest_allocation(|| CheckpointState::from_json(&bytes, "accelerate-1.json"));
+    prop_assert!(largest <= bound(bytes.len()), "{largest} bytes");
+    let saved = match decoded {
+        Ok(saved) => saved,
+        Err(AccelerateError::Checkpoint { path, .. }) => {
+            prop_assert_eq!(path, "accelerate-1.json");
+            return Ok(());
+        }
+        Err(other) => {
+            prop_assert!(false, "untyped refusal: {other}");
+            return Ok(());
+        }
+    };
+    let state = GradientState::new();
+    let scale = saved.state.loss_scale;
+    let loader = Position(crate::data::state::Tracker::new(1));
+    let restored = saved.restore(
+        1,
+        |position, saved_scale| restore_position(&state, &scale, position, &saved_scale),
+        &[&loader],
+    );
+    match restored {
+        Ok(_) => {
+            for _ in 0..3 {
+                drop(state.accumulate());
+            }
+            let start = loader.0.begin(true, true, 20);
+            prop_assert!(start.start <= 20);
+            loader.0.complete(start.generation);
+        }
+        Err(
+            AccelerateError::InvalidConfig { .. }
+            | AccelerateError::StateMismatch { .. }
+            | AccelerateError::DataLoader(_),
+        ) => {}
+        Err(other) => prop_assert!(false, "untyped refusal: {other}"),
+    }
+    Ok(())
+}
+
+#[test]
+fn a_checkpoint_state_restores_or_is_refused() {
+    fuzz::check(
+        CASES,
+        json_edges(checkpoint_states()),
+        checkpoint_state_restores_or_is_refused,
+    );
+}
+
+#[test]
+#[ignore = "long run: BURN_ACCELERATE_FUZZ_CASES cases (SECURITY.md)"]
+fn long_run_checkpoint_state() {
+    fuzz::long_run(
+        "checkpoint state",
+        json_edges(checkpoint_states()),
+        checkpoint_state_restores_or_is_refused,
     );
 }
 
