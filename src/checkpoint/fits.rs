@@ -166,4 +166,99 @@ mod tests {
             "{reason}"
         );
     }
+
+    #[derive(Module, Debug)]
+    enum Head<B: Backend> {
+        Linear(Linear<B>),
+        Norm(burn::nn::LayerNorm<B>),
+    }
+
+    #[derive(Module, Debug)]
+    struct Varied<B: Backend> {
+        embedding: burn::nn::Embedding<B>,
+        blocks: Vec<Linear<B>>,
+        extra: Option<Linear<B>>,
+        conv: burn::nn::conv::Conv2d<B>,
+        batch_norm: burn::nn::BatchNorm<B>,
+        heads: Vec<Head<B>>,
+        pair: (Linear<B>, Linear<B>),
+    }
+
+    fn varied() -> Varied<B> {
+        let device = Default::default();
+        Varied {
+            embedding: burn::nn::EmbeddingConfig::new(7, 4).init(&device),
+            blocks: vec![
+                LinearConfig::new(4, 4).init(&device),
+                LinearConfig::new(4, 3).with_bias(false).init(&device),
+            ],
+            extra: Some(LinearConfig::new(3, 2).init(&device)),
+            conv: burn::nn::conv::Conv2dConfig::new([2, 3], [3, 3]).init(&device),
+            batch_norm: burn::nn::BatchNormConfig::new(3).init(&device),
+            heads: vec![
+                Head::Linear(LinearConfig::new(3, 5).init(&device)),
+                Head::Norm(burn::nn::LayerNormConfig::new(3).init(&device)),
+            ],
+            pair: (
+                LinearConfig::new(2, 6).init(&device),
+                LinearConfig::new(6, 1).init(&device),
+            ),
+        }
+    }
+
+    // The checks made on a model record's bytes before Burn builds it (ids, ranks, shapes
+    // against the model's by path) refuse nothing a real record holds: a model of sequences,
+    // options, enums, tuples and Burn's common modules reads back its own record, bit for bit.
+    #[test]
+    fn a_model_of_every_kind_of_module_reads_back_its_own_record() {
+        let saved = varied();
+        let expected: Vec<_> = shapes::<B, _>(&saved);
+        let bytes = super::records::encode::<B, _>(saved.into_record(), "a model").unwrap();
+        let loaded = LoadedCheckpoint {
+            epoch: 1,
+            files: [("model-1.mpk".to_string(), bytes.clone())].into(),
+            skipped: Vec::new(),
+        };
+        let model = decode_model::<B, _>(&loaded, "model-1.mpk", varied(), &Default::default())
+            .expect("its own record");
+        assert_eq!(shapes::<B, _>(&model), expected);
+        let again = super::records::encode::<B, _>(model.into_record(), "a model").unwrap();
+        assert_eq!(again, bytes);
+    }
+
+    // A rank changed where the model's path runs through a sequence, an enum's variant and a
+    // tuple: refused naming the parameter, before Burn would panic on it.
+    #[test]
+    fn a_rank_changed_deep_in_a_model_is_refused_naming_the_parameter() {
+        for (dims, param) in [
+            ([0x92u8, 0x04, 0x03], "blocks.1.weight"),
+            ([0x92, 0x03, 0x05], "heads.0.Linear.weight"),
+            ([0x92, 0x06, 0x01], "pair.1.weight"),
+        ] {
+            let mut bytes =
+                super::records::encode::<B, _>(varied().into_record(), "a model").unwrap();
+            let shape = [b"shape".as_slice(), &dims].concat();
+            let at = bytes
+                .windows(shape.len())
+                .position(|w| w == shape)
+                .expect("the weight's shape")
+                + 5;
+            let flat = u8::try_from(dims[1] as usize * dims[2] as usize).unwrap();
+            bytes.splice(at..at + 3, [0x91, flat]);
+            let loaded = LoadedCheckpoint {
+                epoch: 1,
+                files: [("model-1.mpk".to_string(), bytes)].into(),
+                skipped: Vec::new(),
+            };
+            let err = decode_model::<B, _>(&loaded, "model-1.mpk", varied(), &Default::default())
+                .expect_err("a weight of rank 1");
+            let reason = reason(err);
+            assert!(
+                reason.contains(&format!(
+                    "parameter `{param}` has shape [{flat}] in the record"
+                )),
+                "{reason}"
+            );
+        }
+    }
 }
