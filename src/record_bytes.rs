@@ -360,6 +360,17 @@ fn check_tensor(context: &Context<'_>, data: Seen, shape: Seen, dtype: Seen) -> 
     Ok(())
 }
 
+// Whether `seen` reads as a tensor's dtype: one of Burn's names, or a bool's variant.
+fn is_dtype(seen: &Seen) -> bool {
+    let name = match seen {
+        Seen::Text(name) | Seen::Bytes(_, Some(name), _) => name,
+        Seen::Variant(variant, _) => return variant == "Bool",
+        _ => return false,
+    };
+    let de = serde::de::value::StrDeserializer::<serde::de::value::Error>::new(name);
+    <burn::tensor::DType as serde::Deserialize>::deserialize(de).is_ok()
+}
+
 impl<'de> serde::de::Visitor<'de> for Walk<'_, '_> {
     type Value = Seen;
 
@@ -400,7 +411,7 @@ impl<'de> serde::de::Visitor<'de> for Walk<'_, '_> {
     }
 
     // Elements are named by their index in the path (`layers.0`), as Burn's module paths
-    // are. Serde reads a struct from a sequence of its fields too: a tensor as `[bytes,
+    // are. Serde reads a struct from a sequence of its fields too: a tensor as `[data,
     // shape, dtype]` and a parameter as `[id, tensor]` are checked as the maps are.
     fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Seen, A::Error> {
         let (mut count, mut numbers, mut first) = (0u64, Some(Vec::new()), Vec::new());
@@ -416,15 +427,15 @@ impl<'de> serde::de::Visitor<'de> for Walk<'_, '_> {
                 (Seen::Number(d), Some(dims)) if dims.len() < MAX_DIMS => dims.push(*d),
                 _ => numbers = None,
             }
-            if count <= 3 {
+            if first.len() < 3 {
                 first.push(item);
-            } else {
-                first.clear();
             }
         }
         let mut first = first.into_iter();
         match (count, first.next(), first.next(), first.next()) {
-            (3, Some(data @ Seen::Bytes(..)), Some(shape), Some(dtype)) => {
+            // A list then a dtype's name after anything: a tensor's fields, whatever its data
+            // were written as (bytes, or a list of numbers, which serde reads as bytes too).
+            (3.., Some(data), Some(shape @ Seen::Items(..)), Some(dtype)) if is_dtype(&dtype) => {
                 check_tensor(self.0, data, shape, dtype).map_err(serde::de::Error::custom)?;
                 Ok(Seen::Tensor)
             }
