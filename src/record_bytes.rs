@@ -216,9 +216,14 @@ fn walk_map<'de, A: serde::de::MapAccess<'de>>(
         let (key, readable) = match key {
             Seen::Text(text) | Seen::Bytes(_, Some(text), _) => (text, true),
             Seen::Bytes(len, None, _) => (format!("<{len} bytes>"), false),
+            // Serde reads a struct's field and an enum's variant from its index too, which
+            // would pass a tensor, a parameter or an optimizer state by every check here; the
+            // only map of Burn's records is keyed by parameter ids, and fields by names.
             _ => {
-                map.next_value_seed(Walk(&mut *context))?;
-                continue;
+                return Err(serde::de::Error::custom(format!(
+                    "a key that is not a name in `{}`, which no Burn record holds",
+                    context.path.join(".")
+                )));
             }
         };
         let rank = state_rank(&key);
@@ -360,15 +365,14 @@ fn check_tensor(context: &Context<'_>, data: Seen, shape: Seen, dtype: Seen) -> 
     Ok(())
 }
 
-// Whether `seen` reads as a tensor's dtype: one of Burn's names, or a bool's variant.
-fn is_dtype(seen: &Seen) -> bool {
-    let name = match seen {
-        Seen::Text(name) | Seen::Bytes(_, Some(name), _) => name,
-        Seen::Variant(variant, _) => return variant == "Bool",
-        _ => return false,
-    };
-    let de = serde::de::value::StrDeserializer::<serde::de::value::Error>::new(name);
-    <burn::tensor::DType as serde::Deserialize>::deserialize(de).is_ok()
+// Whether serde would read `data`, `shape` and `dtype` as a tensor's fields.
+fn is_tensor(data: &Seen, shape: &Seen, dtype: &Seen) -> bool {
+    matches!(data, Seen::Bytes(..) | Seen::Text(_) | Seen::Items(..))
+        && matches!(shape, Seen::Items(..) | Seen::Bytes(..))
+        && matches!(
+            dtype,
+            Seen::Text(_) | Seen::Bytes(..) | Seen::Number(_) | Seen::Variant(..)
+        )
 }
 
 impl<'de> serde::de::Visitor<'de> for Walk<'_, '_> {
@@ -433,9 +437,11 @@ impl<'de> serde::de::Visitor<'de> for Walk<'_, '_> {
         }
         let mut first = first.into_iter();
         match (count, first.next(), first.next(), first.next()) {
-            // A list then a dtype's name after anything: a tensor's fields, whatever its data
-            // were written as (bytes, or a list of numbers, which serde reads as bytes too).
-            (3.., Some(data), Some(shape @ Seen::Items(..)), Some(dtype)) if is_dtype(&dtype) => {
+            // Three values serde would read as a tensor's data, shape and dtype, in whatever
+            // form it accepts them (data as bytes, text or a list of numbers; a shape as a list
+            // or as bytes; a dtype as a name, an index or a variant): checked as a map is, and
+            // refused unless in the form Burn writes.
+            (3, Some(data), Some(shape), Some(dtype)) if is_tensor(&data, &shape, &dtype) => {
                 check_tensor(self.0, data, shape, dtype).map_err(serde::de::Error::custom)?;
                 Ok(Seen::Tensor)
             }

@@ -769,3 +769,58 @@ fn a_tensor_written_as_a_list_of_its_fields_is_checked_as_a_map_is() {
         }
     }
 }
+
+// Found by a long run: serde reads a tensor's fields in forms Burn never writes (the data as
+// text, the shape as bytes, the dtype by its index: `["bytes", bin 48, 5]`, a tensor of 5
+// bytes of I64 whose conversion panicked in bytemuck), and a struct's fields by their index
+// (`{0: data, 1: shape, 2: dtype}`). Both are refused before Burn decodes them.
+#[test]
+fn a_tensor_in_a_form_burn_never_writes_is_refused() {
+    let valid = model_records().remove(0);
+    let start = valid
+        .windows(7)
+        .position(|w| w == [0x83, 0xa5, b'b', b'y', b't', b'e', b's'])
+        .expect("the first weight");
+    let data = &valid[start + 7..start + 9 + 48];
+    let end = start
+        + 9
+        + 48
+        + [b"\xa5shape".len(), 3, b"\xa5dtype".len(), 4]
+            .iter()
+            .sum::<usize>();
+    let by_name = [&[0x93, 0xa5][..], b"bytes", data, &[0x05]].concat();
+    let by_index = [
+        &[0x83, 0x00][..],
+        data,
+        &[0x01, 0x92, 0x03, 0x04, 0x02, 0xa3],
+        b"F32",
+    ]
+    .concat();
+    for (form, tensor, expected) in [
+        (
+            "a list",
+            by_name,
+            "tensor `item.first.weight.param` has data that are not bytes",
+        ),
+        (
+            "indices",
+            by_index,
+            "a key that is not a name in `item.first.weight.param`",
+        ),
+    ] {
+        let bytes = [&valid[..start], &tensor, &valid[end..]].concat();
+        let loaded = checkpoint("model-1.mpk", bytes);
+        let err = crate::checkpoint::decode_model::<Inner, _>(
+            &loaded,
+            "model-1.mpk",
+            two(),
+            &Default::default(),
+        )
+        .expect_err(form);
+        assert!(
+            matches!(&err, AccelerateError::Checkpoint { path, reason }
+                if path == "model-1.mpk" && reason.contains(expected)),
+            "{form}: {err}"
+        );
+    }
+}
