@@ -6,7 +6,9 @@
 //! or altered file) is passed over, with a warning, for the one before it.
 //!
 //! The protocol is the crate `burn-accelerate-checkpoint`, which needs no Burn; this module
-//! gives it this crate's error ([`AccelerateError::Checkpoint`]) and adds what needs Burn: the
+//! gives it this crate's error ([`AccelerateError::Checkpoint`]) and adds what needs Burn, once
+//! for both entry points (`contents`: what a checkpoint holds and the order a run resumes from
+//! it; [`CheckpointState`]: its state file): the
 //! [`Accelerator`](crate::Accelerator) writes its state, a model's and an optimizer's records
 //! through [`CheckpointDir`]
 //! ([`Accelerator::save_checkpoint`](crate::Accelerator::save_checkpoint)) and reads the
@@ -48,11 +50,15 @@ use crate::AccelerateError;
 
 mod accelerator;
 mod agree;
+pub(crate) mod contents;
 mod fits;
 pub(crate) mod records;
+mod state;
 pub use accelerator::Resumed;
 pub(crate) use agree::agree_on_checkpoint;
-pub(crate) use fits::load_fitting;
+pub(crate) use fits::decode_model;
+pub use state::CheckpointState;
+pub(crate) use state::LoaderPosition;
 
 /// The checkpoints of a directory: [`burn_accelerate_checkpoint::CheckpointDir`], failing with
 /// [`AccelerateError::Checkpoint`].

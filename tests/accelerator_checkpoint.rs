@@ -275,3 +275,35 @@ fn a_record_of_another_burn_version_is_refused_naming_it() {
         other => panic!("not a checkpoint error: {other}"),
     }
 }
+
+// Issue 46: both entry points now write one state file (`CheckpointState`). A checkpoint an
+// `Accelerator` wrote before, whose `accelerator-N.json` holds its `AcceleratorState` alone,
+// still resumes, and the run ends where the uninterrupted one does, bit for bit.
+#[test]
+fn a_checkpoint_written_before_the_shared_state_file_still_resumes() {
+    let (model, optim) = fresh();
+    let (whole, _) = train(&mut accelerator(), model, optim, 0, STEPS, None);
+
+    let dir = scratch("older-state");
+    let (model, optim) = fresh();
+    let _ = train(&mut accelerator(), model, optim, 0, 3, Some(&dir));
+    let read = |name: &str| std::fs::read(dir.path().join(name)).unwrap();
+    let current: serde_json::Value = serde_json::from_slice(&read("accelerator-3.json")).unwrap();
+    let older = serde_json::to_vec_pretty(&current["state"]).unwrap();
+    let _: burn_accelerate::AcceleratorState = serde_json::from_slice(&older).unwrap();
+    dir.save(
+        4,
+        &[
+            ("accelerator-4.json", &older),
+            ("model-4.mpk", &read("model-3.mpk")),
+            ("optimizer-4.mpk", &read("optimizer-3.mpk")),
+        ],
+    )
+    .unwrap();
+    let mut acc = accelerator();
+    let (model, optim) = fresh();
+    let resumed = acc.resume(&dir, model, optim).unwrap();
+    assert_eq!(resumed.from, Some(4));
+    let (resumed_model, _) = train(&mut acc, resumed.model, resumed.optimizer, 3, STEPS, None);
+    assert_eq!(param_bits(&resumed_model), param_bits(&whole));
+}

@@ -13,8 +13,9 @@ use burn::module::AutodiffModule;
 use burn::optim::Optimizer;
 use burn::tensor::backend::AutodiffBackend;
 
-use super::CheckpointDir;
-use super::records::{self, Scheme, record_error};
+use super::contents::{self, Records, Resume};
+use super::records::Scheme;
+use super::{CheckpointDir, CheckpointState};
 use crate::zero::ParamStateRecord;
 use crate::{AccelerateError, Accelerator, AcceleratorState};
 
@@ -119,26 +120,24 @@ impl<B: AutodiffBackend> Accelerator<B> {
         O: Optimizer<M, B>,
         O::Record: ParamStateRecord<B>,
     {
-        let own = Scheme::Accelerator.names(number);
-        if let Some((name, _)) = files.iter().find(|(name, _)| own.contains(name)) {
-            return Err(record_error(
-                name,
-                "named as one of the accelerator's own files of the checkpoint: give it another \
-                 name",
-            ));
-        }
+        // On every process, before the gathering, so that all refuse alike.
+        contents::refuse_own_names(Scheme::Accelerator, number, files)?;
         if let Some(whole) = self.consolidate_optimizer_record(model, optimizer.to_record())? {
-            let model = records::encode::<B, _>(model.clone().into_record(), "the model's record")?;
-            let optim = records::encode::<B, _>(whole, "the optimizer's record")?;
-            let state = serde_json::to_vec_pretty(&self.state())
-                .map_err(|e| record_error("the accelerator's state", e))?;
-            let mut all: Vec<(&str, &[u8])> = vec![
-                (&own.state, &state),
-                (&own.model, &model),
-                (&own.optimizer, &optim),
-            ];
-            all.extend_from_slice(files);
-            dir.save(number, &all)?;
+            let records = Records::encode::<B, _, _>(model.clone().into_record(), whole)?;
+            let state = CheckpointState {
+                state: self.state(),
+                loaders: Vec::new(),
+                num_processes: self.process().num_processes(),
+            };
+            contents::write(
+                dir,
+                Scheme::Accelerator,
+                number,
+                &state,
+                &records,
+                files,
+                |_| false,
+            )?;
         }
         // Nobody goes on (and maybe fails, and restarts) before the checkpoint is listed.
         self.wait_for_everyone()
@@ -166,36 +165,47 @@ impl<B: AutodiffBackend> Accelerator<B> {
         O: Optimizer<M, B>,
         O::Record: ParamStateRecord<B>,
     {
-        let picked = super::agree_on_checkpoint(self.core_group(), dir, || dir.load_newest(None))?;
-        let Some(mut loaded) = picked else {
-            return Ok(Resumed {
-                from: None,
-                model,
-                optimizer,
-                files: Default::default(),
-            });
-        };
-        let number = loaded.epoch;
-        let own = Scheme::Accelerator.names(number);
-        let state: AcceleratorState = serde_json::from_slice(&records::file(&loaded, &own.state)?)
-            .map_err(|e| record_error(&own.state, e))?;
         let device = self.device().clone();
-        let model = super::load_fitting::<B, _>(
+        let read = match contents::resume::<B, M, O::Record, ()>(
+            self.core_group(),
+            dir,
+            || dir.load_newest(None),
+            Scheme::Accelerator,
             model,
-            records::decode::<B, _>(&loaded, &own.model, &device)?,
-            &own.model,
+            &device,
+        )? {
+            Resume::Fresh(model) => {
+                return Ok(Resumed {
+                    from: None,
+                    model,
+                    optimizer,
+                    files: Default::default(),
+                });
+            }
+            Resume::From(read) => read,
+        };
+        let own = self.shard_optimizer_record(&read.model, read.optimizer);
+        optimizer = optimizer.load_record(own);
+        // The state in the one order of both entry points; the position and loss scale as
+        // `load_state` restores them, once it has checked the accumulation settings (the
+        // loop's loaders are its own files of the checkpoint).
+        let processes = self.process().num_processes();
+        read.state.restore(
+            processes,
+            |gradient_state, loss_scale| {
+                self.load_state(&AcceleratorState {
+                    loss_scale,
+                    gradient_state: *gradient_state,
+                })
+            },
+            &[],
         )?;
-        let optim_record: O::Record = records::decode::<B, _>(&loaded, &own.optimizer, &device)?;
-        optimizer = optimizer.load_record(self.shard_optimizer_record(&model, optim_record));
-        self.load_state(&state)?;
-        for name in own.all() {
-            loaded.files.remove(name);
-        }
+        let (number, model) = (read.number, read.model);
         Ok(Resumed {
             from: Some(number),
             model,
             optimizer,
-            files: loaded.files,
+            files: read.files,
         })
     }
 }

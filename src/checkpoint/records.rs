@@ -11,8 +11,11 @@ use burn::tensor::backend::Backend;
 
 use super::LoadedCheckpoint;
 use crate::AccelerateError;
+use crate::record_bytes::{Shapes, build, check_tensors};
 
-pub(crate) use crate::record_bytes::{Bytes, from_bytes};
+pub(crate) use crate::record_bytes::Bytes;
+#[cfg(test)]
+pub(crate) use crate::record_bytes::from_bytes;
 
 /// Which entry point's names a checkpoint's files have.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -112,11 +115,25 @@ pub(crate) fn decode<B: Backend, R: Record<B>>(
     name: &str,
     device: &B::Device,
 ) -> Result<R, AccelerateError> {
+    decode_checked(loaded, name, &Shapes::default(), device)
+}
+
+/// The record `name` of `loaded`, on `device`, its tensors checked against `shapes` (a
+/// model's parameters, [`Shapes::of_model`]) besides what [`decode`] checks.
+///
+/// # Errors
+/// As [`decode`]; a tensor of another shape than its parameter's.
+pub(crate) fn decode_checked<B: Backend, R: Record<B>>(
+    loaded: &LoadedCheckpoint,
+    name: &str,
+    shapes: &Shapes,
+    device: &B::Device,
+) -> Result<R, AccelerateError> {
     let mut bytes = file(loaded, name)?;
     // First, so that no decoder recurses into a record nested too deep.
-    crate::record_bytes::check_tensors(&bytes).map_err(|reason| record_error(name, reason))?;
+    check_tensors(&bytes, shapes).map_err(|reason| record_error(name, reason))?;
     check_metadata::<B>(&mut bytes, name)?;
-    from_bytes::<B, R>(bytes, device).map_err(|reason| record_error(name, reason))
+    build::<B, R>(bytes, device).map_err(|reason| record_error(name, reason))
 }
 
 // Burn's recorder compares a record's metadata with its own only once the record fails to

@@ -1,49 +1,16 @@
 //! What the strategy saves beside Burn's checkpoint of an epoch, and restores from it: the
-//! loss scale, the gradient-state position and the loaders' positions.
+//! loss scale, the gradient-state position and the loaders' positions, in the state file both
+//! entry points share ([`crate::checkpoint::CheckpointState`]), restored in their one order.
 
 use super::fit::Core;
 use super::*;
-use crate::checkpoint::records::Scheme;
+use crate::checkpoint::records::{Scheme, record_error};
+use crate::gradient_state::GradientStateSnapshot;
 
-// A loader whose epoch and position a checkpoint holds, whatever its item types. Copies of a
-// `ShardLoader` share its position, so the strategy's copy sees what Burn's copy iterates.
-pub(super) trait LoaderPosition: Send + Sync {
-    fn state(&self) -> LoaderState;
-    fn load_state(&self, state: LoaderState) -> Result<(), DataLoaderError>;
-}
-
-impl<B, I, O> LoaderPosition for ShardLoader<B, I, O>
-where
-    B: Backend,
-    I: Send + Sync + Clone + 'static,
-    O: Send + 'static,
-{
-    fn state(&self) -> LoaderState {
-        ShardLoader::state(self)
-    }
-
-    fn load_state(&self, state: LoaderState) -> Result<(), DataLoaderError> {
-        ShardLoader::load_state(self, state)
-    }
-}
-
-/// The loss scale, gradient-state position and loader positions saved beside Burn's
-/// checkpoint of an epoch (`accelerate-<epoch>.json`), so that a run resumed with
-/// `.checkpoint(epoch)` goes on with the scale the interrupted run had reached (instead of
-/// overflowing again from the initial one) and with the shuffled order it would have seen.
-#[derive(Config, Debug)]
-pub struct AccelerateCheckpoint {
-    /// The saved state.
-    pub state: AcceleratorState,
-    /// Where each checkpointed loader was (epoch, position, seeds), in device order; empty
-    /// when the strategy tracked none, or in a file written before loaders were saved. With
-    /// several processes, the main process's (the others are at the same epoch and position).
-    #[config(default = "Vec::new()")]
-    pub loaders: Vec<LoaderState>,
-    /// The number of processes of the run that wrote it.
-    #[config(default = 1)]
-    pub num_processes: usize,
-}
+/// The state file of `with_accelerate`'s checkpoints (`accelerate-<epoch>.json`), which Burn's
+/// own checkpoints of an epoch also read: the one state file of both entry points.
+pub use crate::checkpoint::CheckpointState as AccelerateCheckpoint;
+pub(super) use crate::checkpoint::LoaderPosition;
 
 impl AccelerateCheckpoint {
     /// The file that holds epoch `epoch`'s state in `dir`.
@@ -57,13 +24,10 @@ impl AccelerateCheckpoint {
     /// [`AccelerateError::Checkpoint`] when the file cannot be written.
     pub fn save_epoch(&self, dir: &Path, epoch: usize) -> Result<(), AccelerateError> {
         let path = Self::path(dir, epoch);
-        std::fs::create_dir_all(dir).map_err(|e| AccelerateError::Checkpoint {
-            path: path.display().to_string(),
-            reason: e.to_string(),
-        })?;
+        std::fs::create_dir_all(dir).map_err(|e| record_error(&path.display().to_string(), e))?;
         // Written aside and renamed, so that no process reads half of it; a checkpoint of the
         // strategy's that lists it is told what it holds now.
-        let bytes = serde_json::to_vec_pretty(self).expect("the strategy's state serialises");
+        let bytes = self.to_json();
         let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
         let digest = crate::checkpoint::write_atomic(dir, name.as_deref().unwrap_or(""), &bytes)?;
         crate::checkpoint::Manifest::read(dir)?
@@ -114,12 +78,9 @@ impl AccelerateCheckpoint {
         if !path.exists() {
             return Ok(None);
         }
-        Self::load(&path)
-            .map(Some)
-            .map_err(|e| AccelerateError::Checkpoint {
-                path: path.display().to_string(),
-                reason: e.to_string(),
-            })
+        let bytes =
+            std::fs::read(&path).map_err(|e| record_error(&path.display().to_string(), e))?;
+        Self::from_json(&bytes, &path.display().to_string()).map(Some)
     }
 }
 
@@ -136,40 +97,8 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
         }
     }
 
-    // The saved loaders' positions restored into the tracked ones.
-    pub(super) fn restore_loaders(&self, saved: &[LoaderState]) -> Result<(), AccelerateError> {
-        if self.positions.is_empty() {
-            if !saved.is_empty() {
-                log::warn!(
-                    "burn-accelerate: the checkpoint holds {} loader positions but the strategy \
-                     tracks no loader: the training loader starts its own first epoch's order \
-                     (pass it to `with_checkpointed_loader` to resume where it was)",
-                    saved.len()
-                );
-            }
-            return Ok(());
-        }
-        if saved.is_empty() {
-            log::warn!(
-                "burn-accelerate: the checkpoint holds no loader position: the loaders restart \
-                 at their first epoch's order"
-            );
-            return Ok(());
-        }
-        if saved.len() != self.positions.len() {
-            return Err(AccelerateError::StateMismatch {
-                what: "checkpointed loaders",
-                saved: format!("{} loader positions", saved.len()),
-                current: format!("{} loaders", self.positions.len()),
-            });
-        }
-        for (position, state) in self.positions.iter().zip(saved) {
-            position.load_state(*state)?;
-        }
-        Ok(())
-    }
-
-    // The state Burn's checkpoint of `epoch` was saved with, if any was.
+    // The state Burn's checkpoint of `epoch` was saved with, if any was, restored as both
+    // entry points restore it (`CheckpointState::restore`): the loss scale to go on with.
     pub(super) fn restore(&self, epoch: usize) -> Result<Option<LossScale>, AccelerateError> {
         let Some(dir) = &self.checkpoint_dir else {
             return Ok(None);
@@ -181,35 +110,13 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
             );
             return Ok(None);
         };
-        let processes = self.process.num_processes();
-        if saved.num_processes != processes {
-            // Burn checkpoints at the end of an epoch, where every shard's position is 0: the
-            // next epoch's order depends on the seed and the epoch only, and the loaders built
-            // for this run shard it anew. A position inside an epoch has no such mapping.
-            if let Some(inside) = saved.loaders.iter().find(|l| l.position != 0) {
-                return Err(AccelerateError::StateMismatch {
-                    what: "number of processes",
-                    saved: format!(
-                        "{} processes, {} batches into epoch {}",
-                        saved.num_processes, inside.position, inside.epoch
-                    ),
-                    current: format!("{processes} processes"),
-                });
-            }
-            log::info!(
-                "burn-accelerate: resuming a run of {} processes on {processes}: the data is \
-                 sharded anew from the next epoch",
-                saved.num_processes
-            );
-        }
-        crate::step::restore_position(
-            &self.state,
-            &self.initial_scale,
-            &saved.state.gradient_state,
-            &saved.state.loss_scale,
-        )?;
-        self.restore_loaders(&saved.loaders)?;
-        Ok(Some(saved.state.loss_scale))
+        let loaders: Vec<&dyn LoaderPosition> = self.positions.iter().map(|p| &**p).collect();
+        let position = |saved: &GradientStateSnapshot, scale: LossScale| {
+            crate::step::restore_position(&self.state, &self.initial_scale, saved, &scale)
+        };
+        saved
+            .restore(self.process.num_processes(), position, &loaders)
+            .map(Some)
     }
 }
 

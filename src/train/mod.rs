@@ -104,8 +104,6 @@ mod valid_metrics;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use burn::config::Config;
-
 use burn::data::dataloader::{DataLoaderIterator, Progress};
 use burn::module::{AutodiffModule, Module};
 use burn::tensor::backend::Backend;
@@ -121,10 +119,7 @@ use burn::train::{
 };
 
 use crate::autocast::{self, Autocast, LowerOpTally};
-use crate::data::{
-    DataLoaderError, EvenSplit, LoaderState, ProcessShare, ProcessSlice, ShardLoader,
-    move_and_identify,
-};
+use crate::data::{EvenSplit, ProcessShare, ProcessSlice, ShardLoader, move_and_identify};
 use crate::distributed::{ProcessGroup, ProcessState};
 use crate::gradient_state::GradientState;
 use crate::placement::check_data_parallel;

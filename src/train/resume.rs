@@ -9,20 +9,25 @@
 //! because Burn's `FileCheckpointer` writes in place, on threads of its own, with nothing that
 //! says when a file is whole: a crash in the middle leaves a torn file under its final name.
 //!
+//! What a checkpoint holds and the order it is read back in are the same as for the
+//! `Accelerator`'s ([`crate::checkpoint::contents`]); this module is the strategy's adapter:
+//! Burn's `Learner` gives its records only to a checkpointer, and takes them only from one.
+//!
 //! When a training starts, the main process picks the newest checkpoint whose files verify
 //! (passing over, with a warning, damaged newer ones), tells the others which, and every
-//! process loads that one through Burn's own resume path (`LearningCheckpointer::
-//! load_checkpoint`, what `SupervisedTraining::checkpoint(epoch)` runs), then trains from the
-//! next epoch. The steps taken after that checkpoint by the run that stopped are redone: the
-//! loaders' saved positions and seeds give the same batches in the same order, so they are the
-//! same steps, and the run ends where an uninterrupted one does, bit for bit.
+//! process reads and checks that one, then loads it through Burn's own resume path
+//! (`LearningCheckpointer::load_checkpoint`, what `SupervisedTraining::checkpoint(epoch)`
+//! runs), then trains from the next epoch. The steps taken after that checkpoint by the run
+//! that stopped are redone: the loaders' saved positions and seeds give the same batches in
+//! the same order, so they are the same steps, and the run ends where an uninterrupted one
+//! does, bit for bit.
 
 use std::path::Path;
-use std::sync::Mutex;
 use std::sync::mpsc::{Receiver, channel};
+use std::sync::{Mutex, PoisonError};
 
 use burn::module::Module;
-use burn::record::{Record, Recorder};
+use burn::record::Record;
 use burn::tensor::backend::Backend;
 use burn::train::checkpoint::{AsyncCheckpointer, Checkpointer, CheckpointerError};
 use burn::train::metric::store::EventStoreClient;
@@ -34,10 +39,9 @@ use burn::train::{
 use super::sharded::{Always, Discard, Hand};
 use super::{AccelerateCheckpoint, AccelerateStrategy, fail};
 use crate::AccelerateError;
-use crate::checkpoint::records::{self, Bytes, Scheme, record_error};
-use crate::checkpoint::{
-    CheckpointDir, LoadedCheckpoint, Manifest, agree_on_checkpoint, load_fitting,
-};
+use crate::checkpoint::contents::{self, Records, Resume};
+use crate::checkpoint::records::{Scheme, record_error};
+use crate::checkpoint::{CheckpointDir, LoadedCheckpoint, Manifest};
 
 /// How the strategy keeps and uses its checkpoints.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -112,10 +116,16 @@ impl<LC: LearningComponentsTypes> LearnerTap<LC> {
     }
 }
 
-// A checkpointer that restores one record, from verified bytes, and writes nothing.
-struct Restore(Vec<u8>);
+// A checkpointer that restores one record, read and checked already, once, and writes nothing.
+struct Restore<R>(Mutex<Option<R>>);
 
-impl<R: Record<B>, B: Backend> Checkpointer<R, B> for Restore {
+impl<R> Restore<R> {
+    fn new(record: R) -> Self {
+        Self(Mutex::new(Some(record)))
+    }
+}
+
+impl<R: Record<B>, B: Backend> Checkpointer<R, B> for Restore<R> {
     fn save(&self, _epoch: usize, _record: R) -> Result<(), CheckpointerError> {
         Ok(())
     }
@@ -124,9 +134,14 @@ impl<R: Record<B>, B: Backend> Checkpointer<R, B> for Restore {
         Ok(())
     }
 
-    fn restore(&self, _epoch: usize, device: &B::Device) -> Result<R, CheckpointerError> {
-        Recorder::<B>::load(&Bytes::default(), self.0.clone(), device)
-            .map_err(CheckpointerError::RecorderError)
+    fn restore(&self, epoch: usize, _device: &B::Device) -> Result<R, CheckpointerError> {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+            .ok_or_else(|| {
+                CheckpointerError::Unknown(format!("epoch {epoch}'s record was restored already"))
+            })
     }
 }
 
@@ -162,28 +177,19 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
         state: &AccelerateCheckpoint,
         store: &EventStoreClient,
     ) -> Result<(), AccelerateError> {
-        let model = records::encode::<TrainingBackend<LC>, _>(
-            learner.model().into_record(),
-            "the model's record",
-        )?;
         let (optim, scheduler) = tap.records(learner, store)?;
-        let optim = records::encode::<TrainingBackend<LC>, _>(optim, "the optimizer's record")?;
-        let scheduler =
-            records::encode::<TrainingBackend<LC>, _>(scheduler, "the scheduler's record")?;
-        let state = serde_json::to_vec_pretty(state).expect("the strategy's state serialises");
-        let names = Scheme::Strategy.names(epoch);
-        let scheduler_name = names.scheduler.as_deref().unwrap_or_default();
-        self.checkpoints(dir).save_sparing(
+        let records =
+            Records::encode::<TrainingBackend<LC>, _, _>(learner.model().into_record(), optim)?
+                .with_scheduler::<TrainingBackend<LC>, _>(scheduler)?;
+        contents::write(
+            &self.checkpoints(dir),
+            Scheme::Strategy,
             epoch,
-            &[
-                (&names.model, &model),
-                (&names.optimizer, &optim),
-                (scheduler_name, &scheduler),
-                (&names.state, &state),
-            ],
+            state,
+            &records,
+            &[],
             |name| burn_keeps(dir, name),
-        )?;
-        Ok(())
+        )
     }
 
     /// Before Burn's `train` runs: the epoch the training resumes from, from the strategy's
@@ -203,31 +209,39 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
             return (learner, None);
         }
         let checkpoints = self.checkpoints(dir);
-        let picked = agree_on_checkpoint(self.group.as_ref(), &checkpoints, || {
-            self.choose(&checkpoints, asked, components.checkpointer.is_some())
-        })
+        // The model is checked against the record (Burn's load_checkpoint loads a record of
+        // another model without a word) and every record against what Burn would panic on,
+        // before any of it is loaded.
+        let resumed = contents::resume::<
+            TrainingBackend<LC>,
+            _,
+            LearnerOptimizerRecord<LC>,
+            LearnerSchedulerRecord<LC>,
+        >(
+            self.group.as_ref(),
+            &checkpoints,
+            || self.choose(&checkpoints, asked, components.checkpointer.is_some()),
+            Scheme::Strategy,
+            learner.model(),
+            &self.device,
+        )
         .unwrap_or_else(|err| fail("cannot resume", err));
-        let Some(loaded) = picked else {
-            return (learner, None);
+        let read = match resumed {
+            Resume::Fresh(_) => return (learner, None),
+            Resume::From(read) => read,
         };
-        let epoch = loaded.epoch;
-        let names = Scheme::Strategy.names(epoch);
-        let take = |name: &str| {
-            records::file(&loaded, name).unwrap_or_else(|err| fail("cannot resume", err))
+        let epoch = read.number;
+        // The strategy's scheme names a scheduler's record, which `read` decodes.
+        let Some(scheduler) = read.scheduler else {
+            fail(
+                "cannot resume",
+                record_error("the scheduler's record", "not read back"),
+            )
         };
-        // Burn's load_checkpoint loads a record of another model without a word; refuse it
-        // here, naming the parameter, before any of it is loaded.
-        let fits = records::decode::<TrainingBackend<LC>, _>(&loaded, &names.model, &self.device)
-            .and_then(|record| load_fitting(learner.model(), record, &names.model));
-        if let Err(err) = fits {
-            fail("cannot resume", err);
-        }
         let loader = LearningCheckpointer::<LC>::new(
-            AsyncCheckpointer::new(Restore(take(&names.model))),
-            AsyncCheckpointer::new(Restore(take(&names.optimizer))),
-            AsyncCheckpointer::new(Restore(take(
-                names.scheduler.as_deref().unwrap_or_default(),
-            ))),
+            AsyncCheckpointer::new(Restore::new(read.model.into_record())),
+            AsyncCheckpointer::new(Restore::new(read.optimizer)),
+            AsyncCheckpointer::new(Restore::new(scheduler)),
             Box::new(Always),
         );
         let learner = loader.load_checkpoint(learner, &self.device, epoch);
