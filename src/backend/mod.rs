@@ -15,6 +15,7 @@
 mod forward;
 pub(crate) mod kernels;
 mod lowered;
+pub(crate) mod placeholder;
 mod placement;
 mod rewrap;
 pub(crate) mod tracked_move;
