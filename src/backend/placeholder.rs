@@ -163,6 +163,7 @@ pub fn register<B: Backend, C: CheckpointStrategy>() {
         linear: bounded_linear::<B, C>,
     });
     // Under its key the decorator says that its ops resolve placeholders.
+    hooks::insert::<DecoratorHooks, super::Accelerated<Autodiff<B, C>>, _>(Resolves);
     hooks::insert::<PlaceholderHooks, super::Accelerated<Autodiff<B, C>>, _>(Tracked::<
         super::Accelerated<Autodiff<B, C>>,
     > {
@@ -179,10 +180,23 @@ fn tracked<B: Backend>() -> Option<Tracked<B>> {
     hooks::get::<PlaceholderHooks, B, Tracked<B>>()
 }
 
+// The decorator's own key: its ops resolve placeholders. (The inner `Autodiff<B, C>`'s key
+// has the node id too, but its own ops would read a placeholder's zeros.)
+#[derive(Clone, Copy)]
+struct Resolves;
+
+struct DecoratorHooks;
+
+impl HookKind for DecoratorHooks {
+    fn register_known() {
+        PlaceholderHooks::register_known();
+    }
+}
+
 /// Whether ops on `B` resolve placeholders (`B` is the decorator over a registered autodiff
 /// backend): where they do not, a placeholder would be read as zeros.
 pub(crate) fn recognised<B: Backend>() -> bool {
-    tracked::<B>().is_some()
+    hooks::get::<DecoratorHooks, B, Resolves>().is_some() && tracked::<B>().is_some()
 }
 
 /// Registers `tensor` (a placeholder, or the owner's value) as the parameter `shard` gathers.
