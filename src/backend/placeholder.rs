@@ -199,15 +199,13 @@ pub(crate) fn recognised<B: Backend>() -> bool {
     hooks::get::<DecoratorHooks, B, Resolves>().is_some() && tracked::<B>().is_some()
 }
 
-/// Registers `tensor` (a placeholder, or the owner's value) as the parameter `shard` gathers.
-/// Returns `false`, registering nothing, where `B`'s ops do not resolve placeholders.
-pub(crate) fn register_tensor<B: Backend>(tensor: &FloatTensor<B>, shard: Arc<dyn Shard>) -> bool {
-    let Some(tracked) = tracked::<B>() else {
-        return false;
-    };
-    let id = (tracked.node_id)(tensor);
-    registry(|r| r.shards.insert(id, shard));
-    true
+/// Registers `tensor` (a placeholder, or the owner's value) as the parameter `shard` gathers,
+/// where `B` has the hook (see [`recognised`]).
+pub(crate) fn register_tensor<B: Backend>(tensor: &FloatTensor<B>, shard: Arc<dyn Shard>) {
+    if let Some(tracked) = tracked::<B>() {
+        let id = (tracked.node_id)(tensor);
+        registry(|r| r.shards.insert(id, shard));
+    }
 }
 
 /// Forgets `tensor`, if registered (the step released its parameter).
@@ -302,6 +300,9 @@ pub(crate) fn resolve_vec<B: Backend>(tensors: Vec<FloatTensor<B>>) -> Vec<Float
     tensors.into_iter().map(resolve::<B>).collect()
 }
 
+/// `linear`'s inputs, given back where the bounded path does not apply.
+pub(crate) type LinearInputs<B> = (FloatTensor<B>, FloatTensor<B>, Option<FloatTensor<B>>);
+
 /// `linear(x, weight, bias)` with the per-layer bound, where it applies: the weight is a
 /// registered parameter, `x` is not, autocast lowers nothing and the operands share a dtype.
 /// Otherwise the inputs back, for the op's usual path.
@@ -309,7 +310,7 @@ pub(crate) fn linear<B: Backend>(
     x: FloatTensor<B>,
     weight: FloatTensor<B>,
     bias: Option<FloatTensor<B>>,
-) -> Result<FloatTensor<B>, (FloatTensor<B>, FloatTensor<B>, Option<FloatTensor<B>>)> {
+) -> Result<FloatTensor<B>, LinearInputs<B>> {
     let Some(weight_shard) = shard_of::<B>(&weight) else {
         return Err((x, weight, bias));
     };
