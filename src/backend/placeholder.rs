@@ -7,7 +7,9 @@
 //! one `-0.0`) or its own value (on its owner), and registers either here with its [`Shard`],
 //! which runs the gather (a collective: the owner sends, the others receive). Every use of a
 //! registered tensor by an op is then one gather on every process, in the order the
-//! processes run their ops, so the collectives pair up as the lazy gather's did.
+//! processes run their ops, so the collectives pair up as the lazy gather's did. Before the
+//! optimizer steps (which reads the owner's values on the owner alone) stage 3 forgets every
+//! registered tensor ([`forget_all`]), until it releases the parameters again.
 //!
 //! # Which ops hold the bound
 //!
@@ -17,8 +19,8 @@
 //!   and gathers the weight again to compute the input's gradient. At most one layer's
 //!   gathered weight and bias are whole at a time ([`gathered_bytes`]).
 //! - Every other op of every ops trait the decorator forwards (matmul, convolutions,
-//!   embeddings, casts under autocast, reads such as `into_data`, transactions), and `linear`
-//!   under autocast: the registered input is gathered in full and the op reads
+//!   embeddings, casts under autocast, reads such as `into_data`, transactions), `linear`
+//!   under autocast, and the decorator's `AutodiffBackend::inner` (`Module::valid`'s copy): the registered input is gathered in full and the op reads
 //!   `placeholder + gathered` (the gathered value bit for bit, since `-0.0` is the additive
 //!   identity, with the gradient flowing to the placeholder). The numbers are right; the
 //!   gathered value stays whole while the autodiff graph keeps it (until the step), as the

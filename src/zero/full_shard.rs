@@ -22,6 +22,9 @@
 //!   use, and the value stays whole until the step releases it (FSDP's `FULL_SHARD` with the
 //!   whole model as its one unit; the peak is stage 2's).
 //!
+//! Before the optimizer steps, [`end_gathers`] makes the parameters' uses plain reads again
+//! (the optimizer reads the values it steps on their owner alone), until the release.
+//!
 //! Every process runs the same forward and backward passes, so every process gathers the
 //! same parameter at the same moment, and the collectives pair up with no schedule agreed
 //! beforehand. Each gather first all-gathers the parameter's place in the model's visiting
@@ -168,6 +171,13 @@ pub fn release_parameters<B: AutodiffBackend, M: AutodiffModule<B>>(
         partition,
         place: 0,
     })
+}
+
+/// Stage 3, before the optimizer steps this process's partition: the parameters' uses by ops
+/// stop being collectives until [`release_parameters`] (the optimizer reads the values it
+/// steps on their owner alone). Every process must call it at the same step.
+pub(crate) fn end_gathers() {
+    placeholder::forget_all();
 }
 
 // Every process gathers the parameter at `place` (in the model's visiting order) now: a

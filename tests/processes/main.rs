@@ -780,6 +780,8 @@ struct LayeredRun {
 #[derive(Debug, Serialize, Deserialize)]
 struct LayeredReport {
     parameters: Vec<f32>,
+    /// The parameters of `Module::valid`'s copy (each read through `inner`), after the steps.
+    valid_parameters: Vec<f32>,
     /// Per batch: the most gathered bytes whole at once during its forward and backward
     /// passes, and those still whole after its backward pass.
     gathered_peak: Vec<u64>,
@@ -805,6 +807,7 @@ fn layered_worker(args: &LayeredRun) -> LayeredReport {
     let mut optim = burn::optim::AdamConfig::new().init();
     let mut report = LayeredReport {
         parameters: Vec::new(),
+        valid_parameters: Vec::new(),
         gathered_peak: Vec::new(),
         gathered_after_backward: Vec::new(),
     };
@@ -832,6 +835,7 @@ fn layered_worker(args: &LayeredRun) -> LayeredReport {
             .unwrap();
         model = next;
     }
+    report.valid_parameters = parameters(&burn::module::AutodiffModule::valid(&model));
     report.parameters = parameters(&model);
     report
 }
@@ -886,6 +890,8 @@ fn stage_3_holds_one_linear_layers_gathered_parameters_at_a_time_and_ends_where_
                     bits(&stage2[rank].parameters),
                     "{what}"
                 );
+                // The copy for evaluation holds the whole parameters, not placeholders.
+                assert_eq!(bits(&r.valid_parameters), bits(&r.parameters), "{what}");
             }
             // Stage 2 gathers nothing.
             assert!(
