@@ -16,9 +16,11 @@
 //! `checkpoint_s=T main_peak_rss_mib=M` (the main process's peak over the whole run).
 //! Stage 3 refuses `--checkpoint` (its checkpoints are not supported yet).
 //!
-//! At stage 3 a parameter is gathered at its first use in the forward pass and stays whole
-//! until the step (`burn_accelerate::zero::release_parameters`): the peak is stage 2's, and
-//! what stage 3 saves is the memory between steps.
+//! The model trains on `Accelerated<Autodiff<Flex>>` (f32, autocast off) at every stage. At
+//! stage 3 a layer's weight and bias are gathered for its forward op and again for its
+//! input gradient's, and dropped after each (`burn_accelerate::zero::release_parameters`):
+//! besides its own partition, a process holds one other layer's parameters at a time. The
+//! gradients stay whole until the step's reduce-scatter, as at stage 2.
 
 #[path = "common/memory.rs"]
 mod memory;
@@ -30,11 +32,11 @@ use burn::optim::AdamConfig;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Tensor};
 use burn_accelerate::zero::ZeroStage;
-use burn_accelerate::{AccelerateConfig, Accelerator};
+use burn_accelerate::{AccelerateConfig, Accelerated, Accelerator};
 use clap::Parser;
 use memory::peak_memory_mib;
 
-type Train = Autodiff<Flex>;
+type Train = Accelerated<Autodiff<Flex>>;
 
 /// A few Adam steps of an MLP at a ZeRO stage, with the peak memory of every process.
 #[derive(Parser)]

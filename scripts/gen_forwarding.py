@@ -207,6 +207,42 @@ COLOCATE = {
 
 FLOAT = re.compile(r"^(FloatTensor<B>|Option<FloatTensor<B>>|Vec<FloatTensor<B>>)$")
 
+# ZeRO stage 3's placeholders (src/backend/placeholder.rs): every float tensor an op takes
+# is resolved first (a registered parameter gathered whole, any other tensor as it is), so
+# that no op reads a placeholder's zeros; the ops named in BOUNDED first try their own path,
+# which gathers the parameter for the op alone.
+RESOLVE = {
+    "FloatTensor<B>": "let %s = crate::backend::placeholder::resolve::<B>(%s);",
+    "Option<FloatTensor<B>>": "let %s = crate::backend::placeholder::resolve_opt::<B>(%s);",
+    "Vec<FloatTensor<B>>": "let %s = crate::backend::placeholder::resolve_vec::<B>(%s);",
+    "TransactionPrimitive<B>": (
+        "let mut %s = %s; %s.read_floats = "
+        "crate::backend::placeholder::resolve_vec::<B>(core::mem::take(&mut %s.read_floats));"
+    ),
+}
+
+# Ops with a bounded path in src/backend/placeholder.rs, taking and giving back the op's
+# arguments (in signature order) where the path does not apply.
+BOUNDED = {"linear"}
+
+
+def resolves(name, params):
+    """The lines that resolve an op's placeholders before anything else reads its inputs."""
+    lines = []
+    if name in BOUNDED:
+        names = ", ".join(p for p, _ in params)
+        lines.append(
+            "        let (%s) = match crate::backend::placeholder::%s::<B>(%s) {\n"
+            "            Ok(output) => return output,\n"
+            "            Err(inputs) => inputs,\n"
+            "        };\n" % (names, name, names)
+        )
+    for p, t in params:
+        if t in RESOLVE:
+            line = RESOLVE[t]
+            lines.append("        %s\n" % (line % ((p,) * line.count("%s"))))
+    return "".join(lines)
+
 
 def emit(name, generics, params, ret, where, op):
     sig_params = ", ".join("%s: %s" % (p, to_self(t)) for p, t in params)
@@ -220,6 +256,7 @@ def emit(name, generics, params, ret, where, op):
             turbofish = "::<%s>" % ", ".join(names)
     args = ", ".join(("%s.rewrap()" % p) if REWRAP.match(t) else p for p, t in params)
     head = "    fn %s%s(%s)%s%s {\n" % (name, generics, sig_params, ret_s, where_s)
+    head += resolves(name, params)
     call = "B::%s%s(%s)" % (name, turbofish, args)
     if REWRAP.match(ret.replace("-> ", "").strip()):
         call = "%s.rewrap()" % call
@@ -325,6 +362,8 @@ def main():
         for b in routed[i + 1:]:
             if a & b:
                 sys.exit("an op has two routes: %s" % sorted(a & b))
+    if BOUNDED - seen:
+        sys.exit("bounded paths name ops outside the op table: %s" % sorted(BOUNDED - seen))
     missing_hooks = (MOVE_HOOKS | set(HALF_PATHS)) - hooked
     if missing_hooks:
         sys.exit("move hooks or half paths name methods Burn does not have: %s" % sorted(missing_hooks))

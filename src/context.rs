@@ -39,7 +39,7 @@
 //!
 //! Besides the process's context, the crate's statics are caches, registries, counters and
 //! one-time warnings; none is a setting a training chooses. Each, with why it is process-wide
-//! or per thread: 19 in `src/`, which `grep -rn "^\s*static [A-Z_0-9]*\s*:" src` counts, and
+//! or per thread: 20 in `src/`, which `grep -rn "^\s*static [A-Z_0-9]*\s*:" src` counts, and
 //! `scripts/statics.py` (run by CI) keeps at 20 or fewer. The CPU kernels' own caches are in
 //! crates/kernels, listed in its crate docs.
 //!
@@ -54,6 +54,7 @@
 //! | `SAID` | `warnings` | one-time warnings | each warning said once per process (per device, for the capability probe's) |
 //! | `HOST_READS`, `TALLY` | `grads`, `autocast::tally` | counters | per thread, for tests, reports and benchmarks |
 //! | `GLOBAL` | `gradient_state` | registry | Accelerate's `GradientState` singleton |
+//! | `PLACEHOLDERS` | `backend::placeholder` | registry, counters | ZeRO stage 3's parameters held as placeholders, by autodiff node id, which the decorator's ops (seeing only primitives) resolve; the gathered bytes alive (tests, reports) |
 //! | `JOINED` | `distributed::group` | registry | the process group a process joined (one per process, as torch.distributed's) |
 //! | `COPIED`, `BUCKET` | `distributed` | counter, cache | values copied by the sync (benchmarks); the flat bucket reused across steps |
 //! | `MOVED` | `data::loader` | hand-off | which share a loader holds, from Burn's `to_device` (which returns nothing else) to its caller on the same thread |

@@ -15,6 +15,7 @@
 mod forward;
 pub(crate) mod kernels;
 mod lowered;
+pub(crate) mod placeholder;
 mod placement;
 mod rewrap;
 pub(crate) mod tracked_move;
@@ -166,8 +167,10 @@ impl<B: AutodiffBackend> AutodiffBackend for Accelerated<B> {
         B::grad_replace(tensor, grads, grad)
     }
 
+    /// `B::inner`, of the whole parameter where `tensor` is one of ZeRO stage 3's
+    /// placeholders (a collective: `Module::valid` reads every parameter on every process).
     fn inner(tensor: FloatTensor<Self>) -> FloatTensor<Self::InnerBackend> {
-        B::inner(tensor)
+        B::inner(placeholder::resolve::<B>(tensor))
     }
 
     fn int_inner(tensor: IntTensor<Self>) -> IntTensor<Self::InnerBackend> {

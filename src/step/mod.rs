@@ -442,6 +442,11 @@ impl<B: AutodiffBackend> StepCore<B> {
         if stage.drops_others_gradients() {
             zero::keep_own::<B, M>(&model, &mut grads, partition, group.rank());
         }
+        if stage.shards_parameters() {
+            // The optimizer reads the owner's values (`inner`) on the owner alone: no
+            // collective from here to the release.
+            zero::end_gathers();
+        }
         let (model, lr) = apply(model, grads);
         let model = if stage.shards_parameters() {
             zero::release_parameters::<B, M>(group, model, partition)

@@ -1,6 +1,6 @@
 //! ZeRO stage 3 ([`ZeroStage::Parameters`](super::ZeroStage::Parameters), FSDP's
 //! `FULL_SHARD`): between steps each process holds only the parameters its partition owns,
-//! and gathers every other one from its owner at that parameter's first use.
+//! and gathers every other one from its owner where an op uses it.
 //!
 //! # The mechanism
 //!
@@ -8,15 +8,29 @@
 //! parameter of the model into one of Burn's lazy parameters (`Param::uninitialized`, the
 //! form `Module::init` builds): the value is dropped, and the parameter keeps its id, shape,
 //! device, gradient requirement and an initializer. The owner's initializer holds the owned
-//! value; the others' hold nothing but the owner's rank. The first `Param::val()` of the next
-//! forward pass runs the initializer, which broadcasts the owner's bytes to every process: a
-//! gather at the parameter's first use, in the order the forward pass uses the parameters.
-//! Every process runs the same forward pass, so every process gathers the same parameter at
-//! the same moment, and the collectives pair up with no schedule agreed beforehand. Each
-//! gather first all-gathers the parameter's place in the model's visiting order (8 bytes), so
-//! processes that read different parameters (a parameter used on one rank only, a module
-//! visited on the main process only) fail at once with an error naming both, and the
-//! initializer panics with it (Burn's lazy initializers cannot return an error).
+//! value; the others' hold nothing but the owner's rank. What the first `Param::val()` of the
+//! next forward pass caches in the `Param` depends on the backend:
+//!
+//! - On the decorator over a registered autodiff backend (`Accelerated<Autodiff<Flex>>`,
+//!   `Accelerated<Autodiff<NdArray>>`): the owner's value on its owner, elsewhere a
+//!   *placeholder* of the full shape (a stride-0 view of one `-0.0`: a few bytes), each
+//!   registered with the collective that gathers it (`crate::backend::placeholder`). Every
+//!   op that reads it is then one gather on every process (the owner sends, the others
+//!   receive): the per-layer bound below.
+//! - On any other backend (Burn's `Autodiff<Flex>` without the decorator, whose ops cannot
+//!   recognise a placeholder): the gathered value itself. The gather runs once, at the first
+//!   use, and the value stays whole until the step releases it (FSDP's `FULL_SHARD` with the
+//!   whole model as its one unit; the peak is stage 2's).
+//!
+//! Before the optimizer steps, [`end_gathers`] makes the parameters' uses plain reads again
+//! (the optimizer reads the values it steps on their owner alone), until the release.
+//!
+//! Every process runs the same forward and backward passes, so every process gathers the
+//! same parameter at the same moment, and the collectives pair up with no schedule agreed
+//! beforehand. Each gather first all-gathers the parameter's place in the model's visiting
+//! order (8 bytes), so processes that read different parameters (a parameter used on one rank
+//! only, a module visited on the main process only) fail at once with an error naming both,
+//! and the op (or initializer) panics with it (neither has an error channel).
 //!
 //! Gradients and optimizer state follow stage 2: the window's gradients are
 //! reduce-scattered owner by owner ([`reduce_scatter_gradients`](super::reduce_scatter_gradients)),
@@ -26,36 +40,34 @@
 //! parameters, largest first), not FSDP's 1/N slice of each parameter: a process's share of
 //! the model is balanced to within its largest parameter.
 //!
-//! # What is bounded, and what is not yet
+//! # What is bounded
 //!
 //! Between steps (from the end of one step to the next forward pass) a process holds its
 //! partition's parameters and optimizer state and no gradients: about 1/N of the model's
-//! training state. During the forward and backward passes it is not bounded layer by layer:
-//! a gathered parameter stays in its `Param` (and in the autodiff graph, which keeps a
-//! matmul's weight for its backward) until the step releases it, so by the end of the
-//! forward pass every parameter the pass used is whole, and the backward pass adds whole
-//! gradients until the reduce-scatter. The peak is then stage 2's: this is FSDP's
-//! `FULL_SHARD` with one unit, the whole model, not its per-layer units. Freeing a parameter
-//! after its op and gathering it again in backward needs the decorator to give each use of
-//! a parameter a backward node of its own that holds the shard instead of the gathered
-//! weight (`docs/DESIGN.md`, "The training step"); that is the next increment.
+//! training state.
 //!
-//! # The next increment: the per-layer bound
+//! During the forward and backward passes, on the decorator, the parameters of Burn's
+//! `linear` op (`nn::Linear`: the product and its bias add) are whole for that op alone,
+//! where autocast lowers nothing (f32 training) and the operands share a dtype: the op
+//! gathers the weight and bias, runs the inner backend's `linear`, and drops them; its
+//! backward node keeps the placeholder (a few bytes) instead of the weight, and gathers the
+//! weight again for the input's gradient (the weight's and bias's gradients need only the
+//! input and the output's gradient). At most one layer's gathered weight and bias are whole
+//! at a time, besides the process's own partition
+//! ([`gathered_bytes`](super::gathered_bytes) counts them). The forward and backward ops
+//! are Burn's own (`B::linear`, `linear_x_backward`, `linear_weight_backward`,
+//! `linear_bias_backward`, in Burn's order), so the numbers are stage 2's bit for bit.
 //!
-//! Burn caches a lazy parameter's value in the `Param` until the module is mapped again, so
-//! the per-layer bound needs what the `Param` caches to be tiny: a *placeholder* of the full
-//! shape, with the shard kept beside it, resolved by the decorator (`Accelerated<B>`, which
-//! sees every op) when an op reads it. Checked on Burn 0.21 and Flex (a scratch program, not
-//! kept): a placeholder made as `Tensor::from_inner(scalar(-0.0).expand(shape)).require_grad()`
-//! is a stride-0 view (an 8192×8192 one added 0.7 MiB of resident memory, a real one 256 MiB),
-//! is an autodiff leaf whose gradient comes back whole, and `placeholder + gathered` is the
-//! gathered value bit for bit (−0.0 is the additive identity), with the sum's gradient flowing
-//! to the placeholder: an op can swap in the gathered weight without the parameter's
-//! gradient changing key. What is left: the decorator's ops recognising a placeholder (by its
-//! autodiff node id, through the concrete `Autodiff<B, C>` that `crate::hooks` registers per
-//! backend type), and a backward node per use that holds the placeholder and gathers again,
-//! instead of the op's own node keeping the gathered weight (`docs/DESIGN.md`, "The training
-//! step"). Both are in `src/backend/`, outside this increment.
+//! Every other op that reads a placeholder (matmul, convolutions, embeddings, layer norms,
+//! casts under autocast, `linear` in bf16/f16/fp8 autocast, reads such as `into_data`)
+//! gathers it whole and reads `placeholder + gathered` (bit for bit the gathered value:
+//! `-0.0` is the additive identity; the gradient flows to the placeholder): right numbers,
+//! but the gathered value stays whole while the autodiff graph keeps it, until the step, as
+//! with the lazy gather. Such ops are listed in `crate::backend::placeholder`'s docs.
+//!
+//! Not bounded yet: the gradients. Each parameter's gradient stays whole until the window's
+//! reduce-scatter at the step (as at stage 2), not reduce-scattered as soon as it is final;
+//! and the activations the graph keeps are every process's own.
 //!
 //! Burn's parameter mappers (the transforms a record applies on save and load) are not kept
 //! by a released parameter, which is one reason checkpoints refuse stage 3 for now
@@ -65,20 +77,23 @@ use burn::module::{AutodiffModule, ModuleMapper, Param};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, Shape, Tensor, TensorData};
 
+use std::sync::Arc;
+
+use crate::backend::placeholder::{self, Shard};
 use crate::distributed::{DistributedError, ProcessGroup};
 
 use super::sharded::Partition;
 
 /// Stage 3, after the step: every float parameter of `module` released, to be gathered from
-/// its owner at its first use. Each becomes one of Burn's lazy parameters (same id, shape,
-/// device, gradient requirement) whose initializer broadcasts the owner's value: the
-/// parameters this process owns keep their values (inside their initializer), the others'
-/// values are dropped.
+/// its owner at each use by an op (at its first use, on backends whose ops do not resolve
+/// placeholders). Each becomes one of Burn's lazy parameters (same id, shape, device,
+/// gradient requirement): the parameters this process owns keep their values (inside their
+/// initializer), the others' values are dropped.
 ///
 /// Every process must call it at the same step, with the same partition, and afterwards read
-/// the parameters in the same order (a forward pass, a visit of the whole module): each first
-/// read is a collective: the processes first agree on which parameter they gather, so a
-/// read of another parameter (or of one on some processes only, paired with the others' next
+/// the parameters in the same order (a forward pass, a visit of the whole module): each read
+/// by an op (each first read, on a backend without placeholders) is a collective: the
+/// processes first agree on which parameter they gather, so a read of another parameter (or of one on some processes only, paired with the others' next
 /// gather) panics at once with a [`DistributedError::Mismatch`] naming both parameters; a
 /// read that no other collective ever meets waits until the group's timeout, and panics with
 /// its error.
@@ -86,10 +101,10 @@ use super::sharded::Partition;
 /// # Memory
 ///
 /// Between steps a process holds its partition's parameters and optimizer state and no
-/// gradients. During a step it is not bounded layer by layer: a gathered parameter stays
-/// whole until the step releases it, so the peak is ZeRO stage 2's (FSDP's `FULL_SHARD` with
-/// the whole model as its one unit). The design, and what the per-layer bound needs, are in
-/// the notes atop `src/zero/full_shard.rs`.
+/// gradients. During a step, on the decorator (`Accelerated<Autodiff<B>>`), a `linear`
+/// layer's gathered parameters are whole for its forward op and its input gradient's op
+/// alone (f32, no autocast); other ops, and other backends, keep a gathered parameter whole
+/// until the step. The notes atop `src/zero/full_shard.rs` say which ops hold the bound.
 pub fn release_parameters<B: AutodiffBackend, M: AutodiffModule<B>>(
     group: &ProcessGroup,
     module: M,
@@ -104,57 +119,65 @@ pub fn release_parameters<B: AutodiffBackend, M: AutodiffModule<B>>(
     impl<B: AutodiffBackend> ModuleMapper<B> for Release<'_> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
             let (id, value, _mappers) = param.consume();
+            // The value's placeholder (or the owner's own value) is no longer read.
+            placeholder::unregister_tensor::<B>(&value.clone().into_primitive().tensor());
             let require_grad = value.is_require_grad();
             let (shape, dtype, device) = (value.shape(), value.dtype(), value.device());
             let owner = self.partition.owner(id);
             // The autodiff wrapper is not kept: the next use starts a new leaf, as Burn's
             // optimizers start one for the values they step.
             let own = (owner == self.group.rank()).then(|| value.inner());
-            let group = self.group.clone();
-            let gathered_shape = shape.clone();
-            let place = self.place;
+            let shard = Arc::new(ReleasedShard {
+                group: self.group.clone(),
+                owner,
+                place: self.place,
+            });
             self.place += 1;
-            Param::uninitialized(
-                id,
-                move |device: &B::Device, require_grad: bool| {
-                    let value = agree_on(&group, place)
-                        .and_then(|()| {
-                            gather::<B, D>(
-                                &group,
-                                owner,
-                                own.as_ref(),
-                                &gathered_shape,
-                                dtype,
-                                device,
-                            )
-                        })
-                        .unwrap_or_else(|err| {
-                            panic!(
-                                "ZeRO stage 3 could not gather a parameter from process {owner} \
-                                 at its first use: {err}. Every process must run the same \
-                                 forward pass and read the same parameters in the same order"
-                            )
-                        });
-                    if require_grad {
-                        value.require_grad()
-                    } else {
-                        value
-                    }
-                },
-                device,
-                require_grad,
-                shape,
-            )
+            let gathered_shape = shape.clone();
+            let init = move |device: &B::Device, require_grad: bool| {
+                let placeholders = placeholder::recognised::<B>();
+                let value = if placeholders {
+                    held::<B, D>(own.clone(), &gathered_shape, dtype, device)
+                } else {
+                    shard
+                        .gather_whole::<B, D>(own.as_ref(), &gathered_shape, dtype, device)
+                        .unwrap_or_else(|err| shard.fail(err))
+                };
+                let value = if require_grad {
+                    value.require_grad()
+                } else {
+                    value
+                };
+                if placeholders {
+                    // Registered once its node is final (`require_grad` keeps a leaf's node).
+                    placeholder::register_tensor::<B>(
+                        &value.clone().into_primitive().tensor(),
+                        shard.clone(),
+                    );
+                }
+                value
+            };
+            Param::uninitialized(id, init, device, require_grad, shape)
         }
     }
     if group.world_size() == 1 {
         return module;
     }
+    // The step replaced the values the owner registered: none of the last step's is read
+    // again (one stage 3 model per process).
+    placeholder::forget_all();
     module.map(&mut Release::<'_> {
         group,
         partition,
         place: 0,
     })
+}
+
+/// Stage 3, before the optimizer steps this process's partition: the parameters' uses by ops
+/// stop being collectives until [`release_parameters`] (the optimizer reads the values it
+/// steps on their owner alone). Every process must call it at the same step.
+pub(crate) fn end_gathers() {
+    placeholder::forget_all();
 }
 
 // Every process gathers the parameter at `place` (in the model's visiting order) now: a
@@ -176,33 +199,87 @@ fn agree_on(group: &ProcessGroup, place: u64) -> Result<(), DistributedError> {
     }
 }
 
-/// Gathers one released parameter: its owner's value on every process (the owner sends it,
-/// the others receive it), as a new leaf without a gradient requirement.
-fn gather<B: AutodiffBackend, const D: usize>(
-    group: &ProcessGroup,
+// One released parameter's collective: its place in the model's visiting order, and its
+// owner, who sends it at each gather.
+struct ReleasedShard {
+    group: ProcessGroup,
     owner: usize,
-    own: Option<&Tensor<B::InnerBackend, D>>,
+    place: u64,
+}
+
+impl ReleasedShard {
+    // Every process's gather of the parameter's bytes, after agreeing on which it gathers.
+    fn bytes(&self, own: Option<Vec<u8>>) -> Result<Vec<u8>, DistributedError> {
+        agree_on(&self.group, self.place)?;
+        self.group
+            .broadcast_bytes(self.owner, own.unwrap_or_default())
+    }
+
+    // A gather that failed, inside an op or a lazy initializer (neither has an error channel).
+    fn fail(&self, err: DistributedError) -> ! {
+        panic!(
+            "ZeRO stage 3 could not gather a parameter from process {} at its use: {err}. \
+             Every process must run the same forward pass and read the same parameters in \
+             the same order",
+            self.owner
+        )
+    }
+
+    /// Gathers the parameter whole, as a new leaf without a gradient requirement (the
+    /// lazy gather, for backends whose ops do not resolve placeholders).
+    fn gather_whole<B: AutodiffBackend, const D: usize>(
+        &self,
+        own: Option<&Tensor<B::InnerBackend, D>>,
+        shape: &Shape,
+        dtype: DType,
+        device: &B::Device,
+    ) -> Result<Tensor<B, D>, DistributedError> {
+        if let Some(own) = own {
+            self.bytes(Some(own.clone().into_data().bytes.to_vec()))?;
+            return Ok(Tensor::from_inner(own.clone()));
+        }
+        let bytes = self.bytes(None)?;
+        let expected = shape.num_elements() * dtype.size();
+        if bytes.len() != expected {
+            return Err(DistributedError::Mismatch {
+                rank: self.owner,
+                detail: format!(
+                    "it sent {} bytes for a {dtype:?} parameter of shape {shape:?} ({expected} \
+                     bytes): the processes' models differ",
+                    bytes.len()
+                ),
+            });
+        }
+        let data = TensorData::from_bytes_vec(bytes, shape.clone(), dtype);
+        Ok(Tensor::from_data(data, device))
+    }
+}
+
+impl Shard for ReleasedShard {
+    fn is_owned(&self) -> bool {
+        self.owner == self.group.rank()
+    }
+
+    fn gather(&self, own: Option<Vec<u8>>) -> Vec<u8> {
+        self.bytes(own).unwrap_or_else(|err| self.fail(err))
+    }
+}
+
+// What a released parameter's `Param` holds once read, where the decorator resolves
+// placeholders: the owner's own value, elsewhere a placeholder of the full shape (a stride-0
+// view of one `-0.0`, a few bytes), each registered with the shard that gathers it per use.
+fn held<B: AutodiffBackend, const D: usize>(
+    own: Option<Tensor<B::InnerBackend, D>>,
     shape: &Shape,
     dtype: DType,
     device: &B::Device,
-) -> Result<Tensor<B, D>, DistributedError> {
+) -> Tensor<B, D> {
     if let Some(own) = own {
-        let bytes = own.clone().into_data().bytes.to_vec();
-        group.broadcast_bytes(owner, bytes)?;
-        return Ok(Tensor::from_inner(own.clone()));
+        return Tensor::from_inner(own);
     }
-    let bytes = group.broadcast_bytes(owner, Vec::new())?;
-    let expected = shape.num_elements() * dtype.size();
-    if bytes.len() != expected {
-        return Err(DistributedError::Mismatch {
-            rank: owner,
-            detail: format!(
-                "it sent {} bytes for a {dtype:?} parameter of shape {shape:?} ({expected} \
-                 bytes): the processes' models differ",
-                bytes.len()
-            ),
-        });
-    }
-    let data = TensorData::from_bytes_vec(bytes, shape.clone(), dtype);
-    Ok(Tensor::from_data(data, device))
+    let zero = Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(vec![-0.0f32], [1]), device)
+        .cast(dtype)
+        .reshape([1; D]);
+    let dims: [usize; D] = shape.dims();
+    Tensor::from_inner(zero.expand(dims))
 }

@@ -14,6 +14,8 @@ mod sharded;
 mod sharding;
 mod stage;
 
+pub use crate::backend::placeholder::{GatheredBytes, gathered_bytes, reset_gathered_peak};
+pub(crate) use full_shard::end_gathers;
 pub use full_shard::release_parameters;
 pub use optimizer_record::{ParamStateRecord, consolidate_state, keep_own_state};
 pub(crate) use sharded::shards;

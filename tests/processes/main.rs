@@ -762,6 +762,147 @@ fn stage_3_processes_that_read_different_parameters_fail_at_once_naming_both() {
     );
 }
 
+/// Layers of unequal sizes, so that the bound (the largest layer's weight and bias) is below
+/// what the model's gathered parameters would weigh together.
+#[derive(Module, Debug)]
+struct Layered<B: Backend> {
+    layers: Vec<Linear<B>>,
+}
+
+const LAYERED_WIDTHS: [usize; 5] = [FEATURES, 48, 32, 24, CLASSES];
+
+#[derive(Debug, Serialize, Deserialize)]
+struct LayeredRun {
+    zero_stage: u8,
+    grad_accum: usize,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct LayeredReport {
+    parameters: Vec<f32>,
+    /// The parameters of `Module::valid`'s copy (each read through `inner`), after the steps.
+    valid_parameters: Vec<f32>,
+    /// Per batch: the most gathered bytes whole at once during its forward and backward
+    /// passes, and those still whole after its backward pass.
+    gathered_peak: Vec<u64>,
+    gathered_after_backward: Vec<u64>,
+}
+
+fn layered_worker(args: &LayeredRun) -> LayeredReport {
+    type B = Accelerated<Autodiff<Flex>>;
+    let state = ProcessState::from_env().unwrap();
+    let device = Default::default();
+    B::seed(&device, 13);
+    let mut model = Layered::<B> {
+        layers: LAYERED_WIDTHS
+            .windows(2)
+            .map(|w| LinearConfig::new(w[0], w[1]).init(&device))
+            .collect(),
+    };
+    let mut accelerator = AccelerateConfig::new()
+        .with_gradient_accumulation_steps(args.grad_accum)
+        .with_zero_stage(burn_accelerate::zero::ZeroStage::from_number(args.zero_stage).unwrap())
+        .init::<B>(&device)
+        .unwrap();
+    let mut optim = burn::optim::AdamConfig::new().init();
+    let mut report = LayeredReport {
+        parameters: Vec::new(),
+        valid_parameters: Vec::new(),
+        gathered_peak: Vec::new(),
+        gathered_after_backward: Vec::new(),
+    };
+    for step in 0..6 {
+        let items: Vec<usize> = (0..4)
+            .map(|i| step * 16 + state.process_index() * 4 + i)
+            .collect();
+        let batch: Batch<B> = Samples.batch(items, &device);
+        let _step = accelerator.accumulate(&model);
+        burn_accelerate::zero::reset_gathered_peak();
+        let relu = Relu::new();
+        let mut h = batch.x;
+        for layer in &model.layers {
+            h = relu.forward(layer.forward(h));
+        }
+        let loss = CrossEntropyLossConfig::new()
+            .init(&device)
+            .forward(h, batch.y);
+        accelerator.backward(loss, &model);
+        let bytes = burn_accelerate::zero::gathered_bytes();
+        report.gathered_peak.push(bytes.peak);
+        report.gathered_after_backward.push(bytes.alive);
+        let (next, _) = accelerator
+            .optimizer_step(&mut optim, model, &mut 0.01)
+            .unwrap();
+        model = next;
+    }
+    report.valid_parameters = parameters(&burn::module::AutodiffModule::valid(&model));
+    report.parameters = parameters(&model);
+    report
+}
+
+#[test]
+fn stage_3_holds_one_linear_layers_gathered_parameters_at_a_time_and_ends_where_stage_2_does() {
+    const TEST: &str =
+        "stage_3_holds_one_linear_layers_gathered_parameters_at_a_time_and_ends_where_stage_2_does";
+    if let Some(args) = worker::<LayeredRun>() {
+        return report(&layered_worker(&args));
+    }
+    // A linear layer's weight and bias, in f32 bytes: at most one layer's are whole at a
+    // time (its forward op, or its input gradient's backward op).
+    let layer_bytes: Vec<u64> = LAYERED_WIDTHS
+        .windows(2)
+        .map(|w| ((w[0] * w[1] + w[1]) * 4) as u64)
+        .collect();
+    let largest = *layer_bytes.iter().max().unwrap();
+    let all: u64 = layer_bytes.iter().sum();
+    for processes in [2, 3] {
+        for grad_accum in [1, 2] {
+            let run = |zero_stage: u8| -> Vec<LayeredReport> {
+                launch(
+                    TEST,
+                    processes,
+                    &LayeredRun {
+                        zero_stage,
+                        grad_accum,
+                    },
+                    &[],
+                )
+                .assert_success()
+                .reports(processes)
+            };
+            let (stage2, stage3) = (run(2), run(3));
+            for (rank, r) in stage3.iter().enumerate() {
+                let what = format!("{processes} processes, window {grad_accum}, rank {rank}");
+                // The model is built whole on every process; from the first step on, each
+                // process owns some layers and gathers the others' per use: something is
+                // gathered, never more than the largest layer at once, and nothing is left
+                // whole once the backward pass is over.
+                let peaks = &r.gathered_peak;
+                assert_eq!(peaks[..grad_accum], vec![0; grad_accum], "{what}");
+                for &peak in &peaks[grad_accum..] {
+                    assert!(peak > 0 && peak <= largest, "{what}: {peaks:?}, {largest}");
+                    assert!(peak < all, "{what}");
+                }
+                assert!(r.gathered_after_backward.iter().all(|&b| b == 0), "{what}");
+                assert_eq!(bits(&r.parameters), bits(&stage3[0].parameters), "{what}");
+                assert_eq!(
+                    bits(&r.parameters),
+                    bits(&stage2[rank].parameters),
+                    "{what}"
+                );
+                // The copy for evaluation holds the whole parameters, not placeholders.
+                assert_eq!(bits(&r.valid_parameters), bits(&r.parameters), "{what}");
+            }
+            // Stage 2 gathers nothing.
+            assert!(
+                stage2
+                    .iter()
+                    .all(|r| r.gathered_peak.iter().all(|&p| p == 0))
+            );
+        }
+    }
+}
+
 #[test]
 fn a_sharded_optimizer_state_resumes_on_any_number_of_processes_at_any_stage() {
     const TEST: &str = "a_sharded_optimizer_state_resumes_on_any_number_of_processes_at_any_stage";

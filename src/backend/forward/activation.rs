@@ -16,18 +16,25 @@ use core::ops::Range;
 
 impl<B: Backend> ActivationOps<Self> for Accelerated<B> {
     fn leaky_relu(tensor: FloatTensor<Self>, negative_slope: Scalar) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::leaky_relu(tensor, negative_slope)
     }
     fn relu(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         crate::backend::kernels::relu::<B>(tensor)
     }
     fn relu_backward(output: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        let output = crate::backend::placeholder::resolve::<B>(output);
+        let grad = crate::backend::placeholder::resolve::<B>(grad);
         B::relu_backward(output, grad)
     }
     fn gelu(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         crate::backend::kernels::gelu::<B>(tensor)
     }
     fn prelu(tensor: FloatTensor<Self>, alpha: FloatTensor<Self>) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
+        let alpha = crate::backend::placeholder::resolve::<B>(alpha);
         let colocate = Colocate::<B>::new(&[CastInput::One(&tensor), CastInput::One(&alpha)]);
         let tensor = colocate.float(tensor);
         let alpha = colocate.float(alpha);
@@ -40,36 +47,48 @@ impl<B: Backend> ActivationOps<Self> for Accelerated<B> {
         B::prelu(tensor, alpha)
     }
     fn gelu_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
+        let grad = crate::backend::placeholder::resolve::<B>(grad);
         B::gelu_backward(x, grad)
     }
     fn sigmoid(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::sigmoid(tensor)
     }
     fn sigmoid_backward(output: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        let output = crate::backend::placeholder::resolve::<B>(output);
+        let grad = crate::backend::placeholder::resolve::<B>(grad);
         B::sigmoid_backward(output, grad)
     }
     fn hard_sigmoid(tensor: FloatTensor<Self>, alpha: Scalar, beta: Scalar) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::hard_sigmoid(tensor, alpha, beta)
     }
     fn log_sigmoid(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         let plan = CastPlan::new::<B>(Op::LogSigmoid, &[CastInput::One(&tensor)]);
         let tensor = plan.cast_at::<B>(0, tensor);
         B::log_sigmoid(tensor)
     }
     fn softmax(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         let plan = CastPlan::new::<B>(Op::Softmax, &[CastInput::One(&tensor)]);
         crate::backend::kernels::softmax::<B>(&plan, tensor, dim)
     }
     fn log_softmax(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         let plan = CastPlan::new::<B>(Op::LogSoftmax, &[CastInput::One(&tensor)]);
         crate::backend::kernels::log_softmax::<B>(&plan, tensor, dim)
     }
     fn softmin(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         let plan = CastPlan::new::<B>(Op::Softmin, &[CastInput::One(&tensor)]);
         let tensor = plan.cast_at::<B>(0, tensor);
         B::softmin(tensor, dim)
     }
     fn log_sigmoid_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
+        let grad = crate::backend::placeholder::resolve::<B>(grad);
         B::log_sigmoid_backward(x, grad)
     }
 }

@@ -43,24 +43,30 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
     fn float_into_data(
         tensor: FloatTensor<Self>,
     ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_into_data(tensor)
     }
     fn float_device(tensor: &FloatTensor<Self>) -> Device<Self> {
         B::float_device(tensor)
     }
     fn float_to_device(tensor: FloatTensor<Self>, device: &Device<Self>) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         placement::float_to_device::<B>(tensor, device)
     }
     fn float_into_int(tensor: FloatTensor<Self>, out_dtype: IntDType) -> IntTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_into_int(tensor, out_dtype)
     }
     fn float_empty(shape: Shape, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> {
         B::float_empty(shape, device, dtype)
     }
     fn float_repeat_dim(tensor: FloatTensor<Self>, dim: usize, times: usize) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_repeat_dim(tensor, dim, times)
     }
     fn float_add(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        let lhs = crate::backend::placeholder::resolve::<B>(lhs);
+        let rhs = crate::backend::placeholder::resolve::<B>(rhs);
         let colocate = Colocate::<B>::new(&[CastInput::One(&lhs), CastInput::One(&rhs)]);
         let lhs = colocate.float(lhs);
         let rhs = colocate.float(rhs);
@@ -70,18 +76,24 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         crate::backend::kernels::add::<B>(lhs, rhs)
     }
     fn float_add_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
+        let lhs = crate::backend::placeholder::resolve::<B>(lhs);
         crate::backend::kernels::add_scalar::<B>(lhs, rhs)
     }
     fn float_clamp_min(tensor: FloatTensor<Self>, min: Scalar) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_clamp_min(tensor, min)
     }
     fn float_clamp_max(tensor: FloatTensor<Self>, max: Scalar) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_clamp_max(tensor, max)
     }
     fn float_clamp(tensor: FloatTensor<Self>, min: Scalar, max: Scalar) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_clamp(tensor, min, max)
     }
     fn float_sub(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        let lhs = crate::backend::placeholder::resolve::<B>(lhs);
+        let rhs = crate::backend::placeholder::resolve::<B>(rhs);
         let colocate = Colocate::<B>::new(&[CastInput::One(&lhs), CastInput::One(&rhs)]);
         let lhs = colocate.float(lhs);
         let rhs = colocate.float(rhs);
@@ -91,9 +103,12 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         crate::backend::kernels::sub::<B>(lhs, rhs)
     }
     fn float_sub_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
+        let lhs = crate::backend::placeholder::resolve::<B>(lhs);
         crate::backend::kernels::sub_scalar::<B>(lhs, rhs)
     }
     fn float_mul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        let lhs = crate::backend::placeholder::resolve::<B>(lhs);
+        let rhs = crate::backend::placeholder::resolve::<B>(rhs);
         let colocate = Colocate::<B>::new(&[CastInput::One(&lhs), CastInput::One(&rhs)]);
         let lhs = colocate.float(lhs);
         let rhs = colocate.float(rhs);
@@ -103,9 +118,12 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         crate::backend::kernels::mul::<B>(lhs, rhs)
     }
     fn float_mul_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
+        let lhs = crate::backend::placeholder::resolve::<B>(lhs);
         crate::backend::kernels::mul_scalar::<B>(lhs, rhs)
     }
     fn float_div(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        let lhs = crate::backend::placeholder::resolve::<B>(lhs);
+        let rhs = crate::backend::placeholder::resolve::<B>(rhs);
         let colocate = Colocate::<B>::new(&[CastInput::One(&lhs), CastInput::One(&rhs)]);
         let lhs = colocate.float(lhs);
         let rhs = colocate.float(rhs);
@@ -115,9 +133,12 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         crate::backend::kernels::div::<B>(lhs, rhs)
     }
     fn float_div_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
+        let lhs = crate::backend::placeholder::resolve::<B>(lhs);
         crate::backend::kernels::div_scalar::<B>(lhs, rhs)
     }
     fn float_remainder(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        let lhs = crate::backend::placeholder::resolve::<B>(lhs);
+        let rhs = crate::backend::placeholder::resolve::<B>(rhs);
         let colocate = Colocate::<B>::new(&[CastInput::One(&lhs), CastInput::One(&rhs)]);
         let lhs = colocate.float(lhs);
         let rhs = colocate.float(rhs);
@@ -127,9 +148,12 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         B::float_remainder(lhs, rhs)
     }
     fn float_remainder_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
+        let lhs = crate::backend::placeholder::resolve::<B>(lhs);
         B::float_remainder_scalar(lhs, rhs)
     }
     fn float_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        let lhs = crate::backend::placeholder::resolve::<B>(lhs);
+        let rhs = crate::backend::placeholder::resolve::<B>(rhs);
         let colocate = Colocate::<B>::new(&[CastInput::One(&lhs), CastInput::One(&rhs)]);
         let lhs = colocate.float(lhs);
         let rhs = colocate.float(rhs);
@@ -143,6 +167,8 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         rhs: FloatTensor<Self>,
         dim: usize,
     ) -> FloatTensor<Self> {
+        let lhs = crate::backend::placeholder::resolve::<B>(lhs);
+        let rhs = crate::backend::placeholder::resolve::<B>(rhs);
         let colocate = Colocate::<B>::new(&[CastInput::One(&lhs), CastInput::One(&rhs)]);
         let lhs = colocate.float(lhs);
         let rhs = colocate.float(rhs);
@@ -152,26 +178,33 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         B::float_cross(lhs, rhs, dim)
     }
     fn float_neg(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_neg(tensor)
     }
     fn float_recip(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         let plan = CastPlan::new::<B>(Op::Recip, &[CastInput::One(&tensor)]);
         let tensor = plan.cast_at::<B>(0, tensor);
         B::float_recip(tensor)
     }
     fn float_transpose(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_transpose(tensor)
     }
     fn float_swap_dims(tensor: FloatTensor<Self>, dim1: usize, dim2: usize) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_swap_dims(tensor, dim1, dim2)
     }
     fn float_permute(tensor: FloatTensor<Self>, axes: &[usize]) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_permute(tensor, axes)
     }
     fn float_flip(tensor: FloatTensor<Self>, axes: &[usize]) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_flip(tensor, axes)
     }
     fn float_reshape(tensor: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         crate::backend::kernels::reshape::<B>(tensor, shape)
     }
     fn float_gather(
@@ -179,6 +212,7 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         tensor: FloatTensor<Self>,
         indices: IntTensor<Self>,
     ) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_gather(dim, tensor, indices)
     }
     fn float_scatter_add(
@@ -187,6 +221,8 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         indices: IntTensor<Self>,
         value: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
+        let value = crate::backend::placeholder::resolve::<B>(value);
         let colocate = Colocate::<B>::new(&[CastInput::One(&tensor), CastInput::One(&value)]);
         let tensor = colocate.float(tensor);
         let indices = colocate.int(indices);
@@ -205,9 +241,12 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         _values: FloatTensor<Self>,
         _reduction: burn_backend::tensor::IndexingUpdateOp,
     ) -> FloatTensor<Self> {
+        let _data = crate::backend::placeholder::resolve::<B>(_data);
+        let _values = crate::backend::placeholder::resolve::<B>(_values);
         B::float_scatter_nd(_data, _indices, _values, _reduction)
     }
     fn float_gather_nd(_data: FloatTensor<Self>, _indices: IntTensor<Self>) -> FloatTensor<Self> {
+        let _data = crate::backend::placeholder::resolve::<B>(_data);
         B::float_gather_nd(_data, _indices)
     }
     fn float_select(
@@ -215,6 +254,7 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         dim: usize,
         indices: IntTensor<Self>,
     ) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_select(tensor, dim, indices)
     }
     fn float_select_add(
@@ -223,6 +263,8 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         indices: IntTensor<Self>,
         value: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
+        let value = crate::backend::placeholder::resolve::<B>(value);
         let colocate = Colocate::<B>::new(&[CastInput::One(&tensor), CastInput::One(&value)]);
         let tensor = colocate.float(tensor);
         let indices = colocate.int(indices);
@@ -236,6 +278,7 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         B::float_select_add(tensor, dim, indices, value)
     }
     fn float_slice(tensor: FloatTensor<Self>, slices: &[Slice]) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_slice(tensor, slices)
     }
     fn float_slice_assign(
@@ -243,6 +286,8 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         slices: &[Slice],
         value: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
+        let value = crate::backend::placeholder::resolve::<B>(value);
         let colocate = Colocate::<B>::new(&[CastInput::One(&tensor), CastInput::One(&value)]);
         let tensor = colocate.float(tensor);
         let value = colocate.float(value);
@@ -259,6 +304,8 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         mask: BoolTensor<Self>,
         value: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
+        let value = crate::backend::placeholder::resolve::<B>(value);
         let colocate = Colocate::<B>::new(&[CastInput::One(&tensor), CastInput::One(&value)]);
         let tensor = colocate.float(tensor);
         let mask = colocate.bool(mask);
@@ -276,6 +323,7 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         mask: BoolTensor<Self>,
         value: Scalar,
     ) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         crate::backend::kernels::mask_fill::<B>(tensor, mask, value)
     }
     fn float_equal(
@@ -283,6 +331,8 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         rhs: FloatTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        let lhs = crate::backend::placeholder::resolve::<B>(lhs);
+        let rhs = crate::backend::placeholder::resolve::<B>(rhs);
         let colocate = Colocate::<B>::new(&[CastInput::One(&lhs), CastInput::One(&rhs)]);
         let lhs = colocate.float(lhs);
         let rhs = colocate.float(rhs);
@@ -296,6 +346,8 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         rhs: FloatTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        let lhs = crate::backend::placeholder::resolve::<B>(lhs);
+        let rhs = crate::backend::placeholder::resolve::<B>(rhs);
         let colocate = Colocate::<B>::new(&[CastInput::One(&lhs), CastInput::One(&rhs)]);
         let lhs = colocate.float(lhs);
         let rhs = colocate.float(rhs);
@@ -309,6 +361,7 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        let lhs = crate::backend::placeholder::resolve::<B>(lhs);
         B::float_equal_elem(lhs, rhs, out_dtype)
     }
     fn float_not_equal_elem(
@@ -316,6 +369,7 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        let lhs = crate::backend::placeholder::resolve::<B>(lhs);
         B::float_not_equal_elem(lhs, rhs, out_dtype)
     }
     fn float_greater(
@@ -323,6 +377,8 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         rhs: FloatTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        let lhs = crate::backend::placeholder::resolve::<B>(lhs);
+        let rhs = crate::backend::placeholder::resolve::<B>(rhs);
         let colocate = Colocate::<B>::new(&[CastInput::One(&lhs), CastInput::One(&rhs)]);
         let lhs = colocate.float(lhs);
         let rhs = colocate.float(rhs);
@@ -336,6 +392,7 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        let lhs = crate::backend::placeholder::resolve::<B>(lhs);
         B::float_greater_elem(lhs, rhs, out_dtype)
     }
     fn float_greater_equal(
@@ -343,6 +400,8 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         rhs: FloatTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        let lhs = crate::backend::placeholder::resolve::<B>(lhs);
+        let rhs = crate::backend::placeholder::resolve::<B>(rhs);
         let colocate = Colocate::<B>::new(&[CastInput::One(&lhs), CastInput::One(&rhs)]);
         let lhs = colocate.float(lhs);
         let rhs = colocate.float(rhs);
@@ -359,6 +418,7 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        let lhs = crate::backend::placeholder::resolve::<B>(lhs);
         B::float_greater_equal_elem(lhs, rhs, out_dtype)
     }
     fn float_lower(
@@ -366,6 +426,8 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         rhs: FloatTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        let lhs = crate::backend::placeholder::resolve::<B>(lhs);
+        let rhs = crate::backend::placeholder::resolve::<B>(rhs);
         let colocate = Colocate::<B>::new(&[CastInput::One(&lhs), CastInput::One(&rhs)]);
         let lhs = colocate.float(lhs);
         let rhs = colocate.float(rhs);
@@ -379,6 +441,7 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        let lhs = crate::backend::placeholder::resolve::<B>(lhs);
         B::float_lower_elem(lhs, rhs, out_dtype)
     }
     fn float_lower_equal(
@@ -386,6 +449,8 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         rhs: FloatTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        let lhs = crate::backend::placeholder::resolve::<B>(lhs);
+        let rhs = crate::backend::placeholder::resolve::<B>(rhs);
         let colocate = Colocate::<B>::new(&[CastInput::One(&lhs), CastInput::One(&rhs)]);
         let lhs = colocate.float(lhs);
         let rhs = colocate.float(rhs);
@@ -399,82 +464,101 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        let lhs = crate::backend::placeholder::resolve::<B>(lhs);
         B::float_lower_equal_elem(lhs, rhs, out_dtype)
     }
     fn float_detach(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_detach(tensor)
     }
     fn float_set_require_grad(tensor: FloatTensor<Self>, _require_grad: bool) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_set_require_grad(tensor, _require_grad)
     }
     fn float_is_require_grad(_tensor: &FloatTensor<Self>) -> bool {
         B::float_is_require_grad(_tensor)
     }
     fn float_sum(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         let plan = CastPlan::new::<B>(Op::Sum, &[CastInput::One(&tensor)]);
         let tensor = plan.cast_at::<B>(0, tensor);
         B::float_sum(tensor)
     }
     fn float_sum_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         let plan = CastPlan::new::<B>(Op::SumDim, &[CastInput::One(&tensor)]);
         let tensor = plan.cast_at::<B>(0, tensor);
         B::float_sum_dim(tensor, dim)
     }
     fn float_prod(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         let plan = CastPlan::new::<B>(Op::Prod, &[CastInput::One(&tensor)]);
         let tensor = plan.cast_at::<B>(0, tensor);
         B::float_prod(tensor)
     }
     fn float_prod_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         let plan = CastPlan::new::<B>(Op::ProdDim, &[CastInput::One(&tensor)]);
         let tensor = plan.cast_at::<B>(0, tensor);
         B::float_prod_dim(tensor, dim)
     }
     fn float_mean(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         let plan = CastPlan::new::<B>(Op::Mean, &[CastInput::One(&tensor)]);
         let tensor = plan.cast_at::<B>(0, tensor);
         B::float_mean(tensor)
     }
     fn float_mean_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         let plan = CastPlan::new::<B>(Op::MeanDim, &[CastInput::One(&tensor)]);
         let tensor = plan.cast_at::<B>(0, tensor);
         B::float_mean_dim(tensor, dim)
     }
     fn float_cumsum(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         let plan = CastPlan::new::<B>(Op::Cumsum, &[CastInput::One(&tensor)]);
         let tensor = plan.cast_at::<B>(0, tensor);
         B::float_cumsum(tensor, dim)
     }
     fn float_cumprod(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         let plan = CastPlan::new::<B>(Op::Cumprod, &[CastInput::One(&tensor)]);
         let tensor = plan.cast_at::<B>(0, tensor);
         B::float_cumprod(tensor, dim)
     }
     fn float_cummin(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_cummin(tensor, dim)
     }
     fn float_cummax(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_cummax(tensor, dim)
     }
     fn float_cast(tensor: FloatTensor<Self>, dtype: FloatDType) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_cast(tensor, dtype)
     }
     fn float_exp(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         let plan = CastPlan::new::<B>(Op::Exp, &[CastInput::One(&tensor)]);
         let tensor = plan.cast_at::<B>(0, tensor);
         B::float_exp(tensor)
     }
     fn float_log(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         let plan = CastPlan::new::<B>(Op::Log, &[CastInput::One(&tensor)]);
         let tensor = plan.cast_at::<B>(0, tensor);
         B::float_log(tensor)
     }
     fn float_log1p(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         let plan = CastPlan::new::<B>(Op::Log1p, &[CastInput::One(&tensor)]);
         let tensor = plan.cast_at::<B>(0, tensor);
         B::float_log1p(tensor)
     }
     fn float_powf(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        let lhs = crate::backend::placeholder::resolve::<B>(lhs);
+        let rhs = crate::backend::placeholder::resolve::<B>(rhs);
         let colocate = Colocate::<B>::new(&[CastInput::One(&lhs), CastInput::One(&rhs)]);
         let lhs = colocate.float(lhs);
         let rhs = colocate.float(rhs);
@@ -484,79 +568,100 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         B::float_powf(lhs, rhs)
     }
     fn float_powi(lhs: FloatTensor<Self>, rhs: IntTensor<Self>) -> FloatTensor<Self> {
+        let lhs = crate::backend::placeholder::resolve::<B>(lhs);
         B::float_powi(lhs, rhs)
     }
     fn float_powi_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
+        let lhs = crate::backend::placeholder::resolve::<B>(lhs);
         let plan = CastPlan::new::<B>(Op::PowiScalar, &[CastInput::One(&lhs)]);
         let lhs = plan.cast_at::<B>(0, lhs);
         B::float_powi_scalar(lhs, rhs)
     }
     fn float_powi_scalar_impl(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
+        let lhs = crate::backend::placeholder::resolve::<B>(lhs);
         B::float_powi_scalar_impl(lhs, rhs)
     }
     fn float_powf_scalar(tensor: FloatTensor<Self>, value: Scalar) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         let plan = CastPlan::new::<B>(Op::PowfScalar, &[CastInput::One(&tensor)]);
         let tensor = plan.cast_at::<B>(0, tensor);
         B::float_powf_scalar(tensor, value)
     }
     fn float_powf_scalar_impl(tensor: FloatTensor<Self>, value: Scalar) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_powf_scalar_impl(tensor, value)
     }
     fn float_sqrt(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         let plan = CastPlan::new::<B>(Op::Sqrt, &[CastInput::One(&tensor)]);
         let tensor = plan.cast_at::<B>(0, tensor);
         B::float_sqrt(tensor)
     }
     fn float_abs(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_abs(tensor)
     }
     fn float_cos(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_cos(tensor)
     }
     fn float_sin(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_sin(tensor)
     }
     fn float_tan(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         let plan = CastPlan::new::<B>(Op::Tan, &[CastInput::One(&tensor)]);
         let tensor = plan.cast_at::<B>(0, tensor);
         B::float_tan(tensor)
     }
     fn float_cosh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         let plan = CastPlan::new::<B>(Op::Cosh, &[CastInput::One(&tensor)]);
         let tensor = plan.cast_at::<B>(0, tensor);
         B::float_cosh(tensor)
     }
     fn float_sinh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         let plan = CastPlan::new::<B>(Op::Sinh, &[CastInput::One(&tensor)]);
         let tensor = plan.cast_at::<B>(0, tensor);
         B::float_sinh(tensor)
     }
     fn float_tanh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_tanh(tensor)
     }
     fn float_acos(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         let plan = CastPlan::new::<B>(Op::Acos, &[CastInput::One(&tensor)]);
         let tensor = plan.cast_at::<B>(0, tensor);
         B::float_acos(tensor)
     }
     fn float_acosh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_acosh(tensor)
     }
     fn float_asin(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         let plan = CastPlan::new::<B>(Op::Asin, &[CastInput::One(&tensor)]);
         let tensor = plan.cast_at::<B>(0, tensor);
         B::float_asin(tensor)
     }
     fn float_asinh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_asinh(tensor)
     }
     fn float_atan(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_atan(tensor)
     }
     fn float_atanh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_atanh(tensor)
     }
     fn float_atan2(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        let lhs = crate::backend::placeholder::resolve::<B>(lhs);
+        let rhs = crate::backend::placeholder::resolve::<B>(rhs);
         let colocate = Colocate::<B>::new(&[CastInput::One(&lhs), CastInput::One(&rhs)]);
         let lhs = colocate.float(lhs);
         let rhs = colocate.float(rhs);
@@ -566,23 +671,29 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         B::float_atan2(lhs, rhs)
     }
     fn float_round(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_round(tensor)
     }
     fn float_floor(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_floor(tensor)
     }
     fn float_ceil(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_ceil(tensor)
     }
     fn float_trunc(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_trunc(tensor)
     }
     fn float_erf(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         let plan = CastPlan::new::<B>(Op::Erf, &[CastInput::One(&tensor)]);
         let tensor = plan.cast_at::<B>(0, tensor);
         B::float_erf(tensor)
     }
     fn float_cat(tensors: Vec<FloatTensor<Self>>, dim: usize) -> FloatTensor<Self> {
+        let tensors = crate::backend::placeholder::resolve_vec::<B>(tensors);
         let colocate = Colocate::<B>::new(&[CastInput::Many(&tensors)]);
         let tensors = colocate.float_vec(tensors);
         let plan = CastPlan::new::<B>(Op::Cat, &[CastInput::Many(&tensors)]);
@@ -590,6 +701,7 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         B::float_cat(tensors, dim)
     }
     fn float_argmax(tensor: FloatTensor<Self>, dim: usize, out_dtype: IntDType) -> IntTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_argmax(tensor, dim, out_dtype)
     }
     fn float_argtopk(
@@ -598,18 +710,23 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         k: usize,
         out_dtype: IntDType,
     ) -> IntTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_argtopk(tensor, dim, k, out_dtype)
     }
     fn float_topk(tensor: FloatTensor<Self>, dim: usize, k: usize) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_topk(tensor, dim, k)
     }
     fn float_argmin(tensor: FloatTensor<Self>, dim: usize, out_dtype: IntDType) -> IntTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_argmin(tensor, dim, out_dtype)
     }
     fn float_max(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_max(tensor)
     }
     fn float_max_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_max_dim(tensor, dim)
     }
     fn float_max_dim_with_indices(
@@ -617,12 +734,15 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         dim: usize,
         indices_dtype: IntDType,
     ) -> (FloatTensor<Self>, IntTensor<Self>) {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_max_dim_with_indices(tensor, dim, indices_dtype)
     }
     fn float_min(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_min(tensor)
     }
     fn float_min_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_min_dim(tensor, dim)
     }
     fn float_min_dim_with_indices(
@@ -630,15 +750,19 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         dim: usize,
         indices_dtype: IntDType,
     ) -> (FloatTensor<Self>, IntTensor<Self>) {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_min_dim_with_indices(tensor, dim, indices_dtype)
     }
     fn float_max_abs(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_max_abs(tensor)
     }
     fn float_max_abs_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_max_abs_dim(tensor, dim)
     }
     fn float_any(tensor: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_any(tensor, out_dtype)
     }
     fn float_any_dim(
@@ -646,9 +770,11 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         dim: usize,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_any_dim(tensor, dim, out_dtype)
     }
     fn float_all(tensor: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_all(tensor, out_dtype)
     }
     fn float_all_dim(
@@ -656,15 +782,19 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         dim: usize,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_all_dim(tensor, dim, out_dtype)
     }
     fn float_sign(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_sign(tensor)
     }
     fn float_expand(tensor: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_expand(tensor, shape)
     }
     fn float_sort(tensor: FloatTensor<Self>, dim: usize, descending: bool) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_sort(tensor, dim, descending)
     }
     fn float_sort_with_indices(
@@ -673,6 +803,7 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         descending: bool,
         indices_dtype: IntDType,
     ) -> (FloatTensor<Self>, IntTensor<Self>) {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_sort_with_indices(tensor, dim, descending, indices_dtype)
     }
     fn float_argsort(
@@ -681,6 +812,7 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         descending: bool,
         out_dtype: IntDType,
     ) -> IntTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_argsort(tensor, dim, descending, out_dtype)
     }
     fn float_grid_sample_2d(
@@ -688,6 +820,8 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         grid: FloatTensor<Self>,
         options: GridSampleOptions,
     ) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
+        let grid = crate::backend::placeholder::resolve::<B>(grid);
         let colocate = Colocate::<B>::new(&[CastInput::One(&tensor), CastInput::One(&grid)]);
         let tensor = colocate.float(tensor);
         let grid = colocate.float(grid);
@@ -705,12 +839,15 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         size: usize,
         step: usize,
     ) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_unfold(tensor, dim, size, step)
     }
     fn float_is_nan(tensor: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_is_nan(tensor, out_dtype)
     }
     fn float_is_inf(tensor: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::float_is_inf(tensor, out_dtype)
     }
 }

@@ -16,6 +16,7 @@ use core::ops::Range;
 
 impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
     fn embedding(weights: FloatTensor<Self>, indices: IntTensor<Self>) -> FloatTensor<Self> {
+        let weights = crate::backend::placeholder::resolve::<B>(weights);
         B::embedding(weights, indices)
     }
     fn embedding_backward(
@@ -23,6 +24,8 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         output_grad: FloatTensor<Self>,
         indices: IntTensor<Self>,
     ) -> FloatTensor<Self> {
+        let weights = crate::backend::placeholder::resolve::<B>(weights);
+        let output_grad = crate::backend::placeholder::resolve::<B>(output_grad);
         B::embedding_backward(weights, output_grad, indices)
     }
     fn linear(
@@ -30,6 +33,13 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         weight: FloatTensor<Self>,
         bias: Option<FloatTensor<Self>>,
     ) -> FloatTensor<Self> {
+        let (x, weight, bias) = match crate::backend::placeholder::linear::<B>(x, weight, bias) {
+            Ok(output) => return output,
+            Err(inputs) => inputs,
+        };
+        let x = crate::backend::placeholder::resolve::<B>(x);
+        let weight = crate::backend::placeholder::resolve::<B>(weight);
+        let bias = crate::backend::placeholder::resolve_opt::<B>(bias);
         let colocate = Colocate::<B>::new(&[
             CastInput::One(&x),
             CastInput::One(&weight),
@@ -55,15 +65,20 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         weight: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        let weight = crate::backend::placeholder::resolve::<B>(weight);
+        let output_grad = crate::backend::placeholder::resolve::<B>(output_grad);
         B::linear_x_backward(weight, output_grad)
     }
     fn linear_weight_backward(
         x: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
+        let output_grad = crate::backend::placeholder::resolve::<B>(output_grad);
         B::linear_weight_backward(x, output_grad)
     }
     fn linear_bias_backward(output_grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        let output_grad = crate::backend::placeholder::resolve::<B>(output_grad);
         B::linear_bias_backward(output_grad)
     }
     fn conv1d(
@@ -72,6 +87,9 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         bias: Option<FloatTensor<Self>>,
         options: ConvOptions<1>,
     ) -> FloatTensor<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
+        let weight = crate::backend::placeholder::resolve::<B>(weight);
+        let bias = crate::backend::placeholder::resolve_opt::<B>(bias);
         let colocate = Colocate::<B>::new(&[
             CastInput::One(&x),
             CastInput::One(&weight),
@@ -99,6 +117,9 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         output_grad: FloatTensor<Self>,
         options: ConvOptions<1>,
     ) -> FloatTensor<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
+        let weight = crate::backend::placeholder::resolve::<B>(weight);
+        let output_grad = crate::backend::placeholder::resolve::<B>(output_grad);
         B::conv1d_x_backward(x, weight, output_grad, options)
     }
     fn conv1d_weight_backward(
@@ -107,6 +128,9 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         output_grad: FloatTensor<Self>,
         options: ConvOptions<1>,
     ) -> FloatTensor<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
+        let weight = crate::backend::placeholder::resolve::<B>(weight);
+        let output_grad = crate::backend::placeholder::resolve::<B>(output_grad);
         B::conv1d_weight_backward(x, weight, output_grad, options)
     }
     fn conv1d_bias_backward(
@@ -114,6 +138,9 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         bias: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
+        let bias = crate::backend::placeholder::resolve::<B>(bias);
+        let output_grad = crate::backend::placeholder::resolve::<B>(output_grad);
         B::conv1d_bias_backward(x, bias, output_grad)
     }
     fn conv2d(
@@ -122,6 +149,9 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         bias: Option<FloatTensor<Self>>,
         options: ConvOptions<2>,
     ) -> FloatTensor<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
+        let weight = crate::backend::placeholder::resolve::<B>(weight);
+        let bias = crate::backend::placeholder::resolve_opt::<B>(bias);
         let colocate = Colocate::<B>::new(&[
             CastInput::One(&x),
             CastInput::One(&weight),
@@ -149,6 +179,9 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         output_grad: FloatTensor<Self>,
         options: ConvOptions<2>,
     ) -> FloatTensor<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
+        let weight = crate::backend::placeholder::resolve::<B>(weight);
+        let output_grad = crate::backend::placeholder::resolve::<B>(output_grad);
         B::conv2d_x_backward(x, weight, output_grad, options)
     }
     fn conv2d_weight_backward(
@@ -157,6 +190,9 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         output_grad: FloatTensor<Self>,
         options: ConvOptions<2>,
     ) -> FloatTensor<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
+        let weight = crate::backend::placeholder::resolve::<B>(weight);
+        let output_grad = crate::backend::placeholder::resolve::<B>(output_grad);
         B::conv2d_weight_backward(x, weight, output_grad, options)
     }
     fn conv2d_bias_backward(
@@ -164,6 +200,9 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         bias: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
+        let bias = crate::backend::placeholder::resolve::<B>(bias);
+        let output_grad = crate::backend::placeholder::resolve::<B>(output_grad);
         B::conv2d_bias_backward(x, bias, output_grad)
     }
     fn deform_conv2d(
@@ -174,6 +213,11 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         bias: Option<FloatTensor<Self>>,
         options: DeformConvOptions<2>,
     ) -> FloatTensor<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
+        let offset = crate::backend::placeholder::resolve::<B>(offset);
+        let weight = crate::backend::placeholder::resolve::<B>(weight);
+        let mask = crate::backend::placeholder::resolve_opt::<B>(mask);
+        let bias = crate::backend::placeholder::resolve_opt::<B>(bias);
         let colocate = Colocate::<B>::new(&[
             CastInput::One(&x),
             CastInput::One(&offset),
@@ -212,6 +256,12 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         output_grad: FloatTensor<Self>,
         options: DeformConvOptions<2>,
     ) -> DeformConv2dBackward<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
+        let offset = crate::backend::placeholder::resolve::<B>(offset);
+        let weight = crate::backend::placeholder::resolve::<B>(weight);
+        let mask = crate::backend::placeholder::resolve_opt::<B>(mask);
+        let bias = crate::backend::placeholder::resolve_opt::<B>(bias);
+        let output_grad = crate::backend::placeholder::resolve::<B>(output_grad);
         B::deform_conv2d_backward(x, offset, weight, mask, bias, output_grad, options).rewrap()
     }
     fn conv3d(
@@ -220,6 +270,9 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         bias: Option<FloatTensor<Self>>,
         options: ConvOptions<3>,
     ) -> FloatTensor<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
+        let weight = crate::backend::placeholder::resolve::<B>(weight);
+        let bias = crate::backend::placeholder::resolve_opt::<B>(bias);
         let colocate = Colocate::<B>::new(&[
             CastInput::One(&x),
             CastInput::One(&weight),
@@ -247,6 +300,9 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         output_grad: FloatTensor<Self>,
         options: ConvOptions<3>,
     ) -> FloatTensor<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
+        let weight = crate::backend::placeholder::resolve::<B>(weight);
+        let output_grad = crate::backend::placeholder::resolve::<B>(output_grad);
         B::conv3d_x_backward(x, weight, output_grad, options)
     }
     fn conv3d_weight_backward(
@@ -255,6 +311,9 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         output_grad: FloatTensor<Self>,
         options: ConvOptions<3>,
     ) -> FloatTensor<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
+        let weight = crate::backend::placeholder::resolve::<B>(weight);
+        let output_grad = crate::backend::placeholder::resolve::<B>(output_grad);
         B::conv3d_weight_backward(x, weight, output_grad, options)
     }
     fn conv3d_bias_backward(
@@ -262,6 +321,9 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         bias: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
+        let bias = crate::backend::placeholder::resolve::<B>(bias);
+        let output_grad = crate::backend::placeholder::resolve::<B>(output_grad);
         B::conv3d_bias_backward(x, bias, output_grad)
     }
     fn conv_transpose1d(
@@ -270,6 +332,9 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         bias: Option<FloatTensor<Self>>,
         options: ConvTransposeOptions<1>,
     ) -> FloatTensor<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
+        let weight = crate::backend::placeholder::resolve::<B>(weight);
+        let bias = crate::backend::placeholder::resolve_opt::<B>(bias);
         let colocate = Colocate::<B>::new(&[
             CastInput::One(&x),
             CastInput::One(&weight),
@@ -296,6 +361,8 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         output_grad: FloatTensor<Self>,
         options: ConvTransposeOptions<1>,
     ) -> FloatTensor<Self> {
+        let weight = crate::backend::placeholder::resolve::<B>(weight);
+        let output_grad = crate::backend::placeholder::resolve::<B>(output_grad);
         B::conv_transpose1d_x_backward(weight, output_grad, options)
     }
     fn conv_transpose1d_weight_backward(
@@ -304,6 +371,9 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         output_grad: FloatTensor<Self>,
         options: ConvTransposeOptions<1>,
     ) -> FloatTensor<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
+        let weight = crate::backend::placeholder::resolve::<B>(weight);
+        let output_grad = crate::backend::placeholder::resolve::<B>(output_grad);
         B::conv_transpose1d_weight_backward(x, weight, output_grad, options)
     }
     fn conv_transpose1d_bias_backward(
@@ -311,6 +381,9 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         bias: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
+        let bias = crate::backend::placeholder::resolve::<B>(bias);
+        let output_grad = crate::backend::placeholder::resolve::<B>(output_grad);
         B::conv_transpose1d_bias_backward(x, bias, output_grad)
     }
     fn conv_transpose2d(
@@ -319,6 +392,9 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         bias: Option<FloatTensor<Self>>,
         options: ConvTransposeOptions<2>,
     ) -> FloatTensor<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
+        let weight = crate::backend::placeholder::resolve::<B>(weight);
+        let bias = crate::backend::placeholder::resolve_opt::<B>(bias);
         let colocate = Colocate::<B>::new(&[
             CastInput::One(&x),
             CastInput::One(&weight),
@@ -345,6 +421,8 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         output_grad: FloatTensor<Self>,
         options: ConvTransposeOptions<2>,
     ) -> FloatTensor<Self> {
+        let weight = crate::backend::placeholder::resolve::<B>(weight);
+        let output_grad = crate::backend::placeholder::resolve::<B>(output_grad);
         B::conv_transpose2d_x_backward(weight, output_grad, options)
     }
     fn conv_transpose2d_weight_backward(
@@ -353,6 +431,9 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         output_grad: FloatTensor<Self>,
         options: ConvTransposeOptions<2>,
     ) -> FloatTensor<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
+        let weight = crate::backend::placeholder::resolve::<B>(weight);
+        let output_grad = crate::backend::placeholder::resolve::<B>(output_grad);
         B::conv_transpose2d_weight_backward(x, weight, output_grad, options)
     }
     fn conv_transpose2d_bias_backward(
@@ -360,6 +441,9 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         bias: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
+        let bias = crate::backend::placeholder::resolve::<B>(bias);
+        let output_grad = crate::backend::placeholder::resolve::<B>(output_grad);
         B::conv_transpose2d_bias_backward(x, bias, output_grad)
     }
     fn conv_transpose3d(
@@ -368,6 +452,9 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         bias: Option<FloatTensor<Self>>,
         options: ConvTransposeOptions<3>,
     ) -> FloatTensor<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
+        let weight = crate::backend::placeholder::resolve::<B>(weight);
+        let bias = crate::backend::placeholder::resolve_opt::<B>(bias);
         let colocate = Colocate::<B>::new(&[
             CastInput::One(&x),
             CastInput::One(&weight),
@@ -394,6 +481,8 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         output_grad: FloatTensor<Self>,
         options: ConvTransposeOptions<3>,
     ) -> FloatTensor<Self> {
+        let weight = crate::backend::placeholder::resolve::<B>(weight);
+        let output_grad = crate::backend::placeholder::resolve::<B>(output_grad);
         B::conv_transpose3d_x_backward(weight, output_grad, options)
     }
     fn conv_transpose3d_weight_backward(
@@ -402,6 +491,9 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         output_grad: FloatTensor<Self>,
         options: ConvTransposeOptions<3>,
     ) -> FloatTensor<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
+        let weight = crate::backend::placeholder::resolve::<B>(weight);
+        let output_grad = crate::backend::placeholder::resolve::<B>(output_grad);
         B::conv_transpose3d_weight_backward(x, weight, output_grad, options)
     }
     fn conv_transpose3d_bias_backward(
@@ -409,6 +501,9 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         bias: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
+        let bias = crate::backend::placeholder::resolve::<B>(bias);
+        let output_grad = crate::backend::placeholder::resolve::<B>(output_grad);
         B::conv_transpose3d_bias_backward(x, bias, output_grad)
     }
     fn unfold4d(
@@ -416,6 +511,7 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         kernel_size: [usize; 2],
         options: UnfoldOptions,
     ) -> FloatTensor<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
         B::unfold4d(x, kernel_size, options)
     }
     fn avg_pool1d(
@@ -426,6 +522,7 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         count_include_pad: bool,
         ceil_mode: bool,
     ) -> FloatTensor<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
         B::avg_pool1d(
             x,
             kernel_size,
@@ -444,6 +541,8 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         count_include_pad: bool,
         ceil_mode: bool,
     ) -> FloatTensor<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
+        let grad = crate::backend::placeholder::resolve::<B>(grad);
         B::avg_pool1d_backward(
             x,
             grad,
@@ -462,6 +561,7 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         count_include_pad: bool,
         ceil_mode: bool,
     ) -> FloatTensor<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
         B::avg_pool2d(
             x,
             kernel_size,
@@ -480,6 +580,8 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         count_include_pad: bool,
         ceil_mode: bool,
     ) -> FloatTensor<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
+        let grad = crate::backend::placeholder::resolve::<B>(grad);
         B::avg_pool2d_backward(
             x,
             grad,
@@ -491,21 +593,27 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         )
     }
     fn adaptive_avg_pool2d(x: FloatTensor<Self>, output_size: [usize; 2]) -> FloatTensor<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
         B::adaptive_avg_pool2d(x, output_size)
     }
     fn adaptive_avg_pool2d_backward(
         x: FloatTensor<Self>,
         grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
+        let grad = crate::backend::placeholder::resolve::<B>(grad);
         B::adaptive_avg_pool2d_backward(x, grad)
     }
     fn adaptive_avg_pool1d(x: FloatTensor<Self>, output_size: usize) -> FloatTensor<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
         B::adaptive_avg_pool1d(x, output_size)
     }
     fn adaptive_avg_pool1d_backward(
         x: FloatTensor<Self>,
         grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
+        let grad = crate::backend::placeholder::resolve::<B>(grad);
         B::adaptive_avg_pool1d_backward(x, grad)
     }
     fn max_pool1d(
@@ -516,6 +624,7 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         dilation: usize,
         ceil_mode: bool,
     ) -> FloatTensor<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
         B::max_pool1d(x, kernel_size, stride, padding, dilation, ceil_mode)
     }
     fn max_pool1d_with_indices(
@@ -526,6 +635,7 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         dilation: usize,
         ceil_mode: bool,
     ) -> MaxPool1dWithIndices<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
         B::max_pool1d_with_indices(x, kernel_size, stride, padding, dilation, ceil_mode).rewrap()
     }
     fn max_pool1d_with_indices_backward(
@@ -538,6 +648,8 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         output_grad: FloatTensor<Self>,
         indices: IntTensor<Self>,
     ) -> MaxPool1dBackward<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
+        let output_grad = crate::backend::placeholder::resolve::<B>(output_grad);
         B::max_pool1d_with_indices_backward(
             x,
             kernel_size,
@@ -558,6 +670,7 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         dilation: [usize; 2],
         ceil_mode: bool,
     ) -> FloatTensor<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
         B::max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode)
     }
     fn max_pool2d_with_indices(
@@ -568,6 +681,7 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         dilation: [usize; 2],
         ceil_mode: bool,
     ) -> MaxPool2dWithIndices<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
         B::max_pool2d_with_indices(x, kernel_size, stride, padding, dilation, ceil_mode).rewrap()
     }
     fn max_pool2d_with_indices_backward(
@@ -580,6 +694,8 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         output_grad: FloatTensor<Self>,
         indices: IntTensor<Self>,
     ) -> MaxPool2dBackward<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
+        let output_grad = crate::backend::placeholder::resolve::<B>(output_grad);
         B::max_pool2d_with_indices_backward(
             x,
             kernel_size,
@@ -597,6 +713,7 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         output_size: [usize; 2],
         options: InterpolateOptions,
     ) -> FloatTensor<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
         let plan = CastPlan::new::<B>(Op::Interpolate, &[CastInput::One(&x)]);
         let x = plan.cast_at::<B>(0, x);
         B::interpolate(x, output_size, options)
@@ -607,6 +724,8 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         output_size: [usize; 2],
         options: InterpolateOptions,
     ) -> FloatTensor<Self> {
+        let x = crate::backend::placeholder::resolve::<B>(x);
+        let grad = crate::backend::placeholder::resolve::<B>(grad);
         B::interpolate_backward(x, grad, output_size, options)
     }
     fn attention(
@@ -617,6 +736,10 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         attn_bias: Option<FloatTensor<Self>>,
         options: AttentionModuleOptions,
     ) -> FloatTensor<Self> {
+        let query = crate::backend::placeholder::resolve::<B>(query);
+        let key = crate::backend::placeholder::resolve::<B>(key);
+        let value = crate::backend::placeholder::resolve::<B>(value);
+        let attn_bias = crate::backend::placeholder::resolve_opt::<B>(attn_bias);
         let colocate = Colocate::<B>::new(&[
             CastInput::One(&query),
             CastInput::One(&key),
@@ -649,6 +772,9 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         beta: Option<FloatTensor<Self>>,
         epsilon: f64,
     ) -> FloatTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
+        let gamma = crate::backend::placeholder::resolve::<B>(gamma);
+        let beta = crate::backend::placeholder::resolve_opt::<B>(beta);
         let colocate = Colocate::<B>::new(&[
             CastInput::One(&tensor),
             CastInput::One(&gamma),
@@ -677,6 +803,7 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         target_lengths: IntTensor<Self>,
         blank: usize,
     ) -> FloatTensor<Self> {
+        let log_probs = crate::backend::placeholder::resolve::<B>(log_probs);
         let colocate = Colocate::<B>::new(&[CastInput::One(&log_probs)]);
         let log_probs = colocate.float(log_probs);
         let targets = colocate.int(targets);
@@ -697,6 +824,8 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         _grad_loss: FloatTensor<Self>,
         _blank: usize,
     ) -> FloatTensor<Self> {
+        let _log_probs = crate::backend::placeholder::resolve::<B>(_log_probs);
+        let _grad_loss = crate::backend::placeholder::resolve::<B>(_grad_loss);
         B::ctc_loss_backward(
             _log_probs,
             _targets,
@@ -711,6 +840,7 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         dim: usize,
         n: Option<usize>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let signal = crate::backend::placeholder::resolve::<B>(signal);
         let plan = CastPlan::new::<B>(Op::Rfft, &[CastInput::One(&signal)]);
         let signal = plan.cast_at::<B>(0, signal);
         B::rfft(signal, dim, n)
@@ -721,6 +851,8 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         dim: usize,
         n: Option<usize>,
     ) -> FloatTensor<Self> {
+        let spectrum_re = crate::backend::placeholder::resolve::<B>(spectrum_re);
+        let spectrum_im = crate::backend::placeholder::resolve::<B>(spectrum_im);
         let colocate =
             Colocate::<B>::new(&[CastInput::One(&spectrum_re), CastInput::One(&spectrum_im)]);
         let spectrum_re = colocate.float(spectrum_re);

@@ -23,9 +23,11 @@ impl<B: Backend> QTensorOps<Self> for Accelerated<B> {
         scheme: &QuantScheme,
         qparams: QuantizationParametersPrimitive<Self>,
     ) -> QuantizedTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::quantize(tensor, scheme, qparams.rewrap())
     }
     fn quantize_dynamic(tensor: FloatTensor<Self>, scheme: &QuantScheme) -> QuantizedTensor<Self> {
+        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         B::quantize_dynamic(tensor, scheme)
     }
     fn dequantize(tensor: QuantizedTensor<Self>, dtype: FloatDType) -> FloatTensor<Self> {

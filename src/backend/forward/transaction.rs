@@ -18,6 +18,10 @@ impl<B: Backend> TransactionOps<Self> for Accelerated<B> {
     fn tr_execute(
         transaction: TransactionPrimitive<Self>,
     ) -> impl Future<Output = Result<TransactionPrimitiveData, ExecutionError>> + Send {
+        let mut transaction = transaction;
+        transaction.read_floats = crate::backend::placeholder::resolve_vec::<B>(core::mem::take(
+            &mut transaction.read_floats,
+        ));
         B::tr_execute(transaction.rewrap())
     }
 }

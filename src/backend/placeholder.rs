@@ -1,0 +1,456 @@
+//! Parameters held as placeholders (ZeRO stage 3's per-layer bound): a tensor of the
+//! parameter's full shape that holds no values, recognised by the decorator by its autodiff
+//! node id, and resolved to the whole parameter by every op that reads it.
+//!
+//! Stage 3 (`crate::zero::release_parameters`) gives each released parameter, on its first
+//! `Param::val()`, a placeholder (on the processes that do not own it: a stride-0 view of
+//! one `-0.0`) or its own value (on its owner), and registers either here with its [`Shard`],
+//! which runs the gather (a collective: the owner sends, the others receive). Every use of a
+//! registered tensor by an op is then one gather on every process, in the order the
+//! processes run their ops, so the collectives pair up as the lazy gather's did. Before the
+//! optimizer steps (which reads the owner's values on the owner alone) stage 3 forgets every
+//! registered tensor ([`forget_all`]), until it releases the parameters again.
+//!
+//! # Which ops hold the bound
+//!
+//! - `linear` (Burn's `nn::Linear`: the product and the bias add), where autocast lowers
+//!   nothing and the operands share a dtype: the weight (and a registered bias) are gathered
+//!   for the op alone and dropped when it returns; its backward node keeps the placeholder
+//!   and gathers the weight again to compute the input's gradient. At most one layer's
+//!   gathered weight and bias are whole at a time ([`gathered_bytes`]).
+//! - Every other op of every ops trait the decorator forwards (matmul, convolutions,
+//!   embeddings, casts under autocast, reads such as `into_data`, transactions), `linear`
+//!   under autocast, and the decorator's `AutodiffBackend::inner` (`Module::valid`'s copy): the registered input is gathered in full and the op reads
+//!   `placeholder + gathered` (the gathered value bit for bit, since `-0.0` is the additive
+//!   identity, with the gradient flowing to the placeholder). The numbers are right; the
+//!   gathered value stays whole while the autodiff graph keeps it (until the step), as the
+//!   lazy gather's did: no per-layer bound for these ops.
+//!
+//! Recognition needs the concrete `Autodiff<B, C>` (the node id), which `crate::hooks`
+//! registers per backend type; a backend without the hook registers nothing, and stage 3
+//! keeps the lazy gather there (`crate::zero::release_parameters`).
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use burn::backend::Autodiff;
+use burn::backend::autodiff::NodeId;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn_backend::tensor::FloatTensor;
+use burn_backend::{Backend, TensorData, TensorMetadata, try_read_sync};
+
+use crate::hooks::{self, HookKind};
+
+/// Where a registered parameter's whole value comes from: one collective per use.
+pub trait Shard: Send + Sync + 'static {
+    /// Whether this process owns the parameter (holds its value, and sends it).
+    fn is_owned(&self) -> bool;
+
+    /// The parameter's whole bytes, on every process: the owner passes its own (`Some`), the
+    /// others `None`. Every process must call it at the same use. A failure (processes that
+    /// read different parameters, a lost peer) panics with what to change: it runs inside an
+    /// op, which has no error channel.
+    fn gather(&self, own: Option<Vec<u8>>) -> Vec<u8>;
+}
+
+/// The gathered parameters' bytes that are whole right now on this process, and the most
+/// that were at once since [`reset_gathered_peak`]: what the per-layer bound bounds. A
+/// parameter this process owns is not counted (it is whole between steps too); one gathered
+/// by an op without a bound is counted until the step releases the parameters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GatheredBytes {
+    /// Bytes gathered and not yet dropped.
+    pub alive: u64,
+    /// The most `alive` has been since the last reset.
+    pub peak: u64,
+}
+
+#[derive(Default)]
+struct Registry {
+    // Registered tensors by autodiff node id.
+    shards: BTreeMap<u64, Arc<dyn Shard>>,
+    bytes: GatheredBytes,
+}
+
+// The registry, and how many tensors it holds: every op of the decorator asks, and outside
+// stage 3 the answer (none) is one relaxed load.
+struct Placeholders {
+    registered: AtomicUsize,
+    registry: Mutex<Registry>,
+}
+
+static PLACEHOLDERS: Placeholders = Placeholders {
+    registered: AtomicUsize::new(0),
+    registry: Mutex::new(Registry {
+        shards: BTreeMap::new(),
+        bytes: GatheredBytes { alive: 0, peak: 0 },
+    }),
+};
+
+fn registry<R>(f: impl FnOnce(&mut Registry) -> R) -> R {
+    let mut registry = PLACEHOLDERS
+        .registry
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    let result = f(&mut registry);
+    PLACEHOLDERS
+        .registered
+        .store(registry.shards.len(), Ordering::Relaxed);
+    result
+}
+
+/// This process's gathered bytes ([`GatheredBytes`]).
+pub fn gathered_bytes() -> GatheredBytes {
+    registry(|r| r.bytes)
+}
+
+/// Starts the peak of [`gathered_bytes`] again from the bytes alive now.
+pub fn reset_gathered_peak() {
+    registry(|r| r.bytes.peak = r.bytes.alive);
+}
+
+fn count_gathered(bytes: u64) {
+    registry(|r| {
+        r.bytes.alive += bytes;
+        r.bytes.peak = r.bytes.peak.max(r.bytes.alive);
+    });
+}
+
+fn count_dropped(bytes: u64) {
+    registry(|r| r.bytes.alive = r.bytes.alive.saturating_sub(bytes));
+}
+
+// The functions registered per backend type: the node id of a tensor, and the bounded linear.
+struct Tracked<B: Backend> {
+    node_id: fn(&FloatTensor<B>) -> u64,
+    linear: LinearHook<B>,
+}
+
+type LinearHook<B> = fn(
+    FloatTensor<B>,
+    FloatTensor<B>,
+    Option<FloatTensor<B>>,
+    Arc<dyn Shard>,
+    Option<Arc<dyn Shard>>,
+) -> FloatTensor<B>;
+
+impl<B: Backend> Clone for Tracked<B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<B: Backend> Copy for Tracked<B> {}
+
+struct PlaceholderHooks;
+
+impl HookKind for PlaceholderHooks {
+    fn register_known() {
+        use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
+        #[cfg(feature = "flex")]
+        register::<burn::backend::Flex, NoCheckpointing>();
+        #[cfg(feature = "ndarray")]
+        register::<burn::backend::NdArray, NoCheckpointing>();
+    }
+}
+
+/// Lets the decorator over `Autodiff<B, C>` recognise stage 3's placeholders (Burn's autodiff
+/// over Flex and NdArray, with default checkpointing, is registered without asking).
+pub fn register<B: Backend, C: CheckpointStrategy>() {
+    hooks::insert::<PlaceholderHooks, Autodiff<B, C>, _>(Tracked::<Autodiff<B, C>> {
+        node_id: node_id::<B>,
+        linear: bounded_linear::<B, C>,
+    });
+    // Under its key the decorator says that its ops resolve placeholders.
+    hooks::insert::<DecoratorHooks, super::Accelerated<Autodiff<B, C>>, _>(Resolves);
+    hooks::insert::<PlaceholderHooks, super::Accelerated<Autodiff<B, C>>, _>(Tracked::<
+        super::Accelerated<Autodiff<B, C>>,
+    > {
+        node_id: node_id::<B>,
+        linear: bounded_linear::<B, C>,
+    });
+}
+
+fn node_id<B: Backend>(tensor: &FloatTensor<Autodiff<B>>) -> u64 {
+    tensor.node.id.value
+}
+
+fn tracked<B: Backend>() -> Option<Tracked<B>> {
+    hooks::get::<PlaceholderHooks, B, Tracked<B>>()
+}
+
+// The decorator's own key: its ops resolve placeholders. (The inner `Autodiff<B, C>`'s key
+// has the node id too, but its own ops would read a placeholder's zeros.)
+#[derive(Clone, Copy)]
+struct Resolves;
+
+struct DecoratorHooks;
+
+impl HookKind for DecoratorHooks {
+    fn register_known() {
+        PlaceholderHooks::register_known();
+    }
+}
+
+/// Whether ops on `B` resolve placeholders (`B` is the decorator over a registered autodiff
+/// backend): where they do not, a placeholder would be read as zeros.
+pub(crate) fn recognised<B: Backend>() -> bool {
+    hooks::get::<DecoratorHooks, B, Resolves>().is_some() && tracked::<B>().is_some()
+}
+
+/// Registers `tensor` (a placeholder, or the owner's value) as the parameter `shard` gathers,
+/// where `B` has the hook (see [`recognised`]).
+pub(crate) fn register_tensor<B: Backend>(tensor: &FloatTensor<B>, shard: Arc<dyn Shard>) {
+    if let Some(tracked) = tracked::<B>() {
+        let id = (tracked.node_id)(tensor);
+        registry(|r| r.shards.insert(id, shard));
+    }
+}
+
+/// Forgets `tensor`, if registered (the step released its parameter).
+pub(crate) fn unregister_tensor<B: Backend>(tensor: &FloatTensor<B>) {
+    if let Some(tracked) = tracked::<B>() {
+        let id = (tracked.node_id)(tensor);
+        registry(|r| r.shards.remove(&id));
+    }
+}
+
+/// Forgets every registered tensor (stage 3 releases its model's parameters), and the
+/// gathered bytes the ops without a bound left whole (counted until the step).
+pub(crate) fn forget_all() {
+    registry(|r| {
+        r.shards.clear();
+        r.bytes.alive = 0;
+    });
+}
+
+// The shard `tensor` was registered with, if any: nothing to look up while none is.
+fn shard_of<B: Backend>(tensor: &FloatTensor<B>) -> Option<Arc<dyn Shard>> {
+    if PLACEHOLDERS.registered.load(Ordering::Relaxed) == 0 {
+        return None;
+    }
+    let id = (tracked::<B>()?.node_id)(tensor);
+    registry(|r| r.shards.get(&id).cloned())
+}
+
+fn bytes_of<B: Backend>(tensor: FloatTensor<B>) -> Vec<u8> {
+    try_read_sync(B::float_into_data(tensor))
+        .and_then(Result::ok)
+        .expect("ZeRO stage 3 could not read a parameter it owns to send it")
+        .bytes
+        .to_vec()
+}
+
+// One use's gather of the parameter `tensor` stands for, as a tensor of `B` beside it (same
+// shape, dtype, device): the owner's own value, the others' received. Counted as whole until
+// `count_dropped` (the owner's is not counted).
+fn gather<B: Backend>(shard: &dyn Shard, tensor: &FloatTensor<B>) -> FloatTensor<B> {
+    if shard.is_owned() {
+        shard.gather(Some(bytes_of::<B>(tensor.clone())));
+        return tensor.clone();
+    }
+    let (shape, dtype) = (tensor.shape(), tensor.dtype());
+    let bytes = shard.gather(None);
+    let expected = shape.num_elements() * dtype.size();
+    assert_eq!(
+        bytes.len(),
+        expected,
+        "ZeRO stage 3 received {} bytes for a {dtype:?} parameter of shape {shape:?} \
+         ({expected} bytes): the processes' models differ",
+        bytes.len()
+    );
+    count_gathered(expected as u64);
+    let data = TensorData::from_bytes_vec(bytes, shape, dtype);
+    B::float_from_data(data, &B::float_device(tensor))
+}
+
+// The bytes one use's gather counted.
+fn counted<T: TensorMetadata>(shard: &dyn Shard, tensor: &T) -> u64 {
+    if shard.is_owned() {
+        0
+    } else {
+        (tensor.shape().num_elements() * tensor.dtype().size()) as u64
+    }
+}
+
+/// `tensor` for an op that reads it: a registered parameter gathered whole (`placeholder +
+/// gathered`, so the gradient reaches the placeholder; the owner's own value unchanged),
+/// any other tensor as it is.
+pub(crate) fn resolve<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
+    let Some(shard) = shard_of::<B>(&tensor) else {
+        return tensor;
+    };
+    let gathered = gather::<B>(shard.as_ref(), &tensor);
+    if shard.is_owned() {
+        gathered
+    } else {
+        // Whole until the step: the graph may keep the sum. Not counted as dropped.
+        B::float_add(tensor, gathered)
+    }
+}
+
+/// [`resolve`] of an optional input.
+pub(crate) fn resolve_opt<B: Backend>(tensor: Option<FloatTensor<B>>) -> Option<FloatTensor<B>> {
+    tensor.map(resolve::<B>)
+}
+
+/// [`resolve`] of each of a list of inputs.
+pub(crate) fn resolve_vec<B: Backend>(tensors: Vec<FloatTensor<B>>) -> Vec<FloatTensor<B>> {
+    tensors.into_iter().map(resolve::<B>).collect()
+}
+
+/// `linear`'s inputs, given back where the bounded path does not apply.
+pub(crate) type LinearInputs<B> = (FloatTensor<B>, FloatTensor<B>, Option<FloatTensor<B>>);
+
+/// `linear(x, weight, bias)` with the per-layer bound, where it applies: the weight is a
+/// registered parameter, `x` is not, autocast lowers nothing and the operands share a dtype.
+/// Otherwise the inputs back, for the op's usual path.
+pub(crate) fn linear<B: Backend>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    bias: Option<FloatTensor<B>>,
+) -> Result<FloatTensor<B>, LinearInputs<B>> {
+    let Some(weight_shard) = shard_of::<B>(&weight) else {
+        return Err((x, weight, bias));
+    };
+    let same_dtype =
+        weight.dtype() == x.dtype() && bias.as_ref().is_none_or(|b| b.dtype() == x.dtype());
+    let applies = same_dtype && crate::autocast::current().is_none() && shard_of::<B>(&x).is_none();
+    let Some(tracked) = tracked::<B>().filter(|_| applies) else {
+        return Err((x, weight, bias));
+    };
+    let bias_shard = bias.as_ref().and_then(shard_of::<B>);
+    Ok((tracked.linear)(x, weight, bias, weight_shard, bias_shard))
+}
+
+// The weight as a backward node keeps it: its placeholder (or the owner's value) and shard,
+// gathered again where the input's gradient needs it.
+struct Weight<B: Backend> {
+    tensor: FloatTensor<B>,
+    shard: Arc<dyn Shard>,
+}
+
+impl<B: Backend> Clone for Weight<B> {
+    fn clone(&self) -> Self {
+        Weight {
+            tensor: self.tensor.clone(),
+            shard: self.shard.clone(),
+        }
+    }
+}
+
+impl<B: Backend> core::fmt::Debug for Weight<B> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str("Weight")
+    }
+}
+
+// Burn's `linear` node's state (the input where the weight's gradient needs it, the weight
+// where the input's does), the weight kept as its placeholder.
+type LinearState<B> = (Option<FloatTensor<B>>, Option<Weight<B>>);
+
+// Burn's linear backward (`burn-autodiff`'s `LinearWithBias`/`LinearNoBias`: the same ops
+// in the same order), with the weight gathered for the input's gradient alone.
+fn linear_backward<B: Backend>(
+    [node_x, node_weight, node_bias]: [Option<NodeId>; 3],
+    grad: FloatTensor<B>,
+    state: LinearState<B>,
+    grads: &mut Gradients,
+) {
+    let (x, weight) = state;
+    if let Some(node) = node_x {
+        let weight = weight.expect("kept where the input is tracked");
+        let gathered = gather::<B>(weight.shard.as_ref(), &weight.tensor);
+        let bytes = counted(weight.shard.as_ref(), &weight.tensor);
+        let grad = B::linear_x_backward(gathered, grad.clone());
+        count_dropped(bytes);
+        grads.register::<B>(node, grad);
+    }
+    if let Some(node) = node_weight {
+        let x = x.expect("kept where the weight is tracked");
+        let grad = B::linear_weight_backward(x, grad.clone());
+        grads.register::<B>(node, grad);
+    }
+    if let Some(node) = node_bias {
+        grads.register::<B>(node, B::linear_bias_backward(grad));
+    }
+}
+
+#[derive(Debug)]
+struct BoundedLinearWithBias;
+
+impl<B: Backend> Backward<B, 3> for BoundedLinearWithBias {
+    type State = LinearState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let parents = ops.parents.map(|parent| parent.map(|node| node.id));
+        linear_backward::<B>(parents, grad, ops.state, grads);
+    }
+}
+
+#[derive(Debug)]
+struct BoundedLinearNoBias;
+
+impl<B: Backend> Backward<B, 2> for BoundedLinearNoBias {
+    type State = LinearState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let [x, weight] = ops.parents.map(|parent| parent.map(|node| node.id));
+        linear_backward::<B>([x, weight, None], grad, ops.state, grads);
+    }
+}
+
+// Burn's `linear` on `Autodiff<B, C>` with the weight (and a registered bias) gathered for
+// the forward op alone, and a node that keeps the placeholder instead of the gathered weight.
+fn bounded_linear<B: Backend, C: CheckpointStrategy>(
+    x: FloatTensor<Autodiff<B, C>>,
+    weight: FloatTensor<Autodiff<B, C>>,
+    bias: Option<FloatTensor<Autodiff<B, C>>>,
+    weight_shard: Arc<dyn Shard>,
+    bias_shard: Option<Arc<dyn Shard>>,
+) -> FloatTensor<Autodiff<B, C>> {
+    let (x_tracked, weight_tracked) = (x.is_tracked(), weight.is_tracked());
+    let mut bytes = counted(weight_shard.as_ref(), &weight.primitive);
+    let whole_weight = gather::<B>(weight_shard.as_ref(), &weight.primitive);
+    let whole_bias = bias.as_ref().map(|bias| match &bias_shard {
+        Some(shard) => {
+            bytes += counted(shard.as_ref(), &bias.primitive);
+            gather::<B>(shard.as_ref(), &bias.primitive)
+        }
+        None => bias.primitive.clone(),
+    });
+    let output = B::linear(x.primitive.clone(), whole_weight, whole_bias);
+    count_dropped(bytes);
+    let state = |x: &FloatTensor<Autodiff<B, C>>, weight: &FloatTensor<Autodiff<B, C>>| {
+        (
+            weight_tracked.then(|| x.primitive.clone()),
+            x_tracked.then(|| Weight {
+                tensor: weight.primitive.clone(),
+                shard: weight_shard.clone(),
+            }),
+        )
+    };
+    match bias {
+        Some(bias) => match BoundedLinearWithBias
+            .prepare::<C>([x.node.clone(), weight.node.clone(), bias.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(state(&x, &weight), output),
+            OpsKind::UnTracked(prep) => prep.finish(output),
+        },
+        None => match BoundedLinearNoBias
+            .prepare::<C>([x.node.clone(), weight.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(state(&x, &weight), output),
+            OpsKind::UnTracked(prep) => prep.finish(output),
+        },
+    }
+}
