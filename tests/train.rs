@@ -109,6 +109,149 @@ mod flex {
         }
     }
 
+    // Issue 49: what needs no model is checked where the directory is given (checksums and
+    // the state file of the checkpoint a resume would choose), on the files a real training
+    // wrote; a damaged newest checkpoint with a whole one before it is passed over, as the
+    // resume passes it over.
+    #[test]
+    fn try_with_checkpoint_dir_verifies_the_checkpoint_a_resume_would_choose() {
+        use crate::mlp::MlpComponents;
+        use burn_accelerate::AccelerateConfig;
+        use burn_accelerate::train::AccelerateStrategy;
+        use burn_accelerate_checkpoint::{FileDigest, Manifest};
+        use std::path::{Path, PathBuf};
+
+        let root =
+            std::env::temp_dir().join(format!("burn-accelerate-precheck-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let written = root.join("written");
+        let config = |dir: &Path, epochs: usize| {
+            small(Precision::F32)
+                .with_epochs(epochs)
+                .with_train_items(256)
+                .with_valid_items(64)
+                .with_checkpoint_dir(Some(dir.to_string_lossy().into_owned()))
+        };
+        // Epochs 1 and 2, each a whole checkpoint (the strategy keeps the newest 2).
+        train_with_rule::<Train>(&config(&written, 2), SmallOps::KeepF32).unwrap();
+        let precheck = |dir: &Path| {
+            AccelerateStrategy::<MlpComponents<Train>>::new(
+                AccelerateConfig::new(),
+                &Default::default(),
+            )
+            .unwrap()
+            .try_with_checkpoint_dir(dir)
+            .map(drop)
+        };
+        precheck(&written).unwrap();
+        // A copy of what the training wrote, for each damage.
+        let mut copies = 0;
+        let mut copy = || -> PathBuf {
+            copies += 1;
+            let dir = root.join(format!("copy-{copies}"));
+            std::fs::create_dir_all(&dir).unwrap();
+            for file in std::fs::read_dir(&written).unwrap() {
+                let file = file.unwrap();
+                std::fs::copy(file.path(), dir.join(file.file_name())).unwrap();
+            }
+            dir
+        };
+        // Random bytes (a fixed xorshift: the same bytes every run) of the file's length.
+        let scramble = |path: &Path| {
+            let len = std::fs::metadata(path).unwrap().len() as usize;
+            let mut x = 0x9e37_79b9_7f4a_7c15u64;
+            let bytes: Vec<u8> = (0..len)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    x as u8
+                })
+                .collect();
+            std::fs::write(path, bytes).unwrap();
+        };
+        let drop_epoch = |dir: &Path, epoch: usize| {
+            let mut manifest = Manifest::read(dir).unwrap();
+            manifest.checkpoints.retain(|c| c.epoch != epoch);
+            manifest.write(dir).unwrap();
+        };
+        let checkpoint_error = |dir: &Path| match precheck(dir) {
+            Err(AccelerateError::Checkpoint { path, reason }) => (PathBuf::from(path), reason),
+            other => panic!(
+                "expected a checkpoint error for {}, got {other:?}",
+                dir.display()
+            ),
+        };
+        let manifest_of = |dir: &Path| dir.join("accelerate-checkpoints.json");
+
+        // Random bytes over the newest state file: it fails its checksum, and epoch 1 is whole.
+        let fallback = copy();
+        scramble(&fallback.join("accelerate-2.json"));
+        precheck(&fallback).unwrap();
+        // The resume passes over it too (it trains epoch 2 again, from epoch 1's checkpoint).
+        let resumed = train_with_rule::<Train>(&config(&fallback, 2), SmallOps::KeepF32).unwrap();
+        assert_eq!(resumed.stats.resumed_from, Some(1));
+
+        // The same with no checkpoint before it: no usable checkpoint remains.
+        let only = copy();
+        drop_epoch(&only, 1);
+        scramble(&only.join("accelerate-2.json"));
+        let (path, reason) = checkpoint_error(&only);
+        assert_eq!(path, manifest_of(&only), "{reason}");
+        assert!(
+            reason.contains("epoch 2: accelerate-2.json does not hold what was written"),
+            "{reason}"
+        );
+
+        // Random bytes over the state file, listed with their own checksum (as a program that
+        // rewrote the manifest would leave it): it verifies, but does not decode, and the resume
+        // would stop there, not fall back.
+        let relisted = copy();
+        let state = relisted.join("accelerate-2.json");
+        scramble(&state);
+        let digest = FileDigest::of("accelerate-2.json", &std::fs::read(&state).unwrap());
+        Manifest::read(&relisted)
+            .unwrap()
+            .relisted(2, digest)
+            .unwrap()
+            .write(&relisted)
+            .unwrap();
+        let (path, reason) = checkpoint_error(&relisted);
+        assert_eq!(path, state, "{reason}");
+        assert!(reason.contains("is not a checkpoint state"), "{reason}");
+
+        // A record file altered at its length: its checksum says so, naming it.
+        let altered = copy();
+        drop_epoch(&altered, 1);
+        let model = altered.join("accelerate-2-model.mpk");
+        let mut bytes = std::fs::read(&model).unwrap();
+        let last = bytes.len() - 1;
+        bytes[last] ^= 0x40;
+        std::fs::write(&model, bytes).unwrap();
+        let (path, reason) = checkpoint_error(&altered);
+        assert_eq!(path, manifest_of(&altered), "{reason}");
+        assert!(
+            reason.contains("accelerate-2-model.mpk does not hold what was written (SHA-256"),
+            "{reason}"
+        );
+
+        // The manifest cut short.
+        let cut = copy();
+        let manifest = std::fs::read(manifest_of(&cut)).unwrap();
+        std::fs::write(manifest_of(&cut), &manifest[..manifest.len() / 2]).unwrap();
+        let (path, reason) = checkpoint_error(&cut);
+        assert_eq!(path, manifest_of(&cut), "{reason}");
+        assert!(reason.contains("cannot be parsed"), "{reason}");
+
+        // A damaged directory given to the example's run: the same error, before training.
+        let err = train_with_rule::<Train>(&config(&only, 3), SmallOps::KeepF32).unwrap_err();
+        assert!(
+            matches!(&err, AccelerateError::Checkpoint { path, .. } if Path::new(path) == manifest_of(&only)),
+            "{err}"
+        );
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
     fn small(precision: Precision) -> DemoConfig {
         DemoConfig::new()
             .with_precision(precision)

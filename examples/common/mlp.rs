@@ -396,13 +396,12 @@ pub fn run<B: AutodiffBackend>(
     )
     .build_for(&process, device.clone())?;
     if let Some(dir) = &config.checkpoint_dir {
-        // Burn's fit has no error channel: a directory whose manifest is damaged, or whose
-        // listed checkpoints all lack files, is said here as a typed error, before training.
-        burn_accelerate_checkpoint::verify::precheck(std::path::Path::new(dir))?;
-        // The loader's position too: a resumed epoch must see the order the uninterrupted
-        // run's did.
+        // Burn's fit has no error channel: a directory whose manifest is damaged, whose
+        // listed checkpoints all fail their checksums, or whose chosen state file does not
+        // decode, is said here as a typed error, before training. The loader's position too:
+        // a resumed epoch must see the order the uninterrupted run's did.
         strategy = strategy
-            .with_checkpoint_dir(dir)
+            .try_with_checkpoint_dir(dir)?
             .with_checkpointed_loader(&train);
     }
     let valid_data = blobs(config.valid_items, 2);

@@ -200,6 +200,57 @@ pub(crate) fn read<B: Backend, M: Module<B>, O: Record<B>, S: Record<B>>(
     })
 }
 
+/// What [`read`] checks that needs no model, before a run starts (issue 49): the checkpoint a
+/// resume would choose in `dir` (the newest whose files verify, length and SHA-256; a newer one
+/// that does not is passed over, as at the resume), that it lists every file `scheme` names,
+/// and that its state file decodes. Returns its number; `None` when none is listed.
+///
+/// # Errors
+/// [`AccelerateError::Checkpoint`] naming the manifest (unreadable, or no listed checkpoint
+/// verifies) or the file (not listed, or a state file that does not decode), which the resume
+/// would fail on as well.
+pub(crate) fn precheck(
+    dir: &std::path::Path,
+    scheme: Scheme,
+) -> Result<Option<usize>, AccelerateError> {
+    let Some(entry) = burn_accelerate_checkpoint::verify::precheck(dir)? else {
+        return Ok(None);
+    };
+    let names = scheme.names(entry.epoch);
+    let not_listed = |name: &str| {
+        record_error(
+            &dir.join(super::MANIFEST).display().to_string(),
+            format!(
+                "the checkpoint of epoch {} does not list {name}, which a resume reads; it is \
+                 only ever replaced whole, so something else wrote it: restore it, or delete \
+                 the directory to start afresh",
+                entry.epoch
+            ),
+        )
+    };
+    if let Some(absent) = names.all().find(|name| entry.file(name).is_none()) {
+        return Err(not_listed(absent));
+    }
+    let state = entry
+        .file(&names.state)
+        .ok_or_else(|| not_listed(&names.state))?;
+    let path = dir.join(&names.state).display().to_string();
+    // Verified a moment ago; read again rather than held, as the load reads it again too.
+    let bytes = super::read_verified(dir, state).map_err(|why| record_error(&path, why))?;
+    CheckpointState::from_json(&bytes, &path).map_err(|err| match err {
+        AccelerateError::Checkpoint { path, reason } => record_error(
+            &path,
+            format!(
+                "it verifies against the manifest, but is not a checkpoint state ({reason}): \
+                 it was written by something else; restore it, or delete the directory to \
+                 start afresh"
+            ),
+        ),
+        other => other,
+    })?;
+    Ok(Some(entry.epoch))
+}
+
 #[cfg(all(test, feature = "flex"))]
 mod tests {
     use burn::backend::Flex;

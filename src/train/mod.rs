@@ -583,12 +583,16 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
     }
 
     /// [`with_checkpoint_dir`](Self::with_checkpoint_dir), once `dir` is found fit to resume
-    /// from: its manifest (`accelerate-checkpoints.json`) is absent (a fresh run) or reads, and
-    /// some checkpoint it lists has every file at its listed length. Call it where the strategy
-    /// is built, so that a damaged directory is an error the program prints in one line, not a
-    /// panic inside Burn's `fit`. (The files' checksums and the records themselves are checked
-    /// when the training resumes, which passes over a checkpoint that does not verify for the
-    /// one before it.)
+    /// from in all that can be checked without the model: its manifest
+    /// (`accelerate-checkpoints.json`) is absent (a fresh run) or reads, and the checkpoint the
+    /// resume would choose (the newest whose files all have their listed lengths and SHA-256;
+    /// a newer one that does not is passed over, as the resume passes it over) lists every
+    /// file the resume reads, and its state file (`accelerate-N.json`) decodes. Call it where
+    /// the strategy is built, so that a damaged directory is an error the program prints in
+    /// one line, not a panic inside Burn's `fit`. (The model's, optimizer's and scheduler's
+    /// records are checked against the model when the training resumes; an epoch asked for
+    /// with `.checkpoint(epoch)` is not known here, and is checked then.) The files of the
+    /// checkpoint chosen are read and hashed once more by the resume.
     ///
     /// ```
     /// use burn::train::{LearningComponentsTypes, TrainingBackend};
@@ -605,12 +609,13 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
     /// ```
     ///
     /// # Errors
-    /// [`AccelerateError::Checkpoint`] naming the manifest when it cannot be read or parsed, or
-    /// when it lists checkpoints and none has all its files (each one's first missing or cut
-    /// file named).
+    /// [`AccelerateError::Checkpoint`] naming the manifest when it cannot be read or parsed,
+    /// when it lists checkpoints and none verifies (each one's first missing, cut or altered
+    /// file named), or when the one chosen lacks a file; naming the state file when it does not
+    /// decode (the resume would stop there too, not fall back).
     pub fn try_with_checkpoint_dir(self, dir: impl Into<PathBuf>) -> Result<Self, AccelerateError> {
         let dir = dir.into();
-        burn_accelerate_checkpoint::verify::precheck(&dir)?;
+        crate::checkpoint::contents::precheck(&dir, crate::checkpoint::records::Scheme::Strategy)?;
         Ok(self.with_checkpoint_dir(dir))
     }
 

@@ -416,21 +416,7 @@ impl CheckpointDir {
                 skipped: choice.rejected,
             })),
             None if choice.rejected.is_empty() => Ok(None),
-            None => {
-                let each: Vec<String> = choice
-                    .rejected
-                    .iter()
-                    .map(|(epoch, why)| format!("epoch {epoch}: {why}"))
-                    .collect();
-                Err(checkpoint_error(
-                    &self.dir.join(MANIFEST),
-                    format!(
-                        "no checkpoint it lists is whole ({}): restore the files, or delete \
-                         the directory to start the run afresh",
-                        each.join("; ")
-                    ),
-                ))
-            }
+            None => Err(none_whole(&self.dir, &choice.rejected)),
         }
     }
 
@@ -460,6 +446,23 @@ impl CheckpointDir {
             skipped: Vec::new(),
         })
     }
+}
+
+// The error of a directory that lists checkpoints none of which verifies (`rejected`: each
+// one's epoch and why), naming its manifest.
+fn none_whole(dir: &Path, rejected: &[(usize, String)]) -> CheckpointError {
+    let each: Vec<String> = rejected
+        .iter()
+        .map(|(epoch, why)| format!("epoch {epoch}: {why}"))
+        .collect();
+    checkpoint_error(
+        &dir.join(MANIFEST),
+        format!(
+            "no checkpoint it lists is whole ({}): restore the files, or delete the directory \
+             to start the run afresh",
+            each.join("; ")
+        ),
+    )
 }
 
 // Every file of `entry`, read and checked against what was written.

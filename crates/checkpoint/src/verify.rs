@@ -1,16 +1,20 @@
-//! What can be checked of a checkpoint directory before training starts, cheaply (issue 49):
-//! its manifest parses, and some listed checkpoint has every file on disk at its listed
-//! length. A program checks it where the directory is given, so that a damaged directory is a
-//! typed error it prints in one line, not a panic inside a training loop that has no error
-//! channel. The checksums are left to the load itself, which falls back past a checkpoint
-//! that does not verify.
+//! What can be checked of a checkpoint directory before training starts, without the model
+//! (issue 49): its manifest parses, and the checkpoint a resume would choose has every file at
+//! its listed length and checksum, chosen as [`CheckpointDir::load_newest`] chooses (a newer
+//! one that does not verify is passed over for the one before). A program checks it where the
+//! directory is given, so that a damaged directory is a typed error it prints in one line, not
+//! a panic inside a training loop that has no error channel. What needs the model (the
+//! records' parameters and shapes) is left to the load itself.
+//!
+//! [`CheckpointDir::load_newest`]: crate::CheckpointDir::load_newest
 
 use std::path::Path;
 
-use crate::{CheckpointError, MANIFEST, Manifest, checkpoint_error, listed_file};
+use crate::{CheckpointEntry, CheckpointError, Manifest, none_whole, read_verified};
 
-/// The epoch of the newest checkpoint in `dir` whose files are all there at their listed
-/// lengths; `None` when none is listed (a fresh run).
+/// The newest checkpoint in `dir` whose files all verify (length and SHA-256), as a resume
+/// would choose it; `None` when none is listed (a fresh run). Each file is read and hashed in
+/// turn, and its bytes dropped: at most the largest file is held at once.
 ///
 /// ```
 /// # let dir = std::env::temp_dir().join(format!("verify-doc-{}", std::process::id()));
@@ -20,37 +24,26 @@ use crate::{CheckpointError, MANIFEST, Manifest, checkpoint_error, listed_file};
 ///
 /// # Errors
 /// [`CheckpointError`] naming the manifest when it cannot be read or parsed, or when it lists
-/// checkpoints and none has its files (each epoch's first missing or cut file, by name).
-pub fn precheck(dir: &Path) -> Result<Option<usize>, CheckpointError> {
+/// checkpoints and none verifies (each epoch's first missing, cut or altered file, by name).
+pub fn precheck(dir: &Path) -> Result<Option<CheckpointEntry>, CheckpointError> {
     let manifest = Manifest::read(dir)?;
-    let mut missing = Vec::new();
-    for entry in manifest.checkpoints.iter().rev() {
-        let first_bad = entry
+    let choice = manifest.newest_complete(None, |entry| {
+        entry
             .files
             .iter()
-            .find_map(|file| listed_file(dir, file).err());
-        match first_bad {
-            None => return Ok(Some(entry.epoch)),
-            Some(why) => missing.push(format!("epoch {}: {why}", entry.epoch)),
-        }
+            .try_for_each(|file| read_verified(dir, file).map(drop))
+    });
+    match choice.chosen {
+        Some((epoch, ())) => Ok(manifest.entry(epoch).cloned()),
+        None if choice.rejected.is_empty() => Ok(None),
+        None => Err(none_whole(dir, &choice.rejected)),
     }
-    if missing.is_empty() {
-        return Ok(None);
-    }
-    Err(checkpoint_error(
-        &dir.join(MANIFEST),
-        format!(
-            "no checkpoint it lists has its files ({}): restore them, or delete the directory \
-             to start the run afresh",
-            missing.join("; ")
-        ),
-    ))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{CheckpointEntry, FileDigest};
+    use crate::{FileDigest, MANIFEST};
 
     #[test]
     fn the_newest_whole_checkpoint_is_found_and_a_damaged_directory_named() {
@@ -70,13 +63,16 @@ mod tests {
         std::fs::write(dir.join("m-1"), [1, 2, 3]).unwrap();
         std::fs::write(dir.join("m-2"), [1]).unwrap();
         // Epoch 2's file is cut: epoch 1 is the one a resume will load.
-        assert_eq!(precheck(&dir), Ok(Some(1)));
+        assert_eq!(precheck(&dir).map(|e| e.map(|e| e.epoch)), Ok(Some(1)));
+        // Its file altered at the same length: passed over too.
+        std::fs::write(dir.join("m-2"), [1, 2, 4]).unwrap();
+        assert_eq!(precheck(&dir).map(|e| e.map(|e| e.epoch)), Ok(Some(1)));
         std::fs::remove_file(dir.join("m-1")).unwrap();
         let err = precheck(&dir).unwrap_err();
         assert!(err.path.ends_with(MANIFEST), "{err}");
         assert!(
             err.reason
-                .contains("epoch 2: m-2 is 1 bytes long, but 3 were written")
+                .contains("epoch 2: m-2 does not hold what was written")
                 && err.reason.contains("epoch 1: m-1 cannot be read"),
             "{err}"
         );
