@@ -8,6 +8,7 @@ use crate::autocast::CastPlan;
 use burn_backend::tensor::{BoolTensor, FloatTensor};
 use burn_backend::{Backend, DType, Distribution, FloatDType, Scalar, Shape, TensorMetadata};
 
+use crate::cpu::table::Softmax;
 pub(crate) use crate::cpu::table::{Kernels, Route, of};
 
 /// `B::relu`, through the registered kernel for bf16 and f16 tensors.
@@ -172,18 +173,8 @@ pub(crate) fn softmax<B: Backend>(
     tensor: FloatTensor<B>,
     dim: usize,
 ) -> FloatTensor<B> {
-    if widened_softmax(plan, &tensor, dim)
-        && let Some(kernels) = of::<B>()
-    {
-        return (kernels.softmax_of_half)(tensor, dim);
-    }
-    let tensor = plan.cast_at::<B>(0, tensor);
-    if fused_softmax(&tensor, dim)
-        && let Some(kernels) = of::<B>()
-    {
-        return (kernels.softmax)(tensor, dim);
-    }
-    B::softmax(tensor, dim)
+    let kernels = |k: Kernels<B>| (k.softmax_of_half, k.softmax);
+    softmax_route::<B>(plan, tensor, dim, kernels, B::softmax)
 }
 
 /// `B::log_softmax` of an autocast call, as [`softmax`].
@@ -193,18 +184,32 @@ pub(crate) fn log_softmax<B: Backend>(
     tensor: FloatTensor<B>,
     dim: usize,
 ) -> FloatTensor<B> {
+    let kernels = |k: Kernels<B>| (k.log_softmax_of_half, k.log_softmax);
+    softmax_route::<B>(plan, tensor, dim, kernels, B::log_softmax)
+}
+
+// The route both take: `kernels` picks the (half input, f32 input) kernels of the table, `own`
+// is `B`'s op.
+#[inline]
+fn softmax_route<B: Backend>(
+    plan: &CastPlan,
+    tensor: FloatTensor<B>,
+    dim: usize,
+    kernels: impl Fn(Kernels<B>) -> (Softmax<B>, Softmax<B>),
+    own: Softmax<B>,
+) -> FloatTensor<B> {
     if widened_softmax(plan, &tensor, dim)
-        && let Some(kernels) = of::<B>()
+        && let Some(table) = of::<B>()
     {
-        return (kernels.log_softmax_of_half)(tensor, dim);
+        return (kernels(table).0)(tensor, dim);
     }
     let tensor = plan.cast_at::<B>(0, tensor);
     if fused_softmax(&tensor, dim)
-        && let Some(kernels) = of::<B>()
+        && let Some(table) = of::<B>()
     {
-        return (kernels.log_softmax)(tensor, dim);
+        return (kernels(table).1)(tensor, dim);
     }
-    B::log_softmax(tensor, dim)
+    own(tensor, dim)
 }
 
 /// `B::gelu`, through the registered kernel under autocast for f32, bf16 and f16 tensors. With
