@@ -52,6 +52,25 @@ enum Kind {
     LogSoftmax,
 }
 
+impl Kind {
+    /// The kernel's rows of `len` values, in place.
+    fn rows(self, isa: Isa, rows: &mut [f32], len: usize) {
+        match self {
+            Kind::Softmax => rows::softmax(isa, rows, len),
+            Kind::LogSoftmax => rows::log_softmax(isa, rows, len),
+        }
+    }
+
+    /// The gradient of the kernel's input rows from its output rows `ys` and their gradient
+    /// `grads`, in place of `grads`.
+    fn backward_rows(self, isa: Isa, ys: &[f32], grads: &mut [f32], len: usize) {
+        match self {
+            Kind::Softmax => rows::softmax_backward(isa, ys, grads, len),
+            Kind::LogSoftmax => rows::log_softmax_backward(isa, ys, grads, len),
+        }
+    }
+}
+
 /// The length of `t`'s rows where the kernels take a softmax of `t` along `dim`: an f32 tensor
 /// whose values lie contiguous, in order, `dim` its last, not empty.
 fn rows_of(t: &FlexTensor, dim: usize) -> Option<usize> {
@@ -101,10 +120,7 @@ fn rows_in_place(
 }
 
 fn forward(t: FlexTensor, len: usize, kind: Kind, isa: Isa) -> FlexTensor {
-    rows_in_place(t, len, |_, rows| match kind {
-        Kind::Softmax => rows::softmax(isa, rows, len),
-        Kind::LogSoftmax => rows::log_softmax(isa, rows, len),
-    })
+    rows_in_place(t, len, |_, rows| kind.rows(isa, rows, len))
 }
 
 /// The length of `t`'s rows where the kernels take a softmax of the half tensor `t` along
@@ -136,10 +152,7 @@ fn forward_widening(t: FlexTensor, len: usize, kind: Kind, isa: Isa) -> FlexTens
         let mut out = vec![0f32; n];
         in_row_tasks(len, &mut out, |first, rows| {
             H::widen(&src[first * len..][..rows.len()], rows);
-            match kind {
-                Kind::Softmax => rows::softmax(isa, rows, len),
-                Kind::LogSoftmax => rows::log_softmax(isa, rows, len),
-            }
+            kind.rows(isa, rows, len);
         });
         out
     }
@@ -193,30 +206,39 @@ pub(crate) fn log_softmax_of_half(tensor: FlexTensor, dim: usize) -> FlexTensor 
     }
 }
 
-/// The gradient of the input of a softmax (or log-softmax) along the last dimension, from its
-/// output `y` and the output's gradient `grad`.
-fn backward(y: FlexTensor, grad: FlexTensor, kind: Kind, isa: Isa) -> FlexTensor {
-    let shape = y.layout().shape().clone();
+/// Where the kernels take the backward of the output `y` with the gradient `grad` (an f32
+/// gradient of `y`'s shape, `y` one of their outputs): the rows' length and the gradient,
+/// contiguous. Otherwise both back, for Flex's ops.
+fn backward_operands(
+    y: FlexTensor,
+    grad: FlexTensor,
+) -> Result<(FlexTensor, FlexTensor, usize), (FlexTensor, FlexTensor)> {
+    let shape = y.layout().shape();
     let last = shape.num_dims() - 1;
-    let fits = grad.dtype() == DType::F32 && grad.layout().shape() == &shape;
+    let fits = grad.dtype() == DType::F32 && grad.layout().shape() == shape;
     let (Some(len), true) = (rows_of(&y, last), fits) else {
-        // Never for the outputs the kernels make and the f32 gradients Burn hands back; for
-        // anything else, the same formula in Flex's ops.
-        return composed_backward(y, grad, kind);
+        // Never for the outputs the kernels make and the f32 gradients Burn hands back.
+        return Err((y, grad));
     };
     let grad = match grad.layout().is_contiguous() {
         true => grad,
         false => grad.to_contiguous(),
     };
+    Ok((y, grad, len))
+}
+
+/// The gradient of the input of a softmax (or log-softmax) along the last dimension, from its
+/// output `y` and the output's gradient `grad`.
+fn backward(y: FlexTensor, grad: FlexTensor, kind: Kind, isa: Isa) -> FlexTensor {
+    let (y, grad, len) = match backward_operands(y, grad) {
+        Ok(operands) => operands,
+        Err((y, grad)) => return composed_backward(y, grad, kind),
+    };
     let ys = y
         .as_slice::<f32>()
         .expect("rows_of took a contiguous f32 tensor");
     rows_in_place(grad, len, |first, rows| {
-        let ys = &ys[first * len..][..rows.len()];
-        match kind {
-            Kind::Softmax => rows::softmax_backward(isa, ys, rows, len),
-            Kind::LogSoftmax => rows::log_softmax_backward(isa, ys, rows, len),
-        }
+        kind.backward_rows(isa, &ys[first * len..][..rows.len()], rows, len)
     })
 }
 
@@ -235,26 +257,17 @@ fn backward_rounding(
         in_row_tasks(len, &mut out, |first, out| {
             let ys = &ys[first * len..][..out.len()];
             let mut rows = gs[first * len..][..out.len()].to_vec();
-            match kind {
-                Kind::Softmax => rows::softmax_backward(isa, ys, &mut rows, len),
-                Kind::LogSoftmax => rows::log_softmax_backward(isa, ys, &mut rows, len),
-            }
+            kind.backward_rows(isa, ys, &mut rows, len);
             H::round(&rows, as_half::<H>(out));
         });
         out
     }
-    let shape = y.layout().shape().clone();
-    let last = shape.num_dims() - 1;
-    let fits = grad.dtype() == DType::F32 && grad.layout().shape() == &shape;
-    let (Some(len), true) = (rows_of(&y, last), fits) else {
-        // Never for the outputs the kernels make and the f32 gradients Burn hands back; for
-        // anything else, the same formula in Flex's ops, then the cast.
-        let dx = composed_backward(y, grad, kind);
-        return fast_cast::convert(dx, dtype.into());
-    };
-    let grad = match grad.layout().is_contiguous() {
-        true => grad,
-        false => grad.to_contiguous(),
+    let (y, grad, len) = match backward_operands(y, grad) {
+        Ok(operands) => operands,
+        // The same formula in Flex's ops, then the cast.
+        Err((y, grad)) => {
+            return fast_cast::convert(composed_backward(y, grad, kind), dtype.into());
+        }
     };
     let ys = y
         .as_slice::<f32>()
@@ -264,7 +277,11 @@ fn backward_rounding(
         DType::BF16 => rows_of_type::<bf16>(ys, gs, len, kind, isa),
         _ => rows_of_type::<f16>(ys, gs, len, kind, isa),
     };
-    FlexTensor::new(Bytes::from_elems(out), Layout::contiguous(shape), dtype)
+    FlexTensor::new(
+        Bytes::from_elems(out),
+        Layout::contiguous(y.layout().shape().clone()),
+        dtype,
+    )
 }
 
 fn composed_backward(y: FlexTensor, grad: FlexTensor, kind: Kind) -> FlexTensor {
