@@ -123,11 +123,8 @@ pub fn masked_fill<T: bytemuck::Pod + Send + Sync>(
             match last_stride {
                 0 if mask[from] != 0 => dst.fill(value),
                 0 => dst.copy_from_slice(src),
-                1 => select(dst, src, &mask[from..from + run], value),
-                s => {
-                    let set = mask[from..].iter().step_by(s);
-                    select_each(dst, src, set, value)
-                }
+                1 => select(dst, src, mask[from..from + run].iter(), value),
+                s => select(dst, src, mask[from..].iter().step_by(s), value),
             }
             done += run;
             (row, col) = (row + 1, 0);
@@ -136,15 +133,8 @@ pub fn masked_fill<T: bytemuck::Pod + Send + Sync>(
 }
 
 // `value` where `set` is nonzero, `src`'s own value elsewhere, into `dst` (all as long): a
-// branch-free select over slices, which the compiler vectorises.
-fn select<T: bytemuck::Pod>(dst: &mut [T], src: &[T], set: &[u8], value: T) {
-    for ((dst, &src), &set) in dst.iter_mut().zip(src).zip(set) {
-        *dst = if set != 0 { value } else { src };
-    }
-}
-
-// `select` with the mask's bytes read through an iterator (a strided run).
-fn select_each<'a, T: bytemuck::Pod>(
+// branch-free select, which the compiler vectorises where `set` is a contiguous run.
+fn select<'a, T: bytemuck::Pod>(
     dst: &mut [T],
     src: &[T],
     set: impl Iterator<Item = &'a u8>,
