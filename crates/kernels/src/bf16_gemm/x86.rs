@@ -444,7 +444,7 @@ impl Blocks<'_> {
             for i in rows.clone().step_by(mr) {
                 // An edge tile's rows of an A read in place are packed here, zero past the
                 // last row, as `pack` would have them: the kernel reads `mr` rows.
-                let mut edge: [u32; KC * MR];
+                let mut edge = [MaybeUninit::<u32>::uninit(); KC * MR];
                 let a = match self.a {
                     APanels::Packed(packed) => {
                         ARows::Packed(&packed[(i / mr) * self.pairs * mr + p0 * mr..])
@@ -455,14 +455,20 @@ impl Blocks<'_> {
                         stride: a.row_stride,
                     },
                     APanels::InPlace(a) => {
-                        edge = [0; KC * MR];
-                        for (p, words) in edge.chunks_exact_mut(mr).take(kc).enumerate() {
-                            for (r, word) in words.iter_mut().enumerate().take(self.m - i) {
-                                *word = a.bits(i + r, 2 * (p0 + p))
-                                    | a.bits(i + r, 2 * (p0 + p) + 1) << 16;
-                            }
+                        // The block's pairs of A, a view packed as `pack` packs a panel.
+                        let pairs = Bf16Matrix {
+                            offset: a.offset + 2 * p0,
+                            cols: 2 * kc,
+                            ..a
+                        };
+                        let edge = &mut edge[..kc * mr];
+                        // SAFETY: the CPU has AVX512-F (the caller's promise); `pack_panel`
+                        // writes every word of the panel (zero past the last row), so the
+                        // words read back are initialised.
+                        unsafe {
+                            pack_panel(pairs, i, mr, edge);
+                            ARows::Packed(&*(edge as *const [MaybeUninit<u32>] as *const [u32]))
                         }
-                        ARows::Packed(&edge[..kc * mr])
                     }
                 };
                 for j in cols.clone().step_by(NR) {
