@@ -156,10 +156,7 @@ fn forward_widening(t: FlexTensor, len: usize, kind: Kind, isa: Isa) -> FlexTens
         });
         out
     }
-    let t = match t.layout().is_contiguous() {
-        true => t,
-        false => t.to_contiguous(),
-    };
+    let t = contiguous(t);
     let out = match t.dtype() {
         DType::BF16 => rows_of_type::<bf16>(&t, len, kind, isa),
         _ => rows_of_type::<f16>(&t, len, kind, isa),
@@ -206,34 +203,31 @@ pub(crate) fn log_softmax_of_half(tensor: FlexTensor, dim: usize) -> FlexTensor 
     }
 }
 
-/// Where the kernels take the backward of the output `y` with the gradient `grad` (an f32
-/// gradient of `y`'s shape, `y` one of their outputs): the rows' length and the gradient,
-/// contiguous. Otherwise both back, for Flex's ops.
-fn backward_operands(
-    y: FlexTensor,
-    grad: FlexTensor,
-) -> Result<(FlexTensor, FlexTensor, usize), (FlexTensor, FlexTensor)> {
+/// The rows' length where the kernels take the backward of the output `y` with the gradient
+/// `grad`: an f32 gradient of `y`'s shape, `y` one of their outputs (never otherwise for the
+/// outputs the kernels make and the f32 gradients Burn hands back).
+fn backward_rows_of(y: &FlexTensor, grad: &FlexTensor) -> Option<usize> {
     let shape = y.layout().shape();
-    let last = shape.num_dims() - 1;
     let fits = grad.dtype() == DType::F32 && grad.layout().shape() == shape;
-    let (Some(len), true) = (rows_of(&y, last), fits) else {
-        // Never for the outputs the kernels make and the f32 gradients Burn hands back.
-        return Err((y, grad));
-    };
-    let grad = match grad.layout().is_contiguous() {
-        true => grad,
-        false => grad.to_contiguous(),
-    };
-    Ok((y, grad, len))
+    fits.then(|| rows_of(y, shape.num_dims() - 1)).flatten()
+}
+
+/// `t` itself where contiguous, else a contiguous copy.
+fn contiguous(t: FlexTensor) -> FlexTensor {
+    match t.layout().is_contiguous() {
+        true => t,
+        false => t.to_contiguous(),
+    }
 }
 
 /// The gradient of the input of a softmax (or log-softmax) along the last dimension, from its
 /// output `y` and the output's gradient `grad`.
 fn backward(y: FlexTensor, grad: FlexTensor, kind: Kind, isa: Isa) -> FlexTensor {
-    let (y, grad, len) = match backward_operands(y, grad) {
-        Ok(operands) => operands,
-        Err((y, grad)) => return composed_backward(y, grad, kind),
+    let Some(len) = backward_rows_of(&y, &grad) else {
+        // The same formula in Flex's ops.
+        return composed_backward(y, grad, kind);
     };
+    let grad = contiguous(grad);
     let ys = y
         .as_slice::<f32>()
         .expect("rows_of took a contiguous f32 tensor");
@@ -262,13 +256,11 @@ fn backward_rounding(
         });
         out
     }
-    let (y, grad, len) = match backward_operands(y, grad) {
-        Ok(operands) => operands,
+    let Some(len) = backward_rows_of(&y, &grad) else {
         // The same formula in Flex's ops, then the cast.
-        Err((y, grad)) => {
-            return fast_cast::convert(composed_backward(y, grad, kind), dtype.into());
-        }
+        return fast_cast::convert(composed_backward(y, grad, kind), dtype.into());
     };
+    let grad = contiguous(grad);
     let ys = y
         .as_slice::<f32>()
         .expect("rows_of took a contiguous f32 tensor");
