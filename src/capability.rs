@@ -9,9 +9,14 @@
 //! kernel there, so f16 is about 50× slower than f32. The probe therefore also times a
 //! square matmul in f32 and in each low dtype that runs, on the backend's own kernels, and
 //! flags a dtype [`SLOW_FACTOR`] times slower or worse, so that autocast never picks it
-//! silently. That is
-//! the only decision a timing takes, and its margin is wide: dtypes with real kernels measure
-//! 0.4–1.3× f32's time, those without 12× and more.
+//! silently. Where the slow case is known, a rule decides instead of the timing
+//! ([`KNOWN_HALF_KERNELS`]: LibTorch's CPU f16 is slow exactly where the CPU has no f16
+//! arithmetic), because a timing taken beside other work can land on either side of the
+//! factor: LibTorch's f32 matmul spreads over every core and slows most when one is busy
+//! (measured at 7.4× instead of 50× on a 2-core Zen 4 with a compiler on the other core).
+//! For devices no rule covers (accelerators), the timing remains the only decision one
+//! takes, and its margin is wide: dtypes with real kernels measure 0.4–1.3× f32's time,
+//! those without 12× and more.
 //!
 //! **Nothing else depends on a timing.** Which path a half-precision op takes, whether a small
 //! op stays in f32 and which precision [`Capabilities::fastest`] picks are rules over the
@@ -172,6 +177,56 @@ pub fn amx_status() -> String {
 /// far below a dtype with none (LibTorch CPU f16, about 50×): the probe's timing runs on a
 /// busy machine and must not flip between the two.
 pub const SLOW_FACTOR: f32 = 8.0;
+
+/// A backend's half type whose speed on the host's CPU is known from the CPU's instructions:
+/// it has a matmul kernel exactly where the CPU has `fast_with`, and is [`SLOW_FACTOR`] times
+/// slower than f32 or worse elsewhere.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KnownHalfKernel {
+    /// The backend and device, as `Backend::name` reports them.
+    pub backend: &'static str,
+    /// The half type.
+    pub dtype: FloatDType,
+    /// The CPU feature (as `is_x86_feature_detected!` names it) its kernel needs.
+    pub fast_with: &'static str,
+}
+
+/// The half types whose speed the probe reads from the CPU instead of its timing.
+///
+/// LibTorch 2.9 on a CPU multiplies f16 with f16 arithmetic (AVX512-FP16: Intel Sapphire
+/// Rapids and later) or, lacking it, element by element: 50–60× f32's time on a quiet Zen 4.
+/// Its bf16 has kernels on every x86 CPU (oneDNN's, AVX512-BF16 or converted), so it is not
+/// listed, and is timed.
+pub const KNOWN_HALF_KERNELS: [KnownHalfKernel; 1] = [KnownHalfKernel {
+    backend: "libtorch<cpu>",
+    dtype: FloatDType::F16,
+    fast_with: "avx512fp16",
+}];
+
+// Whether this CPU has `feature` (one of those `KNOWN_HALF_KERNELS` names).
+fn cpu_has(feature: &str) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        match feature {
+            "avx512fp16" => std::is_x86_feature_detected!("avx512fp16"),
+            _ => false,
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = feature;
+        false
+    }
+}
+
+// Whether a rule says `dtype` is slow on backend `name` (`Some(true)`), fast (`Some(false)`),
+// or no rule covers it (`None`: the timing decides).
+fn known_slow(name: &str, dtype: FloatDType, has: impl Fn(&str) -> bool) -> Option<bool> {
+    KNOWN_HALF_KERNELS
+        .iter()
+        .find(|rule| rule.backend == name && rule.dtype == dtype)
+        .map(|rule| !has(rule.fast_with))
+}
 
 // The probe's timed matmul: N×N by N×N, big enough that kernel launch and read-back costs
 // do not hide a missing fast path (at 256, LibTorch CPU's slow half types were within 2× of
@@ -414,12 +469,14 @@ pub fn probe<B: Backend>(device: &B::Device) -> Capabilities {
         let bf16 = runs_dtype::<B>(device, FloatDType::BF16);
         let own_path = kernels::of::<B>().is_some();
         let timed = timings::<B>(device, f16, bf16);
-        let host_cpu = on_host_cpu(&B::name(device));
+        let name = B::name(device);
+        let host_cpu = on_host_cpu(&name);
+        let flag = |dtype, timed: Option<Timed>| flagged(&name, dtype, timed, cpu_has);
         let caps = Capabilities {
             f16,
             bf16,
-            f16_slowdown: timed.f16.and_then(|t| t.slowdown),
-            bf16_slowdown: timed.bf16.and_then(|t| t.slowdown),
+            f16_slowdown: flag(FloatDType::F16, timed.f16),
+            bf16_slowdown: flag(FloatDType::BF16, timed.bf16),
             f16_time_pct: timed.f16.map(|t| t.time_pct),
             bf16_time_pct: timed.bf16.map(|t| t.time_pct),
             f16_via_f32: f16 && own_path,
@@ -486,6 +543,23 @@ fn check(
 fn names(precisions: &[Precision]) -> String {
     let names: Vec<String> = precisions.iter().map(|p| p.to_string()).collect();
     names.join(", ")
+}
+
+// The slowdown the probe reports for a timed half type: by the rule where one covers it (the
+// measured figure, raised to the factor where the measurement fell short of the rule), by the
+// timing elsewhere.
+fn flagged(
+    name: &str,
+    dtype: FloatDType,
+    timed: Option<Timed>,
+    has: impl Fn(&str) -> bool,
+) -> Option<u32> {
+    let timed = timed?;
+    match known_slow(name, dtype, has) {
+        Some(false) => None,
+        Some(true) => Some((timed.time_pct / 100).max(SLOW_FACTOR as u32)),
+        None => timed.slowdown,
+    }
 }
 
 /// The slowdown of a low dtype's matmul against f32's, where it reaches [`SLOW_FACTOR`].
@@ -783,6 +857,36 @@ mod tests {
             shown.starts_with("f32, bf16 (0.97× f32's time), f16 (0.50× f32's time)"),
             "{shown}"
         );
+    }
+
+    #[test]
+    fn a_known_half_kernel_is_flagged_by_the_cpu_not_the_timing() {
+        let timed = |pct: u32| {
+            Some(Timed {
+                time_pct: pct,
+                slowdown: slowdown(
+                    Duration::from_millis(100),
+                    Duration::from_millis(pct as u64),
+                ),
+            })
+        };
+        let lacks = |_: &str| false;
+        let has = |f: &str| f == "avx512fp16";
+        let f16 = FloatDType::F16;
+        // LibTorch's CPU f16 without AVX512-FP16: slow, even where a busy machine timed it
+        // under the factor; the figure is the measured one where it reaches the factor.
+        assert_eq!(flagged("libtorch<cpu>", f16, timed(743), lacks), Some(8));
+        assert_eq!(flagged("libtorch<cpu>", f16, timed(5949), lacks), Some(59));
+        // With it: fast, whatever the timing said.
+        assert_eq!(flagged("libtorch<cpu>", f16, timed(5949), has), None);
+        assert_eq!(flagged("libtorch<cpu>", f16, timed(80), has), None);
+        // Untimed (f16 does not run): nothing to flag.
+        assert_eq!(flagged("libtorch<cpu>", f16, None, lacks), None);
+        // No rule for LibTorch's bf16 or a GPU: the timing decides.
+        let bf16 = FloatDType::BF16;
+        assert_eq!(flagged("libtorch<cpu>", bf16, timed(1200), lacks), Some(12));
+        assert_eq!(flagged("libtorch<cpu>", bf16, timed(120), lacks), None);
+        assert_eq!(flagged("libtorch<cuda>", f16, timed(5000), lacks), Some(50));
     }
 
     #[test]

@@ -22,8 +22,9 @@ backend_suite!(
 );
 
 /// Whether this CPU does f16 arithmetic (AVX512-FP16, or AMX's f16 tiles), read from the
-/// kernel's CPU flags: a rule, so that the tests below never depend on how close a timing
-/// came to the probe's limit. Without it LibTorch's f16 matmul runs tens of times slower than
+/// kernel's CPU flags: the probe's own rule for LibTorch's CPU f16
+/// (`capability::KNOWN_HALF_KERNELS`), read here independently of the crate, so that the
+/// tests below never depend on how close a timing came to the probe's limit. Without it LibTorch's f16 matmul runs tens of times slower than
 /// f32 (measured on Zen 4), far past the 8× flag; with it, faster than f32.
 fn cpu_lacks_f16_arithmetic() -> bool {
     let flags = std::fs::read_to_string("/proc/cpuinfo").expect("/proc/cpuinfo is readable");
