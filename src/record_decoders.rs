@@ -786,14 +786,13 @@ fn a_tensor_in_a_form_burn_never_writes_is_refused() {
         b"F32",
     ]
     .concat();
-    for (form, tensor, expected) in [
+    // The tensor as a list of its fields, then by the indices of its fields.
+    for (tensor, expected) in [
         (
-            "a list",
             by_name,
             "tensor `item.first.weight.param` has data that are not bytes",
         ),
         (
-            "indices",
             by_index,
             "a key that is not a name in `item.first.weight.param`",
         ),

@@ -184,7 +184,7 @@ impl Manifest {
     fn from_json(bytes: &[u8], path: &Path) -> Result<Self, CheckpointError> {
         let manifest: Self = serde_json::from_slice(bytes).map_err(|e| {
             checkpoint_error(
-                &path,
+                path,
                 format!(
                     "it cannot be parsed ({e}); it is only ever replaced whole, so something \
                      else wrote it: restore it, or delete it to start afresh"
@@ -193,7 +193,7 @@ impl Manifest {
         })?;
         if manifest.version != VERSION {
             return Err(checkpoint_error(
-                &path,
+                path,
                 format!(
                     "it is of format {}, this build reads format {VERSION}",
                     manifest.version
@@ -205,7 +205,7 @@ impl Manifest {
         // entry's files under the other's).
         let damaged = |why: String| {
             checkpoint_error(
-                &path,
+                path,
                 format!("{why}; it is only ever replaced whole, so something else wrote it"),
             )
         };
