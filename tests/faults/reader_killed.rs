@@ -3,7 +3,8 @@
 //! indexed loader with and without prefetch threads, and the stream loader. The receiver's
 //! epoch ends without a panic, and its next call that can fail (`wait_for_everyone`) returns
 //! a typed error naming process 0 and what happened to it; the receiver exits on its own,
-//! long before the run's timeout (600 s here: only seeing process 0 exit can end it).
+//! long before the run's timeout (600 s here: only seeing process 0 exit can end it). And the
+//! other way round: a receiver killed mid-epoch ends process 0's run the same way.
 
 use std::time::{Duration, Instant};
 
@@ -30,29 +31,38 @@ const KILLED_AFTER: usize = 3;
 struct Loader {
     stream: bool,
     num_workers: usize,
+    /// The process killed mid-epoch.
+    killed: usize,
+    /// Each item's size.
+    item_bytes: usize,
 }
 
 /// What a process saw.
 #[derive(Debug, Serialize, Deserialize)]
 enum Seen {
-    /// Process 0, about to be killed.
-    Reader { pid: u32 },
-    /// Process 1, after its epoch.
-    Receiver {
+    /// The process killed, about to be.
+    Killed { pid: u32 },
+    /// The other, after its epoch.
+    Survivor {
         batches: usize,
         /// `wait_for_everyone`'s error after the epoch (empty: none).
         error: String,
     },
 }
 
-/// A batch: its items.
+/// A batch: each item's size.
 #[derive(Clone)]
-struct Items;
+struct Sizes;
 
-impl Batcher<Flex, u64, Vec<u64>> for Items {
-    fn batch(&self, items: Vec<u64>, _: &burn::backend::flex::FlexDevice) -> Vec<u64> {
-        items
+impl Batcher<Flex, Vec<u8>, Vec<usize>> for Sizes {
+    fn batch(&self, items: Vec<Vec<u8>>, _: &burn::backend::flex::FlexDevice) -> Vec<usize> {
+        items.iter().map(Vec::len).collect()
     }
+}
+
+// The items of an epoch, of `size` bytes each.
+fn items(size: usize) -> Vec<Vec<u8>> {
+    (0..ITEMS).map(|i| vec![i as u8; size]).collect()
 }
 
 fn reader_killed_worker(loader: Loader) {
@@ -63,15 +73,16 @@ fn reader_killed_worker(loader: Loader) {
         .with_dispatch_batches(true)
         .with_shuffle(false)
         .with_num_workers(loader.num_workers);
-    let batches: Box<dyn DataLoader<Flex, Vec<u64>>> = if loader.stream {
+    let size = loader.item_bytes;
+    let batches: Box<dyn DataLoader<Flex, Vec<usize>>> = if loader.stream {
         Box::new(
-            StreamLoaderBuilder::new(config, |_: u64| (0..ITEMS).collect::<Vec<_>>(), Items)
+            StreamLoaderBuilder::new(config, move |_: u64| items(size), Sizes)
                 .build_dispatching(&state, device)
                 .unwrap(),
         )
     } else {
         Box::new(
-            ShardLoaderBuilder::new(config, InMemDataset::new((0..ITEMS).collect()), Items)
+            ShardLoaderBuilder::new(config, InMemDataset::new(items(size)), Sizes)
                 .build_dispatching(&state, device)
                 .unwrap(),
         )
@@ -79,8 +90,8 @@ fn reader_killed_worker(loader: Loader) {
     let mut taken = 0;
     for _ in batches.iter() {
         taken += 1;
-        if state.is_main_process() && taken == KILLED_AFTER {
-            report(&Seen::Reader {
+        if state.process_index() == loader.killed && taken == KILLED_AFTER {
+            report(&Seen::Killed {
                 pid: std::process::id(),
             });
             nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL).unwrap();
@@ -91,10 +102,40 @@ fn reader_killed_worker(loader: Loader) {
         .err()
         .map(|e| e.to_string())
         .unwrap_or_default();
-    report(&Seen::Receiver {
+    report(&Seen::Survivor {
         batches: taken,
         error,
     });
+}
+
+// Runs 2 processes of `test` over `loader`: the survivor's report, the pid of the one killed,
+// and what both printed.
+fn run_killing(test: &str, loader: Loader) -> (usize, String, u32, String) {
+    let started = Instant::now();
+    // Without the launcher (which would stop the survivor itself), and a run timeout far away.
+    let runs = launch_direct(test, 2, &loader, &[("BURN_ACCELERATE_TIMEOUT", "600")]);
+    let (killed, survivor) = (&runs[loader.killed], &runs[1 - loader.killed]);
+    let context = format!(
+        "{loader:?}\n--- killed\n{}\n--- survivor\n{}",
+        killed.output(),
+        survivor.output()
+    );
+    assert!(!killed.status.success(), "{context}");
+    // The survivor ended on its own: it reported, without a panic, and soon.
+    assert!(survivor.status.success(), "{context}");
+    assert!(!survivor.output().contains("panicked"), "{context}");
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "{:?}\n{context}",
+        started.elapsed()
+    );
+    let Seen::Killed { pid } = killed.report(loader.killed) else {
+        panic!("the killed process's report: {context}")
+    };
+    let Seen::Survivor { batches, error } = survivor.report(1 - loader.killed) else {
+        panic!("the survivor's report: {context}")
+    };
+    (batches, error, pid, context)
 }
 
 #[test]
@@ -103,45 +144,14 @@ fn process_0_killed_mid_epoch_is_a_typed_error_on_the_receiver_not_a_panic_or_a_
     if let Some(loader) = worker::<Loader>() {
         return reader_killed_worker(loader);
     }
-    for loader in [
-        Loader {
-            stream: false,
-            num_workers: 0,
-        },
-        Loader {
-            stream: false,
-            num_workers: 2,
-        },
-        Loader {
-            stream: true,
-            num_workers: 0,
-        },
-    ] {
-        let started = Instant::now();
-        // Without the launcher (which would stop the receiver itself), and a run timeout
-        // far away.
-        let runs = launch_direct(TEST, 2, &loader, &[("BURN_ACCELERATE_TIMEOUT", "600")]);
-        let (main, receiver) = (&runs[0], &runs[1]);
-        let context = format!(
-            "{loader:?}\n--- process 0\n{}\n--- process 1\n{}",
-            main.output(),
-            receiver.output()
-        );
-        assert!(!main.status.success(), "{context}");
-        // The receiver ended on its own: it reported, without a panic, and soon.
-        assert!(receiver.status.success(), "{context}");
-        assert!(!receiver.output().contains("panicked"), "{context}");
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "{:?}\n{context}",
-            started.elapsed()
-        );
-        let Seen::Reader { pid } = main.report(0) else {
-            panic!("process 0's report is the reader's: {context}")
+    for (stream, num_workers) in [(false, 0), (false, 2), (true, 0)] {
+        let loader = Loader {
+            stream,
+            num_workers,
+            killed: 0,
+            item_bytes: 8,
         };
-        let Seen::Receiver { batches, error } = receiver.report(1) else {
-            panic!("process 1's report is the receiver's: {context}")
-        };
+        let (batches, error, pid, context) = run_killing(TEST, loader);
         // Fewer than half of its epoch's batches: the epoch ended where process 0 stopped.
         assert!(batches < STEPS / 2, "{batches} batches\n{context}");
         // Its next collective says why, naming process 0, what happened, and where.
@@ -151,6 +161,34 @@ fn process_0_killed_mid_epoch_is_a_typed_error_on_the_receiver_not_a_panic_or_a_
         );
         assert!(
             error.contains(&said) && error.contains("ended its epoch there"),
+            "{error}\n{context}"
+        );
+    }
+}
+
+// Process 0's side: a send to a receiver that is gone ends its epoch. The items are large
+// (64 KiB, 32 MiB for the receiver's half of the epoch), so that process 0's sends after
+// the kill find it gone rather than fit in the socket's buffers.
+#[test]
+fn a_receiver_killed_mid_epoch_is_a_typed_error_on_process_0_not_a_panic_or_a_hang() {
+    const TEST: &str = "reader_killed::a_receiver_killed_mid_epoch_is_a_typed_error_on_process_0_not_a_panic_or_a_hang";
+    if let Some(loader) = worker::<Loader>() {
+        return reader_killed_worker(loader);
+    }
+    for (stream, num_workers) in [(false, 0), (true, 0)] {
+        let loader = Loader {
+            stream,
+            num_workers,
+            killed: 1,
+            item_bytes: 64 << 10,
+        };
+        let (batches, error, pid, context) = run_killing(TEST, loader);
+        assert!(batches < STEPS / 2, "{batches} batches\n{context}");
+        assert!(
+            error.contains(&format!(
+                "dispatch_batches across processes: process 1 (pid {pid}, on this machine) \
+                 exited during stream"
+            )) && error.contains("ended its epoch there"),
             "{error}\n{context}"
         );
     }
