@@ -582,7 +582,9 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
     /// Burn's `fit` has no error channel: a directory that cannot be resumed from (a damaged
     /// manifest, every listed checkpoint missing a file, a record of another model) stops the
     /// training with a panic that says why. [`try_with_checkpoint_dir`](Self::try_with_checkpoint_dir)
-    /// checks what can be checked before the training starts and returns it as an error.
+    /// checks what can be checked before the training starts and returns it as an error, and
+    /// [`check_checkpoint_fits`](Self::check_checkpoint_fits) the model's record against the
+    /// model.
     pub fn with_checkpoint_dir(mut self, dir: impl Into<PathBuf>) -> Self {
         self.checkpoint_dir = Some(dir.into());
         // What was verified in another directory is not this one's.

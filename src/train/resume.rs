@@ -15,9 +15,11 @@
 //!
 //! When a training starts, the main process picks the newest checkpoint whose files verify
 //! (passing over, with a warning, damaged newer ones), tells the others which, and every
-//! process reads and checks that one, then loads it through Burn's own resume path
-//! (`LearningCheckpointer::load_checkpoint`, what `SupervisedTraining::checkpoint(epoch)`
-//! runs), then trains from the next epoch. The steps taken after that checkpoint by the run
+//! process reads and checks that one (or takes the copy `try_with_checkpoint_dir` read and
+//! verified, when it is that one: its files are not read twice, and its state, not the file
+//! on disk, gives the loss scale and the loaders' positions), then loads it through Burn's
+//! own resume path (`LearningCheckpointer::load_checkpoint`, what
+//! `SupervisedTraining::checkpoint(epoch)` runs), then trains from the next epoch. The steps taken after that checkpoint by the run
 //! that stopped are redone: the loaders' saved positions and seeds give the same batches in
 //! the same order, so they are the same steps, and the run ends where an uninterrupted one
 //! does, bit for bit.
