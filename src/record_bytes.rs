@@ -11,7 +11,7 @@
 //! (megabytes, SECURITY.md). The catch around `from_item` stays for what the walk cannot know,
 //! and names itself ([`BURN_PANICKED`]) so that the property tests fail when it is reached.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::panic::AssertUnwindSafe;
 
 use burn::module::{Module, ParamId};
@@ -99,16 +99,38 @@ pub(crate) fn build<B: Backend, R: Record<B>>(
 /// deeper than [`MAX_DEPTH`], before any recursive decoder (this walk, or serde's skipping of
 /// a field) can overflow a thread's stack on it.
 pub(crate) fn check_tensors(bytes: &[u8], shapes: &Shapes) -> Result<(), String> {
+    walk(bytes, shapes).map(drop)
+}
+
+/// The first of the model's parameters (`shapes`, in the order of their paths) that `bytes`
+/// hold no tensor for, with its shape: what to name when a record that [`check_tensors`]
+/// passed does not decode as the model's (serde names only the first field it missed, a
+/// module's, not a parameter). `None` when every one is there, or the bytes do not walk.
+pub(crate) fn first_missing(bytes: &[u8], shapes: &Shapes) -> Option<(String, Vec<usize>)> {
+    let seen = walk(bytes, shapes).ok()?;
+    let mut missing: Vec<&(String, Vec<usize>)> = shapes
+        .0
+        .iter()
+        .filter(|(path, _)| !seen.contains(*path))
+        .map(|(_, param)| param)
+        .collect();
+    missing.sort();
+    missing.first().map(|&param| param.clone())
+}
+
+// Walks `bytes` as `check_tensors` says; the record paths of the model's parameters found.
+fn walk(bytes: &[u8], shapes: &Shapes) -> Result<HashSet<String>, String> {
     let mut deserializer = rmp_serde::Deserializer::from_read_ref(bytes);
     deserializer.set_max_depth(MAX_DEPTH);
     let mut context = Context {
         path: Vec::new(),
         rank: None,
         shapes,
+        seen: HashSet::new(),
     };
     serde::de::DeserializeSeed::deserialize(Walk(&mut context), &mut deserializer)
-        .map(drop)
-        .map_err(|e| e.to_string())
+        .map_err(|e| e.to_string())?;
+    Ok(context.seen)
 }
 
 /// The deepest nesting a record may have: Burn's records nest as deep as their modules, a
@@ -153,6 +175,9 @@ struct Context<'s> {
     rank: Option<usize>,
     /// The model's parameters, by path.
     shapes: &'s Shapes,
+    /// The paths of the model's parameters walked so far (at most one each: bounded by the
+    /// model, not by the bytes).
+    seen: HashSet<String>,
 }
 
 /// One value of the walk of [`check_tensors`], noted as [`Seen`] (and checked, where it is a
@@ -286,7 +311,12 @@ fn check_id(context: &Context<'_>, id: &str) -> Result<(), String> {
 
 // A tensor's data, shape and dtype (as they were seen), where `context` is: what Burn would
 // panic on or allocate for, refused.
-fn check_tensor(context: &Context<'_>, data: Seen, shape: Seen, dtype: Seen) -> Result<(), String> {
+fn check_tensor(
+    context: &mut Context<'_>,
+    data: Seen,
+    shape: Seen,
+    dtype: Seen,
+) -> Result<(), String> {
     let path = context.path.join(".");
     let (len, bools) = match data {
         Seen::Bytes(len, _, bools) => (len, bools),
@@ -343,6 +373,9 @@ fn check_tensor(context: &Context<'_>, data: Seen, shape: Seen, dtype: Seen) -> 
              the checkpoint is of another model (resume with the model that saved it, or \
              start without this checkpoint directory)"
         ));
+    }
+    if context.shapes.0.contains_key(&path) {
+        context.seen.insert(path.clone());
     }
     // Burn's count of elements is a product in `usize`, of every dimension in turn.
     let needs = dims

@@ -252,6 +252,243 @@ mod flex {
         std::fs::remove_dir_all(&root).unwrap();
     }
 
+    // The checkpoint of epoch 1 of the example's run (F32, 256 items, width 64) in `dir`.
+    fn first_epoch_checkpoint(dir: &std::path::Path) {
+        let _ = std::fs::remove_dir_all(dir);
+        let config = small(Precision::F32)
+            .with_epochs(1)
+            .with_train_items(256)
+            .with_valid_items(64)
+            .with_checkpoint_dir(Some(dir.to_string_lossy().into_owned()));
+        train_with_rule::<Train>(&config, SmallOps::KeepF32).unwrap();
+    }
+
+    // Resumes from `dir` as the example's run does up to epoch 2 (the settings of
+    // `first_epoch_checkpoint`), with `between` run once the directory is checked and before
+    // the training starts: the epoch resumed from, and the trained model's logits on the
+    // validation set.
+    fn resume_from(dir: &std::path::Path, between: impl FnOnce()) -> (Option<usize>, Vec<f32>) {
+        use crate::mlp::{BlobBatcher, Mlp, MlpComponents, QuietRenderer};
+        use burn::data::dataloader::DataLoaderBuilder;
+        use burn::data::dataloader::batcher::Batcher;
+        use burn::data::dataset::InMemDataset;
+        use burn::optim::AdamConfig;
+        use burn::tensor::backend::{AutodiffBackend, Backend};
+        use burn::train::{Learner, SupervisedTraining};
+        use burn_accelerate::AccelerateConfig;
+        use burn_accelerate::data::{DataLoaderConfig, ShardLoaderBuilder};
+        use burn_accelerate::distributed::ProcessState;
+        use burn_accelerate::train::{AccelerateStrategy, WithAccelerate};
+        use std::sync::Arc;
+
+        type Inner = <Train as AutodiffBackend>::InnerBackend;
+        let _one = ONE_TRAINING.lock().unwrap_or_else(|e| e.into_inner());
+        let device = Default::default();
+        let train = ShardLoaderBuilder::new(
+            DataLoaderConfig::new(64)
+                .with_shuffle(true)
+                .with_data_seed(Some(42)),
+            InMemDataset::new(mlp::blobs(256, 1)),
+            BlobBatcher,
+        )
+        .build_for(&ProcessState::from_env().unwrap(), device)
+        .unwrap();
+        let accelerate = AccelerateConfig::new().with_small_ops(Some(SmallOps::KeepF32));
+        let strategy = AccelerateStrategy::<MlpComponents<Train>>::new(accelerate, &device)
+            .unwrap()
+            .try_with_checkpoint_dir(dir)
+            .unwrap()
+            .with_checkpointed_loader(&train);
+        let report = strategy.report();
+        between();
+        let valid_data = mlp::blobs(64, 2);
+        let valid = DataLoaderBuilder::<Inner, _, _>::new(BlobBatcher)
+            .batch_size(64)
+            .build(InMemDataset::new(valid_data.clone()));
+        Train::seed(&device, 42);
+        let model = Mlp::<Train>::new(64, &device);
+        let learner = Learner::new(model, AdamConfig::new().init(), 1e-3);
+        let artifacts = dir.with_extension("artifacts");
+        let result = SupervisedTraining::new(&artifacts, Arc::new(train), valid)
+            .num_epochs(2)
+            .renderer(QuietRenderer)
+            .with_application_logger(None)
+            .with_accelerate(strategy.with_artifact_dir(&artifacts))
+            .launch(learner);
+        let _ = std::fs::remove_dir_all(&artifacts);
+        let x = Batcher::<Inner, _, _>::batch(&BlobBatcher, valid_data, &device).x;
+        let logits = result.model.forward(x).into_data().to_vec().unwrap();
+        (report.stats().resumed_from, logits)
+    }
+
+    // Issue 49 / 46: the resume loads the checkpoint `try_with_checkpoint_dir` read and
+    // verified, from memory, the loss scale and the loaders' positions included: files changed
+    // on disk between the check and the training change nothing (read again, the altered
+    // records would fail their checksums, and the other state file would be restored).
+    #[test]
+    fn the_resume_loads_the_checkpoint_the_start_up_check_verified_not_the_files_again() {
+        use burn_accelerate_checkpoint::{FileDigest, Manifest};
+
+        let root = std::env::temp_dir().join(format!(
+            "burn-accelerate-verified-once-{}",
+            std::process::id()
+        ));
+        let written = root.join("written");
+        first_epoch_checkpoint(&written);
+        let copy = |name: &str| {
+            let dir = root.join(name);
+            std::fs::create_dir_all(&dir).unwrap();
+            for file in std::fs::read_dir(&written).unwrap() {
+                let file = file.unwrap();
+                std::fs::copy(file.path(), dir.join(file.file_name())).unwrap();
+            }
+            dir
+        };
+        let (from, reference) = resume_from(&copy("reference"), || {});
+        assert_eq!(from, Some(1));
+
+        // Every record of the checkpoint overwritten with zeros of its length (the manifest
+        // unchanged: read again, none would verify, and no checkpoint would be whole).
+        let zeroed = copy("zeroed");
+        let (from, logits) = resume_from(&zeroed, || {
+            let listed = Manifest::read(&zeroed).unwrap();
+            for file in &listed.entry(1).unwrap().files {
+                let path = zeroed.join(&file.name);
+                let len = std::fs::metadata(&path).unwrap().len() as usize;
+                std::fs::write(&path, vec![0u8; len]).unwrap();
+            }
+        });
+        assert_eq!(from, Some(1));
+        assert!(
+            logits == reference,
+            "the resume differs from the untouched directory's"
+        );
+
+        // Another valid state file, listed in the manifest with its checksum (as the strategy
+        // itself relists one): another state of the loader's sampler, so another order of
+        // epoch 2 if it were restored.
+        let relisted = copy("relisted");
+        let (from, logits) = resume_from(&relisted, || {
+            let name = "accelerate-1.json";
+            let path = relisted.join(name);
+            let mut state: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+            let rng = &mut state["loaders"][0]["sampler_rng"];
+            *rng = (rng.as_u64().unwrap() ^ 1).into();
+            let bytes = serde_json::to_vec_pretty(&state).unwrap();
+            std::fs::write(&path, &bytes).unwrap();
+            Manifest::read(&relisted)
+                .unwrap()
+                .relisted(1, FileDigest::of(name, &bytes))
+                .unwrap()
+                .write(&relisted)
+                .unwrap();
+        });
+        assert_eq!(from, Some(1));
+        assert!(
+            logits == reference,
+            "the resume differs from the untouched directory's"
+        );
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    // Issue 49: a checkpoint of another model is refused where the model is known, before
+    // training, naming the record file and the parameter: here of another width (shapes),
+    // and of another module (names).
+    #[test]
+    fn a_checkpoint_of_another_model_is_refused_before_training_naming_the_parameter() {
+        use crate::mlp::{Mlp, MlpComponents};
+        use burn::module::Module;
+        use burn::nn::{Linear, LinearConfig};
+        use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
+        use burn_accelerate::AccelerateConfig;
+        use burn_accelerate::train::AccelerateStrategy;
+        use burn_accelerate_checkpoint::{FileDigest, Manifest};
+        use std::path::Path;
+
+        #[derive(Module, Debug)]
+        struct Other<B: burn::tensor::backend::Backend> {
+            encoder: Linear<B>,
+            head: Linear<B>,
+        }
+
+        let root = std::env::temp_dir().join(format!(
+            "burn-accelerate-other-model-{}",
+            std::process::id()
+        ));
+        let shapes = root.join("shapes");
+        first_epoch_checkpoint(&shapes);
+        let device = Default::default();
+        let check = |dir: &Path, hidden: usize| {
+            AccelerateStrategy::<MlpComponents<Train>>::new(AccelerateConfig::new(), &device)
+                .unwrap()
+                .try_with_checkpoint_dir(dir)
+                .unwrap()
+                .check_checkpoint_fits(&Mlp::new(hidden, &device))
+        };
+        let refused = |dir: &Path, hidden: usize| match check(dir, hidden) {
+            Err(AccelerateError::Checkpoint { path, reason }) => {
+                assert_eq!(
+                    Path::new(&path),
+                    dir.join("accelerate-1-model.mpk"),
+                    "{reason}"
+                );
+                reason
+            }
+            other => panic!("expected a checkpoint error naming the model's record, got {other:?}"),
+        };
+        // The model that wrote it fits.
+        check(&shapes, 64).unwrap();
+        // Another width: the first parameter of another shape is named, with both shapes.
+        let reason = refused(&shapes, 32);
+        assert!(reason.contains("fc1.weight"), "{reason}");
+        assert!(
+            reason.contains("[8, 64]") && reason.contains("[8, 32]"),
+            "{reason}"
+        );
+        // The example's run says it before training, as the same error.
+        let config = small(Precision::F32)
+            .with_epochs(2)
+            .with_hidden(32)
+            .with_checkpoint_dir(Some(shapes.to_string_lossy().into_owned()));
+        let err = train_with_rule::<Train>(&config, SmallOps::KeepF32).unwrap_err();
+        assert!(
+            matches!(&err, AccelerateError::Checkpoint { path, .. } if Path::new(path) == shapes.join("accelerate-1-model.mpk")),
+            "{err}"
+        );
+
+        // A record of another module, listed with its checksum: the parameter it lacks.
+        let names = root.join("names");
+        std::fs::create_dir_all(&names).unwrap();
+        for file in std::fs::read_dir(&shapes).unwrap() {
+            let file = file.unwrap();
+            std::fs::copy(file.path(), names.join(file.file_name())).unwrap();
+        }
+        let other = Other::<Train> {
+            encoder: LinearConfig::new(8, 64).init(&device),
+            head: LinearConfig::new(64, 4).init(&device),
+        };
+        let bytes = Recorder::<Train>::record(
+            &NamedMpkBytesRecorder::<FullPrecisionSettings>::default(),
+            other.into_record(),
+            (),
+        )
+        .unwrap();
+        std::fs::write(names.join("accelerate-1-model.mpk"), &bytes).unwrap();
+        Manifest::read(&names)
+            .unwrap()
+            .relisted(1, FileDigest::of("accelerate-1-model.mpk", &bytes))
+            .unwrap()
+            .write(&names)
+            .unwrap();
+        let reason = refused(&names, 64);
+        assert!(
+            reason.contains("parameter `fc1.bias` (shape [64]) is not in the record"),
+            "{reason}"
+        );
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
     fn small(precision: Precision) -> DemoConfig {
         DemoConfig::new()
             .with_precision(precision)

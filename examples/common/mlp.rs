@@ -411,6 +411,8 @@ pub fn run<B: AutodiffBackend>(
 
     B::seed(device, config.seed);
     let model = Mlp::<B>::new(config.hidden, device);
+    // A checkpoint of another model (other parameter names or shapes): said here too.
+    strategy.check_checkpoint_fits(&model)?;
     let scheduler = CountedScheduler::new(config.lr);
     let scheduler_steps = scheduler.counter();
     let learner = Learner::new(model, AdamConfig::new().init(), scheduler);

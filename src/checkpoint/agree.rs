@@ -7,8 +7,10 @@ use crate::AccelerateError;
 use crate::distributed::ProcessGroup;
 
 /// The checkpoint every process of `group` (one process: `None`) resumes from, read back;
-/// `None` to start afresh. `pick` runs on the main process alone; the others are told its
-/// number and read that checkpoint of `checkpoints`. Every process must call it.
+/// `None` to start afresh. `pick` runs on the main process alone, given `held`; the others are
+/// told its number and read that checkpoint of `checkpoints`, unless `held` is that one.
+/// `held` is a checkpoint this process read and verified already (the start-up check's):
+/// nothing is read or hashed twice. Every process must call it.
 ///
 /// # Errors
 /// What `pick` returns; [`AccelerateError::Distributed`] when the processes cannot agree;
@@ -16,10 +18,15 @@ use crate::distributed::ProcessGroup;
 pub(crate) fn agree_on_checkpoint(
     group: Option<&ProcessGroup>,
     checkpoints: &CheckpointDir,
-    pick: impl FnOnce() -> Result<Option<LoadedCheckpoint>, AccelerateError>,
+    held: Option<LoadedCheckpoint>,
+    pick: impl FnOnce(Option<LoadedCheckpoint>) -> Result<Option<LoadedCheckpoint>, AccelerateError>,
 ) -> Result<Option<LoadedCheckpoint>, AccelerateError> {
     let rank = group.map_or(0, ProcessGroup::rank);
-    let picked = if rank == 0 { pick()? } else { None };
+    let (picked, held) = if rank == 0 {
+        (pick(held)?, None)
+    } else {
+        (None, held)
+    };
     let number = picked.as_ref().map(|loaded| loaded.epoch);
     let number = match group {
         Some(group) => group.broadcast_object(&number, 0)?,
@@ -28,18 +35,21 @@ pub(crate) fn agree_on_checkpoint(
     let Some(number) = number else {
         return Ok(None);
     };
-    match picked {
-        Some(loaded) => Ok(Some(loaded)),
-        None => checkpoints
-            .load(number)
-            .map(Some)
-            .map_err(|err| AccelerateError::Checkpoint {
-                path: checkpoints.path().display().to_string(),
-                reason: format!(
-                    "process {rank} cannot read checkpoint {number}, which the main process \
+    match (picked, held) {
+        (Some(loaded), _) => Ok(Some(loaded)),
+        (None, Some(held)) if held.epoch == number => Ok(Some(held)),
+        (None, _) => {
+            checkpoints
+                .load(number)
+                .map(Some)
+                .map_err(|err| AccelerateError::Checkpoint {
+                    path: checkpoints.path().display().to_string(),
+                    reason: format!(
+                        "process {rank} cannot read checkpoint {number}, which the main process \
                      resumes from (every process needs the same checkpoint directory): {err}"
-                ),
-            }),
+                    ),
+                })
+        }
     }
 }
 
@@ -52,18 +62,19 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("agree-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let checkpoints = CheckpointDir::new(&dir);
-        let none = agree_on_checkpoint(None, &checkpoints, || checkpoints.load_newest(None));
+        let none = agree_on_checkpoint(None, &checkpoints, None, |_| checkpoints.load_newest(None));
         assert!(none.unwrap().is_none());
         checkpoints.save(4, &[("a", b"four")]).unwrap();
-        let loaded = agree_on_checkpoint(None, &checkpoints, || checkpoints.load_newest(None))
-            .unwrap()
-            .unwrap();
+        let loaded =
+            agree_on_checkpoint(None, &checkpoints, None, |_| checkpoints.load_newest(None))
+                .unwrap()
+                .unwrap();
         assert_eq!(
             (loaded.epoch, loaded.files["a"].as_slice()),
             (4, &b"four"[..])
         );
-        let err =
-            agree_on_checkpoint(None, &checkpoints, || checkpoints.load(9).map(Some)).unwrap_err();
+        let err = agree_on_checkpoint(None, &checkpoints, None, |_| checkpoints.load(9).map(Some))
+            .unwrap_err();
         assert!(matches!(err, AccelerateError::Checkpoint { .. }), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -159,7 +159,25 @@ pub(crate) fn resume<B: Backend, M: Module<B>, O: Record<B>, S: Record<B>>(
     model: M,
     device: &B::Device,
 ) -> Result<Resume<M, O, S>, AccelerateError> {
-    match agree_on_checkpoint(group, checkpoints, pick)? {
+    resume_held(group, checkpoints, None, |_| pick(), scheme, model, device)
+}
+
+/// [`resume`], where this process holds `held`, a checkpoint it read and verified already
+/// ([`precheck`]'s): `pick` is given it on the main process, and the others load it when it
+/// is the one picked, rather than read and hash its files again.
+///
+/// # Errors
+/// As [`resume`].
+pub(crate) fn resume_held<B: Backend, M: Module<B>, O: Record<B>, S: Record<B>>(
+    group: Option<&ProcessGroup>,
+    checkpoints: &CheckpointDir,
+    held: Option<LoadedCheckpoint>,
+    pick: impl FnOnce(Option<LoadedCheckpoint>) -> Result<Option<LoadedCheckpoint>, AccelerateError>,
+    scheme: Scheme,
+    model: M,
+    device: &B::Device,
+) -> Result<Resume<M, O, S>, AccelerateError> {
+    match agree_on_checkpoint(group, checkpoints, held, pick)? {
         None => Ok(Resume::Fresh(model)),
         Some(loaded) => read(loaded, scheme, model, device).map(Resume::From),
     }
@@ -202,8 +220,9 @@ pub(crate) fn read<B: Backend, M: Module<B>, O: Record<B>, S: Record<B>>(
 
 /// What [`read`] checks that needs no model, before a run starts (issue 49): the checkpoint a
 /// resume would choose in `dir` (the newest whose files verify, length and SHA-256; a newer one
-/// that does not is passed over, as at the resume), that it lists every file `scheme` names,
-/// and that its state file decodes. Returns its number; `None` when none is listed.
+/// that does not is passed over, with a warning, as at the resume), that it lists every file
+/// `scheme` names, and that its state file decodes. Returns it, read and verified, for the
+/// resume to load without reading and hashing its files again; `None` when none is listed.
 ///
 /// # Errors
 /// [`AccelerateError::Checkpoint`] naming the manifest (unreadable, or no listed checkpoint
@@ -212,32 +231,24 @@ pub(crate) fn read<B: Backend, M: Module<B>, O: Record<B>, S: Record<B>>(
 pub(crate) fn precheck(
     dir: &std::path::Path,
     scheme: Scheme,
-) -> Result<Option<usize>, AccelerateError> {
-    let Some(entry) = burn_accelerate_checkpoint::verify::precheck(dir)? else {
+) -> Result<Option<LoadedCheckpoint>, AccelerateError> {
+    let Some(loaded) = CheckpointDir::new(dir).load_newest(None)? else {
         return Ok(None);
     };
-    let names = scheme.names(entry.epoch);
-    let not_listed = |name: &str| {
-        record_error(
+    let names = scheme.names(loaded.epoch);
+    if let Some(absent) = names.all().find(|name| !loaded.files.contains_key(*name)) {
+        return Err(record_error(
             &dir.join(super::MANIFEST).display().to_string(),
             format!(
-                "the checkpoint of epoch {} does not list {name}, which a resume reads; it is \
+                "the checkpoint of epoch {} does not list {absent}, which a resume reads; it is \
                  only ever replaced whole, so something else wrote it: restore it, or delete \
                  the directory to start afresh",
-                entry.epoch
+                loaded.epoch
             ),
-        )
-    };
-    if let Some(absent) = names.all().find(|name| entry.file(name).is_none()) {
-        return Err(not_listed(absent));
+        ));
     }
-    let state = entry
-        .file(&names.state)
-        .ok_or_else(|| not_listed(&names.state))?;
     let path = dir.join(&names.state).display().to_string();
-    // Verified a moment ago; read again rather than held, as the load reads it again too.
-    let bytes = super::read_verified(dir, state).map_err(|why| record_error(&path, why))?;
-    CheckpointState::from_json(&bytes, &path).map_err(|err| match err {
+    CheckpointState::from_json(&loaded.files[&names.state], &path).map_err(|err| match err {
         AccelerateError::Checkpoint { path, reason } => record_error(
             &path,
             format!(
@@ -248,7 +259,32 @@ pub(crate) fn precheck(
         ),
         other => other,
     })?;
-    Ok(Some(entry.epoch))
+    Ok(Some(loaded))
+}
+
+/// What [`read`] checks with the model, before a run starts (issue 49): that the model's
+/// record of `loaded` (a checkpoint of `dir`, [`precheck`]'s) holds exactly `model`'s
+/// parameters, each under its path and of its shape. It is decoded and loaded into a copy of
+/// `model`, which is dropped: `model`'s lazy parameters stay uninitialised.
+///
+/// # Errors
+/// [`AccelerateError::Checkpoint`] naming the record's path in `dir` and the first parameter
+/// that it lacks or holds in another shape, or why it does not decode as `model`'s record.
+pub(crate) fn precheck_model<B: Backend, M: Module<B>>(
+    dir: &std::path::Path,
+    loaded: &LoadedCheckpoint,
+    scheme: Scheme,
+    model: &M,
+    device: &B::Device,
+) -> Result<(), AccelerateError> {
+    let name = scheme.names(loaded.epoch).model;
+    match super::decode_model::<B, M>(loaded, &name, model.clone(), device) {
+        Ok(_) => Ok(()),
+        Err(AccelerateError::Checkpoint { path, reason }) if path == name => {
+            Err(record_error(&dir.join(&name).display().to_string(), reason))
+        }
+        Err(other) => Err(other),
+    }
 }
 
 #[cfg(all(test, feature = "flex"))]

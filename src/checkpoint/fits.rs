@@ -43,8 +43,25 @@ pub(crate) fn decode_model<B: Backend, M: Module<B>>(
     device: &B::Device,
 ) -> Result<M, AccelerateError> {
     let shapes = Shapes::of_model::<B, M>(&model);
-    let record = records::decode_checked::<B, M::Record>(loaded, name, &shapes, device)?;
+    let record =
+        records::decode_checked::<B, M::Record>(loaded, name, &shapes, device).map_err(|err| {
+            match missing_parameter(loaded, name, &shapes) {
+                Some(reason) => record_error(name, reason),
+                None => err,
+            }
+        })?;
     load_fitting::<B, M>(model, record, name)
+}
+
+// Why a model record that did not decode is not this model's, naming the first parameter of
+// the model it lacks (a record of another module: serde's error names a module's field).
+fn missing_parameter(loaded: &LoadedCheckpoint, name: &str, shapes: &Shapes) -> Option<String> {
+    let (param, dims) = crate::record_bytes::first_missing(loaded.files.get(name)?, shapes)?;
+    Some(format!(
+        "parameter `{param}` (shape {dims:?}) is not in the record: the checkpoint is of \
+         another model (resume with the model that saved it, or start without this \
+         checkpoint directory)"
+    ))
 }
 
 /// `model` with `record` (the checkpoint's file `what`) loaded, once the record has been found

@@ -10,12 +10,13 @@
 //! ahead without getting in the way of the training's collectives.
 //!
 //! Each message is tagged with its epoch and step; a receiver keeps the steps that arrive
-//! before its prefetch threads ask for them. A process that left fails the others' next
-//! batch with the reason (a panic in the loader: Burn's data loader iterator has no error
-//! channel), and a stuck one times out. A batch that arrives but does not decode (process 0's
-//! items are of another type, or the bytes were changed) ends the receiver's epoch there, and
-//! every later one at once, without a panic: the reason, naming process 0, breaks the process
-//! group, so that the next collective (the gradients' all-reduce in `optimizer_step`,
+//! before its prefetch threads ask for them. Burn's data loader iterator has no error
+//! channel, so a failure on the stream ends the loader's epoch there, and every later one at
+//! once, without a panic: process 0 exiting, closing its connection or falling silent (every
+//! wait has the run's timeout), a batch that does not decode (process 0's items are of
+//! another type, or the bytes were changed), or, on process 0, a receiver it cannot send to.
+//! The reason ([`DistributedError::Dispatch`], naming the process) breaks the process group,
+//! so that the next collective (the gradients' all-reduce in `optimizer_step`,
 //! `wait_for_everyone`) returns it as an error.
 
 use std::collections::BTreeMap;
@@ -33,6 +34,9 @@ use crate::distributed::{DistributedError, Stream};
 pub(crate) struct ProcessDispatch<S: StepSource> {
     stream: Stream,
     role: Role<S>,
+    /// The stream failed: nothing more is sent or read (a receiver no longer knows that the
+    /// stream's next bytes start a batch), and every epoch ends at once.
+    ended: AtomicBool,
 }
 
 enum Role<S: StepSource> {
@@ -45,9 +49,6 @@ enum Role<S: StepSource> {
     /// for (by epoch number and step).
     Receiver {
         kept: Mutex<BTreeMap<(u64, usize), S::Slice>>,
-        /// A batch did not decode: nothing more is read (the stream's next bytes are no
-        /// longer known to start a batch), and every epoch ends at once.
-        undecodable: AtomicBool,
     },
 }
 
@@ -66,11 +67,6 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-// Burn's loader iterator has no error channel: the loader stops the run with the reason.
-fn fail(err: DistributedError) -> ! {
-    panic!("burn-accelerate: dispatch_batches across processes: {err}")
-}
-
 impl<S> ProcessDispatch<S>
 where
     S: StepSource,
@@ -86,14 +82,35 @@ where
         } else {
             Role::Receiver {
                 kept: Mutex::new(BTreeMap::new()),
-                undecodable: AtomicBool::new(false),
             }
         };
-        Self { stream, role }
+        Self {
+            stream,
+            role,
+            ended: AtomicBool::new(false),
+        }
+    }
+
+    // Ends this epoch and every later one, and breaks the process group with `reason`, which
+    // its next collective returns: Burn's loader iterator has no error channel.
+    fn end(&self, reason: DistributedError) -> Option<S::Slice> {
+        let err = DistributedError::Dispatch {
+            reason: Box::new(reason),
+        };
+        log::error!("burn-accelerate: {err}");
+        self.ended.store(true, Ordering::Relaxed);
+        self.stream.group().break_with(err);
+        None
     }
 
     // Process 0: reads steps up to `to`, sends the others their slices, keeps its own.
-    fn read(&self, source: &S, reading: &mut Reading<S>, epoch: &S::Epoch, to: usize) {
+    fn read(
+        &self,
+        source: &S,
+        reading: &mut Reading<S>,
+        epoch: &S::Epoch,
+        to: usize,
+    ) -> Result<(), DistributedError> {
         let processes: Vec<usize> = (0..self.stream.group().world_size()).collect();
         for step in reading.next_step..=to {
             let mut slices = source
@@ -107,12 +124,12 @@ where
                     panic!("burn-accelerate: dispatch_batches: an item cannot be sent: {e}")
                 });
                 self.stream
-                    .send(process + 1, reading.key.0, step as u32, &bytes)
-                    .unwrap_or_else(|err| fail(err));
+                    .send(process + 1, reading.key.0, step as u32, &bytes)?;
             }
             reading.kept.insert(step, own);
         }
         reading.next_step = reading.next_step.max(to + 1);
+        Ok(())
     }
 }
 
@@ -128,6 +145,9 @@ where
         step: usize,
         first_step: usize,
     ) -> Option<S::Slice> {
+        if self.ended.load(Ordering::Relaxed) {
+            return None;
+        }
         match &self.role {
             Role::Reader { source, reading } => {
                 let mut reading = lock(reading);
@@ -156,25 +176,30 @@ where
                     return Some(slice);
                 }
                 let to = source.read_to(epoch, step);
-                self.read(source, reading, epoch, to);
+                if let Err(err) = self.read(source, reading, epoch, to) {
+                    return self.end(err);
+                }
                 Some(reading.kept.remove(&step).expect("the step was just read"))
             }
-            Role::Receiver { kept, undecodable } => {
+            Role::Receiver { kept } => {
                 let mut kept = lock(kept);
                 let wanted = (S::key(epoch).0, step);
                 loop {
-                    if undecodable.load(Ordering::Relaxed) {
+                    // Another prefetch thread ended the stream while this one waited.
+                    if self.ended.load(Ordering::Relaxed) {
                         return None;
                     }
                     if let Some(slice) = kept.remove(&wanted) {
                         return Some(slice);
                     }
-                    let (epoch_number, got_step, bytes) =
-                        self.stream.recv(0).unwrap_or_else(|err| fail(err));
+                    let (epoch_number, got_step, bytes) = match self.stream.recv(0) {
+                        Ok(message) => message,
+                        Err(err) => return self.end(err),
+                    };
                     let slice: S::Slice = match rmp_serde::from_slice(&bytes) {
                         Ok(slice) => slice,
                         Err(e) => {
-                            let err = DistributedError::Malformed {
+                            return self.end(DistributedError::Malformed {
                                 rank: 0,
                                 detail: format!(
                                     "the batch it dispatched for epoch {epoch_number}, step \
@@ -183,14 +208,7 @@ where
                                      over items of the same type",
                                     bytes.len()
                                 ),
-                            };
-                            log::error!(
-                                "burn-accelerate: dispatch_batches across processes: {err}; \
-                                 the epoch ends here"
-                            );
-                            undecodable.store(true, Ordering::Relaxed);
-                            self.stream.group().break_with(err);
-                            return None;
+                            });
                         }
                     };
                     // Steps of epochs before the one asked for will not be asked again.

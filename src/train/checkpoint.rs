@@ -97,18 +97,31 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
         }
     }
 
-    // The state Burn's checkpoint of `epoch` was saved with, if any was, restored as both
-    // entry points restore it (`CheckpointState::restore`): the loss scale to go on with.
-    pub(super) fn restore(&self, epoch: usize) -> Result<Option<LossScale>, AccelerateError> {
+    // The state of the checkpoint of `epoch`, restored as both entry points restore it
+    // (`CheckpointState::restore`): the loss scale to go on with. `verified` is the state the
+    // resume read with the rest of the strategy's own checkpoint, verified against its
+    // manifest; without it (Burn's own checkpoint of an epoch), the state file beside Burn's
+    // files, if any was saved.
+    pub(super) fn restore(
+        &self,
+        epoch: usize,
+        verified: Option<AccelerateCheckpoint>,
+    ) -> Result<Option<LossScale>, AccelerateError> {
         let Some(dir) = &self.checkpoint_dir else {
             return Ok(None);
         };
-        let Some(saved) = AccelerateCheckpoint::load_epoch(dir, epoch)? else {
-            log::warn!(
-                "burn-accelerate: no {} to resume from: the loss scale restarts",
-                AccelerateCheckpoint::path(dir, epoch).display()
-            );
-            return Ok(None);
+        let saved = match verified {
+            Some(saved) => saved,
+            None => match AccelerateCheckpoint::load_epoch(dir, epoch)? {
+                Some(saved) => saved,
+                None => {
+                    log::warn!(
+                        "burn-accelerate: no {} to resume from: the loss scale restarts",
+                        AccelerateCheckpoint::path(dir, epoch).display()
+                    );
+                    return Ok(None);
+                }
+            },
         };
         let loaders: Vec<&dyn LoaderPosition> = self.positions.iter().map(|p| &**p).collect();
         let position = |saved: &GradientStateSnapshot, scale: LossScale| {

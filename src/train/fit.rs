@@ -234,8 +234,11 @@ where
             );
         }
         let (learner, resumed) = self.resume_before_fit(learner, &mut training_components);
-        self.report.lock().resumed_from = resumed.or(training_components.checkpoint);
-        BurnTrain(self, resumed).train(
+        self.report.lock().resumed_from = resumed
+            .as_ref()
+            .map(|(epoch, _)| *epoch)
+            .or(training_components.checkpoint);
+        BurnTrain(self, Mutex::new(resumed)).train(
             learner,
             dataloader_train,
             dataloader_valid,
@@ -260,6 +263,7 @@ where
                 dataloader_train,
                 dataloader_valid,
                 starting_epoch,
+                None,
             )
         })
     }
@@ -267,8 +271,9 @@ where
 
 // Burn's default `SupervisedLearningStrategy::train` around the strategy's `fit` (an
 // overriding `train` cannot call the default it overrides).
-// With the epoch the strategy resumed from itself (Burn's `train` then starts at epoch 1).
-struct BurnTrain<'a, S>(&'a S, Option<usize>);
+// With the epoch the strategy resumed from itself and that checkpoint's state, read and
+// verified with it (Burn's `train` then starts at epoch 1); taken by the one `fit`.
+struct BurnTrain<'a, S>(&'a S, Mutex<Option<(usize, AccelerateCheckpoint)>>);
 
 impl<LC> SupervisedLearningStrategy<LC> for BurnTrain<'_, AccelerateStrategy<LC>>
 where
@@ -283,13 +288,21 @@ where
         dataloader_valid: ValidLoader<LC>,
         starting_epoch: usize,
     ) -> (TrainingModel<LC>, SupervisedTrainingEventProcessor<LC>) {
-        self.0.fit(
-            training_components,
-            learner,
-            dataloader_train,
-            dataloader_valid,
-            self.1.map_or(starting_epoch, |resumed| resumed + 1),
-        )
+        let resumed = self.1.lock().unwrap_or_else(PoisonError::into_inner).take();
+        let (starting_epoch, state) = match resumed {
+            Some((epoch, state)) => (epoch + 1, Some(state)),
+            None => (starting_epoch, None),
+        };
+        on_step_thread(|| {
+            self.0.fit_here(
+                training_components,
+                learner,
+                dataloader_train,
+                dataloader_valid,
+                starting_epoch,
+                state,
+            )
+        })
     }
 }
 
@@ -336,6 +349,7 @@ where
         dataloader_train: TrainLoader<LC>,
         dataloader_valid: ValidLoader<LC>,
         starting_epoch: usize,
+        resumed_state: Option<AccelerateCheckpoint>,
     ) -> (TrainingModel<LC>, SupervisedTrainingEventProcessor<LC>) {
         use burn::tensor::backend::DeviceOps;
 
@@ -380,7 +394,7 @@ where
         let loss_scale = if starting_epoch > 1 {
             // Burn's `fit` has no error channel, and it panics itself on a checkpoint it
             // cannot load: a resumed run must not silently go on from the wrong state.
-            match self.restore(starting_epoch - 1) {
+            match self.restore(starting_epoch - 1, resumed_state) {
                 Ok(saved) => saved.unwrap_or(self.initial_scale),
                 Err(err) => fail("cannot resume", err),
             }

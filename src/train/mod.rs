@@ -119,6 +119,8 @@ use burn::train::{
 };
 
 use crate::autocast::{self, Autocast, LowerOpTally};
+use crate::checkpoint::LoadedCheckpoint;
+use crate::checkpoint::records::Scheme;
 use crate::data::{EvenSplit, ProcessShare, ProcessSlice, ShardLoader, move_and_identify};
 use crate::distributed::{ProcessGroup, ProcessState};
 use crate::gradient_state::GradientState;
@@ -192,6 +194,9 @@ pub struct AccelerateStrategy<LC: LearningComponentsTypes> {
     state: GradientState,
     report: TrainingReport,
     checkpoint_dir: Option<PathBuf>,
+    /// The checkpoint [`try_with_checkpoint_dir`](Self::try_with_checkpoint_dir) read and
+    /// verified, held for the resume to load without reading and hashing its files again.
+    verified: Mutex<Option<LoadedCheckpoint>>,
     /// Whether to resume by itself, and how many checkpoints to keep.
     resume: resume::ResumeSettings,
     /// The loaders whose epoch and position the checkpoints hold, in device order: the shards
@@ -278,6 +283,7 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
             state,
             report,
             checkpoint_dir: None,
+            verified: Mutex::new(None),
             resume: resume::ResumeSettings::default(),
             positions: Vec::new(),
             process,
@@ -576,9 +582,13 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
     /// Burn's `fit` has no error channel: a directory that cannot be resumed from (a damaged
     /// manifest, every listed checkpoint missing a file, a record of another model) stops the
     /// training with a panic that says why. [`try_with_checkpoint_dir`](Self::try_with_checkpoint_dir)
-    /// checks what can be checked before the training starts and returns it as an error.
+    /// checks what can be checked before the training starts and returns it as an error, and
+    /// [`check_checkpoint_fits`](Self::check_checkpoint_fits) the model's record against the
+    /// model.
     pub fn with_checkpoint_dir(mut self, dir: impl Into<PathBuf>) -> Self {
         self.checkpoint_dir = Some(dir.into());
+        // What was verified in another directory is not this one's.
+        self.verified = Mutex::new(None);
         self
     }
 
@@ -589,10 +599,16 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
     /// a newer one that does not is passed over, as the resume passes it over) lists every
     /// file the resume reads, and its state file (`accelerate-N.json`) decodes. Call it where
     /// the strategy is built, so that a damaged directory is an error the program prints in
-    /// one line, not a panic inside Burn's `fit`. (The model's, optimizer's and scheduler's
-    /// records are checked against the model when the training resumes; an epoch asked for
-    /// with `.checkpoint(epoch)` is not known here, and is checked then.) The files of the
-    /// checkpoint chosen are read and hashed once more by the resume.
+    /// one line, not a panic inside Burn's `fit`. The model's record is checked against the
+    /// model by [`check_checkpoint_fits`](Self::check_checkpoint_fits) (and again when the
+    /// training resumes); an epoch asked for with `.checkpoint(epoch)` is not known here, and
+    /// is checked then.
+    ///
+    /// The checkpoint chosen is held, read and verified, until the training starts, and the
+    /// resume loads that copy (the loss scale and the loaders' positions included): its files
+    /// are not read or hashed again, and a file changed on disk in between changes nothing.
+    /// (The bytes are held from here rather than only while resuming: the resume holds them
+    /// and their decoded records at once anyway.)
     ///
     /// ```
     /// use burn::train::{LearningComponentsTypes, TrainingBackend};
@@ -615,8 +631,59 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
     /// decode (the resume would stop there too, not fall back).
     pub fn try_with_checkpoint_dir(self, dir: impl Into<PathBuf>) -> Result<Self, AccelerateError> {
         let dir = dir.into();
-        crate::checkpoint::contents::precheck(&dir, crate::checkpoint::records::Scheme::Strategy)?;
-        Ok(self.with_checkpoint_dir(dir))
+        let verified = crate::checkpoint::contents::precheck(&dir, Scheme::Strategy)?;
+        let mut strategy = self.with_checkpoint_dir(dir);
+        strategy.verified = Mutex::new(verified);
+        Ok(strategy)
+    }
+
+    /// Checks that the model's record of the checkpoint the training would resume from
+    /// (the one [`try_with_checkpoint_dir`](Self::try_with_checkpoint_dir) verified) holds
+    /// exactly `model`'s parameters, each under the same path and of the same shape, before
+    /// the training starts: a checkpoint of another model is then an error the program prints
+    /// in one line, not a panic inside Burn's `fit`. `model` is not changed (the record is
+    /// loaded into a copy, which is dropped; lazy parameters stay uninitialised). Nothing to
+    /// check without a checkpoint directory, or in one with no checkpoint yet.
+    ///
+    /// ```
+    /// use burn::train::{LearningComponentsTypes, TrainingModel};
+    /// use burn_accelerate::train::AccelerateStrategy;
+    /// use burn_accelerate::AccelerateError;
+    ///
+    /// fn checked<LC: LearningComponentsTypes>(
+    ///     strategy: AccelerateStrategy<LC>,
+    ///     model: &TrainingModel<LC>,
+    /// ) -> Result<AccelerateStrategy<LC>, AccelerateError> {
+    ///     let strategy = strategy.try_with_checkpoint_dir("runs/mlp/checkpoint")?;
+    ///     strategy.check_checkpoint_fits(model)?;
+    ///     Ok(strategy)
+    /// }
+    /// ```
+    ///
+    /// # Errors
+    /// What [`try_with_checkpoint_dir`](Self::try_with_checkpoint_dir) returns, when the
+    /// directory was given with [`with_checkpoint_dir`](Self::with_checkpoint_dir) and is
+    /// checked here; [`AccelerateError::Checkpoint`] naming the model's record file and the
+    /// first parameter of `model` that it lacks or holds in another shape, or why it does not
+    /// decode as `model`'s record.
+    pub fn check_checkpoint_fits(&self, model: &TrainingModel<LC>) -> Result<(), AccelerateError> {
+        let Some(dir) = &self.checkpoint_dir else {
+            return Ok(());
+        };
+        let mut verified = self.verified.lock().unwrap_or_else(PoisonError::into_inner);
+        if verified.is_none() {
+            *verified = crate::checkpoint::contents::precheck(dir, Scheme::Strategy)?;
+        }
+        match &*verified {
+            Some(loaded) => crate::checkpoint::contents::precheck_model::<TrainingBackend<LC>, _>(
+                dir,
+                loaded,
+                Scheme::Strategy,
+                model,
+                &self.device,
+            ),
+            None => Ok(()),
+        }
     }
 
     /// Saves `loader`'s epoch and position (and its seeds) with every checkpoint, and restores

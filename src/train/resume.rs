@@ -15,9 +15,11 @@
 //!
 //! When a training starts, the main process picks the newest checkpoint whose files verify
 //! (passing over, with a warning, damaged newer ones), tells the others which, and every
-//! process reads and checks that one, then loads it through Burn's own resume path
-//! (`LearningCheckpointer::load_checkpoint`, what `SupervisedTraining::checkpoint(epoch)`
-//! runs), then trains from the next epoch. The steps taken after that checkpoint by the run
+//! process reads and checks that one (or takes the copy `try_with_checkpoint_dir` read and
+//! verified, when it is that one: its files are not read twice, and its state, not the file
+//! on disk, gives the loss scale and the loaders' positions), then loads it through Burn's
+//! own resume path (`LearningCheckpointer::load_checkpoint`, what
+//! `SupervisedTraining::checkpoint(epoch)` runs), then trains from the next epoch. The steps taken after that checkpoint by the run
 //! that stopped are redone: the loaders' saved positions and seeds give the same batches in
 //! the same order, so they are the same steps, and the run ends where an uninterrupted one
 //! does, bit for bit.
@@ -193,14 +195,22 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
     }
 
     /// Before Burn's `train` runs: the epoch the training resumes from, from the strategy's
-    /// checkpoints, with `learner` loaded from it (through Burn's `load_checkpoint`); `None`
-    /// to start afresh, or to let Burn load its own files (an epoch asked for with
-    /// `.checkpoint(epoch)` that only Burn's checkpointer has).
+    /// checkpoints, with its state (verified with the rest of the checkpoint) and `learner`
+    /// loaded from it (through Burn's `load_checkpoint`); `None` to start afresh, or to let
+    /// Burn load its own files (an epoch asked for with `.checkpoint(epoch)` that only Burn's
+    /// checkpointer has). The checkpoint the start-up check verified, if any, is loaded from
+    /// memory when it is the one picked.
     pub(super) fn resume_before_fit(
         &self,
         learner: Learner<LC>,
         components: &mut TrainingComponents<LC>,
-    ) -> (Learner<LC>, Option<usize>) {
+    ) -> (Learner<LC>, Option<(usize, AccelerateCheckpoint)>) {
+        // Taken whatever happens: its bytes are not needed past the resume.
+        let held = self
+            .verified
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
         let Some(dir) = &self.checkpoint_dir else {
             return (learner, None);
         };
@@ -212,7 +222,7 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
         // The model is checked against the record (Burn's load_checkpoint loads a record of
         // another model without a word) and every record against what Burn would panic on,
         // before any of it is loaded.
-        let resumed = contents::resume::<
+        let resumed = contents::resume_held::<
             TrainingBackend<LC>,
             _,
             LearnerOptimizerRecord<LC>,
@@ -220,7 +230,8 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
         >(
             self.group.as_ref(),
             &checkpoints,
-            || self.choose(&checkpoints, asked, components.checkpointer.is_some()),
+            held,
+            |held| self.choose(&checkpoints, asked, components.checkpointer.is_some(), held),
             Scheme::Strategy,
             learner.model(),
             &self.device,
@@ -253,17 +264,23 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
             dir.display(),
             crate::distributed::restart_count().unwrap_or(0)
         );
-        (learner, Some(epoch))
+        (learner, Some((epoch, read.state)))
     }
 
     // The main process's pick: the epoch asked for (`.checkpoint(epoch)`), else the newest
-    // complete one; `None` to start afresh or to leave it to Burn's own files.
+    // complete one; `None` to start afresh or to leave it to Burn's own files. `held`, the
+    // checkpoint verified at start-up, is the newest complete one, and the one asked for when
+    // its epoch is.
     fn choose(
         &self,
         checkpoints: &CheckpointDir,
         asked: Option<usize>,
         burn_has_files: bool,
+        held: Option<LoadedCheckpoint>,
     ) -> Result<Option<LoadedCheckpoint>, AccelerateError> {
+        if let Some(held) = held.filter(|held| asked.is_none_or(|epoch| epoch == held.epoch)) {
+            return Ok(Some(held));
+        }
         let Some(epoch) = asked else {
             return checkpoints.load_newest(None);
         };

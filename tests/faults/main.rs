@@ -21,6 +21,8 @@ mod restarts;
 mod flood;
 // A dispatched batch the receiver cannot decode: a typed error, not a panic.
 mod undecodable;
+// Process 0 killed while it dispatches batches: a typed error on the receiver, not a panic.
+mod reader_killed;
 
 use std::time::{Duration, Instant};
 

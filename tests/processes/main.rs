@@ -2324,12 +2324,14 @@ impl Dispatched {
     }
 }
 
-// Every epoch's batches on this process.
+// Every epoch's batches on this process. A failure of the dispatch (the loader cannot say it
+// itself) is the next collective's error: the process says it and exits 1, as a training
+// script would.
 fn dispatched_worker(args: &Dispatched) -> Vec<Vec<RowBatch>> {
     let state = ProcessState::from_env().unwrap();
     let loader = args.loaders(Some(&state)).remove(0);
     let mut taken = 0;
-    (0..args.epochs)
+    let epochs = (0..args.epochs)
         .map(|_| {
             loader
                 .iter()
@@ -2341,7 +2343,12 @@ fn dispatched_worker(args: &Dispatched) -> Vec<Vec<RowBatch>> {
                 })
                 .collect()
         })
-        .collect()
+        .collect();
+    if let Err(err) = state.group().unwrap().barrier() {
+        eprintln!("{err}");
+        std::process::exit(1);
+    }
+    epochs
 }
 
 #[test]

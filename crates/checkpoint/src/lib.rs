@@ -176,9 +176,15 @@ impl Manifest {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Self::default()),
             Err(e) => return Err(checkpoint_error(&path, e.to_string())),
         };
-        let manifest: Self = serde_json::from_slice(&bytes).map_err(|e| {
+        Self::from_json(&bytes, &path)
+    }
+
+    // The manifest `bytes` read from `path` (named in the errors), checked as [`read`] says:
+    // the decoder itself, which the property tests run from memory.
+    fn from_json(bytes: &[u8], path: &Path) -> Result<Self, CheckpointError> {
+        let manifest: Self = serde_json::from_slice(bytes).map_err(|e| {
             checkpoint_error(
-                &path,
+                path,
                 format!(
                     "it cannot be parsed ({e}); it is only ever replaced whole, so something \
                      else wrote it: restore it, or delete it to start afresh"
@@ -187,7 +193,7 @@ impl Manifest {
         })?;
         if manifest.version != VERSION {
             return Err(checkpoint_error(
-                &path,
+                path,
                 format!(
                     "it is of format {}, this build reads format {VERSION}",
                     manifest.version
@@ -199,7 +205,7 @@ impl Manifest {
         // entry's files under the other's).
         let damaged = |why: String| {
             checkpoint_error(
-                &path,
+                path,
                 format!("{why}; it is only ever replaced whole, so something else wrote it"),
             )
         };
@@ -480,18 +486,7 @@ fn read_entry(dir: &Path, entry: &CheckpointEntry) -> Result<BTreeMap<String, Ve
 /// # Errors
 /// Why not, in words naming the file.
 pub(crate) fn listed_file(dir: &Path, file: &FileDigest) -> Result<PathBuf, String> {
-    // A manifest names files of its own directory only: no `..`, no absolute path, which
-    // would read a file outside it (issue 49).
-    let mut parts = Path::new(&file.name).components();
-    if !matches!(
-        (parts.next(), parts.next()),
-        (Some(std::path::Component::Normal(_)), None)
-    ) {
-        return Err(format!(
-            "{:?} is not the name of a file in the checkpoint directory",
-            file.name
-        ));
-    }
+    plain_name(file)?;
     let path = dir.join(&file.name);
     // The length first: a file longer than listed is refused before it is read, so that
     // neither the manifest's sizes nor the file's make the process read more than was
@@ -506,6 +501,22 @@ pub(crate) fn listed_file(dir: &Path, file: &FileDigest) -> Result<PathBuf, Stri
         ));
     }
     Ok(path)
+}
+
+// A manifest names files of its own directory only: no `..`, no absolute path, which would
+// read a file outside it (issue 49).
+fn plain_name(file: &FileDigest) -> Result<(), String> {
+    let mut parts = Path::new(&file.name).components();
+    if !matches!(
+        (parts.next(), parts.next()),
+        (Some(std::path::Component::Normal(_)), None)
+    ) {
+        return Err(format!(
+            "{:?} is not the name of a file in the checkpoint directory",
+            file.name
+        ));
+    }
+    Ok(())
 }
 
 /// `file` read from `dir` and checked against its digest.
@@ -829,13 +840,64 @@ mod tests {
         Ok(())
     }
 
+    // The files of `with_checkpoints`, by name.
+    fn checkpoint_files() -> BTreeMap<String, Vec<u8>> {
+        [("m-1", vec![1]), ("m-2", vec![2]), ("m-3", vec![3; 40])]
+            .into_iter()
+            .chain([("s-3", b"{}".to_vec())])
+            .map(|(name, bytes)| (name.to_string(), bytes))
+            .collect()
+    }
+
+    // `damaged_manifest_is_named` without the disk: the manifest decoded from `bytes` and its
+    // newest whole checkpoint chosen over `files`, each checked as `read_verified` checks the
+    // file it reads (its name, then its length and SHA-256). The long run's, which reaches
+    // 10^6 cases where a file written and a directory read per case did not.
+    fn damaged_manifest_is_named_in_memory(
+        files: &BTreeMap<String, Vec<u8>>,
+        bytes: Vec<u8>,
+    ) -> Result<(), TestCaseError> {
+        let path = Path::new("memory").join(MANIFEST);
+        let verify = |entry: &CheckpointEntry| {
+            entry.files.iter().try_for_each(|file| {
+                plain_name(file)?;
+                let held = files
+                    .get(&file.name)
+                    .ok_or_else(|| format!("{} cannot be read (not found)", file.name))?;
+                file.check(held)
+            })
+        };
+        let (largest, decoded) = fuzz::largest_allocation(|| {
+            Manifest::from_json(&bytes, &path).map(|manifest| {
+                let choice = manifest.newest_complete(None, verify);
+                (manifest, choice)
+            })
+        });
+        match decoded {
+            Ok((manifest, choice)) => {
+                if let Some((epoch, ())) = choice.chosen {
+                    // The chosen one is listed, newer than every one passed over.
+                    prop_assert!(manifest.entry(epoch).is_some());
+                    prop_assert!(choice.rejected.iter().all(|(e, _)| *e > epoch));
+                }
+                prop_assert!(choice.rejected.iter().all(|(_, why)| !why.is_empty()));
+            }
+            Err(err) => {
+                prop_assert!(err.path.ends_with(MANIFEST), "{}", err.path);
+                prop_assert!(!err.reason.is_empty());
+            }
+        }
+        // The files are 40 bytes at most; the manifest 1 KiB.
+        prop_assert!(largest < 1 << 16, "{largest} bytes");
+        Ok(())
+    }
+
     fn with_checkpoints(name: &str) -> PathBuf {
         let dir = scratch(name);
         std::fs::create_dir_all(&dir).unwrap();
-        for (file, bytes) in [("m-1", vec![1]), ("m-2", vec![2]), ("m-3", vec![3; 40])] {
+        for (file, bytes) in checkpoint_files() {
             std::fs::write(dir.join(file), bytes).unwrap();
         }
-        std::fs::write(dir.join("s-3"), b"{}").unwrap();
         dir
     }
 
@@ -844,16 +906,20 @@ mod tests {
         let dir = with_checkpoints("fuzz");
         fuzz::check(1500, manifests(), |b| damaged_manifest_is_named(&dir, b));
         std::fs::remove_dir_all(&dir).unwrap();
+        // The long run's property, from memory.
+        let files = checkpoint_files();
+        fuzz::check(5000, manifests(), |b| {
+            damaged_manifest_is_named_in_memory(&files, b)
+        });
     }
 
     #[test]
     #[ignore = "long run: BURN_ACCELERATE_FUZZ_CASES cases, for SECURITY.md"]
     fn long_run_manifest() {
-        let dir = with_checkpoints("fuzz-long");
+        let files = checkpoint_files();
         fuzz::long_run("checkpoint manifest", manifests(), |b| {
-            damaged_manifest_is_named(&dir, b)
+            damaged_manifest_is_named_in_memory(&files, b)
         });
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

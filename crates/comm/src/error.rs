@@ -144,6 +144,19 @@ pub enum DistributedError {
         detail: String,
     },
 
+    /// A data loader that dispatches batches from process 0 (`dispatch_batches` across
+    /// processes) did not get its batch: process 0 exited, closed its connection, fell silent
+    /// or timed out, or sent bytes that are not the loader's items (`reason`). The loader's
+    /// epoch ended there, and every later one ends at once.
+    #[error(
+        "dispatch_batches across processes: {reason}; this process's loader ended its epoch \
+         there, without the batches still due"
+    )]
+    Dispatch {
+        /// What went wrong with process 0 or its batch.
+        reason: Box<DistributedError>,
+    },
+
     /// The processes called collectives in different orders or with different sizes.
     #[error(
         "process {rank} disagrees on the collective in progress: {detail}. Every process must \
