@@ -999,6 +999,209 @@ fn a_sharded_optimizer_state_resumes_on_any_number_of_processes_at_any_stage() {
     harness::clean(&dir);
 }
 
+#[test]
+fn a_stage_3_checkpoint_resumes_on_other_process_counts_and_stages() {
+    const TEST: &str = "a_stage_3_checkpoint_resumes_on_other_process_counts_and_stages";
+    if let Some(args) = worker::<HandLoop>() {
+        return report(&hand_loop::<Autodiff<Flex>>(&args));
+    }
+    // A global batch of 12 whatever the number of processes, Adam (state per parameter):
+    // stage 3 on 2 processes, where each process holds half of the parameters and of the
+    // optimizer state between steps.
+    let args = |processes: usize, zero_stage: u8, epochs: usize| HandLoop {
+        batch_size: 12 / processes,
+        grad_accum: 1,
+        epochs,
+        precision: Precision::F32,
+        overflow_rank: None,
+        overflow_batch: 0,
+        zero_stage,
+        adam: true,
+        clip_norm: None,
+        save_to: None,
+        resume_from: None,
+    };
+    let whole: Vec<HandLoopReport> = launch(TEST, 2, &args(2, 3, 2), &[])
+        .assert_success()
+        .reports(2);
+    let dir = harness::scratch_dir("stage-3-checkpoint");
+    let first = HandLoop {
+        save_to: Some(dir.clone()),
+        ..args(2, 3, 1)
+    };
+    let saved: Vec<HandLoopReport> = launch(TEST, 2, &first, &[]).assert_success().reports(2);
+    // Parameters stay released on both processes (the save gathered clones).
+    assert!(
+        saved
+            .iter()
+            .all(|r| r.held_after_step.iter().all(|&h| h == 0))
+    );
+    // The checkpoint is a whole model Burn loads by itself, on a backend without autodiff or
+    // this crate's decorator: the parameters the run ended with, bit for bit; and the whole
+    // optimizer state.
+    {
+        use burn::optim::Optimizer;
+        use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
+        let checkpoint = burn_accelerate::checkpoint::CheckpointDir::new(&dir)
+            .load(1)
+            .unwrap();
+        let recorder = NamedMpkBytesRecorder::<FullPrecisionSettings>::new();
+        let record: NetRecord<Flex> = Recorder::<Flex>::load(
+            &recorder,
+            checkpoint.files["model-1.mpk"].clone(),
+            &Default::default(),
+        )
+        .unwrap();
+        let loaded = Net::<Flex>::new(&Default::default()).load_record(record);
+        assert_eq!(bits(&parameters(&loaded)), bits(&saved[0].parameters));
+        fn load<O: Optimizer<Net<Autodiff<Flex>>, Autodiff<Flex>>>(
+            _: O,
+            bytes: Vec<u8>,
+        ) -> O::Record {
+            Recorder::<Autodiff<Flex>>::load(
+                &NamedMpkBytesRecorder::<FullPrecisionSettings>::new(),
+                bytes,
+                &Default::default(),
+            )
+            .unwrap()
+        }
+        let state = load(
+            burn::optim::AdamConfig::new().init(),
+            checkpoint.files["optimizer-1.mpk"].clone(),
+        );
+        assert_eq!(state.len(), 4, "two weights and two biases");
+    }
+    let resume = |processes: usize, zero_stage: u8| HandLoop {
+        resume_from: Some(dir.clone()),
+        ..args(processes, zero_stage, 1)
+    };
+    // The same processes and stage, and stage 2 on them (stage 3 steps as stage 2 does, in
+    // the same order): bit for bit.
+    for zero_stage in [3, 2] {
+        let same: Vec<HandLoopReport> = launch(TEST, 2, &resume(2, zero_stage), &[])
+            .assert_success()
+            .reports(2);
+        for r in &same {
+            assert_eq!(
+                bits(&r.parameters),
+                bits(&whole[0].parameters),
+                "stage {zero_stage}"
+            );
+            assert_eq!(r.outcomes, whole[0].outcomes[8..], "stage {zero_stage}");
+        }
+    }
+    // Another number of processes, at stage 0 and at stage 3: the same training to rounding
+    // (the mean over other parts sums in another order), within the 1e-5 that the stage-2
+    // checkpoint's resumes above hold.
+    for (processes, zero_stage) in [(1, 0), (3, 3)] {
+        let resumed: Vec<HandLoopReport> =
+            launch(TEST, processes, &resume(processes, zero_stage), &[])
+                .assert_success()
+                .reports(processes);
+        for r in &resumed {
+            assert_eq!(bits(&r.parameters), bits(&resumed[0].parameters));
+            if zero_stage == 3 {
+                assert!(
+                    r.held_after_step.iter().all(|&h| h == 0),
+                    "{:?}",
+                    r.held_after_step
+                );
+            }
+        }
+        let d = max_relative_difference(&resumed[0].parameters, &whole[0].parameters);
+        assert!(
+            d < 1e-5,
+            "{processes} processes at stage {zero_stage}: {d:e}"
+        );
+    }
+    harness::clean(&dir);
+}
+
+/// What `consolidate_model_record` gave at stage 3: the record's parameters on the main
+/// process, how many of the model's parameters held a value after it, and the model's
+/// parameters read whole after it.
+#[derive(Debug, Serialize, Deserialize)]
+struct GatheredRecord {
+    record: Option<Vec<f32>>,
+    held_after: usize,
+    parameters: Vec<f32>,
+}
+
+// Two stage 3 steps of `Net`, whose first weight doubles on save (a Burn save mapper), then
+// the model's record gathered on the main process.
+fn gathered_record_worker<B: AutodiffBackend>() -> GatheredRecord {
+    let state = ProcessState::from_env().unwrap();
+    let device = Default::default();
+    let mut model = Net::<B>::new(&device);
+    model.hidden.weight = model.hidden.weight.save_mapper(|w| w * 2);
+    let mut accelerator = AccelerateConfig::new()
+        .with_zero_stage(burn_accelerate::zero::ZeroStage::Parameters)
+        .init::<B>(&device)
+        .unwrap();
+    let mut optim = burn::optim::AdamConfig::new().init();
+    for step in 0..2 {
+        let items: Vec<usize> = (0..4)
+            .map(|i| step * 16 + state.process_index() * 4 + i)
+            .collect();
+        let _step = accelerator.accumulate(&model);
+        let loss = model.loss(Samples.batch(items, &device));
+        accelerator.backward(loss, &model);
+        let (next, _) = accelerator
+            .optimizer_step(&mut optim, model, &mut 0.01)
+            .unwrap();
+        model = next;
+    }
+    let record = accelerator.consolidate_model_record(&model).unwrap();
+    let held_after = held_parameters(&model);
+    let record = record.map(|record| parameters(&Net::<B>::new(&device).load_record(record)));
+    GatheredRecord {
+        record,
+        held_after,
+        parameters: parameters(&model),
+    }
+}
+
+#[test]
+fn a_stage_3_model_record_is_gathered_on_the_main_process_with_its_save_mappers() {
+    const TEST: &str =
+        "a_stage_3_model_record_is_gathered_on_the_main_process_with_its_save_mappers";
+    #[derive(Debug, Serialize, Deserialize)]
+    struct Run {
+        decorator: bool,
+    }
+    if let Some(run) = worker::<Run>() {
+        return report(&if run.decorator {
+            gathered_record_worker::<Accelerated<Autodiff<Flex>>>()
+        } else {
+            gathered_record_worker::<Autodiff<Flex>>()
+        });
+    }
+    // The decorator reads each released parameter through a placeholder; Burn's autodiff
+    // backend alone gathers it at its first read.
+    for decorator in [true, false] {
+        let reports: Vec<GatheredRecord> = launch(TEST, 3, &Run { decorator }, &[])
+            .assert_success()
+            .reports(3);
+        let whole = &reports[0].parameters;
+        // The first parameter is hidden's weight, FEATURES x 16 values, doubled on save.
+        let weight = FEATURES * 16;
+        let mut expected: Vec<f32> = whole[..weight].iter().map(|w| w * 2.0).collect();
+        expected.extend_from_slice(&whole[weight..]);
+        let record = reports[0]
+            .record
+            .as_ref()
+            .expect("the main process's record");
+        assert_eq!(bits(record), bits(&expected), "decorator {decorator}");
+        for (rank, r) in reports.iter().enumerate() {
+            let what = format!("decorator {decorator}, rank {rank}");
+            assert_eq!(r.record.is_some(), rank == 0, "{what}");
+            // The gathering read clones: the model's parameters stay released.
+            assert_eq!(r.held_after, 0, "{what}");
+            assert_eq!(bits(&r.parameters), bits(whole), "{what}");
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // Burn's SupervisedTraining with `with_accelerate`.
 
