@@ -287,7 +287,7 @@ impl<B: AutodiffBackend> StepCore<B> {
         model: &M,
     ) -> Result<Option<M::Record>, AccelerateError> {
         match self.sharded() {
-            Some((group, stage)) if stage.gathers_model_record() => {
+            Some((group, stage)) if stage.gathers_whole_model() => {
                 Ok(zero::gather_model_record::<B, M>(group, model, 0)?)
             }
             _ => Ok(self
@@ -295,6 +295,21 @@ impl<B: AutodiffBackend> StepCore<B> {
                 .as_ref()
                 .is_none_or(|group| group.rank() == 0)
                 .then(|| model.clone().into_record())),
+        }
+    }
+
+    /// `model` with every parameter whole on this process, for what follows the training: at
+    /// ZeRO stage 3 each released parameter is gathered from its owner (every process must
+    /// call it at the same point; see [`zero::gather_model`]) and no parameter is gathered at
+    /// its uses any more; otherwise `model`, whose parameters are whole already.
+    pub fn whole_model<M: AutodiffModule<B>>(&self, model: M) -> M {
+        match self.sharded() {
+            Some((_, stage)) if stage.gathers_whole_model() => {
+                let model = zero::gather_model::<B, M>(model);
+                zero::end_gathers();
+                model
+            }
+            _ => model,
         }
     }
 

@@ -157,6 +157,14 @@ where
             }
             _ => None,
         };
+        // At ZeRO stage 3 the main process's own checkpoint gathers the model's record from
+        // the parameters' owners, one at a time (every process takes part).
+        let model = match (core.sharded(), &self.checkpoint_dir) {
+            (Some((_, stage)), Some(_)) if stage.gathers_whole_model() => core
+                .whole_model_record(&learner.model())
+                .unwrap_or_else(|err| fail("cannot gather the model", err)),
+            _ => None,
+        };
         if !self.process.is_main_process() {
             return;
         }
@@ -166,7 +174,7 @@ where
         if let (Some(dir), Some(records)) = (&self.checkpoint_dir, records) {
             let state = self.checkpoint(*core.loss_scale());
             if let Err(err) =
-                self.save_checkpoint(dir, epoch, learner, records, &state, event_store)
+                self.save_checkpoint(dir, epoch, learner, model, records, &state, event_store)
             {
                 // The checkpoints listed before stay whole: a restart resumes from the newest.
                 log::warn!(

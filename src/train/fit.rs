@@ -293,6 +293,30 @@ where
     }
 }
 
+// Burn's file checkpointer reads the learner's model on the main process alone, where at ZeRO
+// stage 3 each parameter is gathered by every process together: refused by name, before the
+// first epoch, rather than a main process waiting for gathers no other process joins.
+fn refuse_burn_checkpointer_at_stage_3<B: burn::tensor::backend::AutodiffBackend>(
+    core: &StepCore<B>,
+    burn_checkpointer: bool,
+) -> Result<(), AccelerateError> {
+    match core.sharded() {
+        Some((_, stage)) if stage.gathers_whole_model() && burn_checkpointer => {
+            Err(AccelerateError::InvalidConfig {
+                field: "zero_stage",
+                value: format!(
+                    "{stage:?} (ZeRO stage 3) with Burn's file checkpointer \
+                     (SupervisedTraining::with_file_checkpointer)"
+                ),
+                fix: "keep the checkpoints with the strategy instead \
+                      (AccelerateStrategy::with_checkpoint_dir: the model's record is gathered on \
+                      the main process), or train at ZeroStage::Gradients (stage 2)",
+            })
+        }
+        _ => Ok(()),
+    }
+}
+
 // Waits until Burn's event processor has handed the fit's events to the event store, and the
 // store has written them to the metric logs: Burn's `train` makes its summary from the log
 // files as soon as `fit` returns (Burn's own strategies do not wait, and their summaries can
@@ -392,6 +416,9 @@ where
         let mut core = self
             .fit_core(accumulation, loss_scale, loaders.len())
             .with_context(context.clone());
+        if let Err(err) = refuse_burn_checkpointer_at_stage_3(&core, checkpointer.is_some()) {
+            fail("cannot checkpoint", err);
+        }
         // The user's `TrainStep` calls `loss.backward()` itself: the decorator's backward
         // divides and scales its loss as the `Accelerator`'s `backward` would, on this thread.
         let armed = ThreadArmed::arm(core.loss_transform());
@@ -486,10 +513,13 @@ where
         }
         // Once, however the epochs ended (an interrupt, early stopping).
         self.report.lock().lower_ops = autocast::thread_tally().since(&tally_start);
+        // Whole on every process (at ZeRO stage 3, gathered from the owners): Burn's `train`
+        // and the caller use it on one process alone (its summary, saving it).
+        let model = core.whole_model(learner.model());
         if self.process.is_main_process() {
             flush_events::<LC>(&mut event_processor, &training_components.event_store);
         }
-        (learner.model(), event_processor)
+        (model, event_processor)
     }
 
     // The fit's accumulation window, the gradient state configured for it (at every fit, so

@@ -1,7 +1,9 @@
-//! ZeRO stage 3's checkpoints: the model's whole record on one process, gathered parameter by
-//! parameter (FSDP's `FULL_STATE_DICT` with `rank0_only`), so that the file is the one a stage
-//! 0 run writes: Burn loads it without this crate, and a run resumes from it at any stage on
-//! any number of processes.
+//! ZeRO stage 3's model made whole again: its record on one process, gathered parameter by
+//! parameter for a checkpoint (FSDP's `FULL_STATE_DICT` with `rank0_only`), so that the file
+//! is the one a stage 0 run writes: Burn loads it without this crate, and a run resumes from
+//! it at any stage on any number of processes; or the model itself whole on every process, for
+//! what follows the training (FSDP's `summon_full_params`: `with_accelerate` hands Burn back a
+//! whole model).
 //!
 //! Between steps a stage 3 process holds its partition's parameters only
 //! ([`release_parameters`](super::release_parameters)); a record made the way Burn makes one
@@ -62,6 +64,22 @@ where
     Ok(keep.then(|| gathered.into_record()))
 }
 
+/// `module` with every parameter whole on this process: each released parameter gathered
+/// from its owner (as an op gathers it, in visiting order), with its gradient requirement and
+/// mappers; a whole one as it is. Every process must call it at the same point, with the same
+/// model. The result reads no placeholder and gathers nothing at its uses: every process may
+/// use it alone (evaluate it, save it).
+///
+/// A gather that fails (a process that left, or whose model differs) panics with the gather's
+/// error, as it does inside an op.
+pub fn gather_model<B, M>(module: M) -> M
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B>,
+{
+    module.map(&mut Gather { keep: true })
+}
+
 // Reads every float parameter whole, on every process in visiting order; keeps the values
 // on the root and a value of no elements elsewhere.
 struct Gather {
@@ -72,7 +90,7 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Gather {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let released = !param.is_initialized();
         let (id, value, mappers) = param.consume();
-        let device = value.device();
+        let (device, require_grad) = (value.device(), value.is_require_grad());
         // Where placeholders are recognised, the read below is the gather (every process's
         // collective); elsewhere `consume` gathered it already.
         let primitive = value.clone().into_primitive().tensor();
@@ -83,7 +101,7 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Gather {
             placeholder::unregister_tensor::<B>(&primitive);
         }
         let value = if self.keep {
-            Tensor::from_data(data, &device)
+            Tensor::from_data(data, &device).set_require_grad(require_grad)
         } else {
             drop(data);
             Tensor::empty([0; D], &device)

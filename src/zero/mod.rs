@@ -19,7 +19,7 @@ mod stage;
 pub use crate::backend::placeholder::{GatheredBytes, gathered_bytes, reset_gathered_peak};
 pub(crate) use full_shard::end_gathers;
 pub use full_shard::release_parameters;
-pub use full_shard_checkpoint::gather_model_record;
+pub use full_shard_checkpoint::{gather_model, gather_model_record};
 pub use optimizer_record::{ParamStateRecord, consolidate_state, keep_own_state};
 pub(crate) use sharded::shards;
 pub use sharded::{Partition, keep_own, reduce_scatter_gradients, share_parameters};

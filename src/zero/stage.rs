@@ -5,7 +5,7 @@
 //!
 //! Stage 3 ([`ZeroStage::Parameters`]) answers as stage 2 does for the gradients and the
 //! optimizer state, and adds the parameters' own questions: they are released after the step
-//! instead of shared, and a checkpoint's model record is gathered from their owners.
+//! instead of shared, and gathered from their owners where the model is needed whole.
 
 use super::sharding::ZeroStage;
 
@@ -32,10 +32,11 @@ impl ZeroStage {
         matches!(self, Self::Parameters)
     }
 
-    /// Whether a checkpoint's model record is gathered from the parameters' owners onto the
-    /// main process ([`gather_model_record`](super::gather_model_record)) rather than made
-    /// from the main process's own whole model.
-    pub(crate) fn gathers_model_record(self) -> bool {
+    /// Whether the model is gathered from the parameters' owners where it is needed whole: a
+    /// checkpoint's record on the main process ([`gather_model_record`](super::gather_model_record)),
+    /// the model a training hands back ([`gather_model`](super::gather_model)); otherwise
+    /// every process holds it whole already.
+    pub(crate) fn gathers_whole_model(self) -> bool {
         self.shards_parameters()
     }
 
@@ -58,7 +59,7 @@ mod tests {
                 s.scatters_gradients(),
                 s.drops_others_gradients(),
                 s.shards_parameters(),
-                s.gathers_model_record(),
+                s.gathers_whole_model(),
             )
         };
         assert_eq!(
