@@ -344,6 +344,13 @@ impl<B: AutodiffBackend> StepCore<B> {
         }
         match self.sharded().map(|(_, stage)| stage.scatters_gradients()) {
             Some(true) => {
+                if self.partition.is_none()
+                    && let Some(group) = &self.group
+                {
+                    // Before the first partition: processes whose models differ fail naming
+                    // the parameter, not inside the reduce-scatter.
+                    zero::check_same_model::<B, M>(group, model)?;
+                }
                 self.partition(model);
                 let (Some(group), Some(partition)) = (&self.group, &self.partition) else {
                     unreachable!("sharded, so a group and its partition");

@@ -9,6 +9,7 @@
 //! The step core ([`step`](crate::step)) runs them for both entry points; this module sits on
 //! the process group of [`distributed`](crate::distributed), which carries the bytes.
 
+mod fingerprint;
 mod full_shard;
 mod full_shard_checkpoint;
 mod optimizer_record;
@@ -17,6 +18,7 @@ mod sharding;
 mod stage;
 
 pub use crate::backend::placeholder::{GatheredBytes, gathered_bytes, reset_gathered_peak};
+pub use fingerprint::check_same_model;
 pub(crate) use full_shard::end_gathers;
 pub use full_shard::release_parameters;
 pub use full_shard_checkpoint::{gather_model, gather_model_record};

@@ -1202,6 +1202,114 @@ fn a_stage_3_model_record_is_gathered_on_the_main_process_with_its_save_mappers(
     }
 }
 
+#[test]
+fn stage_3_trains_a_parameter_smaller_than_the_process_count_and_a_process_owning_none() {
+    const TEST: &str =
+        "stage_3_trains_a_parameter_smaller_than_the_process_count_and_a_process_owning_none";
+    if let Some(args) = worker::<HandLoop>() {
+        return report(&hand_loop::<Accelerated<Autodiff<Flex>>>(&args));
+    }
+    // Net's four parameters (128, 64, 16 and 4 values) over 5 processes: parameters go whole
+    // to their owners (nothing is split, so nothing is padded), the 4-value bias is owned by
+    // one process, and process 4 owns nothing: it gathers every parameter at its use and
+    // steps none.
+    let args = |zero_stage: u8| HandLoop {
+        batch_size: 2,
+        grad_accum: 1,
+        epochs: 1,
+        precision: Precision::F32,
+        overflow_rank: None,
+        overflow_batch: 0,
+        zero_stage,
+        adam: true,
+        clip_norm: None,
+        save_to: None,
+        resume_from: None,
+    };
+    let run = |zero_stage: u8| -> Vec<HandLoopReport> {
+        launch(TEST, 5, &args(zero_stage), &[])
+            .assert_success()
+            .reports(5)
+    };
+    let (stage0, stage2, stage3) = (run(0), run(2), run(3));
+    for (rank, r) in stage3.iter().enumerate() {
+        assert_eq!(r.outcomes, stage2[rank].outcomes, "rank {rank}");
+        assert!(r.held_after_step.iter().all(|&h| h == 0), "rank {rank}");
+        // Stage 3 reduce-scatters and steps as stage 2 does: the same bits.
+        assert_eq!(
+            bits(&r.parameters),
+            bits(&stage2[rank].parameters),
+            "rank {rank}"
+        );
+        // Stage 0's all-reduce sums five values in another order: to rounding.
+        let d = max_relative_difference(&r.parameters, &stage0[0].parameters);
+        assert!(d < 1e-5, "rank {rank}: {d:e}");
+    }
+}
+
+// Rank 1's hidden layer is one unit wider than the others': the processes' models differ.
+fn mismatched_worker(zero_stage: u8) {
+    let state = ProcessState::from_env().unwrap();
+    type B = Accelerated<Autodiff<Flex>>;
+    let device = Default::default();
+    let width = 16 + state.process_index();
+    let mut model = Net::<B> {
+        hidden: LinearConfig::new(FEATURES, width).init(&device),
+        out: LinearConfig::new(width, CLASSES).init(&device),
+        relu: Relu::new(),
+    };
+    let mut accelerator = AccelerateConfig::new()
+        .with_zero_stage(burn_accelerate::zero::ZeroStage::from_number(zero_stage).unwrap())
+        .init::<B>(&device)
+        .unwrap();
+    let mut optim = burn::optim::AdamConfig::new().init();
+    for step in 0..2 {
+        let items: Vec<usize> = (0..4)
+            .map(|i| step * 8 + state.process_index() * 4 + i)
+            .collect();
+        let _step = accelerator.accumulate(&model);
+        let loss = model.loss(Samples.batch(items, &device));
+        accelerator.backward(loss, &model);
+        match accelerator.optimizer_step(&mut optim, model, &mut 0.01) {
+            Ok((next, _)) => model = next,
+            Err(err) => panic!("the step failed: {err}"),
+        }
+    }
+}
+
+#[test]
+fn processes_whose_models_differ_fail_at_the_first_step_naming_the_difference() {
+    const TEST: &str = "processes_whose_models_differ_fail_at_the_first_step_naming_the_difference";
+    if let Some(zero_stage) = worker::<u8>() {
+        mismatched_worker(zero_stage);
+        return report(&());
+    }
+    // Where each process keeps its partition's gradients (stages 2 and 3): before the first
+    // reduce-scatter, by name, on every process.
+    for zero_stage in [2, 3] {
+        let launched = launch(TEST, 2, &zero_stage, &[]);
+        assert!(
+            !launched.status.success(),
+            "stage {zero_stage}: {}",
+            launched.output()
+        );
+        let output = launched.output();
+        for said in [
+            "[rank 0] the step failed: process 1's model differs from this process's: its \
+             model's parameter #0 (in visiting order) has shape [8, 17] where this process's \
+             has [8, 16]. Every process must build the same model",
+            "[rank 1] the step failed: process 0's model differs from this process's: its \
+             model's parameter #0 (in visiting order) has shape [8, 16] where this process's \
+             has [8, 17]",
+        ] {
+            assert!(
+                output.contains(said),
+                "stage {zero_stage}, {said}:\n{output}"
+            );
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // Burn's SupervisedTraining with `with_accelerate`.
 
