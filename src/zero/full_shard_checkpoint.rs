@@ -60,7 +60,10 @@ where
     // A clone: a released parameter's clone is released too (Burn clones a lazy parameter
     // without initialising it), so reading the clone leaves `module`'s parameters as they
     // were; an initialised one shares its tensor.
-    let gathered = module.clone().map(&mut Gather { keep });
+    let gathered = module.clone().map(&mut Gather {
+        keep,
+        tracked: false,
+    });
     Ok(keep.then(|| gathered.into_record()))
 }
 
@@ -77,13 +80,19 @@ where
     B: AutodiffBackend,
     M: AutodiffModule<B>,
 {
-    module.map(&mut Gather { keep: true })
+    module.map(&mut Gather {
+        keep: true,
+        tracked: true,
+    })
 }
 
 // Reads every float parameter whole, on every process in visiting order; keeps the values
 // on the root and a value of no elements elsewhere.
 struct Gather {
     keep: bool,
+    // Whether a kept value requires a gradient as its parameter did (a model to go on with);
+    // a record's values do not, as a record read back from bytes does not.
+    tracked: bool,
 }
 
 impl<B: AutodiffBackend> ModuleMapper<B> for Gather {
@@ -101,7 +110,7 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Gather {
             placeholder::unregister_tensor::<B>(&primitive);
         }
         let value = if self.keep {
-            Tensor::from_data(data, &device).set_require_grad(require_grad)
+            Tensor::from_data(data, &device).set_require_grad(require_grad && self.tracked)
         } else {
             drop(data);
             Tensor::empty([0; D], &device)
