@@ -157,12 +157,19 @@ where
             }
             _ => None,
         };
-        // At ZeRO stage 3 the main process's own checkpoint gathers the model's record from
-        // the parameters' owners, one at a time (every process takes part).
-        let model = match (core.sharded(), &self.checkpoint_dir) {
-            (Some((_, stage)), Some(_)) if stage.gathers_whole_model() => core
+        // At ZeRO stage 3 each process holds its partition of the parameters: the model's
+        // record is gathered on the main process one parameter at a time (every process takes
+        // part), and the main process's learner holds the whole model while Burn's
+        // checkpointer and the strategy's own read it, then its own partition again.
+        let sharded = match (core.sharded(), writes) {
+            (Some((_, stage)), true) if stage.gathers_whole_model() => core
                 .whole_model_record(&learner.model())
-                .unwrap_or_else(|err| fail("cannot gather the model", err)),
+                .unwrap_or_else(|err| fail("cannot gather the model", err))
+                .map(|whole| {
+                    let sharded = learner.model();
+                    learner.load_model(whole);
+                    sharded
+                }),
             _ => None,
         };
         if !self.process.is_main_process() {
@@ -174,7 +181,7 @@ where
         if let (Some(dir), Some(records)) = (&self.checkpoint_dir, records) {
             let state = self.checkpoint(*core.loss_scale());
             if let Err(err) =
-                self.save_checkpoint(dir, epoch, learner, model, records, &state, event_store)
+                self.save_checkpoint(dir, epoch, learner, records, &state, event_store)
             {
                 // The checkpoints listed before stay whole: a restart resumes from the newest.
                 log::warn!(
@@ -182,6 +189,10 @@ where
                      restart would resume from an earlier one): {err}"
                 );
             }
+        }
+        if let Some(sharded) = sharded {
+            // The placeholders as they were, still registered: nothing is gathered.
+            learner.load_model(crate::zero::held_record(sharded));
         }
         if let Some(own) = own {
             learner.load_optim(own);

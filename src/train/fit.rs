@@ -293,30 +293,6 @@ where
     }
 }
 
-// Burn's file checkpointer reads the learner's model on the main process alone, where at ZeRO
-// stage 3 each parameter is gathered by every process together: refused by name, before the
-// first epoch, rather than a main process waiting for gathers no other process joins.
-fn refuse_burn_checkpointer_at_stage_3<B: burn::tensor::backend::AutodiffBackend>(
-    core: &StepCore<B>,
-    burn_checkpointer: bool,
-) -> Result<(), AccelerateError> {
-    match core.sharded() {
-        Some((_, stage)) if stage.gathers_whole_model() && burn_checkpointer => {
-            Err(AccelerateError::InvalidConfig {
-                field: "zero_stage",
-                value: format!(
-                    "{stage:?} (ZeRO stage 3) with Burn's file checkpointer \
-                     (SupervisedTraining::with_file_checkpointer)"
-                ),
-                fix: "keep the checkpoints with the strategy instead \
-                      (AccelerateStrategy::with_checkpoint_dir: the model's record is gathered on \
-                      the main process), or train at ZeroStage::Gradients (stage 2)",
-            })
-        }
-        _ => Ok(()),
-    }
-}
-
 // Waits until Burn's event processor has handed the fit's events to the event store, and the
 // store has written them to the metric logs: Burn's `train` makes its summary from the log
 // files as soon as `fit` returns (Burn's own strategies do not wait, and their summaries can
@@ -416,9 +392,6 @@ where
         let mut core = self
             .fit_core(accumulation, loss_scale, loaders.len())
             .with_context(context.clone());
-        if let Err(err) = refuse_burn_checkpointer_at_stage_3(&core, checkpointer.is_some()) {
-            fail("cannot checkpoint", err);
-        }
         // The user's `TrainStep` calls `loss.backward()` itself: the decorator's backward
         // divides and scales its loss as the `Accelerator`'s `backward` would, on this thread.
         let armed = ThreadArmed::arm(core.loss_transform());

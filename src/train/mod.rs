@@ -92,10 +92,11 @@
 //! ([`Accelerated`](crate::Accelerated)) each other parameter comes back as a placeholder,
 //! gathered from its owner where an op reads it (on Burn's backends without the decorator it
 //! is gathered whole at the reload, as their lazy gather would at the first use: stage 2's
-//! peak). The strategy's own checkpoints ([`AccelerateStrategy::with_checkpoint_dir`]) gather
-//! the model's record on the main process parameter by parameter; Burn's file checkpointer,
-//! which reads the learner's model on the main process alone, is refused at stage 3. The fit
-//! hands Burn back the model whole on every process.
+//! peak). For a checkpoint (Burn's file checkpointer, the strategy's own) the model's record is
+//! gathered on the main process parameter by parameter, and its learner holds the whole model
+//! while they write it. The fit hands Burn back the model whole on every process. Burn's
+//! parameter mappers (`Param::save_mapper`, `load_mapper`) are not supported at stage 3 here:
+//! the reload after each step would run them on placeholders.
 //!
 //! Burn's own DDP (`ExecutionStrategy::DistributedDataParallel`) is not used: its gradient
 //! all-reduce is `DistributedBackend::all_reduce`, which only cubecl's CUDA runtime

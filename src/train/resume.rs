@@ -32,8 +32,8 @@ use burn::tensor::backend::Backend;
 use burn::train::checkpoint::{AsyncCheckpointer, Checkpointer, CheckpointerError};
 use burn::train::metric::store::EventStoreClient;
 use burn::train::{
-    Learner, LearnerModelRecord, LearnerOptimizerRecord, LearnerSchedulerRecord,
-    LearningCheckpointer, LearningComponentsTypes, TrainingBackend, TrainingComponents,
+    Learner, LearnerOptimizerRecord, LearnerSchedulerRecord, LearningCheckpointer,
+    LearningComponentsTypes, TrainingBackend, TrainingComponents,
 };
 
 use super::sharded::{Always, Discard, Hand};
@@ -167,25 +167,20 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
     }
 
     /// Writes epoch `epoch`'s crash-safe checkpoint into `dir` (the main process's part of a
-    /// checkpoint: the learner holds the whole optimizer state here), with `model`, the
-    /// model's record gathered from its owners at ZeRO stage 3 (`None`: the learner's).
-    #[allow(clippy::too_many_arguments)] // what a checkpoint holds, and where it goes
+    /// checkpoint: the learner holds the whole optimizer state here).
     pub(super) fn save_checkpoint(
         &self,
         dir: &Path,
         epoch: usize,
         learner: &Learner<LC>,
-        model: Option<LearnerModelRecord<LC>>,
         tap: &mut LearnerTap<LC>,
         state: &AccelerateCheckpoint,
         store: &EventStoreClient,
     ) -> Result<(), AccelerateError> {
         let (optim, scheduler) = tap.records(learner, store)?;
-        let records = Records::encode::<TrainingBackend<LC>, _, _>(
-            model.unwrap_or_else(|| learner.model().into_record()),
-            optim,
-        )?
-        .with_scheduler::<TrainingBackend<LC>, _>(scheduler)?;
+        let records =
+            Records::encode::<TrainingBackend<LC>, _, _>(learner.model().into_record(), optim)?
+                .with_scheduler::<TrainingBackend<LC>, _>(scheduler)?;
         contents::write(
             &self.checkpoints(dir),
             Scheme::Strategy,

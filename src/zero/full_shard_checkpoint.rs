@@ -86,6 +86,26 @@ where
     })
 }
 
+/// The record of `module` as its parameters are held, without their save mappers: a ZeRO
+/// stage 3 placeholder stays the placeholder it is (still registered: no op reads it, nothing
+/// is gathered), for loading back into the model it came from on one process alone
+/// (`with_accelerate`'s main process, after a checkpoint for which it held the whole model).
+/// Every parameter must be initialised (a released one's first read would gather it).
+pub(crate) fn held_record<B, M>(module: M) -> M::Record
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B>,
+{
+    struct Held;
+    impl<B: AutodiffBackend> ModuleMapper<B> for Held {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let (id, value, _mappers) = param.consume();
+            Param::initialized(id, value)
+        }
+    }
+    module.map(&mut Held).into_record()
+}
+
 // Reads every float parameter whole, on every process in visiting order; keeps the values
 // on the root and a value of no elements elsewhere.
 struct Gather {

@@ -31,10 +31,8 @@ use serde::{Deserialize, Serialize};
 /// `Accelerator::consolidate_optimizer_record`), so a run resumes at any stage on any number
 /// of processes. At stage 3 a checkpoint's model record is gathered on the main process too,
 /// parameter by parameter ([`gather_model_record`](crate::zero::gather_model_record); a
-/// hand-written loop calls `Accelerator::consolidate_model_record`). Under `with_accelerate`
-/// stage 3 keeps the strategy's own checkpoints (`AccelerateStrategy::with_checkpoint_dir`):
-/// Burn's file checkpointer, which reads the model on the main process alone, is refused there
-/// with [`AccelerateError::InvalidConfig`](crate::AccelerateError) naming `zero_stage`.
+/// hand-written loop calls `Accelerator::consolidate_model_record`; `with_accelerate` does it
+/// for Burn's checkpoints and its own).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum ZeroStage {
     /// Data parallel: every process steps the whole model.

@@ -1353,9 +1353,6 @@ mod supervised {
         /// checkpoints), to check that both entry points step alike.
         #[serde(default)]
         pub by_hand: bool,
-        /// No Burn file checkpointer (the strategy's own checkpoints only, with `dir`).
-        #[serde(default)]
-        pub without_burn_checkpointer: bool,
     }
 
     #[derive(Debug, Serialize, Deserialize)]
@@ -1491,13 +1488,10 @@ mod supervised {
             .num_epochs(args.epochs)
             .metric_valid_numeric(LossMetric::new())
             .renderer(QuietRenderer)
-            .with_application_logger(None);
-        if !args.without_burn_checkpointer {
+            .with_application_logger(None)
             // Full precision: Burn's `CompactRecorder` stores f16, and a resumed run must end
             // bit for bit where the uninterrupted one did.
-            builder = builder
-                .with_file_checkpointer(NamedMpkFileRecorder::<FullPrecisionSettings>::new());
-        }
+            .with_file_checkpointer(NamedMpkFileRecorder::<FullPrecisionSettings>::new());
         if let Some(epoch) = args.resume_from {
             builder = builder.checkpoint(epoch);
         }
@@ -1832,7 +1826,6 @@ fn stage_3_with_accelerate_ends_where_stage_2_and_the_hand_written_loop_do() {
             zero_stage,
             f16,
             by_hand,
-            without_burn_checkpointer: true,
             ..Default::default()
         };
         let go = |zero_stage: u8, by_hand: bool| -> Vec<supervised::RunReport> {
@@ -1866,35 +1859,13 @@ fn stage_3_with_accelerate_ends_where_stage_2_and_the_hand_written_loop_do() {
 }
 
 #[test]
-fn burns_file_checkpointer_at_stage_3_is_refused_naming_what_to_use() {
-    const TEST: &str = "burns_file_checkpointer_at_stage_3_is_refused_naming_what_to_use";
-    if let Some(args) = worker::<supervised::Run>() {
-        return report(&supervised::train(&args));
-    }
-    let run = supervised::Run {
-        batch_size: 16,
-        grad_accum: 1,
-        epochs: 1,
-        zero_stage: 3,
-        ..Default::default()
-    };
-    let launched = launch(TEST, 2, &run, &[]);
-    assert!(!launched.status.success(), "{}", launched.output());
-    let output = launched.output();
-    assert!(
-        output.contains("SupervisedTraining::with_file_checkpointer")
-            && output.contains("AccelerateStrategy::with_checkpoint_dir"),
-        "{output}"
-    );
-}
-
-#[test]
 fn a_stage_3_supervised_run_resumes_on_other_process_counts_and_stages() {
     const TEST: &str = "a_stage_3_supervised_run_resumes_on_other_process_counts_and_stages";
     if let Some(args) = worker::<supervised::Run>() {
         return report(&supervised::train(&args));
     }
-    // The strategy's own checkpoints (Burn's file checkpointer is refused at stage 3).
+    // Burn's file checkpointer and the strategy's own checkpoints, each written on the main
+    // process from the model's record gathered there (the strategy's are resumed from).
     let run = |processes: usize, zero_stage: u8, epochs: usize, dir: &PathBuf, resume_from| {
         supervised::Run {
             batch_size: 32 / processes,
@@ -1903,7 +1874,6 @@ fn a_stage_3_supervised_run_resumes_on_other_process_counts_and_stages() {
             dir: Some(dir.clone()),
             resume_from,
             zero_stage,
-            without_burn_checkpointer: true,
             ..Default::default()
         }
     };
@@ -1914,7 +1884,28 @@ fn a_stage_3_supervised_run_resumes_on_other_process_counts_and_stages() {
     // Stage 3 and stage 2 on 2 processes step alike: each one's checkpoint of epoch 2.
     for saved_at in [3, 2] {
         let parts_dir = harness::scratch_dir(&format!("stage-3-resume-from-{saved_at}"));
-        launch(TEST, 2, &run(2, saved_at, 2, &parts_dir, None), &[]).assert_success();
+        let saved: Vec<supervised::RunReport> =
+            launch(TEST, 2, &run(2, saved_at, 2, &parts_dir, None), &[])
+                .assert_success()
+                .reports(2);
+        // Both files of epoch 2 hold the whole model the run ended with, and Burn loads them
+        // by itself.
+        for file in ["model-2.mpk", "accelerate-2-model.mpk"] {
+            use burn::module::Module;
+            use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
+            let record: crate::mlp::MlpRecord<Flex> = Recorder::<Flex>::load(
+                &NamedMpkFileRecorder::<FullPrecisionSettings>::new(),
+                parts_dir.join("checkpoint").join(file),
+                &Default::default(),
+            )
+            .unwrap_or_else(|err| panic!("saved at stage {saved_at}, {file}: {err}"));
+            let loaded = crate::mlp::Mlp::<Flex>::new(16, &Default::default()).load_record(record);
+            assert_eq!(
+                bits(&parameters(&loaded)),
+                bits(&saved[0].parameters),
+                "saved at stage {saved_at}, {file}"
+            );
+        }
         // The same processes at stage 3: bit for bit.
         let same: Vec<supervised::RunReport> =
             launch(TEST, 2, &run(2, 3, 3, &parts_dir, Some(2)), &[])
