@@ -225,10 +225,26 @@ RESOLVE = {
 # arguments (in signature order) where the path does not apply.
 BOUNDED = {"linear"}
 
+# Ops that read no value of a tracked leaf they keep as it is: the resolve is skipped there,
+# so that a registered parameter stays itself (the same autodiff node, still registered).
+# Burn's `Param` load (`Learner::load_model`, ZeRO stage 3 under `with_accelerate`) sets
+# `require_grad` on every parameter it loads; on a tracked leaf Burn's autodiff returns it.
+KEEPS_TRACKED_LEAF = {
+    "float_set_require_grad": (
+        "        let tensor = if _require_grad && B::float_is_require_grad(&tensor) {\n"
+        "            tensor\n"
+        "        } else {\n"
+        "            crate::backend::placeholder::resolve::<B>(tensor)\n"
+        "        };\n"
+    ),
+}
+
 
 def resolves(name, params):
     """The lines that resolve an op's placeholders before anything else reads its inputs."""
     lines = []
+    if name in KEEPS_TRACKED_LEAF:
+        return KEEPS_TRACKED_LEAF[name]
     if name in BOUNDED:
         names = ", ".join(p for p, _ in params)
         lines.append(

@@ -602,6 +602,44 @@ impl<B: AutodiffBackend> Accelerator<B> {
             .whole_optimizer_record(model, record, &self.device)
     }
 
+    /// The whole record of `model` for a checkpoint, on the main process (`None` on the
+    /// others): Burn's `into_record`, each parameter's save mapper applied, so any Burn
+    /// program loads it without this crate. At ZeRO stage 3, where each process holds only
+    /// its partition's parameters between steps, the parameters are gathered from their
+    /// owners one at a time (FSDP's `FULL_STATE_DICT` on rank 0): every process must call it
+    /// at the same point, the processes other than the main one hold at most one gathered
+    /// parameter at a time, and the model stays sharded. Otherwise the main process's own
+    /// model is recorded and nothing is sent.
+    ///
+    /// ```no_run
+    /// # use burn::backend::{Autodiff, Flex};
+    /// # use burn::nn::{Linear, LinearConfig};
+    /// # use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
+    /// # use burn_accelerate::{AccelerateConfig, zero::ZeroStage};
+    /// # type B = Autodiff<Flex>;
+    /// # let device = Default::default();
+    /// # let model: Linear<B> = LinearConfig::new(4, 4).init(&device);
+    /// let accelerator = AccelerateConfig::new()
+    ///     .with_zero_stage(ZeroStage::Parameters)
+    ///     .init::<B>(&device)?;
+    /// // ... training ...
+    /// if let Some(record) = accelerator.consolidate_model_record(&model)? {
+    ///     NamedMpkFileRecorder::<FullPrecisionSettings>::new().record(record, "model".into())?;
+    /// }
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`AccelerateError::Distributed`] when the group cannot gather on the main process. A
+    /// gather that fails (a process that left, or whose model differs) panics with the
+    /// gather's error, as it does inside an op.
+    pub fn consolidate_model_record<M: AutodiffModule<B>>(
+        &self,
+        model: &M,
+    ) -> Result<Option<M::Record>, AccelerateError> {
+        self.core.whole_model_record(model)
+    }
+
     /// The part of a whole optimizer state (a checkpoint's, from
     /// [`consolidate_optimizer_record`](Self::consolidate_optimizer_record) or a stage 0 run)
     /// that this process steps at this run's ZeRO stage, for the optimizer's `load_record`:

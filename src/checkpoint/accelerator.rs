@@ -49,7 +49,8 @@ impl<B: AutodiffBackend> Accelerator<B> {
     /// Saves the accelerator's [`state`](Self::state), `model` and `optimizer` as checkpoint
     /// `number` of `dir`, crash-safely (written aside, flushed, renamed, listed with
     /// checksums). Every process calls it at the same point (a sharded optimizer state is
-    /// gathered first); the main process alone writes, and every process returns once the
+    /// gathered first, and at ZeRO stage 3 the model's parameters, one at a time); the main
+    /// process alone writes, and every process returns once the
     /// checkpoint is listed. Call it after an optimizer step, when the window is complete.
     ///
     /// ```
@@ -122,8 +123,11 @@ impl<B: AutodiffBackend> Accelerator<B> {
     {
         // On every process, before the gathering, so that all refuse alike.
         contents::refuse_own_names(Scheme::Accelerator, number, files)?;
-        if let Some(whole) = self.consolidate_optimizer_record(model, optimizer.to_record())? {
-            let records = Records::encode::<B, _, _>(model.clone().into_record(), whole)?;
+        let whole = self.consolidate_optimizer_record(model, optimizer.to_record())?;
+        // At ZeRO stage 3 every process takes part in gathering the model's record too.
+        let model_record = self.consolidate_model_record(model)?;
+        if let (Some(whole), Some(model_record)) = (whole, model_record) {
+            let records = Records::encode::<B, _, _>(model_record, whole)?;
             let state = CheckpointState {
                 state: self.state(),
                 loaders: Vec::new(),

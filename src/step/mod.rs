@@ -256,15 +256,13 @@ impl<B: AutodiffBackend> StepCore<B> {
     ///
     /// # Errors
     /// [`AccelerateError::Distributed`] when a process left, or sent a state this process
-    /// cannot read; [`AccelerateError::InvalidConfig`] at ZeRO stage 3, whose checkpoints are
-    /// not supported yet.
+    /// cannot read.
     pub fn whole_optimizer_record<M: AutodiffModule<B>, R: ParamStateRecord<B>>(
         &self,
         model: &M,
         record: R,
         device: &B::Device,
     ) -> Result<Option<R>, AccelerateError> {
-        self.zero_stage.check_checkpointable()?;
         match self.sharded() {
             Some((group, _)) => Ok(zero::consolidate_state::<B, M, R>(
                 group, model, record, 0, device,
@@ -274,6 +272,44 @@ impl<B: AutodiffBackend> StepCore<B> {
                 .as_ref()
                 .is_none_or(|group| group.rank() == 0)
                 .then_some(record)),
+        }
+    }
+
+    /// The whole record of `model`, for a checkpoint, on process 0 (`None` on the others):
+    /// gathered parameter by parameter from their owners at ZeRO stage 3 (every process must
+    /// call it at the same point; see [`zero::gather_model_record`]), the main process's own
+    /// model's otherwise (the others hold the same model, and send nothing).
+    ///
+    /// # Errors
+    /// [`AccelerateError::Distributed`] for a group that cannot gather on process 0.
+    pub fn whole_model_record<M: AutodiffModule<B>>(
+        &self,
+        model: &M,
+    ) -> Result<Option<M::Record>, AccelerateError> {
+        match self.sharded() {
+            Some((group, stage)) if stage.gathers_whole_model() => {
+                Ok(zero::gather_model_record::<B, M>(group, model, 0)?)
+            }
+            _ => Ok(self
+                .group
+                .as_ref()
+                .is_none_or(|group| group.rank() == 0)
+                .then(|| model.clone().into_record())),
+        }
+    }
+
+    /// `model` with every parameter whole on this process, for what follows the training: at
+    /// ZeRO stage 3 each released parameter is gathered from its owner (every process must
+    /// call it at the same point; see [`zero::gather_model`]) and no parameter is gathered at
+    /// its uses any more; otherwise `model`, whose parameters are whole already.
+    pub fn whole_model<M: AutodiffModule<B>>(&self, model: M) -> M {
+        match self.sharded() {
+            Some((_, stage)) if stage.gathers_whole_model() => {
+                let model = zero::gather_model::<B, M>(model);
+                zero::end_gathers();
+                model
+            }
+            _ => model,
         }
     }
 
@@ -308,6 +344,13 @@ impl<B: AutodiffBackend> StepCore<B> {
         }
         match self.sharded().map(|(_, stage)| stage.scatters_gradients()) {
             Some(true) => {
+                if self.partition.is_none()
+                    && let Some(group) = &self.group
+                {
+                    // Before the first partition: processes whose models differ fail naming
+                    // the parameter, not inside the reduce-scatter.
+                    zero::check_same_model::<B, M>(group, model)?;
+                }
                 self.partition(model);
                 let (Some(group), Some(partition)) = (&self.group, &self.partition) else {
                     unreachable!("sharded, so a group and its partition");

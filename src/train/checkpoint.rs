@@ -170,6 +170,21 @@ where
             }
             _ => None,
         };
+        // At ZeRO stage 3 each process holds its partition of the parameters: the model's
+        // record is gathered on the main process one parameter at a time (every process takes
+        // part), and the main process's learner holds the whole model while Burn's
+        // checkpointer and the strategy's own read it, then its own partition again.
+        let sharded = match (core.sharded(), writes) {
+            (Some((_, stage)), true) if stage.gathers_whole_model() => core
+                .whole_model_record(&learner.model())
+                .unwrap_or_else(|err| fail("cannot gather the model", err))
+                .map(|whole| {
+                    let sharded = learner.model();
+                    learner.load_model(whole);
+                    sharded
+                }),
+            _ => None,
+        };
         if !self.process.is_main_process() {
             return;
         }
@@ -187,6 +202,10 @@ where
                      restart would resume from an earlier one): {err}"
                 );
             }
+        }
+        if let Some(sharded) = sharded {
+            // The placeholders as they were, still registered: nothing is gathered.
+            learner.load_model(crate::zero::held_record(sharded));
         }
         if let Some(own) = own {
             learner.load_optim(own);

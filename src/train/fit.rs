@@ -500,10 +500,13 @@ where
         }
         // Once, however the epochs ended (an interrupt, early stopping).
         self.report.lock().lower_ops = autocast::thread_tally().since(&tally_start);
+        // Whole on every process (at ZeRO stage 3, gathered from the owners): Burn's `train`
+        // and the caller use it on one process alone (its summary, saving it).
+        let model = core.whole_model(learner.model());
         if self.process.is_main_process() {
             flush_events::<LC>(&mut event_processor, &training_components.event_store);
         }
-        (learner.model(), event_processor)
+        (model, event_processor)
     }
 
     // The fit's accumulation window, the gradient state configured for it (at every fit, so

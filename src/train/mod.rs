@@ -87,6 +87,17 @@
 //! resumes at any stage and on any number of processes. The optimizer's record must keep its
 //! state per parameter ([`ParamStateRecord`]: every Burn optimizer's does).
 //!
+//! At stage 3 the learner's model keeps each process's partition of the parameters between
+//! steps: Burn reloads the stepped model (its `load_model`), and on the decorator
+//! ([`Accelerated`](crate::Accelerated)) each other parameter comes back as a placeholder,
+//! gathered from its owner where an op reads it (on Burn's backends without the decorator it
+//! is gathered whole at the reload, as their lazy gather would at the first use: stage 2's
+//! peak). For a checkpoint (Burn's file checkpointer, the strategy's own) the model's record is
+//! gathered on the main process parameter by parameter, and its learner holds the whole model
+//! while they write it. The fit hands Burn back the model whole on every process. Burn's
+//! parameter mappers (`Param::save_mapper`, `load_mapper`) are not supported at stage 3 here:
+//! the reload after each step would run them on placeholders.
+//!
 //! Burn's own DDP (`ExecutionStrategy::DistributedDataParallel`) is not used: its gradient
 //! all-reduce is `DistributedBackend::all_reduce`, which only cubecl's CUDA runtime
 //! implements (NCCL), and which Flex and NdArray do not implement at all.
@@ -226,8 +237,8 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
     /// A strategy training on `device` as `config` says.
     ///
     /// # Errors
-    /// [`AccelerateError::InvalidConfig`] for zero accumulation steps, an invalid scaler
-    /// setting or ZeRO stage 3 (not offered here yet); [`AccelerateError::UnsupportedPrecision`]
+    /// [`AccelerateError::InvalidConfig`] for zero accumulation steps or an invalid scaler
+    /// setting; [`AccelerateError::UnsupportedPrecision`]
     /// when the device cannot run `mixed_precision` and `allow_fallback` is off;
     /// [`AccelerateError::NotAccelerated`] for bf16 or f16 on a training backend that is not
     /// [`Accelerated`](crate::Accelerated) (autocast would do nothing there);
@@ -237,20 +248,6 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
         config: AccelerateConfig,
         device: &Device<TrainingBackend<LC>>,
     ) -> Result<Self, AccelerateError> {
-        if config.zero_stage.shards_parameters() {
-            // Burn's learner holds and reloads the model whole around each step (its
-            // `load_model` of the stepped record): stage 3's released parameters would be
-            // gathered back at once, a silent stage 2.
-            return Err(AccelerateError::InvalidConfig {
-                field: "zero_stage",
-                value: format!(
-                    "{:?} (ZeRO stage 3) with with_accelerate",
-                    config.zero_stage
-                ),
-                fix: "ZeRO stage 3 runs in hand-written loops (Accelerator) only for now: \
-                      train with_accelerate at ZeroStage::Gradients (stage 2)",
-            });
-        }
         let (autocast, initial_scale) =
             config.init_mixed_precision::<TrainingBackend<LC>>(device)?;
         ensure_accelerated::<TrainingBackend<LC>>(&autocast, device)?;

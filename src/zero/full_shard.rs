@@ -69,9 +69,9 @@
 //! reduce-scatter at the step (as at stage 2), not reduce-scattered as soon as it is final;
 //! and the activations the graph keeps are every process's own.
 //!
-//! Burn's parameter mappers (the transforms a record applies on save and load) are not kept
-//! by a released parameter, which is one reason checkpoints refuse stage 3 for now
-//! ([`ZeroStage::check_checkpointable`](super::ZeroStage)).
+//! A released parameter keeps Burn's parameter mappers (the transforms a record applies on
+//! save and load), which a checkpoint's record applies
+//! ([`gather_model_record`](super::gather_model_record)).
 
 use burn::module::{AutodiffModule, ModuleMapper, Param};
 use burn::tensor::backend::AutodiffBackend;
@@ -118,7 +118,7 @@ pub fn release_parameters<B: AutodiffBackend, M: AutodiffModule<B>>(
     }
     impl<B: AutodiffBackend> ModuleMapper<B> for Release<'_> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-            let (id, value, _mappers) = param.consume();
+            let (id, value, mappers) = param.consume();
             // The value's placeholder (or the owner's own value) is no longer read.
             placeholder::unregister_tensor::<B>(&value.clone().into_primitive().tensor());
             let require_grad = value.is_require_grad();
@@ -157,7 +157,12 @@ pub fn release_parameters<B: AutodiffBackend, M: AutodiffModule<B>>(
                 }
                 value
             };
+            // The mappers go on with it: a checkpoint's record applies them
+            // (`gather_model_record`).
+            let (load, save) = (mappers.clone(), mappers);
             Param::uninitialized(id, init, device, require_grad, shape)
+                .load_mapper(move |value| load.on_load(value))
+                .save_mapper(move |value| save.on_save(value))
         }
     }
     if group.world_size() == 1 {

@@ -3,20 +3,26 @@
 //! process its partition's mean ([`reduce_scatter_gradients`]), the parameters shared from
 //! their owners after the step ([`share_parameters`]) or, at stage 3, released until their
 //! next use ([`release_parameters`]), and the optimizer state kept per partition and merged
-//! whole for a checkpoint ([`consolidate_state`], [`keep_own_state`]).
+//! whole for a checkpoint ([`consolidate_state`], [`keep_own_state`]), with, at stage 3, the
+//! model's record gathered whole on one process ([`gather_model_record`]).
 //!
 //! The step core ([`step`](crate::step)) runs them for both entry points; this module sits on
 //! the process group of [`distributed`](crate::distributed), which carries the bytes.
 
+mod fingerprint;
 mod full_shard;
+mod full_shard_checkpoint;
 mod optimizer_record;
 mod sharded;
 mod sharding;
 mod stage;
 
 pub use crate::backend::placeholder::{GatheredBytes, gathered_bytes, reset_gathered_peak};
+pub use fingerprint::check_same_model;
 pub(crate) use full_shard::end_gathers;
 pub use full_shard::release_parameters;
+pub(crate) use full_shard_checkpoint::held_record;
+pub use full_shard_checkpoint::{gather_model, gather_model_record};
 pub use optimizer_record::{ParamStateRecord, consolidate_state, keep_own_state};
 pub(crate) use sharded::shards;
 pub use sharded::{Partition, keep_own, reduce_scatter_gradients, share_parameters};

@@ -66,7 +66,8 @@ fn params<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M) -> Vec<(ParamId,
     struct Sizes(Vec<(ParamId, usize)>);
     impl<B: AutodiffBackend> ModuleVisitor<B> for Sizes {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            self.0.push((param.id, param.val().shape().num_elements()));
+            // Without reading it: a released parameter (ZeRO stage 3) is not gathered.
+            self.0.push((param.id, param.lazy_shape().num_elements()));
         }
     }
     let mut sizes = Sizes(Vec::new());

@@ -29,9 +29,10 @@ use serde::{Deserialize, Serialize};
 /// merged on the main process ([`consolidate_state`](crate::zero::consolidate_state);
 /// `with_accelerate` does it for Burn's checkpoints, a hand-written loop calls
 /// `Accelerator::consolidate_optimizer_record`), so a run resumes at any stage on any number
-/// of processes. Stage 3 runs in the `Accelerator`'s loops only for now: `with_accelerate`
-/// and saving a checkpoint refuse it with [`AccelerateError::InvalidConfig`](crate::AccelerateError)
-/// naming `zero_stage`.
+/// of processes. At stage 3 a checkpoint's model record is gathered on the main process too,
+/// parameter by parameter ([`gather_model_record`](crate::zero::gather_model_record); a
+/// hand-written loop calls `Accelerator::consolidate_model_record`; `with_accelerate` does it
+/// for Burn's checkpoints and its own).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum ZeroStage {
     /// Data parallel: every process steps the whole model.

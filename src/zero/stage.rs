@@ -5,8 +5,7 @@
 //!
 //! Stage 3 ([`ZeroStage::Parameters`]) answers as stage 2 does for the gradients and the
 //! optimizer state, and adds the parameters' own questions: they are released after the step
-//! instead of shared, and what stage 3 does not do yet (checkpoints, `with_accelerate`) is
-//! refused by name.
+//! instead of shared, and gathered from their owners where the model is needed whole.
 
 use super::sharding::ZeroStage;
 
@@ -33,19 +32,12 @@ impl ZeroStage {
         matches!(self, Self::Parameters)
     }
 
-    /// Whether the optimizer state can be merged for a checkpoint at this stage: not yet at
-    /// stage 3 (its parameters' save mappers are not kept by the released parameters, and no
-    /// test covers it). The error names the stage and what to do instead.
-    pub(crate) fn check_checkpointable(self) -> Result<(), crate::error::AccelerateError> {
-        if self.shards_parameters() {
-            return Err(crate::error::AccelerateError::InvalidConfig {
-                field: "zero_stage",
-                value: format!("{self:?} (ZeRO stage {}) for a checkpoint", self.number()),
-                fix: "checkpoints of ZeRO stage 3 are not supported yet: train at \
-                      ZeroStage::Gradients (stage 2) to save, or save no checkpoint",
-            });
-        }
-        Ok(())
+    /// Whether the model is gathered from the parameters' owners where it is needed whole: a
+    /// checkpoint's record on the main process ([`gather_model_record`](super::gather_model_record)),
+    /// the model a training hands back ([`gather_model`](super::gather_model)); otherwise
+    /// every process holds it whole already.
+    pub(crate) fn gathers_whole_model(self) -> bool {
+        self.shards_parameters()
     }
 
     /// Whether the optimizer is given this process's partition's gradients out of whole ones
@@ -67,21 +59,24 @@ mod tests {
                 s.scatters_gradients(),
                 s.drops_others_gradients(),
                 s.shards_parameters(),
-                s.check_checkpointable().is_ok(),
+                s.gathers_whole_model(),
             )
         };
-        assert_eq!(answers(ZeroStage::None), (false, false, false, false, true));
+        assert_eq!(
+            answers(ZeroStage::None),
+            (false, false, false, false, false)
+        );
         assert_eq!(
             answers(ZeroStage::OptimizerState),
-            (true, false, true, false, true)
+            (true, false, true, false, false)
         );
         assert_eq!(
             answers(ZeroStage::Gradients),
-            (true, true, false, false, true)
+            (true, true, false, false, false)
         );
         assert_eq!(
             answers(ZeroStage::Parameters),
-            (true, true, false, true, false)
+            (true, true, false, true, true)
         );
     }
 }

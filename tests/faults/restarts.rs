@@ -246,6 +246,19 @@ fn a_killed_process_restarts_a_zero_stage_2_run_at_the_uninterrupted_loss() {
 }
 
 #[test]
+fn a_killed_process_restarts_a_zero_stage_3_run_at_the_uninterrupted_loss() {
+    const TEST: &str =
+        "restarts::a_killed_process_restarts_a_zero_stage_3_run_at_the_uninterrupted_loss";
+    if let Some(run) = worker::<Run>() {
+        return work(TEST, &run);
+    }
+    refuse_under_mpi();
+    // Each process holds half of the parameters between steps; the checkpoint's model record
+    // is gathered on the main process.
+    killed_and_resumed(TEST, false, 3);
+}
+
+#[test]
 fn a_frozen_process_fails_the_run_by_liveness_and_the_restart_ends_at_the_same_loss() {
     const TEST: &str = "restarts::a_frozen_process_fails_the_run_by_liveness_and_the_restart_ends_at_the_same_loss";
     if let Some(run) = worker::<Run>() {

@@ -999,6 +999,317 @@ fn a_sharded_optimizer_state_resumes_on_any_number_of_processes_at_any_stage() {
     harness::clean(&dir);
 }
 
+#[test]
+fn a_stage_3_checkpoint_resumes_on_other_process_counts_and_stages() {
+    const TEST: &str = "a_stage_3_checkpoint_resumes_on_other_process_counts_and_stages";
+    if let Some(args) = worker::<HandLoop>() {
+        return report(&hand_loop::<Autodiff<Flex>>(&args));
+    }
+    // A global batch of 12 whatever the number of processes, Adam (state per parameter):
+    // stage 3 on 2 processes, where each process holds half of the parameters and of the
+    // optimizer state between steps.
+    let args = |processes: usize, zero_stage: u8, epochs: usize| HandLoop {
+        batch_size: 12 / processes,
+        grad_accum: 1,
+        epochs,
+        precision: Precision::F32,
+        overflow_rank: None,
+        overflow_batch: 0,
+        zero_stage,
+        adam: true,
+        clip_norm: None,
+        save_to: None,
+        resume_from: None,
+    };
+    let whole: Vec<HandLoopReport> = launch(TEST, 2, &args(2, 3, 2), &[])
+        .assert_success()
+        .reports(2);
+    let dir = harness::scratch_dir("stage-3-checkpoint");
+    let first = HandLoop {
+        save_to: Some(dir.clone()),
+        ..args(2, 3, 1)
+    };
+    let saved: Vec<HandLoopReport> = launch(TEST, 2, &first, &[]).assert_success().reports(2);
+    // Parameters stay released on both processes (the save gathered clones).
+    assert!(
+        saved
+            .iter()
+            .all(|r| r.held_after_step.iter().all(|&h| h == 0))
+    );
+    // The checkpoint is a whole model Burn loads by itself, on a backend without autodiff or
+    // this crate's decorator: the parameters the run ended with, bit for bit; and the whole
+    // optimizer state.
+    {
+        use burn::optim::Optimizer;
+        use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
+        let checkpoint = burn_accelerate::checkpoint::CheckpointDir::new(&dir)
+            .load(1)
+            .unwrap();
+        let recorder = NamedMpkBytesRecorder::<FullPrecisionSettings>::new();
+        let record: NetRecord<Flex> = Recorder::<Flex>::load(
+            &recorder,
+            checkpoint.files["model-1.mpk"].clone(),
+            &Default::default(),
+        )
+        .unwrap();
+        let loaded = Net::<Flex>::new(&Default::default()).load_record(record);
+        assert_eq!(bits(&parameters(&loaded)), bits(&saved[0].parameters));
+        fn load<O: Optimizer<Net<Autodiff<Flex>>, Autodiff<Flex>>>(
+            _: O,
+            bytes: Vec<u8>,
+        ) -> O::Record {
+            Recorder::<Autodiff<Flex>>::load(
+                &NamedMpkBytesRecorder::<FullPrecisionSettings>::new(),
+                bytes,
+                &Default::default(),
+            )
+            .unwrap()
+        }
+        let state = load(
+            burn::optim::AdamConfig::new().init(),
+            checkpoint.files["optimizer-1.mpk"].clone(),
+        );
+        assert_eq!(state.len(), 4, "two weights and two biases");
+    }
+    let resume = |processes: usize, zero_stage: u8| HandLoop {
+        resume_from: Some(dir.clone()),
+        ..args(processes, zero_stage, 1)
+    };
+    // The same processes and stage, and stage 2 on them (stage 3 steps as stage 2 does, in
+    // the same order): bit for bit.
+    for zero_stage in [3, 2] {
+        let same: Vec<HandLoopReport> = launch(TEST, 2, &resume(2, zero_stage), &[])
+            .assert_success()
+            .reports(2);
+        for r in &same {
+            assert_eq!(
+                bits(&r.parameters),
+                bits(&whole[0].parameters),
+                "stage {zero_stage}"
+            );
+            assert_eq!(r.outcomes, whole[0].outcomes[8..], "stage {zero_stage}");
+        }
+    }
+    // Another number of processes, at stage 0 and at stage 3: the same training to rounding
+    // (the mean over other parts sums in another order), within the 1e-5 that the stage-2
+    // checkpoint's resumes above hold.
+    for (processes, zero_stage) in [(1, 0), (3, 3)] {
+        let resumed: Vec<HandLoopReport> =
+            launch(TEST, processes, &resume(processes, zero_stage), &[])
+                .assert_success()
+                .reports(processes);
+        for r in &resumed {
+            assert_eq!(bits(&r.parameters), bits(&resumed[0].parameters));
+            if zero_stage == 3 {
+                assert!(
+                    r.held_after_step.iter().all(|&h| h == 0),
+                    "{:?}",
+                    r.held_after_step
+                );
+            }
+        }
+        let d = max_relative_difference(&resumed[0].parameters, &whole[0].parameters);
+        assert!(
+            d < 1e-5,
+            "{processes} processes at stage {zero_stage}: {d:e}"
+        );
+    }
+    harness::clean(&dir);
+}
+
+/// What `consolidate_model_record` gave at stage 3: the record's parameters on the main
+/// process, how many of the model's parameters held a value after it, and the model's
+/// parameters read whole after it.
+#[derive(Debug, Serialize, Deserialize)]
+struct GatheredRecord {
+    record: Option<Vec<f32>>,
+    held_after: usize,
+    parameters: Vec<f32>,
+}
+
+// Two stage 3 steps of `Net`, whose first weight doubles on save (a Burn save mapper), then
+// the model's record gathered on the main process.
+fn gathered_record_worker<B: AutodiffBackend>() -> GatheredRecord {
+    let state = ProcessState::from_env().unwrap();
+    let device = Default::default();
+    let mut model = Net::<B>::new(&device);
+    model.hidden.weight = model.hidden.weight.save_mapper(|w| w * 2);
+    let mut accelerator = AccelerateConfig::new()
+        .with_zero_stage(burn_accelerate::zero::ZeroStage::Parameters)
+        .init::<B>(&device)
+        .unwrap();
+    let mut optim = burn::optim::AdamConfig::new().init();
+    for step in 0..2 {
+        let items: Vec<usize> = (0..4)
+            .map(|i| step * 16 + state.process_index() * 4 + i)
+            .collect();
+        let _step = accelerator.accumulate(&model);
+        let loss = model.loss(Samples.batch(items, &device));
+        accelerator.backward(loss, &model);
+        let (next, _) = accelerator
+            .optimizer_step(&mut optim, model, &mut 0.01)
+            .unwrap();
+        model = next;
+    }
+    let record = accelerator.consolidate_model_record(&model).unwrap();
+    let held_after = held_parameters(&model);
+    let record = record.map(|record| parameters(&Net::<B>::new(&device).load_record(record)));
+    GatheredRecord {
+        record,
+        held_after,
+        parameters: parameters(&model),
+    }
+}
+
+#[test]
+fn a_stage_3_model_record_is_gathered_on_the_main_process_with_its_save_mappers() {
+    const TEST: &str =
+        "a_stage_3_model_record_is_gathered_on_the_main_process_with_its_save_mappers";
+    #[derive(Debug, Serialize, Deserialize)]
+    struct Run {
+        decorator: bool,
+    }
+    if let Some(run) = worker::<Run>() {
+        return report(&if run.decorator {
+            gathered_record_worker::<Accelerated<Autodiff<Flex>>>()
+        } else {
+            gathered_record_worker::<Autodiff<Flex>>()
+        });
+    }
+    // The decorator reads each released parameter through a placeholder; Burn's autodiff
+    // backend alone gathers it at its first read.
+    for decorator in [true, false] {
+        let reports: Vec<GatheredRecord> = launch(TEST, 3, &Run { decorator }, &[])
+            .assert_success()
+            .reports(3);
+        let whole = &reports[0].parameters;
+        // The first parameter is hidden's weight, FEATURES x 16 values, doubled on save.
+        let weight = FEATURES * 16;
+        let mut expected: Vec<f32> = whole[..weight].iter().map(|w| w * 2.0).collect();
+        expected.extend_from_slice(&whole[weight..]);
+        let record = reports[0]
+            .record
+            .as_ref()
+            .expect("the main process's record");
+        assert_eq!(bits(record), bits(&expected), "decorator {decorator}");
+        for (rank, r) in reports.iter().enumerate() {
+            let what = format!("decorator {decorator}, rank {rank}");
+            assert_eq!(r.record.is_some(), rank == 0, "{what}");
+            // The gathering read clones: the model's parameters stay released.
+            assert_eq!(r.held_after, 0, "{what}");
+            assert_eq!(bits(&r.parameters), bits(whole), "{what}");
+        }
+    }
+}
+
+#[test]
+fn stage_3_trains_a_parameter_smaller_than_the_process_count_and_a_process_owning_none() {
+    const TEST: &str =
+        "stage_3_trains_a_parameter_smaller_than_the_process_count_and_a_process_owning_none";
+    if let Some(args) = worker::<HandLoop>() {
+        return report(&hand_loop::<Accelerated<Autodiff<Flex>>>(&args));
+    }
+    // Net's four parameters (128, 64, 16 and 4 values) over 5 processes: parameters go whole
+    // to their owners (nothing is split, so nothing is padded), the 4-value bias is owned by
+    // one process, and process 4 owns nothing: it gathers every parameter at its use and
+    // steps none.
+    let args = |zero_stage: u8| HandLoop {
+        batch_size: 2,
+        grad_accum: 1,
+        epochs: 1,
+        precision: Precision::F32,
+        overflow_rank: None,
+        overflow_batch: 0,
+        zero_stage,
+        adam: true,
+        clip_norm: None,
+        save_to: None,
+        resume_from: None,
+    };
+    let run = |zero_stage: u8| -> Vec<HandLoopReport> {
+        launch(TEST, 5, &args(zero_stage), &[])
+            .assert_success()
+            .reports(5)
+    };
+    let (stage0, stage2, stage3) = (run(0), run(2), run(3));
+    for (rank, r) in stage3.iter().enumerate() {
+        assert_eq!(r.outcomes, stage2[rank].outcomes, "rank {rank}");
+        assert!(r.held_after_step.iter().all(|&h| h == 0), "rank {rank}");
+        // Stage 3 reduce-scatters and steps as stage 2 does: the same bits.
+        assert_eq!(
+            bits(&r.parameters),
+            bits(&stage2[rank].parameters),
+            "rank {rank}"
+        );
+        // Stage 0's all-reduce sums five values in another order: to rounding.
+        let d = max_relative_difference(&r.parameters, &stage0[0].parameters);
+        assert!(d < 1e-5, "rank {rank}: {d:e}");
+    }
+}
+
+// Rank 1's hidden layer is one unit wider than the others': the processes' models differ.
+fn mismatched_worker(zero_stage: u8) {
+    let state = ProcessState::from_env().unwrap();
+    type B = Accelerated<Autodiff<Flex>>;
+    let device = Default::default();
+    let width = 16 + state.process_index();
+    let mut model = Net::<B> {
+        hidden: LinearConfig::new(FEATURES, width).init(&device),
+        out: LinearConfig::new(width, CLASSES).init(&device),
+        relu: Relu::new(),
+    };
+    let mut accelerator = AccelerateConfig::new()
+        .with_zero_stage(burn_accelerate::zero::ZeroStage::from_number(zero_stage).unwrap())
+        .init::<B>(&device)
+        .unwrap();
+    let mut optim = burn::optim::AdamConfig::new().init();
+    for step in 0..2 {
+        let items: Vec<usize> = (0..4)
+            .map(|i| step * 8 + state.process_index() * 4 + i)
+            .collect();
+        let _step = accelerator.accumulate(&model);
+        let loss = model.loss(Samples.batch(items, &device));
+        accelerator.backward(loss, &model);
+        match accelerator.optimizer_step(&mut optim, model, &mut 0.01) {
+            Ok((next, _)) => model = next,
+            Err(err) => panic!("the step failed: {err}"),
+        }
+    }
+}
+
+#[test]
+fn processes_whose_models_differ_fail_at_the_first_step_naming_the_difference() {
+    const TEST: &str = "processes_whose_models_differ_fail_at_the_first_step_naming_the_difference";
+    if let Some(zero_stage) = worker::<u8>() {
+        mismatched_worker(zero_stage);
+        return report(&());
+    }
+    // Where each process keeps its partition's gradients (stages 2 and 3): before the first
+    // reduce-scatter, by name, on every process.
+    for zero_stage in [2, 3] {
+        let launched = launch(TEST, 2, &zero_stage, &[]);
+        assert!(
+            !launched.status.success(),
+            "stage {zero_stage}: {}",
+            launched.output()
+        );
+        let output = launched.output();
+        for said in [
+            "[rank 0] the step failed: process 1's model differs from this process's: its \
+             model's parameter #0 (in visiting order) has shape [8, 17] where this process's \
+             has [8, 16]. Every process must build the same model",
+            "[rank 1] the step failed: process 0's model differs from this process's: its \
+             model's parameter #0 (in visiting order) has shape [8, 16] where this process's \
+             has [8, 17]",
+        ] {
+            assert!(
+                output.contains(said),
+                "stage {zero_stage}, {said}:\n{output}"
+            );
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // Burn's SupervisedTraining with `with_accelerate`.
 
@@ -1054,6 +1365,10 @@ mod supervised {
         pub valid_losses: Vec<Vec<f64>>,
         pub skipped_steps: usize,
         pub loss_scale: f32,
+        /// The most bytes of other processes' parameters gathered whole at once (ZeRO stage
+        /// 3's placeholders; 0 where every process holds every parameter).
+        #[serde(default)]
+        pub gathered_peak: u64,
     }
 
     /// Stops after an epoch, on the main process only: a decision made on one process alone is
@@ -1140,6 +1455,7 @@ mod supervised {
             valid_losses: Vec::new(),
             skipped_steps,
             loss_scale: accelerator.loss_scale().loss_scale(),
+            gathered_peak: burn_accelerate::zero::gathered_bytes().peak,
         }
     }
 
@@ -1212,6 +1528,7 @@ mod supervised {
             valid_losses,
             skipped_steps: stats.skipped_steps(),
             loss_scale: stats.loss_scale.loss_scale(),
+            gathered_peak: burn_accelerate::zero::gathered_bytes().peak,
         }
     }
 }
@@ -1489,6 +1806,138 @@ fn a_sharded_supervised_run_resumes_on_other_process_counts_and_stages() {
     }
     harness::clean(&whole_dir);
     harness::clean(&parts_dir);
+}
+
+#[test]
+fn stage_3_with_accelerate_ends_where_stage_2_and_the_hand_written_loop_do() {
+    const TEST: &str = "stage_3_with_accelerate_ends_where_stage_2_and_the_hand_written_loop_do";
+    if let Some(args) = worker::<supervised::Run>() {
+        return report(&supervised::train(&args));
+    }
+    // Adam through Burn's Learner, which reloads the stepped model (placeholders, on the
+    // decorator); accumulation 3 over 256 items leaves a partial window at each epoch's end;
+    // f16 skips its first steps. Stage 3 reduce-scatters and steps as stage 2 does, in the
+    // same order: the same bits, on 2 and 3 processes.
+    for (processes, f16) in [(2, false), (2, true), (3, false)] {
+        let run = |zero_stage: u8, by_hand: bool| supervised::Run {
+            batch_size: 48 / processes,
+            grad_accum: 3,
+            epochs: 2,
+            zero_stage,
+            f16,
+            by_hand,
+            ..Default::default()
+        };
+        let go = |zero_stage: u8, by_hand: bool| -> Vec<supervised::RunReport> {
+            launch(TEST, processes, &run(zero_stage, by_hand), &[])
+                .assert_success()
+                .reports(processes)
+        };
+        let (stage2, stage3, hand3) = (go(2, false), go(3, false), go(3, true));
+        if f16 {
+            assert!(stage2[0].skipped_steps > 0, "no step overflowed");
+        }
+        for rank in 0..processes {
+            let what = format!("{processes} processes, f16 {f16}, rank {rank}");
+            // Under Burn's learner too, stage 3's parameters were gathered from their owners
+            // at their uses (placeholders), not held whole by every process.
+            assert!(stage3[rank].gathered_peak > 0, "{what}");
+            assert_eq!(stage2[rank].gathered_peak, 0, "{what}");
+            for (other, name) in [(&stage2[rank], "stage 2"), (&hand3[rank], "by hand")] {
+                let s = &stage3[rank];
+                assert_eq!(s.optimizer_steps, other.optimizer_steps, "{what}, {name}");
+                assert_eq!(s.skipped_steps, other.skipped_steps, "{what}, {name}");
+                assert_eq!(s.loss_scale, other.loss_scale, "{what}, {name}");
+                assert_eq!(
+                    bits(&s.parameters),
+                    bits(&other.parameters),
+                    "{what}, {name}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_stage_3_supervised_run_resumes_on_other_process_counts_and_stages() {
+    const TEST: &str = "a_stage_3_supervised_run_resumes_on_other_process_counts_and_stages";
+    if let Some(args) = worker::<supervised::Run>() {
+        return report(&supervised::train(&args));
+    }
+    // Burn's file checkpointer and the strategy's own checkpoints, each written on the main
+    // process from the model's record gathered there (the strategy's are resumed from).
+    let run = |processes: usize, zero_stage: u8, epochs: usize, dir: &PathBuf, resume_from| {
+        supervised::Run {
+            batch_size: 32 / processes,
+            grad_accum: 1,
+            epochs,
+            dir: Some(dir.clone()),
+            resume_from,
+            zero_stage,
+            ..Default::default()
+        }
+    };
+    let whole_dir = harness::scratch_dir("stage-3-resume-whole");
+    let whole: Vec<supervised::RunReport> = launch(TEST, 2, &run(2, 3, 3, &whole_dir, None), &[])
+        .assert_success()
+        .reports(2);
+    // Stage 3 and stage 2 on 2 processes step alike: each one's checkpoint of epoch 2.
+    for saved_at in [3, 2] {
+        let parts_dir = harness::scratch_dir(&format!("stage-3-resume-from-{saved_at}"));
+        let saved: Vec<supervised::RunReport> =
+            launch(TEST, 2, &run(2, saved_at, 2, &parts_dir, None), &[])
+                .assert_success()
+                .reports(2);
+        // Both files of epoch 2 hold the whole model the run ended with, and Burn loads them
+        // by itself.
+        for file in ["model-2.mpk", "accelerate-2-model.mpk"] {
+            use burn::module::Module;
+            use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
+            let record: crate::mlp::MlpRecord<Flex> = Recorder::<Flex>::load(
+                &NamedMpkFileRecorder::<FullPrecisionSettings>::new(),
+                parts_dir.join("checkpoint").join(file),
+                &Default::default(),
+            )
+            .unwrap_or_else(|err| panic!("saved at stage {saved_at}, {file}: {err}"));
+            let loaded = crate::mlp::Mlp::<Flex>::new(16, &Default::default()).load_record(record);
+            assert_eq!(
+                bits(&parameters(&loaded)),
+                bits(&saved[0].parameters),
+                "saved at stage {saved_at}, {file}"
+            );
+        }
+        // The same processes at stage 3: bit for bit.
+        let same: Vec<supervised::RunReport> =
+            launch(TEST, 2, &run(2, 3, 3, &parts_dir, Some(2)), &[])
+                .assert_success()
+                .reports(2);
+        assert_eq!(same[0].epochs, [3]);
+        for r in &same {
+            assert_eq!(
+                bits(&r.parameters),
+                bits(&whole[0].parameters),
+                "saved at stage {saved_at}"
+            );
+        }
+        // Re-partitioned: to rounding (the means sum other parts), as stage 2's resumes.
+        for (processes, zero_stage) in [(1, 0), (4, 3)] {
+            let resumed: Vec<supervised::RunReport> = launch(
+                TEST,
+                processes,
+                &run(processes, zero_stage, 3, &parts_dir, Some(2)),
+                &[],
+            )
+            .assert_success()
+            .reports(processes);
+            let d = max_relative_difference(&resumed[0].parameters, &whole[0].parameters);
+            assert!(
+                d < 1e-5,
+                "saved at stage {saved_at}, {processes} processes at stage {zero_stage}: {d:e}"
+            );
+        }
+        harness::clean(&parts_dir);
+    }
+    harness::clean(&whole_dir);
 }
 
 // ---------------------------------------------------------------------------------------

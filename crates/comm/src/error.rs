@@ -169,6 +169,19 @@ pub enum DistributedError {
         detail: String,
     },
 
+    /// The processes built different models: the shapes of their parameters differ (a sharded
+    /// run checks them before its first partition).
+    #[error(
+        "process {rank}'s model differs from this process's: {detail}. Every process must \
+         build the same model (the same layers, in the same order, of the same sizes)"
+    )]
+    ModelMismatch {
+        /// The other rank.
+        rank: usize,
+        /// The first difference.
+        detail: String,
+    },
+
     /// The rendezvous refused this process (a world size or rank that does not fit the
     /// others').
     #[error("rendezvous at {address} refused this process: {reason}")]

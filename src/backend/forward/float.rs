@@ -472,7 +472,11 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         B::float_detach(tensor)
     }
     fn float_set_require_grad(tensor: FloatTensor<Self>, _require_grad: bool) -> FloatTensor<Self> {
-        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
+        let tensor = if _require_grad && B::float_is_require_grad(&tensor) {
+            tensor
+        } else {
+            crate::backend::placeholder::resolve::<B>(tensor)
+        };
         B::float_set_require_grad(tensor, _require_grad)
     }
     fn float_is_require_grad(_tensor: &FloatTensor<Self>) -> bool {
