@@ -605,11 +605,11 @@ impl<B: AutodiffBackend> Accelerator<B> {
     /// The whole record of `model` for a checkpoint, on the main process (`None` on the
     /// others): Burn's `into_record`, each parameter's save mapper applied, so any Burn
     /// program loads it without this crate. At ZeRO stage 3, where each process holds only
-    /// its partition's parameters between steps, the parameters are gathered from their
-    /// owners one at a time (FSDP's `FULL_STATE_DICT` on rank 0): every process must call it
-    /// at the same point, the processes other than the main one hold at most one gathered
-    /// parameter at a time, and the model stays sharded. Otherwise the main process's own
-    /// model is recorded and nothing is sent.
+    /// its partition's parameters between steps, each parameter goes from its owner to the
+    /// main process alone, point to point (FSDP's `FULL_STATE_DICT` on rank 0): every process
+    /// must call it at the same point, the processes other than the main one hold no
+    /// parameter but their own, and the model stays sharded. Otherwise the main process's
+    /// own model is recorded and nothing is sent.
     ///
     /// ```no_run
     /// # use burn::backend::{Autodiff, Flex};
@@ -630,9 +630,8 @@ impl<B: AutodiffBackend> Accelerator<B> {
     /// ```
     ///
     /// # Errors
-    /// [`AccelerateError::Distributed`] when the group cannot gather on the main process. A
-    /// gather that fails (a process that left, or whose model differs) panics with the
-    /// gather's error, as it does inside an op.
+    /// [`AccelerateError::Distributed`] when the group cannot gather on the main process (a
+    /// process that left, or whose model differs).
     pub fn consolidate_model_record<M: AutodiffModule<B>>(
         &self,
         model: &M,

@@ -135,6 +135,11 @@ pub fn release_parameters<B: AutodiffBackend, M: AutodiffModule<B>>(
             self.place += 1;
             let gathered_shape = shape.clone();
             let init = move |device: &B::Device, require_grad: bool| {
+                // A checkpoint's record reads the owner's value where it is, and sends it to
+                // the main process alone (`gather_model_record`): no collective here.
+                if super::full_shard_checkpoint::reads_held_values() {
+                    return held::<B, D>(own.clone(), &gathered_shape, dtype, device);
+                }
                 let placeholders = placeholder::recognised::<B>();
                 let value = if placeholders {
                     held::<B, D>(own.clone(), &gathered_shape, dtype, device)

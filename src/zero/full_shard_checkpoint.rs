@@ -8,39 +8,77 @@
 //! Between steps a stage 3 process holds its partition's parameters only
 //! ([`release_parameters`](super::release_parameters)); a record made the way Burn makes one
 //! (`into_record` on the main process alone) would gather on the main process alone, whose
-//! collectives no other process meets. Here every process visits the model in the same order
-//! and reads each parameter's value the way an op reads it (the same gather, on every
-//! process, in visiting order); the root keeps each value for the record, the others drop it
-//! before the next is gathered. So at most one gathered parameter is whole at a time on a
-//! process other than the root, and the root holds the whole model while it writes, as it
-//! holds the whole optimizer state ([`consolidate_state`](super::consolidate_state)).
+//! collectives no other process meets. Here every process visits the model in the same order;
+//! each released parameter's owner reads its own value where it holds it and sends it to the
+//! root alone, point to point (torch's `gather` to rank 0, not a broadcast: the save's traffic
+//! is the model once, not `N - 1` times), and the root receives each in visiting order. A
+//! process other than the root never holds a parameter it does not own; the root holds the
+//! whole model while it writes, as it holds the whole optimizer state
+//! ([`consolidate_state`](super::consolidate_state)).
 //!
 //! The record keeps Burn's parameter mappers: a released parameter keeps its mappers
 //! (`release_parameters`), so the root's record applies each parameter's save mapper as
 //! `into_record` would have on a whole model.
 
+use std::cell::Cell;
+
 use burn::module::{AutodiffModule, ModuleMapper, Param};
 use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
 
+use burn::tensor::TensorData;
+
 use crate::backend::placeholder;
-use crate::distributed::{DistributedError, ProcessGroup};
+use crate::distributed::{DistributedError, ProcessGroup, Stream};
+
+use super::sharded::Partition;
+
+thread_local! {
+    // Set while a checkpoint's record reads released parameters on this thread: their
+    // initializer gives the value held (the owner's own, a placeholder elsewhere) instead of
+    // gathering it from its owner on every process.
+    static READS_HELD: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Whether a released parameter read now gives the value this process holds, without any
+/// collective (a checkpoint's record sends it to the root itself).
+pub(super) fn reads_held_values() -> bool {
+    READS_HELD.with(Cell::get)
+}
+
+// Released parameters read on this thread give their held value until dropped (also when the
+// visit panics).
+struct ReadingHeld;
+
+impl ReadingHeld {
+    fn start() -> Self {
+        READS_HELD.with(|reads| reads.set(true));
+        Self
+    }
+}
+
+impl Drop for ReadingHeld {
+    fn drop(&mut self) {
+        READS_HELD.with(|reads| reads.set(false));
+    }
+}
 
 /// The record of `module` (Burn's `into_record`, each parameter's save mapper applied), whole,
 /// on process `root` (`None` on the others), from a model whose parameters may be released
-/// (ZeRO stage 3, between or during steps) or whole. Every process must call it at the same
-/// point, with the same model, and no process may read the model in between.
+/// (ZeRO stage 3, between steps) or whole. Every process must call it at the same point, with
+/// the same model, and no process may read the model in between.
 ///
-/// Each released parameter is gathered from its owner as an op gathers it (so a process
-/// whose model differs fails with the gather's error, naming the parameter's place); the
-/// processes other than `root` drop each value once gathered, so no process but `root` holds
-/// more than one gathered parameter at a time. `module` itself is left as it was: its
-/// released parameters stay released.
+/// Each released parameter goes from its owner to `root` alone, point to point, in visiting
+/// order: its owner reads the value it holds, and no other process receives it (the save's
+/// traffic is the model once). A parameter held whole (on one process, or read already during
+/// a step) is read as an op reads it. `module` itself is left as it was: its released
+/// parameters stay released.
 ///
 /// # Errors
-/// [`DistributedError::InvalidCall`] when `root` is not a process of `group`. A gather that
-/// fails (a process that left, or whose model differs) panics with the gather's error, as it
-/// does inside an op.
+/// [`DistributedError::InvalidCall`] when `root` is not a process of `group`; what the group's
+/// point-to-point messages return (a process that left); [`DistributedError::Mismatch`] when
+/// an owner sends another parameter than the one `root` expects, or another size (the
+/// processes' models differ).
 pub fn gather_model_record<B, M>(
     group: &ProcessGroup,
     module: &M,
@@ -57,13 +95,28 @@ where
         )));
     }
     let keep = group.rank() == root;
+    let mut to_root = ToRoot {
+        rank: group.rank(),
+        root,
+        partition: Partition::of::<B, M>(module, n),
+        // Every process opens it, so that the streams opened after it pair up.
+        stream: group.stream(),
+        place: 0,
+        failed: None,
+        whole: Gather {
+            keep,
+            tracked: false,
+        },
+    };
+    let reading = ReadingHeld::start();
     // A clone: a released parameter's clone is released too (Burn clones a lazy parameter
     // without initialising it), so reading the clone leaves `module`'s parameters as they
     // were; an initialised one shares its tensor.
-    let gathered = module.clone().map(&mut Gather {
-        keep,
-        tracked: false,
-    });
+    let gathered = module.clone().map(&mut to_root);
+    drop(reading);
+    if let Some(err) = to_root.failed {
+        return Err(err);
+    }
     Ok(keep.then(|| gathered.into_record()))
 }
 
@@ -135,6 +188,86 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Gather {
             drop(data);
             Tensor::empty([0; D], &device)
         };
+        Param::from_mapped_value(id, value, mappers)
+    }
+}
+
+// Sends each released parameter from its owner to the root, in visiting order; a parameter
+// held whole is read as `Gather` reads it. The root keeps the values; the others keep a value
+// of no elements.
+struct ToRoot {
+    rank: usize,
+    root: usize,
+    partition: Partition,
+    stream: Stream,
+    // The next parameter's place in visiting order: the message's tag.
+    place: u64,
+    // The first failure; no message is sent or awaited after it.
+    failed: Option<DistributedError>,
+    whole: Gather,
+}
+
+impl ToRoot {
+    // The value the root keeps for the parameter at `place`, owned by `owner`, of which this
+    // process holds `held` (the owner's value on its owner, a placeholder elsewhere).
+    fn value<B: AutodiffBackend, const D: usize>(
+        &mut self,
+        owner: usize,
+        place: u64,
+        held: Tensor<B, D>,
+    ) -> Result<Option<Tensor<B, D>>, DistributedError> {
+        let (is_owner, is_root) = (self.rank == owner, self.rank == self.root);
+        match (is_owner, is_root) {
+            (true, true) => Ok(Some(held)),
+            (true, false) => {
+                let bytes = held.into_data().bytes;
+                self.stream.send(self.root, place, 0, &bytes)?;
+                Ok(None)
+            }
+            (false, true) => {
+                let (shape, dtype, device) = (held.shape(), held.dtype(), held.device());
+                let (tag, _, bytes) = self.stream.recv(owner)?;
+                let expected = shape.num_elements() * dtype.size();
+                if tag != place || bytes.len() != expected {
+                    return Err(DistributedError::Mismatch {
+                        rank: owner,
+                        detail: format!(
+                            "for a checkpoint it sent parameter #{tag} ({} bytes) where this \
+                             process expects #{place}, a {dtype:?} parameter of shape \
+                             {shape:?} ({expected} bytes): the processes' models differ",
+                            bytes.len()
+                        ),
+                    });
+                }
+                let data = TensorData::from_bytes_vec(bytes, shape, dtype);
+                Ok(Some(Tensor::from_data(data, &device)))
+            }
+            (false, false) => Ok(None),
+        }
+    }
+}
+
+impl<B: AutodiffBackend> ModuleMapper<B> for ToRoot {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let place = self.place;
+        self.place += 1;
+        if param.is_initialized() {
+            return <Gather as ModuleMapper<B>>::map_float(&mut self.whole, param);
+        }
+        let owner = self.partition.owner(param.id);
+        // The held value (`reads_held_values`): no collective, nothing registered.
+        let (id, held, mappers) = param.consume();
+        let device = held.device();
+        let value = match self.failed {
+            Some(_) => None,
+            None => self
+                .value::<B, D>(owner, place, held)
+                .unwrap_or_else(|err| {
+                    self.failed = Some(err);
+                    None
+                }),
+        };
+        let value = value.unwrap_or_else(|| Tensor::empty([0; D], &device));
         Param::from_mapped_value(id, value, mappers)
     }
 }

@@ -1119,12 +1119,14 @@ fn a_stage_3_checkpoint_resumes_on_other_process_counts_and_stages() {
 
 /// What `consolidate_model_record` gave at stage 3: the record's parameters on the main
 /// process, how many of the model's parameters held a value after it, and the model's
-/// parameters read whole after it.
+/// parameters read whole after it; and the most bytes of other processes' parameters this
+/// process held at once during it (the decorator's count).
 #[derive(Debug, Serialize, Deserialize)]
 struct GatheredRecord {
     record: Option<Vec<f32>>,
     held_after: usize,
     parameters: Vec<f32>,
+    gathered_during: u64,
 }
 
 // Two stage 3 steps of `Net`, whose first weight doubles on save (a Burn save mapper), then
@@ -1151,13 +1153,16 @@ fn gathered_record_worker<B: AutodiffBackend>() -> GatheredRecord {
             .unwrap();
         model = next;
     }
+    burn_accelerate::zero::reset_gathered_peak();
     let record = accelerator.consolidate_model_record(&model).unwrap();
+    let gathered_during = burn_accelerate::zero::gathered_bytes().peak;
     let held_after = held_parameters(&model);
     let record = record.map(|record| parameters(&Net::<B>::new(&device).load_record(record)));
     GatheredRecord {
         record,
         held_after,
         parameters: parameters(&model),
+        gathered_during,
     }
 }
 
@@ -1197,6 +1202,10 @@ fn a_stage_3_model_record_is_gathered_on_the_main_process_with_its_save_mappers(
             assert_eq!(r.record.is_some(), rank == 0, "{what}");
             // The gathering read clones: the model's parameters stay released.
             assert_eq!(r.held_after, 0, "{what}");
+            // Each parameter goes from its owner to the main process alone, not through the
+            // placeholders' gather (a broadcast, which every process would count, holding
+            // each parameter it does not own).
+            assert_eq!(r.gathered_during, 0, "{what}");
             assert_eq!(bits(&r.parameters), bits(whole), "{what}");
         }
     }
