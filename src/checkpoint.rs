@@ -52,11 +52,14 @@ mod accelerator;
 mod agree;
 pub(crate) mod contents;
 mod fits;
+mod layout;
 pub(crate) mod records;
+mod sharded;
 mod state;
 pub use accelerator::Resumed;
-pub(crate) use agree::agree_on_checkpoint;
+pub(crate) use agree::{agree_on_checkpoint, agree_on_checkpoint_keeping};
 pub(crate) use fits::decode_model;
+pub use layout::CheckpointLayout;
 pub use state::CheckpointState;
 pub(crate) use state::LoaderPosition;
 
@@ -129,6 +132,48 @@ impl CheckpointDir {
     /// [`AccelerateError::Checkpoint`] when it is not listed or does not verify.
     pub fn load(&self, epoch: usize) -> Result<LoadedCheckpoint, AccelerateError> {
         Ok(self.0.load(epoch)?)
+    }
+
+    /// [`save_sparing`](Self::save_sparing), listing with `files` the files `written` that
+    /// other processes wrote already: see
+    /// [`burn_accelerate_checkpoint::CheckpointDir::save_with_written`].
+    ///
+    /// # Errors
+    /// As [`save`](Self::save).
+    pub(crate) fn save_with_written(
+        &self,
+        epoch: usize,
+        files: &[(&str, &[u8])],
+        written: Vec<FileDigest>,
+        spare: impl Fn(&str) -> bool,
+    ) -> Result<CheckpointEntry, AccelerateError> {
+        Ok(self.0.save_with_written(epoch, files, written, spare)?)
+    }
+
+    /// [`load_newest`](Self::load_newest) with a check of completeness and a choice of the
+    /// files kept: see [`burn_accelerate_checkpoint::CheckpointDir::load_newest_where`].
+    ///
+    /// # Errors
+    /// As [`load_newest`](Self::load_newest).
+    pub(crate) fn load_newest_where(
+        &self,
+        at_most: Option<usize>,
+        complete: impl Fn(&CheckpointEntry) -> Result<(), String>,
+        keep: impl Fn(&str) -> bool,
+    ) -> Result<Option<LoadedCheckpoint>, AccelerateError> {
+        Ok(self.0.load_newest_where(at_most, complete, keep)?)
+    }
+
+    /// The files of the checkpoint of `epoch` that `keep` names, read back and verified.
+    ///
+    /// # Errors
+    /// As [`load`](Self::load).
+    pub(crate) fn load_keeping(
+        &self,
+        epoch: usize,
+        keep: impl Fn(&str) -> bool,
+    ) -> Result<LoadedCheckpoint, AccelerateError> {
+        Ok(self.0.load_keeping(epoch, keep)?)
     }
 }
 

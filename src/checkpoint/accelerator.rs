@@ -15,7 +15,9 @@ use burn::tensor::backend::AutodiffBackend;
 
 use super::contents::{self, Records, Resume};
 use super::records::Scheme;
-use super::{CheckpointDir, CheckpointState};
+use super::{
+    CheckpointDir, CheckpointLayout, CheckpointState, agree_on_checkpoint_keeping, sharded,
+};
 use crate::zero::ParamStateRecord;
 use crate::{AccelerateError, Accelerator, AcceleratorState};
 
@@ -123,16 +125,31 @@ impl<B: AutodiffBackend> Accelerator<B> {
     {
         // On every process, before the gathering, so that all refuse alike.
         contents::refuse_own_names(Scheme::Accelerator, number, files)?;
+        sharded::refuse_shard_names(files)?;
+        let state = || CheckpointState {
+            state: self.state(),
+            loaders: Vec::new(),
+            num_processes: self.process().num_processes(),
+        };
+        if self.config().checkpoint_layout == CheckpointLayout::Sharded
+            && let Some(group) = self.sharded_group()
+        {
+            return sharded::write::<B, M, O::Record>(
+                group,
+                dir,
+                number,
+                model,
+                optimizer.to_record(),
+                &state(),
+                files,
+            );
+        }
         let whole = self.consolidate_optimizer_record(model, optimizer.to_record())?;
         // At ZeRO stage 3 every process takes part in gathering the model's record too.
         let model_record = self.consolidate_model_record(model)?;
         if let (Some(whole), Some(model_record)) = (whole, model_record) {
             let records = Records::encode::<B, _, _>(model_record, whole)?;
-            let state = CheckpointState {
-                state: self.state(),
-                loaders: Vec::new(),
-                num_processes: self.process().num_processes(),
-            };
+            let state = state();
             contents::write(
                 dir,
                 Scheme::Accelerator,
@@ -170,14 +187,40 @@ impl<B: AutodiffBackend> Accelerator<B> {
         O::Record: ParamStateRecord<B>,
     {
         let device = self.device().clone();
-        let read = match contents::resume::<B, M, O::Record, ()>(
-            self.core_group(),
+        let group = self.core_group();
+        let (rank, world) = group.map_or((0, 1), |g| (g.rank(), g.world_size()));
+        let stage = self.config().zero_stage;
+        let shards_state = self.sharded_group().is_some();
+        let shards_parameters = shards_state && stage.gathers_whole_model();
+        // A sharded checkpoint's process reads its own partition's files where it can; the
+        // main process verifies every file of the one it picks (and that none is missing).
+        let keep = sharded::keeps(rank, world, shards_state, shards_parameters);
+        let loaded = agree_on_checkpoint_keeping(
+            group,
             dir,
-            || dir.load_newest(None),
-            Scheme::Accelerator,
-            model,
-            &device,
-        )? {
+            None,
+            |_| dir.load_newest_where(None, sharded::complete, keep.clone()),
+            keep.clone(),
+        )?;
+        let read = match loaded {
+            Some(loaded) if sharded::is_sharded(&loaded) => {
+                Resume::From(sharded::read::<B, M, O::Record>(
+                    loaded,
+                    model,
+                    group,
+                    shards_parameters,
+                    &device,
+                )?)
+            }
+            Some(loaded) => Resume::From(contents::read::<B, M, O::Record, ()>(
+                loaded,
+                Scheme::Accelerator,
+                model,
+                &device,
+            )?),
+            None => Resume::Fresh(model),
+        };
+        let read = match read {
             Resume::Fresh(model) => {
                 return Ok(Resumed {
                     from: None,
@@ -211,5 +254,14 @@ impl<B: AutodiffBackend> Accelerator<B> {
             optimizer,
             files: read.files,
         })
+    }
+}
+
+impl<B: AutodiffBackend> Accelerator<B> {
+    // The process group, where the ZeRO stage partitions the optimizer state over several
+    // processes (stages 1 to 3): what a sharded checkpoint splits.
+    fn sharded_group(&self) -> Option<&crate::distributed::ProcessGroup> {
+        let group = self.core_group()?;
+        crate::zero::shards(self.config().zero_stage, Some(group)).then_some(group)
     }
 }

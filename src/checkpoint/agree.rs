@@ -21,6 +21,22 @@ pub(crate) fn agree_on_checkpoint(
     held: Option<LoadedCheckpoint>,
     pick: impl FnOnce(Option<LoadedCheckpoint>) -> Result<Option<LoadedCheckpoint>, AccelerateError>,
 ) -> Result<Option<LoadedCheckpoint>, AccelerateError> {
+    agree_on_checkpoint_keeping(group, checkpoints, held, pick, |_| true)
+}
+
+/// [`agree_on_checkpoint`], where the processes other than the main one read (and verify)
+/// only the files of the picked checkpoint that `keep` names: the main process's `pick`
+/// verified them all (a sharded checkpoint's process reads its own partition's).
+///
+/// # Errors
+/// As [`agree_on_checkpoint`].
+pub(crate) fn agree_on_checkpoint_keeping(
+    group: Option<&ProcessGroup>,
+    checkpoints: &CheckpointDir,
+    held: Option<LoadedCheckpoint>,
+    pick: impl FnOnce(Option<LoadedCheckpoint>) -> Result<Option<LoadedCheckpoint>, AccelerateError>,
+    keep: impl Fn(&str) -> bool,
+) -> Result<Option<LoadedCheckpoint>, AccelerateError> {
     let rank = group.map_or(0, ProcessGroup::rank);
     let (picked, held) = if rank == 0 {
         (pick(held)?, None)
@@ -38,18 +54,16 @@ pub(crate) fn agree_on_checkpoint(
     match (picked, held) {
         (Some(loaded), _) => Ok(Some(loaded)),
         (None, Some(held)) if held.epoch == number => Ok(Some(held)),
-        (None, _) => {
-            checkpoints
-                .load(number)
-                .map(Some)
-                .map_err(|err| AccelerateError::Checkpoint {
-                    path: checkpoints.path().display().to_string(),
-                    reason: format!(
-                        "process {rank} cannot read checkpoint {number}, which the main process \
+        (None, _) => checkpoints
+            .load_keeping(number, keep)
+            .map(Some)
+            .map_err(|err| AccelerateError::Checkpoint {
+                path: checkpoints.path().display().to_string(),
+                reason: format!(
+                    "process {rank} cannot read checkpoint {number}, which the main process \
                      resumes from (every process needs the same checkpoint directory): {err}"
-                    ),
-                })
-        }
+                ),
+            }),
     }
 }
 

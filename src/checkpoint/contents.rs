@@ -147,10 +147,14 @@ pub(crate) enum Resume<M, O, S> {
 
 /// The checkpoint every process of `group` resumes from (`pick`, on the main process:
 /// [`agree_on_checkpoint`]), read with [`read`]; [`Resume::Fresh`] when there is none.
-/// Every process must call it.
+/// Every process must call it. (The [`Accelerator`](crate::Accelerator) agrees with
+/// [`agree_on_checkpoint_keeping`](super::agree_on_checkpoint_keeping) instead, and reads a
+/// sharded checkpoint with `sharded::read`; `with_accelerate` resumes through
+/// [`resume_held`].)
 ///
 /// # Errors
 /// What [`agree_on_checkpoint`] and [`read`] return.
+#[cfg(test)]
 pub(crate) fn resume<B: Backend, M: Module<B>, O: Record<B>, S: Record<B>>(
     group: Option<&ProcessGroup>,
     checkpoints: &CheckpointDir,

@@ -120,6 +120,41 @@ where
     Ok(keep.then(|| gathered.into_record()))
 }
 
+/// The record of `module` with the values of the parameters `partition` gives to `rank` alone
+/// (each with its save mapper applied), every other parameter a value of no elements: this
+/// process's part of a sharded checkpoint (FSDP's `SHARDED_STATE_DICT`, DeepSpeed's per-rank
+/// files). Nothing is sent or gathered: a released parameter (ZeRO stage 3) gives the value
+/// its owner holds, a whole one (stages 1 and 2) its own. `module` itself is left as it was.
+pub(crate) fn own_model_record<B, M>(module: &M, partition: &Partition, rank: usize) -> M::Record
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B>,
+{
+    struct OwnOnly<'a> {
+        partition: &'a Partition,
+        rank: usize,
+    }
+    impl<B: AutodiffBackend> ModuleMapper<B> for OwnOnly<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let own = self.partition.owner(param.id) == self.rank;
+            let device = param.lazy_device();
+            // The held value (`reads_held_values`) of a released parameter: no collective.
+            let (id, value, mappers) = param.consume();
+            let value = if own {
+                value
+            } else {
+                Tensor::empty([0; D], &device)
+            };
+            Param::from_mapped_value(id, value, mappers)
+        }
+    }
+    let reading = ReadingHeld::start();
+    // A clone, as in `gather_model_record`: `module`'s released parameters stay released.
+    let own = module.clone().map(&mut OwnOnly { partition, rank });
+    drop(reading);
+    own.into_record()
+}
+
 /// `module` with every parameter whole on this process: each released parameter gathered
 /// from its owner (as an op gathers it, in visiting order), with its gradient requirement and
 /// mappers; a whole one as it is. Every process must call it at the same point, with the same

@@ -21,9 +21,10 @@ pub use crate::backend::placeholder::{GatheredBytes, gathered_bytes, reset_gathe
 pub use fingerprint::check_same_model;
 pub(crate) use full_shard::end_gathers;
 pub use full_shard::release_parameters;
-pub(crate) use full_shard_checkpoint::held_record;
 pub use full_shard_checkpoint::{gather_model, gather_model_record};
+pub(crate) use full_shard_checkpoint::{held_record, own_model_record};
 pub use optimizer_record::{ParamStateRecord, consolidate_state, keep_own_state};
+pub(crate) use optimizer_record::{keyed_by_id, keyed_by_place};
 pub(crate) use sharded::shards;
 pub use sharded::{Partition, keep_own, reduce_scatter_gradients, share_parameters};
 pub use sharding::{ZeroStage, partition};

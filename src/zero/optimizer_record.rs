@@ -134,3 +134,45 @@ where
     }
     Ok(Some(whole))
 }
+
+/// `part` keyed by each parameter's place in `module`'s visiting order instead of its id (ids
+/// are drawn at random per process): how a sharded checkpoint's file keeps a process's part of
+/// the optimizer state. State of a parameter `module` does not have is dropped.
+pub(crate) fn keyed_by_place<B, M, R>(module: &M, part: R) -> R
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B>,
+    R: ParamStateRecord<B>,
+{
+    let place: HashMap<ParamId, u64> = param_ids::<B, M>(module).into_iter().zip(0u64..).collect();
+    part.rekey(&mut |id| place.get(&id).map(|&i| ParamId::from(i)))
+}
+
+/// `part` ([`keyed_by_place`]'s) keyed by the ids of `module`'s parameters again.
+///
+/// # Errors
+/// The place of a parameter `module` does not have (the state is of another model).
+pub(crate) fn keyed_by_id<B, M, R>(module: &M, part: R) -> Result<R, String>
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B>,
+    R: ParamStateRecord<B>,
+{
+    let ids = param_ids::<B, M>(module);
+    let mut unknown = None;
+    let part = part.rekey(&mut |place| {
+        let id = ids.get(place.val() as usize).copied();
+        if id.is_none() {
+            unknown = Some(place.val());
+        }
+        id
+    });
+    match unknown {
+        Some(place) => Err(format!(
+            "it holds the optimizer state of parameter #{place}, and the model has {} \
+             parameters: it is of another model",
+            ids.len()
+        )),
+        None => Ok(part),
+    }
+}

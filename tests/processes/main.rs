@@ -146,6 +146,9 @@ struct HandLoop {
     /// The checkpoint to start from.
     #[serde(default)]
     resume_from: Option<PathBuf>,
+    /// Save with `CheckpointLayout::Sharded` (each process its own partition's files).
+    #[serde(default)]
+    sharded_checkpoint: bool,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -208,6 +211,11 @@ where
         .with_mixed_precision(args.precision)
         .with_gradient_accumulation_steps(args.grad_accum)
         .with_zero_stage(burn_accelerate::zero::ZeroStage::from_number(args.zero_stage).unwrap())
+        .with_checkpoint_layout(if args.sharded_checkpoint {
+            burn_accelerate::checkpoint::CheckpointLayout::Sharded
+        } else {
+            burn_accelerate::checkpoint::CheckpointLayout::Consolidated
+        })
         .init::<B>(&Default::default())
         .unwrap();
     if let Some(dir) = &args.resume_from {
@@ -287,6 +295,7 @@ fn processes_train_like_one_process_on_the_same_global_batches() {
             clip_norm: None,
             save_to: None,
             resume_from: None,
+            sharded_checkpoint: false,
         };
         let single: Vec<HandLoopReport> =
             launch(TEST, 1, &args(1), &[]).assert_success().reports(1);
@@ -345,6 +354,7 @@ fn two_machines_of_two_processes_train_like_one_process() {
         clip_norm: None,
         save_to: None,
         resume_from: None,
+        sharded_checkpoint: false,
     };
     let single: Vec<HandLoopReport> = launch(TEST, 1, &args(1), &[]).assert_success().reports(1);
     // Two launchers on this host stand for two machines; machine 0 hosts the rendezvous. Both
@@ -424,6 +434,7 @@ fn ndarray_processes_train_like_one_process() {
         clip_norm: None,
         save_to: None,
         resume_from: None,
+        sharded_checkpoint: false,
     };
     let single: Vec<HandLoopReport> = launch(TEST, 1, &args(1), &[]).assert_success().reports(1);
     let reports: Vec<HandLoopReport> = launch(TEST, 2, &args(2), &[]).assert_success().reports(2);
@@ -450,6 +461,7 @@ fn an_overflow_on_one_rank_skips_the_step_on_every_rank() {
         clip_norm: None,
         save_to: None,
         resume_from: None,
+        sharded_checkpoint: false,
     };
     let reports: Vec<HandLoopReport> = launch(TEST, 2, &args, &[]).assert_success().reports(2);
     for r in &reports {
@@ -498,6 +510,7 @@ fn sharded_stages_end_where_stage_0_does() {
                 clip_norm,
                 save_to: None,
                 resume_from: None,
+                sharded_checkpoint: false,
             };
             let runs: Vec<Vec<HandLoopReport>> = (0..3)
                 .map(|stage| {
@@ -571,6 +584,7 @@ fn stage_3_keeps_parameters_sharded_between_steps_and_ends_where_stage_0_does() 
                 clip_norm,
                 save_to: None,
                 resume_from: None,
+                sharded_checkpoint: false,
             };
             let run = |stage: u8| -> Vec<HandLoopReport> {
                 launch(TEST, processes, &args(stage), &[])
@@ -923,6 +937,7 @@ fn a_sharded_optimizer_state_resumes_on_any_number_of_processes_at_any_stage() {
         clip_norm: None,
         save_to: None,
         resume_from: None,
+        sharded_checkpoint: false,
     };
     let whole: Vec<HandLoopReport> = launch(TEST, 2, &args(2, 2, 2), &[])
         .assert_success()
@@ -1020,6 +1035,7 @@ fn a_stage_3_checkpoint_resumes_on_other_process_counts_and_stages() {
         clip_norm: None,
         save_to: None,
         resume_from: None,
+        sharded_checkpoint: false,
     };
     let whole: Vec<HandLoopReport> = launch(TEST, 2, &args(2, 3, 2), &[])
         .assert_success()
@@ -1114,6 +1130,175 @@ fn a_stage_3_checkpoint_resumes_on_other_process_counts_and_stages() {
             "{processes} processes at stage {zero_stage}: {d:e}"
         );
     }
+    harness::clean(&dir);
+}
+
+#[test]
+fn a_sharded_stage_3_checkpoint_resumes_on_other_process_counts_and_stages() {
+    const TEST: &str = "a_sharded_stage_3_checkpoint_resumes_on_other_process_counts_and_stages";
+    use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
+    use burn_accelerate::checkpoint::{CheckpointDir, FileDigest, Manifest};
+    if let Some(args) = worker::<HandLoop>() {
+        return report(&hand_loop::<Autodiff<Flex>>(&args));
+    }
+    // As the consolidated stage 3 checkpoint's test above: a global batch of 12, Adam, stage
+    // 3 on 2 processes; the checkpoint written sharded.
+    let args = |processes: usize, zero_stage: u8, epochs: usize| HandLoop {
+        batch_size: 12 / processes,
+        grad_accum: 1,
+        epochs,
+        precision: Precision::F32,
+        overflow_rank: None,
+        overflow_batch: 0,
+        zero_stage,
+        adam: true,
+        clip_norm: None,
+        save_to: None,
+        resume_from: None,
+        sharded_checkpoint: true,
+    };
+    let whole: Vec<HandLoopReport> = launch(TEST, 2, &args(2, 3, 2), &[])
+        .assert_success()
+        .reports(2);
+    let dir = harness::scratch_dir("sharded-stage-3-checkpoint");
+    let first = HandLoop {
+        save_to: Some(dir.clone()),
+        ..args(2, 3, 1)
+    };
+    let saved: Vec<HandLoopReport> = launch(TEST, 2, &first, &[]).assert_success().reports(2);
+    let checkpoint = CheckpointDir::new(&dir).load(1).unwrap();
+    assert_eq!(
+        checkpoint.files.keys().collect::<Vec<_>>(),
+        [
+            "accelerator-1.json",
+            "loader.json",
+            "model-1.shard-0-of-2.mpk",
+            "model-1.shard-1-of-2.mpk",
+            "optimizer-1.shard-0-of-2.mpk",
+            "optimizer-1.shard-1-of-2.mpk"
+        ]
+    );
+    // Each process's model file holds its partition alone (Burn reads it by itself: the
+    // others' parameters have no elements), and the two hold every parameter between them,
+    // the values the run ended with.
+    let recorder = NamedMpkBytesRecorder::<FullPrecisionSettings>::new();
+    let mut merged = vec![Vec::new(); 4];
+    for rank in 0..2 {
+        let record: NetRecord<Flex> = Recorder::<Flex>::load(
+            &recorder,
+            checkpoint.files[&format!("model-1.shard-{rank}-of-2.mpk")].clone(),
+            &Default::default(),
+        )
+        .unwrap();
+        let net = Net::<Flex>::new(&Default::default()).load_record(record);
+        let held = [
+            net.hidden.weight.val().into_data(),
+            net.hidden.bias.as_ref().unwrap().val().into_data(),
+            net.out.weight.val().into_data(),
+            net.out.bias.as_ref().unwrap().val().into_data(),
+        ];
+        let own = held.iter().filter(|d| d.num_elements() > 0).count();
+        assert!((1..4).contains(&own), "rank {rank} holds {own} of 4");
+        for (slot, data) in merged.iter_mut().zip(held) {
+            slot.extend(data.to_vec::<f32>().unwrap());
+        }
+    }
+    assert_eq!(bits(&merged.concat()), bits(&saved[0].parameters));
+    let resume = |processes: usize, zero_stage: u8| HandLoop {
+        resume_from: Some(dir.clone()),
+        ..args(processes, zero_stage, 1)
+    };
+    // The same processes and stage: each process reads its own files alone, bit for bit.
+    let same: Vec<HandLoopReport> = launch(TEST, 2, &resume(2, 3), &[])
+        .assert_success()
+        .reports(2);
+    for r in &same {
+        assert_eq!(bits(&r.parameters), bits(&whole[0].parameters));
+        assert_eq!(r.outcomes, whole[0].outcomes[8..]);
+    }
+    // Another number of processes, at stage 0 and at stage 3: re-partitioned from both files,
+    // the same training to rounding (the mean over other parts sums in another order), within
+    // the 1e-5 of the consolidated checkpoint's resumes.
+    for (processes, zero_stage) in [(1, 0), (3, 3)] {
+        let resumed: Vec<HandLoopReport> =
+            launch(TEST, processes, &resume(processes, zero_stage), &[])
+                .assert_success()
+                .reports(processes);
+        for r in &resumed {
+            assert_eq!(bits(&r.parameters), bits(&resumed[0].parameters));
+        }
+        let d = max_relative_difference(&resumed[0].parameters, &whole[0].parameters);
+        assert!(
+            d < 1e-5,
+            "{processes} processes at stage {zero_stage}: {d:e}"
+        );
+    }
+
+    // A newer checkpoint 2 (checkpoint 1's files under its names) with one process's file
+    // damaged, then one whose entry lacks a process's file: each is passed over for checkpoint
+    // 1 (the worker asserts it resumes from 1), never loaded in part.
+    let manifest = Manifest::read(&dir).unwrap();
+    let entry = manifest.entry(1).unwrap().clone();
+    let mut second = entry.clone();
+    second.epoch = 2;
+    second.files = entry
+        .files
+        .iter()
+        .map(|file| {
+            let name = file.name.replace("-1.", "-2.");
+            let bytes = std::fs::read(dir.join(&file.name)).unwrap();
+            std::fs::write(dir.join(&name), &bytes).unwrap();
+            FileDigest::of(name, &bytes)
+        })
+        .collect();
+    let damaged = dir.join("model-2.shard-1-of-2.mpk");
+    let good = std::fs::read(&damaged).unwrap();
+    let mut lacking = second.clone();
+    lacking
+        .files
+        .retain(|file| file.name != "optimizer-2.shard-1-of-2.mpk");
+    for (what, listed) in [("damaged", second), ("lacking a file", lacking)] {
+        manifest.clone().with(listed).write(&dir).unwrap();
+        let mut bytes = good.clone();
+        if what == "damaged" {
+            let last = bytes.len() - 1;
+            bytes[last] ^= 0xff;
+        }
+        std::fs::write(&damaged, &bytes).unwrap();
+        let again: Vec<HandLoopReport> = launch(TEST, 2, &resume(2, 3), &[])
+            .assert_success()
+            .reports(2);
+        for r in &again {
+            assert_eq!(bits(&r.parameters), bits(&whole[0].parameters), "{what}");
+        }
+    }
+
+    // A process that cannot write its part: the checkpoint is not listed, and every process
+    // fails with the same error.
+    let blocked = harness::scratch_dir("sharded-stage-3-blocked");
+    std::fs::create_dir_all(blocked.join("model-1.shard-1-of-2.mpk")).unwrap();
+    let failed = launch(
+        TEST,
+        2,
+        &HandLoop {
+            save_to: Some(blocked.clone()),
+            ..args(2, 3, 1)
+        },
+        &[],
+    );
+    assert!(!failed.status.success(), "{}", failed.output());
+    assert!(
+        failed
+            .output()
+            .contains("not listed, as a process could not write its part (process 1:"),
+        "{}",
+        failed.output()
+    );
+    assert_eq!(
+        CheckpointDir::new(&blocked).load_newest(None).unwrap(),
+        None
+    );
+    harness::clean(&blocked);
     harness::clean(&dir);
 }
 
@@ -1234,6 +1419,7 @@ fn stage_3_trains_a_parameter_smaller_than_the_process_count_and_a_process_ownin
         clip_norm: None,
         save_to: None,
         resume_from: None,
+        sharded_checkpoint: false,
     };
     let run = |zero_stage: u8| -> Vec<HandLoopReport> {
         launch(TEST, 5, &args(zero_stage), &[])

@@ -367,12 +367,40 @@ impl CheckpointDir {
         files: &[(&str, &[u8])],
         spare: impl Fn(&str) -> bool,
     ) -> Result<CheckpointEntry, CheckpointError> {
+        self.save_with_written(epoch, files, Vec::new(), spare)
+    }
+
+    /// [`save_sparing`](Self::save_sparing), listing with `files` the files `written` that
+    /// other processes wrote into the directory already ([`write_atomic`], each flushed and
+    /// renamed: a sharded checkpoint's partitions). The checkpoint is listed once, whole, by
+    /// this process alone, after every file of it is on the disk.
+    ///
+    /// # Errors
+    /// As [`save`](Self::save); a name of `written` that is not a plain name in the directory,
+    /// or also one of `files`.
+    pub fn save_with_written(
+        &self,
+        epoch: usize,
+        files: &[(&str, &[u8])],
+        written: Vec<FileDigest>,
+        spare: impl Fn(&str) -> bool,
+    ) -> Result<CheckpointEntry, CheckpointError> {
         std::fs::create_dir_all(&self.dir)
             .map_err(|e| checkpoint_error(&self.dir, e.to_string()))?;
-        let mut digests = Vec::with_capacity(files.len());
+        for file in &written {
+            plain_name(file).map_err(|why| checkpoint_error(&self.dir, why))?;
+            if files.iter().any(|(name, _)| *name == file.name) {
+                return Err(checkpoint_error(
+                    &self.dir.join(&file.name),
+                    "written by another process and given to write again".into(),
+                ));
+            }
+        }
+        let mut digests = Vec::with_capacity(files.len() + written.len());
         for (name, bytes) in files {
             digests.push(write_atomic(&self.dir, name, bytes)?);
         }
+        digests.extend(written);
         let entry = CheckpointEntry {
             epoch,
             files: digests,
@@ -406,8 +434,28 @@ impl CheckpointDir {
         &self,
         at_most: Option<usize>,
     ) -> Result<Option<LoadedCheckpoint>, CheckpointError> {
+        self.load_newest_where(at_most, |_| Ok(()), |_| true)
+    }
+
+    /// [`load_newest`](Self::load_newest), where a checkpoint is whole only when `complete`
+    /// accepts its entry too (a sharded checkpoint lists every process's files) and every
+    /// file verifies; of the chosen one, only the files `keep` names are kept in memory (the
+    /// others are read, checked and dropped: a process of a sharded run keeps its own
+    /// partition's).
+    ///
+    /// # Errors
+    /// As [`load_newest`](Self::load_newest).
+    pub fn load_newest_where(
+        &self,
+        at_most: Option<usize>,
+        complete: impl Fn(&CheckpointEntry) -> Result<(), String>,
+        keep: impl Fn(&str) -> bool,
+    ) -> Result<Option<LoadedCheckpoint>, CheckpointError> {
         let manifest = Manifest::read(&self.dir)?;
-        let choice = manifest.newest_complete(at_most, |entry| read_entry(&self.dir, entry));
+        let choice = manifest.newest_complete(at_most, |entry| {
+            complete(entry)?;
+            read_entry(&self.dir, entry, &keep)
+        });
         for (epoch, why) in &choice.rejected {
             log::warn!(
                 "burn-accelerate: the checkpoint of epoch {epoch} in {} is damaged ({why}): \
@@ -431,6 +479,20 @@ impl CheckpointDir {
     /// # Errors
     /// [`CheckpointError`] when it is not listed or does not verify.
     pub fn load(&self, epoch: usize) -> Result<LoadedCheckpoint, CheckpointError> {
+        self.load_keeping(epoch, |_| true)
+    }
+
+    /// The files of the checkpoint of `epoch` that `keep` names, read back and verified (the
+    /// others are not read: a process resuming from the checkpoint another process chose and
+    /// verified whole).
+    ///
+    /// # Errors
+    /// [`CheckpointError`] when it is not listed or a file kept does not verify.
+    pub fn load_keeping(
+        &self,
+        epoch: usize,
+        keep: impl Fn(&str) -> bool,
+    ) -> Result<LoadedCheckpoint, CheckpointError> {
         let manifest = Manifest::read(&self.dir)?;
         let path = self.dir.join(MANIFEST);
         let entry = manifest.entry(epoch).ok_or_else(|| {
@@ -443,7 +505,16 @@ impl CheckpointDir {
                 ),
             )
         })?;
-        let files = read_entry(&self.dir, entry).map_err(|why| {
+        let kept = CheckpointEntry {
+            epoch,
+            files: entry
+                .files
+                .iter()
+                .filter(|file| keep(&file.name))
+                .cloned()
+                .collect(),
+        };
+        let files = read_entry(&self.dir, &kept, |_| true).map_err(|why| {
             checkpoint_error(&path, format!("the checkpoint of epoch {epoch}: {why}"))
         })?;
         Ok(LoadedCheckpoint {
@@ -471,13 +542,20 @@ fn none_whole(dir: &Path, rejected: &[(usize, String)]) -> CheckpointError {
     )
 }
 
-// Every file of `entry`, read and checked against what was written.
-fn read_entry(dir: &Path, entry: &CheckpointEntry) -> Result<BTreeMap<String, Vec<u8>>, String> {
-    entry
-        .files
-        .iter()
-        .map(|file| read_verified(dir, file).map(|bytes| (file.name.clone(), bytes)))
-        .collect()
+// Every file of `entry`, read and checked against what was written; those `keep` names, kept.
+fn read_entry(
+    dir: &Path,
+    entry: &CheckpointEntry,
+    keep: impl Fn(&str) -> bool,
+) -> Result<BTreeMap<String, Vec<u8>>, String> {
+    let mut files = BTreeMap::new();
+    for file in &entry.files {
+        let bytes = read_verified(dir, file)?;
+        if keep(&file.name) {
+            files.insert(file.name.clone(), bytes);
+        }
+    }
+    Ok(files)
 }
 
 /// `file`'s path in `dir`, once it is known to be a plain name there whose file on disk has

@@ -1,0 +1,36 @@
+//! How a sharded run's checkpoint is laid out on disk: whole on the main process, or one part
+//! per process.
+
+use serde::{Deserialize, Serialize};
+
+/// How [`Accelerator::save_checkpoint`](crate::Accelerator::save_checkpoint) writes a
+/// checkpoint of a sharded run (ZeRO stages 1 to 3 on several processes;
+/// `AccelerateConfig::with_checkpoint_layout`). Both kinds resume at any stage on any number of
+/// processes, and are crash-safe alike (listed once every file is whole on the disk).
+///
+/// ```
+/// use burn_accelerate::AccelerateConfig;
+/// use burn_accelerate::checkpoint::CheckpointLayout;
+/// use burn_accelerate::zero::ZeroStage;
+///
+/// let config = AccelerateConfig::new()
+///     .with_zero_stage(ZeroStage::Parameters)
+///     .with_checkpoint_layout(CheckpointLayout::Sharded);
+/// assert_eq!(config.checkpoint_layout, CheckpointLayout::Sharded);
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum CheckpointLayout {
+    /// The model's record and the whole optimizer state, gathered on the main process, which
+    /// writes them (FSDP's `FULL_STATE_DICT`, torch's `consolidate_state_dict`): the files a
+    /// stage 0 run writes, which Burn loads without this crate. The main process holds the
+    /// whole optimizer state (and at stage 3 the whole model) while it writes.
+    #[default]
+    Consolidated,
+    /// Each process writes its own partition's parameters and optimizer state
+    /// (`model-N.shard-R-of-W.mpk`, `optimizer-N.shard-R-of-W.mpk`; FSDP's
+    /// `SHARDED_STATE_DICT`, DeepSpeed's per-rank files), and the main process lists every
+    /// process's files in the manifest once all are written: no process holds more than its
+    /// partition to save. At stage 0, or on one process, nothing is partitioned, and the
+    /// checkpoint is consolidated.
+    Sharded,
+}

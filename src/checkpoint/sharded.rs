@@ -1,0 +1,554 @@
+//! A sharded checkpoint ([`CheckpointLayout::Sharded`](super::CheckpointLayout::Sharded)):
+//! each process writes its own partition's parameters and optimizer state into the checkpoint
+//! directory, and the main process lists every process's files, with their checksums, in one
+//! manifest entry once all are on the disk; and the resume, which re-partitions them for any
+//! number of processes at any stage.
+//!
+//! # The files
+//!
+//! Process `R` of `W` writes `model-N.shard-R-of-W.mpk` (the model's record, Burn's `NamedMpk`,
+//! each parameter of its partition with its save mapper applied, every other parameter a
+//! tensor of no elements) and `optimizer-N.shard-R-of-W.mpk` (its optimizer state, keyed by
+//! each parameter's place in the model's visiting order: ids are drawn per process). The main
+//! process writes the state file (`accelerator-N.json`) and the loop's own files. Each file is
+//! written aside, flushed and renamed ([`write_atomic`](super::write_atomic)); each process
+//! sends the main one its files' digests (or why it could not write them), and the main
+//! process lists the checkpoint only when every process wrote both of its files: a checkpoint
+//! missing a process's part is never listed, and the processes all return the same error.
+//!
+//! # The resume
+//!
+//! The main process picks the newest checkpoint whose entry lists both files of every process
+//! (one written otherwise is incomplete, passed over as a damaged one is) and whose files all
+//! verify. Each process then reads what it needs: on as many processes, its own optimizer
+//! file, and at stage 3 its own model file; otherwise every process's files, keeping of the
+//! parameters (at stage 3) and of the optimizer state its new partition's. A parameter is
+//! taken from the file that holds it whole: no index is needed.
+
+use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Shape, Tensor, TensorData};
+use serde::{Deserialize, Serialize};
+
+use super::contents::Contents;
+use super::records::{self, Scheme, record_error};
+use super::{CheckpointDir, CheckpointEntry, CheckpointState, FileDigest, LoadedCheckpoint};
+use crate::AccelerateError;
+use crate::distributed::ProcessGroup;
+use crate::zero::{self, ParamStateRecord, Partition};
+
+/// What a shard file holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Part {
+    /// The model's parameters.
+    Model,
+    /// The optimizer's state.
+    Optimizer,
+}
+
+impl Part {
+    fn prefix(self) -> &'static str {
+        match self {
+            Self::Model => "model",
+            Self::Optimizer => "optimizer",
+        }
+    }
+}
+
+/// The name of process `rank`'s file of `part` in checkpoint `number`, of `world` processes.
+pub(crate) fn shard_name(part: Part, number: usize, rank: usize, world: usize) -> String {
+    format!("{}-{number}.shard-{rank}-of-{world}.mpk", part.prefix())
+}
+
+/// The part, checkpoint number, rank and number of processes of a shard file's `name`.
+pub(crate) fn parse_shard_name(name: &str) -> Option<(Part, usize, usize, usize)> {
+    let (part, rest) = [Part::Model, Part::Optimizer]
+        .into_iter()
+        .find_map(|part| Some((part, name.strip_prefix(part.prefix())?.strip_prefix('-')?)))?;
+    let rest = rest.strip_suffix(".mpk")?;
+    let (number, rest) = rest.split_once(".shard-")?;
+    let (rank, world) = rest.split_once("-of-")?;
+    let (number, rank, world) = (
+        number.parse().ok()?,
+        rank.parse().ok()?,
+        world.parse().ok()?,
+    );
+    (rank < world).then_some((part, number, rank, world))
+}
+
+/// Refuses files of the loop's own (`own`) named as a shard file. Every process calls it
+/// before writing, so that all refuse alike.
+///
+/// # Errors
+/// [`AccelerateError::Checkpoint`] naming the first such file.
+pub(crate) fn refuse_shard_names(own: &[(&str, &[u8])]) -> Result<(), AccelerateError> {
+    match own
+        .iter()
+        .find(|(name, _)| parse_shard_name(name).is_some())
+    {
+        Some((name, _)) => Err(record_error(
+            name,
+            "named as a process's file of a sharded checkpoint: give it another name",
+        )),
+        None => Ok(()),
+    }
+}
+
+/// Whether checkpoint `entry` is whole as a sharded one: where it lists any shard file, it
+/// lists both files of every process, of one number of processes. A consolidated checkpoint
+/// (no shard file) passes.
+///
+/// # Errors
+/// Which file is missing, in words.
+pub(crate) fn complete(entry: &CheckpointEntry) -> Result<(), String> {
+    let shards: Vec<(Part, usize, usize)> = entry
+        .files
+        .iter()
+        .filter_map(|file| parse_shard_name(&file.name))
+        .filter(|&(_, number, _, _)| number == entry.epoch)
+        .map(|(part, _, rank, world)| (part, rank, world))
+        .collect();
+    let Some(&(_, _, world)) = shards.first() else {
+        return Ok(());
+    };
+    for part in [Part::Model, Part::Optimizer] {
+        for rank in 0..world {
+            if !shards.contains(&(part, rank, world)) {
+                return Err(format!(
+                    "it lists no {}: process {rank}'s part of the sharded checkpoint is \
+                     missing, so the checkpoint is incomplete",
+                    shard_name(part, entry.epoch, rank, world)
+                ));
+            }
+        }
+    }
+    if let Some((part, rank, other)) = shards.iter().find(|(_, _, w)| *w != world) {
+        return Err(format!(
+            "it lists {} beside files of {world} processes",
+            shard_name(*part, entry.epoch, *rank, *other)
+        ));
+    }
+    Ok(())
+}
+
+/// Which files of a checkpoint process `rank` of `world` keeps in memory to resume (every
+/// file that is not a shard's; of the shard files, those it reads): on as many processes as
+/// saved, its own optimizer file where the optimizer state is sharded (`shards_state`), and
+/// its own model file where the parameters are (`shards_parameters`, stage 3); every
+/// process's otherwise.
+pub(crate) fn keeps(
+    rank: usize,
+    world: usize,
+    shards_state: bool,
+    shards_parameters: bool,
+) -> impl Fn(&str) -> bool + Clone {
+    move |name| match parse_shard_name(name) {
+        None => true,
+        Some((part, _, saved_rank, saved_world)) => {
+            let own_only = saved_world == world
+                && match part {
+                    Part::Model => shards_parameters,
+                    Part::Optimizer => shards_state,
+                };
+            !own_only || saved_rank == rank
+        }
+    }
+}
+
+/// Whether `loaded` (checkpoint `loaded.epoch`) is a sharded checkpoint.
+pub(crate) fn is_sharded(loaded: &LoadedCheckpoint) -> bool {
+    loaded
+        .files
+        .keys()
+        .any(|name| parse_shard_name(name).is_some_and(|(_, number, _, _)| number == loaded.epoch))
+}
+
+// What each process tells the main one once it wrote its files.
+#[derive(Serialize, Deserialize)]
+enum Written {
+    Files(Vec<FileDigest>),
+    Failed(String),
+}
+
+/// Writes checkpoint `number` of `dir` sharded: this process's partition of `model`'s
+/// parameters and its optimizer state `optimizer` (this process's part), and on the main
+/// process `state` and the loop's `own` files, listed once every process wrote its files.
+/// Every process of `group` must call it at the same point, between steps.
+///
+/// # Errors
+/// [`AccelerateError::Checkpoint`] on every process when any process could not write its files
+/// or the main one could not list them (the checkpoints listed before stay whole: the new one
+/// is not listed); [`AccelerateError::Distributed`] when a process left.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn write<B, M, R>(
+    group: &ProcessGroup,
+    dir: &CheckpointDir,
+    number: usize,
+    model: &M,
+    optimizer: R,
+    state: &CheckpointState,
+    own: &[(&str, &[u8])],
+) -> Result<(), AccelerateError>
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B>,
+    R: ParamStateRecord<B>,
+{
+    let (rank, world) = (group.rank(), group.world_size());
+    let partition = Partition::of::<B, M>(model, world);
+    let written = match write_own::<B, M, R>(dir, number, model, optimizer, &partition, rank, world)
+    {
+        Ok(files) => Written::Files(files),
+        Err(err) => Written::Failed(format!("process {rank}: {err}")),
+    };
+    // Every process opens it, so that the streams opened after it pair up.
+    let stream = group.stream();
+    let failure = if rank == 0 {
+        let mut files = Vec::new();
+        let mut failures = Vec::new();
+        let mut collect = |written: Written| match written {
+            Written::Files(own) => files.extend(own),
+            Written::Failed(why) => failures.push(why),
+        };
+        collect(written);
+        for from in 1..world {
+            let (_, _, bytes) = stream.recv(from)?;
+            collect(serde_json::from_slice(&bytes).unwrap_or_else(|e| {
+                Written::Failed(format!("process {from} sent what is not its files: {e}"))
+            }));
+        }
+        if failures.is_empty() {
+            commit(dir, number, state, own, files).err()
+        } else {
+            Some(format!(
+                "not listed, as a process could not write its part ({})",
+                failures.join("; ")
+            ))
+        }
+    } else {
+        let bytes = serde_json::to_vec(&written).expect("digests serialise");
+        stream.send(0, number as u64, 0, &bytes)?;
+        None
+    };
+    // Every process returns what the main one did: nobody goes on (and maybe fails, and
+    // restarts) before the checkpoint is listed.
+    match group.broadcast_object(&failure, 0)? {
+        None => Ok(()),
+        Some(reason) => Err(record_error(
+            &dir.path().display().to_string(),
+            format!("the sharded checkpoint {number}: {reason}"),
+        )),
+    }
+}
+
+// This process's two files, written into `dir`.
+fn write_own<B, M, R>(
+    dir: &CheckpointDir,
+    number: usize,
+    model: &M,
+    optimizer: R,
+    partition: &Partition,
+    rank: usize,
+    world: usize,
+) -> Result<Vec<FileDigest>, AccelerateError>
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B>,
+    R: ParamStateRecord<B>,
+{
+    let model_name = shard_name(Part::Model, number, rank, world);
+    let optimizer_name = shard_name(Part::Optimizer, number, rank, world);
+    let model_bytes = records::encode::<B, _>(
+        zero::own_model_record::<B, M>(model, partition, rank),
+        &model_name,
+    )?;
+    let optimizer_bytes = records::encode::<B, _>(
+        zero::keyed_by_place::<B, M, R>(model, optimizer),
+        &optimizer_name,
+    )?;
+    std::fs::create_dir_all(dir.path())
+        .map_err(|e| record_error(&dir.path().display().to_string(), e))?;
+    Ok(vec![
+        super::write_atomic(dir.path(), &model_name, &model_bytes)?,
+        super::write_atomic(dir.path(), &optimizer_name, &optimizer_bytes)?,
+    ])
+}
+
+// The main process's part: the state and the loop's files written, and the checkpoint listed
+// with every process's files.
+fn commit(
+    dir: &CheckpointDir,
+    number: usize,
+    state: &CheckpointState,
+    own: &[(&str, &[u8])],
+    written: Vec<FileDigest>,
+) -> Result<(), String> {
+    let names = Scheme::Accelerator.names(number);
+    let state = state.to_json();
+    let mut files: Vec<(&str, &[u8])> = vec![(&names.state, &state)];
+    files.extend_from_slice(own);
+    dir.save_with_written(number, &files, written, |_| false)
+        .map(|_| ())
+        .map_err(|err| err.to_string())
+}
+
+/// Reads sharded checkpoint `loaded` (its state file, and the shard files this process kept:
+/// [`keeps`]) into `model` and an optimizer record keyed by `model`'s ids, for process `rank`
+/// of `world`: where `shards_parameters` (stage 3 on several processes) only the parameters
+/// of this process's partition are loaded, and `model` comes back released (each other
+/// parameter gathered from its owner at its use, as after a step).
+///
+/// # Errors
+/// [`AccelerateError::Checkpoint`] naming the file that does not decode, or the parameter no
+/// file holds (of its shape).
+pub(crate) fn read<B, M, O>(
+    mut loaded: LoadedCheckpoint,
+    model: M,
+    group: Option<&ProcessGroup>,
+    shards_parameters: bool,
+    device: &B::Device,
+) -> Result<Contents<M, O, ()>, AccelerateError>
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B>,
+    O: ParamStateRecord<B>,
+{
+    let number = loaded.epoch;
+    let names = Scheme::Accelerator.names(number);
+    let state = CheckpointState::from_json(&records::file(&loaded, &names.state)?, &names.state)?;
+    let shard_files: Vec<(Part, String)> = loaded
+        .files
+        .keys()
+        .filter_map(|name| {
+            let (part, saved, _, _) = parse_shard_name(name)?;
+            (saved == number).then(|| (part, name.clone()))
+        })
+        .collect();
+    let (world, rank) = group.map_or((1, 0), |g| (g.world_size(), g.rank()));
+    let partition = Partition::of::<B, M>(&model, world);
+    let (ids, shapes): (Vec<ParamId>, Vec<Shape>) = lazy_shapes::<B, M>(&model).into_iter().unzip();
+    let wanted: Vec<bool> = ids
+        .iter()
+        .map(|id| !shards_parameters || partition.owner(*id) == rank)
+        .collect();
+
+    // The parameters: each from the file that holds it whole.
+    let mut values: Vec<Option<TensorData>> = vec![None; shapes.len()];
+    for (_, name) in shard_files.iter().filter(|(part, _)| *part == Part::Model) {
+        let record = records::decode::<B, M::Record>(&loaded, name, device)?;
+        let bare = model.clone().map(&mut Bare).load_record(record);
+        let mut collect = Collect {
+            shapes: &shapes,
+            wanted: &wanted,
+            values: &mut values,
+            place: 0,
+        };
+        bare.visit(&mut collect);
+        loaded.files.remove(name);
+    }
+    if let Some(place) = (0..shapes.len()).find(|&p| wanted[p] && values[p].is_none()) {
+        return Err(record_error(
+            &names.state,
+            format!(
+                "no file of the sharded checkpoint {number} holds parameter #{place} (in the \
+                 model's visiting order) of shape {:?}: the checkpoint is of another model",
+                shapes[place]
+            ),
+        ));
+    }
+    let mut model = model.map(&mut Load {
+        values: &mut values,
+        place: 0,
+        device,
+    });
+
+    // The optimizer's state: every part read, keyed by this model's ids again.
+    let mut optimizer: Option<O> = None;
+    for (_, name) in shard_files
+        .iter()
+        .filter(|(part, _)| *part == Part::Optimizer)
+    {
+        let part = records::decode::<B, O>(&loaded, name, device)?;
+        let part = zero::keyed_by_id::<B, M, O>(&model, part).map_err(|e| record_error(name, e))?;
+        optimizer = Some(match optimizer {
+            Some(whole) => whole.merge(part),
+            None => part,
+        });
+        loaded.files.remove(name);
+    }
+    let optimizer = optimizer.ok_or_else(|| {
+        record_error(
+            &names.state,
+            "the sharded checkpoint lists no optimizer file this process reads",
+        )
+    })?;
+    if let Some(group) = group.filter(|_| shards_parameters) {
+        model = zero::release_parameters(group, model, &partition);
+    }
+    loaded.files.remove(&names.state);
+    Ok(Contents {
+        number,
+        state,
+        model,
+        optimizer,
+        scheduler: None,
+        files: loaded.files,
+    })
+}
+
+// Each float parameter's id and shape, in visiting order, without reading it.
+fn lazy_shapes<B: AutodiffBackend, M: AutodiffModule<B>>(model: &M) -> Vec<(ParamId, Shape)> {
+    struct Shapes(Vec<(ParamId, Shape)>);
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Shapes {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0.push((param.id, param.lazy_shape()));
+        }
+    }
+    let mut shapes = Shapes(Vec::new());
+    model.visit(&mut shapes);
+    shapes.0
+}
+
+// Every parameter a value of one element and no mappers, without reading it: what a shard's
+// record is loaded into, so that its values are read as saved (the load mappers run once, on
+// the model resumed). One element, not none: Burn loads no record into an optional module
+// without parameters (`Option<Param>`'s `load_record` keeps a module whose count is 0).
+struct Bare;
+
+impl<B: AutodiffBackend> ModuleMapper<B> for Bare {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        Param::initialized(param.id, Tensor::empty([1; D], &param.lazy_device()))
+    }
+}
+
+// Takes from a loaded shard each wanted parameter it holds whole (of the model's shape).
+struct Collect<'a> {
+    shapes: &'a [Shape],
+    wanted: &'a [bool],
+    values: &'a mut [Option<TensorData>],
+    place: usize,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Collect<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let place = self.place;
+        self.place += 1;
+        let (Some(shape), Some(wanted)) = (self.shapes.get(place), self.wanted.get(place)) else {
+            return;
+        };
+        if !*wanted || self.values[place].is_some() {
+            return;
+        }
+        let value = param.val();
+        if value.shape() == *shape {
+            self.values[place] = Some(value.into_data());
+        }
+    }
+}
+
+// Loads each collected value into its parameter (with the model's load mapper), leaving the
+// others as they are (released right after, at stage 3).
+struct Load<'a, B: AutodiffBackend> {
+    values: &'a mut [Option<TensorData>],
+    place: usize,
+    device: &'a B::Device,
+}
+
+impl<B: AutodiffBackend> ModuleMapper<B> for Load<'_, B> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let place = self.place;
+        self.place += 1;
+        match self.values.get_mut(place).and_then(Option::take) {
+            Some(data) => {
+                let id = param.id;
+                param.transform_for_load(Tensor::from_data(data, self.device), id)
+            }
+            None => param,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(epoch: usize, names: &[String]) -> CheckpointEntry {
+        CheckpointEntry {
+            epoch,
+            files: names
+                .iter()
+                .map(|n| FileDigest::of(n.clone(), b""))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn shard_names_read_back_and_other_names_are_not_shards() {
+        let name = shard_name(Part::Optimizer, 12, 1, 3);
+        assert_eq!(name, "optimizer-12.shard-1-of-3.mpk");
+        assert_eq!(parse_shard_name(&name), Some((Part::Optimizer, 12, 1, 3)));
+        assert_eq!(
+            parse_shard_name(&shard_name(Part::Model, 0, 0, 1)),
+            Some((Part::Model, 0, 0, 1))
+        );
+        for other in [
+            "model-12.mpk",
+            "accelerator-12.json",
+            "model-12.shard-3-of-3.mpk",
+            "model-x.shard-0-of-1.mpk",
+            "loader.json",
+        ] {
+            assert_eq!(parse_shard_name(other), None, "{other}");
+        }
+        let own: &[(&str, &[u8])] = &[("model-3.shard-0-of-2.mpk", b"")];
+        assert!(refuse_shard_names(own).is_err());
+        assert!(refuse_shard_names(&[("loader.json", b"")]).is_ok());
+    }
+
+    #[test]
+    fn a_sharded_checkpoint_missing_a_process_file_is_incomplete() {
+        let all: Vec<String> = [Part::Model, Part::Optimizer]
+            .into_iter()
+            .flat_map(|part| (0..3).map(move |rank| shard_name(part, 4, rank, 3)))
+            .chain(["accelerator-4.json".to_string()])
+            .collect();
+        assert_eq!(complete(&entry(4, &all)), Ok(()));
+        assert_eq!(
+            complete(&entry(4, &["model-4.mpk".to_string()])),
+            Ok(()),
+            "a consolidated one"
+        );
+        let without: Vec<String> = all
+            .iter()
+            .filter(|n| **n != shard_name(Part::Optimizer, 4, 2, 3))
+            .cloned()
+            .collect();
+        let err = complete(&entry(4, &without)).unwrap_err();
+        assert!(
+            err.contains("optimizer-4.shard-2-of-3.mpk") && err.contains("incomplete"),
+            "{err}"
+        );
+        let mut mixed = all.clone();
+        mixed.push(shard_name(Part::Model, 4, 0, 2));
+        assert!(complete(&entry(4, &mixed)).is_err());
+    }
+
+    #[test]
+    fn a_process_keeps_its_own_files_on_as_many_processes_and_all_otherwise() {
+        let model = |rank, world| shard_name(Part::Model, 1, rank, world);
+        let optimizer = |rank, world| shard_name(Part::Optimizer, 1, rank, world);
+        // Stage 3 on as many processes: its own files alone.
+        let keep = keeps(1, 2, true, true);
+        assert!(keep(&model(1, 2)) && keep(&optimizer(1, 2)));
+        assert!(!keep(&model(0, 2)) && !keep(&optimizer(0, 2)));
+        assert!(keep("accelerator-1.json") && keep("loader.json"));
+        // Stages 1 and 2: every model file (the parameters are whole on every process).
+        let keep = keeps(1, 2, true, false);
+        assert!(keep(&model(0, 2)) && !keep(&optimizer(0, 2)));
+        // Another number of processes, or stage 0: everything.
+        let keep = keeps(0, 3, true, true);
+        assert!(keep(&model(1, 2)) && keep(&optimizer(1, 2)));
+        let keep = keeps(0, 1, false, false);
+        assert!(keep(&model(1, 1)) && keep(&optimizer(0, 1)));
+    }
+}
