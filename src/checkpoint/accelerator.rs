@@ -55,6 +55,12 @@ impl<B: AutodiffBackend> Accelerator<B> {
     /// process alone writes, and every process returns once the
     /// checkpoint is listed. Call it after an optimizer step, when the window is complete.
     ///
+    /// With [`CheckpointLayout::Sharded`] (`AccelerateConfig::with_checkpoint_layout`), at
+    /// ZeRO stages 1 to 3 on several processes, nothing is gathered: each process writes its
+    /// own partition's parameters and optimizer state, and the main process lists them all
+    /// once every process wrote; [`resume`](Self::resume) reads them back for any number of
+    /// processes at any stage.
+    ///
     /// ```
     /// # #[cfg(feature = "flex")] {
     /// use burn::backend::{Autodiff, Flex};

@@ -1234,6 +1234,43 @@ fn a_sharded_stage_3_checkpoint_resumes_on_other_process_counts_and_stages() {
         );
     }
 
+    // Saved sharded at stage 2 (every process holds the whole model, and writes its own
+    // partition's part), resumed at stage 2 and at stage 3 on 2 processes: stage 3 steps as
+    // stage 2 does, in the same order, so both end where the uninterrupted run does, bit for
+    // bit.
+    let stage_2 = harness::scratch_dir("sharded-stage-2-checkpoint");
+    launch(
+        TEST,
+        2,
+        &HandLoop {
+            save_to: Some(stage_2.clone()),
+            ..args(2, 2, 1)
+        },
+        &[],
+    )
+    .assert_success();
+    for zero_stage in [2, 3] {
+        let resumed: Vec<HandLoopReport> = launch(
+            TEST,
+            2,
+            &HandLoop {
+                resume_from: Some(stage_2.clone()),
+                ..args(2, zero_stage, 1)
+            },
+            &[],
+        )
+        .assert_success()
+        .reports(2);
+        for r in &resumed {
+            assert_eq!(
+                bits(&r.parameters),
+                bits(&whole[0].parameters),
+                "saved at stage 2, resumed at stage {zero_stage}"
+            );
+        }
+    }
+    harness::clean(&stage_2);
+
     // A newer checkpoint 2 (checkpoint 1's files under its names) with one process's file
     // damaged, then one whose entry lacks a process's file: each is passed over for checkpoint
     // 1 (the worker asserts it resumes from 1), never loaded in part.

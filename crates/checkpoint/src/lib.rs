@@ -970,6 +970,79 @@ mod tests {
         Ok(())
     }
 
+    // A checkpoint of files several processes wrote: listed once with all of them; one whose
+    // entry the check refuses, or one of whose files is damaged, is passed over; a process
+    // keeps only the files it names.
+    #[test]
+    fn files_written_by_others_are_listed_checked_and_kept_as_asked() {
+        let dir = scratch("written");
+        let checkpoints = CheckpointDir::new(&dir).with_keep_last(3);
+        std::fs::create_dir_all(&dir).unwrap();
+        for epoch in [1, 2] {
+            let others = vec![
+                write_atomic(&dir, &format!("part-{epoch}-1"), b"one").unwrap(),
+                write_atomic(&dir, &format!("part-{epoch}-2"), b"two").unwrap(),
+            ];
+            let state = format!("state-{epoch}");
+            let entry = checkpoints
+                .save_with_written(epoch, &[(&state, b"s")], others, |_| false)
+                .unwrap();
+            let names: Vec<&str> = entry.files.iter().map(|f| f.name.as_str()).collect();
+            assert_eq!(
+                names,
+                [
+                    state.as_str(),
+                    &format!("part-{epoch}-1"),
+                    &format!("part-{epoch}-2")
+                ]
+            );
+        }
+        let own_part = |name: &str| !name.starts_with("part") || name.ends_with("-1");
+        let newest = checkpoints
+            .load_newest_where(None, |_| Ok(()), own_part)
+            .unwrap()
+            .unwrap();
+        assert_eq!(newest.epoch, 2);
+        assert_eq!(
+            newest.files.keys().collect::<Vec<_>>(),
+            ["part-2-1", "state-2"]
+        );
+        // Refused by the check: the one before.
+        let older = checkpoints
+            .load_newest_where(
+                None,
+                |entry| match entry.epoch {
+                    2 => Err("incomplete".into()),
+                    _ => Ok(()),
+                },
+                |_| true,
+            )
+            .unwrap()
+            .unwrap();
+        assert_eq!((older.epoch, older.skipped.len()), (1, 1));
+        // A file not kept is still verified: damaged, the checkpoint is passed over.
+        std::fs::write(dir.join("part-2-2"), b"TWO").unwrap();
+        let older = checkpoints
+            .load_newest_where(None, |_| Ok(()), own_part)
+            .unwrap()
+            .unwrap();
+        assert_eq!(older.epoch, 1);
+        // Another process reads only what it keeps, of the checkpoint chosen.
+        let kept = checkpoints.load_keeping(2, own_part).unwrap();
+        assert_eq!(
+            kept.files.keys().collect::<Vec<_>>(),
+            ["part-2-1", "state-2"]
+        );
+        // A file written by another process is not also written by this one.
+        let twice = checkpoints
+            .save_with_written(3, &[("x", b"x")], vec![FileDigest::of("x", b"x")], |_| {
+                false
+            })
+            .unwrap_err();
+        assert!(twice.reason.contains("another process"), "{twice}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     fn with_checkpoints(name: &str) -> PathBuf {
         let dir = scratch(name);
         std::fs::create_dir_all(&dir).unwrap();
