@@ -102,10 +102,10 @@ pub struct AccelerateConfig {
     #[config(default = "ZeroStage::None")]
     pub zero_stage: ZeroStage,
     /// How [`save_checkpoint`](Accelerator::save_checkpoint) writes a checkpoint of a sharded
-    /// run ([`CheckpointLayout`](crate::checkpoint::CheckpointLayout)): consolidated on the
-    /// main process (the default), or each process's partition in files of its own.
-    #[config(default = "crate::checkpoint::CheckpointLayout::Consolidated")]
-    pub checkpoint_layout: crate::checkpoint::CheckpointLayout,
+    /// run ([`CheckpointLayout`](crate::zero::CheckpointLayout)): consolidated on the main
+    /// process (the default), or each process's partition in files of its own.
+    #[config(default = "crate::zero::CheckpointLayout::Consolidated")]
+    pub checkpoint_layout: crate::zero::CheckpointLayout,
     /// Clips every window's gradients, unscaled, to this global 2-norm before the optimizer
     /// steps (what Transformers' Trainer does with `max_grad_norm` through Accelerate's
     /// `clip_grad_norm_`), in both the `Accelerator`'s loop (unless it clipped by hand that

@@ -52,14 +52,13 @@ mod accelerator;
 mod agree;
 pub(crate) mod contents;
 mod fits;
-mod layout;
 pub(crate) mod records;
 mod sharded;
 mod state;
+pub use crate::zero::CheckpointLayout;
 pub use accelerator::Resumed;
 pub(crate) use agree::{agree_on_checkpoint, agree_on_checkpoint_keeping};
 pub(crate) use fits::decode_model;
-pub use layout::CheckpointLayout;
 pub use state::CheckpointState;
 pub(crate) use state::LoaderPosition;
 

@@ -9,6 +9,7 @@
 //! The step core ([`step`](crate::step)) runs them for both entry points; this module sits on
 //! the process group of [`distributed`](crate::distributed), which carries the bytes.
 
+mod checkpoint_layout;
 mod fingerprint;
 mod full_shard;
 mod full_shard_checkpoint;
@@ -18,6 +19,7 @@ mod sharding;
 mod stage;
 
 pub use crate::backend::placeholder::{GatheredBytes, gathered_bytes, reset_gathered_peak};
+pub use checkpoint_layout::CheckpointLayout;
 pub use fingerprint::check_same_model;
 pub(crate) use full_shard::end_gathers;
 pub use full_shard::release_parameters;

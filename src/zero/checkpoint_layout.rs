@@ -1,5 +1,6 @@
 //! How a sharded run's checkpoint is laid out on disk: whole on the main process, or one part
-//! per process.
+//! per process. (Here, beside the stages, so that the accelerator's config names it without
+//! importing the checkpoints, which import the accelerator; `checkpoint` re-exports it.)
 
 use serde::{Deserialize, Serialize};
 
