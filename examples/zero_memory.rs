@@ -11,10 +11,13 @@
 //! Printed: `zero_stage=S processes=P params=N peak_rss_mib=M rest_rss_mib=R final_loss=L`,
 //! where `rest_rss_mib` is the largest resident memory over the processes right after the
 //! last step (between steps: what a process keeps of the training state). With
-//! `--checkpoint DIR`, the whole optimizer state is then gathered on the main process and
-//! written with the model into `DIR`, and a second line says what that cost:
-//! `checkpoint_s=T main_peak_rss_mib=M` (the main process's peak over the whole run).
-//! Stage 3 refuses `--checkpoint` (its checkpoints are not supported yet).
+//! `--checkpoint DIR`, the `Accelerator` then saves a checkpoint into `DIR`
+//! (`save_checkpoint`): consolidated (the whole optimizer state gathered on the main process,
+//! and at stage 3 the model, each parameter sent to it by its owner), or with
+//! `--sharded-checkpoint` each process's partition in files of its own. A second line says
+//! what that cost: `checkpoint_s=T main_peak_rss_mib=M main_save_peak_rss_mib=S
+//! others_save_peak_rss_mib=O` (the main process's peak over the whole run; the main
+//! process's and the other processes' largest peaks during the save alone).
 //!
 //! The model trains on `Accelerated<Autodiff<Flex>>` (f32, autocast off) at every stage. At
 //! stage 3 a layer's weight and bias are gathered for its forward op and again for its
@@ -31,10 +34,11 @@ use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::AdamConfig;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Tensor};
-use burn_accelerate::zero::ZeroStage;
+use burn_accelerate::checkpoint::CheckpointDir;
+use burn_accelerate::zero::{CheckpointLayout, ZeroStage};
 use burn_accelerate::{AccelerateConfig, Accelerated, Accelerator};
 use clap::Parser;
-use memory::peak_memory_mib;
+use memory::{peak_memory_mib, reset_peak_memory};
 
 type Train = Accelerated<Autodiff<Flex>>;
 
@@ -55,10 +59,14 @@ struct Args {
     /// Samples per process and step.
     #[arg(long, default_value_t = 8)]
     batch: usize,
-    /// After the steps, write a checkpoint (the model and the whole optimizer state, gathered
-    /// on the main process) into this directory.
+    /// After the steps, save a checkpoint into this directory (consolidated: the model and
+    /// the whole optimizer state, gathered on the main process).
     #[arg(long)]
     checkpoint: Option<std::path::PathBuf>,
+    /// Save the checkpoint sharded (`CheckpointLayout::Sharded`): each process its own
+    /// partition's parameters and optimizer state.
+    #[arg(long)]
+    sharded_checkpoint: bool,
 }
 
 const WIDTH: usize = 2048;
@@ -82,8 +90,14 @@ fn main() {
     let args = Args::parse();
     let stage = ZeroStage::from_number(args.zero_stage).expect("checked by clap");
     let device = Default::default();
+    let layout = if args.sharded_checkpoint {
+        CheckpointLayout::Sharded
+    } else {
+        CheckpointLayout::Consolidated
+    };
     let mut accelerator: Accelerator<Train> = AccelerateConfig::new()
         .with_zero_stage(stage)
+        .with_checkpoint_layout(layout)
         .init(&device)
         .expect("an accelerator");
     Train::seed(&device, 5);
@@ -130,25 +144,26 @@ fn main() {
         );
     }
     if let Some(dir) = &args.checkpoint {
-        use burn::optim::Optimizer;
-        use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
+        let run_peak = peak_memory_mib();
+        // The save's own peak, from what each process holds now.
+        reset_peak_memory();
         let start = std::time::Instant::now();
-        let whole = accelerator
-            .consolidate_optimizer_record(&model, optim.to_record())
-            .expect("the optimizer state gathered");
-        if let Some(whole) = whole {
-            let recorder = NamedMpkFileRecorder::<FullPrecisionSettings>::new();
-            std::fs::create_dir_all(dir).expect("the checkpoint directory");
-            recorder
-                .record(model.into_record(), dir.join("model"))
-                .expect("the model written");
-            recorder
-                .record(whole, dir.join("optim"))
-                .expect("the optimizer state written");
+        accelerator
+            .save_checkpoint(&CheckpointDir::new(dir), 1, &model, &optim)
+            .expect("the checkpoint saved");
+        let seconds = start.elapsed().as_secs_f64();
+        let save_peak = peak_memory_mib();
+        let save_peaks = match process.group() {
+            Ok(group) => group.all_gather(&[save_peak]).expect("all-gather"),
+            Err(_) => vec![save_peak],
+        };
+        if process.is_main_process() {
             println!(
-                "checkpoint_s={:.2} main_peak_rss_mib={:.0}",
-                start.elapsed().as_secs_f64(),
-                peak_memory_mib()
+                "checkpoint_s={seconds:.2} main_peak_rss_mib={:.0} main_save_peak_rss_mib={:.0} \
+                 others_save_peak_rss_mib={:.0}",
+                run_peak.max(save_peak),
+                save_peak,
+                save_peaks[1..].iter().copied().fold(0.0, f64::max),
             );
         }
     }

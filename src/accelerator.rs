@@ -104,6 +104,7 @@ pub struct AccelerateConfig {
     /// How [`save_checkpoint`](Accelerator::save_checkpoint) writes a checkpoint of a sharded
     /// run ([`CheckpointLayout`](crate::zero::CheckpointLayout)): consolidated on the main
     /// process (the default), or each process's partition in files of its own.
+    /// `with_accelerate`'s checkpoints are consolidated whatever it says.
     #[config(default = "crate::zero::CheckpointLayout::Consolidated")]
     pub checkpoint_layout: crate::zero::CheckpointLayout,
     /// Clips every window's gradients, unscaled, to this global 2-norm before the optimizer

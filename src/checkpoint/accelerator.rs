@@ -173,7 +173,9 @@ impl<B: AutodiffBackend> Accelerator<B> {
     /// Loads the newest complete checkpoint of `dir` (passing over a damaged one, with a
     /// warning, for the one before it) into this accelerator, `model` and `optimizer`; gives
     /// them back as they are when `dir` holds none. The main process chooses the checkpoint
-    /// and every process loads that one, so all resume alike. See
+    /// and every process loads that one, so all resume alike. A sharded checkpoint
+    /// ([`CheckpointLayout::Sharded`]) is re-partitioned for this run's processes and stage;
+    /// one that lacks a process's file is passed over as a damaged one is. See
     /// [`save_checkpoint`](Self::save_checkpoint) for an example.
     ///
     /// # Errors

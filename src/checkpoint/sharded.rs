@@ -212,10 +212,14 @@ where
         };
         collect(written);
         for from in 1..world {
-            let (_, _, bytes) = stream.recv(from)?;
-            collect(serde_json::from_slice(&bytes).unwrap_or_else(|e| {
-                Written::Failed(format!("process {from} sent what is not its files: {e}"))
-            }));
+            // A failure to hear from a process is one more reason not to list the checkpoint,
+            // which every process is still told.
+            collect(match stream.recv(from) {
+                Ok((_, _, bytes)) => serde_json::from_slice(&bytes).unwrap_or_else(|e| {
+                    Written::Failed(format!("process {from} sent what is not its files: {e}"))
+                }),
+                Err(err) => Written::Failed(format!("process {from}: {err}")),
+            });
         }
         if failures.is_empty() {
             commit(dir, number, state, own, files).err()
