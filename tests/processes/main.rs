@@ -1336,6 +1336,38 @@ fn a_sharded_stage_3_checkpoint_resumes_on_other_process_counts_and_stages() {
         None
     );
     harness::clean(&blocked);
+
+    // A process killed halfway through writing its part (the test hook): the run fails, and
+    // the checkpoint is not listed (the main process never heard that the part was written).
+    let crashed = harness::scratch_dir("sharded-stage-3-crashed");
+    let (mut command, reports) = harness::launch_command(
+        TEST,
+        2,
+        &HandLoop {
+            save_to: Some(crashed.clone()),
+            ..args(2, 3, 1)
+        },
+        &[],
+    );
+    command.env(
+        burn_accelerate::checkpoint::CRASH_WRITING,
+        "0:model-1.shard-1-of-2.mpk",
+    );
+    let failed = {
+        let _one = harness::exclusive();
+        harness::run(command, reports)
+    };
+    assert!(!failed.status.success(), "{}", failed.output());
+    assert!(
+        crashed.join("model-1.shard-1-of-2.mpk.partial").exists(),
+        "the hook struck: {}",
+        failed.output()
+    );
+    assert_eq!(
+        CheckpointDir::new(&crashed).load_newest(None).unwrap(),
+        None
+    );
+    harness::clean(&crashed);
     harness::clean(&dir);
 }
 
