@@ -435,12 +435,15 @@ impl<B: AutodiffBackend> Accelerator<B> {
         model: &M,
     ) {
         let loss = self.core.transform_loss(loss);
+        // At ZeRO stage 3, the pass that completes a window reduces each gradient to its
+        // owner as soon as it is final.
+        let reduces = self.core.begin_backward(model);
         // In the training's context: fp8's backward records its gradients' amaxes there.
         let grads = {
             let _entered = self.context.enter();
             GradientsParams::from_grads(loss.backward(), model)
         };
-        self.core.add_gradients(model, grads);
+        self.core.end_backward(model, grads, reduces);
         self.core.end_pass();
     }
 

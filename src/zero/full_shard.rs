@@ -80,7 +80,7 @@ use burn::tensor::{DType, Shape, Tensor, TensorData};
 use std::sync::Arc;
 
 use crate::backend::placeholder::{self, Shard};
-use crate::distributed::{DistributedError, ProcessGroup};
+use crate::distributed::{DistributedError, Element, ProcessGroup, ReduceOp};
 
 use super::sharded::Partition;
 
@@ -267,6 +267,37 @@ impl Shard for ReleasedShard {
 
     fn gather(&self, own: Option<Vec<u8>>) -> Vec<u8> {
         self.bytes(own).unwrap_or_else(|err| self.fail(err))
+    }
+
+    fn reduce(&self, grad: Vec<u8>) -> Option<Vec<u8>> {
+        self.reduced(grad).unwrap_or_else(|err| {
+            panic!(
+                "ZeRO stage 3 could not reduce a gradient to its owner, process {}: {err}. \
+                 Every process must run the same backward pass",
+                self.owner
+            )
+        })
+    }
+}
+
+impl ReleasedShard {
+    // The parameter's gradient summed over the processes onto its owner, as the owner's block
+    // of a reduce-scatter whose other blocks are empty: the ring sums that block in the order
+    // stage 2's reduce-scatter sums the owner's (the order depends on the block's owner, not
+    // on its offset), and divides as it does, so each value is stage 2's bit for bit.
+    fn reduced(&self, mut grad: Vec<u8>) -> Result<Option<Vec<u8>>, DistributedError> {
+        agree_on(&self.group, self.place)?;
+        let mut counts = vec![0; self.group.world_size()];
+        counts[self.owner] = grad.len() / Element::F32.size();
+        let mine =
+            self.group
+                .reduce_scatter_bytes(Element::F32, &mut grad, &counts, ReduceOp::Mean)?;
+        if !self.is_owned() {
+            return Ok(None);
+        }
+        grad.truncate(mine.end);
+        grad.drain(..mine.start);
+        Ok(Some(grad))
     }
 }
 

@@ -13,11 +13,13 @@ mod fingerprint;
 mod full_shard;
 mod full_shard_checkpoint;
 mod optimizer_record;
+pub(crate) mod post_backward;
 mod sharded;
 mod sharding;
 mod stage;
 
 pub use crate::backend::placeholder::{GatheredBytes, gathered_bytes, reset_gathered_peak};
+pub use crate::distributed::sent_bytes;
 pub use fingerprint::check_same_model;
 pub(crate) use full_shard::end_gathers;
 pub use full_shard::release_parameters;

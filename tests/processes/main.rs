@@ -903,6 +903,156 @@ fn stage_3_holds_one_linear_layers_gathered_parameters_at_a_time_and_ends_where_
     }
 }
 
+#[derive(Debug, Serialize, Deserialize)]
+struct TrafficRun {
+    grad_accum: usize,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct TrafficReport {
+    /// Per batch: the bytes this process sent during its forward and backward passes.
+    sent: Vec<u64>,
+    /// Per batch, per parameter in visiting order: whether the window's gradients hold one
+    /// right after the backward pass.
+    holds_gradient: Vec<Vec<bool>>,
+}
+
+fn traffic_worker(args: &TrafficRun) -> TrafficReport {
+    type B = Accelerated<Autodiff<Flex>>;
+    let state = ProcessState::from_env().unwrap();
+    let device = Default::default();
+    B::seed(&device, 13);
+    let mut model = Layered::<B> {
+        layers: LAYERED_WIDTHS
+            .windows(2)
+            .map(|w| LinearConfig::new(w[0], w[1]).init(&device))
+            .collect(),
+    };
+    let mut accelerator = AccelerateConfig::new()
+        .with_gradient_accumulation_steps(args.grad_accum)
+        .with_zero_stage(burn_accelerate::zero::ZeroStage::Parameters)
+        .init::<B>(&device)
+        .unwrap();
+    let mut optim = burn::optim::AdamConfig::new().init();
+    let mut report = TrafficReport {
+        sent: Vec::new(),
+        holds_gradient: Vec::new(),
+    };
+    struct Holds<'a>(&'a burn::optim::GradientsParams, Vec<bool>);
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Holds<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let held = self.0.get::<B::InnerBackend, D>(param.id).is_some();
+            self.1.push(held);
+        }
+    }
+    for step in 0..4 * args.grad_accum {
+        let items: Vec<usize> = (0..4)
+            .map(|i| step * 16 + state.process_index() * 4 + i)
+            .collect();
+        let batch: Batch<B> = Samples.batch(items, &device);
+        let _step = accelerator.accumulate(&model);
+        let before = burn_accelerate::zero::sent_bytes();
+        let relu = Relu::new();
+        let mut h = batch.x;
+        for layer in &model.layers {
+            h = relu.forward(layer.forward(h));
+        }
+        let loss = CrossEntropyLossConfig::new()
+            .init(&device)
+            .forward(h, batch.y);
+        accelerator.backward(loss, &model);
+        report
+            .sent
+            .push(burn_accelerate::zero::sent_bytes() - before);
+        let mut holds = Holds(accelerator.gradients(), Vec::new());
+        model.visit(&mut holds);
+        report.holds_gradient.push(holds.1);
+        let (next, _) = accelerator
+            .optimizer_step(&mut optim, model, &mut 0.01)
+            .unwrap();
+        model = next;
+    }
+    report
+}
+
+/// Stage 3's traffic and gradients per parameter owner, in f32 (the gather dtype without
+/// autocast), on the built-in engine's ring of `n` processes. Each use of a parameter of `P`
+/// bytes is a broadcast from its owner `o`, which every process passes on but the last
+/// before `o` on the ring; each gradient's reduction to `o` is the owner's block of a
+/// reduce-scatter, which every process but `o` sends once. Before each, the processes agree
+/// on the parameter: two all-gathers of one `u64` each (the counts, then the places), `n - 1`
+/// blocks passed on by every process. A step gathers every parameter in forward, every
+/// weight again in backward but the first layer's (its input is the data: no input
+/// gradient), and reduces every gradient once: summed over the processes, `(n - 1)` times
+/// (every parameter twice and the weights above the first once more), against stage 0's
+/// all-reduce, `2 (n - 1)` times the parameters (FSDP: 3 against DDP's 2, per process and
+/// times `(n - 1) / n`).
+#[test]
+fn stage_3_reduces_each_gradient_to_its_owner_in_backward_and_sends_what_the_formula_says() {
+    const TEST: &str =
+        "stage_3_reduces_each_gradient_to_its_owner_in_backward_and_sends_what_the_formula_says";
+    if let Some(args) = worker::<TrafficRun>() {
+        return report(&traffic_worker(&args));
+    }
+    // Every parameter in visiting order (each layer's weight, then its bias), in f32 bytes,
+    // and whether it is a weight read again in backward.
+    let mut params: Vec<(usize, bool)> = Vec::new();
+    for (i, w) in LAYERED_WIDTHS.windows(2).enumerate() {
+        params.push((w[0] * w[1] * 4, i > 0));
+        params.push((w[1] * 4, false));
+    }
+    let sizes: Vec<usize> = params.iter().map(|(bytes, _)| bytes / 4).collect();
+    for processes in [2, 3] {
+        let owners = burn_accelerate::zero::partition(&sizes, processes);
+        let agree = 2 * 8 * (processes - 1) as u64;
+        let expected = |rank: usize, reduces: bool| -> u64 {
+            let mut sent = 0;
+            for (&(bytes, read_in_backward), &owner) in params.iter().zip(&owners) {
+                let last = (owner + processes - 1) % processes;
+                let gather = agree + if rank == last { 0 } else { bytes as u64 };
+                sent += gather;
+                if read_in_backward {
+                    sent += gather;
+                }
+                if reduces {
+                    sent += agree + if rank == owner { 0 } else { bytes as u64 };
+                }
+            }
+            sent
+        };
+        for grad_accum in [1, 2] {
+            let reports: Vec<TrafficReport> =
+                launch(TEST, processes, &TrafficRun { grad_accum }, &[])
+                    .assert_success()
+                    .reports(processes);
+            for (rank, r) in reports.iter().enumerate() {
+                let what = format!("{processes} processes, window {grad_accum}, rank {rank}");
+                for (batch, (&sent, holds)) in r.sent.iter().zip(&r.holds_gradient).enumerate() {
+                    let what = format!("{what}, batch {batch}");
+                    let completes = (batch + 1) % grad_accum == 0;
+                    if batch < grad_accum {
+                        // The first window: the model is whole everywhere, nothing travels
+                        // before the step, which reduce-scatters as stage 2 does.
+                        assert_eq!(sent, 0, "{what}");
+                        assert!(holds.iter().all(|&h| h), "{what}");
+                    } else if completes {
+                        // Each gradient went to its owner during the backward pass: this
+                        // process holds its own partition's and no other.
+                        assert_eq!(sent, expected(rank, true), "{what}");
+                        let own: Vec<bool> = owners.iter().map(|&o| o == rank).collect();
+                        assert_eq!(holds, &own, "{what}");
+                    } else {
+                        // A window's earlier batch gathers but reduces nothing (`no_sync`),
+                        // and keeps every gradient whole.
+                        assert_eq!(sent, expected(rank, false), "{what}");
+                        assert!(holds.iter().all(|&h| h), "{what}");
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn a_sharded_optimizer_state_resumes_on_any_number_of_processes_at_any_stage() {
     const TEST: &str = "a_sharded_optimizer_state_resumes_on_any_number_of_processes_at_any_stage";

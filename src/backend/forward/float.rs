@@ -43,7 +43,7 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
     fn float_into_data(
         tensor: FloatTensor<Self>,
     ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
-        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
+        let tensor = crate::backend::placeholder::resolve_read::<B>(tensor);
         B::float_into_data(tensor)
     }
     fn float_device(tensor: &FloatTensor<Self>) -> Device<Self> {

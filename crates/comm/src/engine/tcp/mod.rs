@@ -44,6 +44,8 @@ pub(crate) mod rendezvous;
 mod ring;
 mod schedule;
 
+pub use ring::sent_bytes;
+
 use control::{Control, Roster};
 use frame::{Fingerprint, Op, ReadError};
 use link::{COLLECTIVES, CONTROL, DialError, Incoming, Links, Outgoing};
