@@ -429,6 +429,14 @@ impl<B: AutodiffBackend> Accelerator<B> {
     ///
     /// The division happens on every batch, as in Accelerate (see
     /// [`AccelerateConfig::divide_partial_window_by_length`] for the last partial window).
+    ///
+    /// At ZeRO stage 3 ([`ZeroStage::Parameters`](crate::zero::ZeroStage::Parameters), on
+    /// `Accelerated<Autodiff<B>>`, from the second window on), the backward pass of the batch
+    /// that completes a window reduces each gradient to the process that owns its parameter
+    /// as soon as it is final (FSDP's post-backward reduce-scatter): afterwards
+    /// [`gradients`](Self::gradients) holds this process's partition's averaged gradients
+    /// only, as at stage 2 after [`unscale_gradients`](Self::unscale_gradients). Every
+    /// process must call it for the same batches.
     pub fn backward<M: AutodiffModule<B>, const D: usize>(
         &mut self,
         loss: Tensor<B, D>,
@@ -559,6 +567,33 @@ impl<B: AutodiffBackend> Accelerator<B> {
             let lr = scheduler.step();
             (optimizer.step(lr, model, grads), lr)
         })
+    }
+
+    /// `model`, prepared for training (Accelerate's `prepare_model`): at ZeRO stage 3
+    /// ([`ZeroStage::Parameters`](crate::zero::ZeroStage::Parameters)) across processes, each
+    /// process keeps only its partition's parameters from here on, as after every step,
+    /// instead of holding the whole model until the first step (FSDP shards a model when it
+    /// wraps it). Parameters Burn has not initialised yet (`Module::init`'s lazy ones) are
+    /// initialised one at a time and dropped where this process does not own them, so a
+    /// model larger than one process can hold never is whole. Every process must call it, at
+    /// the same point, before the first forward pass. At other stages, or on one process, the
+    /// model as it is.
+    ///
+    /// ```no_run
+    /// # use burn::backend::{Autodiff, Flex};
+    /// # use burn::nn::{Linear, LinearConfig};
+    /// # use burn_accelerate::{AccelerateConfig, Accelerated, zero::ZeroStage};
+    /// # type B = Accelerated<Autodiff<Flex>>;
+    /// # let device = Default::default();
+    /// let mut accelerator = AccelerateConfig::new()
+    ///     .with_zero_stage(ZeroStage::Parameters)
+    ///     .init::<B>(&device)?;
+    /// let model: Linear<B> = LinearConfig::new(4, 4).init(&device);
+    /// let model = accelerator.prepare_model(model);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn prepare_model<M: AutodiffModule<B>>(&mut self, model: M) -> M {
+        self.core.prepare_model(model)
     }
 
     /// The whole optimizer state on the main process, for a checkpoint (`None` on the other

@@ -26,6 +26,16 @@
 //!   gathered value stays whole while the autodiff graph keeps it (until the step), as the
 //!   lazy gather's did: no per-layer bound for these ops.
 //!
+//! # Anchors
+//!
+//! Every op of a pass reads a registered parameter through its anchor, an identity node made
+//! at the parameter's first use in the pass: its backward sees the sum of every use's
+//! gradient, and hands it to the parameter as it is, or (in the backward pass that completes
+//! an accumulation window, `crate::zero::post_backward`) reduces it to the parameter's owner
+//! first, the other processes keeping nothing of it. `linear` places its anchors just above
+//! its input, so that they run right after the layer's backward; other ops' anchors sit
+//! above the parameter alone and run at the end of the pass.
+//!
 //! Recognition needs the concrete `Autodiff<B, C>` (the node id), which `crate::hooks`
 //! registers per backend type; a backend without the hook registers nothing, and stage 3
 //! keeps the lazy gather there (`crate::zero::release_parameters`).

@@ -562,6 +562,13 @@ impl<B: AutodiffBackend> StepCore<B> {
         Ok((model, StepOutcome::Applied { lr }))
     }
 
+    /// `model` before its first step: at ZeRO stage 3 across processes, every parameter but
+    /// this process's partition's released, as after a step (the first window is then
+    /// sharded too); otherwise `model` as it is. Every process must call it at the same point.
+    pub fn prepare_model<M: AutodiffModule<B>>(&mut self, model: M) -> M {
+        self.release(model)
+    }
+
     // Where the stage keeps the parameters sharded between steps: every parameter but this
     // process's partition's released, to be gathered at its next use. Elsewhere the model.
     fn release<M: AutodiffModule<B>>(&mut self, model: M) -> M {

@@ -32,13 +32,19 @@
 //! only, a module visited on the main process only) fail at once with an error naming both,
 //! and the op (or initializer) panics with it (neither has an error channel).
 //!
-//! Gradients and optimizer state follow stage 2: the window's gradients are
-//! reduce-scattered owner by owner ([`reduce_scatter_gradients`](super::reduce_scatter_gradients)),
-//! each process's optimizer keeps state for its own partition and steps it, and the sums run
-//! in stage 2's order (so stage 3 ends bit for bit where stage 2 does, and where stage 0 does
-//! on two processes). Ownership is per parameter ([`partition`](super::partition): whole
-//! parameters, largest first), not FSDP's 1/N slice of each parameter: a process's share of
-//! the model is balanced to within its largest parameter.
+//! Gradients and optimizer state follow stage 2's partition: each process's optimizer keeps
+//! state for its own partition and steps it. The gradients are reduced to their owners in the
+//! backward pass that completes an accumulation window, each as soon as it is final
+//! ([`post_backward`](super::post_backward): every op reads a parameter through an anchor
+//! node that sums its uses' gradients and reduces the sum to the owner; the other processes
+//! keep nothing of it), with the sums in stage 2's order (so stage 3 ends bit for bit where
+//! stage 2 does, and where stage 0 does on two processes). The window's earlier passes
+//! accumulate whole gradients (FSDP's `no_sync`); the first window, before any parameter is
+//! released, and backends without the decorator reduce-scatter the window at the step
+//! ([`reduce_scatter_gradients`](super::reduce_scatter_gradients)), as stage 2 does. Ownership
+//! is per parameter ([`partition`](super::partition): whole parameters, largest first), not
+//! FSDP's 1/N slice of each parameter: a process's share of the model is balanced to within
+//! its largest parameter, and "reduce-scatter" is, per parameter, a reduction to its owner.
 //!
 //! # What is bounded
 //!
@@ -65,9 +71,23 @@
 //! but the gathered value stays whole while the autodiff graph keeps it, until the step, as
 //! with the lazy gather. Such ops are listed in `crate::backend::placeholder`'s docs.
 //!
-//! Not bounded yet: the gradients. Each parameter's gradient stays whole until the window's
-//! reduce-scatter at the step (as at stage 2), not reduce-scattered as soon as it is final;
-//! and the activations the graph keeps are every process's own.
+//! The gradients, on the decorator: in the window's last backward pass each parameter's
+//! gradient is whole from the op that computes it to its anchor's reduction, which runs right
+//! after the backward of the layer that first reads the parameter (a `linear` layer's anchor
+//! sits just above its input; an anchor made by another op sits above the parameter alone,
+//! and reduces at the end of the pass: right, but not bounded). Afterwards a process holds
+//! its partition's averaged gradients only. The window's earlier passes hold every gradient
+//! whole, as FSDP's `no_sync` does. Not bounded: the activations the graph keeps are every
+//! process's own.
+//!
+//! Traffic per step (the built-in engine's ring, [`sent_bytes`](super::sent_bytes)): every
+//! use of a parameter is a broadcast from its owner that every process but one passes on, and
+//! every reduction is the owner's block of a reduce-scatter that every process but the owner
+//! sends once; summed over the `n` processes, `(n - 1)` × (the parameters once for the
+//! forward pass, the weights read again in backward, the parameters once for the reduction):
+//! about 3 (n - 1) / n of the parameters' bytes per process, as FSDP's, against stage 0's
+//! 2 (n - 1) / n. Each gather and reduction is preceded by a 16-byte-per-process agreement
+//! on the parameter.
 //!
 //! A released parameter keeps Burn's parameter mappers (the transforms a record applies on
 //! save and load), which a checkpoint's record applies
@@ -104,7 +124,10 @@ use super::sharded::Partition;
 /// gradients. During a step, on the decorator (`Accelerated<Autodiff<B>>`), a `linear`
 /// layer's gathered parameters are whole for its forward op and its input gradient's op
 /// alone (f32, no autocast); other ops, and other backends, keep a gathered parameter whole
-/// until the step. The notes atop `src/zero/full_shard.rs` say which ops hold the bound.
+/// until the step. In the backward pass that completes a window (through the
+/// [`Accelerator`](crate::Accelerator)'s `backward`), each gradient is reduced to its owner as
+/// soon as it is final and dropped by the others. The notes atop `src/zero/full_shard.rs` say
+/// which ops hold the bound.
 pub fn release_parameters<B: AutodiffBackend, M: AutodiffModule<B>>(
     group: &ProcessGroup,
     module: M,
