@@ -906,6 +906,8 @@ fn stage_3_holds_one_linear_layers_gathered_parameters_at_a_time_and_ends_where_
 #[derive(Debug, Serialize, Deserialize)]
 struct TrafficRun {
     grad_accum: usize,
+    /// The model goes through `Accelerator::prepare_model` before the first batch.
+    prepare: bool,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -915,6 +917,8 @@ struct TrafficReport {
     /// Per batch, per parameter in visiting order: whether the window's gradients hold one
     /// right after the backward pass.
     holds_gradient: Vec<Vec<bool>>,
+    /// The parameters after the last step.
+    parameters: Vec<f32>,
 }
 
 fn traffic_worker(args: &TrafficRun) -> TrafficReport {
@@ -933,10 +937,14 @@ fn traffic_worker(args: &TrafficRun) -> TrafficReport {
         .with_zero_stage(burn_accelerate::zero::ZeroStage::Parameters)
         .init::<B>(&device)
         .unwrap();
+    if args.prepare {
+        model = accelerator.prepare_model(model);
+    }
     let mut optim = burn::optim::AdamConfig::new().init();
     let mut report = TrafficReport {
         sent: Vec::new(),
         holds_gradient: Vec::new(),
+        parameters: Vec::new(),
     };
     struct Holds<'a>(&'a burn::optim::GradientsParams, Vec<bool>);
     impl<B: AutodiffBackend> ModuleVisitor<B> for Holds<'_> {
@@ -972,6 +980,7 @@ fn traffic_worker(args: &TrafficRun) -> TrafficReport {
             .unwrap();
         model = next;
     }
+    report.parameters = parameters(&model);
     report
 }
 
@@ -1021,16 +1030,33 @@ fn stage_3_reduces_each_gradient_to_its_owner_in_backward_and_sends_what_the_for
             sent
         };
         for grad_accum in [1, 2] {
-            let reports: Vec<TrafficReport> =
-                launch(TEST, processes, &TrafficRun { grad_accum }, &[])
-                    .assert_success()
-                    .reports(processes);
-            for (rank, r) in reports.iter().enumerate() {
-                let what = format!("{processes} processes, window {grad_accum}, rank {rank}");
+            let run = |prepare: bool| -> Vec<TrafficReport> {
+                launch(
+                    TEST,
+                    processes,
+                    &TrafficRun {
+                        grad_accum,
+                        prepare,
+                    },
+                    &[],
+                )
+                .assert_success()
+                .reports(processes)
+            };
+            let (reports, prepared) = (run(false), run(true));
+            for (rank, r) in reports.iter().chain(&prepared).enumerate() {
+                let prepare = rank >= processes;
+                let rank = rank % processes;
+                let what = format!(
+                    "{processes} processes, window {grad_accum}, prepared {prepare}, rank {rank}"
+                );
+                // A prepared model is sharded from the start, and trains as the other: its
+                // lazy parameters are initialised in the order a first forward pass would.
+                assert_eq!(bits(&r.parameters), bits(&reports[0].parameters), "{what}");
                 for (batch, (&sent, holds)) in r.sent.iter().zip(&r.holds_gradient).enumerate() {
                     let what = format!("{what}, batch {batch}");
                     let completes = (batch + 1) % grad_accum == 0;
-                    if batch < grad_accum {
+                    if batch < grad_accum && !prepare {
                         // The first window: the model is whole everywhere, nothing travels
                         // before the step, which reduce-scatters as stage 2 does.
                         assert_eq!(sent, 0, "{what}");
