@@ -18,13 +18,20 @@
 //!   for the op alone and dropped when it returns; its backward node keeps the placeholder
 //!   and gathers the weight again to compute the input's gradient. At most one layer's
 //!   gathered weight and bias are whole at a time ([`gathered_bytes`]).
-//! - Every other op of every ops trait the decorator forwards (matmul, convolutions,
-//!   embeddings, casts under autocast, reads such as `into_data`, transactions), `linear`
-//!   under autocast, and the decorator's `AutodiffBackend::inner` (`Module::valid`'s copy): the registered input is gathered in full and the op reads
-//!   `placeholder + gathered` (the gathered value bit for bit, since `-0.0` is the additive
-//!   identity, with the gradient flowing to the placeholder). The numbers are right; the
-//!   gathered value stays whole while the autodiff graph keeps it (until the step), as the
-//!   lazy gather's did: no per-layer bound for these ops.
+//! - `matmul` (Burn's `Tensor::matmul`) with a registered operand, where autocast is off and
+//!   the operands share a dtype: the parameter is gathered for the product alone; the node
+//!   keeps its placeholder and gathers it again for the other operand's gradient (Burn's
+//!   `Matmul` backward, the same ops in the same order).
+//! - `embedding` (Burn's `nn::Embedding`): the table is gathered for the lookup alone; the
+//!   backward reads only its shape (`embedding_backward`), so it is not gathered again.
+//! - Every other op of every ops trait the decorator forwards (convolutions, layer norms,
+//!   casts under autocast, transactions), `linear` and `matmul` under autocast: the
+//!   registered input is gathered in full and the op reads `anchor + gathered` (the gathered
+//!   value bit for bit, since `-0.0` is the additive identity, with the gradient flowing to
+//!   the anchor). The numbers are right; the gathered value stays whole while the autodiff
+//!   graph keeps it (until the step), as the lazy gather's did: no per-op bound for these
+//!   ops. Reads that build no graph (`into_data`, the decorator's `AutodiffBackend::inner`:
+//!   `Module::valid`'s copy) gather the same way, without an anchor.
 //!
 //! # Anchors
 //!
@@ -32,9 +39,10 @@
 //! at the parameter's first use in the pass: its backward sees the sum of every use's
 //! gradient, and hands it to the parameter as it is, or (in the backward pass that completes
 //! an accumulation window, `crate::zero::post_backward`) reduces it to the parameter's owner
-//! first, the other processes keeping nothing of it. `linear` places its anchors just above
-//! its input, so that they run right after the layer's backward; other ops' anchors sit
-//! above the parameter alone and run at the end of the pass.
+//! first, the other processes keeping nothing of it. `linear` and `matmul` place their
+//! anchors just above their other input, so that they run right after the op's backward;
+//! other ops' anchors (an embedding's among them: its input is integers) sit above the
+//! parameter alone and run at the end of the pass.
 //!
 //! Recognition needs the concrete `Autodiff<B, C>` (the node id), which `crate::hooks`
 //! registers per backend type; a backend without the hook registers nothing, and stage 3
@@ -50,8 +58,8 @@ use burn::backend::autodiff::NodeId;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
-use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
-use burn_backend::tensor::FloatTensor;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, broadcast_shape, unary};
+use burn_backend::tensor::{FloatTensor, IntTensor};
 use burn_backend::{Backend, DType, FloatDType, TensorData, TensorMetadata, try_read_sync};
 
 use crate::hooks::{self, HookKind};
@@ -161,8 +169,19 @@ fn count_dropped(bytes: u64) {
 struct Tracked<B: Backend> {
     node_id: fn(&FloatTensor<B>) -> u64,
     linear: LinearHook<B>,
+    matmul: MatmulHook<B>,
+    embedding: EmbeddingHook<B>,
     anchor: AnchorHook<B>,
 }
+
+type MatmulHook<B> = fn(
+    FloatTensor<B>,
+    FloatTensor<B>,
+    Option<Arc<dyn Shard>>,
+    Option<Arc<dyn Shard>>,
+) -> FloatTensor<B>;
+
+type EmbeddingHook<B> = fn(FloatTensor<B>, IntTensor<B>, Arc<dyn Shard>) -> FloatTensor<B>;
 
 // A new anchor node for a parameter (its tensor, an input of the op that first reads it, its
 // shard); the parameter itself where it is not tracked.
@@ -201,6 +220,8 @@ pub fn register<B: Backend, C: CheckpointStrategy>() {
     hooks::insert::<PlaceholderHooks, Autodiff<B, C>, _>(Tracked::<Autodiff<B, C>> {
         node_id: node_id::<B>,
         linear: bounded_linear::<B, C>,
+        matmul: bounded_matmul::<B, C>,
+        embedding: bounded_embedding::<B, C>,
         anchor: anchor::<B, C>,
     });
     // Under its key the decorator says that its ops resolve placeholders.
@@ -210,6 +231,8 @@ pub fn register<B: Backend, C: CheckpointStrategy>() {
     > {
         node_id: node_id::<B>,
         linear: bounded_linear::<B, C>,
+        matmul: bounded_matmul::<B, C>,
+        embedding: bounded_embedding::<B, C>,
         anchor: anchor::<B, C>,
     });
 }
@@ -414,6 +437,55 @@ pub(crate) fn linear<B: Backend>(
         (bias, _) => bias,
     };
     Ok((tracked.linear)(x, weight, bias, weight_shard, bias_shard))
+}
+
+/// `matmul(lhs, rhs)` with the per-op bound, where it applies: an operand is a registered
+/// parameter, autocast lowers nothing and the operands share a dtype. Otherwise the inputs
+/// back, for the op's usual path.
+pub(crate) fn float_matmul<B: Backend>(
+    lhs: FloatTensor<B>,
+    rhs: FloatTensor<B>,
+) -> Result<FloatTensor<B>, (FloatTensor<B>, FloatTensor<B>)> {
+    let (lhs_shard, rhs_shard) = (shard_of::<B>(&lhs), shard_of::<B>(&rhs));
+    let applies = (lhs_shard.is_some() || rhs_shard.is_some())
+        && lhs.dtype() == rhs.dtype()
+        && crate::autocast::current().is_none();
+    let Some(tracked) = tracked::<B>().filter(|_| applies) else {
+        return Err((lhs, rhs));
+    };
+    // A parameter's anchor sits above the other operand, where that one is not a parameter.
+    let lhs_anchored = match &lhs_shard {
+        Some(shard) => {
+            let input = rhs_shard.is_none().then_some(&rhs);
+            anchored::<B>(lhs.clone(), input, shard.clone())
+        }
+        None => lhs.clone(),
+    };
+    let rhs = match &rhs_shard {
+        Some(shard) => {
+            let input = lhs_shard.is_none().then_some(&lhs);
+            anchored::<B>(rhs, input, shard.clone())
+        }
+        None => rhs,
+    };
+    Ok((tracked.matmul)(lhs_anchored, rhs, lhs_shard, rhs_shard))
+}
+
+/// `embedding(weights, indices)` with the per-op bound, where the weights are a registered
+/// parameter: gathered for the lookup alone; the backward needs only their shape. Otherwise
+/// the inputs back.
+pub(crate) fn embedding<B: Backend>(
+    weights: FloatTensor<B>,
+    indices: IntTensor<B>,
+) -> Result<FloatTensor<B>, (FloatTensor<B>, IntTensor<B>)> {
+    let Some(shard) = shard_of::<B>(&weights) else {
+        return Err((weights, indices));
+    };
+    let Some(tracked) = tracked::<B>() else {
+        return Err((weights, indices));
+    };
+    let weights = anchored::<B>(weights, None, shard.clone());
+    Ok((tracked.embedding)(weights, indices, shard))
 }
 
 // The weight as a backward node keeps it: its placeholder (or the owner's value) and shard,
@@ -745,4 +817,166 @@ pub(crate) fn end_reducing() -> BTreeMap<u64, Box<dyn Any + Send>> {
         r.reducing = false;
         core::mem::take(&mut r.window)
     })
+}
+
+// A `matmul` operand as its backward node keeps it: a registered parameter as its placeholder
+// (or the owner's value) and shard, gathered again where the other operand's gradient needs
+// it; any other tensor as it is.
+struct Operand<B: Backend> {
+    tensor: FloatTensor<B>,
+    shard: Option<Arc<dyn Shard>>,
+}
+
+impl<B: Backend> Clone for Operand<B> {
+    fn clone(&self) -> Self {
+        Operand {
+            tensor: self.tensor.clone(),
+            shard: self.shard.clone(),
+        }
+    }
+}
+
+impl<B: Backend> core::fmt::Debug for Operand<B> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str("Operand")
+    }
+}
+
+// Burn's `matmul` node's state (`burn-autodiff`'s `Matmul`: the left operand where the right
+// one's gradient needs it, and the reverse), and the operands' shapes where they broadcast.
+type MatmulState<B> = (
+    Option<Operand<B>>,
+    Option<Operand<B>>,
+    Option<(burn_backend::Shape, burn_backend::Shape)>,
+);
+
+#[derive(Debug)]
+struct BoundedMatmul;
+
+impl<B: Backend> Backward<B, 2> for BoundedMatmul {
+    type State = MatmulState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let (lhs, rhs, broadcast) = ops.state;
+        let grad = grads.consume::<B>(&ops.node);
+        let [node_lhs, node_rhs] = ops.parents;
+        // Burn's `Matmul` backward: the same ops in the same order, each kept operand
+        // gathered for its op alone.
+        if let Some(node) = node_lhs {
+            let rhs = rhs.expect("kept where the left operand is tracked");
+            let (whole, bytes) = rhs.whole();
+            let out = B::float_matmul(grad.clone(), B::float_transpose(whole));
+            count_dropped(bytes);
+            let out = match &broadcast {
+                Some((lhs_shape, _)) => broadcast_shape::<B>(out, lhs_shape),
+                None => out,
+            };
+            grads.register::<B>(node.id, out);
+        }
+        if let Some(node) = node_rhs {
+            let lhs = lhs.expect("kept where the right operand is tracked");
+            let (whole, bytes) = lhs.whole();
+            let out = B::float_matmul(B::float_transpose(whole), grad);
+            count_dropped(bytes);
+            let out = match &broadcast {
+                Some((_, rhs_shape)) => broadcast_shape::<B>(out, rhs_shape),
+                None => out,
+            };
+            grads.register::<B>(node.id, out);
+        }
+    }
+}
+
+impl<B: Backend> Operand<B> {
+    // The whole value (gathered where registered), and the bytes a gather counted.
+    fn whole(&self) -> (FloatTensor<B>, u64) {
+        match &self.shard {
+            Some(shard) => (
+                gather::<B>(shard.as_ref(), &self.tensor),
+                counted(shard.as_ref(), &self.tensor),
+            ),
+            None => (self.tensor.clone(), 0),
+        }
+    }
+}
+
+// Burn's `matmul` on `Autodiff<B, C>` with each registered operand gathered for the forward
+// op alone, and a node that keeps its placeholder instead of the gathered value.
+fn bounded_matmul<B: Backend, C: CheckpointStrategy>(
+    lhs: FloatTensor<Autodiff<B, C>>,
+    rhs: FloatTensor<Autodiff<B, C>>,
+    lhs_shard: Option<Arc<dyn Shard>>,
+    rhs_shard: Option<Arc<dyn Shard>>,
+) -> FloatTensor<Autodiff<B, C>> {
+    let (lhs_tracked, rhs_tracked) = (lhs.is_tracked(), rhs.is_tracked());
+    let (lhs_shape, rhs_shape) = (lhs.primitive.shape(), rhs.primitive.shape());
+    // Burn's `BinaryOpsBroadcast`: any dimension that differs.
+    let broadcast = (0..lhs_shape.num_dims())
+        .any(|i| lhs_shape[i] != rhs_shape[i])
+        .then_some((lhs_shape, rhs_shape));
+    let lhs_kept = Operand {
+        tensor: lhs.primitive.clone(),
+        shard: lhs_shard,
+    };
+    let rhs_kept = Operand {
+        tensor: rhs.primitive.clone(),
+        shard: rhs_shard,
+    };
+    let (lhs_whole, lhs_bytes) = lhs_kept.whole();
+    let (rhs_whole, rhs_bytes) = rhs_kept.whole();
+    let output = B::float_matmul(lhs_whole, rhs_whole);
+    count_dropped(lhs_bytes + rhs_bytes);
+    match BoundedMatmul
+        .prepare::<C>([lhs.node.clone(), rhs.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => prep.finish(
+            (
+                rhs_tracked.then_some(lhs_kept),
+                lhs_tracked.then_some(rhs_kept),
+                broadcast,
+            ),
+            output,
+        ),
+        OpsKind::UnTracked(prep) => prep.finish(output),
+    }
+}
+
+#[derive(Debug)]
+struct BoundedEmbedding;
+
+impl<B: Backend> Backward<B, 1> for BoundedEmbedding {
+    // The weights' placeholder (their shape, device and dtype: all `embedding_backward`
+    // reads of them) and the indices.
+    type State = (FloatTensor<B>, IntTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let (weights, indices) = ops.state;
+        unary::<B, _>(ops.parents, ops.node, grads, |grad| {
+            B::embedding_backward(weights, grad, indices)
+        });
+    }
+}
+
+// Burn's `embedding` on `Autodiff<B, C>` with the weights gathered for the lookup alone.
+// Burn's backward reads the weights' shape only (`ModuleOps::embedding_backward`'s default,
+// and Flex's): the node keeps the placeholder.
+fn bounded_embedding<B: Backend, C: CheckpointStrategy>(
+    weights: FloatTensor<Autodiff<B, C>>,
+    indices: IntTensor<Autodiff<B, C>>,
+    shard: Arc<dyn Shard>,
+) -> FloatTensor<Autodiff<B, C>> {
+    let bytes = counted(shard.as_ref(), &weights.primitive);
+    let whole = gather::<B>(shard.as_ref(), &weights.primitive);
+    let output = B::embedding(whole, indices.clone());
+    count_dropped(bytes);
+    match BoundedEmbedding
+        .prepare::<C>([weights.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => prep.finish((weights.primitive.clone(), indices), output),
+        OpsKind::UnTracked(prep) => prep.finish(output),
+    }
 }

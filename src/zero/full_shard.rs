@@ -64,18 +64,23 @@
 //! are Burn's own (`B::linear`, `linear_x_backward`, `linear_weight_backward`,
 //! `linear_bias_backward`, in Burn's order), so the numbers are stage 2's bit for bit.
 //!
-//! Every other op that reads a placeholder (matmul, convolutions, embeddings, layer norms,
-//! casts under autocast, `linear` in bf16/f16/fp8 autocast, reads such as `into_data`)
-//! gathers it whole and reads `placeholder + gathered` (bit for bit the gathered value:
-//! `-0.0` is the additive identity; the gradient flows to the placeholder): right numbers,
-//! but the gathered value stays whole while the autodiff graph keeps it, until the step, as
-//! with the lazy gather. Such ops are listed in `crate::backend::placeholder`'s docs.
+//! `matmul` with a parameter operand (autocast off) and `embedding` hold the same bound: the
+//! parameter is gathered for the op alone; `matmul`'s node gathers it again for the other
+//! operand's gradient, `embedding`'s needs only the table's shape.
+//!
+//! Every other op that reads a placeholder (convolutions, layer norms, casts under autocast,
+//! `linear` and `matmul` in bf16/f16/fp8 autocast) gathers it whole and reads
+//! `anchor + gathered` (bit for bit the gathered value: `-0.0` is the additive identity; the
+//! gradient flows to the anchor): right numbers, but the gathered value stays whole while the
+//! autodiff graph keeps it, until the step, as with the lazy gather. Such ops are listed in
+//! `crate::backend::placeholder`'s docs.
 //!
 //! The gradients, on the decorator: in the window's last backward pass each parameter's
 //! gradient is whole from the op that computes it to its anchor's reduction, which runs right
-//! after the backward of the layer that first reads the parameter (a `linear` layer's anchor
-//! sits just above its input; an anchor made by another op sits above the parameter alone,
-//! and reduces at the end of the pass: right, but not bounded). Afterwards a process holds
+//! after the backward of the layer that first reads the parameter (a `linear` or `matmul`
+//! anchor sits just above the op's other input; an anchor made by another op, an
+//! embedding's among them, sits above the parameter alone, and reduces at the end of the
+//! pass: right, but not bounded). Afterwards a process holds
 //! its partition's averaged gradients only. The window's earlier passes hold every gradient
 //! whole, as FSDP's `no_sync` does. Not bounded: the activations the graph keeps are every
 //! process's own.
@@ -123,8 +128,8 @@ use super::sharded::Partition;
 /// Between steps a process holds its partition's parameters and optimizer state and no
 /// gradients. During a step, on the decorator (`Accelerated<Autodiff<B>>`), a `linear`
 /// layer's gathered parameters are whole for its forward op and its input gradient's op
-/// alone (f32, no autocast); other ops, and other backends, keep a gathered parameter whole
-/// until the step. In the backward pass that completes a window (through the
+/// alone (f32, no autocast), as are a `matmul` operand's and an embedding's table; other
+/// ops, and other backends, keep a gathered parameter whole until the step. In the backward pass that completes a window (through the
 /// [`Accelerator`](crate::Accelerator)'s `backward`), each gradient is reduced to its owner as
 /// soon as it is final and dropped by the others. The notes atop `src/zero/full_shard.rs` say
 /// which ops hold the bound.

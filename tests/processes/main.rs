@@ -1079,6 +1079,120 @@ fn stage_3_reduces_each_gradient_to_its_owner_in_backward_and_sends_what_the_for
     }
 }
 
+/// An embedding, a parameter read by `matmul`, and a linear head: at stage 3 each op gathers
+/// its parameter for itself alone.
+#[derive(Module, Debug)]
+struct Lookup<B: Backend> {
+    embedding: burn::nn::Embedding<B>,
+    mix: Param<Tensor<B, 2>>,
+    head: Linear<B>,
+}
+
+const VOCABULARY: usize = 24;
+const LOOKUP_WIDTH: usize = 16;
+
+#[derive(Debug, Serialize, Deserialize)]
+struct LookupRun {
+    zero_stage: u8,
+}
+
+fn lookup_worker(args: &LookupRun) -> LayeredReport {
+    type B = Accelerated<Autodiff<Flex>>;
+    let state = ProcessState::from_env().unwrap();
+    let device = Default::default();
+    B::seed(&device, 17);
+    let mut model = Lookup::<B> {
+        embedding: burn::nn::EmbeddingConfig::new(VOCABULARY, LOOKUP_WIDTH).init(&device),
+        mix: burn::nn::Initializer::KaimingUniform {
+            gain: 1.0,
+            fan_out_only: false,
+        }
+        .init_with(
+            [LOOKUP_WIDTH, LOOKUP_WIDTH],
+            Some(LOOKUP_WIDTH),
+            None,
+            &device,
+        ),
+        head: LinearConfig::new(LOOKUP_WIDTH, CLASSES).init(&device),
+    };
+    let mut accelerator = AccelerateConfig::new()
+        .with_zero_stage(burn_accelerate::zero::ZeroStage::from_number(args.zero_stage).unwrap())
+        .init::<B>(&device)
+        .unwrap();
+    model = accelerator.prepare_model(model);
+    let mut optim = burn::optim::AdamConfig::new().init();
+    let mut report = LayeredReport {
+        parameters: Vec::new(),
+        valid_parameters: Vec::new(),
+        gathered_peak: Vec::new(),
+        gathered_after_backward: Vec::new(),
+    };
+    for step in 0..4 {
+        // Four sequences of three tokens, each process its own.
+        let tokens: Vec<i64> = (0..12)
+            .map(|i| ((step * 29 + state.process_index() * 13 + i * 7) % VOCABULARY) as i64)
+            .collect();
+        let labels: Vec<i64> = tokens.chunks(3).map(|t| t[0] % CLASSES as i64).collect();
+        let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(tokens, [4, 3]), &device);
+        let labels = Tensor::<B, 1, Int>::from_data(TensorData::new(labels, [4]), &device);
+        burn_accelerate::zero::reset_gathered_peak();
+        let h = model
+            .embedding
+            .forward(tokens)
+            .mean_dim(1)
+            .reshape([4, LOOKUP_WIDTH]);
+        let h = Relu::new().forward(h.matmul(model.mix.val()));
+        let logits = model.head.forward(h);
+        let loss = CrossEntropyLossConfig::new()
+            .init(&device)
+            .forward(logits, labels);
+        accelerator.backward(loss, &model);
+        let bytes = burn_accelerate::zero::gathered_bytes();
+        report.gathered_peak.push(bytes.peak);
+        report.gathered_after_backward.push(bytes.alive);
+        let (next, _) = accelerator
+            .optimizer_step(&mut optim, model, &mut 0.01)
+            .unwrap();
+        model = next;
+    }
+    report.parameters = parameters(&model);
+    report
+}
+
+#[test]
+fn stage_3_gathers_an_embedding_and_a_matmul_parameter_for_their_ops_alone() {
+    const TEST: &str = "stage_3_gathers_an_embedding_and_a_matmul_parameter_for_their_ops_alone";
+    if let Some(args) = worker::<LookupRun>() {
+        return report(&lookup_worker(&args));
+    }
+    // The largest parameter, in f32 bytes: the embedding's table. Without the bounded paths
+    // the gathered embedding and `mix` stay whole until the step (their sum, and more).
+    let largest = (VOCABULARY * LOOKUP_WIDTH * 4) as u64;
+    for processes in [2, 3] {
+        let run = |zero_stage: u8| -> Vec<LayeredReport> {
+            launch(TEST, processes, &LookupRun { zero_stage }, &[])
+                .assert_success()
+                .reports(processes)
+        };
+        let (stage2, stage3) = (run(2), run(3));
+        for (rank, r) in stage3.iter().enumerate() {
+            let what = format!("{processes} processes, rank {rank}");
+            // Prepared: every batch gathers, at most one parameter at a time, and nothing is
+            // left whole once the backward pass is over.
+            for &peak in &r.gathered_peak {
+                assert!(peak > 0 && peak <= largest, "{what}: {:?}", r.gathered_peak);
+            }
+            assert!(r.gathered_after_backward.iter().all(|&b| b == 0), "{what}");
+            // Burn's ops and backward ops in Burn's order, the sums in stage 2's: its bits.
+            assert_eq!(
+                bits(&r.parameters),
+                bits(&stage2[rank].parameters),
+                "{what}"
+            );
+        }
+    }
+}
+
 #[test]
 fn a_sharded_optimizer_state_resumes_on_any_number_of_processes_at_any_stage() {
     const TEST: &str = "a_sharded_optimizer_state_resumes_on_any_number_of_processes_at_any_stage";

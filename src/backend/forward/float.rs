@@ -152,6 +152,10 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         B::float_remainder_scalar(lhs, rhs)
     }
     fn float_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        let (lhs, rhs) = match crate::backend::placeholder::float_matmul::<B>(lhs, rhs) {
+            Ok(output) => return output,
+            Err(inputs) => inputs,
+        };
         let lhs = crate::backend::placeholder::resolve::<B>(lhs);
         let rhs = crate::backend::placeholder::resolve::<B>(rhs);
         let colocate = Colocate::<B>::new(&[CastInput::One(&lhs), CastInput::One(&rhs)]);
