@@ -15,6 +15,12 @@
 //! partition's averaged gradients, as after stage 2's reduce-scatter: the loss scaler's
 //! overflow check and the global norm's clipping read them as they read stage 2's.
 //!
+//! An anchor lives until its backward runs or the parameters are released. A forward pass
+//! on the training model whose graph is dropped without a backward (an evaluation that does
+//! not go through `Module::valid`) leaves its anchors, which the next pass reuses: that
+//! pass's backward then also runs the dropped pass's nodes, with zero gradients (a zero added
+//! to each gradient; more work, the same values but for the sign of a zero). Not tested.
+//!
 //! The reduction needs every parameter released (from the first step on: the first window
 //! is reduced at the step, as at stage 2) and the decorator over a registered autodiff
 //! backend (whose ops make anchors); elsewhere [`begin`] declines and the step
