@@ -20,7 +20,8 @@
 //! `--checkpoint DIR`, the whole optimizer state is then gathered on the main process and
 //! written with the model into `DIR`, and a second line says what that cost:
 //! `checkpoint_s=T main_peak_rss_mib=M` (the main process's peak over the whole run).
-//! Stage 3 refuses `--checkpoint` (its checkpoints are not supported yet).
+//! At stage 3 the model's parameters are gathered on the main process one at a time for
+//! the write as well.
 //!
 //! The model trains on `Accelerated<Autodiff<Flex>>` (f32, autocast off) at every stage. At
 //! stage 3 a layer's weight and bias are gathered for its forward op and again for its
@@ -160,14 +161,17 @@ fn main() {
         use burn::optim::Optimizer;
         use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
         let start = std::time::Instant::now();
+        let record = accelerator
+            .consolidate_model_record(&model)
+            .expect("the model gathered");
         let whole = accelerator
             .consolidate_optimizer_record(&model, optim.to_record())
             .expect("the optimizer state gathered");
-        if let Some(whole) = whole {
+        if let (Some(record), Some(whole)) = (record, whole) {
             let recorder = NamedMpkFileRecorder::<FullPrecisionSettings>::new();
             std::fs::create_dir_all(dir).expect("the checkpoint directory");
             recorder
-                .record(model.into_record(), dir.join("model"))
+                .record(record, dir.join("model"))
                 .expect("the model written");
             recorder
                 .record(whole, dir.join("optim"))
