@@ -149,17 +149,20 @@ where
         epoch: usize,
         learner: &mut Learner<LC>,
         core: &Core<LC>,
-        tap: Option<&mut OptimizerTap<LC>>,
+        mut tap: Option<&mut RecordTap<LC>>,
         checkpointer: Option<&mut LearningCheckpointer<LC>>,
-        records: Option<&mut resume::LearnerTap<LC>>,
         event_store: &EventStoreClient,
     ) {
         let writes = checkpointer.is_some() || self.checkpoint_dir.is_some();
-        let own = match (core.sharded(), tap, writes) {
+        let own = match (core.sharded(), tap.as_deref_mut(), writes) {
             (Some(_), Some(tap), true) => {
                 // Read twice: records need not be `Clone`, and their tensors are shared.
-                let own = tap.record(learner, event_store);
-                let part = tap.record(learner, event_store);
+                let read = |tap: &mut RecordTap<LC>| {
+                    tap.optimizer(learner, event_store)
+                        .unwrap_or_else(|err| fail("cannot read the optimizer state", err))
+                };
+                let own = read(tap);
+                let part = read(tap);
                 let whole = core
                     .whole_optimizer_record(&learner.model(), part, &self.device)
                     .unwrap_or_else(|err| fail("cannot gather the optimizer state", err));
@@ -191,11 +194,9 @@ where
         if let Some(checkpointer) = checkpointer {
             checkpointer.checkpoint(learner, epoch, event_store);
         }
-        if let (Some(dir), Some(records)) = (&self.checkpoint_dir, records) {
+        if let (Some(dir), Some(tap)) = (&self.checkpoint_dir, tap) {
             let state = self.checkpoint(*core.loss_scale());
-            if let Err(err) =
-                self.save_checkpoint(dir, epoch, learner, records, &state, event_store)
-            {
+            if let Err(err) = self.save_checkpoint(dir, epoch, learner, tap, &state, event_store) {
                 // The checkpoints listed before stay whole: a restart resumes from the newest.
                 log::warn!(
                     "burn-accelerate: the checkpoint of epoch {epoch} was not written (a \

@@ -108,7 +108,7 @@ pub mod metrics;
 mod replicas;
 mod report;
 mod resume;
-mod sharded;
+mod tap;
 mod valid;
 mod valid_metrics;
 
@@ -145,7 +145,7 @@ use checkpoint::LoaderPosition;
 use fit::{Accumulation, fail};
 use replicas::{DeviceWorkers, StepInput};
 pub use report::{EpochReport, TrainingReport, TrainingStats};
-use sharded::OptimizerTap;
+use tap::RecordTap;
 pub use valid_metrics::ProcessMetricLogger;
 use valid_metrics::ProcessMetrics;
 
