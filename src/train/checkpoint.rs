@@ -124,7 +124,14 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
             },
         };
         let loaders: Vec<&dyn LoaderPosition> = self.positions.iter().map(|p| &**p).collect();
+        // The fit configured the gradient state with its window before this: a checkpoint of
+        // another window is refused, as the `Accelerator`'s `load_state` refuses it.
         let position = |saved: &GradientStateSnapshot, scale: LossScale| {
+            crate::step::check_accumulation(
+                saved,
+                self.state.num_steps(),
+                self.state.sync_with_dataloader(),
+            )?;
             crate::step::restore_position(&self.state, &self.initial_scale, saved, &scale)
         };
         saved
