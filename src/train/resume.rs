@@ -11,20 +11,19 @@
 //!
 //! What a checkpoint holds and the order it is read back in are the same as for the
 //! `Accelerator`'s ([`crate::checkpoint::contents`]); this module is the strategy's adapter:
-//! Burn's `Learner` gives its optimizer's and scheduler's records only to a checkpointer (read
-//! through the fit's [`super::tap::RecordTap`]), and takes them with `load_optim` and
-//! `load_scheduler`.
+//! Burn's `Learner` gives its optimizer's and scheduler's records only to a checkpointer, and
+//! the strategy reaches them through one ([`super::tap`]).
 //!
 //! When a training starts, the main process picks the newest checkpoint whose files verify
 //! (passing over, with a warning, damaged newer ones), tells the others which, and every
 //! process reads and checks that one (or takes the copy `try_with_checkpoint_dir` read and
 //! verified, when it is that one: its files are not read twice, and its state, not the file
-//! on disk, gives the loss scale and the loaders' positions), then loads it into the learner as
-//! Burn's own resume path does (`LearningCheckpointer::load_checkpoint`, what
-//! `SupervisedTraining::checkpoint(epoch)` runs: model, optimizer, scheduler), then trains from
-//! the next epoch. The steps taken after that checkpoint by the run that stopped are redone:
-//! the loaders' saved positions and seeds give the same batches in the same order, so they are
-//! the same steps, and the run ends where an uninterrupted one does, bit for bit.
+//! on disk, gives the loss scale and the loaders' positions), then loads it through Burn's own
+//! resume path (`LearningCheckpointer::load_checkpoint`, what
+//! `SupervisedTraining::checkpoint(epoch)` runs), then trains from the next epoch. The steps
+//! taken after that checkpoint by the run that stopped are redone: the loaders' saved positions
+//! and seeds give the same batches in the same order, so they are the same steps, and the run
+//! ends where an uninterrupted one does, bit for bit.
 
 use std::path::Path;
 use std::sync::PoisonError;
@@ -36,7 +35,7 @@ use burn::train::{
     TrainingBackend, TrainingComponents,
 };
 
-use super::tap::RecordTap;
+use super::tap::{self, RecordTap};
 use super::{AccelerateCheckpoint, AccelerateStrategy, fail};
 use crate::AccelerateError;
 use crate::checkpoint::contents::{self, Records, Resume};
@@ -124,7 +123,7 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
 
     /// Before Burn's `train` runs: the epoch the training resumes from, from the strategy's
     /// checkpoints, with its state (verified with the rest of the checkpoint) and `learner`
-    /// loaded from it (as Burn's `load_checkpoint` loads one); `None` to start afresh, or to let
+    /// loaded from it (through Burn's `load_checkpoint`); `None` to start afresh, or to let
     /// Burn load its own files (an epoch asked for with `.checkpoint(epoch)` that only Burn's
     /// checkpointer has). The checkpoint the start-up check verified, if any, is loaded from
     /// memory when it is the one picked.
@@ -177,12 +176,8 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
                 record_error("the scheduler's record", "not read back"),
             )
         };
-        // What Burn's `LearningCheckpointer::load_checkpoint` does with the records its
-        // checkpointers restore, in its order.
-        let mut learner = learner;
-        learner.load_model(read.model.into_record());
-        learner.load_optim(read.optimizer);
-        learner.load_scheduler(scheduler);
+        let learner = tap::restoring::<LC>(read.model.into_record(), read.optimizer, scheduler)
+            .load_checkpoint(learner, &self.device, epoch);
         // Burn must not load its own files over these.
         components.checkpoint = None;
         log::info!(

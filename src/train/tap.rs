@@ -1,4 +1,6 @@
-//! Reading a Burn `Learner`'s optimizer and scheduler records: the strategy's one way to them.
+//! The strategy's one way to a Burn `Learner`'s optimizer and scheduler records, through Burn's
+//! `LearningCheckpointer`: reading them ([`RecordTap`]) and loading a checkpoint's
+//! ([`restoring`]).
 //!
 //! Burn 0.21's `Learner` keeps its optimizer and scheduler private
 //! (`burn-train-0.21.0/src/learner/base.rs`): it takes records (`load_optim`,
@@ -14,6 +16,10 @@
 //! (`fit`, `checkpoint`), and the main process's own checkpoints read both records to write them
 //! (`resume`). Each read takes both records, so that neither channel keeps a record for the next
 //! read.
+//!
+//! The resume loads the records it read and checked through Burn's own resume path
+//! (`LearningCheckpointer::load_checkpoint`, what `SupervisedTraining::checkpoint(epoch)` runs),
+//! given a checkpointer that restores them.
 
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Mutex, PoisonError};
@@ -25,8 +31,8 @@ use burn::train::checkpoint::{
 };
 use burn::train::metric::store::EventStoreClient;
 use burn::train::{
-    Learner, LearnerOptimizerRecord, LearnerSchedulerRecord, LearningCheckpointer,
-    LearningComponentsTypes,
+    Learner, LearnerModelRecord, LearnerOptimizerRecord, LearnerSchedulerRecord,
+    LearningCheckpointer, LearningComponentsTypes,
 };
 
 use crate::AccelerateError;
@@ -88,6 +94,21 @@ impl<LC: LearningComponentsTypes> RecordTap<LC> {
     }
 }
 
+/// A `LearningCheckpointer` whose `load_checkpoint` loads these records (read and checked
+/// already) into a learner, once, and that writes nothing.
+pub(super) fn restoring<LC: LearningComponentsTypes>(
+    model: LearnerModelRecord<LC>,
+    optimizer: LearnerOptimizerRecord<LC>,
+    scheduler: LearnerSchedulerRecord<LC>,
+) -> LearningCheckpointer<LC> {
+    LearningCheckpointer::new(
+        AsyncCheckpointer::new(Restore::new(model)),
+        AsyncCheckpointer::new(Restore::new(optimizer)),
+        AsyncCheckpointer::new(Restore::new(scheduler)),
+        Box::new(Always),
+    )
+}
+
 // What the tap's checkpointers say when asked to restore: they keep nothing to restore.
 fn keeps_no(epoch: usize) -> CheckpointerError {
     CheckpointerError::Unknown(format!("the record tap keeps no epoch {epoch}"))
@@ -110,6 +131,35 @@ impl<R: Record<B>, B: Backend> Checkpointer<R, B> for Hand<R> {
 
     fn restore(&self, epoch: usize, _device: &B::Device) -> Result<R, CheckpointerError> {
         Err(keeps_no(epoch))
+    }
+}
+
+// Restores one record, once, and writes nothing.
+struct Restore<R>(Mutex<Option<R>>);
+
+impl<R> Restore<R> {
+    fn new(record: R) -> Self {
+        Self(Mutex::new(Some(record)))
+    }
+}
+
+impl<R: Record<B>, B: Backend> Checkpointer<R, B> for Restore<R> {
+    fn save(&self, _epoch: usize, _record: R) -> Result<(), CheckpointerError> {
+        Ok(())
+    }
+
+    fn delete(&self, _epoch: usize) -> Result<(), CheckpointerError> {
+        Ok(())
+    }
+
+    fn restore(&self, epoch: usize, _device: &B::Device) -> Result<R, CheckpointerError> {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+            .ok_or_else(|| {
+                CheckpointerError::Unknown(format!("epoch {epoch}'s record was restored already"))
+            })
     }
 }
 
