@@ -48,10 +48,7 @@ impl AccelerateCheckpoint {
             .flatten()
             .filter_map(|e| e.file_name().into_string().ok())
             .collect();
-        let has_model = |epoch: usize| {
-            let prefix = format!("model-{epoch}.");
-            names.iter().any(|n| n.starts_with(&prefix))
-        };
+        let has_model = |epoch: usize| names.iter().any(|n| is_burns_model(n, epoch));
         if !has_model(latest) {
             return;
         }
@@ -82,6 +79,13 @@ impl AccelerateCheckpoint {
             std::fs::read(&path).map_err(|e| record_error(&path.display().to_string(), e))?;
         Self::from_json(&bytes, &path.display().to_string()).map(Some)
     }
+}
+
+/// Whether `name` is a file of Burn's checkpointer's model record of `epoch` (its
+/// `FileCheckpointer` names it `model-<epoch>`, and its recorder adds an extension): the epochs
+/// Burn keeps decide which strategy-state files stay beside its files.
+pub(super) fn is_burns_model(name: &str, epoch: usize) -> bool {
+    name.starts_with(&format!("model-{epoch}."))
 }
 
 impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {

@@ -35,6 +35,7 @@ use burn::train::{
     TrainingBackend, TrainingComponents,
 };
 
+use super::checkpoint::is_burns_model;
 use super::tap::{self, RecordTap};
 use super::{AccelerateCheckpoint, AccelerateStrategy, fail};
 use crate::AccelerateError;
@@ -66,11 +67,10 @@ fn burn_keeps(dir: &Path, name: &str) -> bool {
     let Some(epoch) = Scheme::Strategy.state_number(name) else {
         return false;
     };
-    let prefix = format!("model-{epoch}.");
     std::fs::read_dir(dir).is_ok_and(|entries| {
         entries
             .flatten()
-            .any(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+            .any(|e| is_burns_model(&e.file_name().to_string_lossy(), epoch))
     })
 }
 
