@@ -712,20 +712,11 @@ impl<B: AutodiffBackend> Accelerator<B> {
     /// accumulation settings or another kind of loss scaling (none / static / dynamic).
     pub fn load_state(&mut self, saved: &AcceleratorState) -> Result<(), AccelerateError> {
         let g = &saved.gradient_state;
-        if g.num_steps != self.config.gradient_accumulation_steps {
-            return Err(AccelerateError::StateMismatch {
-                what: "gradient_accumulation_steps",
-                saved: g.num_steps.to_string(),
-                current: self.config.gradient_accumulation_steps.to_string(),
-            });
-        }
-        if g.sync_with_dataloader != self.config.sync_with_dataloader {
-            return Err(AccelerateError::StateMismatch {
-                what: "sync_with_dataloader",
-                saved: g.sync_with_dataloader.to_string(),
-                current: self.config.sync_with_dataloader.to_string(),
-            });
-        }
+        crate::step::check_accumulation(
+            g,
+            self.config.gradient_accumulation_steps,
+            self.config.sync_with_dataloader,
+        )?;
         self.core.restore(g, saved.loss_scale)?;
         Ok(())
     }

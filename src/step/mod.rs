@@ -30,7 +30,7 @@ use burn::tensor::{ElementConversion, Tensor};
 
 pub use divisor::LossTransform;
 use divisor::Window;
-pub(crate) use restore::restore_position;
+pub(crate) use restore::{check_accumulation, restore_position};
 
 use crate::context::Context;
 use crate::distributed::{self, ProcessGroup};
