@@ -8,12 +8,18 @@
 //!     target/release/examples/zero_memory --params 100000000 --zero-stage 2
 //! ```
 //!
-//! Printed: `zero_stage=S processes=P params=N peak_rss_mib=M rest_rss_mib=R final_loss=L`,
-//! where `rest_rss_mib` is the largest resident memory over the processes right after the
-//! last step (between steps: what a process keeps of the training state). With
+//! Printed: `zero_stage=S processes=P params=N peak_rss_mib=M rest_rss_mib=R step_s=T
+//! sent_mib_per_step=X sent_per_param_byte=F final_loss=L`, where `rest_rss_mib` is the
+//! largest resident memory over the processes right after the last step (between steps: what
+//! a process keeps of the training state), `step_s` the slowest process's mean step time
+//! (forward, backward, optimizer step) over the steps after the first, and
+//! `sent_mib_per_step` the bytes a process sent per step over the built-in engine's ring
+//! (`zero::sent_bytes`, the mean over the processes and those steps), also per byte of f32
+//! parameters (`sent_per_param_byte`: about `2 (n - 1) / n` for stages 0 to 2, `3 (n - 1) / n`
+//! at stage 3). With
 //! `--checkpoint DIR`, the `Accelerator` then saves a checkpoint into `DIR`
 //! (`save_checkpoint`): consolidated (the whole optimizer state gathered on the main process,
-//! and at stage 3 the model, each parameter sent to it by its owner), or with
+//! and at stage 3 the model, each parameter sent to it by its owner alone), or with
 //! `--sharded-checkpoint` each process's partition in files of its own. A second line says
 //! what that cost: `checkpoint_s=T main_peak_rss_mib=M main_save_peak_rss_mib=S
 //! others_save_peak_rss_mib=O` (the main process's peak over the whole run; the main
@@ -22,8 +28,9 @@
 //! The model trains on `Accelerated<Autodiff<Flex>>` (f32, autocast off) at every stage. At
 //! stage 3 a layer's weight and bias are gathered for its forward op and again for its
 //! input gradient's, and dropped after each (`burn_accelerate::zero::release_parameters`):
-//! besides its own partition, a process holds one other layer's parameters at a time. The
-//! gradients stay whole until the step's reduce-scatter, as at stage 2.
+//! besides its own partition, a process holds one other layer's parameters at a time. Each
+//! gradient goes to its owner as soon as the backward pass has computed it, and the other
+//! processes drop it.
 
 #[path = "common/memory.rs"]
 mod memory;
@@ -35,10 +42,11 @@ use burn::optim::AdamConfig;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Tensor};
 use burn_accelerate::checkpoint::CheckpointDir;
-use burn_accelerate::zero::{CheckpointLayout, ZeroStage};
+use burn_accelerate::zero::{self, CheckpointLayout, ZeroStage};
 use burn_accelerate::{AccelerateConfig, Accelerated, Accelerator};
 use clap::Parser;
 use memory::{peak_memory_mib, reset_peak_memory};
+use std::time::Instant;
 
 type Train = Accelerated<Autodiff<Flex>>;
 
@@ -90,31 +98,36 @@ fn main() {
     let args = Args::parse();
     let stage = ZeroStage::from_number(args.zero_stage).expect("checked by clap");
     let device = Default::default();
-    let layout = if args.sharded_checkpoint {
-        CheckpointLayout::Sharded
-    } else {
-        CheckpointLayout::Consolidated
-    };
     let mut accelerator: Accelerator<Train> = AccelerateConfig::new()
         .with_zero_stage(stage)
-        .with_checkpoint_layout(layout)
+        .with_checkpoint_layout(if args.sharded_checkpoint {
+            CheckpointLayout::Sharded
+        } else {
+            CheckpointLayout::Consolidated
+        })
         .init(&device)
         .expect("an accelerator");
     Train::seed(&device, 5);
     let layers = (args.params / (WIDTH * WIDTH + WIDTH)).max(1);
-    let mut model = Mlp::<Train> {
+    let model = Mlp::<Train> {
         layers: (0..layers)
             .map(|_| LinearConfig::new(WIDTH, WIDTH).init(&device))
             .collect(),
         act: Relu::new(),
     };
-    // Counted on every process before training: at stage 3 reading a released parameter is a
-    // collective, which the main process alone (where it is printed) would wait on forever.
+    // At stage 3, each process keeps its own partition from here on: the layers, not yet
+    // initialised (Burn's lazy parameters), are initialised one at a time and dropped by the
+    // processes that do not own them.
+    let mut model = accelerator.prepare_model(model);
+    // Counted on every process: a released parameter's shape is known without a gather.
     let params = model.num_params();
     let mut optim = AdamConfig::new().init();
     let x = Tensor::<Train, 2>::random([args.batch, WIDTH], Distribution::Normal(0., 1.), &device);
     let mut loss_value = 0.0;
+    // Per step: its time on this process, and the bytes this process sent.
+    let (mut times, mut sent) = (Vec::new(), Vec::new());
     for _ in 0..args.steps {
+        let (start, sent_before) = (Instant::now(), zero::sent_bytes());
         let loss = model.forward(x.clone()).powf_scalar(2.0).mean();
         loss_value = loss.clone().into_scalar();
         accelerator.backward(loss, &model);
@@ -122,32 +135,45 @@ fn main() {
             .optimizer_step(&mut optim, model, &mut 1e-4)
             .expect("a step");
         model = next;
+        times.push(start.elapsed().as_secs_f64());
+        sent.push((zero::sent_bytes() - sent_before) as f64);
     }
+    // The steps after the first: at stage 3 the first step runs before any parameter is
+    // released (the model is built whole), as at stage 2.
+    let later = |v: &[f64]| {
+        let later = &v[1.min(v.len() - 1)..];
+        later.iter().sum::<f64>() / later.len() as f64
+    };
+    let (step_s, sent_per_step) = (later(&times), later(&sent));
     let process = accelerator.process().clone();
     let (peak, rest) = (peak_memory_mib(), resident_memory_mib());
-    let (peaks, rests): (Vec<f64>, Vec<f64>) = match process.group() {
-        Ok(group) => (
-            group.all_gather(&[peak]).expect("all-gather"),
-            group.all_gather(&[rest]).expect("all-gather"),
-        ),
-        Err(_) => (vec![peak], vec![rest]),
+    let [peaks, rests, step_times, sents]: [Vec<f64>; 4] = match process.group() {
+        Ok(group) => [peak, rest, step_s, sent_per_step]
+            .map(|value| group.all_gather(&[value]).expect("all-gather")),
+        Err(_) => [peak, rest, step_s, sent_per_step].map(|value| vec![value]),
     };
     if process.is_main_process() {
+        let max = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
+        let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
         println!(
             "zero_stage={} processes={} params={} peak_rss_mib={:.0} rest_rss_mib={:.0} \
+             step_s={:.3} sent_mib_per_step={:.1} sent_per_param_byte={:.3} \
              final_loss={loss_value}",
             args.zero_stage,
             process.num_processes(),
             params,
-            peaks.iter().copied().fold(0.0, f64::max),
-            rests.iter().copied().fold(0.0, f64::max),
+            max(&peaks),
+            max(&rests),
+            max(&step_times),
+            mean(&sents) / (1024.0 * 1024.0),
+            mean(&sents) / (params * 4) as f64,
         );
     }
     if let Some(dir) = &args.checkpoint {
         let run_peak = peak_memory_mib();
         // The save's own peak, from what each process holds now.
         reset_peak_memory();
-        let start = std::time::Instant::now();
+        let start = Instant::now();
         accelerator
             .save_checkpoint(&CheckpointDir::new(dir), 1, &model, &optim)
             .expect("the checkpoint saved");

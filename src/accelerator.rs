@@ -435,18 +435,29 @@ impl<B: AutodiffBackend> Accelerator<B> {
     ///
     /// The division happens on every batch, as in Accelerate (see
     /// [`AccelerateConfig::divide_partial_window_by_length`] for the last partial window).
+    ///
+    /// At ZeRO stage 3 ([`ZeroStage::Parameters`](crate::zero::ZeroStage::Parameters), on
+    /// `Accelerated<Autodiff<B>>`, from the second window on), the backward pass of the batch
+    /// that completes a window reduces each gradient to the process that owns its parameter
+    /// as soon as it is final (FSDP's post-backward reduce-scatter): afterwards
+    /// [`gradients`](Self::gradients) holds this process's partition's averaged gradients
+    /// only, as at stage 2 after [`unscale_gradients`](Self::unscale_gradients). Every
+    /// process must call it for the same batches.
     pub fn backward<M: AutodiffModule<B>, const D: usize>(
         &mut self,
         loss: Tensor<B, D>,
         model: &M,
     ) {
         let loss = self.core.transform_loss(loss);
+        // At ZeRO stage 3, the pass that completes a window reduces each gradient to its
+        // owner as soon as it is final.
+        let reduces = self.core.begin_backward(model);
         // In the training's context: fp8's backward records its gradients' amaxes there.
         let grads = {
             let _entered = self.context.enter();
             GradientsParams::from_grads(loss.backward(), model)
         };
-        self.core.add_gradients(model, grads);
+        self.core.end_backward(model, grads, reduces);
         self.core.end_pass();
     }
 
@@ -564,6 +575,33 @@ impl<B: AutodiffBackend> Accelerator<B> {
         })
     }
 
+    /// `model`, prepared for training (Accelerate's `prepare_model`): at ZeRO stage 3
+    /// ([`ZeroStage::Parameters`](crate::zero::ZeroStage::Parameters)) across processes, each
+    /// process keeps only its partition's parameters from here on, as after every step,
+    /// instead of holding the whole model until the first step (FSDP shards a model when it
+    /// wraps it). Parameters Burn has not initialised yet (`Module::init`'s lazy ones) are
+    /// initialised one at a time and dropped where this process does not own them, so a
+    /// model larger than one process can hold never is whole. Every process must call it, at
+    /// the same point, before the first forward pass. At other stages, or on one process, the
+    /// model as it is.
+    ///
+    /// ```no_run
+    /// # use burn::backend::{Autodiff, Flex};
+    /// # use burn::nn::{Linear, LinearConfig};
+    /// # use burn_accelerate::{AccelerateConfig, Accelerated, zero::ZeroStage};
+    /// # type B = Accelerated<Autodiff<Flex>>;
+    /// # let device = Default::default();
+    /// let mut accelerator = AccelerateConfig::new()
+    ///     .with_zero_stage(ZeroStage::Parameters)
+    ///     .init::<B>(&device)?;
+    /// let model: Linear<B> = LinearConfig::new(4, 4).init(&device);
+    /// let model = accelerator.prepare_model(model);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn prepare_model<M: AutodiffModule<B>>(&mut self, model: M) -> M {
+        self.core.prepare_model(model)
+    }
+
     /// The whole optimizer state on the main process, for a checkpoint (`None` on the other
     /// processes): give it the model the optimizer steps and the optimizer's own record.
     /// Every process must call it at the same step.
@@ -679,20 +717,11 @@ impl<B: AutodiffBackend> Accelerator<B> {
     /// accumulation settings or another kind of loss scaling (none / static / dynamic).
     pub fn load_state(&mut self, saved: &AcceleratorState) -> Result<(), AccelerateError> {
         let g = &saved.gradient_state;
-        if g.num_steps != self.config.gradient_accumulation_steps {
-            return Err(AccelerateError::StateMismatch {
-                what: "gradient_accumulation_steps",
-                saved: g.num_steps.to_string(),
-                current: self.config.gradient_accumulation_steps.to_string(),
-            });
-        }
-        if g.sync_with_dataloader != self.config.sync_with_dataloader {
-            return Err(AccelerateError::StateMismatch {
-                what: "sync_with_dataloader",
-                saved: g.sync_with_dataloader.to_string(),
-                current: self.config.sync_with_dataloader.to_string(),
-            });
-        }
+        crate::step::check_accumulation(
+            g,
+            self.config.gradient_accumulation_steps,
+            self.config.sync_with_dataloader,
+        )?;
         self.core.restore(g, saved.loss_scale)?;
         Ok(())
     }

@@ -894,6 +894,45 @@ mod burn_machinery {
         assert_eq!(resumed.loss_scale, whole.loss_scale);
     }
 
+    // As the `Accelerator`'s `load_state` refuses it (tests/accelerator.rs,
+    // `load_state_refuses_a_checkpoint_from_other_settings`): a resumed run with another
+    // window would step at other batches than the run that saved the checkpoint.
+    #[test]
+    fn a_checkpoint_saved_with_other_accumulation_is_refused_naming_it() {
+        let dir = std::env::temp_dir().join(format!(
+            "burn-accelerate-train-resume-window-{}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        let run = |steps: usize, epochs: usize| {
+            let strategy = AccelerateStrategy::new(
+                cast_small().with_gradient_accumulation_steps(steps),
+                &Default::default(),
+            )
+            .unwrap()
+            .with_checkpoint_dir(dir.join("checkpoint"));
+            let builder = training_with(&dir, strategy.report()).num_epochs(epochs);
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| launch(builder, strategy)))
+                .map_err(|payload| {
+                    payload
+                        .downcast_ref::<String>()
+                        .cloned()
+                        .unwrap_or_default()
+                })
+        };
+        let saved = run(2, 1).unwrap();
+        assert_eq!(saved.epochs.len(), 1);
+        let refused = run(3, 2).unwrap_err();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(
+            refused.contains(
+                "cannot resume: cannot restore gradient_accumulation_steps: the checkpoint was \
+                 saved with 2, this accelerator has 3"
+            ),
+            "{refused}"
+        );
+    }
+
     fn list(dir: &Path) -> Vec<String> {
         let mut out = Vec::new();
         for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {

@@ -170,7 +170,7 @@ impl<B: AutodiffBackend> AutodiffBackend for Accelerated<B> {
     /// `B::inner`, of the whole parameter where `tensor` is one of ZeRO stage 3's
     /// placeholders (a collective: `Module::valid` reads every parameter on every process).
     fn inner(tensor: FloatTensor<Self>) -> FloatTensor<Self::InnerBackend> {
-        B::inner(placeholder::resolve::<B>(tensor))
+        B::inner(placeholder::resolve_read::<B>(tensor))
     }
 
     fn int_inner(tensor: IntTensor<Self>) -> IntTensor<Self::InnerBackend> {

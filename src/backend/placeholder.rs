@@ -18,18 +18,37 @@
 //!   for the op alone and dropped when it returns; its backward node keeps the placeholder
 //!   and gathers the weight again to compute the input's gradient. At most one layer's
 //!   gathered weight and bias are whole at a time ([`gathered_bytes`]).
-//! - Every other op of every ops trait the decorator forwards (matmul, convolutions,
-//!   embeddings, casts under autocast, reads such as `into_data`, transactions), `linear`
-//!   under autocast, and the decorator's `AutodiffBackend::inner` (`Module::valid`'s copy): the registered input is gathered in full and the op reads
-//!   `placeholder + gathered` (the gathered value bit for bit, since `-0.0` is the additive
-//!   identity, with the gradient flowing to the placeholder). The numbers are right; the
-//!   gathered value stays whole while the autodiff graph keeps it (until the step), as the
-//!   lazy gather's did: no per-layer bound for these ops.
+//! - `matmul` (Burn's `Tensor::matmul`) with a registered operand, where autocast is off and
+//!   the operands share a dtype: the parameter is gathered for the product alone; the node
+//!   keeps its placeholder and gathers it again for the other operand's gradient (Burn's
+//!   `Matmul` backward, the same ops in the same order).
+//! - `embedding` (Burn's `nn::Embedding`): the table is gathered for the lookup alone; the
+//!   backward reads only its shape (`embedding_backward`), so it is not gathered again.
+//! - Every other op of every ops trait the decorator forwards (convolutions, layer norms,
+//!   casts under autocast, transactions), `linear` and `matmul` under autocast: the
+//!   registered input is gathered in full and the op reads `anchor + gathered` (the gathered
+//!   value bit for bit, since `-0.0` is the additive identity, with the gradient flowing to
+//!   the anchor). The numbers are right; the gathered value stays whole while the autodiff
+//!   graph keeps it (until the step), as the lazy gather's did: no per-op bound for these
+//!   ops. Reads that build no graph (`into_data`, the decorator's `AutodiffBackend::inner`:
+//!   `Module::valid`'s copy) gather the same way, without an anchor.
+//!
+//! # Anchors
+//!
+//! Every op of a pass reads a registered parameter through its anchor, an identity node made
+//! at the parameter's first use in the pass: its backward sees the sum of every use's
+//! gradient, and hands it to the parameter as it is, or (in the backward pass that completes
+//! an accumulation window, `crate::zero::post_backward`) reduces it to the parameter's owner
+//! first, the other processes keeping nothing of it. `linear` and `matmul` place their
+//! anchors just above their other input, so that they run right after the op's backward;
+//! other ops' anchors (an embedding's among them: its input is integers) sit above the
+//! parameter alone and run at the end of the pass.
 //!
 //! Recognition needs the concrete `Autodiff<B, C>` (the node id), which `crate::hooks`
 //! registers per backend type; a backend without the hook registers nothing, and stage 3
 //! keeps the lazy gather there (`crate::zero::release_parameters`).
 
+use std::any::Any;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -39,9 +58,9 @@ use burn::backend::autodiff::NodeId;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
-use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
-use burn_backend::tensor::FloatTensor;
-use burn_backend::{Backend, TensorData, TensorMetadata, try_read_sync};
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, broadcast_shape, unary};
+use burn_backend::tensor::{FloatTensor, IntTensor};
+use burn_backend::{Backend, DType, FloatDType, TensorData, TensorMetadata, try_read_sync};
 
 use crate::hooks::{self, HookKind};
 
@@ -55,6 +74,13 @@ pub trait Shard: Send + Sync + 'static {
     /// read different parameters, a lost peer) panics with what to change: it runs inside an
     /// op, which has no error channel.
     fn gather(&self, own: Option<Vec<u8>>) -> Vec<u8>;
+
+    /// The mean over the processes of the parameter's gradient (`grad`: this process's, f32
+    /// bytes in logical order), on its owner (`Some`); `None` on the others, which keep
+    /// nothing of it. Every process must call it at the same point of the same backward
+    /// pass; the per-value sums run in the order ZeRO stage 2's reduce-scatter sums the
+    /// owner's block. Panics as [`gather`](Self::gather) does.
+    fn reduce(&self, grad: Vec<u8>) -> Option<Vec<u8>>;
 }
 
 /// The gathered parameters' bytes that are whole right now on this process, and the most
@@ -73,6 +99,18 @@ pub struct GatheredBytes {
 struct Registry {
     // Registered tensors by autodiff node id.
     shards: BTreeMap<u64, Arc<dyn Shard>>,
+    // Each registered parameter's anchor (a `FloatTensor<B>` of the backend that made it),
+    // by the parameter's node id: every op of a pass reads the parameter through it, so
+    // that its backward node sees the sum of every use's gradient. Dropped when its
+    // backward runs, or when the parameters are released.
+    anchors: BTreeMap<u64, Box<dyn Any + Send>>,
+    // Whether the anchors' backward reduces each parameter's gradient to its owner (the
+    // backward pass that completes an accumulation window), or hands it to the parameter
+    // as it is (the window's earlier passes).
+    reducing: bool,
+    // The window's earlier passes' gradient sum of each parameter (an inner backend's float
+    // primitive), by node id, added to the last pass's before its reduction.
+    window: BTreeMap<u64, Box<dyn Any + Send>>,
     bytes: GatheredBytes,
 }
 
@@ -87,6 +125,9 @@ static PLACEHOLDERS: Placeholders = Placeholders {
     registered: AtomicUsize::new(0),
     registry: Mutex::new(Registry {
         shards: BTreeMap::new(),
+        anchors: BTreeMap::new(),
+        reducing: false,
+        window: BTreeMap::new(),
         bytes: GatheredBytes { alive: 0, peak: 0 },
     }),
 };
@@ -128,7 +169,23 @@ fn count_dropped(bytes: u64) {
 struct Tracked<B: Backend> {
     node_id: fn(&FloatTensor<B>) -> u64,
     linear: LinearHook<B>,
+    matmul: MatmulHook<B>,
+    embedding: EmbeddingHook<B>,
+    anchor: AnchorHook<B>,
 }
+
+type MatmulHook<B> = fn(
+    FloatTensor<B>,
+    FloatTensor<B>,
+    Option<Arc<dyn Shard>>,
+    Option<Arc<dyn Shard>>,
+) -> FloatTensor<B>;
+
+type EmbeddingHook<B> = fn(FloatTensor<B>, IntTensor<B>, Arc<dyn Shard>) -> FloatTensor<B>;
+
+// A new anchor node for a parameter (its tensor, an input of the op that first reads it, its
+// shard); the parameter itself where it is not tracked.
+type AnchorHook<B> = fn(FloatTensor<B>, Option<&FloatTensor<B>>, Arc<dyn Shard>) -> FloatTensor<B>;
 
 type LinearHook<B> = fn(
     FloatTensor<B>,
@@ -163,6 +220,9 @@ pub fn register<B: Backend, C: CheckpointStrategy>() {
     hooks::insert::<PlaceholderHooks, Autodiff<B, C>, _>(Tracked::<Autodiff<B, C>> {
         node_id: node_id::<B>,
         linear: bounded_linear::<B, C>,
+        matmul: bounded_matmul::<B, C>,
+        embedding: bounded_embedding::<B, C>,
+        anchor: anchor::<B, C>,
     });
     // Under its key the decorator says that its ops resolve placeholders.
     hooks::insert::<DecoratorHooks, super::Accelerated<Autodiff<B, C>>, _>(Resolves);
@@ -171,6 +231,9 @@ pub fn register<B: Backend, C: CheckpointStrategy>() {
     > {
         node_id: node_id::<B>,
         linear: bounded_linear::<B, C>,
+        matmul: bounded_matmul::<B, C>,
+        embedding: bounded_embedding::<B, C>,
+        anchor: anchor::<B, C>,
     });
 }
 
@@ -223,6 +286,9 @@ pub(crate) fn unregister_tensor<B: Backend>(tensor: &FloatTensor<B>) {
 pub(crate) fn forget_all() {
     registry(|r| {
         r.shards.clear();
+        r.anchors.clear();
+        r.reducing = false;
+        r.window.clear();
         r.bytes.alive = 0;
     });
 }
@@ -276,10 +342,26 @@ fn counted<T: TensorMetadata>(shard: &dyn Shard, tensor: &T) -> u64 {
     }
 }
 
-/// `tensor` for an op that reads it: a registered parameter gathered whole (`placeholder +
-/// gathered`, so the gradient reaches the placeholder; the owner's own value unchanged),
-/// any other tensor as it is.
+/// `tensor` for an op that reads it: a registered parameter gathered whole (`anchor +
+/// gathered`, so the gradient reaches the parameter through its anchor; the owner's own value
+/// through its anchor), any other tensor as it is.
 pub(crate) fn resolve<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
+    let Some(shard) = shard_of::<B>(&tensor) else {
+        return tensor;
+    };
+    let gathered = gather::<B>(shard.as_ref(), &tensor);
+    let anchor = anchored::<B>(tensor, None, shard.clone());
+    if shard.is_owned() {
+        anchor
+    } else {
+        // Whole until the step: the graph may keep the sum. Not counted as dropped.
+        B::float_add(anchor, gathered)
+    }
+}
+
+/// [`resolve`] for a read that builds no graph (`into_data`, `AutodiffBackend::inner`): the
+/// gathered value without an anchor.
+pub(crate) fn resolve_read<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
     let Some(shard) = shard_of::<B>(&tensor) else {
         return tensor;
     };
@@ -287,9 +369,35 @@ pub(crate) fn resolve<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
     if shard.is_owned() {
         gathered
     } else {
-        // Whole until the step: the graph may keep the sum. Not counted as dropped.
         B::float_add(tensor, gathered)
     }
+}
+
+// The parameter `leaf` through this pass's anchor (made at its first use, `input` an input of
+// that op: see `anchor`), where `B` has the hook and `leaf` is tracked; `leaf` otherwise.
+fn anchored<B: Backend>(
+    leaf: FloatTensor<B>,
+    input: Option<&FloatTensor<B>>,
+    shard: Arc<dyn Shard>,
+) -> FloatTensor<B> {
+    let Some(tracked) = tracked::<B>() else {
+        return leaf;
+    };
+    let id = (tracked.node_id)(&leaf);
+    let cached = registry(|r| {
+        r.anchors
+            .get(&id)
+            .and_then(|anchor| anchor.downcast_ref::<FloatTensor<B>>().cloned())
+    });
+    if let Some(anchor) = cached {
+        return anchor;
+    }
+    let anchor = (tracked.anchor)(leaf, input, shard);
+    if (tracked.node_id)(&anchor) != id {
+        let kept = Box::new(anchor.clone());
+        registry(|r| r.anchors.insert(id, kept));
+    }
+    anchor
 }
 
 /// [`resolve`] of an optional input.
@@ -323,7 +431,61 @@ pub(crate) fn linear<B: Backend>(
         return Err((x, weight, bias));
     };
     let bias_shard = bias.as_ref().and_then(shard_of::<B>);
+    let weight = anchored::<B>(weight, Some(&x), weight_shard.clone());
+    let bias = match (bias, &bias_shard) {
+        (Some(bias), Some(shard)) => Some(anchored::<B>(bias, Some(&x), shard.clone())),
+        (bias, _) => bias,
+    };
     Ok((tracked.linear)(x, weight, bias, weight_shard, bias_shard))
+}
+
+/// `matmul(lhs, rhs)` with the per-op bound, where it applies: an operand is a registered
+/// parameter, autocast lowers nothing and the operands share a dtype. Otherwise the inputs
+/// back, for the op's usual path.
+pub(crate) fn float_matmul<B: Backend>(
+    lhs: FloatTensor<B>,
+    rhs: FloatTensor<B>,
+) -> Result<FloatTensor<B>, (FloatTensor<B>, FloatTensor<B>)> {
+    let (lhs_shard, rhs_shard) = (shard_of::<B>(&lhs), shard_of::<B>(&rhs));
+    let applies = (lhs_shard.is_some() || rhs_shard.is_some())
+        && lhs.dtype() == rhs.dtype()
+        && crate::autocast::current().is_none();
+    let Some(tracked) = tracked::<B>().filter(|_| applies) else {
+        return Err((lhs, rhs));
+    };
+    // A parameter's anchor sits above the other operand, where that one is not a parameter.
+    let lhs_anchored = match &lhs_shard {
+        Some(shard) => {
+            let input = rhs_shard.is_none().then_some(&rhs);
+            anchored::<B>(lhs.clone(), input, shard.clone())
+        }
+        None => lhs.clone(),
+    };
+    let rhs = match &rhs_shard {
+        Some(shard) => {
+            let input = lhs_shard.is_none().then_some(&lhs);
+            anchored::<B>(rhs, input, shard.clone())
+        }
+        None => rhs,
+    };
+    Ok((tracked.matmul)(lhs_anchored, rhs, lhs_shard, rhs_shard))
+}
+
+/// `embedding(weights, indices)` with the per-op bound, where the weights are a registered
+/// parameter: gathered for the lookup alone; the backward needs only their shape. Otherwise
+/// the inputs back.
+pub(crate) fn embedding<B: Backend>(
+    weights: FloatTensor<B>,
+    indices: IntTensor<B>,
+) -> Result<FloatTensor<B>, (FloatTensor<B>, IntTensor<B>)> {
+    let Some(shard) = shard_of::<B>(&weights) else {
+        return Err((weights, indices));
+    };
+    let Some(tracked) = tracked::<B>() else {
+        return Err((weights, indices));
+    };
+    let weights = anchored::<B>(weights, None, shard.clone());
+    Ok((tracked.embedding)(weights, indices, shard))
 }
 
 // The weight as a backward node keeps it: its placeholder (or the owner's value) and shard,
@@ -452,5 +614,369 @@ fn bounded_linear<B: Backend, C: CheckpointStrategy>(
             OpsKind::Tracked(prep) => prep.finish(state(&x, &weight), output),
             OpsKind::UnTracked(prep) => prep.finish(output),
         },
+    }
+}
+
+// What an anchor's backward node keeps: the parameter's shard, its node id (the anchor's
+// entry), and the input whose order placed the anchor (see `anchor`).
+struct AnchorState<B: Backend, C: CheckpointStrategy> {
+    shard: Arc<dyn Shard>,
+    leaf: u64,
+    input: Option<FloatTensor<Autodiff<B, C>>>,
+}
+
+impl<B: Backend, C: CheckpointStrategy> Clone for AnchorState<B, C> {
+    fn clone(&self) -> Self {
+        AnchorState {
+            shard: self.shard.clone(),
+            leaf: self.leaf,
+            input: self.input.clone(),
+        }
+    }
+}
+
+impl<B: Backend, C: CheckpointStrategy> core::fmt::Debug for AnchorState<B, C> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str("AnchorState")
+    }
+}
+
+// The anchor's node: its parents are the parameter and the input (see `anchor`).
+#[derive(Debug)]
+struct Anchor<C>(core::marker::PhantomData<C>);
+
+impl<B: Backend, C: CheckpointStrategy> Backward<B, 2> for Anchor<C> {
+    type State = AnchorState<B, C>;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let [leaf, _input] = ops.parents;
+        anchor_backward::<B, C>(leaf.map(|node| node.id), grad, ops.state, grads);
+    }
+}
+
+// An anchor with no input to place it (the op's other inputs are not tracked, or the op is
+// not one that passes them: see `resolve`): its parent is the parameter alone.
+#[derive(Debug)]
+struct AnchorAlone<C>(core::marker::PhantomData<C>);
+
+impl<B: Backend, C: CheckpointStrategy> Backward<B, 1> for AnchorAlone<C> {
+    type State = AnchorState<B, C>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let [leaf] = ops.parents;
+        anchor_backward::<B, C>(leaf.map(|node| node.id), grad, ops.state, grads);
+    }
+}
+
+// A parameter's anchor: an identity node between the parameter (a leaf) and every op of this
+// pass that reads it, so that Burn's autodiff has summed every use's gradient before the
+// anchor's backward runs (a layer used twice, tied weights), and the anchor alone hands the
+// sum on: as it is while a window accumulates, reduced to the parameter's owner on the pass
+// that completes it (`Registry::reducing`), where the other processes keep nothing of it.
+//
+// Burn runs a backward pass deepest node first (`depth`: one more than the deepest parent).
+// A parameter's depth is 0, so an anchor over the parameter alone would run after every
+// other node, every gradient whole until the end of the pass. The anchor's second parent is
+// the input of the op that first reads the parameter (a linear layer's `x`): it sits just
+// above that input, so it runs right after the backward of the layers above it (its uses are
+// deeper still), before anything below. Its backward adds nothing to the input's gradient.
+fn anchor<B: Backend, C: CheckpointStrategy>(
+    leaf: FloatTensor<Autodiff<B, C>>,
+    input: Option<&FloatTensor<Autodiff<B, C>>>,
+    shard: Arc<dyn Shard>,
+) -> FloatTensor<Autodiff<B, C>> {
+    if !leaf.is_tracked() {
+        return leaf;
+    }
+    // An input that is not tracked (the data) places nothing: the parameter's order is kept.
+    let input = input.filter(|input| input.is_tracked()).cloned();
+    let state = AnchorState::<B, C> {
+        shard,
+        leaf: leaf.node.id.value,
+        input: input.clone(),
+    };
+    let value = leaf.primitive.clone();
+    match input {
+        Some(input) => match Anchor::<C>(core::marker::PhantomData)
+            .prepare::<C>([leaf.node.clone(), input.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(state, value),
+            OpsKind::UnTracked(prep) => prep.finish(value),
+        },
+        None => match AnchorAlone::<C>(core::marker::PhantomData)
+            .prepare::<C>([leaf.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(state, value),
+            OpsKind::UnTracked(prep) => prep.finish(value),
+        },
+    }
+}
+
+fn anchor_backward<B: Backend, C: CheckpointStrategy>(
+    leaf: Option<NodeId>,
+    grad: FloatTensor<B>,
+    state: AnchorState<B, C>,
+    grads: &mut Gradients,
+) {
+    // An anchor kept from a forward pass whose graph was dropped without a backward (its
+    // input is that pass's): that input's node runs in this backward too, and must find a
+    // gradient. Zeros: the dropped pass contributes nothing.
+    if let Some(input) = &state.input
+        && input.grad(grads).is_none()
+    {
+        let zeros = B::float_zeros(
+            input.primitive.shape(),
+            &B::float_device(&input.primitive),
+            FloatDType::from(input.primitive.dtype()),
+        );
+        grads.register::<B>(input.node.id, zeros);
+    }
+    // The next pass makes a new anchor: this one's node is spent.
+    let reducing = registry(|r| {
+        r.anchors.remove(&state.leaf);
+        r.reducing
+    });
+    let Some(leaf) = leaf else {
+        return;
+    };
+    let grad = if reducing {
+        let grad = match take_window::<B>(state.leaf) {
+            // The window's sum, in the order the step adds a pass to it (`grads::accumulate`).
+            Some(earlier) => B::float_add(earlier, grad),
+            None => grad,
+        };
+        reduce_to_owner::<B>(state.shard.as_ref(), grad)
+    } else {
+        Some(grad)
+    };
+    if let Some(grad) = grad {
+        grads.register::<B>(leaf, grad);
+    }
+}
+
+// The window's earlier passes' sum for the parameter of node `leaf`, if any.
+fn take_window<B: Backend>(leaf: u64) -> Option<FloatTensor<B>> {
+    let earlier = registry(|r| r.window.remove(&leaf))?;
+    Some(
+        *earlier
+            .downcast::<FloatTensor<B>>()
+            .unwrap_or_else(|_| unreachable!("the window's gradients are the inner backend's")),
+    )
+}
+
+/// The mean over the processes of `grad` (this process's gradient of the parameter `shard`
+/// gathers), on the parameter's owner, in `grad`'s shape and dtype (reduced in f32, as ZeRO
+/// stage 2 reduces); `None` on the other processes.
+pub(crate) fn reduce_to_owner<B: Backend>(
+    shard: &dyn Shard,
+    grad: FloatTensor<B>,
+) -> Option<FloatTensor<B>> {
+    let (shape, dtype, device) = (grad.shape(), grad.dtype(), B::float_device(&grad));
+    let grad = if dtype == DType::F32 {
+        grad
+    } else {
+        B::float_cast(grad, FloatDType::F32)
+    };
+    let mean = shard.reduce(bytes_of::<B>(grad))?;
+    let mean = B::float_from_data(TensorData::from_bytes_vec(mean, shape, DType::F32), &device);
+    Some(if dtype == DType::F32 {
+        mean
+    } else {
+        B::float_cast(mean, FloatDType::from(dtype))
+    })
+}
+
+/// The node id of `tensor` and the shard it is registered with, if it is a registered
+/// parameter (`B` the decorator over a registered autodiff backend).
+pub(crate) fn registered<B: Backend>(tensor: &FloatTensor<B>) -> Option<(u64, Arc<dyn Shard>)> {
+    let id = (tracked::<B>()?.node_id)(tensor);
+    registry(|r| r.shards.get(&id).cloned()).map(|shard| (id, shard))
+}
+
+/// Starts a backward pass that reduces each parameter's gradient to its owner as soon as its
+/// anchor has summed it: `window` holds the accumulation window's earlier passes' sums (an
+/// inner backend's float primitives) by the parameters' node ids, added in before each
+/// reduction.
+pub(crate) fn begin_reducing(window: BTreeMap<u64, Box<dyn Any + Send>>) {
+    registry(|r| {
+        r.reducing = true;
+        r.window = window;
+    });
+}
+
+/// Ends what [`begin_reducing`] started; returns the window's sums that no anchor took (the
+/// parameters the pass did not reach), to be reduced by the caller.
+pub(crate) fn end_reducing() -> BTreeMap<u64, Box<dyn Any + Send>> {
+    registry(|r| {
+        r.reducing = false;
+        core::mem::take(&mut r.window)
+    })
+}
+
+// A `matmul` operand as its backward node keeps it: a registered parameter as its placeholder
+// (or the owner's value) and shard, gathered again where the other operand's gradient needs
+// it; any other tensor as it is.
+struct Operand<B: Backend> {
+    tensor: FloatTensor<B>,
+    shard: Option<Arc<dyn Shard>>,
+}
+
+impl<B: Backend> Clone for Operand<B> {
+    fn clone(&self) -> Self {
+        Operand {
+            tensor: self.tensor.clone(),
+            shard: self.shard.clone(),
+        }
+    }
+}
+
+impl<B: Backend> core::fmt::Debug for Operand<B> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str("Operand")
+    }
+}
+
+// Burn's `matmul` node's state (`burn-autodiff`'s `Matmul`: the left operand where the right
+// one's gradient needs it, and the reverse), and the operands' shapes where they broadcast.
+type MatmulState<B> = (
+    Option<Operand<B>>,
+    Option<Operand<B>>,
+    Option<(burn_backend::Shape, burn_backend::Shape)>,
+);
+
+#[derive(Debug)]
+struct BoundedMatmul;
+
+impl<B: Backend> Backward<B, 2> for BoundedMatmul {
+    type State = MatmulState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let (lhs, rhs, broadcast) = ops.state;
+        let grad = grads.consume::<B>(&ops.node);
+        let [node_lhs, node_rhs] = ops.parents;
+        // Burn's `Matmul` backward: the same ops in the same order, each kept operand
+        // gathered for its op alone.
+        if let Some(node) = node_lhs {
+            let rhs = rhs.expect("kept where the left operand is tracked");
+            let (whole, bytes) = rhs.whole();
+            let out = B::float_matmul(grad.clone(), B::float_transpose(whole));
+            count_dropped(bytes);
+            let out = match &broadcast {
+                Some((lhs_shape, _)) => broadcast_shape::<B>(out, lhs_shape),
+                None => out,
+            };
+            grads.register::<B>(node.id, out);
+        }
+        if let Some(node) = node_rhs {
+            let lhs = lhs.expect("kept where the right operand is tracked");
+            let (whole, bytes) = lhs.whole();
+            let out = B::float_matmul(B::float_transpose(whole), grad);
+            count_dropped(bytes);
+            let out = match &broadcast {
+                Some((_, rhs_shape)) => broadcast_shape::<B>(out, rhs_shape),
+                None => out,
+            };
+            grads.register::<B>(node.id, out);
+        }
+    }
+}
+
+impl<B: Backend> Operand<B> {
+    // The whole value (gathered where registered), and the bytes a gather counted.
+    fn whole(&self) -> (FloatTensor<B>, u64) {
+        match &self.shard {
+            Some(shard) => (
+                gather::<B>(shard.as_ref(), &self.tensor),
+                counted(shard.as_ref(), &self.tensor),
+            ),
+            None => (self.tensor.clone(), 0),
+        }
+    }
+}
+
+// Burn's `matmul` on `Autodiff<B, C>` with each registered operand gathered for the forward
+// op alone, and a node that keeps its placeholder instead of the gathered value.
+fn bounded_matmul<B: Backend, C: CheckpointStrategy>(
+    lhs: FloatTensor<Autodiff<B, C>>,
+    rhs: FloatTensor<Autodiff<B, C>>,
+    lhs_shard: Option<Arc<dyn Shard>>,
+    rhs_shard: Option<Arc<dyn Shard>>,
+) -> FloatTensor<Autodiff<B, C>> {
+    let (lhs_tracked, rhs_tracked) = (lhs.is_tracked(), rhs.is_tracked());
+    let (lhs_shape, rhs_shape) = (lhs.primitive.shape(), rhs.primitive.shape());
+    // Burn's `BinaryOpsBroadcast`: any dimension that differs.
+    let broadcast = (0..lhs_shape.num_dims())
+        .any(|i| lhs_shape[i] != rhs_shape[i])
+        .then_some((lhs_shape, rhs_shape));
+    let lhs_kept = Operand {
+        tensor: lhs.primitive.clone(),
+        shard: lhs_shard,
+    };
+    let rhs_kept = Operand {
+        tensor: rhs.primitive.clone(),
+        shard: rhs_shard,
+    };
+    let (lhs_whole, lhs_bytes) = lhs_kept.whole();
+    let (rhs_whole, rhs_bytes) = rhs_kept.whole();
+    let output = B::float_matmul(lhs_whole, rhs_whole);
+    count_dropped(lhs_bytes + rhs_bytes);
+    match BoundedMatmul
+        .prepare::<C>([lhs.node.clone(), rhs.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => prep.finish(
+            (
+                rhs_tracked.then_some(lhs_kept),
+                lhs_tracked.then_some(rhs_kept),
+                broadcast,
+            ),
+            output,
+        ),
+        OpsKind::UnTracked(prep) => prep.finish(output),
+    }
+}
+
+#[derive(Debug)]
+struct BoundedEmbedding;
+
+impl<B: Backend> Backward<B, 1> for BoundedEmbedding {
+    // The weights' placeholder (their shape, device and dtype: all `embedding_backward`
+    // reads of them) and the indices.
+    type State = (FloatTensor<B>, IntTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let (weights, indices) = ops.state;
+        unary::<B, _>(ops.parents, ops.node, grads, |grad| {
+            B::embedding_backward(weights, grad, indices)
+        });
+    }
+}
+
+// Burn's `embedding` on `Autodiff<B, C>` with the weights gathered for the lookup alone.
+// Burn's backward reads the weights' shape only (`ModuleOps::embedding_backward`'s default,
+// and Flex's): the node keeps the placeholder.
+fn bounded_embedding<B: Backend, C: CheckpointStrategy>(
+    weights: FloatTensor<Autodiff<B, C>>,
+    indices: IntTensor<Autodiff<B, C>>,
+    shard: Arc<dyn Shard>,
+) -> FloatTensor<Autodiff<B, C>> {
+    let bytes = counted(shard.as_ref(), &weights.primitive);
+    let whole = gather::<B>(shard.as_ref(), &weights.primitive);
+    let output = B::embedding(whole, indices.clone());
+    count_dropped(bytes);
+    match BoundedEmbedding
+        .prepare::<C>([weights.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => prep.finish((weights.primitive.clone(), indices), output),
+        OpsKind::UnTracked(prep) => prep.finish(output),
     }
 }

@@ -387,7 +387,7 @@ where
         )
     })?;
     if let Some(group) = group.filter(|_| shards_parameters) {
-        model = zero::release_parameters(group, model, &partition);
+        model = zero::release_loaded(group, model, &partition);
     }
     loaded.files.remove(&names.state);
     Ok(Contents {

@@ -52,6 +52,9 @@ mod seed;
 use burn_accelerate_comm::{element, engine, error};
 pub use burn_accelerate_comm::{env, membership};
 
+/// The bytes this process's collectives have sent over the built-in engine's ring since it
+/// started (ZeRO's per-step traffic: read it before and after a step).
+pub use burn_accelerate_comm::engine::sent_bytes;
 pub use burn_accelerate_comm::{
     DistributedError, Element, ProcessLayout, Reducible, Rendezvous, RendezvousHost, RunSecret,
     restart_count, serve_rendezvous,

@@ -30,7 +30,7 @@ use burn::tensor::{ElementConversion, Tensor};
 
 pub use divisor::LossTransform;
 use divisor::Window;
-pub(crate) use restore::restore_position;
+pub(crate) use restore::{check_accumulation, restore_position};
 
 use crate::context::Context;
 use crate::distributed::{self, ProcessGroup};
@@ -90,6 +90,12 @@ pub(crate) struct StepCore<B: AutodiffBackend> {
     // The training's context, entered for fp8's step: the forward passes recorded their amaxes
     // in its fp8 state, whichever thread ends the pass.
     context: Option<Context>,
+    // Stage 3: this window's gradients were reduced to their owners in its last backward pass
+    // (`zero::post_backward`); `grads` holds this process's partition's means.
+    reduced_in_backward: bool,
+    // Stage 3: gradients of backward passes after that one in the same window (a loop that
+    // differentiates twice before its step), reduce-scattered at the unscale.
+    unreduced: GradientsParams,
 }
 
 impl<B: AutodiffBackend> StepCore<B> {
@@ -121,6 +127,8 @@ impl<B: AutodiffBackend> StepCore<B> {
             clipped: false,
             fp8: settings.fp8,
             context: None,
+            reduced_in_backward: false,
+            unreduced: GradientsParams::new(),
         }
     }
 
@@ -167,7 +175,46 @@ impl<B: AutodiffBackend> StepCore<B> {
 
     /// Adds one backward pass's gradients to the window.
     pub fn add_gradients<M: AutodiffModule<B>>(&mut self, model: &M, grads: GradientsParams) {
-        grads::accumulate::<B, M>(model, &mut self.grads, grads);
+        if self.reduced_in_backward {
+            // Not reduced, unlike the window's: kept apart until the unscale reduces them.
+            grads::accumulate::<B, M>(model, &mut self.unreduced, grads);
+        } else {
+            grads::accumulate::<B, M>(model, &mut self.grads, grads);
+        }
+    }
+
+    /// Before a backward pass through `model`: at ZeRO stage 3, on the pass that completes a
+    /// window (its first such pass), the pass reduces each parameter's gradient to its owner
+    /// as soon as it is final, the window's earlier sums included (`zero::post_backward`).
+    /// Returns whether it does; pass the answer to [`end_backward`](Self::end_backward).
+    pub fn begin_backward<M: AutodiffModule<B>>(&mut self, model: &M) -> bool {
+        let reduces = !self.reduced_in_backward
+            && self.state.sync_gradients()
+            && self
+                .sharded()
+                .is_some_and(|(_, stage)| stage.shards_parameters())
+            && zero::post_backward::begin::<B, M>(model, &mut self.grads);
+        if reduces {
+            self.reduced_in_backward = true;
+        }
+        reduces
+    }
+
+    /// After the backward pass [`begin_backward`](Self::begin_backward) prepared: adds its
+    /// gradients (`grads`, from `model`) to the window, the parameters the pass did not reach
+    /// reduced first where it reduced.
+    pub fn end_backward<M: AutodiffModule<B>>(
+        &mut self,
+        model: &M,
+        mut grads: GradientsParams,
+        reduced: bool,
+    ) {
+        if reduced {
+            zero::post_backward::end::<B, M>(model, &mut grads);
+            grads::accumulate::<B, M>(model, &mut self.grads, grads);
+        } else {
+            self.add_gradients(model, grads);
+        }
     }
 
     /// Ends one forward and backward pass (on every device): one step of fp8's delayed-scaling
@@ -201,6 +248,8 @@ impl<B: AutodiffBackend> StepCore<B> {
         self.grads = GradientsParams::new();
         self.unscaled = None;
         self.clipped = false;
+        self.reduced_in_backward = false;
+        self.unreduced = GradientsParams::new();
     }
 
     /// The loss scale in force.
@@ -343,6 +392,19 @@ impl<B: AutodiffBackend> StepCore<B> {
             return Ok(());
         }
         match self.sharded().map(|(_, stage)| stage.scatters_gradients()) {
+            // Stage 3 reduced them in the window's last backward pass; a later pass's are
+            // reduce-scattered here and added.
+            Some(true) if self.reduced_in_backward => {
+                if !self.unreduced.is_empty() {
+                    self.partition(model);
+                    let (Some(group), Some(partition)) = (&self.group, &self.partition) else {
+                        unreachable!("sharded, so a group and its partition");
+                    };
+                    let mut late = core::mem::take(&mut self.unreduced);
+                    zero::reduce_scatter_gradients::<B, M>(group, model, &mut late, partition)?;
+                    grads::accumulate::<B, M>(model, &mut self.grads, late);
+                }
+            }
             Some(true) => {
                 if self.partition.is_none()
                     && let Some(group) = &self.group
@@ -465,6 +527,7 @@ impl<B: AutodiffBackend> StepCore<B> {
         let found_inf = self.unscaled.take().is_some_and(OverflowCheck::found_inf);
         let grads = core::mem::take(&mut self.grads);
         self.clipped = false;
+        self.reduced_in_backward = false;
         let found_inf = self.agree_on_overflow(found_inf)?;
         self.set_loss_scale(self.loss_scale.adjust(found_inf));
         if found_inf {
@@ -497,6 +560,13 @@ impl<B: AutodiffBackend> StepCore<B> {
             zero::share_parameters::<B, M>(group, model, partition)?
         };
         Ok((model, StepOutcome::Applied { lr }))
+    }
+
+    /// `model` before its first step: at ZeRO stage 3 across processes, every parameter but
+    /// this process's partition's released, as after a step (the first window is then
+    /// sharded too); otherwise `model` as it is. Every process must call it at the same point.
+    pub fn prepare_model<M: AutodiffModule<B>>(&mut self, model: M) -> M {
+        self.release(model)
     }
 
     // Where the stage keeps the parameters sharded between steps: every parameter but this

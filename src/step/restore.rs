@@ -1,5 +1,5 @@
 //! Restoring a checkpoint's loss scale and gradient-state position, for both entry points: one
-//! rule for which saved loss scale a run may go on with.
+//! rule for which saved accumulation settings and loss scale a run may go on with.
 
 use crate::error::AccelerateError;
 use crate::gradient_state::{GradientState, GradientStateSnapshot};
@@ -13,6 +13,36 @@ fn kind(scale: &LossScale) -> &'static str {
         LossScale::Static { .. } => "a static loss scale",
         LossScale::Dynamic(_) => "a dynamic loss scale",
     }
+}
+
+/// Checks that a checkpoint's accumulation settings (`saved`) are the run's (`num_steps`,
+/// `sync_with_dataloader`): with another window length or another end rule the resumed run
+/// would step at other batches than the run that saved it, so a run does not change them on
+/// resuming (a restored position takes the saved ones).
+///
+/// # Errors
+/// [`AccelerateError::StateMismatch`] (`gradient_accumulation_steps`, `sync_with_dataloader`)
+/// naming the saved setting and the run's.
+pub(crate) fn check_accumulation(
+    saved: &GradientStateSnapshot,
+    num_steps: usize,
+    sync_with_dataloader: bool,
+) -> Result<(), AccelerateError> {
+    if saved.num_steps != num_steps {
+        return Err(AccelerateError::StateMismatch {
+            what: "gradient_accumulation_steps",
+            saved: saved.num_steps.to_string(),
+            current: num_steps.to_string(),
+        });
+    }
+    if saved.sync_with_dataloader != sync_with_dataloader {
+        return Err(AccelerateError::StateMismatch {
+            what: "sync_with_dataloader",
+            saved: saved.sync_with_dataloader.to_string(),
+            current: sync_with_dataloader.to_string(),
+        });
+    }
+    Ok(())
 }
 
 /// Puts `state` at a checkpoint's position, after checking that the checkpoint's loss scale

@@ -48,10 +48,7 @@ impl AccelerateCheckpoint {
             .flatten()
             .filter_map(|e| e.file_name().into_string().ok())
             .collect();
-        let has_model = |epoch: usize| {
-            let prefix = format!("model-{epoch}.");
-            names.iter().any(|n| n.starts_with(&prefix))
-        };
+        let has_model = |epoch: usize| names.iter().any(|n| is_burns_model(n, epoch));
         if !has_model(latest) {
             return;
         }
@@ -82,6 +79,13 @@ impl AccelerateCheckpoint {
             std::fs::read(&path).map_err(|e| record_error(&path.display().to_string(), e))?;
         Self::from_json(&bytes, &path.display().to_string()).map(Some)
     }
+}
+
+/// Whether `name` is a file of Burn's checkpointer's model record of `epoch` (its
+/// `FileCheckpointer` names it `model-<epoch>`, and its recorder adds an extension): the epochs
+/// Burn keeps decide which strategy-state files stay beside its files.
+pub(super) fn is_burns_model(name: &str, epoch: usize) -> bool {
+    name.starts_with(&format!("model-{epoch}."))
 }
 
 impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
@@ -124,7 +128,14 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
             },
         };
         let loaders: Vec<&dyn LoaderPosition> = self.positions.iter().map(|p| &**p).collect();
+        // The fit configured the gradient state with its window before this: a checkpoint of
+        // another window is refused, as the `Accelerator`'s `load_state` refuses it.
         let position = |saved: &GradientStateSnapshot, scale: LossScale| {
+            crate::step::check_accumulation(
+                saved,
+                self.state.num_steps(),
+                self.state.sync_with_dataloader(),
+            )?;
             crate::step::restore_position(&self.state, &self.initial_scale, saved, &scale)
         };
         saved
@@ -149,17 +160,20 @@ where
         epoch: usize,
         learner: &mut Learner<LC>,
         core: &Core<LC>,
-        tap: Option<&mut OptimizerTap<LC>>,
+        mut tap: Option<&mut RecordTap<LC>>,
         checkpointer: Option<&mut LearningCheckpointer<LC>>,
-        records: Option<&mut resume::LearnerTap<LC>>,
         event_store: &EventStoreClient,
     ) {
         let writes = checkpointer.is_some() || self.checkpoint_dir.is_some();
-        let own = match (core.sharded(), tap, writes) {
+        let own = match (core.sharded(), tap.as_deref_mut(), writes) {
             (Some(_), Some(tap), true) => {
                 // Read twice: records need not be `Clone`, and their tensors are shared.
-                let own = tap.record(learner, event_store);
-                let part = tap.record(learner, event_store);
+                let read = |tap: &mut RecordTap<LC>| {
+                    tap.optimizer(learner, event_store)
+                        .unwrap_or_else(|err| fail("cannot read the optimizer state", err))
+                };
+                let own = read(tap);
+                let part = read(tap);
                 let whole = core
                     .whole_optimizer_record(&learner.model(), part, &self.device)
                     .unwrap_or_else(|err| fail("cannot gather the optimizer state", err));
@@ -191,11 +205,9 @@ where
         if let Some(checkpointer) = checkpointer {
             checkpointer.checkpoint(learner, epoch, event_store);
         }
-        if let (Some(dir), Some(records)) = (&self.checkpoint_dir, records) {
+        if let (Some(dir), Some(tap)) = (&self.checkpoint_dir, tap) {
             let state = self.checkpoint(*core.loss_scale());
-            if let Err(err) =
-                self.save_checkpoint(dir, epoch, learner, records, &state, event_store)
-            {
+            if let Err(err) = self.save_checkpoint(dir, epoch, learner, tap, &state, event_store) {
                 // The checkpoints listed before stay whole: a restart resumes from the newest.
                 log::warn!(
                     "burn-accelerate: the checkpoint of epoch {epoch} was not written (a \

@@ -409,17 +409,20 @@ where
         // The user's `TrainStep` calls `loss.backward()` itself: the decorator's backward
         // divides and scales its loss as the `Accelerator`'s `backward` would, on this thread.
         let armed = ThreadArmed::arm(core.loss_transform());
+        // The learner's optimizer and scheduler records are read through it: sharded, to keep
+        // this process's partition of the optimizer state and to gather the whole of it for a
+        // checkpoint; on the main process, to write the strategy's own checkpoints.
+        let mut tap = (core.sharded().is_some()
+            || (self.checkpoint_dir.is_some() && self.process.is_main_process()))
+        .then(RecordTap::<LC>::new);
         // Sharded, this process's optimizer keeps its partition's state only (a resumed run's
-        // learner was just given the whole state), and the tap reads it for checkpoints.
-        let mut tap = core.sharded().map(|_| OptimizerTap::<LC>::new());
-        if let Some(tap) = tap.as_mut() {
-            let whole = tap.record(&learner, &training_components.event_store);
+        // learner was just given the whole state).
+        if let (Some(_), Some(tap)) = (core.sharded(), tap.as_mut()) {
+            let whole = tap
+                .optimizer(&learner, &training_components.event_store)
+                .unwrap_or_else(|err| fail("cannot read the optimizer state", err));
             learner.load_optim(core.own_optimizer_record(&learner.model(), whole));
         }
-
-        // What the main process's own checkpoints read the optimizer and scheduler with.
-        let mut records = (self.checkpoint_dir.is_some() && self.process.is_main_process())
-            .then(resume::LearnerTap::<LC>::new);
         for epoch in starting_epoch..=training_components.num_epochs {
             let progress = Progress {
                 items_processed: epoch,
@@ -487,7 +490,6 @@ where
                 &core,
                 tap.as_mut(),
                 checkpointer.as_mut(),
-                records.as_mut(),
                 &training_components.event_store,
             );
             if self.stops_early(

@@ -108,7 +108,7 @@ pub mod metrics;
 mod replicas;
 mod report;
 mod resume;
-mod sharded;
+mod tap;
 mod valid;
 mod valid_metrics;
 
@@ -145,7 +145,7 @@ use checkpoint::LoaderPosition;
 use fit::{Accumulation, fail};
 use replicas::{DeviceWorkers, StepInput};
 pub use report::{EpochReport, TrainingReport, TrainingStats};
-use sharded::OptimizerTap;
+use tap::RecordTap;
 pub use valid_metrics::ProcessMetricLogger;
 use valid_metrics::ProcessMetrics;
 
@@ -577,8 +577,10 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
     /// still keeps that epoch's model in `dir`.
     ///
     /// Burn's `fit` has no error channel: a directory that cannot be resumed from (a damaged
-    /// manifest, every listed checkpoint missing a file, a record of another model) stops the
-    /// training with a panic that says why. [`try_with_checkpoint_dir`](Self::try_with_checkpoint_dir)
+    /// manifest, every listed checkpoint missing a file, a record of another model, a state
+    /// saved with another accumulation window, `sync_with_dataloader` or kind of loss scaling,
+    /// which the `Accelerator`'s `load_state` refuses too) stops the training with a panic that
+    /// says why. [`try_with_checkpoint_dir`](Self::try_with_checkpoint_dir)
     /// checks what can be checked before the training starts and returns it as an error, and
     /// [`check_checkpoint_fits`](Self::check_checkpoint_fits) the model's record against the
     /// model.

@@ -11,34 +11,32 @@
 //!
 //! What a checkpoint holds and the order it is read back in are the same as for the
 //! `Accelerator`'s ([`crate::checkpoint::contents`]); this module is the strategy's adapter:
-//! Burn's `Learner` gives its records only to a checkpointer, and takes them only from one.
+//! Burn's `Learner` gives its optimizer's and scheduler's records only to a checkpointer, and
+//! the strategy reaches them through one ([`super::tap`]).
 //!
 //! When a training starts, the main process picks the newest checkpoint whose files verify
 //! (passing over, with a warning, damaged newer ones), tells the others which, and every
 //! process reads and checks that one (or takes the copy `try_with_checkpoint_dir` read and
 //! verified, when it is that one: its files are not read twice, and its state, not the file
-//! on disk, gives the loss scale and the loaders' positions), then loads it through Burn's
-//! own resume path (`LearningCheckpointer::load_checkpoint`, what
-//! `SupervisedTraining::checkpoint(epoch)` runs), then trains from the next epoch. The steps taken after that checkpoint by the run
-//! that stopped are redone: the loaders' saved positions and seeds give the same batches in
-//! the same order, so they are the same steps, and the run ends where an uninterrupted one
-//! does, bit for bit.
+//! on disk, gives the loss scale and the loaders' positions), then loads it through Burn's own
+//! resume path (`LearningCheckpointer::load_checkpoint`, what
+//! `SupervisedTraining::checkpoint(epoch)` runs), then trains from the next epoch. The steps
+//! taken after that checkpoint by the run that stopped are redone: the loaders' saved positions
+//! and seeds give the same batches in the same order, so they are the same steps, and the run
+//! ends where an uninterrupted one does, bit for bit.
 
 use std::path::Path;
-use std::sync::mpsc::{Receiver, channel};
-use std::sync::{Mutex, PoisonError};
+use std::sync::PoisonError;
 
 use burn::module::Module;
-use burn::record::Record;
-use burn::tensor::backend::Backend;
-use burn::train::checkpoint::{AsyncCheckpointer, Checkpointer, CheckpointerError};
 use burn::train::metric::store::EventStoreClient;
 use burn::train::{
-    Learner, LearnerOptimizerRecord, LearnerSchedulerRecord, LearningCheckpointer,
-    LearningComponentsTypes, TrainingBackend, TrainingComponents,
+    Learner, LearnerOptimizerRecord, LearnerSchedulerRecord, LearningComponentsTypes,
+    TrainingBackend, TrainingComponents,
 };
 
-use super::sharded::{Always, Discard, Hand};
+use super::checkpoint::is_burns_model;
+use super::tap::{self, RecordTap};
 use super::{AccelerateCheckpoint, AccelerateStrategy, fail};
 use crate::AccelerateError;
 use crate::checkpoint::contents::{self, Records, Resume};
@@ -69,82 +67,11 @@ fn burn_keeps(dir: &Path, name: &str) -> bool {
     let Some(epoch) = Scheme::Strategy.state_number(name) else {
         return false;
     };
-    let prefix = format!("model-{epoch}.");
     std::fs::read_dir(dir).is_ok_and(|entries| {
         entries
             .flatten()
-            .any(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+            .any(|e| is_burns_model(&e.file_name().to_string_lossy(), epoch))
     })
-}
-
-/// Reads a learner's optimizer and scheduler records (Burn 0.21's `Learner` hands them only to
-/// a `LearningCheckpointer`: see [`super::sharded`]).
-pub(super) struct LearnerTap<LC: LearningComponentsTypes> {
-    checkpointer: LearningCheckpointer<LC>,
-    optim: Receiver<LearnerOptimizerRecord<LC>>,
-    scheduler: Receiver<LearnerSchedulerRecord<LC>>,
-}
-
-impl<LC: LearningComponentsTypes> LearnerTap<LC> {
-    pub(super) fn new() -> Self {
-        let (optim_sender, optim) = channel();
-        let (scheduler_sender, scheduler) = channel();
-        let checkpointer = LearningCheckpointer::new(
-            AsyncCheckpointer::new(Discard),
-            AsyncCheckpointer::new(Hand(Mutex::new(optim_sender))),
-            AsyncCheckpointer::new(Hand(Mutex::new(scheduler_sender))),
-            Box::new(Always),
-        );
-        Self {
-            checkpointer,
-            optim,
-            scheduler,
-        }
-    }
-
-    // The records now. A channel ends when its checkpointer's thread does (a panic there):
-    // the wait cannot outlive it.
-    fn records(
-        &mut self,
-        learner: &Learner<LC>,
-        store: &EventStoreClient,
-    ) -> Result<(LearnerOptimizerRecord<LC>, LearnerSchedulerRecord<LC>), AccelerateError> {
-        self.checkpointer.checkpoint(learner, 0, store);
-        let gone = |_| record_error("the learner's records", "their reader's thread ended");
-        Ok((
-            self.optim.recv().map_err(gone)?,
-            self.scheduler.recv().map_err(gone)?,
-        ))
-    }
-}
-
-// A checkpointer that restores one record, read and checked already, once, and writes nothing.
-struct Restore<R>(Mutex<Option<R>>);
-
-impl<R> Restore<R> {
-    fn new(record: R) -> Self {
-        Self(Mutex::new(Some(record)))
-    }
-}
-
-impl<R: Record<B>, B: Backend> Checkpointer<R, B> for Restore<R> {
-    fn save(&self, _epoch: usize, _record: R) -> Result<(), CheckpointerError> {
-        Ok(())
-    }
-
-    fn delete(&self, _epoch: usize) -> Result<(), CheckpointerError> {
-        Ok(())
-    }
-
-    fn restore(&self, epoch: usize, _device: &B::Device) -> Result<R, CheckpointerError> {
-        self.0
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take()
-            .ok_or_else(|| {
-                CheckpointerError::Unknown(format!("epoch {epoch}'s record was restored already"))
-            })
-    }
 }
 
 impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
@@ -175,7 +102,7 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
         dir: &Path,
         epoch: usize,
         learner: &Learner<LC>,
-        tap: &mut LearnerTap<LC>,
+        tap: &mut RecordTap<LC>,
         state: &AccelerateCheckpoint,
         store: &EventStoreClient,
     ) -> Result<(), AccelerateError> {
@@ -249,13 +176,8 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
                 record_error("the scheduler's record", "not read back"),
             )
         };
-        let loader = LearningCheckpointer::<LC>::new(
-            AsyncCheckpointer::new(Restore::new(read.model.into_record())),
-            AsyncCheckpointer::new(Restore::new(read.optimizer)),
-            AsyncCheckpointer::new(Restore::new(scheduler)),
-            Box::new(Always),
-        );
-        let learner = loader.load_checkpoint(learner, &self.device, epoch);
+        let learner = tap::restoring::<LC>(read.model.into_record(), read.optimizer, scheduler)
+            .load_checkpoint(learner, &self.device, epoch);
         // Burn must not load its own files over these.
         components.checkpoint = None;
         log::info!(

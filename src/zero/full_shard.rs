@@ -32,13 +32,19 @@
 //! only, a module visited on the main process only) fail at once with an error naming both,
 //! and the op (or initializer) panics with it (neither has an error channel).
 //!
-//! Gradients and optimizer state follow stage 2: the window's gradients are
-//! reduce-scattered owner by owner ([`reduce_scatter_gradients`](super::reduce_scatter_gradients)),
-//! each process's optimizer keeps state for its own partition and steps it, and the sums run
-//! in stage 2's order (so stage 3 ends bit for bit where stage 2 does, and where stage 0 does
-//! on two processes). Ownership is per parameter ([`partition`](super::partition): whole
-//! parameters, largest first), not FSDP's 1/N slice of each parameter: a process's share of
-//! the model is balanced to within its largest parameter.
+//! Gradients and optimizer state follow stage 2's partition: each process's optimizer keeps
+//! state for its own partition and steps it. The gradients are reduced to their owners in the
+//! backward pass that completes an accumulation window, each as soon as it is final
+//! ([`post_backward`](super::post_backward): every op reads a parameter through an anchor
+//! node that sums its uses' gradients and reduces the sum to the owner; the other processes
+//! keep nothing of it), with the sums in stage 2's order (so stage 3 ends bit for bit where
+//! stage 2 does, and where stage 0 does on two processes). The window's earlier passes
+//! accumulate whole gradients (FSDP's `no_sync`); the first window, before any parameter is
+//! released, and backends without the decorator reduce-scatter the window at the step
+//! ([`reduce_scatter_gradients`](super::reduce_scatter_gradients)), as stage 2 does. Ownership
+//! is per parameter ([`partition`](super::partition): whole parameters, largest first), not
+//! FSDP's 1/N slice of each parameter: a process's share of the model is balanced to within
+//! its largest parameter, and "reduce-scatter" is, per parameter, a reduction to its owner.
 //!
 //! # What is bounded
 //!
@@ -58,16 +64,35 @@
 //! are Burn's own (`B::linear`, `linear_x_backward`, `linear_weight_backward`,
 //! `linear_bias_backward`, in Burn's order), so the numbers are stage 2's bit for bit.
 //!
-//! Every other op that reads a placeholder (matmul, convolutions, embeddings, layer norms,
-//! casts under autocast, `linear` in bf16/f16/fp8 autocast, reads such as `into_data`)
-//! gathers it whole and reads `placeholder + gathered` (bit for bit the gathered value:
-//! `-0.0` is the additive identity; the gradient flows to the placeholder): right numbers,
-//! but the gathered value stays whole while the autodiff graph keeps it, until the step, as
-//! with the lazy gather. Such ops are listed in `crate::backend::placeholder`'s docs.
+//! `matmul` with a parameter operand (autocast off) and `embedding` hold the same bound: the
+//! parameter is gathered for the op alone; `matmul`'s node gathers it again for the other
+//! operand's gradient, `embedding`'s needs only the table's shape.
 //!
-//! Not bounded yet: the gradients. Each parameter's gradient stays whole until the window's
-//! reduce-scatter at the step (as at stage 2), not reduce-scattered as soon as it is final;
-//! and the activations the graph keeps are every process's own.
+//! Every other op that reads a placeholder (convolutions, layer norms, casts under autocast,
+//! `linear` and `matmul` in bf16/f16/fp8 autocast) gathers it whole and reads
+//! `anchor + gathered` (bit for bit the gathered value: `-0.0` is the additive identity; the
+//! gradient flows to the anchor): right numbers, but the gathered value stays whole while the
+//! autodiff graph keeps it, until the step, as with the lazy gather. Such ops are listed in
+//! `crate::backend::placeholder`'s docs.
+//!
+//! The gradients, on the decorator: in the window's last backward pass each parameter's
+//! gradient is whole from the op that computes it to its anchor's reduction, which runs right
+//! after the backward of the layer that first reads the parameter (a `linear` or `matmul`
+//! anchor sits just above the op's other input; an anchor made by another op, an
+//! embedding's among them, sits above the parameter alone, and reduces at the end of the
+//! pass: right, but not bounded). Afterwards a process holds
+//! its partition's averaged gradients only. The window's earlier passes hold every gradient
+//! whole, as FSDP's `no_sync` does. Not bounded: the activations the graph keeps are every
+//! process's own.
+//!
+//! Traffic per step (the built-in engine's ring, [`sent_bytes`](super::sent_bytes)): every
+//! use of a parameter is a broadcast from its owner that every process but one passes on, and
+//! every reduction is the owner's block of a reduce-scatter that every process but the owner
+//! sends once; summed over the `n` processes, `(n - 1)` × (the parameters once for the
+//! forward pass, the weights read again in backward, the parameters once for the reduction):
+//! about 3 (n - 1) / n of the parameters' bytes per process, as FSDP's, against stage 0's
+//! 2 (n - 1) / n. Each gather and reduction is preceded by a 16-byte-per-process agreement
+//! on the parameter.
 //!
 //! A released parameter keeps Burn's parameter mappers (the transforms a record applies on
 //! save and load), which a checkpoint's record applies
@@ -80,7 +105,7 @@ use burn::tensor::{DType, Shape, Tensor, TensorData};
 use std::sync::Arc;
 
 use crate::backend::placeholder::{self, Shard};
-use crate::distributed::{DistributedError, ProcessGroup};
+use crate::distributed::{DistributedError, Element, ProcessGroup, ReduceOp};
 
 use super::sharded::Partition;
 
@@ -103,8 +128,11 @@ use super::sharded::Partition;
 /// Between steps a process holds its partition's parameters and optimizer state and no
 /// gradients. During a step, on the decorator (`Accelerated<Autodiff<B>>`), a `linear`
 /// layer's gathered parameters are whole for its forward op and its input gradient's op
-/// alone (f32, no autocast); other ops, and other backends, keep a gathered parameter whole
-/// until the step. The notes atop `src/zero/full_shard.rs` say which ops hold the bound.
+/// alone (f32, no autocast), as are a `matmul` operand's and an embedding's table; other
+/// ops, and other backends, keep a gathered parameter whole until the step. In the backward pass that completes a window (through the
+/// [`Accelerator`](crate::Accelerator)'s `backward`), each gradient is reduced to its owner as
+/// soon as it is final and dropped by the others. The notes atop `src/zero/full_shard.rs` say
+/// which ops hold the bound.
 pub fn release_parameters<B: AutodiffBackend, M: AutodiffModule<B>>(
     group: &ProcessGroup,
     module: M,
@@ -272,6 +300,37 @@ impl Shard for ReleasedShard {
 
     fn gather(&self, own: Option<Vec<u8>>) -> Vec<u8> {
         self.bytes(own).unwrap_or_else(|err| self.fail(err))
+    }
+
+    fn reduce(&self, grad: Vec<u8>) -> Option<Vec<u8>> {
+        self.reduced(grad).unwrap_or_else(|err| {
+            panic!(
+                "ZeRO stage 3 could not reduce a gradient to its owner, process {}: {err}. \
+                 Every process must run the same backward pass",
+                self.owner
+            )
+        })
+    }
+}
+
+impl ReleasedShard {
+    // The parameter's gradient summed over the processes onto its owner, as the owner's block
+    // of a reduce-scatter whose other blocks are empty: the ring sums that block in the order
+    // stage 2's reduce-scatter sums the owner's (the order depends on the block's owner, not
+    // on its offset), and divides as it does, so each value is stage 2's bit for bit.
+    fn reduced(&self, mut grad: Vec<u8>) -> Result<Option<Vec<u8>>, DistributedError> {
+        agree_on(&self.group, self.place)?;
+        let mut counts = vec![0; self.group.world_size()];
+        counts[self.owner] = grad.len() / Element::F32.size();
+        let mine =
+            self.group
+                .reduce_scatter_bytes(Element::F32, &mut grad, &counts, ReduceOp::Mean)?;
+        if !self.is_owned() {
+            return Ok(None);
+        }
+        grad.truncate(mine.end);
+        grad.drain(..mine.start);
+        Ok(Some(grad))
     }
 }
 

@@ -155,6 +155,22 @@ where
     own.into_record()
 }
 
+/// [`release_parameters`](super::release_parameters) of a model some of whose parameters
+/// were loaded from a checkpoint and the others are as given: fresh (Burn's lazy
+/// initializers) or released already (`Accelerator::prepare_model`'s), whose values are
+/// dropped as they are held, without gathering them. Every process must call it at the same
+/// point.
+pub(crate) fn release_loaded<B, M>(group: &ProcessGroup, module: M, partition: &Partition) -> M
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B>,
+{
+    let reading = ReadingHeld::start();
+    let released = super::release_parameters(group, module, partition);
+    drop(reading);
+    released
+}
+
 /// `module` with every parameter whole on this process: each released parameter gathered
 /// from its owner (as an op gathers it, in visiting order), with its gradient requirement and
 /// mappers; a whole one as it is. Every process must call it at the same point, with the same

@@ -66,7 +66,8 @@ fn params<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M) -> Vec<(ParamId,
     struct Sizes(Vec<(ParamId, usize)>);
     impl<B: AutodiffBackend> ModuleVisitor<B> for Sizes {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            // Without reading it: a released parameter (ZeRO stage 3) is not gathered.
+            // Without reading it (a released parameter, ZeRO stage 3, is not gathered) nor
+            // initialising a lazy one (stage 3 can release a model before it is ever whole).
             self.0.push((param.id, param.lazy_shape().num_elements()));
         }
     }

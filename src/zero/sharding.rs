@@ -47,8 +47,10 @@ pub enum ZeroStage {
     /// As [`Gradients`](Self::Gradients), and between steps each process holds only its
     /// partition's parameters: the others' are gathered from their owners at their first use
     /// in the next forward pass ([`release_parameters`](crate::zero::release_parameters)).
-    /// Hand-written loops (the [`Accelerator`](crate::Accelerator)) only for now: the
-    /// `with_accelerate` strategy and checkpoints refuse it with an error.
+    /// Both entry points (the [`Accelerator`](crate::Accelerator), whose
+    /// [`prepare_model`](crate::Accelerator::prepare_model) releases the model before its
+    /// first step, and `with_accelerate`), checkpoints and restarts run it; see
+    /// `docs/zero.md` for what is bounded.
     Parameters,
 }
 

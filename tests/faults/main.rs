@@ -23,6 +23,9 @@ mod flood;
 mod undecodable;
 // Process 0 killed while it dispatches batches: a typed error on the receiver, not a panic.
 mod reader_killed;
+// Process 0 lost while it dispatches batches, behind a cut link or frozen: the same, by the
+// liveness timeout.
+mod reader_lost;
 
 use std::time::{Duration, Instant};
 

@@ -917,6 +917,296 @@ fn stage_3_holds_one_linear_layers_gathered_parameters_at_a_time_and_ends_where_
     }
 }
 
+#[derive(Debug, Serialize, Deserialize)]
+struct TrafficRun {
+    grad_accum: usize,
+    /// The model goes through `Accelerator::prepare_model` before the first batch.
+    prepare: bool,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct TrafficReport {
+    /// Per batch: the bytes this process sent during its forward and backward passes.
+    sent: Vec<u64>,
+    /// Per batch, per parameter in visiting order: whether the window's gradients hold one
+    /// right after the backward pass.
+    holds_gradient: Vec<Vec<bool>>,
+    /// The parameters after the last step.
+    parameters: Vec<f32>,
+}
+
+fn traffic_worker(args: &TrafficRun) -> TrafficReport {
+    type B = Accelerated<Autodiff<Flex>>;
+    let state = ProcessState::from_env().unwrap();
+    let device = Default::default();
+    B::seed(&device, 13);
+    let mut model = Layered::<B> {
+        layers: LAYERED_WIDTHS
+            .windows(2)
+            .map(|w| LinearConfig::new(w[0], w[1]).init(&device))
+            .collect(),
+    };
+    let mut accelerator = AccelerateConfig::new()
+        .with_gradient_accumulation_steps(args.grad_accum)
+        .with_zero_stage(burn_accelerate::zero::ZeroStage::Parameters)
+        .init::<B>(&device)
+        .unwrap();
+    if args.prepare {
+        model = accelerator.prepare_model(model);
+    }
+    let mut optim = burn::optim::AdamConfig::new().init();
+    let mut report = TrafficReport {
+        sent: Vec::new(),
+        holds_gradient: Vec::new(),
+        parameters: Vec::new(),
+    };
+    struct Holds<'a>(&'a burn::optim::GradientsParams, Vec<bool>);
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Holds<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let held = self.0.get::<B::InnerBackend, D>(param.id).is_some();
+            self.1.push(held);
+        }
+    }
+    for step in 0..4 * args.grad_accum {
+        let items: Vec<usize> = (0..4)
+            .map(|i| step * 16 + state.process_index() * 4 + i)
+            .collect();
+        let batch: Batch<B> = Samples.batch(items, &device);
+        let _step = accelerator.accumulate(&model);
+        let before = burn_accelerate::zero::sent_bytes();
+        let relu = Relu::new();
+        let mut h = batch.x;
+        for layer in &model.layers {
+            h = relu.forward(layer.forward(h));
+        }
+        let loss = CrossEntropyLossConfig::new()
+            .init(&device)
+            .forward(h, batch.y);
+        accelerator.backward(loss, &model);
+        report
+            .sent
+            .push(burn_accelerate::zero::sent_bytes() - before);
+        let mut holds = Holds(accelerator.gradients(), Vec::new());
+        model.visit(&mut holds);
+        report.holds_gradient.push(holds.1);
+        let (next, _) = accelerator
+            .optimizer_step(&mut optim, model, &mut 0.01)
+            .unwrap();
+        model = next;
+    }
+    report.parameters = parameters(&model);
+    report
+}
+
+/// Stage 3's traffic and gradients per parameter owner, in f32 (the gather dtype without
+/// autocast), on the built-in engine's ring of `n` processes. Each use of a parameter of `P`
+/// bytes is a broadcast from its owner `o`, which every process passes on but the last
+/// before `o` on the ring; each gradient's reduction to `o` is the owner's block of a
+/// reduce-scatter, which every process but `o` sends once. Before each, the processes agree
+/// on the parameter: two all-gathers of one `u64` each (the counts, then the places), `n - 1`
+/// blocks passed on by every process. A step gathers every parameter in forward, every
+/// weight again in backward but the first layer's (its input is the data: no input
+/// gradient), and reduces every gradient once: summed over the processes, `(n - 1)` times
+/// (every parameter twice and the weights above the first once more), against stage 0's
+/// all-reduce, `2 (n - 1)` times the parameters (FSDP: 3 against DDP's 2, per process and
+/// times `(n - 1) / n`).
+#[test]
+fn stage_3_reduces_each_gradient_to_its_owner_in_backward_and_sends_what_the_formula_says() {
+    const TEST: &str =
+        "stage_3_reduces_each_gradient_to_its_owner_in_backward_and_sends_what_the_formula_says";
+    if let Some(args) = worker::<TrafficRun>() {
+        return report(&traffic_worker(&args));
+    }
+    // Every parameter in visiting order (each layer's weight, then its bias), in f32 bytes,
+    // and whether it is a weight read again in backward.
+    let mut params: Vec<(usize, bool)> = Vec::new();
+    for (i, w) in LAYERED_WIDTHS.windows(2).enumerate() {
+        params.push((w[0] * w[1] * 4, i > 0));
+        params.push((w[1] * 4, false));
+    }
+    let sizes: Vec<usize> = params.iter().map(|(bytes, _)| bytes / 4).collect();
+    for processes in [2, 3] {
+        let owners = burn_accelerate::zero::partition(&sizes, processes);
+        let agree = 2 * 8 * (processes - 1) as u64;
+        let expected = |rank: usize, reduces: bool| -> u64 {
+            let mut sent = 0;
+            for (&(bytes, read_in_backward), &owner) in params.iter().zip(&owners) {
+                let last = (owner + processes - 1) % processes;
+                let gather = agree + if rank == last { 0 } else { bytes as u64 };
+                sent += gather;
+                if read_in_backward {
+                    sent += gather;
+                }
+                if reduces {
+                    sent += agree + if rank == owner { 0 } else { bytes as u64 };
+                }
+            }
+            sent
+        };
+        for grad_accum in [1, 2] {
+            let run = |prepare: bool| -> Vec<TrafficReport> {
+                launch(
+                    TEST,
+                    processes,
+                    &TrafficRun {
+                        grad_accum,
+                        prepare,
+                    },
+                    &[],
+                )
+                .assert_success()
+                .reports(processes)
+            };
+            let (reports, prepared) = (run(false), run(true));
+            for (rank, r) in reports.iter().chain(&prepared).enumerate() {
+                let prepare = rank >= processes;
+                let rank = rank % processes;
+                let what = format!(
+                    "{processes} processes, window {grad_accum}, prepared {prepare}, rank {rank}"
+                );
+                // A prepared model is sharded from the start, and trains as the other: its
+                // lazy parameters are initialised in the order a first forward pass would.
+                assert_eq!(bits(&r.parameters), bits(&reports[0].parameters), "{what}");
+                for (batch, (&sent, holds)) in r.sent.iter().zip(&r.holds_gradient).enumerate() {
+                    let what = format!("{what}, batch {batch}");
+                    let completes = (batch + 1) % grad_accum == 0;
+                    if batch < grad_accum && !prepare {
+                        // The first window: the model is whole everywhere, nothing travels
+                        // before the step, which reduce-scatters as stage 2 does.
+                        assert_eq!(sent, 0, "{what}");
+                        assert!(holds.iter().all(|&h| h), "{what}");
+                    } else if completes {
+                        // Each gradient went to its owner during the backward pass: this
+                        // process holds its own partition's and no other.
+                        assert_eq!(sent, expected(rank, true), "{what}");
+                        let own: Vec<bool> = owners.iter().map(|&o| o == rank).collect();
+                        assert_eq!(holds, &own, "{what}");
+                    } else {
+                        // A window's earlier batch gathers but reduces nothing (`no_sync`),
+                        // and keeps every gradient whole.
+                        assert_eq!(sent, expected(rank, false), "{what}");
+                        assert!(holds.iter().all(|&h| h), "{what}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// An embedding, a parameter read by `matmul`, and a linear head: at stage 3 each op gathers
+/// its parameter for itself alone.
+#[derive(Module, Debug)]
+struct Lookup<B: Backend> {
+    embedding: burn::nn::Embedding<B>,
+    mix: Param<Tensor<B, 2>>,
+    head: Linear<B>,
+}
+
+const VOCABULARY: usize = 24;
+const LOOKUP_WIDTH: usize = 16;
+
+#[derive(Debug, Serialize, Deserialize)]
+struct LookupRun {
+    zero_stage: u8,
+}
+
+fn lookup_worker(args: &LookupRun) -> LayeredReport {
+    type B = Accelerated<Autodiff<Flex>>;
+    let state = ProcessState::from_env().unwrap();
+    let device = Default::default();
+    B::seed(&device, 17);
+    let mut model = Lookup::<B> {
+        embedding: burn::nn::EmbeddingConfig::new(VOCABULARY, LOOKUP_WIDTH).init(&device),
+        mix: burn::nn::Initializer::KaimingUniform {
+            gain: 1.0,
+            fan_out_only: false,
+        }
+        .init_with(
+            [LOOKUP_WIDTH, LOOKUP_WIDTH],
+            Some(LOOKUP_WIDTH),
+            None,
+            &device,
+        ),
+        head: LinearConfig::new(LOOKUP_WIDTH, CLASSES).init(&device),
+    };
+    let mut accelerator = AccelerateConfig::new()
+        .with_zero_stage(burn_accelerate::zero::ZeroStage::from_number(args.zero_stage).unwrap())
+        .init::<B>(&device)
+        .unwrap();
+    model = accelerator.prepare_model(model);
+    let mut optim = burn::optim::AdamConfig::new().init();
+    let mut report = LayeredReport {
+        parameters: Vec::new(),
+        valid_parameters: Vec::new(),
+        gathered_peak: Vec::new(),
+        gathered_after_backward: Vec::new(),
+    };
+    for step in 0..4 {
+        // Four sequences of three tokens, each process its own.
+        let tokens: Vec<i64> = (0..12)
+            .map(|i| ((step * 29 + state.process_index() * 13 + i * 7) % VOCABULARY) as i64)
+            .collect();
+        let labels: Vec<i64> = tokens.chunks(3).map(|t| t[0] % CLASSES as i64).collect();
+        let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(tokens, [4, 3]), &device);
+        let labels = Tensor::<B, 1, Int>::from_data(TensorData::new(labels, [4]), &device);
+        burn_accelerate::zero::reset_gathered_peak();
+        let h = model
+            .embedding
+            .forward(tokens)
+            .mean_dim(1)
+            .reshape([4, LOOKUP_WIDTH]);
+        let h = Relu::new().forward(h.matmul(model.mix.val()));
+        let logits = model.head.forward(h);
+        let loss = CrossEntropyLossConfig::new()
+            .init(&device)
+            .forward(logits, labels);
+        accelerator.backward(loss, &model);
+        let bytes = burn_accelerate::zero::gathered_bytes();
+        report.gathered_peak.push(bytes.peak);
+        report.gathered_after_backward.push(bytes.alive);
+        let (next, _) = accelerator
+            .optimizer_step(&mut optim, model, &mut 0.01)
+            .unwrap();
+        model = next;
+    }
+    report.parameters = parameters(&model);
+    report
+}
+
+#[test]
+fn stage_3_gathers_an_embedding_and_a_matmul_parameter_for_their_ops_alone() {
+    const TEST: &str = "stage_3_gathers_an_embedding_and_a_matmul_parameter_for_their_ops_alone";
+    if let Some(args) = worker::<LookupRun>() {
+        return report(&lookup_worker(&args));
+    }
+    // The largest parameter, in f32 bytes: the embedding's table. Without the bounded paths
+    // the gathered embedding and `mix` stay whole until the step (their sum, and more).
+    let largest = (VOCABULARY * LOOKUP_WIDTH * 4) as u64;
+    for processes in [2, 3] {
+        let run = |zero_stage: u8| -> Vec<LayeredReport> {
+            launch(TEST, processes, &LookupRun { zero_stage }, &[])
+                .assert_success()
+                .reports(processes)
+        };
+        let (stage2, stage3) = (run(2), run(3));
+        for (rank, r) in stage3.iter().enumerate() {
+            let what = format!("{processes} processes, rank {rank}");
+            // Prepared: every batch gathers, at most one parameter at a time, and nothing is
+            // left whole once the backward pass is over.
+            for &peak in &r.gathered_peak {
+                assert!(peak > 0 && peak <= largest, "{what}: {:?}", r.gathered_peak);
+            }
+            assert!(r.gathered_after_backward.iter().all(|&b| b == 0), "{what}");
+            // Burn's ops and backward ops in Burn's order, the sums in stage 2's: its bits.
+            assert_eq!(
+                bits(&r.parameters),
+                bits(&stage2[rank].parameters),
+                "{what}"
+            );
+        }
+    }
+}
+
 #[test]
 fn a_sharded_optimizer_state_resumes_on_any_number_of_processes_at_any_stage() {
     const TEST: &str = "a_sharded_optimizer_state_resumes_on_any_number_of_processes_at_any_stage";
@@ -1374,13 +1664,15 @@ fn a_sharded_stage_3_checkpoint_resumes_on_other_process_counts_and_stages() {
 /// What `consolidate_model_record` gave at stage 3: the record's parameters on the main
 /// process, how many of the model's parameters held a value after it, and the model's
 /// parameters read whole after it; and the most bytes of other processes' parameters this
-/// process held at once during it (the decorator's count).
+/// process held at once during it (the decorator's count), and the bytes it sent during it
+/// over the built-in engine's collectives (`zero::sent_bytes`).
 #[derive(Debug, Serialize, Deserialize)]
 struct GatheredRecord {
     record: Option<Vec<f32>>,
     held_after: usize,
     parameters: Vec<f32>,
     gathered_during: u64,
+    collective_bytes_during: u64,
 }
 
 // Two stage 3 steps of `Net`, whose first weight doubles on save (a Burn save mapper), then
@@ -1408,7 +1700,9 @@ fn gathered_record_worker<B: AutodiffBackend>() -> GatheredRecord {
         model = next;
     }
     burn_accelerate::zero::reset_gathered_peak();
+    let sent_before = burn_accelerate::zero::sent_bytes();
     let record = accelerator.consolidate_model_record(&model).unwrap();
+    let collective_bytes_during = burn_accelerate::zero::sent_bytes() - sent_before;
     let gathered_during = burn_accelerate::zero::gathered_bytes().peak;
     let held_after = held_parameters(&model);
     let record = record.map(|record| parameters(&Net::<B>::new(&device).load_record(record)));
@@ -1417,6 +1711,7 @@ fn gathered_record_worker<B: AutodiffBackend>() -> GatheredRecord {
         held_after,
         parameters: parameters(&model),
         gathered_during,
+        collective_bytes_during,
     }
 }
 
@@ -1460,6 +1755,10 @@ fn a_stage_3_model_record_is_gathered_on_the_main_process_with_its_save_mappers(
             // placeholders' gather (a broadcast, which every process would count, holding
             // each parameter it does not own).
             assert_eq!(r.gathered_during, 0, "{what}");
+            // Point to point, on a stream of its own: no collective carries a parameter (a
+            // broadcast sends each one around the ring; the counter counts the ring's bytes,
+            // not a stream's).
+            assert_eq!(r.collective_bytes_during, 0, "{what}");
             assert_eq!(bits(&r.parameters), bits(whole), "{what}");
         }
     }

@@ -43,7 +43,7 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
     fn float_into_data(
         tensor: FloatTensor<Self>,
     ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
-        let tensor = crate::backend::placeholder::resolve::<B>(tensor);
+        let tensor = crate::backend::placeholder::resolve_read::<B>(tensor);
         B::float_into_data(tensor)
     }
     fn float_device(tensor: &FloatTensor<Self>) -> Device<Self> {
@@ -152,6 +152,10 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         B::float_remainder_scalar(lhs, rhs)
     }
     fn float_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        let (lhs, rhs) = match crate::backend::placeholder::float_matmul::<B>(lhs, rhs) {
+            Ok(output) => return output,
+            Err(inputs) => inputs,
+        };
         let lhs = crate::backend::placeholder::resolve::<B>(lhs);
         let rhs = crate::backend::placeholder::resolve::<B>(rhs);
         let colocate = Colocate::<B>::new(&[CastInput::One(&lhs), CastInput::One(&rhs)]);

@@ -22,7 +22,7 @@ pub(crate) mod tcp;
 
 #[cfg(feature = "mpi")]
 pub use mpi::MpiEngine;
-pub use tcp::TcpEngine;
+pub use tcp::{TcpEngine, sent_bytes};
 
 /// A stream of point-to-point messages between two processes (the collectives have lane 0).
 pub type Lane = u32;

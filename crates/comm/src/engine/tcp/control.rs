@@ -258,8 +258,19 @@ impl Control {
 
     // Expects a frame from neighbour `peer` within the liveness timeout, until the run fails.
     async fn watch(self: Arc<Self>, peer: usize, mut reader: OwnedReadHalf) {
+        let socket = Socket::of(&reader);
         let err = loop {
-            let frame = tokio::time::timeout(self.liveness, read_control(&mut reader)).await;
+            let read = read_control(&mut reader);
+            tokio::pin!(read);
+            let mut frame = tokio::time::timeout(self.liveness, &mut read).await;
+            // The neighbour was silent only if nothing of it waits in the socket. Where this
+            // process was the one frozen (`kill -STOP`), its runtime sees the timeout run out
+            // as it continues, before the frames that came meanwhile (on SIGCONT its
+            // `epoll_wait` returns EINTR, signal(7), without their events): it would blame
+            // the neighbour whose heartbeats, and abort, wait unread.
+            if frame.is_err() && socket.has_something() {
+                frame = tokio::time::timeout(self.liveness, &mut read).await;
+            }
             match frame {
                 Ok(Ok(None)) => continue,
                 Ok(Ok(Some((origin, reason)))) => {
@@ -289,6 +300,46 @@ impl Control {
             }
         };
         self.fail(err);
+    }
+}
+
+/// A connection's socket, seen past the runtime: whether the kernel holds something for it
+/// to read.
+#[derive(Clone, Copy)]
+struct Socket {
+    #[cfg(unix)]
+    fd: std::os::fd::RawFd,
+}
+
+impl Socket {
+    fn of(reader: &OwnedReadHalf) -> Self {
+        #[cfg(unix)]
+        {
+            use std::os::fd::AsRawFd;
+            Self {
+                fd: reader.as_ref().as_raw_fd(),
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = reader;
+            Self {}
+        }
+    }
+
+    /// Whether a read would not wait: bytes, the end of the connection, or its error (which
+    /// the read then reports as the end). Without a look at the socket, `false`.
+    fn has_something(self) -> bool {
+        #[cfg(unix)]
+        {
+            use nix::sys::socket::{MsgFlags, recv};
+            let peek = MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT;
+            recv(self.fd, &mut [0u8; 1], peek) != Err(nix::errno::Errno::EAGAIN)
+        }
+        #[cfg(not(unix))]
+        {
+            false
+        }
     }
 }
 

@@ -44,6 +44,8 @@ pub(crate) mod rendezvous;
 mod ring;
 mod schedule;
 
+pub use ring::sent_bytes;
+
 use control::{Control, Roster};
 use frame::{Fingerprint, Op, ReadError};
 use link::{COLLECTIVES, CONTROL, DialError, Incoming, Links, Outgoing};
@@ -316,7 +318,11 @@ impl Engine for TcpEngine {
         tag: Tag,
         payload: &[u8],
     ) -> Result<(), DistributedError> {
-        let during = format!("stream {lane}'s message {}.{}", tag.0, tag.1);
+        // Named in its errors: a timeout says nothing of the process otherwise.
+        let during = format!(
+            "stream {lane}'s message {}.{} to process {to}",
+            tag.0, tag.1
+        );
         let peer = &self.control.roster.peers[to];
         let outgoing = self.runtime.block_on(async {
             self.links
@@ -340,7 +346,7 @@ impl Engine for TcpEngine {
     }
 
     fn recv(&self, lane: Lane, from: usize) -> Result<(Tag, Vec<u8>), DistributedError> {
-        let during = format!("stream {lane}'s next message");
+        let during = format!("stream {lane}'s next message from process {from}");
         self.run(during, async {
             let incoming = self
                 .links

@@ -5,6 +5,7 @@
 //! beyond the connections' pieces.
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use tokio::sync::Mutex;
 
@@ -12,6 +13,23 @@ use super::frame::{self, Fingerprint, FrameHeader, ReadError};
 use super::link::{Incoming, Outgoing};
 use super::schedule;
 use crate::element::Element;
+
+// The values' bytes this process has sent to the next one on the ring, since it started
+// (frame headers and control messages not counted): what `sent_bytes` reads.
+static SENT: AtomicU64 = AtomicU64::new(0);
+
+/// The bytes of values this process's collectives have sent over the built-in engine's ring
+/// since the process started: every block a reduce-scatter, all-gather or all-reduce step
+/// sends, every piece of a broadcast sent or passed on. Frame headers and the connections'
+/// control messages are not counted; an MPI engine's traffic is not either (MPI picks its own
+/// schedule). Read it before and after a step for the step's traffic.
+pub fn sent_bytes() -> u64 {
+    SENT.load(Ordering::Relaxed)
+}
+
+fn count_sent(bytes: usize) {
+    SENT.fetch_add(bytes as u64, Ordering::Relaxed);
+}
 
 /// Why a step failed, and with which process.
 #[derive(Debug)]
@@ -123,6 +141,7 @@ impl Ring<'_> {
                 frame::write_frame(&mut next.writer, &piece.header, piece.bytes())
                     .await
                     .map_err(write(self.next_rank()))?;
+                count_sent(piece.bytes().len());
             }
         }
         if let Some(next) = &mut next {
@@ -163,7 +182,9 @@ impl Ring<'_> {
             frame::PIECE,
         )
         .await
-        .map_err(write(self.next_rank()))
+        .map_err(write(self.next_rank()))?;
+        count_sent(bytes.len());
+        Ok(())
     }
 
     async fn receive(&self, step: u32, into: &mut [u8], combine: Combine) -> Flow<()> {

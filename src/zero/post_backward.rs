@@ -1,0 +1,123 @@
+//! ZeRO stage 3's reduction in the backward pass (FSDP's post-backward reduce-scatter): on the
+//! pass that completes an accumulation window, each parameter's gradient goes to its owner as
+//! soon as it is final, and the other processes keep nothing of it; the window's earlier
+//! passes accumulate whole gradients locally (FSDP's `no_sync`).
+//!
+//! Every op of a pass reads a released parameter through its *anchor*
+//! (`crate::backend::placeholder`): an identity node between the parameter and its uses,
+//! made at the first use and placed just above that op's input, so that Burn's autodiff runs
+//! it once every use's gradient is summed into it (a layer used twice, tied weights) and
+//! before the layers below. On the reducing pass the anchor adds the window's earlier sum
+//! (handed to it by [`begin`]), reduces the total to the owner (in the order and with the
+//! division of stage 2's reduce-scatter: stage 3's gradients are stage 2's bit for bit) and
+//! registers it on the parameter on the owner alone. A parameter the pass does not reach is
+//! reduced by [`end`], in the model's visiting order. The step then finds each process's
+//! partition's averaged gradients, as after stage 2's reduce-scatter: the loss scaler's
+//! overflow check and the global norm's clipping read them as they read stage 2's.
+//!
+//! An anchor lives until its backward runs or the parameters are released. A forward pass
+//! on the training model whose graph is dropped without a backward (an evaluation that does
+//! not go through `Module::valid`) leaves its anchors, which the next pass reuses: that
+//! pass's backward then also runs the dropped pass's nodes, with zero gradients (a zero added
+//! to each gradient; more work, the same values but for the sign of a zero). Not tested.
+//!
+//! The reduction needs every parameter released (from the first step on: the first window
+//! is reduced at the step, as at stage 2) and the decorator over a registered autodiff
+//! backend (whose ops make anchors); elsewhere [`begin`] declines and the step
+//! reduce-scatters the window at its end.
+
+use std::any::Any;
+use std::collections::BTreeMap;
+
+use burn::module::{AutodiffModule, ModuleVisitor, Param};
+use burn::optim::GradientsParams;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Tensor, TensorPrimitive};
+
+use crate::backend::placeholder;
+
+// The parameter `value` is, as its node id and shard, if it is a released parameter.
+fn registered<B: AutodiffBackend, const D: usize>(
+    value: Tensor<B, D>,
+) -> Option<(u64, std::sync::Arc<dyn placeholder::Shard>)> {
+    placeholder::registered::<B>(&value.into_primitive().tensor())
+}
+
+/// Before the backward pass that completes a window: hands the window's earlier passes' sums
+/// (`window`, emptied) to the anchors and makes them reduce. Returns `false`, and changes
+/// nothing, where some parameter of `model` is not released or the backend makes no anchors.
+pub(crate) fn begin<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: &M,
+    window: &mut GradientsParams,
+) -> bool {
+    struct AllReleased(bool);
+    impl<B: AutodiffBackend> ModuleVisitor<B> for AllReleased {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0 &= registered(param.val()).is_some();
+        }
+    }
+    let mut all = AllReleased(true);
+    model.visit(&mut all);
+    if !all.0 {
+        return false;
+    }
+    struct Hand<'a> {
+        window: &'a mut GradientsParams,
+        by_node: BTreeMap<u64, Box<dyn Any + Send>>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Hand<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let Some((node, _)) = registered(param.val()) else {
+                return;
+            };
+            if let Some(sum) = self.window.remove::<B::InnerBackend, D>(param.id) {
+                self.by_node
+                    .insert(node, Box::new(sum.into_primitive().tensor()));
+            }
+        }
+    }
+    let mut hand = Hand {
+        window,
+        by_node: BTreeMap::new(),
+    };
+    model.visit(&mut hand);
+    placeholder::begin_reducing(hand.by_node);
+    true
+}
+
+/// After the pass [`begin`] started: the window's sums of the parameters the pass did not
+/// reach are reduced to their owners in the model's visiting order (every process the same)
+/// and registered in `grads` on the owner.
+pub(crate) fn end<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: &M,
+    grads: &mut GradientsParams,
+) {
+    let left = placeholder::end_reducing();
+    if left.is_empty() {
+        return;
+    }
+    struct Reduce<'a> {
+        grads: &'a mut GradientsParams,
+        left: BTreeMap<u64, Box<dyn Any + Send>>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Reduce<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let Some((node, shard)) = registered(param.val()) else {
+                return;
+            };
+            let Some(sum) = self.left.remove(&node) else {
+                return;
+            };
+            let sum = *sum
+                .downcast::<burn::tensor::ops::FloatTensor<B::InnerBackend>>()
+                .unwrap_or_else(|_| unreachable!("`begin` kept the inner backend's tensors"));
+            if let Some(mean) = placeholder::reduce_to_owner::<B::InnerBackend>(shard.as_ref(), sum)
+            {
+                let mean =
+                    Tensor::<B::InnerBackend, D>::from_primitive(TensorPrimitive::Float(mean));
+                self.grads.register(param.id, mean);
+            }
+        }
+    }
+    model.visit(&mut Reduce { grads, left });
+}
