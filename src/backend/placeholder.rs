@@ -52,6 +52,7 @@ use std::any::Any;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::ThreadId;
 
 use burn::backend::Autodiff;
 use burn::backend::autodiff::NodeId;
@@ -112,6 +113,10 @@ struct Registry {
     // primitive), by node id, added to the last pass's before its reduction.
     window: BTreeMap<u64, Box<dyn Any + Send>>,
     bytes: GatheredBytes,
+    // The thread on which a checkpoint's record reads released parameters: there their
+    // initializer gives the value held (the owner's own, a placeholder elsewhere) instead of
+    // gathering it on every process (`zero::gather_model_record` sends it to the root itself).
+    reading_held: Option<ThreadId>,
 }
 
 // The registry, and how many tensors it holds: every op of the decorator asks, and outside
@@ -129,8 +134,33 @@ static PLACEHOLDERS: Placeholders = Placeholders {
         reducing: false,
         window: BTreeMap::new(),
         bytes: GatheredBytes { alive: 0, peak: 0 },
+        reading_held: None,
     }),
 };
+
+/// Whether a released parameter read on this thread now gives the value this process holds,
+/// without any collective ([`reading_held`]).
+pub(crate) fn reads_held_values() -> bool {
+    let this = std::thread::current().id();
+    registry(|registry| registry.reading_held == Some(this))
+}
+
+/// Released parameters read on this thread give their held value until the guard drops (also
+/// when the visit panics): a checkpoint's record sends each one to the root itself.
+pub(crate) fn reading_held() -> ReadingHeld {
+    let this = std::thread::current().id();
+    registry(|registry| registry.reading_held = Some(this));
+    ReadingHeld(())
+}
+
+/// The guard of [`reading_held`].
+pub(crate) struct ReadingHeld(());
+
+impl Drop for ReadingHeld {
+    fn drop(&mut self) {
+        registry(|registry| registry.reading_held = None);
+    }
+}
 
 fn registry<R>(f: impl FnOnce(&mut Registry) -> R) -> R {
     let mut registry = PLACEHOLDERS

@@ -165,7 +165,7 @@ pub fn release_parameters<B: AutodiffBackend, M: AutodiffModule<B>>(
             let init = move |device: &B::Device, require_grad: bool| {
                 // A checkpoint's record reads the owner's value where it is, and sends it to
                 // the main process alone (`gather_model_record`): no collective here.
-                if super::full_shard_checkpoint::reads_held_values() {
+                if placeholder::reads_held_values() {
                     return held::<B, D>(own.clone(), &gathered_shape, dtype, device);
                 }
                 let placeholders = placeholder::recognised::<B>();

@@ -20,8 +20,6 @@
 //! (`release_parameters`), so the root's record applies each parameter's save mapper as
 //! `into_record` would have on a whole model.
 
-use std::cell::Cell;
-
 use burn::module::{AutodiffModule, ModuleMapper, Param};
 use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
@@ -32,36 +30,6 @@ use crate::backend::placeholder;
 use crate::distributed::{DistributedError, ProcessGroup, Stream};
 
 use super::sharded::Partition;
-
-thread_local! {
-    // Set while a checkpoint's record reads released parameters on this thread: their
-    // initializer gives the value held (the owner's own, a placeholder elsewhere) instead of
-    // gathering it from its owner on every process.
-    static READS_HELD: Cell<bool> = const { Cell::new(false) };
-}
-
-/// Whether a released parameter read now gives the value this process holds, without any
-/// collective (a checkpoint's record sends it to the root itself).
-pub(super) fn reads_held_values() -> bool {
-    READS_HELD.with(Cell::get)
-}
-
-// Released parameters read on this thread give their held value until dropped (also when the
-// visit panics).
-struct ReadingHeld;
-
-impl ReadingHeld {
-    fn start() -> Self {
-        READS_HELD.with(|reads| reads.set(true));
-        Self
-    }
-}
-
-impl Drop for ReadingHeld {
-    fn drop(&mut self) {
-        READS_HELD.with(|reads| reads.set(false));
-    }
-}
 
 /// The record of `module` (Burn's `into_record`, each parameter's save mapper applied), whole,
 /// on process `root` (`None` on the others), from a model whose parameters may be released
@@ -108,7 +76,7 @@ where
             tracked: false,
         },
     };
-    let reading = ReadingHeld::start();
+    let reading = placeholder::reading_held();
     // A clone: a released parameter's clone is released too (Burn clones a lazy parameter
     // without initialising it), so reading the clone leaves `module`'s parameters as they
     // were; an initialised one shares its tensor.
@@ -148,7 +116,7 @@ where
             Param::from_mapped_value(id, value, mappers)
         }
     }
-    let reading = ReadingHeld::start();
+    let reading = placeholder::reading_held();
     // A clone, as in `gather_model_record`: `module`'s released parameters stay released.
     let own = module.clone().map(&mut OwnOnly { partition, rank });
     drop(reading);
@@ -165,7 +133,7 @@ where
     B: AutodiffBackend,
     M: AutodiffModule<B>,
 {
-    let reading = ReadingHeld::start();
+    let reading = placeholder::reading_held();
     let released = super::release_parameters(group, module, partition);
     drop(reading);
     released
