@@ -53,7 +53,7 @@ mod agree;
 pub(crate) mod contents;
 mod fits;
 pub(crate) mod records;
-mod sharded;
+pub(crate) mod sharded;
 mod state;
 pub use crate::zero::CheckpointLayout;
 pub use accelerator::Resumed;

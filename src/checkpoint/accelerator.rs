@@ -146,8 +146,10 @@ impl<B: AutodiffBackend> Accelerator<B> {
                 number,
                 model,
                 optimizer.to_record(),
+                Scheme::Accelerator,
                 &state(),
                 files,
+                |_| false,
             );
         }
         let whole = self.consolidate_optimizer_record(model, optimizer.to_record())?;
@@ -214,6 +216,7 @@ impl<B: AutodiffBackend> Accelerator<B> {
             Some(loaded) if sharded::is_sharded(&loaded) => {
                 Resume::From(sharded::read::<B, M, O::Record>(
                     loaded,
+                    Scheme::Accelerator,
                     model,
                     group,
                     shards_parameters,

@@ -16,9 +16,12 @@ use burn::module::Module;
 use burn::record::Record;
 use burn::tensor::backend::Backend;
 
+#[cfg(test)]
+use super::agree_on_checkpoint;
 use super::records::{self, Scheme, record_error};
-use super::{CheckpointDir, CheckpointState, LoadedCheckpoint, agree_on_checkpoint};
+use super::{CheckpointDir, CheckpointState, LoadedCheckpoint};
 use crate::AccelerateError;
+#[cfg(test)]
 use crate::distributed::ProcessGroup;
 
 /// A checkpoint's records, as bytes.
@@ -149,8 +152,8 @@ pub(crate) enum Resume<M, O, S> {
 /// [`agree_on_checkpoint`]), read with [`read`]; [`Resume::Fresh`] when there is none.
 /// Every process must call it. (The [`Accelerator`](crate::Accelerator) agrees with
 /// [`agree_on_checkpoint_keeping`](super::agree_on_checkpoint_keeping) instead, and reads a
-/// sharded checkpoint with `sharded::read`; `with_accelerate` resumes through
-/// [`resume_held`].)
+/// sharded checkpoint with `sharded::read`; `with_accelerate` agrees with the checkpoint its
+/// start-up check held, and reads either kind.)
 ///
 /// # Errors
 /// What [`agree_on_checkpoint`] and [`read`] return.
@@ -163,25 +166,7 @@ pub(crate) fn resume<B: Backend, M: Module<B>, O: Record<B>, S: Record<B>>(
     model: M,
     device: &B::Device,
 ) -> Result<Resume<M, O, S>, AccelerateError> {
-    resume_held(group, checkpoints, None, |_| pick(), scheme, model, device)
-}
-
-/// [`resume`], where this process holds `held`, a checkpoint it read and verified already
-/// ([`precheck`]'s): `pick` is given it on the main process, and the others load it when it
-/// is the one picked, rather than read and hash its files again.
-///
-/// # Errors
-/// As [`resume`].
-pub(crate) fn resume_held<B: Backend, M: Module<B>, O: Record<B>, S: Record<B>>(
-    group: Option<&ProcessGroup>,
-    checkpoints: &CheckpointDir,
-    held: Option<LoadedCheckpoint>,
-    pick: impl FnOnce(Option<LoadedCheckpoint>) -> Result<Option<LoadedCheckpoint>, AccelerateError>,
-    scheme: Scheme,
-    model: M,
-    device: &B::Device,
-) -> Result<Resume<M, O, S>, AccelerateError> {
-    match agree_on_checkpoint(group, checkpoints, held, pick)? {
+    match agree_on_checkpoint(group, checkpoints, None, |_| pick())? {
         None => Ok(Resume::Fresh(model)),
         Some(loaded) => read(loaded, scheme, model, device).map(Resume::From),
     }
@@ -236,11 +221,22 @@ pub(crate) fn precheck(
     dir: &std::path::Path,
     scheme: Scheme,
 ) -> Result<Option<LoadedCheckpoint>, AccelerateError> {
-    let Some(loaded) = CheckpointDir::new(dir).load_newest(None)? else {
+    // A sharded checkpoint missing a process's file is passed over, as the resume does.
+    let Some(loaded) =
+        CheckpointDir::new(dir).load_newest_where(None, super::sharded::complete, |_| true)?
+    else {
         return Ok(None);
     };
     let names = scheme.names(loaded.epoch);
-    if let Some(absent) = names.all().find(|name| !loaded.files.contains_key(*name)) {
+    // A sharded checkpoint's records are its processes' files, in place of the model's and
+    // the optimizer's.
+    let sharded = super::sharded::is_sharded(&loaded);
+    let read = |name: &&str| !sharded || (*name != names.model && *name != names.optimizer);
+    if let Some(absent) = names
+        .all()
+        .filter(read)
+        .find(|name| !loaded.files.contains_key(*name))
+    {
         return Err(record_error(
             &dir.join(super::MANIFEST).display().to_string(),
             format!(
@@ -281,6 +277,11 @@ pub(crate) fn precheck_model<B: Backend, M: Module<B>>(
     model: &M,
     device: &B::Device,
 ) -> Result<(), AccelerateError> {
+    if super::sharded::is_sharded(loaded) {
+        // Its parameters are spread over its processes' files: the resume names the one no
+        // file holds (`sharded::read`).
+        return Ok(());
+    }
     let name = scheme.names(loaded.epoch).model;
     match super::decode_model::<B, M>(loaded, &name, model.clone(), device) {
         Ok(_) => Ok(()),

@@ -172,8 +172,10 @@ enum Written {
 
 /// Writes checkpoint `number` of `dir` sharded: this process's partition of `model`'s
 /// parameters and its optimizer state `optimizer` (this process's part), and on the main
-/// process `state` and the loop's `own` files, listed once every process wrote its files.
-/// Every process of `group` must call it at the same point, between steps.
+/// process `state` (under `scheme`'s name: the `Accelerator`'s or `with_accelerate`'s) and
+/// the loop's `own` files, listed once every process wrote its files; the files of dropped
+/// checkpoints for which `spare` says so stay on disk. Every process of `group` must call it
+/// at the same point, between steps.
 ///
 /// # Errors
 /// [`AccelerateError::Checkpoint`] on every process when any process could not write its files
@@ -186,8 +188,10 @@ pub(crate) fn write<B, M, R>(
     number: usize,
     model: &M,
     optimizer: R,
+    scheme: Scheme,
     state: &CheckpointState,
     own: &[(&str, &[u8])],
+    spare: impl Fn(&str) -> bool,
 ) -> Result<(), AccelerateError>
 where
     B: AutodiffBackend,
@@ -222,7 +226,7 @@ where
             });
         }
         if failures.is_empty() {
-            commit(dir, number, state, own, files).err()
+            commit(dir, number, scheme, state, own, files, &spare).err()
         } else {
             Some(format!(
                 "not listed, as a process could not write its part ({})",
@@ -283,21 +287,23 @@ where
 fn commit(
     dir: &CheckpointDir,
     number: usize,
+    scheme: Scheme,
     state: &CheckpointState,
     own: &[(&str, &[u8])],
     written: Vec<FileDigest>,
+    spare: impl Fn(&str) -> bool,
 ) -> Result<(), String> {
-    let names = Scheme::Accelerator.names(number);
+    let names = scheme.names(number);
     let state = state.to_json();
     let mut files: Vec<(&str, &[u8])> = vec![(&names.state, &state)];
     files.extend_from_slice(own);
-    dir.save_with_written(number, &files, written, |_| false)
+    dir.save_with_written(number, &files, written, spare)
         .map(|_| ())
         .map_err(|err| err.to_string())
 }
 
-/// Reads sharded checkpoint `loaded` (its state file, and the shard files this process kept:
-/// [`keeps`]) into `model` and an optimizer record keyed by `model`'s ids, for process `rank`
+/// Reads sharded checkpoint `loaded` (its state file, named by `scheme`, and the shard files
+/// this process kept: [`keeps`]) into `model` and an optimizer record keyed by `model`'s ids, for process `rank`
 /// of `world`: where `shards_parameters` (stage 3 on several processes) only the parameters
 /// of this process's partition are loaded, and `model` comes back released (each other
 /// parameter gathered from its owner at its use, as after a step).
@@ -307,6 +313,7 @@ fn commit(
 /// file holds (of its shape).
 pub(crate) fn read<B, M, O>(
     mut loaded: LoadedCheckpoint,
+    scheme: Scheme,
     model: M,
     group: Option<&ProcessGroup>,
     shards_parameters: bool,
@@ -318,7 +325,7 @@ where
     O: ParamStateRecord<B>,
 {
     let number = loaded.epoch;
-    let names = Scheme::Accelerator.names(number);
+    let names = scheme.names(number);
     let state = CheckpointState::from_json(&records::file(&loaded, &names.state)?, &names.state)?;
     let shard_files: Vec<(Part, String)> = loaded
         .files

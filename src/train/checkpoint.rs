@@ -4,6 +4,7 @@
 
 use super::fit::Core;
 use super::*;
+use crate::checkpoint::CheckpointLayout;
 use crate::checkpoint::records::{Scheme, record_error};
 use crate::gradient_state::GradientStateSnapshot;
 
@@ -85,7 +86,9 @@ impl AccelerateCheckpoint {
 /// `FileCheckpointer` names it `model-<epoch>`, and its recorder adds an extension): the epochs
 /// Burn keeps decide which strategy-state files stay beside its files.
 pub(super) fn is_burns_model(name: &str, epoch: usize) -> bool {
+    // A process's file of a sharded checkpoint (`model-N.shard-R-of-W.mpk`) is the strategy's.
     name.starts_with(&format!("model-{epoch}."))
+        && crate::checkpoint::sharded::parse_shard_name(name).is_none()
 }
 
 impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
@@ -150,10 +153,12 @@ where
     LearnerOptimizerRecord<LC>: ParamStateRecord<TrainingBackend<LC>>,
 {
     // Burn's checkpoint of an epoch (with Burn's file checkpointer), and the strategy's own
-    // (with a checkpoint directory). Only the main process writes: every process holds the
-    // same model, and they share the directory. Sharded, it first gathers the whole optimizer
-    // state, so that the checkpoint is the one a stage 0 run writes (every process takes part
-    // in the gathering).
+    // (with a checkpoint directory). With `CheckpointLayout::Sharded` at ZeRO stages 1 to 3
+    // on several processes, the strategy's own is written first, by every process, each its
+    // own partition's files (`crate::checkpoint::sharded`, as the `Accelerator` writes them).
+    // Otherwise only the main process writes: sharded, it first gathers the whole optimizer
+    // state (and at stage 3 the model), so that the checkpoint is the one a stage 0 run
+    // writes (every process takes part in the gathering); Burn's own files are always whole.
     #[allow(clippy::too_many_arguments)] // the pieces of Burn's loop that a checkpoint reads
     pub(super) fn checkpoint_epoch(
         &self,
@@ -164,7 +169,9 @@ where
         checkpointer: Option<&mut LearningCheckpointer<LC>>,
         event_store: &EventStoreClient,
     ) {
-        let writes = checkpointer.is_some() || self.checkpoint_dir.is_some();
+        let own_sharded =
+            self.checkpoint_sharded(epoch, learner, core, tap.as_deref_mut(), event_store);
+        let writes = checkpointer.is_some() || (self.checkpoint_dir.is_some() && !own_sharded);
         let own = match (core.sharded(), tap.as_deref_mut(), writes) {
             (Some(_), Some(tap), true) => {
                 // Read twice: records need not be `Clone`, and their tensors are shared.
@@ -205,7 +212,7 @@ where
         if let Some(checkpointer) = checkpointer {
             checkpointer.checkpoint(learner, epoch, event_store);
         }
-        if let (Some(dir), Some(tap)) = (&self.checkpoint_dir, tap) {
+        if let (Some(dir), Some(tap), false) = (&self.checkpoint_dir, tap, own_sharded) {
             let state = self.checkpoint(*core.loss_scale());
             if let Err(err) = self.save_checkpoint(dir, epoch, learner, tap, &state, event_store) {
                 // The checkpoints listed before stay whole: a restart resumes from the newest.
@@ -225,5 +232,60 @@ where
         if let Some(dir) = &self.checkpoint_dir {
             AccelerateCheckpoint::prune(dir, epoch);
         }
+    }
+
+    // The strategy's own checkpoint of `epoch`, sharded, where the layout asks for it and the
+    // stage partitions anything over several processes: every process writes its partition's
+    // parameters and optimizer state, and the main process the state and the scheduler's
+    // record beside them. Whether it did (or tried: a failure is every process's, and is
+    // logged); `false` leaves the strategy's checkpoint to the consolidated path.
+    fn checkpoint_sharded(
+        &self,
+        epoch: usize,
+        learner: &Learner<LC>,
+        core: &Core<LC>,
+        tap: Option<&mut RecordTap<LC>>,
+        event_store: &EventStoreClient,
+    ) -> bool {
+        let (Some(dir), Some((group, _)), Some(tap), CheckpointLayout::Sharded) = (
+            &self.checkpoint_dir,
+            core.sharded(),
+            tap,
+            self.config.checkpoint_layout,
+        ) else {
+            return false;
+        };
+        let (optimizer, scheduler) = tap
+            .records(learner, event_store)
+            .unwrap_or_else(|err| fail("cannot read the optimizer state", err));
+        let names = Scheme::Strategy.names(epoch);
+        let scheduler_name = names.scheduler.unwrap_or_default();
+        // Only the main process's files beside the shards are written.
+        let scheduler = if self.process.is_main_process() {
+            crate::checkpoint::records::encode::<TrainingBackend<LC>, _>(scheduler, &scheduler_name)
+                .unwrap_or_else(|err| fail("cannot encode the scheduler's record", err))
+        } else {
+            Vec::new()
+        };
+        let state = self.checkpoint(*core.loss_scale());
+        let written = crate::checkpoint::sharded::write::<TrainingBackend<LC>, _, _>(
+            group,
+            &self.checkpoints(dir),
+            epoch,
+            &learner.model(),
+            optimizer,
+            Scheme::Strategy,
+            &state,
+            &[(&scheduler_name, &scheduler)],
+            |name| super::resume::burn_keeps(dir, name),
+        );
+        if let Err(err) = written {
+            // The checkpoints listed before stay whole: a restart resumes from the newest.
+            log::warn!(
+                "burn-accelerate: the sharded checkpoint of epoch {epoch} was not written (a \
+                 restart would resume from an earlier one): {err}"
+            );
+        }
+        true
     }
 }

@@ -41,7 +41,8 @@ use super::{AccelerateCheckpoint, AccelerateStrategy, fail};
 use crate::AccelerateError;
 use crate::checkpoint::contents::{self, Records, Resume};
 use crate::checkpoint::records::{Scheme, record_error};
-use crate::checkpoint::{CheckpointDir, LoadedCheckpoint, Manifest};
+use crate::checkpoint::{CheckpointDir, LoadedCheckpoint, Manifest, sharded};
+use crate::zero::ParamStateRecord;
 
 /// How the strategy keeps and uses its checkpoints.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,7 +64,7 @@ impl Default for ResumeSettings {
 
 // Whether `name` is the strategy state of an epoch whose model Burn's own checkpointer still
 // keeps in `dir`: `.checkpoint(epoch)` through Burn's files needs it beside them.
-fn burn_keeps(dir: &Path, name: &str) -> bool {
+pub(super) fn burn_keeps(dir: &Path, name: &str) -> bool {
     let Some(epoch) = Scheme::Strategy.state_number(name) else {
         return false;
     };
@@ -91,7 +92,7 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
         self
     }
 
-    fn checkpoints(&self, dir: &Path) -> CheckpointDir {
+    pub(super) fn checkpoints(&self, dir: &Path) -> CheckpointDir {
         CheckpointDir::new(dir).with_keep_last(self.resume.keep)
     }
 
@@ -131,7 +132,10 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
         &self,
         learner: Learner<LC>,
         components: &mut TrainingComponents<LC>,
-    ) -> (Learner<LC>, Option<(usize, AccelerateCheckpoint)>) {
+    ) -> (Learner<LC>, Option<(usize, AccelerateCheckpoint)>)
+    where
+        LearnerOptimizerRecord<LC>: ParamStateRecord<TrainingBackend<LC>>,
+    {
         // Taken whatever happens: its bytes are not needed past the resume.
         let held = self
             .verified
@@ -148,21 +152,59 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
         let checkpoints = self.checkpoints(dir);
         // The model is checked against the record (Burn's load_checkpoint loads a record of
         // another model without a word) and every record against what Burn would panic on,
-        // before any of it is loaded.
-        let resumed = contents::resume_held::<
-            TrainingBackend<LC>,
-            _,
-            LearnerOptimizerRecord<LC>,
-            LearnerSchedulerRecord<LC>,
-        >(
+        // before any of it is loaded. A sharded checkpoint (`CheckpointLayout::Sharded`) is
+        // read whole on every process, each parameter from the file that holds it: the fit
+        // then partitions it for this run's processes and stage as it does a consolidated
+        // one's.
+        let model = learner.model();
+        let resumed = crate::checkpoint::agree_on_checkpoint(
             self.group.as_ref(),
             &checkpoints,
             held,
             |held| self.choose(&checkpoints, asked, components.checkpointer.is_some(), held),
-            Scheme::Strategy,
-            learner.model(),
-            &self.device,
         )
+        .and_then(|loaded| match loaded {
+            None => Ok(Resume::Fresh(model)),
+            Some(loaded) if sharded::is_sharded(&loaded) => {
+                // The strategy's scheme names a scheduler's record, written beside the shards.
+                let name = Scheme::Strategy.names(loaded.epoch).scheduler;
+                let scheduler = name
+                    .as_deref()
+                    .map(|name| {
+                        crate::checkpoint::records::decode::<
+                            TrainingBackend<LC>,
+                            LearnerSchedulerRecord<LC>,
+                        >(&loaded, name, &self.device)
+                    })
+                    .transpose()?;
+                let mut read = sharded::read::<TrainingBackend<LC>, _, LearnerOptimizerRecord<LC>>(
+                    loaded,
+                    Scheme::Strategy,
+                    model,
+                    None,
+                    false,
+                    &self.device,
+                )?;
+                if let Some(name) = &name {
+                    read.files.remove(name);
+                }
+                Ok(Resume::From(contents::Contents {
+                    number: read.number,
+                    state: read.state,
+                    model: read.model,
+                    optimizer: read.optimizer,
+                    scheduler,
+                    files: read.files,
+                }))
+            }
+            Some(loaded) => contents::read::<
+                TrainingBackend<LC>,
+                _,
+                LearnerOptimizerRecord<LC>,
+                LearnerSchedulerRecord<LC>,
+            >(loaded, Scheme::Strategy, model, &self.device)
+            .map(Resume::From),
+        })
         .unwrap_or_else(|err| fail("cannot resume", err));
         let read = match resumed {
             Resume::Fresh(_) => return (learner, None),
@@ -204,7 +246,8 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
             return Ok(Some(held));
         }
         let Some(epoch) = asked else {
-            return checkpoints.load_newest(None);
+            // A sharded checkpoint missing a process's file is passed over as a damaged one.
+            return checkpoints.load_newest_where(None, sharded::complete, |_| true);
         };
         let listed = Manifest::read(checkpoints.path())?.entry(epoch).is_some();
         if !listed && burn_has_files {

@@ -109,7 +109,7 @@ where
             // The held value (`reads_held_values`) of a released parameter: no collective.
             let (id, value, mappers) = param.consume();
             let value = if own {
-                value
+                own_value(value)
             } else {
                 Tensor::empty([0; D], &device)
             };
@@ -121,6 +121,22 @@ where
     let own = module.clone().map(&mut OwnOnly { partition, rank });
     drop(reading);
     own.into_record()
+}
+
+// The value this process owns of a parameter, read without a collective: a placeholder the
+// model holds initialised (Burn's `Learner` reloads the stepped model, whose owned values stay
+// registered as the parameters they stand for) is read as the tensor it is, its registration
+// set aside for the read and put back; any other value is itself.
+fn own_value<B: AutodiffBackend, const D: usize>(value: Tensor<B, D>) -> Tensor<B, D> {
+    let primitive = value.clone().into_primitive().tensor();
+    let Some((_, shard)) = placeholder::registered::<B>(&primitive) else {
+        return value;
+    };
+    let device = value.device();
+    placeholder::unregister_tensor::<B>(&primitive);
+    let data = value.into_data();
+    placeholder::register_tensor::<B>(&primitive, shard);
+    Tensor::from_data(data, &device)
 }
 
 /// [`release_parameters`](super::release_parameters) of a model some of whose parameters

@@ -1916,6 +1916,12 @@ mod supervised {
         /// checkpoints), to check that both entry points step alike.
         #[serde(default)]
         pub by_hand: bool,
+        /// The strategy's own checkpoints written sharded (`CheckpointLayout::Sharded`).
+        #[serde(default)]
+        pub sharded_checkpoint: bool,
+        /// The training items (256 when 0).
+        #[serde(default)]
+        pub items: usize,
     }
 
     #[derive(Debug, Serialize, Deserialize)]
@@ -1951,7 +1957,7 @@ mod supervised {
             DataLoaderConfig::new(args.batch_size)
                 .with_shuffle(true)
                 .with_data_seed(Some(11)),
-            InMemDataset::new(blobs(256, 1)),
+            InMemDataset::new(blobs(if args.items == 0 { 256 } else { args.items }, 1)),
             BlobBatcher,
         )
         .build_for(&state, Default::default())
@@ -1961,7 +1967,12 @@ mod supervised {
     fn config(args: &Run) -> AccelerateConfig {
         let mut config = AccelerateConfig::new()
             .with_gradient_accumulation_steps(args.grad_accum)
-            .with_zero_stage(ZeroStage::from_number(args.zero_stage).unwrap());
+            .with_zero_stage(ZeroStage::from_number(args.zero_stage).unwrap())
+            .with_checkpoint_layout(if args.sharded_checkpoint {
+                burn_accelerate::checkpoint::CheckpointLayout::Sharded
+            } else {
+                burn_accelerate::checkpoint::CheckpointLayout::Consolidated
+            });
         if args.f16 {
             // The net is tiny: cast all its lower-class ops (PyTorch's rule), so that f16
             // overflows.
@@ -2501,6 +2512,97 @@ fn a_stage_3_supervised_run_resumes_on_other_process_counts_and_stages() {
         harness::clean(&parts_dir);
     }
     harness::clean(&whole_dir);
+}
+
+#[test]
+fn a_sharded_stage_3_supervised_checkpoint_resumes_on_other_process_counts_and_stages() {
+    const TEST: &str =
+        "a_sharded_stage_3_supervised_checkpoint_resumes_on_other_process_counts_and_stages";
+    use burn::module::Module;
+    use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
+    use burn_accelerate::checkpoint::CheckpointDir;
+    if let Some(args) = worker::<supervised::Run>() {
+        return report(&supervised::train(&args));
+    }
+    // A global batch of 48 over 192 items (4 whole batches an epoch on 1, 2 and 3 processes:
+    // the same batches whatever the count), Adam through Burn's Learner, stage 3 on 2
+    // processes; the strategy's own checkpoints written sharded, beside Burn's own files.
+    let run = |processes: usize, zero_stage: u8, epochs: usize, dir: &PathBuf, resume_from| {
+        supervised::Run {
+            batch_size: 48 / processes,
+            grad_accum: 1,
+            epochs,
+            dir: Some(dir.clone()),
+            resume_from,
+            zero_stage,
+            sharded_checkpoint: true,
+            items: 192,
+            ..Default::default()
+        }
+    };
+    let whole_dir = harness::scratch_dir("sharded-stage-3-supervised-whole");
+    let whole: Vec<supervised::RunReport> = launch(TEST, 2, &run(2, 3, 3, &whole_dir, None), &[])
+        .assert_success()
+        .reports(2);
+    let parts_dir = harness::scratch_dir("sharded-stage-3-supervised-parts");
+    let saved: Vec<supervised::RunReport> = launch(TEST, 2, &run(2, 3, 2, &parts_dir, None), &[])
+        .assert_success()
+        .reports(2);
+    let checkpoints = parts_dir.join("checkpoint");
+    // The strategy's checkpoint of epoch 2: each process's files and the main process's
+    // state and scheduler, no consolidated record.
+    let listed = CheckpointDir::new(&checkpoints).load(2).unwrap();
+    assert_eq!(
+        listed.files.keys().collect::<Vec<_>>(),
+        [
+            "accelerate-2-scheduler.mpk",
+            "accelerate-2.json",
+            "model-2.shard-0-of-2.mpk",
+            "model-2.shard-1-of-2.mpk",
+            "optimizer-2.shard-0-of-2.mpk",
+            "optimizer-2.shard-1-of-2.mpk"
+        ]
+    );
+    assert!(!checkpoints.join("accelerate-2-model.mpk").exists());
+    // Burn's own file of epoch 2 stays whole, gathered on the main process: Burn loads it by
+    // itself.
+    let record: crate::mlp::MlpRecord<Flex> = Recorder::<Flex>::load(
+        &NamedMpkFileRecorder::<FullPrecisionSettings>::new(),
+        checkpoints.join("model-2.mpk"),
+        &Default::default(),
+    )
+    .unwrap();
+    let loaded = crate::mlp::Mlp::<Flex>::new(16, &Default::default()).load_record(record);
+    assert_eq!(bits(&parameters(&loaded)), bits(&saved[0].parameters));
+    // The same processes at stage 3: bit for bit.
+    let same: Vec<supervised::RunReport> = launch(TEST, 2, &run(2, 3, 3, &parts_dir, Some(2)), &[])
+        .assert_success()
+        .reports(2);
+    assert_eq!(same[0].epochs, [3]);
+    for r in &same {
+        assert_eq!(bits(&r.parameters), bits(&whole[0].parameters));
+    }
+    // Re-partitioned, at stage 0 and at stage 3: the same training to rounding (the mean of
+    // the gradients over other processes' parts sums in another order), within the 1e-5 of
+    // the consolidated checkpoint's resumes.
+    for (processes, zero_stage) in [(1, 0), (3, 3)] {
+        let resumed: Vec<supervised::RunReport> = launch(
+            TEST,
+            processes,
+            &run(processes, zero_stage, 3, &parts_dir, Some(2)),
+            &[],
+        )
+        .assert_success()
+        .reports(processes);
+        assert_eq!(resumed[0].epochs, [3]);
+        let d = max_relative_difference(&resumed[0].parameters, &whole[0].parameters);
+        assert!(
+            d < 1e-5,
+            "{processes} processes at stage {zero_stage}: {d:e}"
+        );
+    }
+    harness::clean(&whole_dir);
+    harness::clean(&parts_dir);
 }
 
 // ---------------------------------------------------------------------------------------
