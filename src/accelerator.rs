@@ -101,10 +101,12 @@ pub struct AccelerateConfig {
     /// steps). Nothing changes for one process.
     #[config(default = "ZeroStage::None")]
     pub zero_stage: ZeroStage,
-    /// How [`save_checkpoint`](Accelerator::save_checkpoint) writes a checkpoint of a sharded
-    /// run ([`CheckpointLayout`](crate::zero::CheckpointLayout)): consolidated on the main
-    /// process (the default), or each process's partition in files of its own.
-    /// `with_accelerate`'s checkpoints are consolidated whatever it says.
+    /// How a checkpoint of a sharded run is written
+    /// ([`CheckpointLayout`](crate::zero::CheckpointLayout)), by
+    /// [`save_checkpoint`](Accelerator::save_checkpoint) and by `with_accelerate`'s own
+    /// checkpoints (`AccelerateStrategy::with_checkpoint_dir`): consolidated on the main
+    /// process (the default), or each process's partition in files of its own. Burn's own
+    /// file checkpointer, under `with_accelerate`, writes whole files either way.
     #[config(default = "crate::zero::CheckpointLayout::Consolidated")]
     pub checkpoint_layout: crate::zero::CheckpointLayout,
     /// Clips every window's gradients, unscaled, to this global 2-norm before the optimizer

@@ -10,7 +10,8 @@
 //! each parameter of its partition with its save mapper applied, every other parameter a
 //! tensor of no elements) and `optimizer-N.shard-R-of-W.mpk` (its optimizer state, keyed by
 //! each parameter's place in the model's visiting order: ids are drawn per process). The main
-//! process writes the state file (`accelerator-N.json`) and the loop's own files. Each file is
+//! process writes the state file (the `Accelerator`'s `accelerator-N.json`, `with_accelerate`'s
+//! `accelerate-N.json`) and the loop's own files (`with_accelerate`'s scheduler record). Each file is
 //! written aside, flushed and renamed ([`write_atomic`](super::write_atomic)); each process
 //! sends the main one its files' digests (or why it could not write them), and the main
 //! process lists the checkpoint only when every process wrote both of its files: a checkpoint

@@ -571,10 +571,18 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
     ///   `.checkpoint(epoch)` on Burn's builder resumes from that epoch instead (from Burn's
     ///   own files when the strategy has no whole checkpoint of it).
     ///
+    /// With `AccelerateConfig::with_checkpoint_layout(CheckpointLayout::Sharded)` at ZeRO
+    /// stages 1 to 3 on several processes, each process writes its own partition's model and
+    /// optimizer files (`model-N.shard-R-of-W.mpk`, `optimizer-N.shard-R-of-W.mpk`, as the
+    /// `Accelerator`'s `save_checkpoint` does) and the main process the scheduler's record and
+    /// the state, listed once every process wrote; the resume reads either kind on any number
+    /// of processes at any stage.
+    ///
     /// With Burn's file checkpointer set as well, Burn still writes its own files (your
-    /// recorder, your checkpointing strategy) beside these: drop `with_file_checkpointer` to
-    /// write each epoch once. A strategy-state file goes with its checkpoint, unless Burn
-    /// still keeps that epoch's model in `dir`.
+    /// recorder, your checkpointing strategy) beside these, whole whatever the layout (the
+    /// main process gathers the model and optimizer state for them): drop
+    /// `with_file_checkpointer` to write each epoch once. A strategy-state file goes with its
+    /// checkpoint, unless Burn still keeps that epoch's model in `dir`.
     ///
     /// Burn's `fit` has no error channel: a directory that cannot be resumed from (a damaged
     /// manifest, every listed checkpoint missing a file, a record of another model, a state

@@ -5,7 +5,13 @@
 //! optimizer's (whole, under ZeRO) and the scheduler's records, in full precision
 //! (`accelerate-<epoch>-{model,optim,scheduler}.mpk`, Burn's `NamedMpk` format), and the
 //! strategy's state beside them (`accelerate-<epoch>.json`: the loss scale, the gradient
-//! state, the loaders' positions). They are the strategy's and not Burn's checkpointer's
+//! state, the loaders' positions). With `CheckpointLayout::Sharded` at ZeRO stages 1 to 3 on
+//! several processes, each process writes its partition's model and optimizer files instead
+//! (`{model,optimizer}-<epoch>.shard-R-of-W.mpk`, through [`crate::checkpoint::sharded`],
+//! the `Accelerator`'s writer) and the main process the scheduler's record and the state; the
+//! resume reads every process's files (each parameter from the one that holds it) into the
+//! whole model and optimizer state, which the fit then partitions for this run's processes
+//! and stage as a consolidated checkpoint's. They are the strategy's and not Burn's checkpointer's
 //! because Burn's `FileCheckpointer` writes in place, on threads of its own, with nothing that
 //! says when a file is whole: a crash in the middle leaves a torn file under its final name.
 //!

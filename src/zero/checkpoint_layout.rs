@@ -4,10 +4,13 @@
 
 use serde::{Deserialize, Serialize};
 
-/// How [`Accelerator::save_checkpoint`](crate::Accelerator::save_checkpoint) writes a
+/// How [`Accelerator::save_checkpoint`](crate::Accelerator::save_checkpoint) and
+/// `with_accelerate`'s own checkpoints (`AccelerateStrategy::with_checkpoint_dir`) write a
 /// checkpoint of a sharded run (ZeRO stages 1 to 3 on several processes;
 /// `AccelerateConfig::with_checkpoint_layout`). Both kinds resume at any stage on any number of
-/// processes, and are crash-safe alike (listed once every file is whole on the disk).
+/// processes, and are crash-safe alike (listed once every file is whole on the disk). Burn's
+/// own file checkpointer (`model-N.mpk`, `optim-N.mpk`, `scheduler-N.mpk`, written by Burn's
+/// `Learner` when asked for) writes whole records either way.
 ///
 /// ```
 /// use burn_accelerate::AccelerateConfig;
@@ -31,7 +34,8 @@ pub enum CheckpointLayout {
     /// (`model-N.shard-R-of-W.mpk`, `optimizer-N.shard-R-of-W.mpk`; FSDP's
     /// `SHARDED_STATE_DICT`, DeepSpeed's per-rank files), and the main process lists every
     /// process's files in the manifest once all are written: no process holds more than its
-    /// partition to save. At stage 0, or on one process, nothing is partitioned, and the
-    /// checkpoint is consolidated.
+    /// partition to save. `with_accelerate`'s main process also writes the scheduler's record
+    /// (`accelerate-N-scheduler.mpk`) and its state file (`accelerate-N.json`). At stage 0, or
+    /// on one process, nothing is partitioned, and the checkpoint is consolidated.
     Sharded,
 }
