@@ -207,31 +207,25 @@ pub(crate) fn read<B: Backend, M: Module<B>, O: Record<B>, S: Record<B>>(
     })
 }
 
-/// What [`read`] checks that needs no model, before a run starts (issue 49): the checkpoint a
-/// resume would choose in `dir` (the newest whose files verify, length and SHA-256; a newer one
-/// that does not is passed over, with a warning, as at the resume), that it lists every file
-/// `scheme` names, and that its state file decodes. Returns it, read and verified, for the
-/// resume to load without reading and hashing its files again; `None` when none is listed.
+/// What [`read`] checks that needs no model, before a run starts (issue 49), of `loaded`, the
+/// checkpoint a resume would choose in `dir` (the newest whose files verify, length and
+/// SHA-256: `sharded::precheck` picks it): that it lists every file `scheme` names (where
+/// `records_listed` is `false`, a sharded checkpoint, whose processes' files hold the model's
+/// and the optimizer's records, those two are not looked for), and that its state file
+/// decodes. Returns it, read and verified, for the resume to load without reading and hashing
+/// its files again.
 ///
 /// # Errors
-/// [`AccelerateError::Checkpoint`] naming the manifest (unreadable, or no listed checkpoint
-/// verifies) or the file (not listed, or a state file that does not decode), which the resume
-/// would fail on as well.
-pub(crate) fn precheck(
+/// [`AccelerateError::Checkpoint`] naming the manifest (a file not listed) or the state file
+/// (one that does not decode), which the resume would fail on as well.
+pub(crate) fn precheck_loaded(
     dir: &std::path::Path,
+    loaded: LoadedCheckpoint,
     scheme: Scheme,
-) -> Result<Option<LoadedCheckpoint>, AccelerateError> {
-    // A sharded checkpoint missing a process's file is passed over, as the resume does.
-    let Some(loaded) =
-        CheckpointDir::new(dir).load_newest_where(None, super::sharded::complete, |_| true)?
-    else {
-        return Ok(None);
-    };
+    records_listed: bool,
+) -> Result<LoadedCheckpoint, AccelerateError> {
     let names = scheme.names(loaded.epoch);
-    // A sharded checkpoint's records are its processes' files, in place of the model's and
-    // the optimizer's.
-    let sharded = super::sharded::is_sharded(&loaded);
-    let read = |name: &&str| !sharded || (*name != names.model && *name != names.optimizer);
+    let read = |name: &&str| records_listed || (*name != names.model && *name != names.optimizer);
     if let Some(absent) = names
         .all()
         .filter(read)
@@ -259,11 +253,11 @@ pub(crate) fn precheck(
         ),
         other => other,
     })?;
-    Ok(Some(loaded))
+    Ok(loaded)
 }
 
 /// What [`read`] checks with the model, before a run starts (issue 49): that the model's
-/// record of `loaded` (a checkpoint of `dir`, [`precheck`]'s) holds exactly `model`'s
+/// record of `loaded` (a checkpoint of `dir`, `sharded::precheck`'s) holds exactly `model`'s
 /// parameters, each under its path and of its shape. It is decoded and loaded into a copy of
 /// `model`, which is dropped: `model`'s lazy parameters stay uninitialised.
 ///
@@ -277,11 +271,6 @@ pub(crate) fn precheck_model<B: Backend, M: Module<B>>(
     model: &M,
     device: &B::Device,
 ) -> Result<(), AccelerateError> {
-    if super::sharded::is_sharded(loaded) {
-        // Its parameters are spread over its processes' files: the resume names the one no
-        // file holds (`sharded::read`).
-        return Ok(());
-    }
     let name = scheme.names(loaded.epoch).model;
     match super::decode_model::<B, M>(loaded, &name, model.clone(), device) {
         Ok(_) => Ok(()),

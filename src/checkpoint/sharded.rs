@@ -164,6 +164,45 @@ pub(crate) fn is_sharded(loaded: &LoadedCheckpoint) -> bool {
         .any(|name| parse_shard_name(name).is_some_and(|(_, number, _, _)| number == loaded.epoch))
 }
 
+/// The checkpoint a resume would choose in `dir`, checked before a run starts (issue 49) as
+/// [`contents::precheck_loaded`](super::contents::precheck_loaded) says: the newest whose
+/// files verify (a newer one that does not, or a sharded one missing a process's file, is
+/// passed over with a warning, as at the resume); a sharded one is not looked for the model's
+/// and the optimizer's records of its own. `None` when none is listed.
+///
+/// # Errors
+/// [`AccelerateError::Checkpoint`] naming the manifest (unreadable, or no listed checkpoint
+/// verifies), or what [`contents::precheck_loaded`](super::contents::precheck_loaded) returns.
+pub(crate) fn precheck(
+    dir: &std::path::Path,
+    scheme: Scheme,
+) -> Result<Option<LoadedCheckpoint>, AccelerateError> {
+    let Some(loaded) = CheckpointDir::new(dir).load_newest_where(None, complete, |_| true)? else {
+        return Ok(None);
+    };
+    let records_listed = !is_sharded(&loaded);
+    super::contents::precheck_loaded(dir, loaded, scheme, records_listed).map(Some)
+}
+
+/// [`contents::precheck_model`](super::contents::precheck_model), which a sharded checkpoint
+/// passes: its parameters are spread over its processes' files, and the resume names the one
+/// no file holds ([`read`]).
+///
+/// # Errors
+/// As [`contents::precheck_model`](super::contents::precheck_model).
+pub(crate) fn precheck_model<B: burn::tensor::backend::Backend, M: burn::module::Module<B>>(
+    dir: &std::path::Path,
+    loaded: &LoadedCheckpoint,
+    scheme: Scheme,
+    model: &M,
+    device: &B::Device,
+) -> Result<(), AccelerateError> {
+    if is_sharded(loaded) {
+        return Ok(());
+    }
+    super::contents::precheck_model::<B, M>(dir, loaded, scheme, model, device)
+}
+
 // What each process tells the main one once it wrote its files.
 #[derive(Serialize, Deserialize)]
 enum Written {

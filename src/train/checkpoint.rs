@@ -91,6 +91,19 @@ pub(super) fn is_burns_model(name: &str, epoch: usize) -> bool {
         && crate::checkpoint::sharded::parse_shard_name(name).is_none()
 }
 
+// Whether `name` is the strategy state of an epoch whose model Burn's own checkpointer still
+// keeps in `dir`: `.checkpoint(epoch)` through Burn's files needs it beside them.
+pub(super) fn burn_keeps(dir: &Path, name: &str) -> bool {
+    let Some(epoch) = Scheme::Strategy.state_number(name) else {
+        return false;
+    };
+    std::fs::read_dir(dir).is_ok_and(|entries| {
+        entries
+            .flatten()
+            .any(|e| is_burns_model(&e.file_name().to_string_lossy(), epoch))
+    })
+}
+
 impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
     // What goes beside Burn's checkpoint.
     pub(super) fn checkpoint(&self, loss_scale: LossScale) -> AccelerateCheckpoint {
@@ -277,7 +290,7 @@ where
             Scheme::Strategy,
             &state,
             &[(&scheduler_name, &scheduler)],
-            |name| super::resume::burn_keeps(dir, name),
+            |name| burn_keeps(dir, name),
         );
         if let Err(err) = written {
             // The checkpoints listed before stay whole: a restart resumes from the newest.

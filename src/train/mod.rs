@@ -638,7 +638,7 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
     /// decode (the resume would stop there too, not fall back).
     pub fn try_with_checkpoint_dir(self, dir: impl Into<PathBuf>) -> Result<Self, AccelerateError> {
         let dir = dir.into();
-        let verified = crate::checkpoint::contents::precheck(&dir, Scheme::Strategy)?;
+        let verified = crate::checkpoint::sharded::precheck(&dir, Scheme::Strategy)?;
         let mut strategy = self.with_checkpoint_dir(dir);
         strategy.verified = Mutex::new(verified);
         Ok(strategy)
@@ -679,10 +679,10 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
         };
         let mut verified = self.verified.lock().unwrap_or_else(PoisonError::into_inner);
         if verified.is_none() {
-            *verified = crate::checkpoint::contents::precheck(dir, Scheme::Strategy)?;
+            *verified = crate::checkpoint::sharded::precheck(dir, Scheme::Strategy)?;
         }
         match &*verified {
-            Some(loaded) => crate::checkpoint::contents::precheck_model::<TrainingBackend<LC>, _>(
+            Some(loaded) => crate::checkpoint::sharded::precheck_model::<TrainingBackend<LC>, _>(
                 dir,
                 loaded,
                 Scheme::Strategy,

@@ -41,7 +41,7 @@ use burn::train::{
     TrainingBackend, TrainingComponents,
 };
 
-use super::checkpoint::is_burns_model;
+use super::checkpoint::burn_keeps;
 use super::tap::{self, RecordTap};
 use super::{AccelerateCheckpoint, AccelerateStrategy, fail};
 use crate::AccelerateError;
@@ -66,19 +66,6 @@ impl Default for ResumeSettings {
             keep: 2,
         }
     }
-}
-
-// Whether `name` is the strategy state of an epoch whose model Burn's own checkpointer still
-// keeps in `dir`: `.checkpoint(epoch)` through Burn's files needs it beside them.
-pub(super) fn burn_keeps(dir: &Path, name: &str) -> bool {
-    let Some(epoch) = Scheme::Strategy.state_number(name) else {
-        return false;
-    };
-    std::fs::read_dir(dir).is_ok_and(|entries| {
-        entries
-            .flatten()
-            .any(|e| is_burns_model(&e.file_name().to_string_lossy(), epoch))
-    })
 }
 
 impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
@@ -277,6 +264,7 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::train::checkpoint::is_burns_model;
 
     #[test]
     fn burns_model_keeps_the_state_beside_it() {
@@ -290,6 +278,9 @@ mod tests {
         assert!(burn_keeps(&dir, "accelerate-3.json"));
         assert!(!burn_keeps(&dir, "accelerate-2.json"));
         assert!(!burn_keeps(&dir, "accelerate-3-model.mpk"));
+        // A process's file of a sharded checkpoint is the strategy's, not Burn's.
+        assert!(is_burns_model("model-3.mpk", 3));
+        assert!(!is_burns_model("model-3.shard-0-of-2.mpk", 3));
         assert_eq!(
             Scheme::Strategy.names(3).state,
             AccelerateCheckpoint::path(&dir, 3)
