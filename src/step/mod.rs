@@ -183,11 +183,24 @@ impl<B: AutodiffBackend> StepCore<B> {
         }
     }
 
-    /// Before a backward pass through `model`: at ZeRO stage 3, on the pass that completes a
-    /// window (its first such pass), the pass reduces each parameter's gradient to its owner
-    /// as soon as it is final, the window's earlier sums included (`zero::post_backward`).
-    /// Returns whether it does; pass the answer to [`end_backward`](Self::end_backward).
-    pub fn begin_backward<M: AutodiffModule<B>>(&mut self, model: &M) -> bool {
+    /// One backward pass through `model`: `pass` differentiates the loss (the forward pass
+    /// may run inside it too) and returns the gradients it found for `model`'s parameters,
+    /// with anything else it made (`R`); the gradients go to the window. Both entry points
+    /// differentiate through here: the [`Accelerator`](crate::Accelerator)'s `backward`, and
+    /// the strategy around the user's `TrainStep`, whose `loss.backward()` is the pass.
+    ///
+    /// At ZeRO stage 3 (parameters released, on the decorator), the pass that completes a
+    /// window (its first such pass) reduces each parameter's gradient to its owner as soon as
+    /// it is final, the window's earlier sums included (`zero::post_backward`), and the
+    /// parameters the pass does not reach are reduced after it: afterwards this process holds
+    /// its partition's gradients only. `model` must hold the very parameter values the pass
+    /// reads (the same tensors, not a lazy copy initialised apart): their autodiff nodes are
+    /// what the window's sums are handed to.
+    pub fn backward_pass<M: AutodiffModule<B>, R>(
+        &mut self,
+        model: &M,
+        pass: impl FnOnce() -> (GradientsParams, R),
+    ) -> R {
         let reduces = !self.reduced_in_backward
             && self.state.sync_gradients()
             && self
@@ -197,24 +210,14 @@ impl<B: AutodiffBackend> StepCore<B> {
         if reduces {
             self.reduced_in_backward = true;
         }
-        reduces
-    }
-
-    /// After the backward pass [`begin_backward`](Self::begin_backward) prepared: adds its
-    /// gradients (`grads`, from `model`) to the window, the parameters the pass did not reach
-    /// reduced first where it reduced.
-    pub fn end_backward<M: AutodiffModule<B>>(
-        &mut self,
-        model: &M,
-        mut grads: GradientsParams,
-        reduced: bool,
-    ) {
-        if reduced {
+        let (mut grads, made) = pass();
+        if reduces {
             zero::post_backward::end::<B, M>(model, &mut grads);
             grads::accumulate::<B, M>(model, &mut self.grads, grads);
         } else {
             self.add_gradients(model, grads);
         }
+        made
     }
 
     /// Ends one forward and backward pass (on every device): one step of fp8's delayed-scaling

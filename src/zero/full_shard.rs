@@ -129,8 +129,9 @@ use super::sharded::Partition;
 /// gradients. During a step, on the decorator (`Accelerated<Autodiff<B>>`), a `linear`
 /// layer's gathered parameters are whole for its forward op and its input gradient's op
 /// alone (f32, no autocast), as are a `matmul` operand's and an embedding's table; other
-/// ops, and other backends, keep a gathered parameter whole until the step. In the backward pass that completes a window (through the
-/// [`Accelerator`](crate::Accelerator)'s `backward`), each gradient is reduced to its owner as
+/// ops, and other backends, keep a gathered parameter whole until the step. In the backward pass that completes a window (the
+/// [`Accelerator`](crate::Accelerator)'s `backward`, or the user's `loss.backward()` in a
+/// `TrainStep` under `with_accelerate`: both run through the step core), each gradient is reduced to its owner as
 /// soon as it is final and dropped by the others. The notes atop `src/zero/full_shard.rs` say
 /// which ops hold the bound.
 pub fn release_parameters<B: AutodiffBackend, M: AutodiffModule<B>>(

@@ -1821,6 +1821,106 @@ mod supervised {
             gathered_peak: burn_accelerate::zero::gathered_bytes().peak,
         }
     }
+
+    /// The `Mlp` with a training step that notes, right after the user's own
+    /// `loss.backward()`, the bytes this process sent during the step and which parameters
+    /// the step's gradients hold: what the strategy's backward pass did.
+    #[derive(Module, Debug)]
+    pub struct Watched<B: Backend> {
+        mlp: Mlp<B>,
+    }
+
+    /// Per step of this process: the bytes sent, and per parameter in visiting order whether
+    /// the step's gradients hold one.
+    static WATCHED: std::sync::Mutex<Vec<(u64, Vec<bool>)>> = std::sync::Mutex::new(Vec::new());
+
+    impl<B: AutodiffBackend> burn::train::TrainStep for Watched<B> {
+        type Input = BlobBatch<B>;
+        type Output = burn::train::ClassificationOutput<B>;
+
+        fn step(&self, batch: BlobBatch<B>) -> burn::train::TrainOutput<Self::Output> {
+            struct Holds<'a>(&'a burn::optim::GradientsParams, Vec<bool>);
+            impl<B: AutodiffBackend> ModuleVisitor<B> for Holds<'_> {
+                fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                    let held = self.0.get::<B::InnerBackend, D>(param.id).is_some();
+                    self.1.push(held);
+                }
+            }
+            let before = burn_accelerate::zero::sent_bytes();
+            let item = self.mlp.classify(batch);
+            let grads = burn::optim::GradientsParams::from_grads(item.loss.backward(), self);
+            let sent = burn_accelerate::zero::sent_bytes() - before;
+            let mut holds = Holds(&grads, Vec::new());
+            self.visit(&mut holds);
+            WATCHED.lock().unwrap().push((sent, holds.1));
+            burn::train::TrainOutput { grads, item }
+        }
+    }
+
+    impl<B: Backend> burn::train::InferenceStep for Watched<B> {
+        type Input = BlobBatch<B>;
+        type Output = burn::train::ClassificationOutput<B>;
+
+        fn step(&self, batch: BlobBatch<B>) -> Self::Output {
+            self.mlp.classify(batch)
+        }
+    }
+
+    type WatchedComponents = burn::train::LearningComponentsMarker<
+        Train,
+        f64,
+        Watched<Train>,
+        burn::optim::adaptor::OptimizerAdaptor<burn::optim::Adam, Watched<Train>, Train>,
+    >;
+
+    /// The hidden width of the watched `Mlp`.
+    pub const WATCHED_HIDDEN: usize = 16;
+
+    #[derive(Debug, Serialize, Deserialize)]
+    pub struct WatchedReport {
+        /// Per step: the bytes sent during the forward and backward passes.
+        pub sent: Vec<u64>,
+        /// Per step, per parameter in visiting order: whether the gradients hold one.
+        pub holds_gradient: Vec<Vec<bool>>,
+        pub parameters: Vec<f32>,
+        pub optimizer_steps: usize,
+    }
+
+    /// `train`'s training (without f16, checkpoints or early stopping) of the watched `Mlp`.
+    pub fn watched(args: &Run) -> WatchedReport {
+        let device = Default::default();
+        let loader = loader(args);
+        let valid = DataLoaderBuilder::<Accelerated<Flex>, _, _>::new(BlobBatcher)
+            .batch_size(64)
+            .build(InMemDataset::new(blobs(64, 2)));
+        let dir = std::env::temp_dir().join(format!(
+            "burn-accelerate-processes-watched-{}",
+            std::process::id()
+        ));
+        let strategy = AccelerateStrategy::<WatchedComponents>::new(config(args), &device)
+            .unwrap()
+            .with_artifact_dir(&dir);
+        let report = strategy.report();
+        let builder = SupervisedTraining::new(&dir, Arc::new(loader), valid)
+            .num_epochs(args.epochs)
+            .metric_valid_numeric(LossMetric::new())
+            .renderer(QuietRenderer)
+            .with_application_logger(None);
+        Train::seed(&device, 5);
+        let model = Watched {
+            mlp: Mlp::new(WATCHED_HIDDEN, &device),
+        };
+        let learner = Learner::new(model, AdamConfig::new().init(), 1e-2);
+        let model = builder.with_accelerate(strategy).launch(learner).model;
+        let _ = std::fs::remove_dir_all(&dir);
+        let (sent, holds_gradient) = WATCHED.lock().unwrap().drain(..).unzip();
+        WatchedReport {
+            sent,
+            holds_gradient,
+            parameters: parameters(&model),
+            optimizer_steps: report.stats().optimizer_steps(),
+        }
+    }
 }
 
 #[test]
@@ -2143,6 +2243,111 @@ fn stage_3_with_accelerate_ends_where_stage_2_and_the_hand_written_loop_do() {
                     bits(&other.parameters),
                     "{what}, {name}"
                 );
+            }
+        }
+    }
+}
+
+/// The strategy's training step at stage 3 reduces each gradient to its owner inside the
+/// user's own `loss.backward()`, as the `Accelerator`'s `backward` does: after the backward
+/// pass that completes a window, a process holds its own parameters' gradients and no other,
+/// and the step sent what `stage_3_reduces_each_gradient_to_its_owner_in_backward_and_sends_
+/// what_the_formula_says`'s formula says (every parameter gathered in forward, every weight
+/// but the first layer's again in backward, every gradient reduced once; the window's earlier
+/// batches reduce nothing). The parameters end where stage 2's do, bit for bit.
+#[test]
+fn stage_3_with_accelerate_reduces_each_gradient_to_its_owner_in_the_users_backward() {
+    const TEST: &str =
+        "stage_3_with_accelerate_reduces_each_gradient_to_its_owner_in_the_users_backward";
+    if let Some(args) = worker::<supervised::Run>() {
+        return report(&supervised::watched(&args));
+    }
+    let widths = [
+        mlp::FEATURES,
+        supervised::WATCHED_HIDDEN,
+        supervised::WATCHED_HIDDEN,
+        mlp::CLASSES,
+    ];
+    // Every parameter in visiting order (each layer's weight, then its bias), in f32 bytes,
+    // and whether it is a weight read again in backward.
+    let mut params: Vec<(usize, bool)> = Vec::new();
+    for (i, w) in widths.windows(2).enumerate() {
+        params.push((w[0] * w[1] * 4, i > 0));
+        params.push((w[1] * 4, false));
+    }
+    let sizes: Vec<usize> = params.iter().map(|(bytes, _)| bytes / 4).collect();
+    for processes in [2, 3] {
+        let owners = burn_accelerate::zero::partition(&sizes, processes);
+        let agree = 2 * 8 * (processes - 1) as u64;
+        let expected = |rank: usize, reduces: bool| -> u64 {
+            let mut sent = 0;
+            for (&(bytes, read_in_backward), &owner) in params.iter().zip(&owners) {
+                let last = (owner + processes - 1) % processes;
+                let gather = agree + if rank == last { 0 } else { bytes as u64 };
+                sent += gather;
+                if read_in_backward {
+                    sent += gather;
+                }
+                if reduces {
+                    sent += agree + if rank == owner { 0 } else { bytes as u64 };
+                }
+            }
+            sent
+        };
+        let grad_accum = 3;
+        let epochs = 2;
+        let go = |zero_stage: u8| -> Vec<supervised::WatchedReport> {
+            // 256 items: 7 batches per epoch on 2 processes, 5 on 3.
+            let run = supervised::Run {
+                batch_size: 20,
+                grad_accum,
+                epochs,
+                zero_stage,
+                ..Default::default()
+            };
+            launch(TEST, processes, &run, &[])
+                .assert_success()
+                .reports(processes)
+        };
+        let (stage2, stage3) = (go(2), go(3));
+        for rank in 0..processes {
+            let what = format!("{processes} processes, rank {rank}");
+            let (s2, s3) = (&stage2[rank], &stage3[rank]);
+            assert_eq!(s3.optimizer_steps, s2.optimizer_steps, "{what}");
+            assert_eq!(bits(&s3.parameters), bits(&s2.parameters), "{what}");
+            let steps = s3.sent.len();
+            assert_eq!(steps % epochs, 0, "{what}");
+            let per_epoch = steps / epochs;
+            // Each epoch's windows of `grad_accum` batches, the last one partial.
+            assert_ne!(per_epoch % grad_accum, 0, "{what}: no partial window");
+            let completes = |batch: usize| {
+                let j = batch % per_epoch;
+                (j + 1) % grad_accum == 0 || j + 1 == per_epoch
+            };
+            assert_eq!(
+                (0..steps).filter(|&b| completes(b)).count(),
+                s3.optimizer_steps,
+                "{what}"
+            );
+            for batch in 0..steps {
+                let what = format!("{what}, batch {batch}");
+                // Stage 2 sends nothing in backward and keeps every gradient until the step.
+                assert_eq!(s2.sent[batch], 0, "{what}");
+                assert!(s2.holds_gradient[batch].iter().all(|&h| h), "{what}");
+                let (sent, holds) = (s3.sent[batch], &s3.holds_gradient[batch]);
+                if batch < grad_accum {
+                    // The first window: the model is whole everywhere until its step, which
+                    // reduce-scatters as stage 2 does.
+                    assert_eq!(sent, 0, "{what}");
+                    assert!(holds.iter().all(|&h| h), "{what}");
+                } else if completes(batch) {
+                    assert_eq!(sent, expected(rank, true), "{what}");
+                    let own: Vec<bool> = owners.iter().map(|&o| o == rank).collect();
+                    assert_eq!(holds, &own, "{what}");
+                } else {
+                    assert_eq!(sent, expected(rank, false), "{what}");
+                    assert!(holds.iter().all(|&h| h), "{what}");
+                }
             }
         }
     }
