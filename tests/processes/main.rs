@@ -904,6 +904,203 @@ fn stage_3_holds_one_linear_layers_gathered_parameters_at_a_time_and_ends_where_
 }
 
 #[derive(Debug, Serialize, Deserialize)]
+struct HalfLayeredRun {
+    zero_stage: u8,
+    /// bf16, or f16 with the loss scaler.
+    precision: Precision,
+    grad_accum: usize,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct HalfLayeredReport {
+    parameters: Vec<f32>,
+    outcomes: Vec<String>,
+    loss_scale: f32,
+    /// Per batch: the bytes sent during its forward and backward passes, the most gathered
+    /// bytes whole at once then, and those still whole after its backward pass.
+    sent: Vec<u64>,
+    gathered_peak: Vec<u64>,
+    gathered_after_backward: Vec<u64>,
+    /// Per batch, per parameter in visiting order: whether the window's gradients hold one
+    /// right after the backward pass.
+    holds_gradient: Vec<Vec<bool>>,
+}
+
+// `layered_worker`'s model and data under autocast, sharded from the start at stage 3
+// (`prepare_model`), with every linear cast (the net is tiny: `SmallOps::Cast`).
+fn half_layered_worker(args: &HalfLayeredRun) -> HalfLayeredReport {
+    type B = Accelerated<Autodiff<Flex>>;
+    let state = ProcessState::from_env().unwrap();
+    let device = Default::default();
+    B::seed(&device, 13);
+    let mut model = Layered::<B> {
+        layers: LAYERED_WIDTHS
+            .windows(2)
+            .map(|w| LinearConfig::new(w[0], w[1]).init(&device))
+            .collect(),
+    };
+    let mut accelerator = AccelerateConfig::new()
+        .with_gradient_accumulation_steps(args.grad_accum)
+        .with_mixed_precision(args.precision)
+        .with_small_ops(Some(burn_accelerate::autocast::SmallOps::Cast))
+        .with_zero_stage(burn_accelerate::zero::ZeroStage::from_number(args.zero_stage).unwrap())
+        .init::<B>(&device)
+        .unwrap();
+    model = accelerator.prepare_model(model);
+    let mut optim = burn::optim::AdamConfig::new().init();
+    let mut report = HalfLayeredReport {
+        parameters: Vec::new(),
+        outcomes: Vec::new(),
+        loss_scale: 0.0,
+        sent: Vec::new(),
+        gathered_peak: Vec::new(),
+        gathered_after_backward: Vec::new(),
+        holds_gradient: Vec::new(),
+    };
+    struct Holds<'a>(&'a burn::optim::GradientsParams, Vec<bool>);
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Holds<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let held = self.0.get::<B::InnerBackend, D>(param.id).is_some();
+            self.1.push(held);
+        }
+    }
+    for step in 0..4 * args.grad_accum {
+        let items: Vec<usize> = (0..4)
+            .map(|i| step * 16 + state.process_index() * 4 + i)
+            .collect();
+        let batch: Batch<B> = Samples.batch(items, &device);
+        let _step = accelerator.accumulate(&model);
+        burn_accelerate::zero::reset_gathered_peak();
+        let before = burn_accelerate::zero::sent_bytes();
+        let loss = {
+            let _autocast = accelerator.autocast();
+            let relu = Relu::new();
+            let mut h = batch.x;
+            for layer in &model.layers {
+                h = relu.forward(layer.forward(h));
+            }
+            CrossEntropyLossConfig::new()
+                .init(&device)
+                .forward(h, batch.y)
+        };
+        accelerator.backward(loss, &model);
+        report
+            .sent
+            .push(burn_accelerate::zero::sent_bytes() - before);
+        let bytes = burn_accelerate::zero::gathered_bytes();
+        report.gathered_peak.push(bytes.peak);
+        report.gathered_after_backward.push(bytes.alive);
+        let mut holds = Holds(accelerator.gradients(), Vec::new());
+        model.visit(&mut holds);
+        report.holds_gradient.push(holds.1);
+        let (next, outcome) = accelerator
+            .optimizer_step(&mut optim, model, &mut 0.01)
+            .unwrap();
+        report.outcomes.push(format!("{outcome:?}"));
+        model = next;
+    }
+    report.parameters = parameters(&model);
+    report.loss_scale = accelerator.loss_scale().loss_scale();
+    report
+}
+
+/// Under bf16 and f16 autocast (FSDP's `param_dtype`), a linear layer gathers its weight and
+/// bias in the half type the op runs in: the owner casts its f32 values and sends halves, for
+/// the forward op and again (the weight) for the input's gradient; the gradients, cast back
+/// to f32, are reduced in f32 to their owners. Stage 3 ends where stage 2 does under the same
+/// autocast, bit for bit (f16 with the loss scaler: the same outcomes and scale), at most one layer's
+/// halves are whole at a time, and each batch sends what the formula says: stage 3's f32
+/// formula (`stage_3_reduces_each_gradient_to_its_owner_in_backward_and_sends_what_the_formula_says`)
+/// with two bytes a value for the gathers.
+#[test]
+fn stage_3_under_autocast_gathers_linear_layers_in_the_half_type_and_ends_where_stage_2_does() {
+    const TEST: &str =
+        "stage_3_under_autocast_gathers_linear_layers_in_the_half_type_and_ends_where_stage_2_does";
+    if let Some(args) = worker::<HalfLayeredRun>() {
+        return report(&half_layered_worker(&args));
+    }
+    // Every parameter in visiting order (each layer's weight, then its bias): its values,
+    // and whether it is a weight read again in backward.
+    let mut params: Vec<(usize, bool)> = Vec::new();
+    for (i, w) in LAYERED_WIDTHS.windows(2).enumerate() {
+        params.push((w[0] * w[1], i > 0));
+        params.push((w[1], false));
+    }
+    let sizes: Vec<usize> = params.iter().map(|&(values, _)| values).collect();
+    // A layer's weight and bias in halves: at most one layer's are whole at a time.
+    let largest = LAYERED_WIDTHS
+        .windows(2)
+        .map(|w| ((w[0] * w[1] + w[1]) * 2) as u64)
+        .max()
+        .unwrap();
+    for (processes, precision, grad_accum) in [
+        (2, Precision::Bf16, 2),
+        (3, Precision::Bf16, 1),
+        (2, Precision::F16, 1),
+        (3, Precision::F16, 2),
+    ] {
+        let owners = burn_accelerate::zero::partition(&sizes, processes);
+        let agree = 2 * 8 * (processes - 1) as u64;
+        // Gathers in halves (2 bytes a value), reductions in f32 (4).
+        let expected = |rank: usize, reduces: bool| -> u64 {
+            let mut sent = 0;
+            for (&(values, read_in_backward), &owner) in params.iter().zip(&owners) {
+                let last = (owner + processes - 1) % processes;
+                let gather = agree + if rank == last { 0 } else { 2 * values as u64 };
+                sent += gather;
+                if read_in_backward {
+                    sent += gather;
+                }
+                if reduces {
+                    sent += agree + if rank == owner { 0 } else { 4 * values as u64 };
+                }
+            }
+            sent
+        };
+        let run = |zero_stage: u8| -> Vec<HalfLayeredReport> {
+            launch(
+                TEST,
+                processes,
+                &HalfLayeredRun {
+                    zero_stage,
+                    precision,
+                    grad_accum,
+                },
+                &[],
+            )
+            .assert_success()
+            .reports(processes)
+        };
+        let (stage2, stage3) = (run(2), run(3));
+        for (rank, (s3, s2)) in stage3.iter().zip(&stage2).enumerate() {
+            let what =
+                format!("{processes} processes, {precision:?}, window {grad_accum}, rank {rank}");
+            assert_eq!(s3.outcomes, s2.outcomes, "{what}");
+            assert_eq!(s3.loss_scale, s2.loss_scale, "{what}");
+            assert_eq!(bits(&s3.parameters), bits(&s2.parameters), "{what}");
+            for (batch, &sent) in s3.sent.iter().enumerate() {
+                let what = format!("{what}, batch {batch}");
+                let completes = (batch + 1) % grad_accum == 0;
+                assert_eq!(sent, expected(rank, completes), "{what}");
+                let peak = s3.gathered_peak[batch];
+                assert!(peak > 0 && peak <= largest, "{what}: {peak} > {largest}");
+                assert_eq!(s3.gathered_after_backward[batch], 0, "{what}");
+                if completes {
+                    let own: Vec<bool> = owners.iter().map(|&o| o == rank).collect();
+                    assert_eq!(s3.holds_gradient[batch], own, "{what}");
+                }
+                // Stage 2 gathers and sends nothing in its passes.
+                assert_eq!((s2.sent[batch], s2.gathered_peak[batch]), (0, 0), "{what}");
+            }
+        }
+        if precision == Precision::F16 {
+            // The loss scaler scaled the f16 losses (and compared its scale above).
+            assert!(stage3[0].loss_scale > 1.0, "{:?}", stage3[0].loss_scale);
+        }
+    }
+}
+
+#[derive(Debug, Serialize, Deserialize)]
 struct TrafficRun {
     grad_accum: usize,
     /// The model goes through `Accelerator::prepare_model` before the first batch.
