@@ -96,6 +96,12 @@ pub(crate) struct StepCore<B: AutodiffBackend> {
     // Stage 3: gradients of backward passes after that one in the same window (a loop that
     // differentiates twice before its step), reduce-scattered at the unscale.
     unreduced: GradientsParams,
+    // Stage 3: the parameters were released (by `prepare_model` or a step) and not gathered
+    // whole since. Before that no pass reduces in backward, and the model handed to
+    // `backward_pass` is not visited: a lazy parameter of a copy (the strategy's, taken
+    // before Burn's first forward pass initialises the learner's own) would be initialised
+    // apart, drawing from the RNG.
+    released: bool,
 }
 
 impl<B: AutodiffBackend> StepCore<B> {
@@ -129,6 +135,7 @@ impl<B: AutodiffBackend> StepCore<B> {
             context: None,
             reduced_in_backward: false,
             unreduced: GradientsParams::new(),
+            released: false,
         }
     }
 
@@ -195,13 +202,15 @@ impl<B: AutodiffBackend> StepCore<B> {
     /// parameters the pass does not reach are reduced after it: afterwards this process holds
     /// its partition's gradients only. `model` must hold the very parameter values the pass
     /// reads (the same tensors, not a lazy copy initialised apart): their autodiff nodes are
-    /// what the window's sums are handed to.
+    /// what the window's sums are handed to. It is visited only once the parameters were
+    /// released (`prepare_model`, or a step).
     pub fn backward_pass<M: AutodiffModule<B>, R>(
         &mut self,
         model: &M,
         pass: impl FnOnce() -> (GradientsParams, R),
     ) -> R {
         let reduces = !self.reduced_in_backward
+            && self.released
             && self.state.sync_gradients()
             && self
                 .sharded()
@@ -558,7 +567,9 @@ impl<B: AutodiffBackend> StepCore<B> {
         }
         let (model, lr) = apply(model, grads);
         let model = if stage.shards_parameters() {
-            zero::release_parameters::<B, M>(group, model, partition)
+            let model = zero::release_parameters::<B, M>(group, model, partition);
+            self.released = group.world_size() > 1;
+            model
         } else {
             zero::share_parameters::<B, M>(group, model, partition)?
         };
@@ -581,7 +592,9 @@ impl<B: AutodiffBackend> StepCore<B> {
                 let (Some(group), Some(partition)) = (&self.group, &self.partition) else {
                     unreachable!("sharded, so a group and its partition");
                 };
-                zero::release_parameters::<B, M>(group, model, partition)
+                let model = zero::release_parameters::<B, M>(group, model, partition);
+                self.released = group.world_size() > 1;
+                model
             }
             _ => model,
         }
