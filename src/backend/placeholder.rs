@@ -18,12 +18,13 @@
 //!   for the op alone and dropped when it returns; its backward node keeps the placeholder
 //!   and gathers the weight again to compute the input's gradient. At most one layer's
 //!   gathered weight and bias are whole at a time ([`gathered_bytes`]).
-//! - `linear` under bf16/f16 autocast on `Autodiff<Flex>`, where autocast runs it on the
-//!   crate's half kernels: the same bound, with the weight and bias gathered in the half type
-//!   (the owner casts and sends halves: FSDP's `param_dtype`), and the gradients cast back to
-//!   f32 for the parameters, as autocast's cast nodes do (`half`). Where autocast keeps the
-//!   layer in f32 (too small for the half type, or fp8's f32 ops) the parameters are gathered
-//!   whole in f32, as for the ops below.
+//! - `linear`, and `matmul` with a parameter operand and no broadcast, under bf16/f16
+//!   autocast on `Autodiff<Flex>`, where autocast runs them on the crate's half kernels: the
+//!   same bound, with the parameters gathered in the half type (the owner casts and sends
+//!   halves: FSDP's `param_dtype`), and the gradients cast back to f32 for the parameters,
+//!   as autocast's cast nodes do (`half`). Where autocast keeps the op in f32 (too small for
+//!   the half type, or fp8's f32 ops) the parameters are gathered whole in f32, as for the
+//!   ops below.
 //! - `matmul` (Burn's `Tensor::matmul`) with a registered operand, where autocast is off and
 //!   the operands share a dtype: the parameter is gathered for the product alone; the node
 //!   keeps its placeholder and gathers it again for the other operand's gradient (Burn's
@@ -31,8 +32,8 @@
 //! - `embedding` (Burn's `nn::Embedding`): the table is gathered for the lookup alone; the
 //!   backward reads only its shape (`embedding_backward`), so it is not gathered again.
 //! - Every other op of every ops trait the decorator forwards (convolutions, layer norms,
-//!   casts under autocast, transactions), `matmul` under autocast, `linear` under autocast
-//!   where the half kernels do not run it (fp8, f32-kept layers, other backends): the
+//!   casts under autocast, transactions), `linear` and `matmul` under autocast where the
+//!   half kernels do not run them (fp8, f32-kept ops, a broadcast `matmul`, other backends): the
 //!   registered input is gathered in full and the op reads `anchor + gathered` (the gathered
 //!   value bit for bit, since `-0.0` is the additive identity, with the gradient flowing to
 //!   the anchor). The numbers are right; the gathered value stays whole while the autodiff
@@ -423,15 +424,27 @@ pub(crate) fn resolve_vec<B: Backend>(tensors: Vec<FloatTensor<B>>) -> Vec<Float
 /// `linear`'s inputs, given back where the bounded path does not apply.
 pub(crate) type LinearInputs<B> = (FloatTensor<B>, FloatTensor<B>, Option<FloatTensor<B>>);
 
-// The bounded half `linear` per backend type (`Autodiff<Flex>`, whose autocast runs the
-// crate's half kernels).
-struct HalfHooks;
+// The bounded half `linear` and `matmul` per backend type (`Autodiff<Flex>`, whose autocast
+// runs the crate's half kernels): one kind each, as the registry keeps one hook per kind and
+// backend.
+struct HalfLinearHooks;
 
-impl HookKind for HalfHooks {
+impl HookKind for HalfLinearHooks {
     fn register_known() {
         #[cfg(feature = "flex")]
-        hooks::insert::<HalfHooks, Autodiff<burn::backend::Flex>, _>(
+        hooks::insert::<HalfLinearHooks, Autodiff<burn::backend::Flex>, _>(
             half::bounded_half_linear as half::HalfLinear<Autodiff<burn::backend::Flex>>,
+        );
+    }
+}
+
+struct HalfMatmulHooks;
+
+impl HookKind for HalfMatmulHooks {
+    fn register_known() {
+        #[cfg(feature = "flex")]
+        hooks::insert::<HalfMatmulHooks, Autodiff<burn::backend::Flex>, _>(
+            half::bounded_half_matmul as half::HalfMatmul<Autodiff<burn::backend::Flex>>,
         );
     }
 }
@@ -478,12 +491,98 @@ pub(crate) fn linear<B: Backend>(
 
 #[cfg(feature = "flex")]
 fn half_linear_hook<B: Backend>() -> Option<half::HalfLinear<B>> {
-    hooks::get::<HalfHooks, B, half::HalfLinear<B>>()
+    hooks::get::<HalfLinearHooks, B, half::HalfLinear<B>>()
 }
 
 #[cfg(not(feature = "flex"))]
 fn half_linear_hook<B: Backend>() -> Option<fn()> {
     None
+}
+
+#[cfg(feature = "flex")]
+fn half_matmul_hook<B: Backend>() -> Option<half::HalfMatmul<B>> {
+    hooks::get::<HalfMatmulHooks, B, half::HalfMatmul<B>>()
+}
+
+#[cfg(not(feature = "flex"))]
+fn half_matmul_hook<B: Backend>() -> Option<fn()> {
+    None
+}
+
+// `matmul` under bf16/f16 autocast with a registered parameter operand: the op's own path
+// (`crate::backend::forward`'s `float_matmul`: the plan, the casts, `lowered::matmul`), the
+// plan decided once, with each parameter operand gathered in the half type for the product
+// alone where the product runs on the crate's half kernel without a broadcast; otherwise
+// gathered whole in f32 and cast, as every other op reads a parameter.
+#[cfg(feature = "flex")]
+fn autocast_matmul<B: Backend>(
+    lhs: FloatTensor<B>,
+    rhs: FloatTensor<B>,
+    [lhs_shard, rhs_shard]: [Option<Arc<dyn Shard>>; 2],
+    half_matmul: half::HalfMatmul<B>,
+) -> FloatTensor<B> {
+    use crate::autocast::{CastInput, CastPlan, Op};
+    let plan = CastPlan::new::<B>(Op::Matmul, &[CastInput::One(&lhs), CastInput::One(&rhs)]);
+    let target = plan
+        .target()
+        .filter(|t| matches!(t, FloatDType::BF16 | FloatDType::F16));
+    // Each operand as the kernel would take it: a parameter kept f32 (gathered in the half
+    // type), any other cast as the op's own path casts it.
+    let lhs = match &lhs_shard {
+        Some(_) => lhs,
+        None => plan.cast_at::<B>(0, lhs),
+    };
+    let rhs = match &rhs_shard {
+        Some(_) => rhs,
+        None => plan.cast_at::<B>(1, rhs),
+    };
+    let operand_fits =
+        |t: &FloatTensor<B>, shard: &Option<Arc<dyn Shard>>, target: FloatDType| match shard {
+            Some(_) => t.dtype() == DType::F32,
+            None => t.dtype() == DType::from(target),
+        };
+    let (lhs_shape, rhs_shape) = (lhs.shape(), rhs.shape());
+    let dims = lhs_shape.num_dims();
+    // `lowered::matmul`'s conditions for the kernel, without a broadcast (equal batches).
+    let kernel_applies = target
+        .is_some_and(|t| operand_fits(&lhs, &lhs_shard, t) && operand_fits(&rhs, &rhs_shard, t))
+        && dims >= 2
+        && rhs_shape.num_dims() == dims
+        && (0..dims - 2).all(|d| lhs_shape[d] == rhs_shape[d]);
+    if let (Some(target), true) = (target, kernel_applies)
+        && let Some((_, route)) = super::lowered::chosen::<B>()
+    {
+        // A parameter's anchor sits above the other operand, where that one is not a
+        // parameter (as `float_matmul`'s own bounded path places it).
+        let lhs_anchored = match &lhs_shard {
+            Some(shard) => {
+                let input = rhs_shard.is_none().then_some(&rhs);
+                anchored::<B>(lhs.clone(), input, shard.clone())
+            }
+            None => lhs.clone(),
+        };
+        let rhs = match &rhs_shard {
+            Some(shard) => {
+                let input = lhs_shard.is_none().then_some(&lhs);
+                anchored::<B>(rhs, input, shard.clone())
+            }
+            None => rhs,
+        };
+        return half_matmul(lhs_anchored, rhs, lhs_shard, rhs_shard, target, route);
+    }
+    let lhs = plan.cast_at::<B>(0, resolve::<B>(lhs));
+    let rhs = plan.cast_at::<B>(1, resolve::<B>(rhs));
+    super::lowered::matmul::<B>(&plan, lhs, rhs)
+}
+
+#[cfg(not(feature = "flex"))]
+fn autocast_matmul<B: Backend>(
+    _: FloatTensor<B>,
+    _: FloatTensor<B>,
+    _: [Option<Arc<dyn Shard>>; 2],
+    _: fn(),
+) -> FloatTensor<B> {
+    unreachable!("no half hook without the `flex` feature")
 }
 
 // `linear` under bf16/f16 autocast of the registered parameter `weight`: the op's own path
@@ -573,6 +672,17 @@ pub(crate) fn float_matmul<B: Backend>(
     rhs: FloatTensor<B>,
 ) -> Result<FloatTensor<B>, (FloatTensor<B>, FloatTensor<B>)> {
     let (lhs_shard, rhs_shard) = (shard_of::<B>(&lhs), shard_of::<B>(&rhs));
+    if (lhs_shard.is_some() || rhs_shard.is_some())
+        && let Some(crate::Precision::Bf16 | crate::Precision::F16) = crate::autocast::current()
+        && let Some(half_matmul) = half_matmul_hook::<B>()
+    {
+        return Ok(autocast_matmul::<B>(
+            lhs,
+            rhs,
+            [lhs_shard, rhs_shard],
+            half_matmul,
+        ));
+    }
     let applies = (lhs_shard.is_some() || rhs_shard.is_some())
         && lhs.dtype() == rhs.dtype()
         && crate::autocast::current().is_none();

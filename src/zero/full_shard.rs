@@ -68,8 +68,9 @@
 //! parameter is gathered for the op alone; `matmul`'s node gathers it again for the other
 //! operand's gradient, `embedding`'s needs only the table's shape.
 //!
-//! Under bf16/f16 autocast, on `Autodiff<Flex>` (whose autocast runs `linear` on the crate's
-//! half kernels), `linear` holds the same bound and gathers in the half type the op runs in
+//! Under bf16/f16 autocast, on `Autodiff<Flex>` (whose autocast runs `linear` and `matmul`
+//! on the crate's half kernels), `linear` and `matmul` (a parameter operand, no broadcast)
+//! hold the same bound and gather in the half type the op runs in
 //! (FSDP's `param_dtype`): the owner casts its f32 weight and bias and sends halves (half an
 //! f32 gather's bytes), the op runs as autocast runs it on the cast values, and the gradients
 //! reach the f32 parameters cast back as autocast's cast nodes cast them. The cast of a
@@ -78,8 +79,8 @@
 //! autocast, bit for bit; the gradients are reduced in f32.
 //!
 //! Every other op that reads a placeholder (convolutions, layer norms, casts under autocast,
-//! `matmul` in bf16/f16/fp8 autocast, `linear` in fp8 autocast or where autocast keeps it in
-//! f32) gathers it whole and reads
+//! `linear` and `matmul` in fp8 autocast or where autocast keeps them in f32, a broadcast
+//! `matmul` under autocast) gathers it whole and reads
 //! `anchor + gathered` (bit for bit the gathered value: `-0.0` is the additive identity; the
 //! gradient flows to the anchor): right numbers, but the gathered value stays whole while the
 //! autodiff graph keeps it, until the step, as with the lazy gather. Such ops are listed in
@@ -101,7 +102,7 @@
 //! sends once; summed over the `n` processes, `(n - 1)` × (the parameters once for the
 //! forward pass, the weights read again in backward, the parameters once for the reduction):
 //! about 3 (n - 1) / n of the parameters' bytes per process, as FSDP's, against stage 0's
-//! 2 (n - 1) / n. Under bf16/f16 autocast the gathers of `linear` layers send two bytes a
+//! 2 (n - 1) / n. Under bf16/f16 autocast the gathers of `linear` and `matmul` send two bytes a
 //! value (the reductions stay f32): about 2 (n - 1) / n of the f32 bytes. Each gather and reduction is preceded by a 16-byte-per-process agreement
 //! on the parameter.
 //!

@@ -909,6 +909,15 @@ struct HalfLayeredRun {
     /// bf16, or f16 with the loss scaler.
     precision: Precision,
     grad_accum: usize,
+    /// `Mixed` (a `matmul` per layer) instead of `Layered`.
+    #[serde(default)]
+    by_matmul: bool,
+}
+
+/// `Layered`'s widths as bare matrices, each read by `matmul` (no bias).
+#[derive(Module, Debug)]
+struct Mixed<B: Backend> {
+    weights: Vec<Param<Tensor<B, 2>>>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -930,15 +939,54 @@ struct HalfLayeredReport {
 // (`prepare_model`), with every linear cast (the net is tiny: `SmallOps::Cast`).
 fn half_layered_worker(args: &HalfLayeredRun) -> HalfLayeredReport {
     type B = Accelerated<Autodiff<Flex>>;
-    let state = ProcessState::from_env().unwrap();
     let device = Default::default();
     B::seed(&device, 13);
-    let mut model = Layered::<B> {
+    if args.by_matmul {
+        let model = Mixed::<B> {
+            weights: LAYERED_WIDTHS
+                .windows(2)
+                .map(|w| {
+                    burn::nn::Initializer::KaimingUniform {
+                        gain: 1.0,
+                        fan_out_only: false,
+                    }
+                    .init_with([w[0], w[1]], Some(w[0]), None, &device)
+                })
+                .collect(),
+        };
+        return half_worker(args, model, |model, mut h| {
+            for weight in &model.weights {
+                h = Relu::new().forward(h.matmul(weight.val()));
+            }
+            h
+        });
+    }
+    let model = Layered::<B> {
         layers: LAYERED_WIDTHS
             .windows(2)
             .map(|w| LinearConfig::new(w[0], w[1]).init(&device))
             .collect(),
     };
+    half_worker(args, model, |model, mut h| {
+        for layer in &model.layers {
+            h = Relu::new().forward(layer.forward(h));
+        }
+        h
+    })
+}
+
+fn half_worker<M: burn::module::AutodiffModule<Accelerated<Autodiff<Flex>>>>(
+    args: &HalfLayeredRun,
+    model: M,
+    forward: impl Fn(
+        &M,
+        Tensor<Accelerated<Autodiff<Flex>>, 2>,
+    ) -> Tensor<Accelerated<Autodiff<Flex>>, 2>,
+) -> HalfLayeredReport {
+    type B = Accelerated<Autodiff<Flex>>;
+    let state = ProcessState::from_env().unwrap();
+    let device = Default::default();
+    let mut model = model;
     let mut accelerator = AccelerateConfig::new()
         .with_gradient_accumulation_steps(args.grad_accum)
         .with_mixed_precision(args.precision)
@@ -974,11 +1022,7 @@ fn half_layered_worker(args: &HalfLayeredRun) -> HalfLayeredReport {
         let before = burn_accelerate::zero::sent_bytes();
         let loss = {
             let _autocast = accelerator.autocast();
-            let relu = Relu::new();
-            let mut h = batch.x;
-            for layer in &model.layers {
-                h = relu.forward(layer.forward(h));
-            }
+            let h = forward(&model, batch.x);
             CrossEntropyLossConfig::new()
                 .init(&device)
                 .forward(h, batch.y)
@@ -1005,7 +1049,8 @@ fn half_layered_worker(args: &HalfLayeredRun) -> HalfLayeredReport {
 }
 
 /// Under bf16 and f16 autocast (FSDP's `param_dtype`), a linear layer gathers its weight and
-/// bias in the half type the op runs in: the owner casts its f32 values and sends halves, for
+/// bias in the half type the op runs in (as does a `matmul` of a parameter, in a second
+/// model of bare matrices): the owner casts its f32 values and sends halves, for
 /// the forward op and again (the weight) for the input's gradient; the gradients, cast back
 /// to f32, are reduced in f32 to their owners. Stage 3 ends where stage 2 does under the same
 /// autocast, bit for bit (f16 with the loss scaler: the same outcomes and scale), at most one layer's
@@ -1013,32 +1058,36 @@ fn half_layered_worker(args: &HalfLayeredRun) -> HalfLayeredReport {
 /// formula (`stage_3_reduces_each_gradient_to_its_owner_in_backward_and_sends_what_the_formula_says`)
 /// with two bytes a value for the gathers.
 #[test]
-fn stage_3_under_autocast_gathers_linear_layers_in_the_half_type_and_ends_where_stage_2_does() {
+fn stage_3_under_autocast_gathers_linear_and_matmul_parameters_in_the_half_type_like_stage_2() {
     const TEST: &str =
-        "stage_3_under_autocast_gathers_linear_layers_in_the_half_type_and_ends_where_stage_2_does";
+        "stage_3_under_autocast_gathers_linear_and_matmul_parameters_in_the_half_type_like_stage_2";
     if let Some(args) = worker::<HalfLayeredRun>() {
         return report(&half_layered_worker(&args));
     }
-    // Every parameter in visiting order (each layer's weight, then its bias): its values,
-    // and whether it is a weight read again in backward.
-    let mut params: Vec<(usize, bool)> = Vec::new();
-    for (i, w) in LAYERED_WIDTHS.windows(2).enumerate() {
-        params.push((w[0] * w[1], i > 0));
-        params.push((w[1], false));
-    }
-    let sizes: Vec<usize> = params.iter().map(|&(values, _)| values).collect();
-    // A layer's weight and bias in halves: at most one layer's are whole at a time.
-    let largest = LAYERED_WIDTHS
-        .windows(2)
-        .map(|w| ((w[0] * w[1] + w[1]) * 2) as u64)
-        .max()
-        .unwrap();
-    for (processes, precision, grad_accum) in [
-        (2, Precision::Bf16, 2),
-        (3, Precision::Bf16, 1),
-        (2, Precision::F16, 1),
-        (3, Precision::F16, 2),
+    for (processes, precision, grad_accum, by_matmul) in [
+        (2, Precision::Bf16, 2, false),
+        (3, Precision::Bf16, 1, false),
+        (2, Precision::F16, 1, false),
+        (3, Precision::F16, 2, false),
+        (2, Precision::Bf16, 1, true),
+        (3, Precision::F16, 2, true),
     ] {
+        // Every parameter in visiting order (each layer's weight, then its bias, if a
+        // `Linear`): its values, and whether it is a weight read again in backward.
+        let mut params: Vec<(usize, bool)> = Vec::new();
+        for (i, w) in LAYERED_WIDTHS.windows(2).enumerate() {
+            params.push((w[0] * w[1], i > 0));
+            if !by_matmul {
+                params.push((w[1], false));
+            }
+        }
+        let sizes: Vec<usize> = params.iter().map(|&(values, _)| values).collect();
+        // A layer's weight and bias in halves: at most one layer's are whole at a time.
+        let largest = LAYERED_WIDTHS
+            .windows(2)
+            .map(|w| ((w[0] * w[1] + if by_matmul { 0 } else { w[1] }) * 2) as u64)
+            .max()
+            .unwrap();
         let owners = burn_accelerate::zero::partition(&sizes, processes);
         let agree = 2 * 8 * (processes - 1) as u64;
         // Gathers in halves (2 bytes a value), reductions in f32 (4).
@@ -1065,6 +1114,7 @@ fn stage_3_under_autocast_gathers_linear_layers_in_the_half_type_and_ends_where_
                     zero_stage,
                     precision,
                     grad_accum,
+                    by_matmul,
                 },
                 &[],
             )
@@ -1073,8 +1123,9 @@ fn stage_3_under_autocast_gathers_linear_layers_in_the_half_type_and_ends_where_
         };
         let (stage2, stage3) = (run(2), run(3));
         for (rank, (s3, s2)) in stage3.iter().zip(&stage2).enumerate() {
-            let what =
-                format!("{processes} processes, {precision:?}, window {grad_accum}, rank {rank}");
+            let what = format!(
+                "{processes} processes, {precision:?}, window {grad_accum}, matmul {by_matmul}, rank {rank}"
+            );
             assert_eq!(s3.outcomes, s2.outcomes, "{what}");
             assert_eq!(s3.loss_scale, s2.loss_scale, "{what}");
             assert_eq!(bits(&s3.parameters), bits(&s2.parameters), "{what}");

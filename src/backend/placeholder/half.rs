@@ -1,6 +1,7 @@
-//! ZeRO stage 3's bounded `linear` under bf16 and f16 autocast (FSDP's `param_dtype`), on
-//! `Autodiff<Flex>` where autocast runs the crate's half kernels: the weight and bias are
-//! gathered in the half type the op runs in, so the owner casts its f32 value and sends
+//! ZeRO stage 3's bounded `linear` and `matmul` under bf16 and f16 autocast (FSDP's
+//! `param_dtype`), on `Autodiff<Flex>` where autocast runs the crate's half kernels: a
+//! `linear`'s weight and bias (a `matmul`'s parameter operand) are gathered in the half type
+//! the op runs in, so the owner casts its f32 value and sends
 //! halves (half the bytes of an f32 gather), for the forward op alone and again for the
 //! input's gradient; the gradients reach the f32 parameters through their anchors, cast back
 //! to f32 as autocast's cast node casts them.
@@ -9,8 +10,8 @@
 //! f32 weight with the crate's cast kernel (`crate::cpu::table::cast`, an elementwise
 //! rounding), and so does the owner here before it sends, so the halves every process
 //! receives are the cast of the gathered f32 value, the same bits; the forward and backward
-//! are [`low_gemm::linear_tracked`]'s (the same GEMMs on the same route, the same bias add and
-//! bias gradient), and each parameter's gradient is cast to f32 as the cast node's backward
+//! are [`low_gemm::linear_tracked`]'s and [`low_gemm::gemm_tracked`]'s (the same GEMMs on the
+//! same route, the same bias add and bias gradient), and each parameter's gradient is cast to f32 as the cast node's backward
 //! (`fast_cast::convert_tracked`) casts it.
 
 use std::sync::Arc;
@@ -213,5 +214,129 @@ pub(super) fn bounded_half_linear(
             OpsKind::Tracked(prep) => prep.finish(state, output),
             OpsKind::UnTracked(prep) => prep.finish(output),
         },
+    }
+}
+
+/// The hook's signature for `matmul`: the operands (a registered parameter as its f32
+/// anchor, any other already cast to the half type), their shards, the half type and the
+/// kernels' route.
+pub(super) type HalfMatmul<B> = fn(
+    FloatTensor<B>,
+    FloatTensor<B>,
+    Option<Arc<dyn Shard>>,
+    Option<Arc<dyn Shard>>,
+    FloatDType,
+    Route,
+) -> FloatTensor<B>;
+
+// A `matmul` operand as the node keeps it: a registered parameter as its f32 placeholder (or
+// the owner's value) and shard, gathered again in the half type where the other operand's
+// gradient needs it; any other operand as it is (half).
+#[derive(Clone)]
+struct HalfOperand {
+    tensor: FlexTensor,
+    shard: Option<Arc<dyn Shard>>,
+}
+
+impl core::fmt::Debug for HalfOperand {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str("HalfOperand")
+    }
+}
+
+impl HalfOperand {
+    // The half value (gathered where registered), and the bytes a gather counted.
+    fn whole(&self, dtype: FloatDType) -> (FlexTensor, u64) {
+        match &self.shard {
+            Some(shard) => gather_cast(shard.as_ref(), &self.tensor, dtype),
+            None => (self.tensor.clone(), 0),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct BoundedHalfMatmul {
+    route: Route,
+    dtype: FloatDType,
+    // Whether each operand is a registered parameter: its gradient goes to its f32 anchor,
+    // cast as autocast's cast node casts it.
+    params: [bool; 2],
+}
+
+impl Backward<Flex, 2> for BoundedHalfMatmul {
+    // The left operand where the right one's gradient needs it, and the reverse.
+    type State = (Option<HalfOperand>, Option<HalfOperand>);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let (lhs, rhs) = ops.state;
+        let grad = grads.consume::<Flex>(&ops.node);
+        let [node_lhs, node_rhs] = ops.parents;
+        let to_operand = |grad: FlexTensor, param: bool| match param {
+            true => cast(grad, FloatDType::F32),
+            false => grad,
+        };
+        // `low_gemm::gemm_tracked`'s backward: the same GEMMs in the same order, each kept
+        // operand gathered for its GEMM alone.
+        if let Some(node) = node_lhs {
+            let rhs = rhs.expect("kept where the left operand is tracked");
+            let (whole, bytes) = rhs.whole(self.dtype);
+            let out = low_gemm::gemm(grad.clone(), low_gemm::transposed(whole), self.route);
+            count_dropped(bytes);
+            grads.register::<Flex>(node.id, to_operand(out, self.params[0]));
+        }
+        if let Some(node) = node_rhs {
+            let lhs = lhs.expect("kept where the right operand is tracked");
+            let (whole, bytes) = lhs.whole(self.dtype);
+            let out = low_gemm::gemm(low_gemm::transposed(whole), grad, self.route);
+            count_dropped(bytes);
+            grads.register::<Flex>(node.id, to_operand(out, self.params[1]));
+        }
+    }
+}
+
+/// `matmul` of two operands of one shape but for the matrices (no broadcast), a registered
+/// parameter among them gathered in `dtype` for the product alone:
+/// [`low_gemm::gemm_tracked`]'s product, in a node that keeps the parameter's placeholder
+/// instead of its halves.
+pub(super) fn bounded_half_matmul(
+    lhs: FloatTensor<Autodiff<Flex>>,
+    rhs: FloatTensor<Autodiff<Flex>>,
+    lhs_shard: Option<Arc<dyn Shard>>,
+    rhs_shard: Option<Arc<dyn Shard>>,
+    dtype: FloatDType,
+    route: Route,
+) -> FloatTensor<Autodiff<Flex>> {
+    let (lhs_tracked, rhs_tracked) = (lhs.is_tracked(), rhs.is_tracked());
+    let params = [lhs_shard.is_some(), rhs_shard.is_some()];
+    let lhs_kept = HalfOperand {
+        tensor: lhs.primitive.clone(),
+        shard: lhs_shard,
+    };
+    let rhs_kept = HalfOperand {
+        tensor: rhs.primitive.clone(),
+        shard: rhs_shard,
+    };
+    let (lhs_whole, lhs_bytes) = lhs_kept.whole(dtype);
+    let (rhs_whole, rhs_bytes) = rhs_kept.whole(dtype);
+    let output = low_gemm::gemm(lhs_whole, rhs_whole, route);
+    count_dropped(lhs_bytes + rhs_bytes);
+    let node = BoundedHalfMatmul {
+        route,
+        dtype,
+        params,
+    };
+    match node
+        .prepare::<NoCheckpointing>([lhs.node.clone(), rhs.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => prep.finish(
+            (
+                rhs_tracked.then_some(lhs_kept),
+                lhs_tracked.then_some(rhs_kept),
+            ),
+            output,
+        ),
+        OpsKind::UnTracked(prep) => prep.finish(output),
     }
 }
