@@ -427,22 +427,24 @@ pub(crate) type LinearInputs<B> = (FloatTensor<B>, FloatTensor<B>, Option<FloatT
 // The bounded half `linear` and `matmul` per backend type (`Autodiff<Flex>`, whose autocast
 // runs the crate's half kernels): one kind each, as the registry keeps one hook per kind and
 // backend.
+#[cfg(feature = "flex")]
 struct HalfLinearHooks;
 
+#[cfg(feature = "flex")]
 impl HookKind for HalfLinearHooks {
     fn register_known() {
-        #[cfg(feature = "flex")]
         hooks::insert::<HalfLinearHooks, Autodiff<burn::backend::Flex>, _>(
             half::bounded_half_linear as half::HalfLinear<Autodiff<burn::backend::Flex>>,
         );
     }
 }
 
+#[cfg(feature = "flex")]
 struct HalfMatmulHooks;
 
+#[cfg(feature = "flex")]
 impl HookKind for HalfMatmulHooks {
     fn register_known() {
-        #[cfg(feature = "flex")]
         hooks::insert::<HalfMatmulHooks, Autodiff<burn::backend::Flex>, _>(
             half::bounded_half_matmul as half::HalfMatmul<Autodiff<burn::backend::Flex>>,
         );
@@ -462,6 +464,7 @@ pub(crate) fn linear<B: Backend>(
     let Some(weight_shard) = shard_of::<B>(&weight) else {
         return Err((x, weight, bias));
     };
+    #[cfg(feature = "flex")]
     if let Some(crate::Precision::Bf16 | crate::Precision::F16) = crate::autocast::current()
         && let Some(half_linear) = half_linear_hook::<B>()
         && shard_of::<B>(&x).is_none()
@@ -494,19 +497,9 @@ fn half_linear_hook<B: Backend>() -> Option<half::HalfLinear<B>> {
     hooks::get::<HalfLinearHooks, B, half::HalfLinear<B>>()
 }
 
-#[cfg(not(feature = "flex"))]
-fn half_linear_hook<B: Backend>() -> Option<fn()> {
-    None
-}
-
 #[cfg(feature = "flex")]
 fn half_matmul_hook<B: Backend>() -> Option<half::HalfMatmul<B>> {
     hooks::get::<HalfMatmulHooks, B, half::HalfMatmul<B>>()
-}
-
-#[cfg(not(feature = "flex"))]
-fn half_matmul_hook<B: Backend>() -> Option<fn()> {
-    None
 }
 
 // `matmul` under bf16/f16 autocast with a registered parameter operand: the op's own path
@@ -573,16 +566,6 @@ fn autocast_matmul<B: Backend>(
     let lhs = plan.cast_at::<B>(0, resolve::<B>(lhs));
     let rhs = plan.cast_at::<B>(1, resolve::<B>(rhs));
     super::lowered::matmul::<B>(&plan, lhs, rhs)
-}
-
-#[cfg(not(feature = "flex"))]
-fn autocast_matmul<B: Backend>(
-    _: FloatTensor<B>,
-    _: FloatTensor<B>,
-    _: [Option<Arc<dyn Shard>>; 2],
-    _: fn(),
-) -> FloatTensor<B> {
-    unreachable!("no half hook without the `flex` feature")
 }
 
 // `linear` under bf16/f16 autocast of the registered parameter `weight`: the op's own path
@@ -653,17 +636,6 @@ fn autocast_linear<B: Backend>(
     super::lowered::linear::<B>(&plan, x, weight, bias)
 }
 
-#[cfg(not(feature = "flex"))]
-fn autocast_linear<B: Backend>(
-    _: FloatTensor<B>,
-    _: FloatTensor<B>,
-    _: Option<FloatTensor<B>>,
-    _: Arc<dyn Shard>,
-    _: fn(),
-) -> FloatTensor<B> {
-    unreachable!("no half hook without the `flex` feature")
-}
-
 /// `matmul(lhs, rhs)` with the per-op bound, where it applies: an operand is a registered
 /// parameter, autocast lowers nothing and the operands share a dtype. Otherwise the inputs
 /// back, for the op's usual path.
@@ -672,6 +644,7 @@ pub(crate) fn float_matmul<B: Backend>(
     rhs: FloatTensor<B>,
 ) -> Result<FloatTensor<B>, (FloatTensor<B>, FloatTensor<B>)> {
     let (lhs_shard, rhs_shard) = (shard_of::<B>(&lhs), shard_of::<B>(&rhs));
+    #[cfg(feature = "flex")]
     if (lhs_shard.is_some() || rhs_shard.is_some())
         && let Some(crate::Precision::Bf16 | crate::Precision::F16) = crate::autocast::current()
         && let Some(half_matmul) = half_matmul_hook::<B>()

@@ -1131,7 +1131,7 @@ fn stage_3_under_autocast_gathers_linear_and_matmul_parameters_in_the_half_type_
             assert_eq!(bits(&s3.parameters), bits(&s2.parameters), "{what}");
             for (batch, &sent) in s3.sent.iter().enumerate() {
                 let what = format!("{what}, batch {batch}");
-                let completes = (batch + 1) % grad_accum == 0;
+                let completes = (batch + 1).is_multiple_of(grad_accum);
                 assert_eq!(sent, expected(rank, completes), "{what}");
                 let peak = s3.gathered_peak[batch];
                 assert!(peak > 0 && peak <= largest, "{what}: {peak} > {largest}");
@@ -2573,7 +2573,7 @@ fn stage_3_with_accelerate_reduces_each_gradient_to_its_owner_in_the_users_backw
             }
             let completes = |batch: usize| {
                 let j = batch % per_epoch;
-                (j + 1) % grad_accum == 0 || j + 1 == per_epoch
+                (j + 1).is_multiple_of(grad_accum) || j + 1 == per_epoch
             };
             assert_eq!(
                 (0..steps).filter(|&b| completes(b)).count(),
