@@ -912,6 +912,10 @@ struct HalfLayeredRun {
     /// `Mixed` (a `matmul` per layer) instead of `Layered`.
     #[serde(default)]
     by_matmul: bool,
+    /// `Layered` reads a 3-D input (`[2, 2, features]`: two sequences of two), as a
+    /// transformer's linear layers do.
+    #[serde(default)]
+    sequences: bool,
 }
 
 /// `Layered`'s widths as bare matrices, each read by `matmul` (no bias).
@@ -967,7 +971,16 @@ fn half_layered_worker(args: &HalfLayeredRun) -> HalfLayeredReport {
             .map(|w| LinearConfig::new(w[0], w[1]).init(&device))
             .collect(),
     };
-    half_worker(args, model, |model, mut h| {
+    let sequences = args.sequences;
+    half_worker(args, model, move |model, h| {
+        if sequences {
+            let mut h: Tensor<B, 3> = h.reshape([2, 2, FEATURES]);
+            for layer in &model.layers {
+                h = Relu::new().forward(layer.forward(h));
+            }
+            return h.reshape([4, CLASSES]);
+        }
+        let mut h = h;
         for layer in &model.layers {
             h = Relu::new().forward(layer.forward(h));
         }
@@ -1050,7 +1063,7 @@ fn half_worker<M: burn::module::AutodiffModule<Accelerated<Autodiff<Flex>>>>(
 
 /// Under bf16 and f16 autocast (FSDP's `param_dtype`), a linear layer gathers its weight and
 /// bias in the half type the op runs in (as does a `matmul` of a parameter, in a second
-/// model of bare matrices): the owner casts its f32 values and sends halves, for
+/// model of bare matrices; and a linear layer of a 3-D input, through its matrix of rows): the owner casts its f32 values and sends halves, for
 /// the forward op and again (the weight) for the input's gradient; the gradients, cast back
 /// to f32, are reduced in f32 to their owners. Stage 3 ends where stage 2 does under the same
 /// autocast, bit for bit (f16 with the loss scaler: the same outcomes and scale), at most one layer's
@@ -1064,13 +1077,14 @@ fn stage_3_under_autocast_gathers_linear_and_matmul_parameters_in_the_half_type_
     if let Some(args) = worker::<HalfLayeredRun>() {
         return report(&half_layered_worker(&args));
     }
-    for (processes, precision, grad_accum, by_matmul) in [
-        (2, Precision::Bf16, 2, false),
-        (3, Precision::Bf16, 1, false),
-        (2, Precision::F16, 1, false),
-        (3, Precision::F16, 2, false),
-        (2, Precision::Bf16, 1, true),
-        (3, Precision::F16, 2, true),
+    for (processes, precision, grad_accum, by_matmul, sequences) in [
+        (2, Precision::Bf16, 2, false, false),
+        (3, Precision::Bf16, 1, false, false),
+        (2, Precision::F16, 1, false, false),
+        (3, Precision::F16, 2, false, false),
+        (2, Precision::Bf16, 1, true, false),
+        (3, Precision::F16, 2, true, false),
+        (2, Precision::Bf16, 2, false, true),
     ] {
         // Every parameter in visiting order (each layer's weight, then its bias, if a
         // `Linear`): its values, and whether it is a weight read again in backward.
@@ -1115,6 +1129,7 @@ fn stage_3_under_autocast_gathers_linear_and_matmul_parameters_in_the_half_type_
                     precision,
                     grad_accum,
                     by_matmul,
+                    sequences,
                 },
                 &[],
             )
@@ -1124,7 +1139,7 @@ fn stage_3_under_autocast_gathers_linear_and_matmul_parameters_in_the_half_type_
         let (stage2, stage3) = (run(2), run(3));
         for (rank, (s3, s2)) in stage3.iter().zip(&stage2).enumerate() {
             let what = format!(
-                "{processes} processes, {precision:?}, window {grad_accum}, matmul {by_matmul}, rank {rank}"
+                "{processes} processes, {precision:?}, window {grad_accum}, matmul {by_matmul}, 3-D {sequences}, rank {rank}"
             );
             assert_eq!(s3.outcomes, s2.outcomes, "{what}");
             assert_eq!(s3.loss_scale, s2.loss_scale, "{what}");
