@@ -25,7 +25,11 @@
 //! others_save_peak_rss_mib=O` (the main process's peak over the whole run; the main
 //! process's and the other processes' largest peaks during the save alone).
 //!
-//! The model trains on `Accelerated<Autodiff<Flex>>` (f32, autocast off) at every stage. At
+//! `--precision bf16` (or `f16`, with the loss scaler) trains under autocast, every layer
+//! cast (`SmallOps::Cast`); at stage 3 each layer is then gathered in the half type (FSDP's
+//! `param_dtype`: `sent_per_param_byte` about `2 (n - 1) / n`).
+//!
+//! The model trains on `Accelerated<Autodiff<Flex>>` (f32, autocast off, by default) at every stage. At
 //! stage 3 a layer's weight and bias are gathered for its forward op and again for its
 //! input gradient's, and dropped after each (`burn_accelerate::zero::release_parameters`):
 //! besides its own partition, a process holds one other layer's parameters at a time. Each
@@ -41,9 +45,10 @@ use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::AdamConfig;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Tensor};
+use burn_accelerate::autocast::SmallOps;
 use burn_accelerate::checkpoint::CheckpointDir;
 use burn_accelerate::zero::{self, CheckpointLayout, ZeroStage};
-use burn_accelerate::{AccelerateConfig, Accelerated, Accelerator};
+use burn_accelerate::{AccelerateConfig, Accelerated, Accelerator, Precision};
 use clap::Parser;
 use memory::{peak_memory_mib, reset_peak_memory};
 use std::time::Instant;
@@ -75,6 +80,15 @@ struct Args {
     /// partition's parameters and optimizer state.
     #[arg(long)]
     sharded_checkpoint: bool,
+    /// Autocast precision: f32 (no autocast), bf16 or f16 (with the loss scaler).
+    #[arg(long, default_value = "f32", value_parser = parse_precision)]
+    precision: Precision,
+}
+
+fn parse_precision(value: &str) -> Result<Precision, String> {
+    value
+        .parse()
+        .map_err(|e: burn_accelerate::UnknownPrecision| e.to_string())
 }
 
 const WIDTH: usize = 2048;
@@ -105,6 +119,9 @@ fn main() {
         } else {
             CheckpointLayout::Consolidated
         })
+        .with_mixed_precision(args.precision)
+        // Every layer in the half type under autocast: none kept in f32 as too small.
+        .with_small_ops(Some(SmallOps::Cast))
         .init(&device)
         .expect("an accelerator");
     Train::seed(&device, 5);
@@ -128,7 +145,10 @@ fn main() {
     let (mut times, mut sent) = (Vec::new(), Vec::new());
     for _ in 0..args.steps {
         let (start, sent_before) = (Instant::now(), zero::sent_bytes());
-        let loss = model.forward(x.clone()).powf_scalar(2.0).mean();
+        let loss = {
+            let _autocast = accelerator.autocast();
+            model.forward(x.clone()).powf_scalar(2.0).mean()
+        };
         loss_value = loss.clone().into_scalar();
         accelerator.backward(loss, &model);
         let (next, _) = accelerator
@@ -156,9 +176,10 @@ fn main() {
         let max = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
         let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
         println!(
-            "zero_stage={} processes={} params={} peak_rss_mib={:.0} rest_rss_mib={:.0} \
+            "precision={:?} zero_stage={} processes={} params={} peak_rss_mib={:.0} rest_rss_mib={:.0} \
              step_s={:.3} sent_mib_per_step={:.1} sent_per_param_byte={:.3} \
              final_loss={loss_value}",
+            args.precision,
             args.zero_stage,
             process.num_processes(),
             params,

@@ -453,13 +453,12 @@ impl<B: AutodiffBackend> Accelerator<B> {
         let loss = self.core.transform_loss(loss);
         // At ZeRO stage 3, the pass that completes a window reduces each gradient to its
         // owner as soon as it is final.
-        let reduces = self.core.begin_backward(model);
-        // In the training's context: fp8's backward records its gradients' amaxes there.
-        let grads = {
-            let _entered = self.context.enter();
-            GradientsParams::from_grads(loss.backward(), model)
-        };
-        self.core.end_backward(model, grads, reduces);
+        let context = &self.context;
+        self.core.backward_pass(model, || {
+            // In the training's context: fp8's backward records its gradients' amaxes there.
+            let _entered = context.enter();
+            (GradientsParams::from_grads(loss.backward(), model), ())
+        });
         self.core.end_pass();
     }
 

@@ -50,7 +50,7 @@ fn batch_shapes<T: TensorMetadata>(a: &T, b: &T) -> Option<(Shape, Shape)> {
 
 // The kernels for `B` and the route they take, where autocast takes them: always, unless the
 // process fixed the backend's own path (a rule, see `capability`'s docs).
-fn chosen<B: Backend>() -> Option<(Kernels<B>, Route)> {
+pub(crate) fn chosen<B: Backend>() -> Option<(Kernels<B>, Route)> {
     let kernels = kernels::of::<B>()?;
     let take = match capability::half_path() {
         HalfPath::ViaF32 | HalfPath::Widened => true,

@@ -18,6 +18,13 @@
 //!   for the op alone and dropped when it returns; its backward node keeps the placeholder
 //!   and gathers the weight again to compute the input's gradient. At most one layer's
 //!   gathered weight and bias are whole at a time ([`gathered_bytes`]).
+//! - `linear`, and `matmul` with a parameter operand and no broadcast, under bf16/f16
+//!   autocast on `Autodiff<Flex>`, where autocast runs them on the crate's half kernels: the
+//!   same bound, with the parameters gathered in the half type (the owner casts and sends
+//!   halves: FSDP's `param_dtype`), and the gradients cast back to f32 for the parameters,
+//!   as autocast's cast nodes do (`half`). Where autocast keeps the op in f32 (too small for
+//!   the half type, or fp8's f32 ops) the parameters are gathered whole in f32, as for the
+//!   ops below.
 //! - `matmul` (Burn's `Tensor::matmul`) with a registered operand, where autocast is off and
 //!   the operands share a dtype: the parameter is gathered for the product alone; the node
 //!   keeps its placeholder and gathers it again for the other operand's gradient (Burn's
@@ -25,7 +32,8 @@
 //! - `embedding` (Burn's `nn::Embedding`): the table is gathered for the lookup alone; the
 //!   backward reads only its shape (`embedding_backward`), so it is not gathered again.
 //! - Every other op of every ops trait the decorator forwards (convolutions, layer norms,
-//!   casts under autocast, transactions), `linear` and `matmul` under autocast: the
+//!   casts under autocast, transactions), `linear` and `matmul` under autocast where the
+//!   half kernels do not run them (fp8, f32-kept ops, a broadcast `matmul`, other backends): the
 //!   registered input is gathered in full and the op reads `anchor + gathered` (the gathered
 //!   value bit for bit, since `-0.0` is the additive identity, with the gradient flowing to
 //!   the anchor). The numbers are right; the gathered value stays whole while the autodiff
@@ -64,6 +72,9 @@ use burn_backend::tensor::{FloatTensor, IntTensor};
 use burn_backend::{Backend, DType, FloatDType, TensorData, TensorMetadata, try_read_sync};
 
 use crate::hooks::{self, HookKind};
+
+#[cfg(feature = "flex")]
+mod half;
 
 /// Where a registered parameter's whole value comes from: one collective per use.
 pub trait Shard: Send + Sync + 'static {
@@ -443,9 +454,38 @@ pub(crate) fn resolve_vec<B: Backend>(tensors: Vec<FloatTensor<B>>) -> Vec<Float
 /// `linear`'s inputs, given back where the bounded path does not apply.
 pub(crate) type LinearInputs<B> = (FloatTensor<B>, FloatTensor<B>, Option<FloatTensor<B>>);
 
+// The bounded half `linear` and `matmul` per backend type (`Autodiff<Flex>`, whose autocast
+// runs the crate's half kernels): one kind each, as the registry keeps one hook per kind and
+// backend.
+#[cfg(feature = "flex")]
+struct HalfLinearHooks;
+
+#[cfg(feature = "flex")]
+impl HookKind for HalfLinearHooks {
+    fn register_known() {
+        hooks::insert::<HalfLinearHooks, Autodiff<burn::backend::Flex>, _>(
+            half::bounded_half_linear as half::HalfLinear<Autodiff<burn::backend::Flex>>,
+        );
+    }
+}
+
+#[cfg(feature = "flex")]
+struct HalfMatmulHooks;
+
+#[cfg(feature = "flex")]
+impl HookKind for HalfMatmulHooks {
+    fn register_known() {
+        hooks::insert::<HalfMatmulHooks, Autodiff<burn::backend::Flex>, _>(
+            half::bounded_half_matmul as half::HalfMatmul<Autodiff<burn::backend::Flex>>,
+        );
+    }
+}
+
 /// `linear(x, weight, bias)` with the per-layer bound, where it applies: the weight is a
-/// registered parameter, `x` is not, autocast lowers nothing and the operands share a dtype.
-/// Otherwise the inputs back, for the op's usual path.
+/// registered parameter, `x` is not, and either autocast lowers nothing and the operands
+/// share a dtype, or bf16/f16 autocast runs the op on the crate's half kernels (the
+/// parameters gathered in the half type: see `half`). Otherwise the inputs back, for the
+/// op's usual path.
 pub(crate) fn linear<B: Backend>(
     x: FloatTensor<B>,
     weight: FloatTensor<B>,
@@ -454,6 +494,19 @@ pub(crate) fn linear<B: Backend>(
     let Some(weight_shard) = shard_of::<B>(&weight) else {
         return Err((x, weight, bias));
     };
+    #[cfg(feature = "flex")]
+    if let Some(crate::Precision::Bf16 | crate::Precision::F16) = crate::autocast::current()
+        && let Some(half_linear) = half_linear_hook::<B>()
+        && shard_of::<B>(&x).is_none()
+    {
+        return Ok(autocast_linear::<B>(
+            x,
+            weight,
+            bias,
+            weight_shard,
+            half_linear,
+        ));
+    }
     let same_dtype =
         weight.dtype() == x.dtype() && bias.as_ref().is_none_or(|b| b.dtype() == x.dtype());
     let applies = same_dtype && crate::autocast::current().is_none() && shard_of::<B>(&x).is_none();
@@ -469,6 +522,150 @@ pub(crate) fn linear<B: Backend>(
     Ok((tracked.linear)(x, weight, bias, weight_shard, bias_shard))
 }
 
+#[cfg(feature = "flex")]
+fn half_linear_hook<B: Backend>() -> Option<half::HalfLinear<B>> {
+    hooks::get::<HalfLinearHooks, B, half::HalfLinear<B>>()
+}
+
+#[cfg(feature = "flex")]
+fn half_matmul_hook<B: Backend>() -> Option<half::HalfMatmul<B>> {
+    hooks::get::<HalfMatmulHooks, B, half::HalfMatmul<B>>()
+}
+
+// `matmul` under bf16/f16 autocast with a registered parameter operand: the op's own path
+// (`crate::backend::forward`'s `float_matmul`: the plan, the casts, `lowered::matmul`), the
+// plan decided once, with each parameter operand gathered in the half type for the product
+// alone where the product runs on the crate's half kernel without a broadcast; otherwise
+// gathered whole in f32 and cast, as every other op reads a parameter.
+#[cfg(feature = "flex")]
+fn autocast_matmul<B: Backend>(
+    lhs: FloatTensor<B>,
+    rhs: FloatTensor<B>,
+    [lhs_shard, rhs_shard]: [Option<Arc<dyn Shard>>; 2],
+    half_matmul: half::HalfMatmul<B>,
+) -> FloatTensor<B> {
+    use crate::autocast::{CastInput, CastPlan, Op};
+    let plan = CastPlan::new::<B>(Op::Matmul, &[CastInput::One(&lhs), CastInput::One(&rhs)]);
+    let target = plan
+        .target()
+        .filter(|t| matches!(t, FloatDType::BF16 | FloatDType::F16));
+    // Each operand as the kernel would take it: a parameter kept f32 (gathered in the half
+    // type), any other cast as the op's own path casts it.
+    let lhs = match &lhs_shard {
+        Some(_) => lhs,
+        None => plan.cast_at::<B>(0, lhs),
+    };
+    let rhs = match &rhs_shard {
+        Some(_) => rhs,
+        None => plan.cast_at::<B>(1, rhs),
+    };
+    let operand_fits =
+        |t: &FloatTensor<B>, shard: &Option<Arc<dyn Shard>>, target: FloatDType| match shard {
+            Some(_) => t.dtype() == DType::F32,
+            None => t.dtype() == DType::from(target),
+        };
+    let (lhs_shape, rhs_shape) = (lhs.shape(), rhs.shape());
+    let dims = lhs_shape.num_dims();
+    // `lowered::matmul`'s conditions for the kernel, without a broadcast (equal batches).
+    let kernel_applies = target
+        .is_some_and(|t| operand_fits(&lhs, &lhs_shard, t) && operand_fits(&rhs, &rhs_shard, t))
+        && dims >= 2
+        && rhs_shape.num_dims() == dims
+        && (0..dims - 2).all(|d| lhs_shape[d] == rhs_shape[d]);
+    if let (Some(target), true) = (target, kernel_applies)
+        && let Some((_, route)) = super::lowered::chosen::<B>()
+    {
+        // A parameter's anchor sits above the other operand, where that one is not a
+        // parameter (as `float_matmul`'s own bounded path places it).
+        let lhs_anchored = match &lhs_shard {
+            Some(shard) => {
+                let input = rhs_shard.is_none().then_some(&rhs);
+                anchored::<B>(lhs.clone(), input, shard.clone())
+            }
+            None => lhs.clone(),
+        };
+        let rhs = match &rhs_shard {
+            Some(shard) => {
+                let input = lhs_shard.is_none().then_some(&lhs);
+                anchored::<B>(rhs, input, shard.clone())
+            }
+            None => rhs,
+        };
+        return half_matmul(lhs_anchored, rhs, lhs_shard, rhs_shard, target, route);
+    }
+    let lhs = plan.cast_at::<B>(0, resolve::<B>(lhs));
+    let rhs = plan.cast_at::<B>(1, resolve::<B>(rhs));
+    super::lowered::matmul::<B>(&plan, lhs, rhs)
+}
+
+// `linear` under bf16/f16 autocast of the registered parameter `weight`: the op's own path
+// (`crate::backend::forward`'s `linear`: the cast plan, the casts, `lowered::linear`), with
+// the plan decided once (it tallies the call), where the weight is gathered in the half type
+// for the op alone if the op runs on the crate's half kernels; otherwise gathered whole in
+// f32 and cast, as every other op reads a parameter.
+#[cfg(feature = "flex")]
+fn autocast_linear<B: Backend>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    bias: Option<FloatTensor<B>>,
+    weight_shard: Arc<dyn Shard>,
+    half_linear: half::HalfLinear<B>,
+) -> FloatTensor<B> {
+    use crate::autocast::{CastInput, CastPlan, Op};
+    let plan = CastPlan::new::<B>(
+        Op::Linear,
+        &[
+            CastInput::One(&x),
+            CastInput::One(&weight),
+            CastInput::Maybe(&bias),
+        ],
+    );
+    let bias_shard = bias.as_ref().and_then(shard_of::<B>);
+    let x = plan.cast_at::<B>(0, x);
+    let target = plan
+        .target()
+        .filter(|t| matches!(t, FloatDType::BF16 | FloatDType::F16));
+    // `lowered::linear`'s conditions for the kernels: half operands of one dtype (the plan
+    // casts the f32 parameters to it), a 2-D weight, an input of two dimensions or more.
+    let dims = x.shape().num_dims();
+    let kernels_apply = target.is_some_and(|t| x.dtype() == DType::from(t))
+        && weight.dtype() == DType::F32
+        && bias
+            .as_ref()
+            .is_none_or(|b| b.dtype() == DType::F32 && bias_shard.is_some())
+        && weight.shape().num_dims() == 2
+        && dims >= 2;
+    if let (Some(target), true) = (target, kernels_apply)
+        && let Some((_, route)) = super::lowered::chosen::<B>()
+    {
+        let shape = x.shape();
+        let features = shape[dims - 1];
+        let rows = shape.num_elements() / features.max(1);
+        // As `lowered::linear`: the matrix of the input's rows, reshaped back after.
+        let x = match dims {
+            2 => x,
+            _ => B::float_reshape(x, [rows, features].into()),
+        };
+        let weight = anchored::<B>(weight, Some(&x), weight_shard.clone());
+        let bias = match (bias, &bias_shard) {
+            (Some(bias), Some(shard)) => Some(anchored::<B>(bias, Some(&x), shard.clone())),
+            (bias, _) => bias,
+        };
+        let mut out_shape = shape.clone();
+        out_shape[dims - 1] = weight.shape()[1];
+        let product = half_linear(x, weight, bias, weight_shard, bias_shard, target, route);
+        return match dims {
+            2 => product,
+            _ => B::float_reshape(product, out_shape),
+        };
+    }
+    let weight = resolve::<B>(weight);
+    let bias = resolve_opt::<B>(bias);
+    let weight = plan.cast_at::<B>(1, weight);
+    let bias = plan.cast_opt::<B>(bias);
+    super::lowered::linear::<B>(&plan, x, weight, bias)
+}
+
 /// `matmul(lhs, rhs)` with the per-op bound, where it applies: an operand is a registered
 /// parameter, autocast lowers nothing and the operands share a dtype. Otherwise the inputs
 /// back, for the op's usual path.
@@ -477,6 +674,18 @@ pub(crate) fn float_matmul<B: Backend>(
     rhs: FloatTensor<B>,
 ) -> Result<FloatTensor<B>, (FloatTensor<B>, FloatTensor<B>)> {
     let (lhs_shard, rhs_shard) = (shard_of::<B>(&lhs), shard_of::<B>(&rhs));
+    #[cfg(feature = "flex")]
+    if (lhs_shard.is_some() || rhs_shard.is_some())
+        && let Some(crate::Precision::Bf16 | crate::Precision::F16) = crate::autocast::current()
+        && let Some(half_matmul) = half_matmul_hook::<B>()
+    {
+        return Ok(autocast_matmul::<B>(
+            lhs,
+            rhs,
+            [lhs_shard, rhs_shard],
+            half_matmul,
+        ));
+    }
     let applies = (lhs_shard.is_some() || rhs_shard.is_some())
         && lhs.dtype() == rhs.dtype()
         && crate::autocast::current().is_none();

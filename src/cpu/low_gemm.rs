@@ -334,9 +334,9 @@ pub(crate) fn linear(
     half_gemm(&x, &weight, bias.as_ref(), kernel)
 }
 
-// `product + bias` of a half `[m, n]` product and an `[n]` bias, in the product's buffer
-// where nothing else holds it.
-fn add_bias(product: FlexTensor, bias: FlexTensor) -> FlexTensor {
+/// `product + bias` of a half `[m, n]` product and an `[n]` bias, in the product's buffer
+/// where nothing else holds it: [`linear_tracked`]'s bias add.
+pub(crate) fn add_bias(product: FlexTensor, bias: FlexTensor) -> FlexTensor {
     // `to_contiguous` of a contiguous tensor is a second handle on its buffer: while `product`
     // lived too, writing the sum copied the whole product first (8 MiB a layer of the deep
     // MLP, on the calling thread).
@@ -355,9 +355,10 @@ fn add_bias(product: FlexTensor, bias: FlexTensor) -> FlexTensor {
     sum
 }
 
-// The bias's gradient: the output's summed over the batch, as Burn's
-// `linear_bias_backward`, in one vectorised pass where the gradient is contiguous.
-fn bias_grad(grad: FlexTensor) -> FlexTensor {
+/// The bias's gradient: the output's summed over the batch, as Burn's
+/// `linear_bias_backward`, in one vectorised pass where the gradient is contiguous
+/// ([`linear_tracked`]'s).
+pub(crate) fn bias_grad(grad: FlexTensor) -> FlexTensor {
     let n = grad.layout().shape()[1];
     let sums = with_half!(grad.dtype(), H => {
         sum_rows::<H>(&grad).map(Bytes::from_elems)
@@ -368,8 +369,8 @@ fn bias_grad(grad: FlexTensor) -> FlexTensor {
     }
 }
 
-// The matrices of `t` transposed (its last two dimensions swapped), as a view.
-fn transposed(t: FlexTensor) -> FlexTensor {
+/// The matrices of `t` transposed (its last two dimensions swapped), as a view.
+pub(crate) fn transposed(t: FlexTensor) -> FlexTensor {
     let d = t.layout().shape().num_dims();
     Flex::float_swap_dims(t, d - 2, d - 1)
 }

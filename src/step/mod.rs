@@ -96,6 +96,12 @@ pub(crate) struct StepCore<B: AutodiffBackend> {
     // Stage 3: gradients of backward passes after that one in the same window (a loop that
     // differentiates twice before its step), reduce-scattered at the unscale.
     unreduced: GradientsParams,
+    // Stage 3: the parameters were released (by `prepare_model` or a step) and not gathered
+    // whole since. Before that no pass reduces in backward, and the model handed to
+    // `backward_pass` is not visited: a lazy parameter of a copy (the strategy's, taken
+    // before Burn's first forward pass initialises the learner's own) would be initialised
+    // apart, drawing from the RNG.
+    released: bool,
 }
 
 impl<B: AutodiffBackend> StepCore<B> {
@@ -129,6 +135,7 @@ impl<B: AutodiffBackend> StepCore<B> {
             context: None,
             reduced_in_backward: false,
             unreduced: GradientsParams::new(),
+            released: false,
         }
     }
 
@@ -183,12 +190,27 @@ impl<B: AutodiffBackend> StepCore<B> {
         }
     }
 
-    /// Before a backward pass through `model`: at ZeRO stage 3, on the pass that completes a
-    /// window (its first such pass), the pass reduces each parameter's gradient to its owner
-    /// as soon as it is final, the window's earlier sums included (`zero::post_backward`).
-    /// Returns whether it does; pass the answer to [`end_backward`](Self::end_backward).
-    pub fn begin_backward<M: AutodiffModule<B>>(&mut self, model: &M) -> bool {
+    /// One backward pass through `model`: `pass` differentiates the loss (the forward pass
+    /// may run inside it too) and returns the gradients it found for `model`'s parameters,
+    /// with anything else it made (`R`); the gradients go to the window. Both entry points
+    /// differentiate through here: the [`Accelerator`](crate::Accelerator)'s `backward`, and
+    /// the strategy around the user's `TrainStep`, whose `loss.backward()` is the pass.
+    ///
+    /// At ZeRO stage 3 (parameters released, on the decorator), the pass that completes a
+    /// window (its first such pass) reduces each parameter's gradient to its owner as soon as
+    /// it is final, the window's earlier sums included (`zero::post_backward`), and the
+    /// parameters the pass does not reach are reduced after it: afterwards this process holds
+    /// its partition's gradients only. `model` must hold the very parameter values the pass
+    /// reads (the same tensors, not a lazy copy initialised apart): their autodiff nodes are
+    /// what the window's sums are handed to. It is visited only once the parameters were
+    /// released (`prepare_model`, or a step).
+    pub fn backward_pass<M: AutodiffModule<B>, R>(
+        &mut self,
+        model: &M,
+        pass: impl FnOnce() -> (GradientsParams, R),
+    ) -> R {
         let reduces = !self.reduced_in_backward
+            && self.released
             && self.state.sync_gradients()
             && self
                 .sharded()
@@ -197,24 +219,14 @@ impl<B: AutodiffBackend> StepCore<B> {
         if reduces {
             self.reduced_in_backward = true;
         }
-        reduces
-    }
-
-    /// After the backward pass [`begin_backward`](Self::begin_backward) prepared: adds its
-    /// gradients (`grads`, from `model`) to the window, the parameters the pass did not reach
-    /// reduced first where it reduced.
-    pub fn end_backward<M: AutodiffModule<B>>(
-        &mut self,
-        model: &M,
-        mut grads: GradientsParams,
-        reduced: bool,
-    ) {
-        if reduced {
+        let (mut grads, made) = pass();
+        if reduces {
             zero::post_backward::end::<B, M>(model, &mut grads);
             grads::accumulate::<B, M>(model, &mut self.grads, grads);
         } else {
             self.add_gradients(model, grads);
         }
+        made
     }
 
     /// Ends one forward and backward pass (on every device): one step of fp8's delayed-scaling
@@ -555,7 +567,9 @@ impl<B: AutodiffBackend> StepCore<B> {
         }
         let (model, lr) = apply(model, grads);
         let model = if stage.shards_parameters() {
-            zero::release_parameters::<B, M>(group, model, partition)
+            let model = zero::release_parameters::<B, M>(group, model, partition);
+            self.released = group.world_size() > 1;
+            model
         } else {
             zero::share_parameters::<B, M>(group, model, partition)?
         };
@@ -578,7 +592,9 @@ impl<B: AutodiffBackend> StepCore<B> {
                 let (Some(group), Some(partition)) = (&self.group, &self.partition) else {
                     unreachable!("sharded, so a group and its partition");
                 };
-                zero::release_parameters::<B, M>(group, model, partition)
+                let model = zero::release_parameters::<B, M>(group, model, partition);
+                self.released = group.world_size() > 1;
+                model
             }
             _ => model,
         }

@@ -82,24 +82,34 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
                 loader.set_end_of_dataloader(None);
             }
             let batch = self.state.accumulate();
-            let outputs = match workers {
-                Some(workers) => workers.step(&learner.model(), step.inputs, core.loss_transform()),
+            // The learner's own parameters (a clone shares their values): the user's
+            // `loss.backward()` runs through the step core's backward pass, as the
+            // `Accelerator`'s does (at ZeRO stage 3, each gradient reduced to its owner in it).
+            let model: TrainingModel<LC> = learner.model();
+            let items: Vec<_> = match workers {
+                Some(workers) => workers
+                    .step(&model, step.inputs, core.loss_transform())
+                    .into_iter()
+                    .map(|output| {
+                        core.add_gradients(&model, output.grads);
+                        output.item
+                    })
+                    .collect(),
                 None => step
                     .inputs
                     .into_iter()
-                    .map(|(_, input)| learner.train_step(input))
+                    .map(|(_, input)| {
+                        core.backward_pass(&model, || {
+                            let output = learner.train_step(input);
+                            (output.grads, output.item)
+                        })
+                    })
                     .collect(),
             };
             // One forward and backward pass on every device is one pass of fp8's recipe
             // (replicas record their amaxes under the same keys, and the history keeps the
             // largest, as Transformer Engine reduces amaxes over the data-parallel group).
             core.end_pass();
-            let model: TrainingModel<LC> = learner.model();
-            let mut items = Vec::with_capacity(outputs.len());
-            for output in outputs {
-                core.add_gradients(&model, output.grads);
-                items.push(output.item);
-            }
 
             if batch.sync_gradients() {
                 let stepped = core.step(model, |_, grads| {

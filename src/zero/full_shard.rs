@@ -68,8 +68,19 @@
 //! parameter is gathered for the op alone; `matmul`'s node gathers it again for the other
 //! operand's gradient, `embedding`'s needs only the table's shape.
 //!
+//! Under bf16/f16 autocast, on `Autodiff<Flex>` (whose autocast runs `linear` and `matmul`
+//! on the crate's half kernels), `linear` and `matmul` (a parameter operand, no broadcast)
+//! hold the same bound and gather in the half type the op runs in
+//! (FSDP's `param_dtype`): the owner casts its f32 weight and bias and sends halves (half an
+//! f32 gather's bytes), the op runs as autocast runs it on the cast values, and the gradients
+//! reach the f32 parameters cast back as autocast's cast nodes cast them. The cast of a
+//! gathered f32 value and the gathered cast of the owner's value are the same bits (one
+//! elementwise rounding of the same values), so the numbers are stage 2's under the same
+//! autocast, bit for bit; the gradients are reduced in f32.
+//!
 //! Every other op that reads a placeholder (convolutions, layer norms, casts under autocast,
-//! `linear` and `matmul` in bf16/f16/fp8 autocast) gathers it whole and reads
+//! `linear` and `matmul` in fp8 autocast or where autocast keeps them in f32, a broadcast
+//! `matmul` under autocast) gathers it whole and reads
 //! `anchor + gathered` (bit for bit the gathered value: `-0.0` is the additive identity; the
 //! gradient flows to the anchor): right numbers, but the gathered value stays whole while the
 //! autodiff graph keeps it, until the step, as with the lazy gather. Such ops are listed in
@@ -91,7 +102,8 @@
 //! sends once; summed over the `n` processes, `(n - 1)` × (the parameters once for the
 //! forward pass, the weights read again in backward, the parameters once for the reduction):
 //! about 3 (n - 1) / n of the parameters' bytes per process, as FSDP's, against stage 0's
-//! 2 (n - 1) / n. Each gather and reduction is preceded by a 16-byte-per-process agreement
+//! 2 (n - 1) / n. Under bf16/f16 autocast the gathers of `linear` and `matmul` send two bytes a
+//! value (the reductions stay f32): about 2 (n - 1) / n of the f32 bytes. Each gather and reduction is preceded by a 16-byte-per-process agreement
 //! on the parameter.
 //!
 //! A released parameter keeps Burn's parameter mappers (the transforms a record applies on
@@ -128,9 +140,10 @@ use super::sharded::Partition;
 /// Between steps a process holds its partition's parameters and optimizer state and no
 /// gradients. During a step, on the decorator (`Accelerated<Autodiff<B>>`), a `linear`
 /// layer's gathered parameters are whole for its forward op and its input gradient's op
-/// alone (f32, no autocast), as are a `matmul` operand's and an embedding's table; other
-/// ops, and other backends, keep a gathered parameter whole until the step. In the backward pass that completes a window (through the
-/// [`Accelerator`](crate::Accelerator)'s `backward`), each gradient is reduced to its owner as
+/// alone (f32, or bf16/f16 autocast on `Autodiff<Flex>`, gathered in the half type), as are a `matmul` operand's and an embedding's table; other
+/// ops, and other backends, keep a gathered parameter whole until the step. In the backward pass that completes a window (the
+/// [`Accelerator`](crate::Accelerator)'s `backward`, or the user's `loss.backward()` in a
+/// `TrainStep` under `with_accelerate`: both run through the step core), each gradient is reduced to its owner as
 /// soon as it is final and dropped by the others. The notes atop `src/zero/full_shard.rs` say
 /// which ops hold the bound.
 pub fn release_parameters<B: AutodiffBackend, M: AutodiffModule<B>>(

@@ -918,6 +918,269 @@ fn stage_3_holds_one_linear_layers_gathered_parameters_at_a_time_and_ends_where_
 }
 
 #[derive(Debug, Serialize, Deserialize)]
+struct HalfLayeredRun {
+    zero_stage: u8,
+    /// bf16, or f16 with the loss scaler.
+    precision: Precision,
+    grad_accum: usize,
+    /// `Mixed` (a `matmul` per layer) instead of `Layered`.
+    #[serde(default)]
+    by_matmul: bool,
+    /// `Layered` reads a 3-D input (`[2, 2, features]`: two sequences of two), as a
+    /// transformer's linear layers do.
+    #[serde(default)]
+    sequences: bool,
+}
+
+/// `Layered`'s widths as bare matrices, each read by `matmul` (no bias).
+#[derive(Module, Debug)]
+struct Mixed<B: Backend> {
+    weights: Vec<Param<Tensor<B, 2>>>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct HalfLayeredReport {
+    parameters: Vec<f32>,
+    outcomes: Vec<String>,
+    loss_scale: f32,
+    /// Per batch: the bytes sent during its forward and backward passes, the most gathered
+    /// bytes whole at once then, and those still whole after its backward pass.
+    sent: Vec<u64>,
+    gathered_peak: Vec<u64>,
+    gathered_after_backward: Vec<u64>,
+    /// Per batch, per parameter in visiting order: whether the window's gradients hold one
+    /// right after the backward pass.
+    holds_gradient: Vec<Vec<bool>>,
+}
+
+// `layered_worker`'s model and data under autocast, sharded from the start at stage 3
+// (`prepare_model`), with every linear cast (the net is tiny: `SmallOps::Cast`).
+fn half_layered_worker(args: &HalfLayeredRun) -> HalfLayeredReport {
+    type B = Accelerated<Autodiff<Flex>>;
+    let device = Default::default();
+    B::seed(&device, 13);
+    if args.by_matmul {
+        let model = Mixed::<B> {
+            weights: LAYERED_WIDTHS
+                .windows(2)
+                .map(|w| {
+                    burn::nn::Initializer::KaimingUniform {
+                        gain: 1.0,
+                        fan_out_only: false,
+                    }
+                    .init_with([w[0], w[1]], Some(w[0]), None, &device)
+                })
+                .collect(),
+        };
+        return half_worker(args, model, |model, mut h| {
+            for weight in &model.weights {
+                h = Relu::new().forward(h.matmul(weight.val()));
+            }
+            h
+        });
+    }
+    let model = Layered::<B> {
+        layers: LAYERED_WIDTHS
+            .windows(2)
+            .map(|w| LinearConfig::new(w[0], w[1]).init(&device))
+            .collect(),
+    };
+    let sequences = args.sequences;
+    half_worker(args, model, move |model, h| {
+        if sequences {
+            let mut h: Tensor<B, 3> = h.reshape([2, 2, FEATURES]);
+            for layer in &model.layers {
+                h = Relu::new().forward(layer.forward(h));
+            }
+            return h.reshape([4, CLASSES]);
+        }
+        let mut h = h;
+        for layer in &model.layers {
+            h = Relu::new().forward(layer.forward(h));
+        }
+        h
+    })
+}
+
+fn half_worker<M: burn::module::AutodiffModule<Accelerated<Autodiff<Flex>>>>(
+    args: &HalfLayeredRun,
+    model: M,
+    forward: impl Fn(
+        &M,
+        Tensor<Accelerated<Autodiff<Flex>>, 2>,
+    ) -> Tensor<Accelerated<Autodiff<Flex>>, 2>,
+) -> HalfLayeredReport {
+    type B = Accelerated<Autodiff<Flex>>;
+    let state = ProcessState::from_env().unwrap();
+    let device = Default::default();
+    let mut model = model;
+    let mut accelerator = AccelerateConfig::new()
+        .with_gradient_accumulation_steps(args.grad_accum)
+        .with_mixed_precision(args.precision)
+        .with_small_ops(Some(burn_accelerate::autocast::SmallOps::Cast))
+        .with_zero_stage(burn_accelerate::zero::ZeroStage::from_number(args.zero_stage).unwrap())
+        .init::<B>(&device)
+        .unwrap();
+    model = accelerator.prepare_model(model);
+    let mut optim = burn::optim::AdamConfig::new().init();
+    let mut report = HalfLayeredReport {
+        parameters: Vec::new(),
+        outcomes: Vec::new(),
+        loss_scale: 0.0,
+        sent: Vec::new(),
+        gathered_peak: Vec::new(),
+        gathered_after_backward: Vec::new(),
+        holds_gradient: Vec::new(),
+    };
+    struct Holds<'a>(&'a burn::optim::GradientsParams, Vec<bool>);
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Holds<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let held = self.0.get::<B::InnerBackend, D>(param.id).is_some();
+            self.1.push(held);
+        }
+    }
+    for step in 0..4 * args.grad_accum {
+        let items: Vec<usize> = (0..4)
+            .map(|i| step * 16 + state.process_index() * 4 + i)
+            .collect();
+        let batch: Batch<B> = Samples.batch(items, &device);
+        let _step = accelerator.accumulate(&model);
+        burn_accelerate::zero::reset_gathered_peak();
+        let before = burn_accelerate::zero::sent_bytes();
+        let loss = {
+            let _autocast = accelerator.autocast();
+            let h = forward(&model, batch.x);
+            CrossEntropyLossConfig::new()
+                .init(&device)
+                .forward(h, batch.y)
+        };
+        accelerator.backward(loss, &model);
+        report
+            .sent
+            .push(burn_accelerate::zero::sent_bytes() - before);
+        let bytes = burn_accelerate::zero::gathered_bytes();
+        report.gathered_peak.push(bytes.peak);
+        report.gathered_after_backward.push(bytes.alive);
+        let mut holds = Holds(accelerator.gradients(), Vec::new());
+        model.visit(&mut holds);
+        report.holds_gradient.push(holds.1);
+        let (next, outcome) = accelerator
+            .optimizer_step(&mut optim, model, &mut 0.01)
+            .unwrap();
+        report.outcomes.push(format!("{outcome:?}"));
+        model = next;
+    }
+    report.parameters = parameters(&model);
+    report.loss_scale = accelerator.loss_scale().loss_scale();
+    report
+}
+
+/// Under bf16 and f16 autocast (FSDP's `param_dtype`), a linear layer gathers its weight and
+/// bias in the half type the op runs in (as does a `matmul` of a parameter, in a second
+/// model of bare matrices; and a linear layer of a 3-D input, through its matrix of rows): the owner casts its f32 values and sends halves, for
+/// the forward op and again (the weight) for the input's gradient; the gradients, cast back
+/// to f32, are reduced in f32 to their owners. Stage 3 ends where stage 2 does under the same
+/// autocast, bit for bit (f16 with the loss scaler: the same outcomes and scale), at most one layer's
+/// halves are whole at a time, and each batch sends what the formula says: stage 3's f32
+/// formula (`stage_3_reduces_each_gradient_to_its_owner_in_backward_and_sends_what_the_formula_says`)
+/// with two bytes a value for the gathers.
+#[test]
+fn stage_3_under_autocast_gathers_linear_and_matmul_parameters_in_the_half_type_like_stage_2() {
+    const TEST: &str =
+        "stage_3_under_autocast_gathers_linear_and_matmul_parameters_in_the_half_type_like_stage_2";
+    if let Some(args) = worker::<HalfLayeredRun>() {
+        return report(&half_layered_worker(&args));
+    }
+    for (processes, precision, grad_accum, by_matmul, sequences) in [
+        (2, Precision::Bf16, 2, false, false),
+        (3, Precision::Bf16, 1, false, false),
+        (2, Precision::F16, 1, false, false),
+        (3, Precision::F16, 2, false, false),
+        (2, Precision::Bf16, 1, true, false),
+        (3, Precision::F16, 2, true, false),
+        (2, Precision::Bf16, 2, false, true),
+    ] {
+        // Every parameter in visiting order (each layer's weight, then its bias, if a
+        // `Linear`): its values, and whether it is a weight read again in backward.
+        let mut params: Vec<(usize, bool)> = Vec::new();
+        for (i, w) in LAYERED_WIDTHS.windows(2).enumerate() {
+            params.push((w[0] * w[1], i > 0));
+            if !by_matmul {
+                params.push((w[1], false));
+            }
+        }
+        let sizes: Vec<usize> = params.iter().map(|&(values, _)| values).collect();
+        // A layer's weight and bias in halves: at most one layer's are whole at a time.
+        let largest = LAYERED_WIDTHS
+            .windows(2)
+            .map(|w| ((w[0] * w[1] + if by_matmul { 0 } else { w[1] }) * 2) as u64)
+            .max()
+            .unwrap();
+        let owners = burn_accelerate::zero::partition(&sizes, processes);
+        let agree = 2 * 8 * (processes - 1) as u64;
+        // Gathers in halves (2 bytes a value), reductions in f32 (4).
+        let expected = |rank: usize, reduces: bool| -> u64 {
+            let mut sent = 0;
+            for (&(values, read_in_backward), &owner) in params.iter().zip(&owners) {
+                let last = (owner + processes - 1) % processes;
+                let gather = agree + if rank == last { 0 } else { 2 * values as u64 };
+                sent += gather;
+                if read_in_backward {
+                    sent += gather;
+                }
+                if reduces {
+                    sent += agree + if rank == owner { 0 } else { 4 * values as u64 };
+                }
+            }
+            sent
+        };
+        let run = |zero_stage: u8| -> Vec<HalfLayeredReport> {
+            launch(
+                TEST,
+                processes,
+                &HalfLayeredRun {
+                    zero_stage,
+                    precision,
+                    grad_accum,
+                    by_matmul,
+                    sequences,
+                },
+                &[],
+            )
+            .assert_success()
+            .reports(processes)
+        };
+        let (stage2, stage3) = (run(2), run(3));
+        for (rank, (s3, s2)) in stage3.iter().zip(&stage2).enumerate() {
+            let what = format!(
+                "{processes} processes, {precision:?}, window {grad_accum}, matmul {by_matmul}, 3-D {sequences}, rank {rank}"
+            );
+            assert_eq!(s3.outcomes, s2.outcomes, "{what}");
+            assert_eq!(s3.loss_scale, s2.loss_scale, "{what}");
+            assert_eq!(bits(&s3.parameters), bits(&s2.parameters), "{what}");
+            for (batch, &sent) in s3.sent.iter().enumerate() {
+                let what = format!("{what}, batch {batch}");
+                let completes = (batch + 1).is_multiple_of(grad_accum);
+                assert_eq!(sent, expected(rank, completes), "{what}");
+                let peak = s3.gathered_peak[batch];
+                assert!(peak > 0 && peak <= largest, "{what}: {peak} > {largest}");
+                assert_eq!(s3.gathered_after_backward[batch], 0, "{what}");
+                if completes {
+                    let own: Vec<bool> = owners.iter().map(|&o| o == rank).collect();
+                    assert_eq!(s3.holds_gradient[batch], own, "{what}");
+                }
+                // Stage 2 gathers and sends nothing in its passes.
+                assert_eq!((s2.sent[batch], s2.gathered_peak[batch]), (0, 0), "{what}");
+            }
+        }
+        if precision == Precision::F16 {
+            // The loss scaler scaled the f16 losses (and compared its scale above).
+            assert!(stage3[0].loss_scale > 1.0, "{:?}", stage3[0].loss_scale);
+        }
+    }
+}
+
+#[derive(Debug, Serialize, Deserialize)]
 struct TrafficRun {
     grad_accum: usize,
     /// The model goes through `Accelerator::prepare_model` before the first batch.
@@ -2105,6 +2368,106 @@ mod supervised {
             gathered_peak: burn_accelerate::zero::gathered_bytes().peak,
         }
     }
+
+    /// The `Mlp` with a training step that notes, right after the user's own
+    /// `loss.backward()`, the bytes this process sent during the step and which parameters
+    /// the step's gradients hold: what the strategy's backward pass did.
+    #[derive(Module, Debug)]
+    pub struct Watched<B: Backend> {
+        mlp: Mlp<B>,
+    }
+
+    /// Per step of this process: the bytes sent, and per parameter in visiting order whether
+    /// the step's gradients hold one.
+    static WATCHED: std::sync::Mutex<Vec<(u64, Vec<bool>)>> = std::sync::Mutex::new(Vec::new());
+
+    impl<B: AutodiffBackend> burn::train::TrainStep for Watched<B> {
+        type Input = BlobBatch<B>;
+        type Output = burn::train::ClassificationOutput<B>;
+
+        fn step(&self, batch: BlobBatch<B>) -> burn::train::TrainOutput<Self::Output> {
+            struct Holds<'a>(&'a burn::optim::GradientsParams, Vec<bool>);
+            impl<B: AutodiffBackend> ModuleVisitor<B> for Holds<'_> {
+                fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                    let held = self.0.get::<B::InnerBackend, D>(param.id).is_some();
+                    self.1.push(held);
+                }
+            }
+            let before = burn_accelerate::zero::sent_bytes();
+            let item = self.mlp.classify(batch);
+            let grads = burn::optim::GradientsParams::from_grads(item.loss.backward(), self);
+            let sent = burn_accelerate::zero::sent_bytes() - before;
+            let mut holds = Holds(&grads, Vec::new());
+            self.visit(&mut holds);
+            WATCHED.lock().unwrap().push((sent, holds.1));
+            burn::train::TrainOutput { grads, item }
+        }
+    }
+
+    impl<B: Backend> burn::train::InferenceStep for Watched<B> {
+        type Input = BlobBatch<B>;
+        type Output = burn::train::ClassificationOutput<B>;
+
+        fn step(&self, batch: BlobBatch<B>) -> Self::Output {
+            self.mlp.classify(batch)
+        }
+    }
+
+    type WatchedComponents = burn::train::LearningComponentsMarker<
+        Train,
+        f64,
+        Watched<Train>,
+        burn::optim::adaptor::OptimizerAdaptor<burn::optim::Adam, Watched<Train>, Train>,
+    >;
+
+    /// The hidden width of the watched `Mlp`.
+    pub const WATCHED_HIDDEN: usize = 16;
+
+    #[derive(Debug, Serialize, Deserialize)]
+    pub struct WatchedReport {
+        /// Per step: the bytes sent during the forward and backward passes.
+        pub sent: Vec<u64>,
+        /// Per step, per parameter in visiting order: whether the gradients hold one.
+        pub holds_gradient: Vec<Vec<bool>>,
+        pub parameters: Vec<f32>,
+        pub optimizer_steps: usize,
+    }
+
+    /// `train`'s training (without f16, checkpoints or early stopping) of the watched `Mlp`.
+    pub fn watched(args: &Run) -> WatchedReport {
+        let device = Default::default();
+        let loader = loader(args);
+        let valid = DataLoaderBuilder::<Accelerated<Flex>, _, _>::new(BlobBatcher)
+            .batch_size(64)
+            .build(InMemDataset::new(blobs(64, 2)));
+        let dir = std::env::temp_dir().join(format!(
+            "burn-accelerate-processes-watched-{}",
+            std::process::id()
+        ));
+        let strategy = AccelerateStrategy::<WatchedComponents>::new(config(args), &device)
+            .unwrap()
+            .with_artifact_dir(&dir);
+        let report = strategy.report();
+        let builder = SupervisedTraining::new(&dir, Arc::new(loader), valid)
+            .num_epochs(args.epochs)
+            .metric_valid_numeric(LossMetric::new())
+            .renderer(QuietRenderer)
+            .with_application_logger(None);
+        Train::seed(&device, 5);
+        let model = Watched {
+            mlp: Mlp::new(WATCHED_HIDDEN, &device),
+        };
+        let learner = Learner::new(model, AdamConfig::new().init(), 1e-2);
+        let model = builder.with_accelerate(strategy).launch(learner).model;
+        let _ = std::fs::remove_dir_all(&dir);
+        let (sent, holds_gradient) = WATCHED.lock().unwrap().drain(..).unzip();
+        WatchedReport {
+            sent,
+            holds_gradient,
+            parameters: parameters(&model),
+            optimizer_steps: report.stats().optimizer_steps(),
+        }
+    }
 }
 
 #[test]
@@ -2427,6 +2790,114 @@ fn stage_3_with_accelerate_ends_where_stage_2_and_the_hand_written_loop_do() {
                     bits(&other.parameters),
                     "{what}, {name}"
                 );
+            }
+        }
+    }
+}
+
+/// The strategy's training step at stage 3 reduces each gradient to its owner inside the
+/// user's own `loss.backward()`, as the `Accelerator`'s `backward` does: after the backward
+/// pass that completes a window, a process holds its own parameters' gradients and no other,
+/// and the step sent what `stage_3_reduces_each_gradient_to_its_owner_in_backward_and_sends_
+/// what_the_formula_says`'s formula says (every parameter gathered in forward, every weight
+/// but the first layer's again in backward, every gradient reduced once; the window's earlier
+/// batches reduce nothing). The parameters end where stage 2's do, bit for bit.
+#[test]
+fn stage_3_with_accelerate_reduces_each_gradient_to_its_owner_in_the_users_backward() {
+    const TEST: &str =
+        "stage_3_with_accelerate_reduces_each_gradient_to_its_owner_in_the_users_backward";
+    if let Some(args) = worker::<supervised::Run>() {
+        return report(&supervised::watched(&args));
+    }
+    let widths = [
+        mlp::FEATURES,
+        supervised::WATCHED_HIDDEN,
+        supervised::WATCHED_HIDDEN,
+        mlp::CLASSES,
+    ];
+    // Every parameter in visiting order (each layer's weight, then its bias), in f32 bytes,
+    // and whether it is a weight read again in backward.
+    let mut params: Vec<(usize, bool)> = Vec::new();
+    for (i, w) in widths.windows(2).enumerate() {
+        params.push((w[0] * w[1] * 4, i > 0));
+        params.push((w[1] * 4, false));
+    }
+    let sizes: Vec<usize> = params.iter().map(|(bytes, _)| bytes / 4).collect();
+    // A window of 1 too: every batch completes a window, the first one before any
+    // parameter is released.
+    for (processes, grad_accum) in [(2, 3), (3, 3), (2, 1)] {
+        let owners = burn_accelerate::zero::partition(&sizes, processes);
+        let agree = 2 * 8 * (processes - 1) as u64;
+        let expected = |rank: usize, reduces: bool| -> u64 {
+            let mut sent = 0;
+            for (&(bytes, read_in_backward), &owner) in params.iter().zip(&owners) {
+                let last = (owner + processes - 1) % processes;
+                let gather = agree + if rank == last { 0 } else { bytes as u64 };
+                sent += gather;
+                if read_in_backward {
+                    sent += gather;
+                }
+                if reduces {
+                    sent += agree + if rank == owner { 0 } else { bytes as u64 };
+                }
+            }
+            sent
+        };
+        let epochs = 2;
+        let go = |zero_stage: u8| -> Vec<supervised::WatchedReport> {
+            // 256 items: 7 batches per epoch on 2 processes, 5 on 3.
+            let run = supervised::Run {
+                batch_size: 20,
+                grad_accum,
+                epochs,
+                zero_stage,
+                ..Default::default()
+            };
+            launch(TEST, processes, &run, &[])
+                .assert_success()
+                .reports(processes)
+        };
+        let (stage2, stage3) = (go(2), go(3));
+        for rank in 0..processes {
+            let what = format!("{processes} processes, window {grad_accum}, rank {rank}");
+            let (s2, s3) = (&stage2[rank], &stage3[rank]);
+            assert_eq!(s3.optimizer_steps, s2.optimizer_steps, "{what}");
+            assert_eq!(bits(&s3.parameters), bits(&s2.parameters), "{what}");
+            let steps = s3.sent.len();
+            assert_eq!(steps % epochs, 0, "{what}");
+            let per_epoch = steps / epochs;
+            // Each epoch's windows of `grad_accum` batches, the last one partial.
+            if grad_accum > 1 {
+                assert_ne!(per_epoch % grad_accum, 0, "{what}: no partial window");
+            }
+            let completes = |batch: usize| {
+                let j = batch % per_epoch;
+                (j + 1).is_multiple_of(grad_accum) || j + 1 == per_epoch
+            };
+            assert_eq!(
+                (0..steps).filter(|&b| completes(b)).count(),
+                s3.optimizer_steps,
+                "{what}"
+            );
+            for batch in 0..steps {
+                let what = format!("{what}, batch {batch}");
+                // Stage 2 sends nothing in backward and keeps every gradient until the step.
+                assert_eq!(s2.sent[batch], 0, "{what}");
+                assert!(s2.holds_gradient[batch].iter().all(|&h| h), "{what}");
+                let (sent, holds) = (s3.sent[batch], &s3.holds_gradient[batch]);
+                if batch < grad_accum {
+                    // The first window: the model is whole everywhere until its step, which
+                    // reduce-scatters as stage 2 does.
+                    assert_eq!(sent, 0, "{what}");
+                    assert!(holds.iter().all(|&h| h), "{what}");
+                } else if completes(batch) {
+                    assert_eq!(sent, expected(rank, true), "{what}");
+                    let own: Vec<bool> = owners.iter().map(|&o| o == rank).collect();
+                    assert_eq!(holds, &own, "{what}");
+                } else {
+                    assert_eq!(sent, expected(rank, false), "{what}");
+                    assert!(holds.iter().all(|&h| h), "{what}");
+                }
             }
         }
     }
