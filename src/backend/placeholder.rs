@@ -69,7 +69,7 @@ use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, broadcast_shape, unary};
 use burn_backend::tensor::{FloatTensor, IntTensor};
-use burn_backend::{Backend, DType, FloatDType, TensorData, TensorMetadata, try_read_sync};
+use burn_backend::{Backend, DType, FloatDType, Shape, TensorData, TensorMetadata, try_read_sync};
 
 use crate::hooks::{self, HookKind};
 
@@ -359,7 +359,23 @@ fn gather<B: Backend>(shard: &dyn Shard, tensor: &FloatTensor<B>) -> FloatTensor
         shard.gather(Some(bytes_of::<B>(tensor.clone())));
         return tensor.clone();
     }
-    let (shape, dtype) = (tensor.shape(), tensor.dtype());
+    received::<B>(
+        shard,
+        tensor.shape(),
+        tensor.dtype(),
+        &B::float_device(tensor),
+    )
+    .0
+}
+
+// A gather's value on a process that does not own the parameter: `shape` in `dtype` from its
+// owner, counted as whole until `count_dropped`; with the bytes counted.
+fn received<B: Backend>(
+    shard: &dyn Shard,
+    shape: Shape,
+    dtype: DType,
+    device: &B::Device,
+) -> (FloatTensor<B>, u64) {
     let bytes = shard.gather(None);
     let expected = shape.num_elements() * dtype.size();
     assert_eq!(
@@ -371,7 +387,33 @@ fn gather<B: Backend>(shard: &dyn Shard, tensor: &FloatTensor<B>) -> FloatTensor
     );
     count_gathered(expected as u64);
     let data = TensorData::from_bytes_vec(bytes, shape, dtype);
-    B::float_from_data(data, &B::float_device(tensor))
+    (B::float_from_data(data, device), expected as u64)
+}
+
+// Each parameter operand of a product read through its anchor, which sits above the other
+// operand where that one is not a parameter (so that the anchor's backward runs right after
+// the product's).
+fn anchored_operands<B: Backend>(
+    lhs: FloatTensor<B>,
+    rhs: FloatTensor<B>,
+    lhs_shard: &Option<Arc<dyn Shard>>,
+    rhs_shard: &Option<Arc<dyn Shard>>,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let lhs_anchored = match lhs_shard {
+        Some(shard) => {
+            let input = rhs_shard.is_none().then_some(&rhs);
+            anchored::<B>(lhs.clone(), input, shard.clone())
+        }
+        None => lhs.clone(),
+    };
+    let rhs = match rhs_shard {
+        Some(shard) => {
+            let input = lhs_shard.is_none().then_some(&lhs);
+            anchored::<B>(rhs, input, shard.clone())
+        }
+        None => rhs,
+    };
+    (lhs_anchored, rhs)
 }
 
 // The bytes one use's gather counted.
@@ -575,23 +617,8 @@ fn autocast_matmul<B: Backend>(
     if let (Some(target), true) = (target, kernel_applies)
         && let Some((_, route)) = super::lowered::chosen::<B>()
     {
-        // A parameter's anchor sits above the other operand, where that one is not a
-        // parameter (as `float_matmul`'s own bounded path places it).
-        let lhs_anchored = match &lhs_shard {
-            Some(shard) => {
-                let input = rhs_shard.is_none().then_some(&rhs);
-                anchored::<B>(lhs.clone(), input, shard.clone())
-            }
-            None => lhs.clone(),
-        };
-        let rhs = match &rhs_shard {
-            Some(shard) => {
-                let input = lhs_shard.is_none().then_some(&lhs);
-                anchored::<B>(rhs, input, shard.clone())
-            }
-            None => rhs,
-        };
-        return half_matmul(lhs_anchored, rhs, lhs_shard, rhs_shard, target, route);
+        let (lhs, rhs) = anchored_operands::<B>(lhs, rhs, &lhs_shard, &rhs_shard);
+        return half_matmul(lhs, rhs, lhs_shard, rhs_shard, target, route);
     }
     let lhs = plan.cast_at::<B>(0, resolve::<B>(lhs));
     let rhs = plan.cast_at::<B>(1, resolve::<B>(rhs));
@@ -692,22 +719,8 @@ pub(crate) fn float_matmul<B: Backend>(
     let Some(tracked) = tracked::<B>().filter(|_| applies) else {
         return Err((lhs, rhs));
     };
-    // A parameter's anchor sits above the other operand, where that one is not a parameter.
-    let lhs_anchored = match &lhs_shard {
-        Some(shard) => {
-            let input = rhs_shard.is_none().then_some(&rhs);
-            anchored::<B>(lhs.clone(), input, shard.clone())
-        }
-        None => lhs.clone(),
-    };
-    let rhs = match &rhs_shard {
-        Some(shard) => {
-            let input = lhs_shard.is_none().then_some(&lhs);
-            anchored::<B>(rhs, input, shard.clone())
-        }
-        None => rhs,
-    };
-    Ok((tracked.matmul)(lhs_anchored, rhs, lhs_shard, rhs_shard))
+    let (lhs, rhs) = anchored_operands::<B>(lhs, rhs, &lhs_shard, &rhs_shard);
+    Ok((tracked.matmul)(lhs, rhs, lhs_shard, rhs_shard))
 }
 
 /// `embedding(weights, indices)` with the per-op bound, where the weights are a registered

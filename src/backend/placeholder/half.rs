@@ -25,12 +25,12 @@ use burn::backend::flex::FlexTensor;
 use burn::backend::{Autodiff, Flex};
 use burn_backend::ops::FloatTensorOps;
 use burn_backend::tensor::FloatTensor;
-use burn_backend::{DType, FloatDType, TensorData, TensorMetadata};
+use burn_backend::{DType, FloatDType, TensorMetadata};
 
 use crate::cpu::Route;
 use crate::cpu::low_gemm;
 
-use super::{Shard, bytes_of, count_dropped, count_gathered};
+use super::{Shard, bytes_of, count_dropped, received};
 
 /// The hook's signature: the cast input (a half tensor, 2-D), the weight's and the bias's
 /// anchors (f32), their shards, the half type and the kernels' route.
@@ -61,20 +61,8 @@ fn gather_cast(shard: &dyn Shard, tensor: &FlexTensor, dtype: FloatDType) -> (Fl
         shard.gather(Some(bytes_of::<Flex>(halves.clone())));
         return (halves, 0);
     }
-    let (shape, dtype) = (tensor.shape(), DType::from(dtype));
-    let bytes = shard.gather(None);
-    let expected = shape.num_elements() * dtype.size();
-    assert_eq!(
-        bytes.len(),
-        expected,
-        "ZeRO stage 3 received {} bytes for a {dtype:?} parameter of shape {shape:?} \
-         ({expected} bytes): the processes' models differ",
-        bytes.len()
-    );
-    count_gathered(expected as u64);
-    let data = TensorData::from_bytes_vec(bytes, shape, dtype);
     let device = Flex::float_device(tensor);
-    (Flex::float_from_data(data, &device), expected as u64)
+    received::<Flex>(shard, tensor.shape(), DType::from(dtype), &device)
 }
 
 // The weight as the node keeps it: its f32 placeholder (or the owner's value) and shard,
