@@ -115,6 +115,30 @@ fn difference(theirs: &[Vec<usize>], ours: &[Vec<usize>]) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        // What another process sends is decoded without a panic, and never into more than
+        // the values it sent (a rank near u64::MAX takes only what follows it).
+        #[test]
+        fn any_encoding_decodes_within_its_length(
+            encoded in proptest::collection::vec(
+                prop_oneof![0u64..6, any::<u64>(), Just(u64::MAX)], 0..64),
+        ) {
+            let shapes = decode(&encoded);
+            // Each shape takes its rank's value and at most the values left after it.
+            let taken: usize = shapes.iter().map(|dims| 1 + dims.len()).sum();
+            prop_assert!(taken <= encoded.len());
+        }
+
+        #[test]
+        fn any_shapes_round_trip(
+            shapes in proptest::collection::vec(
+                proptest::collection::vec(0usize..100_000, 0..5), 0..20),
+        ) {
+            prop_assert_eq!(decode(&encode(&shapes)), shapes);
+        }
+    }
 
     #[test]
     fn shapes_round_trip_and_differences_are_named() {
