@@ -57,6 +57,18 @@ fn ints<B: Backend, const D: usize>(tensor: Tensor<B, D, Int>) -> Vec<i64> {
     tensor.into_data().convert::<i64>().to_vec().unwrap()
 }
 
+/// Checks the bytes a process sent against the formula: what `zero::sent_bytes` counts, the
+/// built-in engine's ring payload. Under mpirun the MPI engine moves the bytes with MPI's own
+/// algorithms, which the counter does not see: there it stays 0 (as documented), and the
+/// formula is not checked.
+fn assert_sent(sent: u64, expected: u64, what: &str) {
+    if harness::under_mpi() {
+        assert_eq!(sent, 0, "{what} (the MPI engine's traffic is not counted)");
+    } else {
+        assert_eq!(sent, expected, "{what}");
+    }
+}
+
 fn bits(values: &[f32]) -> Vec<u32> {
     values.iter().map(|v| v.to_bits()).collect()
 }
@@ -1161,7 +1173,7 @@ fn stage_3_under_autocast_gathers_linear_and_matmul_parameters_in_the_half_type_
             for (batch, &sent) in s3.sent.iter().enumerate() {
                 let what = format!("{what}, batch {batch}");
                 let completes = (batch + 1).is_multiple_of(grad_accum);
-                assert_eq!(sent, expected(rank, completes), "{what}");
+                assert_sent(sent, expected(rank, completes), &what);
                 let peak = s3.gathered_peak[batch];
                 assert!(peak > 0 && peak <= largest, "{what}: {peak} > {largest}");
                 assert_eq!(s3.gathered_after_backward[batch], 0, "{what}");
@@ -1341,13 +1353,13 @@ fn stage_3_reduces_each_gradient_to_its_owner_in_backward_and_sends_what_the_for
                     } else if completes {
                         // Each gradient went to its owner during the backward pass: this
                         // process holds its own partition's and no other.
-                        assert_eq!(sent, expected(rank, true), "{what}");
+                        assert_sent(sent, expected(rank, true), &what);
                         let own: Vec<bool> = owners.iter().map(|&o| o == rank).collect();
                         assert_eq!(holds, &own, "{what}");
                     } else {
                         // A window's earlier batch gathers but reduces nothing (`no_sync`),
                         // and keeps every gradient whole.
-                        assert_eq!(sent, expected(rank, false), "{what}");
+                        assert_sent(sent, expected(rank, false), &what);
                         assert!(holds.iter().all(|&h| h), "{what}");
                     }
                 }
@@ -2121,12 +2133,13 @@ fn processes_whose_models_differ_fail_at_the_first_step_naming_the_difference() 
         );
         let output = launched.output();
         for said in [
-            "[rank 0] the step failed: process 1's model differs from this process's: its \
-             model's parameter #0 (in visiting order) has shape [8, 17] where this process's \
-             has [8, 16]. Every process must build the same model",
-            "[rank 1] the step failed: process 0's model differs from this process's: its \
-             model's parameter #0 (in visiting order) has shape [8, 16] where this process's \
-             has [8, 17]",
+            // Each process's own line (the launcher prefixes it with its rank; mpirun does not).
+            "the step failed: process 1's model differs from this process's: its model's \
+             parameter #0 (in visiting order) has shape [8, 17] where this process's has \
+             [8, 16]. Every process must build the same model",
+            "the step failed: process 0's model differs from this process's: its model's \
+             parameter #0 (in visiting order) has shape [8, 16] where this process's has \
+             [8, 17]",
         ] {
             assert!(
                 output.contains(said),
@@ -2891,11 +2904,11 @@ fn stage_3_with_accelerate_reduces_each_gradient_to_its_owner_in_the_users_backw
                     assert_eq!(sent, 0, "{what}");
                     assert!(holds.iter().all(|&h| h), "{what}");
                 } else if completes(batch) {
-                    assert_eq!(sent, expected(rank, true), "{what}");
+                    assert_sent(sent, expected(rank, true), &what);
                     let own: Vec<bool> = owners.iter().map(|&o| o == rank).collect();
                     assert_eq!(holds, &own, "{what}");
                 } else {
-                    assert_eq!(sent, expected(rank, false), "{what}");
+                    assert_sent(sent, expected(rank, false), &what);
                     assert!(holds.iter().all(|&h| h), "{what}");
                 }
             }
