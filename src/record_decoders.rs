@@ -539,6 +539,40 @@ fn long_run_dispatched_slice() {
     );
 }
 
+// Where `pattern` first occurs in a record's bytes: the place a regression test below damages.
+#[track_caller]
+fn find(bytes: &[u8], pattern: &[u8], what: &str) -> usize {
+    bytes
+        .windows(pattern.len())
+        .position(|w| w == pattern)
+        .unwrap_or_else(|| panic!("{what} not found"))
+}
+
+// The first parameter id's string in a model record: where its characters start (after the
+// short-string tag at the first byte) and how many there are.
+fn first_id(bytes: &[u8]) -> (usize, usize) {
+    let at = find(bytes, &[0xa2, b'i', b'd'], "a parameter's id") + 3;
+    (at, usize::from(bytes[at] & 0x1f))
+}
+
+// The first weight's tensor in a model record, `{"bytes": bin 8 of 48, "shape": [3, 4],
+// "dtype": "F32"}`: where its map starts and ends.
+fn first_weight(bytes: &[u8]) -> (usize, usize) {
+    let start = find(
+        bytes,
+        &[0x83, 0xa5, b'b', b'y', b't', b'e', b's'],
+        "the first weight",
+    );
+    let end = start
+        + 9
+        + 48
+        + [b"\xa5shape".len(), 3, b"\xa5dtype".len(), 4]
+            .iter()
+            .sum::<usize>();
+    assert_eq!(&bytes[end - 4..end], b"\xa3F32");
+    (start, end)
+}
+
 // The reason of a decoder's refusal, once `result` is found to be the checkpoint error naming
 // `file` with a reason that says `expected`: what each regression test below asks.
 #[track_caller]
@@ -563,11 +597,7 @@ fn refused<T>(result: Result<T, AccelerateError>, file: &str, expected: &str) ->
 fn a_record_claiming_a_tensor_of_2_40_rows_is_refused_without_allocating_it() {
     let valid = model_records().remove(0);
     let shape = [b"shape".as_slice(), &[0x92, 0x03, 0x04]].concat();
-    let at = valid
-        .windows(shape.len())
-        .position(|w| w == shape)
-        .expect("the first weight's shape, [3, 4]")
-        + 6;
+    let at = find(&valid, &shape, "the first weight's shape, [3, 4]") + 6;
     let mut claim = vec![0xcf];
     claim.extend_from_slice(&(1u64 << 40).to_be_bytes());
     let mut bytes = valid.clone();
@@ -590,13 +620,8 @@ fn a_record_claiming_a_tensor_of_2_40_rows_is_refused_without_allocating_it() {
 #[test]
 fn a_parameter_id_that_is_not_one_is_refused_naming_the_file() {
     let mut bytes = model_records().remove(0);
-    let at = bytes
-        .windows(3)
-        .position(|w| w == [0xa2, b'i', b'd'])
-        .expect("a parameter's id")
-        + 3;
     // The id's string: a short-string tag, then its characters.
-    let len = usize::from(bytes[at] & 0x1f);
+    let (at, len) = first_id(&bytes);
     bytes[at + 1..at + 1 + len].fill(b'!');
     let loaded = checkpoint("model-1.mpk", bytes);
     let result =
@@ -643,10 +668,7 @@ fn a_model_record_nested_a_million_deep_is_refused_naming_the_file() {
 #[test]
 fn an_optimizer_state_of_another_rank_is_refused_before_burn_builds_it() {
     let mut bytes = optimizer_records().remove(0);
-    let at = bytes
-        .windows(5)
-        .position(|w| w == b"Rank2")
-        .expect("the state of a weight");
+    let at = find(&bytes, b"Rank2", "the state of a weight");
     bytes[at + 4] = b'3';
     let loaded = checkpoint("optimizer-1.mpk", bytes);
     let result = records::decode::<B, OptimRecord>(&loaded, "optimizer-1.mpk", &Default::default());
@@ -663,11 +685,7 @@ fn an_optimizer_state_of_another_rank_is_refused_before_burn_builds_it() {
 fn a_model_record_of_another_rank_is_refused_naming_the_parameter() {
     let mut bytes = model_records().remove(0);
     let shape = [b"shape".as_slice(), &[0x92, 0x03, 0x04]].concat();
-    let at = bytes
-        .windows(shape.len())
-        .position(|w| w == shape)
-        .expect("the first weight's shape, [3, 4]")
-        + 5;
+    let at = find(&bytes, &shape, "the first weight's shape, [3, 4]") + 5;
     bytes.splice(at..at + 3, [0x91, 0x0c]);
     let loaded = checkpoint("model-1.mpk", bytes);
     let result = crate::checkpoint::decode_model::<Inner, _>(
@@ -688,12 +706,7 @@ fn a_model_record_of_another_rank_is_refused_naming_the_parameter() {
 #[test]
 fn a_parameter_id_too_long_for_burn_is_refused_naming_the_file() {
     let mut bytes = model_records().remove(0);
-    let at = bytes
-        .windows(3)
-        .position(|w| w == [0xa2, b'i', b'd'])
-        .expect("a parameter's id")
-        + 3;
-    let len = usize::from(bytes[at] & 0x1f);
+    let (at, len) = first_id(&bytes);
     let mut long = vec![0xa0 | 20];
     long.extend_from_slice(b"0123456789abcdefghij");
     bytes.splice(at..at + 1 + len, long);
@@ -714,19 +727,8 @@ fn a_parameter_id_too_long_for_burn_is_refused_naming_the_file() {
 #[test]
 fn a_tensor_written_as_a_list_of_its_fields_is_checked_as_a_map_is() {
     let valid = model_records().remove(0);
-    // The first weight: {"bytes": bin 8 of 48, "shape": [3, 4], "dtype": "F32"}.
-    let start = valid
-        .windows(7)
-        .position(|w| w == [0x83, 0xa5, b'b', b'y', b't', b'e', b's'])
-        .expect("the first weight");
+    let (start, end) = first_weight(&valid);
     let data = &valid[start + 9..start + 9 + 48];
-    let end = start
-        + 9
-        + 48
-        + [b"\xa5shape".len(), 3, b"\xa5dtype".len(), 4]
-            .iter()
-            .sum::<usize>();
-    assert_eq!(&valid[end - 4..end], b"\xa3F32");
     for (shape, expected) in [
         (
             vec![12u8],
@@ -767,17 +769,8 @@ fn a_tensor_written_as_a_list_of_its_fields_is_checked_as_a_map_is() {
 #[test]
 fn a_tensor_in_a_form_burn_never_writes_is_refused() {
     let valid = model_records().remove(0);
-    let start = valid
-        .windows(7)
-        .position(|w| w == [0x83, 0xa5, b'b', b'y', b't', b'e', b's'])
-        .expect("the first weight");
+    let (start, end) = first_weight(&valid);
     let data = &valid[start + 7..start + 9 + 48];
-    let end = start
-        + 9
-        + 48
-        + [b"\xa5shape".len(), 3, b"\xa5dtype".len(), 4]
-            .iter()
-            .sum::<usize>();
     let by_name = [&[0x93, 0xa5][..], b"bytes", data, &[0x05]].concat();
     let by_index = [
         &[0x83, 0x00][..],
