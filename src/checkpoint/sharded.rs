@@ -245,25 +245,16 @@ where
         Ok(files) => Written::Files(files),
         Err(err) => Written::Failed(format!("process {rank}: {err}")),
     };
-    // Every process opens it, so that the streams opened after it pair up.
-    let stream = group.stream();
+    // Every process's files (torch's `all_gather_object`): the main one lists them all.
+    let everyone = group.all_gather_object(&written)?;
     let failure = if rank == 0 {
         let mut files = Vec::new();
         let mut failures = Vec::new();
-        let mut collect = |written: Written| match written {
-            Written::Files(own) => files.extend(own),
-            Written::Failed(why) => failures.push(why),
-        };
-        collect(written);
-        for from in 1..world {
-            // A failure to hear from a process is one more reason not to list the checkpoint,
-            // which every process is still told.
-            collect(match stream.recv(from) {
-                Ok((_, _, bytes)) => serde_json::from_slice(&bytes).unwrap_or_else(|e| {
-                    Written::Failed(format!("process {from} sent what is not its files: {e}"))
-                }),
-                Err(err) => Written::Failed(format!("process {from}: {err}")),
-            });
+        for written in everyone {
+            match written {
+                Written::Files(own) => files.extend(own),
+                Written::Failed(why) => failures.push(why),
+            }
         }
         if failures.is_empty() {
             commit(dir, number, scheme, state, own, files, &spare).err()
@@ -274,8 +265,6 @@ where
             ))
         }
     } else {
-        let bytes = serde_json::to_vec(&written).expect("digests serialise");
-        stream.send(0, number as u64, 0, &bytes)?;
         None
     };
     // Every process returns what the main one did: nobody goes on (and maybe fails, and
