@@ -221,9 +221,9 @@ RESOLVE = {
     ),
 }
 
-# Ops with a bounded path in src/backend/placeholder.rs, taking and giving back the op's
+# Ops with a bounded path in src/backend/placeholder.rs (and its modules), taking and giving back the op's
 # arguments (in signature order) where the path does not apply.
-BOUNDED = {"linear", "embedding", "float_matmul"}
+BOUNDED = {"linear", "embedding", "float_matmul", "layer_norm"}
 
 # Reads that build no autodiff graph: a registered parameter is gathered without the anchor
 # node that ops read it through (`resolve_read`).

@@ -31,8 +31,13 @@
 //!   `Matmul` backward, the same ops in the same order).
 //! - `embedding` (Burn's `nn::Embedding`): the table is gathered for the lookup alone; the
 //!   backward reads only its shape (`embedding_backward`), so it is not gathered again.
-//! - Every other op of every ops trait the decorator forwards (convolutions, layer norms,
-//!   casts under autocast, transactions), `linear` and `matmul` under autocast where the
+//! - `layer_norm` (Burn's `nn::LayerNorm`), autocast off or under autocast's f32 class,
+//!   where gamma and beta are read as they are: the normalisation runs as Burn decomposes
+//!   it; gamma and beta are gathered for the affine part alone, and gamma again for the
+//!   normalised input's gradient (`norm`).
+//! - Every other op of every ops trait the decorator forwards (convolutions, RMS norms (a
+//!   reshape of gamma, then a product: each gathers in full), casts under autocast,
+//!   transactions), `linear` and `matmul` under autocast where the
 //!   half kernels do not run them (fp8, f32-kept ops, a broadcast `matmul`, other backends): the
 //!   registered input is gathered in full and the op reads `anchor + gathered` (the gathered
 //!   value bit for bit, since `-0.0` is the additive identity, with the gradient flowing to
@@ -48,9 +53,9 @@
 //! gradient, and hands it to the parameter as it is, or (in the backward pass that completes
 //! an accumulation window, `crate::zero::post_backward`) reduces it to the parameter's owner
 //! first, the other processes keeping nothing of it. `linear` and `matmul` place their
-//! anchors just above their other input, so that they run right after the op's backward;
-//! other ops' anchors (an embedding's among them: its input is integers) sit above the
-//! parameter alone and run at the end of the pass.
+//! anchors just above their other input (`layer_norm` above its normalised input), so that
+//! they run right after the op's backward; other ops' anchors (an embedding's among them:
+//! its input is integers) sit above the parameter alone and run at the end of the pass.
 //!
 //! Recognition needs the concrete `Autodiff<B, C>` (the node id), which `crate::hooks`
 //! registers per backend type; a backend without the hook registers nothing, and stage 3
@@ -75,6 +80,9 @@ use crate::hooks::{self, HookKind};
 
 #[cfg(feature = "flex")]
 mod half;
+mod norm;
+
+pub(crate) use norm::layer_norm;
 
 /// Where a registered parameter's whole value comes from: one collective per use.
 pub trait Shard: Send + Sync + 'static {
@@ -265,6 +273,7 @@ pub fn register<B: Backend, C: CheckpointStrategy>() {
         embedding: bounded_embedding::<B, C>,
         anchor: anchor::<B, C>,
     });
+    norm::register::<B, C>();
     // Under its key the decorator says that its ops resolve placeholders.
     hooks::insert::<DecoratorHooks, super::Accelerated<Autodiff<B, C>>, _>(Resolves);
     hooks::insert::<PlaceholderHooks, super::Accelerated<Autodiff<B, C>>, _>(Tracked::<
