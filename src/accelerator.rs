@@ -131,16 +131,32 @@ pub struct AccelerateConfig {
     pub op_classes: crate::autocast::OpClasses,
 }
 
+/// Who scales a half-precision training's loss, which decides what a backend without the
+/// [`Accelerated`](crate::Accelerated) decorator (where autocast does nothing) costs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LossScaledBy {
+    /// The decorator's `backward` (`with_accelerate`: the user's `TrainStep` calls
+    /// `loss.backward()` itself). Without the decorator an f16 loss would go unscaled and its
+    /// gradients underflow: refused ([`AccelerateError::NotAccelerated`]).
+    Decorator,
+    /// The [`Accelerator`]'s own `backward`, on any backend. Without the decorator the
+    /// training is right but runs in f32 while asked for a half precision: said once per
+    /// backend and precision.
+    Accelerator,
+}
+
 impl AccelerateConfig {
-    /// Checks the settings, probes `device` for the precision and returns the autocast and
-    /// the initial loss scale: the part of building an [`Accelerator`] that the training
-    /// strategy shares.
+    /// Checks the settings, probes `device` for the precision, checks that autocast reaches
+    /// `B`'s ops (what a backend without the decorator means is `scaled_by`'s), and returns
+    /// the autocast and the initial loss scale: the part of building an [`Accelerator`] that
+    /// the training strategy shares.
     ///
     /// Everything is checked before the device probe, so that a wrong config costs nothing
     /// and changes no shared state.
     pub(crate) fn init_mixed_precision<B: Backend>(
         &self,
         device: &B::Device,
+        scaled_by: LossScaledBy,
     ) -> Result<(Autocast, LossScale), AccelerateError> {
         if self.gradient_accumulation_steps == 0 {
             return Err(AccelerateError::InvalidConfig {
@@ -165,6 +181,28 @@ impl AccelerateConfig {
             .with_half_path(self.half_path)
             .with_op_classes(self.op_classes)
             .init::<B>(device)?;
+        if !autocast_reaches::<B>(&autocast, device) {
+            let (precision, backend) = (autocast.precision(), B::name(device));
+            match scaled_by {
+                LossScaledBy::Decorator => {
+                    return Err(AccelerateError::NotAccelerated { precision, backend });
+                }
+                LossScaledBy::Accelerator => {
+                    crate::warnings::once(
+                        "autocast without the decorator",
+                        (precision, backend.clone()),
+                        || {
+                            log::warn!(
+                                "burn-accelerate: {precision} asked of {backend}, which is \
+                                 not wrapped as `Accelerated<Autodiff<B>>`: the loss is \
+                                 scaled, but the ops run in f32 (change the backend's type \
+                                 alias to train in {precision})"
+                            )
+                        },
+                    );
+                }
+            }
+        }
         let loss_scale = self.grad_scaler.init(autocast.precision())?;
         Ok((autocast, loss_scale))
     }
@@ -225,6 +263,19 @@ impl AccelerateConfig {
     }
 }
 
+// Whether `autocast`'s precision reaches `B`'s ops: autocast runs only through the
+// `Accelerated` decorator, and a plain `Autodiff<B>` computes in f32 whatever the autocast
+// says. Probed with the autocast entered on this thread only, so that nothing process-wide
+// changes (other threads may be training).
+fn autocast_reaches<B: Backend>(autocast: &Autocast, device: &B::Device) -> bool {
+    let Some(low) = autocast.precision().low_dtype() else {
+        return true;
+    };
+    let _guard = autocast.enter();
+    let x = Tensor::<B, 2>::ones([2, 2], device);
+    x.clone().matmul(x).dtype() == low.into()
+}
+
 impl StepOutcome {
     /// Whether the parameters were updated.
     pub fn applied(&self) -> bool {
@@ -249,7 +300,9 @@ pub struct AcceleratorState {
 /// Per batch: [`accumulate`](Self::accumulate) (keep the guard for the batch),
 /// [`backward`](Self::backward), then [`optimizer_step`](Self::optimizer_step), which steps
 /// only when the window is complete and reports what it did. Works with any
-/// `B: AutodiffBackend`, [`Accelerated`](crate::Accelerated) or not.
+/// `B: AutodiffBackend`, [`Accelerated`](crate::Accelerated) or not: without the decorator a
+/// half precision's loss is still scaled, but the ops run in f32 (a warning says so once),
+/// where `with_accelerate`, whose loss scaling goes through the decorator, refuses.
 ///
 /// Started by `burn-accelerate launch` (see [`distributed`](crate::distributed)), every
 /// process runs the same loop on its own shard: the window's gradients are averaged over the
@@ -301,7 +354,8 @@ impl<B: AutodiffBackend> Accelerator<B> {
         state: GradientState,
     ) -> Result<Self, AccelerateError> {
         // Before touching the (maybe shared) state, so that a wrong config changes nothing.
-        let (autocast, loss_scale) = config.init_mixed_precision::<B>(device)?;
+        let (autocast, loss_scale) =
+            config.init_mixed_precision::<B>(device, LossScaledBy::Accelerator)?;
         let (process, group) = config.join_run(&state)?;
         let context = autocast.context();
         let core = StepCore::new(config.step_settings(), loss_scale, state, group)

@@ -155,21 +155,22 @@ impl<B: AutodiffBackend> Accelerator<B> {
         let whole = self.consolidate_optimizer_record(model, optimizer.to_record())?;
         // At ZeRO stage 3 every process takes part in gathering the model's record too.
         let model_record = self.consolidate_model_record(model)?;
-        if let (Some(whole), Some(model_record)) = (whole, model_record) {
-            let records = Records::encode::<B, _, _>(model_record, whole)?;
-            let state = state();
-            contents::write(
-                dir,
-                Scheme::Accelerator,
-                number,
-                &state,
-                &records,
-                files,
-                |_| false,
-            )?;
-        }
-        // Nobody goes on (and maybe fails, and restarts) before the checkpoint is listed.
-        self.wait_for_everyone()
+        // Only the main process holds the whole records; every process waits for its write.
+        let write = whole.zip(model_record).map(|(whole, model_record)| {
+            move || {
+                let records = Records::encode::<B, _, _>(model_record, whole)?;
+                contents::write(
+                    dir,
+                    Scheme::Accelerator,
+                    number,
+                    &state(),
+                    &records,
+                    files,
+                    |_| false,
+                )
+            }
+        });
+        contents::written_by_main(self.core_group(), write)
     }
 
     /// Loads the newest complete checkpoint of `dir` (passing over a damaged one, with a

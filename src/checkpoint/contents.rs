@@ -21,7 +21,6 @@ use super::agree_on_checkpoint;
 use super::records::{self, Scheme, record_error};
 use super::{CheckpointDir, CheckpointState, LoadedCheckpoint};
 use crate::AccelerateError;
-#[cfg(test)]
 use crate::distributed::ProcessGroup;
 
 /// A checkpoint's records, as bytes.
@@ -122,6 +121,35 @@ pub(crate) fn write(
     files.extend_from_slice(own);
     checkpoints.save_sparing(number, &files, spare)?;
     Ok(())
+}
+
+/// A whole checkpoint's write, as both entry points end it: the main process runs `write`
+/// (the others give `None`: they hold no whole record), and every process of `group` returns
+/// its outcome: nobody goes on (and maybe fails, and restarts) before the checkpoint is
+/// listed, and all fail alike when it is not. A sharded checkpoint ends the same way
+/// ([`sharded::write`](super::sharded::write)). Every process of `group` must call it at the
+/// same point.
+///
+/// # Errors
+/// What `write` returned, on the main process; [`AccelerateError::Checkpoint`] with its
+/// message on the others; [`AccelerateError::Distributed`] when a process left.
+pub(crate) fn written_by_main(
+    group: Option<&ProcessGroup>,
+    write: Option<impl FnOnce() -> Result<(), AccelerateError>>,
+) -> Result<(), AccelerateError> {
+    let written = write.map_or(Ok(()), |write| write());
+    let Some(group) = group else {
+        return written;
+    };
+    let failure = written.as_ref().err().map(ToString::to_string);
+    match (group.broadcast_object(&failure, 0)?, written) {
+        (_, Err(own)) => Err(own),
+        (None, Ok(())) => Ok(()),
+        (Some(reason), Ok(())) => Err(record_error(
+            "the main process's checkpoint",
+            format!("not written: {reason}"),
+        )),
+    }
 }
 
 /// What a checkpoint held, read back and checked.

@@ -219,21 +219,31 @@ where
                 }),
             _ => None,
         };
-        if !self.process.is_main_process() {
-            return;
-        }
-        if let Some(checkpointer) = checkpointer {
+        let main = self.process.is_main_process();
+        if let (true, Some(checkpointer)) = (main, checkpointer) {
             checkpointer.checkpoint(learner, epoch, event_store);
         }
-        if let (Some(dir), Some(tap), false) = (&self.checkpoint_dir, tap, own_sharded) {
-            let state = self.checkpoint(*core.loss_scale());
-            if let Err(err) = self.save_checkpoint(dir, epoch, learner, tap, &state, event_store) {
+        if let (Some(dir), false) = (&self.checkpoint_dir, own_sharded) {
+            // The main process writes it (its tap reads the learner's records); every process
+            // waits for the write, as the `Accelerator`'s save does.
+            let learner: &Learner<LC> = learner;
+            let write = tap.filter(|_| main).map(|tap| {
+                move || {
+                    let state = self.checkpoint(*core.loss_scale());
+                    self.save_checkpoint(dir, epoch, learner, tap, &state, event_store)
+                }
+            });
+            let written = crate::checkpoint::contents::written_by_main(self.group.as_ref(), write);
+            if let Err(err) = written {
                 // The checkpoints listed before stay whole: a restart resumes from the newest.
                 log::warn!(
                     "burn-accelerate: the checkpoint of epoch {epoch} was not written (a \
                      restart would resume from an earlier one): {err}"
                 );
             }
+        }
+        if !main {
+            return;
         }
         if let Some(sharded) = sharded {
             // The placeholders as they were, still registered: nothing is gathered.

@@ -117,8 +117,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use burn::data::dataloader::{DataLoaderIterator, Progress};
 use burn::module::{AutodiffModule, Module};
+use burn::tensor::Device;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Device, Tensor};
 use burn::train::logger::{FileMetricLogger, InMemoryMetricLogger, MetricLogger};
 use burn::train::metric::store::{Aggregate, EventStoreClient, Split};
 use burn::train::{
@@ -129,6 +129,7 @@ use burn::train::{
     TrainingItem, TrainingModel, TrainingStrategy, ValidLoader,
 };
 
+use crate::accelerator::LossScaledBy;
 use crate::autocast::{self, Autocast, LowerOpTally};
 use crate::checkpoint::LoadedCheckpoint;
 use crate::checkpoint::records::Scheme;
@@ -248,9 +249,9 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
         config: AccelerateConfig,
         device: &Device<TrainingBackend<LC>>,
     ) -> Result<Self, AccelerateError> {
+        // Refused on a backend without the decorator: its `backward` scales the loss here.
         let (autocast, initial_scale) =
-            config.init_mixed_precision::<TrainingBackend<LC>>(device)?;
-        ensure_accelerated::<TrainingBackend<LC>>(&autocast, device)?;
+            config.init_mixed_precision::<TrainingBackend<LC>>(device, LossScaledBy::Decorator)?;
         // A gradient state of its own: the process-wide one may be configured by a
         // hand-written loop's `Accelerator` with other settings.
         let state = GradientState::new();
@@ -406,7 +407,7 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
     ) -> Result<(), AccelerateError> {
         let (autocast, _) = self
             .config
-            .init_mixed_precision::<TrainingBackend<LC>>(device)?;
+            .init_mixed_precision::<TrainingBackend<LC>>(device, LossScaledBy::Decorator)?;
         if autocast.precision() == self.autocast.precision() {
             return Ok(());
         }
@@ -414,7 +415,7 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
         self.config
             .clone()
             .with_allow_fallback(false)
-            .init_mixed_precision::<TrainingBackend<LC>>(device)?;
+            .init_mixed_precision::<TrainingBackend<LC>>(device, LossScaledBy::Decorator)?;
         Err(AccelerateError::InvalidConfig {
             field: "mixed_precision",
             value: format!(
@@ -793,28 +794,6 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
     /// The autocast checked against the device (the precision training will run in).
     pub fn autocast(&self) -> &Autocast {
         &self.autocast
-    }
-}
-
-// Autocast runs only through the `Accelerated` decorator; a plain `Autodiff<B>` would train in
-// f32 while reporting bf16. Checked with a thread-local guard, so that nothing process-wide
-// changes (other threads may be training).
-fn ensure_accelerated<B: Backend>(
-    autocast: &Autocast,
-    device: &B::Device,
-) -> Result<(), AccelerateError> {
-    let Some(low) = autocast.precision().low_dtype() else {
-        return Ok(());
-    };
-    let _guard = autocast.enter();
-    let x = Tensor::<B, 2>::ones([2, 2], device);
-    if x.clone().matmul(x).dtype() == low.into() {
-        Ok(())
-    } else {
-        Err(AccelerateError::NotAccelerated {
-            precision: autocast.precision(),
-            backend: B::name(device),
-        })
     }
 }
 

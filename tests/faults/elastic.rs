@@ -50,7 +50,6 @@ fn resumed_on_one(test: &str, zero_stage: u8) -> Ended {
     if let Some(ended) = done.get_or_insert_default().get(&zero_stage) {
         return ended.clone();
     }
-    let _one = harness::exclusive();
     let checkpoints = harness::scratch_dir(&format!("{test}-reference-checkpoints"));
     let run = run_of(zero_stage, checkpoints.clone());
     let killed = launch_here(test, 2, &run, &format!("0:1:{MID_EPOCH_2}"));
@@ -262,7 +261,6 @@ fn gone(pid: i32) -> bool {
 fn machine_lost(test: &'static str, loss: Loss) {
     let reference = resumed_on_one(test, 0);
     let elastic = Elastic::make(test);
-    let _one = harness::exclusive();
     // Machine 1's process (rank 1 of the first attempt) freezes as step 21 begins.
     let fail_at = format!("0:1:{MID_EPOCH_2}:stop");
     let (first, second) = (
@@ -377,7 +375,6 @@ fn when_the_link_is_cut_machine_0_goes_on_alone_from_the_last_checkpoint() {
 
 /// The uninterrupted two-process run's ending.
 fn uninterrupted_two(test: &str) -> Ended {
-    let _one = harness::exclusive();
     let checkpoints = harness::scratch_dir(&format!("{test}-uninterrupted-checkpoints"));
     let run = launch_here(test, 2, &run_of(0, checkpoints.clone()), "");
     run.assert_success();
@@ -398,7 +395,6 @@ fn a_machine_that_comes_back_joins_at_the_next_restart() {
     refuse_under_mpi();
     let whole = uninterrupted_two(TEST);
     let elastic = Elastic::make(TEST);
-    let _one = harness::exclusive();
     // Machine 1's process freezes in epoch 2 of attempt 1, and machine 1 dies; machine 0's
     // process freezes in epoch 2 of attempt 2, which it runs alone.
     let fail_at = format!("0:1:{MID_EPOCH_2}:stop,1:0:5:stop");

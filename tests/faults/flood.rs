@@ -159,7 +159,6 @@ fn a_thousand_silent_connections_per_port_leave_the_loss_and_the_memory_within_t
     if worker::<()>().is_some() {
         return report(&training_worker());
     }
-    let _one = harness::exclusive();
     let quiet = run(TEST, false);
     let flooded = run(TEST, true);
     // Process 0 listens on the rendezvous and its data port, process 1 on its data port.

@@ -252,7 +252,12 @@ fn sixteen_processes_hold_five_sockets_each_on_loopback() {
     if worker::<()>().is_some() {
         return report(&sockets_worker());
     }
-    let counts: Vec<(usize, usize)> = launch(TEST, 16, &(), &[]).assert_success().reports(16);
+    // Ports given (the rendezvous's and the ones after it, each process's), so that each
+    // process knows the port it listens on.
+    let port = harness::free_port().to_string();
+    let counts: Vec<(usize, usize)> = launch(TEST, 16, &(), &["--main-process-port", &port])
+        .assert_success()
+        .reports(16);
     for (rank, count) in counts {
         // Its listener, its ring connections (data to the next process and from the previous
         // one) and its control connections with both: whatever the number of processes.
@@ -326,7 +331,6 @@ fn strangers_are_refused_and_the_run_carries_on() {
     if worker::<()>().is_some() {
         return report(&steady_worker());
     }
-    let _one = harness::exclusive();
     let (main, data) = (harness::free_port(), harness::free_port());
     let dir = harness::scratch_dir(TEST);
     let processes: Vec<_> = (0..2)
@@ -435,7 +439,6 @@ fn torchrun_starts_the_program_as_the_launcher_does() {
         );
     };
     let launched: Vec<Trained> = launch(TEST, 2, &(), &[]).assert_success().reports(2);
-    let _one = harness::exclusive();
     let dir = harness::scratch_dir(TEST);
     let mut command = std::process::Command::new(torchrun);
     command
@@ -569,7 +572,6 @@ fn a_cut_link_ends_the_run_on_both_machines() {
             "two network namespaces (root and iproute2's `ip`), which cannot be made: {why}"
         ))
     });
-    let _one = harness::exclusive();
     let dir = harness::scratch_dir(TEST);
     let secret = dir.join("run.secret");
     std::fs::write(&secret, "the partition test's secret").unwrap();

@@ -269,7 +269,6 @@ fn a_cut_link_to_process_0_on_another_machine_ends_the_receivers_epoch_with_a_ty
                 "two network namespaces (root and iproute2's `ip`), which cannot be made: {why}"
             ))
         });
-        let _one = harness::exclusive();
         let dir = harness::scratch_dir(TEST);
         let port = harness::free_port();
         let main = (machines.addresses[0], port);
@@ -347,7 +346,6 @@ fn process_0_frozen_mid_epoch_ends_the_receivers_epoch_and_its_own_after_sigcont
             frozen: true,
             by_liveness,
         };
-        let _one = harness::exclusive();
         let dir = harness::scratch_dir(TEST);
         let (main, data) = (harness::free_port(), harness::free_port());
         let reader = start(TEST, case, &dir, 0, None, ("127.0.0.1", main), data);

@@ -124,7 +124,6 @@ fn launch(
     vars: &[(&str, String)],
     extra: &[&str],
 ) -> (Launched, PathBuf) {
-    let _one = harness::exclusive();
     let checkpoint_dir = harness::scratch_dir(&format!("{test}-checkpoints"));
     let run = Run {
         f16,
@@ -405,11 +404,9 @@ fn leave_a_stale_process(test: &str) {
         .arg(test)
         .args(harness::WORKER_FLAGS)
         .env(STALE, "1")
-        // Its own port for peers: the restarted rank 1 may be given this attempt's.
-        .env(
-            "BURN_ACCELERATE_DATA_PORT",
-            harness::free_port().to_string(),
-        )
+        // Its own port for peers, one the system picks: the restarted rank 1 may be given
+        // this attempt's.
+        .env("BURN_ACCELERATE_DATA_PORT", "0")
         .stdin(std::process::Stdio::null())
         .stdout(log.try_clone().unwrap())
         .stderr(log);
@@ -507,7 +504,6 @@ fn torchrun_restarts_resume_as_the_launchers_do() {
         );
     };
     let whole = uninterrupted(TEST, false, 0);
-    let _one = harness::exclusive();
     let dir = harness::scratch_dir(TEST);
     let checkpoints = harness::scratch_dir(&format!("{TEST}-checkpoints"));
     let run = Run {

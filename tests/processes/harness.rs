@@ -4,14 +4,15 @@
 //! The test binary starts the launcher on itself, with `--exact <test>`: in the child
 //! processes [`worker`] returns the arguments the parent gave, the test function runs its
 //! worker body and writes what it found with [`report`]; in the parent the same function reads
-//! the reports and asserts. One launch at a time (a lock), and every launch has a deadline, so a
-//! hang fails the test instead of the run.
+//! the reports and asserts. Launches run at once, as the test threads start them: the launcher
+//! takes ports the system picks (`--main-process-port 0`), and the ports a test gives itself
+//! come from [`free_port`], which hands each out once. Every launch has a deadline, so a hang
+//! fails the test instead of the run.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -33,14 +34,6 @@ pub const WORKER_FLAGS: [&str; 5] = [
 
 /// A launch must end within this, or the test fails (and the processes are killed).
 pub const DEADLINE: Duration = Duration::from_secs(240);
-
-static ONE_LAUNCH: Mutex<()> = Mutex::new(());
-
-/// Holds the other tests' launches off (they pick free ports, and two runs at once could pick
-/// the same one); [`launch`] takes it itself.
-pub fn exclusive() -> std::sync::MutexGuard<'static, ()> {
-    ONE_LAUNCH.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// In a worker process, the arguments its parent test gave; `None` in the test itself.
 pub fn worker<T: DeserializeOwned>() -> Option<T> {
@@ -110,19 +103,31 @@ impl Launched {
     }
 }
 
-/// A port nothing listens on now, drawn at random below the ephemeral range (from 32768 on
-/// Linux): an ephemeral port free now may be an outgoing connection's a moment later, and the
-/// launcher takes the ports after the main one for its processes.
+/// A port nothing listens on now, for a rendezvous a test places itself (a launcher started
+/// without port 0, a process started without a launcher), with the [`PORT_BLOCK`] - 1 ports
+/// after it, which a launcher given it takes for its processes. Each block is handed out once
+/// in this test binary (an atomic cursor: tests at once never get the same, without a lock),
+/// from a place that differs between processes, and skipped while anything holds one of its
+/// ports. Below the ephemeral range (from 32768 on Linux), which the launches on port 0 and
+/// outgoing connections take: a port free now there may be a connection's a moment later.
 pub fn free_port() -> u16 {
-    use std::hash::{BuildHasher, RandomState};
+    const FIRST: u32 = 20_000;
+    const BLOCKS: u32 = 12_000 / PORT_BLOCK as u32;
+    static HANDED_OUT: AtomicU32 = AtomicU32::new(0);
+    let start = std::process::id().wrapping_mul(7_919) % BLOCKS;
+    let free = |p: u16| std::net::TcpListener::bind(("0.0.0.0", p)).is_ok();
     loop {
-        let port = 20_000 + (RandomState::new().hash_one(0u8) % 12_000) as u16;
-        let free = |p: u16| std::net::TcpListener::bind(("0.0.0.0", p)).is_ok();
-        if (port..port + 8).all(free) {
+        let block = (start + HANDED_OUT.fetch_add(1, Ordering::Relaxed)) % BLOCKS;
+        let port = (FIRST + block * PORT_BLOCK as u32) as u16;
+        if (port..port + PORT_BLOCK).all(free) {
             return port;
         }
     }
 }
+
+/// How many ports [`free_port`] hands out at once: the rendezvous's and its launcher's
+/// processes' (at most 31 on one host).
+pub const PORT_BLOCK: u16 = 32;
 
 /// The launcher binary.
 pub fn launcher() -> Command {
@@ -137,7 +142,6 @@ pub fn launch<T: Serialize>(
     args: &T,
     launch_args: &[&str],
 ) -> Launched {
-    let _one = exclusive();
     let (command, dir) = launch_command(test, processes, args, launch_args);
     run(command, dir)
 }
@@ -187,9 +191,8 @@ pub fn launch_command<T: Serialize>(
         .arg("--num-processes")
         .arg(processes.to_string());
     if !launch_args.contains(&"--main-process-port") {
-        command
-            .arg("--main-process-port")
-            .arg(free_port().to_string());
+        // Ports the system picks: the tests' launches at once never take the same.
+        command.args(["--main-process-port", "0"]);
     }
     command
         .args(launch_args)
@@ -212,7 +215,6 @@ pub fn launch_direct<T: Serialize>(
     args: &T,
     vars: &[(&str, &str)],
 ) -> Vec<Launched> {
-    let _one = exclusive();
     let port = free_port().to_string();
     let dir = scratch_dir(test);
     let args = serde_json::to_string(args).unwrap();
@@ -228,7 +230,8 @@ pub fn launch_direct<T: Serialize>(
                 .env("WORLD_SIZE", processes.to_string())
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", &port)
-                .env("BURN_ACCELERATE_DATA_PORT", free_port().to_string())
+                // A port the system picks, told to the others at the rendezvous.
+                .env("BURN_ACCELERATE_DATA_PORT", "0")
                 .env("BURN_ACCELERATE_SECRET", "a test's secret")
                 .envs(vars.iter().copied());
             let dir = dir.clone();

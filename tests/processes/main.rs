@@ -12,6 +12,7 @@ mod lm;
 mod mlp;
 #[path = "../needs/mod.rs"]
 mod needs;
+mod one_save;
 mod stage3_norm;
 
 use std::collections::BTreeMap;
@@ -372,7 +373,6 @@ fn two_machines_of_two_processes_train_like_one_process() {
     let single: Vec<HandLoopReport> = launch(TEST, 1, &args(1), &[]).assert_success().reports(1);
     // Two launchers on this host stand for two machines; machine 0 hosts the rendezvous. Both
     // get the secret `burn-accelerate secret` wrote, as two machines would.
-    let _exclusive = harness::exclusive();
     let port = harness::free_port().to_string();
     let secret = harness::scratch_dir("two-machines-secret").join("run.secret");
     let wrote = harness::launcher()
@@ -1919,10 +1919,7 @@ fn a_sharded_stage_3_checkpoint_resumes_on_other_process_counts_and_stages() {
         burn_accelerate::checkpoint::CRASH_WRITING,
         "0:model-1.shard-1-of-2.mpk",
     );
-    let failed = {
-        let _one = harness::exclusive();
-        harness::run(command, reports)
-    };
+    let failed = harness::run(command, reports);
     assert!(!failed.status.success(), "{}", failed.output());
     assert!(
         crashed.join("model-1.shard-1-of-2.mpk.partial").exists(),
@@ -3404,7 +3401,6 @@ fn a_rank_that_panics_or_exits_ends_the_launch_within_seconds() {
 #[test]
 fn a_peer_that_never_comes_fails_the_wait_with_the_missing_ranks() {
     // Rank 0 of 2, hosting the rendezvous itself (no launcher); rank 1 is never started.
-    let _exclusive = harness::exclusive();
     let port = harness::free_port().to_string();
     let vars = [
         ("RANK", "0"),
@@ -3435,7 +3431,6 @@ fn a_peer_that_never_comes_fails_the_wait_with_the_missing_ranks() {
 
 #[test]
 fn bad_launches_are_refused_with_what_to_change() {
-    let _exclusive = harness::exclusive();
     let refused = |args: &[&str]| {
         let out = harness::launcher().args(args).output().unwrap();
         assert_eq!(out.status.code(), Some(2), "{args:?}");
@@ -3575,7 +3570,6 @@ fn ctrl_c_on_the_launcher_reaches_every_process() {
     use nix::unistd::Pid;
     // A grace far longer than the test waits: the processes must end from the forwarded
     // SIGINT itself, not from the launcher killing them afterwards.
-    let _exclusive = harness::exclusive();
     let (command, dir) = harness::launch_command(TEST, 2, &(), &["--grace", "60"]);
     let mut command = command;
     let mut launcher = command

@@ -18,7 +18,7 @@ pub const MASTER_ADDR: &str = "MASTER_ADDR";
 pub const MASTER_PORT: &str = "MASTER_PORT";
 
 /// Port on which this process accepts its peers' tensors (default: `MASTER_PORT + 1 +
-/// LOCAL_RANK`).
+/// LOCAL_RANK`); 0 for any port the system gives (the peers learn it from the rendezvous).
 pub const DATA_PORT: &str = "BURN_ACCELERATE_DATA_PORT";
 /// Host the other processes reach this one at (default: the address this machine uses to
 /// reach `MASTER_ADDR`).

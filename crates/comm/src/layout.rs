@@ -396,6 +396,8 @@ impl ProcessLayout {
             main_port
         };
         let data_port = match var(env::DATA_PORT) {
+            // 0: any port the system gives; the peers learn it from the rendezvous.
+            Some(value) if value.trim() == "0" => 0,
             Some(value) => port(env::DATA_PORT, value)?,
             None => u16::try_from(usize::from(main_port) + 1 + local_rank).map_err(|_| {
                 DistributedError::InvalidVariable {
@@ -777,6 +779,18 @@ mod tests {
         vars.push(("BURN_ACCELERATE_ORCHESTRATOR", "launcher"));
         let r = state(&vars).unwrap().rendezvous().unwrap().clone();
         assert_eq!((r.main_port, r.data_port), (29500, 29502));
+    }
+
+    #[test]
+    fn data_port_0_is_left_to_the_system_and_master_port_0_is_refused() {
+        let mut vars = TWO_BY_TWO.to_vec();
+        vars.push(("BURN_ACCELERATE_DATA_PORT", "0"));
+        let r = state(&vars).unwrap().rendezvous().unwrap().clone();
+        assert_eq!((r.main_port, r.data_port), (29500, 0));
+        // The others must be told the rendezvous's port: 0 names none.
+        vars.retain(|(name, _)| *name != "MASTER_PORT");
+        vars.push(("MASTER_PORT", "0"));
+        assert!(state(&vars).is_err());
     }
 
     /// Task 3 of `srun -N 2 -n 4` in a job of its own, as Slurm 22.05 sets it, with the job

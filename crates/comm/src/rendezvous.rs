@@ -64,6 +64,12 @@ pub fn restart_count() -> Result<u64, DistributedError> {
 pub struct RendezvousHost(pub(crate) engine::tcp::rendezvous::Host);
 
 impl RendezvousHost {
+    /// The port it listens on: the one [`serve_rendezvous`] was given, or the system's pick
+    /// when that was 0 (a run of one machine, whose processes are told it).
+    pub fn port(&self) -> u16 {
+        self.0.port()
+    }
+
     /// Hears only the processes of attempt `attempt` from now on (0: the run's first start,
     /// `n` after `n` restarts, as [`env::RESTART_COUNT`](crate::env::RESTART_COUNT) numbers them): those of an earlier
     /// attempt, waiting or still to come, are refused, so that a process left over from a

@@ -113,9 +113,10 @@ struct Launch {
     /// Address of machine 0, reachable from every machine (required with several machines).
     #[arg(long)]
     main_process_ip: Option<String>,
-    /// Port of the rendezvous on machine 0.
-    #[arg(long, default_value_t = env::DEFAULT_MAIN_PORT,
-        value_parser = clap::value_parser!(u16).range(1..))]
+    /// Port of the rendezvous on machine 0. 0: ports the system picks, for the rendezvous
+    /// and for each process's own (one machine only: the others could not be told them), so
+    /// that launches on one host at once never pick the same.
+    #[arg(long, default_value_t = env::DEFAULT_MAIN_PORT)]
     main_process_port: u16,
     /// Seconds any wait between processes (the rendezvous, a collective) may last before the
     /// run fails.
@@ -319,6 +320,9 @@ struct Plan {
     /// This machine's rank in the run (in an elastic run, in the attempt).
     machine_rank: u32,
     main_addr: String,
+    /// The rendezvous's port: `--main-process-port`, or the system's pick for 0 once the
+    /// rendezvous listens.
+    main_port: u16,
 }
 
 impl Launch {
@@ -373,6 +377,13 @@ impl Launch {
                 self.grace
             ));
         }
+        if self.main_process_port == 0 && count > 1 {
+            return bad(format!(
+                "--main-process-port 0 (a port the system picks) with {named}: the other \
+                 machines' launchers must be told machine 0's port; give one (every machine \
+                 the same)"
+            ));
+        }
         let main_addr = match (&self.main_process_ip, count) {
             (Some(ip), _) => ip.clone(),
             (None, 1) => "127.0.0.1".into(),
@@ -390,6 +401,7 @@ impl Launch {
             first_rank: self.machine_rank * local,
             machine_rank: self.machine_rank,
             main_addr,
+            main_port: self.main_process_port,
         })
     }
 }
@@ -436,7 +448,7 @@ fn budget_spent(max_restarts: u32, failures: &[String]) -> String {
 }
 
 fn run(launch: &Launch) -> Result<ExitCode, DistributedError> {
-    let plan = launch.plan()?;
+    let mut plan = launch.plan()?;
     if launch.num_machines.elastic {
         return elastic::run(launch, plan);
     }
@@ -458,13 +470,15 @@ fn run(launch: &Launch) -> Result<ExitCode, DistributedError> {
         // On the address the other machines were told (loopback for one machine), not on
         // every interface. One rendezvous for every attempt: the port stays the one the other
         // machines were given, and it refuses the processes of attempts that have ended.
-        Some(distributed::serve_rendezvous(
+        let host = distributed::serve_rendezvous(
             &plan.main_addr,
             launch.main_process_port,
             timeout,
             secret.clone(),
             runtime.handle(),
-        )?)
+        )?;
+        plan.main_port = host.port();
+        Some(host)
     } else {
         None
     };
@@ -585,7 +599,7 @@ mod elastic {
     // when any machine fails or is lost.
     fn coordinate(
         launch: &Launch,
-        plan: Plan,
+        mut plan: Plan,
         shape: Shape,
         secret: &RunSecret,
         runtime: &tokio::runtime::Runtime,
@@ -603,6 +617,7 @@ mod elastic {
             secret.clone(),
             runtime.handle(),
         )?;
+        plan.main_port = host.port();
         let mut coordinator = Coordinator::start(&host, shape, liveness, runtime.handle());
         let attempts = u64::from(launch.max_restarts) + 1;
         let threads = threads_per_process(
@@ -652,6 +667,7 @@ mod elastic {
                 first_rank: 0,
                 machine_rank: 0,
                 main_addr: plan.main_addr.clone(),
+                main_port: plan.main_port,
             };
             let mut children = match start(launch, &this, secret, attempt, threads) {
                 Ok(children) => children,
@@ -741,7 +757,7 @@ mod elastic {
         let timeout = Duration::from_secs_f64(launch.timeout);
         let liveness = Duration::from_secs_f64(launch.liveness_timeout);
         let grace = Duration::from_secs_f64(launch.grace);
-        let main = format!("{}:{}", plan.main_addr, launch.main_process_port);
+        let main = format!("{}:{}", plan.main_addr, plan.main_port);
         let machine = launch.machine_rank;
         let connect = |timeout: Duration| {
             MemberLink::connect(
@@ -858,6 +874,7 @@ mod elastic {
                 first_rank: plan_of.machine_rank * plan.local,
                 machine_rank: plan_of.machine_rank,
                 main_addr: plan.main_addr.clone(),
+                main_port: plan.main_port,
             };
             eprintln!(
                 "{attempt}: machine {machine} is machine rank {} of {} (by --machine-rank: \
@@ -923,13 +940,19 @@ fn start(
 ) -> Result<Vec<Rank>, DistributedError> {
     // Each machine starts at its first rank's place, so that machines sharing a host (a test)
     // do not pick the same ports. Chosen anew each attempt: a process of an earlier one that
-    // outlived its group may still hold its port.
-    let first_port = u16::try_from(u32::from(launch.main_process_port) + 1 + plan.first_rank)
-        .unwrap_or(u16::MAX);
-    let ports = free_ports(first_port, plan.local as usize).map_err(|e| DistributedError::Io {
-        what: "choosing the processes' ports".into(),
-        reason: e.to_string(),
-    })?;
+    // outlived its group may still hold its port. With `--main-process-port 0`, each process
+    // listens on a port the system picks (0) and tells the others at the rendezvous: nothing
+    // is probed, so launches at once on one host cannot pick the same.
+    let ports = if launch.main_process_port == 0 {
+        vec![0; plan.local as usize]
+    } else {
+        let first_port = u16::try_from(u32::from(launch.main_process_port) + 1 + plan.first_rank)
+            .unwrap_or(u16::MAX);
+        free_ports(first_port, plan.local as usize).map_err(|e| DistributedError::Io {
+            what: "choosing the processes' ports".into(),
+            reason: e.to_string(),
+        })?
+    };
     let mut children = Vec::new();
     for (local_rank, port) in (0..plan.local).zip(ports) {
         let rank = plan.first_rank + local_rank;
@@ -942,7 +965,7 @@ fn start(
             .env(env::LOCAL_WORLD_SIZE, plan.local.to_string())
             .env(env::GROUP_RANK, plan.machine_rank.to_string())
             .env(env::MASTER_ADDR, &plan.main_addr)
-            .env(env::MASTER_PORT, launch.main_process_port.to_string())
+            .env(env::MASTER_PORT, plan.main_port.to_string())
             .env(env::DATA_PORT, port.to_string())
             .env(env::TIMEOUT, launch.timeout.to_string())
             .env(env::LIVENESS_TIMEOUT, launch.liveness_timeout.to_string())

@@ -1,43 +1,25 @@
 //! The launcher binary alone (no Burn in its build): it starts a program's processes with
 //! their places in the run, writes secrets, and reports the environment.
 
-use std::hash::BuildHasher;
 use std::process::Command;
-use std::sync::{Mutex, MutexGuard, PoisonError};
 
 fn launcher() -> Command {
     Command::new(env!("CARGO_BIN_EXE_burn-accelerate"))
 }
 
-// One launch at a time: each hosts a rendezvous and its processes' ports.
-fn exclusive() -> MutexGuard<'static, ()> {
-    static LAUNCHES: Mutex<()> = Mutex::new(());
-    LAUNCHES.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-// The launch's main port, free now with the ports after it that the launcher gives its
-// processes: drawn below the ephemeral range (from 32768 on Linux), as other runs on this
-// machine (the root crate's tests) may hold the default 29500.
-fn free_port() -> String {
-    let free = |port: u16| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok();
-    loop {
-        let port = 20_000 + (std::hash::RandomState::new().hash_one(0u8) % 12_000) as u16;
-        if (port..port + 8).all(free) {
-            return port.to_string();
-        }
-    }
-}
+// The launches' main port: 0, ports the system picks for the rendezvous and the processes,
+// so that the tests' launches run at once without picking the same.
+const ANY_PORT: &str = "0";
 
 #[test]
 fn launch_gives_each_process_its_rank_and_prefixes_its_lines() {
-    let _one = exclusive();
     let out = launcher()
         .args([
             "launch",
             "--num-processes",
             "2",
             "--main-process-port",
-            &free_port(),
+            ANY_PORT,
             "--",
             "sh",
             "-c",
@@ -60,7 +42,6 @@ fn launch_gives_each_process_its_rank_and_prefixes_its_lines() {
 // Launches 2 processes that print their thread variables, with `env` set in the launcher's
 // environment (every thread variable removed first); returns stdout and stderr.
 fn launch_printing_threads(env: &[(&str, &str)]) -> (String, String) {
-    let _one = exclusive();
     let mut command = launcher();
     command
         .env_remove("RAYON_NUM_THREADS")
@@ -71,7 +52,7 @@ fn launch_printing_threads(env: &[(&str, &str)]) -> (String, String) {
             "--num-processes",
             "2",
             "--main-process-port",
-            &free_port(),
+            ANY_PORT,
             "--",
             "sh",
             "-c",
@@ -133,14 +114,13 @@ fn each_process_gets_its_share_of_the_cores_unless_the_user_chose() {
 
 #[test]
 fn a_failing_process_fails_the_launch_naming_its_rank() {
-    let _one = exclusive();
     let out = launcher()
         .args([
             "launch",
             "--num-processes",
             "2",
             "--main-process-port",
-            &free_port(),
+            ANY_PORT,
             "--grace",
             "1",
             "--",
@@ -228,4 +208,68 @@ fn every_bad_number_flag_is_a_usage_error_naming_the_flag() {
             assert!(said.contains(flag), "{flag}={value}: {said}");
         }
     }
+}
+
+#[test]
+fn port_0_gives_the_processes_the_rendezvous_port_the_system_picked_and_their_own_to_pick() {
+    let out = launcher()
+        .args([
+            "launch",
+            "--num-processes",
+            "2",
+            "--main-process-port",
+            "0",
+            "--",
+            "sh",
+            "-c",
+            "echo \"main=$MASTER_PORT data=$BURN_ACCELERATE_DATA_PORT\"",
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ports: Vec<(u16, &str)> = (0..2)
+        .map(|rank| {
+            let prefix = format!("[rank {rank}] main=");
+            let line = stdout
+                .lines()
+                .find_map(|l| l.strip_prefix(prefix.as_str()))
+                .unwrap_or_else(|| panic!("{prefix:?} in\n{stdout}"));
+            let (main, data) = line.split_once(" data=").unwrap();
+            (main.parse().unwrap(), data)
+        })
+        .collect();
+    // The rendezvous's own port, the same for both; each process listens where the system
+    // says (0) and tells the others at the rendezvous.
+    assert_ne!(ports[0].0, 0, "{stdout}");
+    assert_eq!(ports[0].0, ports[1].0, "{stdout}");
+    assert_eq!([ports[0].1, ports[1].1], ["0", "0"], "{stdout}");
+
+    // Other machines could not be told machine 0's port.
+    let out = launcher()
+        .args([
+            "launch",
+            "--num-processes",
+            "2",
+            "--num-machines",
+            "2",
+            "--main-process-ip",
+            "127.0.0.1",
+            "--main-process-port",
+            "0",
+            "--",
+            "true",
+        ])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{said}");
+    assert!(
+        said.contains("--main-process-port 0") && said.contains("give one"),
+        "{said}"
+    );
 }

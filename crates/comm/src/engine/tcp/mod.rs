@@ -120,9 +120,19 @@ impl TcpEngine {
                 variable: env::DATA_PORT,
                 reason: format!("{e} (listening on {host})"),
             })?;
+        // The port listened on: the one asked for, or the system's pick for port 0.
+        let data_port = listener
+            .local_addr()
+            .map_err(|e| DistributedError::PortUnavailable {
+                port: rendezvous.data_port,
+                purpose: "peer connections",
+                variable: env::DATA_PORT,
+                reason: format!("{e} (listening on {host})"),
+            })?
+            .port();
         let machine = machine_id();
         let me = Peer {
-            address: host_port(&host, rendezvous.data_port),
+            address: host_port(&host, data_port),
             pid: std::process::id(),
             machine: machine.clone(),
             host: host_name(),

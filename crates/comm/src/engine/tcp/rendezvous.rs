@@ -142,11 +142,18 @@ struct Round {
 /// A rendezvous this process serves: what starts the run's next attempt.
 #[derive(Clone)]
 pub(crate) struct Host {
+    // The port it listens on (the system's pick when asked for port 0).
+    port: u16,
     round: Arc<Mutex<Round>>,
     control: Arc<Mutex<Option<mpsc::UnboundedSender<ControlStream>>>>,
 }
 
 impl Host {
+    /// The port it listens on.
+    pub(crate) fn port(&self) -> u16 {
+        self.port
+    }
+
     /// From now on, the launchers' control connections come out of the receiver (until then,
     /// and once it is dropped, they are closed after their handshake).
     pub(crate) fn control_connections(&self) -> mpsc::UnboundedReceiver<ControlStream> {
@@ -202,7 +209,8 @@ impl Round {
     }
 }
 
-/// Starts the rendezvous on `host:port` on `runtime`; it serves until the process ends, to
+/// Starts the rendezvous on `host:port` (port 0: one the system picks, [`Host::port`]) on
+/// `runtime`; it serves until the process ends, to
 /// processes that prove they know `secret` and are of its attempt (`secret`'s, until
 /// [`Host::begin_attempt`]). Rounds time out `timeout` after their first arrival.
 ///
@@ -223,11 +231,21 @@ pub(crate) fn serve(
             variable: crate::env::MASTER_PORT,
             reason: format!("{e} (listening on {host})"),
         })?;
+    let listening = listener
+        .local_addr()
+        .map_err(|e| DistributedError::PortUnavailable {
+            port,
+            purpose: "the rendezvous",
+            variable: crate::env::MASTER_PORT,
+            reason: format!("{e} (listening on {host})"),
+        })?
+        .port();
     let round = Arc::new(Mutex::new(Round {
         attempt: secret.attempt(),
         ..Round::default()
     }));
     let served = Host {
+        port: listening,
         round: Arc::clone(&round),
         control: Arc::default(),
     };
