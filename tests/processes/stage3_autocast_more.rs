@@ -1,4 +1,5 @@
-//! ZeRO stage 3's per-layer bound under the autocasts `stage_3_under_autocast_gathers_linear_and_matmul_parameters_in_the_half_type_like_stage_2`
+//! ZeRO stage 3's per-layer bound under the autocasts that
+//! `stage_3_under_autocast_gathers_linear_and_matmul_parameters_in_the_half_type_like_stage_2`
 //! does not cover: fp8 (a `Linear`, a bare matrix read by `matmul`, and a broadcast one), and
 //! a broadcast `matmul` under bf16 and f16. Each ends bit for bit where stage 2 does under the
 //! same autocast, with at most one layer's gathered parameters whole at a time and the bytes

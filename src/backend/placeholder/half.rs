@@ -1,18 +1,21 @@
 //! ZeRO stage 3's bounded `linear` and `matmul` under bf16 and f16 autocast (FSDP's
 //! `param_dtype`), on `Autodiff<Flex>` where autocast runs the crate's half kernels: a
-//! `linear`'s weight and bias (a `matmul`'s parameter operand) are gathered in the half type
-//! the op runs in, so the owner casts its f32 value and sends
-//! halves (half the bytes of an f32 gather), for the forward op alone and again for the
-//! input's gradient; the gradients reach the f32 parameters through their anchors, cast back
-//! to f32 as autocast's cast node casts them.
+//! `linear`'s weight and bias (a `matmul`'s parameter operand, also one Burn broadcasts over
+//! the other operand's batch) are gathered in the half type the op runs in, so the owner
+//! casts its f32 value and sends halves (half the bytes of an f32 gather), for the forward op
+//! alone and again for the input's gradient; the gradients reach the f32 parameters through
+//! their anchors, summed over a broadcast and cast back to f32 as autocast's expand and cast
+//! nodes do it.
 //!
 //! The numbers are the op's own under autocast at stage 2, bit for bit: autocast casts the
 //! f32 weight with the crate's cast kernel (`crate::cpu::table::cast`, an elementwise
 //! rounding), and so does the owner here before it sends, so the halves every process
 //! receives are the cast of the gathered f32 value, the same bits; the forward and backward
 //! are [`low_gemm::linear_tracked`]'s and [`low_gemm::gemm_tracked`]'s (the same GEMMs on the
-//! same route, the same bias add and bias gradient), and each parameter's gradient is cast to f32 as the cast node's backward
-//! (`fast_cast::convert_tracked`) casts it.
+//! same route, the same bias add and bias gradient; a broadcast operand expanded as the
+//! same stride-0 view `lowered::matmul` makes, its gradient summed by the same
+//! `float_sum_dim`s as Burn's expand node), and each parameter's gradient is cast to f32 as
+//! the cast node's backward (`fast_cast::convert_tracked`) casts it.
 
 use std::sync::Arc;
 
