@@ -25,6 +25,7 @@
 mod config;
 mod plan;
 mod policy;
+mod rounding;
 mod small_ops;
 mod tally;
 
@@ -33,6 +34,7 @@ pub use crate::op_table::{Op, OpClass};
 pub use config::{Autocast, AutocastConfig, AutocastScope};
 pub use plan::{CastInput, CastPlan};
 pub use policy::{OpClasses, OpClassesGuard, op_class, scope_op_classes};
+pub(crate) use rounding::{InputRounding, rounds_through_node};
 pub use small_ops::{
     HOST_CPU_MIN_HALF_FLOPS, SmallOps, SmallOpsGuard, applies_to, estimated_flops, scope_small_ops,
     small_ops,

@@ -3,6 +3,7 @@
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, DType, FloatDType, TensorMetadata};
 
+use super::rounding::InputRounding;
 use super::small_ops::{call_flops, keeps_f32};
 use super::tally::{self, Kept};
 use super::{Op, OpClass};
@@ -143,6 +144,14 @@ impl CastPlan {
     /// Whether this plan rounds inputs to fp8.
     pub fn rounds_to_fp8(&self) -> bool {
         self.fp8.is_some()
+    }
+
+    /// Under fp8, the rounding of the op's `input`-th required float input (its cast's
+    /// quantizers, keyed for the input's amax histories), for an op that rounds that input
+    /// itself: stage 3's bounded `linear` and `matmul`, which round a parameter each time they
+    /// gather it.
+    pub(crate) fn fp8_rounding(&self, input: u32) -> Option<InputRounding> {
+        self.fp8.map(|site| InputRounding(site.cast(input)))
     }
 
     /// Applies the plan to the op's `input`-th required float input (0-based, in signature

@@ -32,9 +32,18 @@ fn half_operands<T: TensorMetadata>(x: &T, weight: &T, bias: Option<&T>) -> bool
 // apply (other dtypes, fewer than two dimensions, ranks that differ, batch sizes that
 // neither equal nor broadcast).
 fn batch_shapes<T: TensorMetadata>(a: &T, b: &T) -> Option<(Shape, Shape)> {
-    let (mut a_shape, mut b_shape) = (a.shape(), b.shape());
+    if !half_operands(a, b, None) {
+        return None;
+    }
+    broadcast_batches(a.shape(), b.shape())
+}
+
+/// The shapes two matmul operands of shapes `a_shape` and `b_shape` take for the crate's
+/// kernel (see `batch_shapes`), whatever their dtypes: stage 3's bounded half `matmul` expands
+/// a gathered parameter as this path expands it.
+pub(crate) fn broadcast_batches(mut a_shape: Shape, mut b_shape: Shape) -> Option<(Shape, Shape)> {
     let dims = a_shape.num_dims();
-    if !half_operands(a, b, None) || dims < 2 || b_shape.num_dims() != dims {
+    if dims < 2 || b_shape.num_dims() != dims {
         return None;
     }
     for d in 0..dims - 2 {

@@ -18,13 +18,20 @@
 //!   for the op alone and dropped when it returns; its backward node keeps the placeholder
 //!   and gathers the weight again to compute the input's gradient. At most one layer's
 //!   gathered weight and bias are whole at a time ([`gathered_bytes`]).
-//! - `linear`, and `matmul` with a parameter operand and no broadcast, under bf16/f16
-//!   autocast on `Autodiff<Flex>`, where autocast runs them on the crate's half kernels: the
-//!   same bound, with the parameters gathered in the half type (the owner casts and sends
-//!   halves: FSDP's `param_dtype`), and the gradients cast back to f32 for the parameters,
-//!   as autocast's cast nodes do (`half`). Where autocast keeps the op in f32 (too small for
-//!   the half type, or fp8's f32 ops) the parameters are gathered whole in f32, as for the
-//!   ops below.
+//! - `linear`, and `matmul` with a parameter operand (its batch dimensions equal to the
+//!   other operand's or broadcast over them), under bf16/f16 autocast on `Autodiff<Flex>`,
+//!   where autocast runs them on the crate's half kernels: the same bound, with the
+//!   parameters gathered in the half type (the owner casts and sends halves: FSDP's
+//!   `param_dtype`; a broadcast one expanded as a view), and the gradients summed over a
+//!   broadcast and cast back to f32 for the parameters, as autocast's expand and cast nodes
+//!   do (`half`). Where autocast keeps the op in f32 (too small for the half type) the
+//!   parameters are gathered whole in f32, as for the ops below.
+//! - `linear`, and `matmul` with a parameter operand (broadcast or not), under fp8 autocast
+//!   where fp8's cast node is registered for the backend: the same bound, with the
+//!   parameters gathered in f32 and the weight (the parameter operand) rounded there by the
+//!   op's own fp8 cast (its key, scale and amax record), again in backward for the other
+//!   operand's gradient, and the weight's gradient rounded as the cast node's backward
+//!   rounds it (`fp8`).
 //! - `matmul` (Burn's `Tensor::matmul`) with a registered operand, where autocast is off and
 //!   the operands share a dtype: the parameter is gathered for the product alone; the node
 //!   keeps its placeholder and gathers it again for the other operand's gradient (Burn's
@@ -37,8 +44,8 @@
 //!   normalised input's gradient (`norm`).
 //! - Every other op of every ops trait the decorator forwards (convolutions, RMS norms (a
 //!   reshape of gamma, then a product: each gathers in full), casts under autocast,
-//!   transactions), `linear` and `matmul` under autocast where the
-//!   half kernels do not run them (fp8, f32-kept ops, a broadcast `matmul`, other backends): the
+//!   transactions), `linear` and `matmul` under autocast where neither the half kernels nor
+//!   fp8 run them (f32-kept ops, other backends): the
 //!   registered input is gathered in full and the op reads `anchor + gathered` (the gathered
 //!   value bit for bit, since `-0.0` is the additive identity, with the gradient flowing to
 //!   the anchor). The numbers are right; the gathered value stays whole while the autodiff
@@ -78,6 +85,7 @@ use burn_backend::{Backend, DType, FloatDType, Shape, TensorData, TensorMetadata
 
 use crate::hooks::{self, HookKind};
 
+mod fp8;
 #[cfg(feature = "flex")]
 mod half;
 mod norm;
@@ -221,6 +229,8 @@ struct Tracked<B: Backend> {
     matmul: MatmulHook<B>,
     embedding: EmbeddingHook<B>,
     anchor: AnchorHook<B>,
+    fp8_linear: fp8::Fp8Linear<B>,
+    fp8_matmul: fp8::Fp8Matmul<B>,
 }
 
 type MatmulHook<B> = fn(
@@ -272,6 +282,8 @@ pub fn register<B: Backend, C: CheckpointStrategy>() {
         matmul: bounded_matmul::<B, C>,
         embedding: bounded_embedding::<B, C>,
         anchor: anchor::<B, C>,
+        fp8_linear: fp8::bounded_fp8_linear::<B, C>,
+        fp8_matmul: fp8::bounded_fp8_matmul::<B, C>,
     });
     norm::register::<B, C>();
     // Under its key the decorator says that its ops resolve placeholders.
@@ -284,6 +296,8 @@ pub fn register<B: Backend, C: CheckpointStrategy>() {
         matmul: bounded_matmul::<B, C>,
         embedding: bounded_embedding::<B, C>,
         anchor: anchor::<B, C>,
+        fp8_linear: fp8::bounded_fp8_linear::<B, C>,
+        fp8_matmul: fp8::bounded_fp8_matmul::<B, C>,
     });
 }
 
@@ -558,6 +572,16 @@ pub(crate) fn linear<B: Backend>(
             half_linear,
         ));
     }
+    if fp8::applies::<B>() && shard_of::<B>(&x).is_none() {
+        let hook = tracked::<B>().map(|tracked| tracked.fp8_linear);
+        return Ok(fp8::autocast_linear::<B>(
+            x,
+            weight,
+            bias,
+            weight_shard,
+            hook,
+        ));
+    }
     let same_dtype =
         weight.dtype() == x.dtype() && bias.as_ref().is_none_or(|b| b.dtype() == x.dtype());
     let applies = same_dtype && crate::autocast::current().is_none() && shard_of::<B>(&x).is_none();
@@ -586,8 +610,9 @@ fn half_matmul_hook<B: Backend>() -> Option<half::HalfMatmul<B>> {
 // `matmul` under bf16/f16 autocast with a registered parameter operand: the op's own path
 // (`crate::backend::forward`'s `float_matmul`: the plan, the casts, `lowered::matmul`), the
 // plan decided once, with each parameter operand gathered in the half type for the product
-// alone where the product runs on the crate's half kernel without a broadcast; otherwise
-// gathered whole in f32 and cast, as every other op reads a parameter.
+// alone where the product runs on the crate's half kernel (a broadcast operand expanded as
+// that path expands it); otherwise gathered whole in f32 and cast, as every other op reads a
+// parameter.
 #[cfg(feature = "flex")]
 fn autocast_matmul<B: Backend>(
     lhs: FloatTensor<B>,
@@ -615,14 +640,10 @@ fn autocast_matmul<B: Backend>(
             Some(_) => t.dtype() == DType::F32,
             None => t.dtype() == DType::from(target),
         };
-    let (lhs_shape, rhs_shape) = (lhs.shape(), rhs.shape());
-    let dims = lhs_shape.num_dims();
-    // `lowered::matmul`'s conditions for the kernel, without a broadcast (equal batches).
+    // `lowered::matmul`'s conditions for the kernel: batches equal or broadcast.
     let kernel_applies = target
         .is_some_and(|t| operand_fits(&lhs, &lhs_shard, t) && operand_fits(&rhs, &rhs_shard, t))
-        && dims >= 2
-        && rhs_shape.num_dims() == dims
-        && (0..dims - 2).all(|d| lhs_shape[d] == rhs_shape[d]);
+        && super::lowered::broadcast_batches(lhs.shape(), rhs.shape()).is_some();
     if let (Some(target), true) = (target, kernel_applies)
         && let Some((_, route)) = super::lowered::chosen::<B>()
     {
@@ -720,6 +741,15 @@ pub(crate) fn float_matmul<B: Backend>(
             rhs,
             [lhs_shard, rhs_shard],
             half_matmul,
+        ));
+    }
+    if (lhs_shard.is_some() || rhs_shard.is_some()) && fp8::applies::<B>() {
+        let hook = tracked::<B>().map(|tracked| tracked.fp8_matmul);
+        return Ok(fp8::autocast_matmul::<B>(
+            lhs,
+            rhs,
+            [lhs_shard, rhs_shard],
+            hook,
         ));
     }
     let applies = (lhs_shard.is_some() || rhs_shard.is_some())

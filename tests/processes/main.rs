@@ -14,6 +14,7 @@ mod mlp;
 mod needs;
 mod one_save;
 mod stage3_norm;
+mod stage3_autocast_more;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;

@@ -1,18 +1,21 @@
 //! ZeRO stage 3's bounded `linear` and `matmul` under bf16 and f16 autocast (FSDP's
 //! `param_dtype`), on `Autodiff<Flex>` where autocast runs the crate's half kernels: a
-//! `linear`'s weight and bias (a `matmul`'s parameter operand) are gathered in the half type
-//! the op runs in, so the owner casts its f32 value and sends
-//! halves (half the bytes of an f32 gather), for the forward op alone and again for the
-//! input's gradient; the gradients reach the f32 parameters through their anchors, cast back
-//! to f32 as autocast's cast node casts them.
+//! `linear`'s weight and bias (a `matmul`'s parameter operand, also one Burn broadcasts over
+//! the other operand's batch) are gathered in the half type the op runs in, so the owner
+//! casts its f32 value and sends halves (half the bytes of an f32 gather), for the forward op
+//! alone and again for the input's gradient; the gradients reach the f32 parameters through
+//! their anchors, summed over a broadcast and cast back to f32 as autocast's expand and cast
+//! nodes do it.
 //!
 //! The numbers are the op's own under autocast at stage 2, bit for bit: autocast casts the
 //! f32 weight with the crate's cast kernel (`crate::cpu::table::cast`, an elementwise
 //! rounding), and so does the owner here before it sends, so the halves every process
 //! receives are the cast of the gathered f32 value, the same bits; the forward and backward
 //! are [`low_gemm::linear_tracked`]'s and [`low_gemm::gemm_tracked`]'s (the same GEMMs on the
-//! same route, the same bias add and bias gradient), and each parameter's gradient is cast to f32 as the cast node's backward
-//! (`fast_cast::convert_tracked`) casts it.
+//! same route, the same bias add and bias gradient; a broadcast operand expanded as the
+//! same stride-0 view `lowered::matmul` makes, its gradient summed by the same
+//! `float_sum_dim`s as Burn's expand node), and each parameter's gradient is cast to f32 as
+//! the cast node's backward (`fast_cast::convert_tracked`) casts it.
 
 use std::sync::Arc;
 
@@ -20,13 +23,14 @@ use burn::backend::autodiff::NodeId;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
 use burn::backend::autodiff::grads::Gradients;
-use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, broadcast_shape};
 use burn::backend::flex::FlexTensor;
 use burn::backend::{Autodiff, Flex};
 use burn_backend::ops::FloatTensorOps;
 use burn_backend::tensor::FloatTensor;
-use burn_backend::{DType, FloatDType, TensorMetadata};
+use burn_backend::{DType, FloatDType, Shape, TensorMetadata};
 
+use crate::backend::lowered::broadcast_batches;
 use crate::cpu::Route;
 use crate::cpu::low_gemm;
 
@@ -219,11 +223,14 @@ pub(super) type HalfMatmul<B> = fn(
 
 // A `matmul` operand as the node keeps it: a registered parameter as its f32 placeholder (or
 // the owner's value) and shard, gathered again in the half type where the other operand's
-// gradient needs it; any other operand as it is (half).
+// gradient needs it; any other operand as it is (half). `batch` is the shape the kernel
+// takes it in: its own, or its batch dimensions broadcast to the other operand's
+// (`lowered::broadcast_batches`).
 #[derive(Clone)]
 struct HalfOperand {
     tensor: FlexTensor,
     shard: Option<Arc<dyn Shard>>,
+    batch: Shape,
 }
 
 impl core::fmt::Debug for HalfOperand {
@@ -233,12 +240,33 @@ impl core::fmt::Debug for HalfOperand {
 }
 
 impl HalfOperand {
-    // The half value (gathered where registered), and the bytes a gather counted.
+    // The half value (gathered where registered) in the kernel's shape, and the bytes a
+    // gather counted. A broadcast operand is expanded as a view, as `lowered::matmul` expands
+    // it (stride 0 over the batch: nothing more is whole than the gathered value).
     fn whole(&self, dtype: FloatDType) -> (FlexTensor, u64) {
-        match &self.shard {
+        let (value, bytes) = match &self.shard {
             Some(shard) => gather_cast(shard.as_ref(), &self.tensor, dtype),
             None => (self.tensor.clone(), 0),
+        };
+        match value.shape() == self.batch {
+            true => (value, bytes),
+            false => (Flex::float_expand(value, self.batch.clone()), bytes),
         }
+    }
+}
+
+// An operand's gradient from the kernel's (`grad`, of the kernel's shape): summed over the
+// dimensions the operand was broadcast over (to its shape `own`), in the half type, as Burn's
+// expand node sums it (`broadcast_shape`: the same `float_sum_dim`s in the same order), then
+// cast to f32 for a parameter, as its cast node casts it.
+fn operand_gradient(grad: FlexTensor, own: &Shape, param: bool) -> FlexTensor {
+    let grad = match grad.shape() == *own {
+        true => grad,
+        false => broadcast_shape::<Flex>(grad, own),
+    };
+    match param {
+        true => cast(grad, FloatDType::F32),
+        false => grad,
     }
 }
 
@@ -246,9 +274,10 @@ impl HalfOperand {
 struct BoundedHalfMatmul {
     route: Route,
     dtype: FloatDType,
-    // Whether each operand is a registered parameter: its gradient goes to its f32 anchor,
-    // cast as autocast's cast node casts it.
+    // Whether each operand is a registered parameter (its gradient goes to its f32 anchor,
+    // cast as autocast's cast node casts it), and its own shape (before a broadcast).
     params: [bool; 2],
+    shapes: [Shape; 2],
 }
 
 impl Backward<Flex, 2> for BoundedHalfMatmul {
@@ -259,31 +288,32 @@ impl Backward<Flex, 2> for BoundedHalfMatmul {
         let (lhs, rhs) = ops.state;
         let grad = grads.consume::<Flex>(&ops.node);
         let [node_lhs, node_rhs] = ops.parents;
-        let to_operand = |grad: FlexTensor, param: bool| match param {
-            true => cast(grad, FloatDType::F32),
-            false => grad,
-        };
         // `low_gemm::gemm_tracked`'s backward: the same GEMMs in the same order, each kept
-        // operand gathered for its GEMM alone.
+        // operand gathered for its GEMM alone; then what the expand and cast nodes below it
+        // do to each operand's gradient.
+        let [lhs_shape, rhs_shape] = &self.shapes;
         if let Some(node) = node_lhs {
             let rhs = rhs.expect("kept where the left operand is tracked");
             let (whole, bytes) = rhs.whole(self.dtype);
             let out = low_gemm::gemm(grad.clone(), low_gemm::transposed(whole), self.route);
             count_dropped(bytes);
-            grads.register::<Flex>(node.id, to_operand(out, self.params[0]));
+            let out = operand_gradient(out, lhs_shape, self.params[0]);
+            grads.register::<Flex>(node.id, out);
         }
         if let Some(node) = node_rhs {
             let lhs = lhs.expect("kept where the right operand is tracked");
             let (whole, bytes) = lhs.whole(self.dtype);
             let out = low_gemm::gemm(low_gemm::transposed(whole), grad, self.route);
             count_dropped(bytes);
-            grads.register::<Flex>(node.id, to_operand(out, self.params[1]));
+            let out = operand_gradient(out, rhs_shape, self.params[1]);
+            grads.register::<Flex>(node.id, out);
         }
     }
 }
 
-/// `matmul` of two operands of one shape but for the matrices (no broadcast), a registered
-/// parameter among them gathered in `dtype` for the product alone:
+/// `matmul` of two operands whose batch dimensions are equal or broadcast (a size 1 on one
+/// side: `lowered::broadcast_batches`), a registered parameter among them gathered in
+/// `dtype` for the product alone: `lowered::matmul`'s expand views and
 /// [`low_gemm::gemm_tracked`]'s product, in a node that keeps the parameter's placeholder
 /// instead of its halves.
 pub(super) fn bounded_half_matmul(
@@ -296,13 +326,21 @@ pub(super) fn bounded_half_matmul(
 ) -> FloatTensor<Autodiff<Flex>> {
     let (lhs_tracked, rhs_tracked) = (lhs.is_tracked(), rhs.is_tracked());
     let params = [lhs_shard.is_some(), rhs_shard.is_some()];
+    let shapes = [lhs.primitive.shape(), rhs.primitive.shape()];
+    let [lhs_batch, rhs_batch] = match broadcast_batches(shapes[0].clone(), shapes[1].clone()) {
+        Some((lhs, rhs)) => [lhs, rhs],
+        // The caller checked (`autocast_matmul`); without a broadcast each keeps its shape.
+        None => shapes.clone(),
+    };
     let lhs_kept = HalfOperand {
         tensor: lhs.primitive.clone(),
         shard: lhs_shard,
+        batch: lhs_batch,
     };
     let rhs_kept = HalfOperand {
         tensor: rhs.primitive.clone(),
         shard: rhs_shard,
+        batch: rhs_batch,
     };
     let (lhs_whole, lhs_bytes) = lhs_kept.whole(dtype);
     let (rhs_whole, rhs_bytes) = rhs_kept.whole(dtype);
@@ -312,6 +350,7 @@ pub(super) fn bounded_half_matmul(
         route,
         dtype,
         params,
+        shapes,
     };
     match node
         .prepare::<NoCheckpointing>([lhs.node.clone(), rhs.node.clone()])
