@@ -57,7 +57,9 @@ pub(crate) mod sharded;
 mod state;
 pub use crate::zero::CheckpointLayout;
 pub use accelerator::Resumed;
-pub(crate) use agree::{agree_on_checkpoint, agree_on_checkpoint_keeping};
+#[cfg(test)]
+pub(crate) use agree::agree_on_checkpoint;
+pub(crate) use agree::agree_on_checkpoint_keeping;
 pub(crate) use fits::decode_model;
 pub use state::CheckpointState;
 pub(crate) use state::LoaderPosition;

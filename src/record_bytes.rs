@@ -118,15 +118,45 @@ pub(crate) fn first_missing(bytes: &[u8], shapes: &Shapes) -> Option<(String, Ve
     missing.first().map(|&param| param.clone())
 }
 
+/// The shape `bytes` hold for each of the model's parameters (`shapes`), by the parameter's
+/// path in the model (`first.weight`), whatever it is: what a sharded checkpoint's model file
+/// is checked by, whose parameters of other processes have no elements. Read in the walk of
+/// [`check_tensors`] (which checks everything else it checks, but not the shapes against the
+/// model's), without building a tensor. A parameter the bytes hold no tensor for is absent.
+///
+/// # Errors
+/// What [`check_tensors`] refuses, but a parameter of another shape than the model's.
+pub(crate) fn parameter_shapes(
+    bytes: &[u8],
+    shapes: &Shapes,
+) -> Result<HashMap<String, Vec<usize>>, String> {
+    let seen = walk_with(bytes, shapes, false)?;
+    Ok(seen
+        .into_iter()
+        .filter_map(|(path, dims)| Some((shapes.0.get(&path)?.0.clone(), dims)))
+        .collect())
+}
+
 // Walks `bytes` as `check_tensors` says; the record paths of the model's parameters found.
 fn walk(bytes: &[u8], shapes: &Shapes) -> Result<HashSet<String>, String> {
+    walk_with(bytes, shapes, true).map(|seen| seen.into_keys().collect())
+}
+
+// Walks `bytes`, refusing a parameter of another shape than the model's where `compare`; the
+// record paths of the model's parameters found, with the shapes they have.
+fn walk_with(
+    bytes: &[u8],
+    shapes: &Shapes,
+    compare: bool,
+) -> Result<HashMap<String, Vec<usize>>, String> {
     let mut deserializer = rmp_serde::Deserializer::from_read_ref(bytes);
     deserializer.set_max_depth(MAX_DEPTH);
     let mut context = Context {
         path: Vec::new(),
         rank: None,
         shapes,
-        seen: HashSet::new(),
+        compare,
+        seen: HashMap::new(),
     };
     serde::de::DeserializeSeed::deserialize(Walk(&mut context), &mut deserializer)
         .map_err(|e| e.to_string())?;
@@ -175,9 +205,11 @@ struct Context<'s> {
     rank: Option<usize>,
     /// The model's parameters, by path.
     shapes: &'s Shapes,
-    /// The paths of the model's parameters walked so far (at most one each: bounded by the
-    /// model, not by the bytes).
-    seen: HashSet<String>,
+    /// Whether a parameter of another shape than the model's is refused.
+    compare: bool,
+    /// The paths of the model's parameters walked so far, with their shapes (at most one
+    /// each: bounded by the model, not by the bytes).
+    seen: HashMap<String, Vec<usize>>,
 }
 
 /// One value of the walk of [`check_tensors`], noted as [`Seen`] (and checked, where it is a
@@ -362,7 +394,7 @@ fn check_tensor(
             "tensor `{path}` has shape {dims:?} in an optimizer state of rank {rank}"
         ));
     }
-    if let Some((param, expected)) = context.shapes.0.get(&path)
+    if let Some((param, expected)) = context.shapes.0.get(&path).filter(|_| context.compare)
         && !dims
             .iter()
             .map(|&d| usize::try_from(d).ok())
@@ -375,7 +407,12 @@ fn check_tensor(
         ));
     }
     if context.shapes.0.contains_key(&path) {
-        context.seen.insert(path.clone());
+        // A dimension past `usize` is no model's: it stays one no model has.
+        let shape = dims
+            .iter()
+            .map(|&d| usize::try_from(d).unwrap_or(usize::MAX))
+            .collect();
+        context.seen.insert(path.clone(), shape);
     }
     // Burn's count of elements is a product in `usize`, of every dimension in turn.
     let needs = dims

@@ -15,6 +15,9 @@ use crate::distributed::ProcessGroup;
 /// # Errors
 /// What `pick` returns; [`AccelerateError::Distributed`] when the processes cannot agree;
 /// [`AccelerateError::Checkpoint`] when a process cannot read the checkpoint picked.
+// Both entry points agree keeping only the files a process reads
+// ([`agree_on_checkpoint_keeping`]); this is the tests' whole-checkpoint form.
+#[cfg(test)]
 pub(crate) fn agree_on_checkpoint(
     group: Option<&ProcessGroup>,
     checkpoints: &CheckpointDir,

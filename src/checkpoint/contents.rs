@@ -178,10 +178,10 @@ pub(crate) enum Resume<M, O, S> {
 
 /// The checkpoint every process of `group` resumes from (`pick`, on the main process:
 /// [`agree_on_checkpoint`]), read with [`read`]; [`Resume::Fresh`] when there is none.
-/// Every process must call it. (The [`Accelerator`](crate::Accelerator) agrees with
-/// [`agree_on_checkpoint_keeping`](super::agree_on_checkpoint_keeping) instead, and reads a
-/// sharded checkpoint with `sharded::read`; `with_accelerate` agrees with the checkpoint its
-/// start-up check held, and reads either kind.)
+/// Every process must call it. (Both entry points agree with
+/// [`agree_on_checkpoint_keeping`](super::agree_on_checkpoint_keeping) instead, keeping the
+/// files `sharded::keeps` names, and read a sharded checkpoint with `sharded::read`;
+/// `with_accelerate` starts from the checkpoint its start-up check held.)
 ///
 /// # Errors
 /// What [`agree_on_checkpoint`] and [`read`] return.

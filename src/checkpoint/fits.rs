@@ -26,6 +26,95 @@ fn shapes<B: Backend, M: Module<B>>(module: &M) -> Vec<(String, Vec<usize>)> {
     found
 }
 
+/// Whether the model files of a sharded checkpoint (`files`, process `R`'s at `R`, of
+/// `loaded`) are one partition of `model`, as a resume reads them: each lists every parameter
+/// of `model` under its path (Burn decodes it as `model`'s record), and each float parameter
+/// is held whole, of its shape, by the file of the process the partition over `files.len()`
+/// processes gives it to ([`crate::zero::partition`], as the processes that wrote them
+/// computed it), and with no elements by every other (int and bool parameters, which the
+/// partition does not split, of their shape wherever they are held). Only the shapes are read
+/// (the record walk), no tensor is built.
+///
+/// # Errors
+/// [`AccelerateError::Checkpoint`] naming the file (by its name in the checkpoint) and the
+/// first parameter, in the model's visiting order, that it lacks, holds in another shape, or
+/// holds though another process's file does; or the file that is not read back or does not
+/// walk as a record.
+pub(crate) fn check_shards<B: Backend, M: Module<B>>(
+    loaded: &LoadedCheckpoint,
+    files: &[String],
+    model: &M,
+) -> Result<(), AccelerateError> {
+    let params = walk::<B, M>(model).params;
+    let floats: Vec<usize> = params
+        .iter()
+        .filter(|param| param.kind == crate::placement::walk::ParamKind::Float)
+        .map(|param| param.shape.iter().product())
+        .collect();
+    let mut owners = crate::zero::partition(&floats, files.len()).into_iter();
+    let record_shapes = Shapes::of_model::<B, M>(model);
+    let mut held = Vec::with_capacity(files.len());
+    for (rank, name) in files.iter().enumerate() {
+        let bytes = loaded.files.get(name).ok_or_else(|| {
+            record_error(
+                name,
+                format!(
+                    "process {rank}'s model file of the sharded checkpoint is not read back: \
+                     the checkpoint is incomplete"
+                ),
+            )
+        })?;
+        let shapes = crate::record_bytes::parameter_shapes(bytes, &record_shapes)
+            .map_err(|reason| record_error(name, reason))?;
+        held.push(shapes);
+    }
+    let world = files.len();
+    for param in &params {
+        let owner = (param.kind == crate::placement::walk::ParamKind::Float)
+            .then(|| owners.next())
+            .flatten();
+        let (path, model_shape) = (&param.path, &param.shape);
+        for (rank, (name, shapes)) in files.iter().zip(&held).enumerate() {
+            let refuse = |what: String| {
+                Err(record_error(
+                    name,
+                    format!(
+                        "parameter `{path}` {what}: the checkpoint is of another model (resume \
+                         with the model that saved it, or start without this checkpoint \
+                         directory)"
+                    ),
+                ))
+            };
+            let Some(shape) = shapes.get(path) else {
+                return refuse(format!("(shape {model_shape:?}) is not in the record"));
+            };
+            let placeholder = shape.len() == model_shape.len() && shape.iter().all(|&d| d == 0);
+            let misshapen =
+                || format!("has shape {shape:?} in the record, {model_shape:?} in the model");
+            match owner {
+                Some(owner) if owner == rank && shape != model_shape && placeholder => {
+                    return refuse(format!(
+                        "(shape {model_shape:?}) has no elements here, where the partition of \
+                         {world} processes puts it: the files are not one partition of this model"
+                    ));
+                }
+                Some(owner) if owner != rank && !placeholder && shape == model_shape => {
+                    return refuse(format!(
+                        "is held here, and the partition of {world} processes gives it to {}: \
+                         the files are not one partition of this model",
+                        files[owner]
+                    ));
+                }
+                Some(owner) if owner != rank && !placeholder => return refuse(misshapen()),
+                Some(owner) if owner != rank => {}
+                _ if shape != model_shape => return refuse(misshapen()),
+                _ => {}
+            }
+        }
+    }
+    Ok(())
+}
+
 /// `model` with the model record `name` of `loaded` loaded, once the record is found to hold
 /// exactly `model`'s parameters, each of its shape ([`load_fitting`]).
 ///
@@ -180,6 +269,119 @@ mod tests {
         let reason = reason(err);
         assert!(
             reason.contains("parameter `second.bias` (shape [2]) is not in the record"),
+            "{reason}"
+        );
+    }
+
+    type A = burn::backend::Autodiff<Flex>;
+
+    fn two_on<K: Backend>(hidden: usize, bias: bool) -> Two<K> {
+        let device = Default::default();
+        Two {
+            first: LinearConfig::new(3, hidden).init(&device),
+            second: LinearConfig::new(hidden, 2).with_bias(bias).init(&device),
+        }
+    }
+
+    // `model`'s files of a sharded checkpoint over `world` processes, as `sharded::write`
+    // writes them (each process's partition whole, the others' parameters of no elements).
+    fn shards(model: &Two<A>, world: usize) -> (LoadedCheckpoint, Vec<String>) {
+        let partition = crate::zero::Partition::of::<A, _>(model, world);
+        let names: Vec<String> = (0..world)
+            .map(|rank| format!("model-1.shard-{rank}-of-{world}.mpk"))
+            .collect();
+        let files = names
+            .iter()
+            .enumerate()
+            .map(|(rank, name)| {
+                let record = crate::zero::own_model_record::<A, _>(model, &partition, rank);
+                (name.clone(), records::encode::<A, _>(record, name).unwrap())
+            })
+            .collect();
+        let loaded = LoadedCheckpoint {
+            epoch: 1,
+            files,
+            skipped: Vec::new(),
+        };
+        (loaded, names)
+    }
+
+    fn refused(loaded: &LoadedCheckpoint, names: &[String], model: &Two<A>, file: &str) -> String {
+        match check_shards::<A, _>(loaded, names, model) {
+            Err(AccelerateError::Checkpoint { path, reason }) => {
+                assert_eq!(path, file, "{reason}");
+                reason
+            }
+            other => panic!("expected a checkpoint error naming {file}, got {other:?}"),
+        }
+    }
+
+    // Issue 48: a sharded checkpoint's model files are checked against the model from their
+    // shapes: the model that wrote them fits, on any number of processes.
+    #[test]
+    fn the_model_that_wrote_a_sharded_checkpoint_fits_it() {
+        for world in [1, 2, 3, 5] {
+            let model = two_on::<A>(4, true);
+            let (loaded, names) = shards(&model, world);
+            check_shards::<A, _>(&loaded, &names, &two_on::<A>(4, true))
+                .unwrap_or_else(|err| panic!("{world} processes: {err}"));
+        }
+    }
+
+    #[test]
+    fn a_sharded_checkpoint_of_another_shape_is_refused_naming_the_parameter_and_file() {
+        let (loaded, names) = shards(&two_on::<A>(4, true), 2);
+        // `first.weight`, the largest, is process 0's.
+        let reason = refused(&loaded, &names, &two_on::<A>(5, true), &names[0]);
+        assert!(
+            reason.contains(
+                "parameter `first.weight` has shape [3, 4] in the record, [3, 5] in the model"
+            ),
+            "{reason}"
+        );
+    }
+
+    #[test]
+    fn a_sharded_checkpoint_lacking_a_parameter_is_refused_naming_it_and_the_file() {
+        let (loaded, names) = shards(&two_on::<A>(4, false), 2);
+        let reason = refused(&loaded, &names, &two_on::<A>(4, true), &names[0]);
+        assert!(
+            reason.contains("parameter `second.bias` (shape [2]) is not in the record"),
+            "{reason}"
+        );
+    }
+
+    #[test]
+    fn a_sharded_checkpoint_missing_a_process_file_is_refused_naming_it() {
+        let model = two_on::<A>(4, true);
+        let (mut loaded, names) = shards(&model, 3);
+        loaded.files.remove(&names[2]);
+        let reason = refused(&loaded, &names, &model, &names[2]);
+        assert!(reason.contains("process 2's model file"), "{reason}");
+    }
+
+    // Files that are not the model's partition over their number of processes (here two
+    // processes' files under each other's names): what a resume reading only its own
+    // partition's files would miss is refused, naming the file.
+    #[test]
+    fn sharded_files_of_another_partition_are_refused_naming_the_file() {
+        let model = two_on::<A>(4, true);
+        let (mut loaded, names) = shards(&model, 2);
+        let zero = loaded.files.remove(&names[0]).unwrap();
+        let one = loaded.files.insert(names[1].clone(), zero).unwrap();
+        loaded.files.insert(names[0].clone(), one);
+        let reason = refused(&loaded, &names, &model, &names[0]);
+        assert!(
+            reason.contains("parameter `first.weight` (shape [3, 4]) has no elements here"),
+            "{reason}"
+        );
+        // A parameter held by two files.
+        let (mut loaded, names) = shards(&model, 2);
+        let whole = records::encode::<A, _>(model.clone().into_record(), "whole").unwrap();
+        loaded.files.insert(names[1].clone(), whole);
+        let reason = refused(&loaded, &names, &model, &names[1]);
+        assert!(
+            reason.contains("parameter `first.weight` is held here, and the partition of 2 processes gives it to model-1.shard-0-of-2.mpk"),
             "{reason}"
         );
     }

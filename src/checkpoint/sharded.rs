@@ -21,10 +21,12 @@
 //!
 //! The main process picks the newest checkpoint whose entry lists both files of every process
 //! (one written otherwise is incomplete, passed over as a damaged one is) and whose files all
-//! verify. Each process then reads what it needs: on as many processes, its own optimizer
-//! file, and at stage 3 its own model file; otherwise every process's files, keeping of the
-//! parameters (at stage 3) and of the optimizer state its new partition's. A parameter is
-//! taken from the file that holds it whole: no index is needed.
+//! verify. Each process then reads only the files holding what it loads ([`keeps`], for both
+//! entry points): of the optimizer state (where it is sharded) and at stage 3 of the
+//! parameters, the files of the saved processes whose partitions overlap its new one (on as
+//! many processes, its own); every file of what it loads whole. A parameter is taken from the
+//! file that holds it whole: no index is needed. Before a run, `check_checkpoint_fits` checks
+//! the model files against the model from their shapes ([`precheck_model`]).
 
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::tensor::backend::AutodiffBackend;
@@ -132,28 +134,57 @@ pub(crate) fn complete(entry: &CheckpointEntry) -> Result<(), String> {
     Ok(())
 }
 
-/// Which files of a checkpoint process `rank` of `world` keeps in memory to resume (every
-/// file that is not a shard's; of the shard files, those it reads): on as many processes as
-/// saved, its own optimizer file where the optimizer state is sharded (`shards_state`), and
-/// its own model file where the parameters are (`shards_parameters`, stage 3); every
-/// process's otherwise.
-pub(crate) fn keeps(
+/// Which files of a checkpoint process `rank` of `world` reads to resume `model` (every file
+/// that is not a shard's; of the shard files, those holding what it loads), for both entry
+/// points: a shard file of process `S` of `W` holds the parameters, and their optimizer state,
+/// that the partition of `model` over `W` processes gives to `S` (the one the writers computed,
+/// from the same model); this process loads of the optimizer state its own partition's where
+/// the state is sharded (`shards_state`) and of the parameters its own partition's where they
+/// are (`shards_parameters`: the `Accelerator` at ZeRO stage 3), everything otherwise. So on as
+/// many processes as saved, a process reads its own files; on another number, the files of the
+/// processes whose partitions overlap its own. A process that loads no optimizer state at all
+/// (it owns no parameter) reads process 0's optimizer file, for a record of the optimizer's
+/// type to load, and keeps none of its state.
+pub(crate) fn keeps<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: &M,
     rank: usize,
     world: usize,
     shards_state: bool,
     shards_parameters: bool,
-) -> impl Fn(&str) -> bool + Clone {
+) -> impl Fn(&str) -> bool + Clone + use<B, M> {
+    let sizes: std::sync::Arc<[usize]> = lazy_shapes::<B, M>(model)
+        .into_iter()
+        .map(|(_, shape)| shape.num_elements())
+        .collect();
+    let own: std::sync::Arc<[bool]> = zero::partition(&sizes, world)
+        .into_iter()
+        .map(|owner| owner == rank)
+        .collect();
     move |name| match parse_shard_name(name) {
         None => true,
         Some((part, _, saved_rank, saved_world)) => {
-            let own_only = saved_world == world
-                && match part {
-                    Part::Model => shards_parameters,
-                    Part::Optimizer => shards_state,
-                };
-            !own_only || saved_rank == rank
+            let sharded = match part {
+                Part::Model => shards_parameters,
+                Part::Optimizer => shards_state,
+            };
+            let wanted = |place: usize| !sharded || own[place];
+            let holds_wanted = zero::partition(&sizes, saved_world)
+                .into_iter()
+                .enumerate()
+                .any(|(place, owner)| owner == saved_rank && wanted(place));
+            holds_wanted
+                || (part == Part::Optimizer && saved_rank == 0 && !(0..own.len()).any(wanted))
         }
     }
+}
+
+/// The number of processes sharded checkpoint `loaded` was saved by (`None` for a
+/// consolidated one).
+fn saved_world(loaded: &LoadedCheckpoint) -> Option<usize> {
+    loaded.files.keys().find_map(|name| {
+        let (_, number, _, world) = parse_shard_name(name)?;
+        (number == loaded.epoch).then_some(world)
+    })
 }
 
 /// Whether `loaded` (checkpoint `loaded.epoch`) is a sharded checkpoint.
@@ -184,12 +215,14 @@ pub(crate) fn precheck(
     super::contents::precheck_loaded(dir, loaded, scheme, records_listed).map(Some)
 }
 
-/// [`contents::precheck_model`](super::contents::precheck_model), which a sharded checkpoint
-/// passes: its parameters are spread over its processes' files, and the resume names the one
-/// no file holds ([`read`]).
+/// [`contents::precheck_model`](super::contents::precheck_model) of a checkpoint of either
+/// layout: a sharded one's model files are checked to be one partition of `model`, each
+/// parameter of its shape in its owner's file ([`fits::check_shards`](super::fits::check_shards)),
+/// from their shapes alone.
 ///
 /// # Errors
-/// As [`contents::precheck_model`](super::contents::precheck_model).
+/// As [`contents::precheck_model`](super::contents::precheck_model), naming the process's
+/// model file (its path in `dir`) and the parameter, for a sharded checkpoint.
 pub(crate) fn precheck_model<B: burn::tensor::backend::Backend, M: burn::module::Module<B>>(
     dir: &std::path::Path,
     loaded: &LoadedCheckpoint,
@@ -197,10 +230,18 @@ pub(crate) fn precheck_model<B: burn::tensor::backend::Backend, M: burn::module:
     model: &M,
     device: &B::Device,
 ) -> Result<(), AccelerateError> {
-    if is_sharded(loaded) {
-        return Ok(());
-    }
-    super::contents::precheck_model::<B, M>(dir, loaded, scheme, model, device)
+    let Some(world) = saved_world(loaded) else {
+        return super::contents::precheck_model::<B, M>(dir, loaded, scheme, model, device);
+    };
+    let files: Vec<String> = (0..world)
+        .map(|rank| shard_name(Part::Model, loaded.epoch, rank, world))
+        .collect();
+    super::fits::check_shards::<B, M>(loaded, &files, model).map_err(|err| match err {
+        AccelerateError::Checkpoint { path, reason } => {
+            record_error(&dir.join(path).display().to_string(), reason)
+        }
+        other => other,
+    })
 }
 
 // What each process tells the main one once it wrote its files.
@@ -573,22 +614,56 @@ mod tests {
         assert!(complete(&entry(4, &mixed)).is_err());
     }
 
+    // Parameters of 10, 40, 30 and 20 values: over 2 processes [0, 0, 1, 1], over 3
+    // [2, 0, 1, 2] (`zero::partition`, largest first to the least loaded).
+    #[cfg(feature = "flex")]
+    fn four_parameters() -> Vec<Param<Tensor<burn::backend::Autodiff<burn::backend::Flex>, 1>>> {
+        [10, 40, 30, 20]
+            .into_iter()
+            .map(|n| Param::from_tensor(Tensor::zeros([n], &Default::default())))
+            .collect()
+    }
+
+    #[cfg(feature = "flex")]
     #[test]
-    fn a_process_keeps_its_own_files_on_as_many_processes_and_all_otherwise() {
-        let model = |rank, world| shard_name(Part::Model, 1, rank, world);
-        let optimizer = |rank, world| shard_name(Part::Optimizer, 1, rank, world);
+    fn a_process_reads_the_files_that_hold_its_partition() {
+        type B = burn::backend::Autodiff<burn::backend::Flex>;
+        let model = four_parameters();
+        let model_file = |rank: usize, world: usize| shard_name(Part::Model, 1, rank, world);
+        let optimizer = |rank: usize, world: usize| shard_name(Part::Optimizer, 1, rank, world);
+        let read = |keep: &dyn Fn(&str) -> bool, name: fn(usize, usize) -> String| {
+            (0..2).filter(|&r| keep(&name(r, 2))).collect::<Vec<_>>()
+        };
         // Stage 3 on as many processes: its own files alone.
-        let keep = keeps(1, 2, true, true);
-        assert!(keep(&model(1, 2)) && keep(&optimizer(1, 2)));
-        assert!(!keep(&model(0, 2)) && !keep(&optimizer(0, 2)));
+        let keep = keeps::<B, _>(&model, 1, 2, true, true);
+        assert_eq!(read(&keep, model_file), [1]);
+        assert_eq!(read(&keep, optimizer), [1]);
         assert!(keep("accelerator-1.json") && keep("loader.json"));
         // Stages 1 and 2: every model file (the parameters are whole on every process).
-        let keep = keeps(1, 2, true, false);
-        assert!(keep(&model(0, 2)) && !keep(&optimizer(0, 2)));
-        // Another number of processes, or stage 0: everything.
-        let keep = keeps(0, 3, true, true);
-        assert!(keep(&model(1, 2)) && keep(&optimizer(1, 2)));
-        let keep = keeps(0, 1, false, false);
-        assert!(keep(&model(1, 1)) && keep(&optimizer(0, 1)));
+        let keep = keeps::<B, _>(&model, 1, 2, true, false);
+        assert_eq!(read(&keep, model_file), [0, 1]);
+        assert_eq!(read(&keep, optimizer), [1]);
+        // Saved on 2, resumed on 3 at stage 3: process 0 owns the 40 (saved by process 0),
+        // process 1 the 30 (saved by process 1), process 2 the 10 and the 20 (one each).
+        for (rank, files) in [(0, vec![0usize]), (1, vec![1]), (2, vec![0, 1])] {
+            let keep = keeps::<B, _>(&model, rank, 3, true, true);
+            assert_eq!(read(&keep, model_file), files, "process {rank} of 3");
+            assert_eq!(read(&keep, optimizer), files, "process {rank} of 3");
+            let keep = keeps::<B, _>(&model, rank, 3, true, false);
+            assert_eq!(read(&keep, model_file), [0, 1], "process {rank} of 3");
+        }
+        // Stage 0, or one process: everything.
+        for keep in [
+            keeps::<B, _>(&model, 0, 2, false, false),
+            keeps::<B, _>(&model, 0, 1, true, true),
+        ] {
+            assert_eq!(read(&keep, model_file), [0, 1]);
+            assert_eq!(read(&keep, optimizer), [0, 1]);
+        }
+        // A process owning no parameter (5 processes, 4 parameters): no model file, and
+        // process 0's optimizer file alone, for a record to load.
+        let keep = keeps::<B, _>(&model, 4, 5, true, true);
+        assert_eq!(read(&keep, model_file), Vec::<usize>::new());
+        assert_eq!(read(&keep, optimizer), [0]);
     }
 }

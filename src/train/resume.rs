@@ -8,10 +8,12 @@
 //! state, the loaders' positions). With `CheckpointLayout::Sharded` at ZeRO stages 1 to 3 on
 //! several processes, each process writes its partition's model and optimizer files instead
 //! (`{model,optimizer}-<epoch>.shard-R-of-W.mpk`, through [`crate::checkpoint::sharded`],
-//! the `Accelerator`'s writer) and the main process the scheduler's record and the state; the
-//! resume reads every process's files (each parameter from the one that holds it) into the
-//! whole model and optimizer state, which the fit then partitions for this run's processes
-//! and stage as a consolidated checkpoint's. They are the strategy's and not Burn's checkpointer's
+//! the `Accelerator`'s writer) and the main process the scheduler's record and the state; on
+//! resume each process reads, as the `Accelerator`'s does (`sharded::keeps`), every model file
+//! (each parameter from the one that holds it: the learner's model is whole until the first
+//! step) and the optimizer files holding its partition's state (every one where the state is
+//! not sharded), which the fit then partitions for this run's processes and stage as a
+//! consolidated checkpoint's. They are the strategy's and not Burn's checkpointer's
 //! because Burn's `FileCheckpointer` writes in place, on threads of its own, with nothing that
 //! says when a file is whole: a crash in the middle leaves a torn file under its final name.
 //!
@@ -145,16 +147,38 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
         let checkpoints = self.checkpoints(dir);
         // The model is checked against the record (Burn's load_checkpoint loads a record of
         // another model without a word) and every record against what Burn would panic on,
-        // before any of it is loaded. A sharded checkpoint (`CheckpointLayout::Sharded`) is
-        // read whole on every process, each parameter from the file that holds it: the fit
-        // then partitions it for this run's processes and stage as it does a consolidated
-        // one's.
+        // before any of it is loaded. Of a sharded checkpoint (`CheckpointLayout::Sharded`)
+        // each process reads the files the `Accelerator`'s resume would (`sharded::keeps`):
+        // every process's model file, as the learner's model is whole until the first step
+        // (at stage 3 too), and of the optimizer files those holding the state of its
+        // partition where the state is sharded (the fit keeps its partition's alone), every
+        // one otherwise.
         let model = learner.model();
-        let resumed = crate::checkpoint::agree_on_checkpoint(
-            self.group.as_ref(),
+        let group = self.group.as_ref();
+        let (rank, world) = group.map_or((0, 1), |g| (g.rank(), g.world_size()));
+        let shards_state = crate::zero::shards(self.config.zero_stage, group);
+        let keep =
+            sharded::keeps::<TrainingBackend<LC>, _>(&model, rank, world, shards_state, false);
+        // The start-up check's copy holds every file: those this process does not read are
+        // dropped before the records are decoded.
+        let held = held.map(|mut held| {
+            held.files.retain(|name, _| keep(name));
+            held
+        });
+        let resumed = crate::checkpoint::agree_on_checkpoint_keeping(
+            group,
             &checkpoints,
             held,
-            |held| self.choose(&checkpoints, asked, components.checkpointer.is_some(), held),
+            |held| {
+                self.choose(
+                    &checkpoints,
+                    asked,
+                    components.checkpointer.is_some(),
+                    held,
+                    keep.clone(),
+                )
+            },
+            keep.clone(),
         )
         .and_then(|loaded| match loaded {
             None => Ok(Resume::Fresh(model)),
@@ -227,28 +251,35 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
     // The main process's pick: the epoch asked for (`.checkpoint(epoch)`), else the newest
     // complete one; `None` to start afresh or to leave it to Burn's own files. `held`, the
     // checkpoint verified at start-up, is the newest complete one, and the one asked for when
-    // its epoch is.
+    // its epoch is. Of the files of the one picked, those `keep` names are kept (the newest
+    // complete one's are all verified first).
     fn choose(
         &self,
         checkpoints: &CheckpointDir,
         asked: Option<usize>,
         burn_has_files: bool,
         held: Option<LoadedCheckpoint>,
+        keep: impl Fn(&str) -> bool,
     ) -> Result<Option<LoadedCheckpoint>, AccelerateError> {
         if let Some(held) = held.filter(|held| asked.is_none_or(|epoch| epoch == held.epoch)) {
             return Ok(Some(held));
         }
         let Some(epoch) = asked else {
             // A sharded checkpoint missing a process's file is passed over as a damaged one.
-            return checkpoints.load_newest_where(None, sharded::complete, |_| true);
+            return checkpoints.load_newest_where(None, sharded::complete, keep);
         };
         let listed = Manifest::read(checkpoints.path())?.entry(epoch).is_some();
         if !listed && burn_has_files {
             // An epoch written before the strategy kept checkpoints of its own.
             return Ok(None);
         }
+        // Every file verified, as of the newest: a damaged one is refused here, on the main
+        // process, whichever process would have read it.
         match checkpoints.load(epoch) {
-            Ok(loaded) => Ok(Some(loaded)),
+            Ok(mut loaded) => {
+                loaded.files.retain(|name, _| keep(name));
+                Ok(Some(loaded))
+            }
             Err(err) if burn_has_files => {
                 log::warn!(
                     "burn-accelerate: {err}: loading Burn's own checkpoint of epoch {epoch} \

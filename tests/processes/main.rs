@@ -13,8 +13,9 @@ mod mlp;
 #[path = "../needs/mod.rs"]
 mod needs;
 mod one_save;
-mod stage3_norm;
+mod sharded_resume;
 mod stage3_autocast_more;
+mod stage3_norm;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;

@@ -1,0 +1,413 @@
+//! Sharded checkpoints (`CheckpointLayout::Sharded`) resumed on another number of processes
+//! read only the files that hold each process's partition (issue 48), through both entry
+//! points; and `check_checkpoint_fits` checks a sharded checkpoint's files against the model.
+//!
+//! That a process reads no other file is shown by giving each process a copy of the checkpoint
+//! directory of its own, from which the files it does not need are deleted: a process that
+//! read every file would fail on them (the main process keeps the whole directory: it verifies
+//! every file of the checkpoint it picks).
+
+use std::path::{Path, PathBuf};
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::tensor::Tensor;
+use burn::tensor::backend::Backend;
+use burn_accelerate::checkpoint::{FileDigest, Manifest};
+use burn_accelerate::distributed::ProcessState;
+use serde::{Deserialize, Serialize};
+
+use crate::harness::{self, launch, max_relative_difference, report, worker};
+use crate::{HandLoop, HandLoopReport, Net, bits, hand_loop, supervised};
+
+/// Every float parameter's number of values, in visiting order: what the partition is of.
+fn sizes<B: Backend, M: Module<B>>(module: &M) -> Vec<usize> {
+    struct Sizes(Vec<usize>);
+    impl<B: Backend> ModuleVisitor<B> for Sizes {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0.push(param.lazy_shape().num_elements());
+        }
+    }
+    let mut sizes = Sizes(Vec::new());
+    module.visit(&mut sizes);
+    sizes.0
+}
+
+/// The processes of `saved` whose partitions hold a parameter of process `rank`'s of `world`
+/// (of every parameter where `whole`).
+fn overlapping(
+    sizes: &[usize],
+    saved: usize,
+    rank: usize,
+    world: usize,
+    whole: bool,
+) -> Vec<usize> {
+    let old = burn_accelerate::zero::partition(sizes, saved);
+    let new = burn_accelerate::zero::partition(sizes, world);
+    let mut ranks: Vec<usize> = old
+        .iter()
+        .zip(&new)
+        .filter(|(_, owner)| whole || **owner == rank)
+        .map(|(saved_rank, _)| *saved_rank)
+        .collect();
+    ranks.sort_unstable();
+    ranks.dedup();
+    ranks
+}
+
+/// A copy of checkpoint directory `from` for each process of `world` (`rank-R/sub` under
+/// `to`), process 0's whole, each other's without the shard files of checkpoint `number` (saved by
+/// `saved` processes) that `needs` does not give it: `needs(rank, part)` the saved processes
+/// whose `part` file (`"model"`, `"optimizer"`) it reads. Returns how many files were deleted.
+fn copies_for_each_process(
+    from: &Path,
+    to: &Path,
+    sub: &str,
+    world: usize,
+    number: usize,
+    saved: usize,
+    needs: impl Fn(usize, &str) -> Vec<usize>,
+) -> usize {
+    let mut deleted = 0;
+    for rank in 0..world {
+        let copy = to.join(format!("rank-{rank}")).join(sub);
+        std::fs::create_dir_all(&copy).unwrap();
+        for file in std::fs::read_dir(from).unwrap() {
+            let file = file.unwrap();
+            if file.file_type().unwrap().is_file() {
+                std::fs::copy(file.path(), copy.join(file.file_name())).unwrap();
+            }
+        }
+        if rank == 0 {
+            continue;
+        }
+        for part in ["model", "optimizer"] {
+            let needed = needs(rank, part);
+            for saved_rank in (0..saved).filter(|r| !needed.contains(r)) {
+                let name = format!("{part}-{number}.shard-{saved_rank}-of-{saved}.mpk");
+                std::fs::remove_file(copy.join(&name)).unwrap();
+                deleted += 1;
+            }
+        }
+    }
+    deleted
+}
+
+/// This process's directory of `dir` (`rank-R`), where `per_process`.
+fn own_copy(dir: &Path, per_process: bool) -> PathBuf {
+    if per_process {
+        let rank = ProcessState::from_env().unwrap().process_index();
+        dir.join(format!("rank-{rank}"))
+    } else {
+        dir.to_path_buf()
+    }
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct HandRun {
+    run: HandLoop,
+    /// Resume from `run.resume_from`'s `rank-R` (this process's copy).
+    per_process: bool,
+}
+
+#[test]
+fn sharded_resume_by_hand_reads_only_the_files_of_its_partition() {
+    const TEST: &str =
+        "sharded_resume::sharded_resume_by_hand_reads_only_the_files_of_its_partition";
+    if let Some(mut args) = worker::<HandRun>() {
+        args.run.resume_from = args
+            .run
+            .resume_from
+            .map(|dir| own_copy(&dir, args.per_process));
+        return report(&hand_loop::<burn::backend::Autodiff<burn::backend::Flex>>(
+            &args.run,
+        ));
+    }
+    // A global batch of 12, Adam, ZeRO stage 3 on 2 processes, the checkpoint written sharded
+    // (as the stage 3 checkpoint tests of main.rs).
+    let args = |processes: usize, zero_stage: u8, epochs: usize| HandLoop {
+        batch_size: 12 / processes,
+        grad_accum: 1,
+        epochs,
+        precision: burn_accelerate::Precision::F32,
+        overflow_rank: None,
+        overflow_batch: 0,
+        zero_stage,
+        adam: true,
+        clip_norm: None,
+        save_to: None,
+        resume_from: None,
+        sharded_checkpoint: true,
+    };
+    let hand = |run: HandLoop, per_process: bool| HandRun { run, per_process };
+    let whole: Vec<HandLoopReport> = launch(TEST, 2, &hand(args(2, 3, 2), false), &[])
+        .assert_success()
+        .reports(2);
+    let dir = harness::scratch_dir("sharded-resume-by-hand");
+    let saved_dir = dir.join("saved");
+    let first = HandLoop {
+        save_to: Some(saved_dir.clone()),
+        ..args(2, 3, 1)
+    };
+    launch(TEST, 2, &hand(first, false), &[]).assert_success();
+    let sizes = sizes(&Net::<burn::backend::Flex>::new(&Default::default()));
+
+    // On 3 processes at stage 3, each process's copy lacks the files it does not need (of
+    // the model and of the optimizer state, both sharded at stage 3): the same training to
+    // rounding, within the 1e-5 of main.rs's re-partitioned resumes.
+    let copies = dir.join("three");
+    let deleted = copies_for_each_process(&saved_dir, &copies, "", 3, 1, 2, |rank, _| {
+        overlapping(&sizes, 2, rank, 3, false)
+    });
+    assert!(
+        deleted > 0,
+        "some process of 3 needs fewer files than saved"
+    );
+    let resume = |processes: usize, zero_stage: u8, from: &Path, per_process: bool| {
+        hand(
+            HandLoop {
+                resume_from: Some(from.to_path_buf()),
+                ..args(processes, zero_stage, 1)
+            },
+            per_process,
+        )
+    };
+    let resumed: Vec<HandLoopReport> = launch(TEST, 3, &resume(3, 3, &copies, true), &[])
+        .assert_success()
+        .reports(3);
+    for r in &resumed {
+        assert_eq!(bits(&r.parameters), bits(&resumed[0].parameters));
+    }
+    let d = max_relative_difference(&resumed[0].parameters, &whole[0].parameters);
+    assert!(d < 1e-5, "3 processes at stage 3: {d:e}");
+
+    // At stage 1 on 3 processes the parameters are whole: every model file, and the optimizer
+    // files of its partition.
+    let stage_1 = dir.join("three-stage-1");
+    let deleted = copies_for_each_process(&saved_dir, &stage_1, "", 3, 1, 2, |rank, part| {
+        overlapping(&sizes, 2, rank, 3, part == "model")
+    });
+    assert!(
+        deleted > 0,
+        "some process of 3 needs fewer optimizer files than saved"
+    );
+    let resumed: Vec<HandLoopReport> = launch(TEST, 3, &resume(3, 1, &stage_1, true), &[])
+        .assert_success()
+        .reports(3);
+    let d = max_relative_difference(&resumed[0].parameters, &whole[0].parameters);
+    assert!(d < 1e-5, "3 processes at stage 1: {d:e}");
+
+    // On one process: both files of each part, the same training to rounding.
+    let one: Vec<HandLoopReport> = launch(TEST, 1, &resume(1, 0, &saved_dir, false), &[])
+        .assert_success()
+        .reports(1);
+    let d = max_relative_difference(&one[0].parameters, &whole[0].parameters);
+    assert!(d < 1e-5, "1 process: {d:e}");
+    harness::clean(&dir);
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct StrategyRun {
+    run: supervised::Run,
+    /// Run in `run.dir`'s `rank-R` (this process's copy).
+    per_process: bool,
+}
+
+#[test]
+fn sharded_resume_with_accelerate_reads_only_the_optimizer_files_of_its_partition() {
+    const TEST: &str = "sharded_resume::sharded_resume_with_accelerate_reads_only_the_optimizer_files_of_its_partition";
+    if let Some(mut args) = worker::<StrategyRun>() {
+        args.run.dir = args.run.dir.map(|dir| own_copy(&dir, args.per_process));
+        return report(&supervised::train(&args.run));
+    }
+    // A global batch of 48 over 192 items (the same batches on 1, 2 and 3 processes), Adam
+    // through Burn's Learner, ZeRO stage 2 on 2 processes, the strategy's own checkpoints
+    // written sharded.
+    let run = |processes: usize, zero_stage: u8, epochs: usize, dir: &Path, resume_from| {
+        supervised::Run {
+            batch_size: 48 / processes,
+            grad_accum: 1,
+            epochs,
+            dir: Some(dir.to_path_buf()),
+            resume_from,
+            zero_stage,
+            sharded_checkpoint: true,
+            items: 192,
+            ..Default::default()
+        }
+    };
+    let strategy = |run: supervised::Run, per_process: bool| StrategyRun { run, per_process };
+    let whole_dir = harness::scratch_dir("sharded-resume-strategy-whole");
+    let whole: Vec<supervised::RunReport> = launch(
+        TEST,
+        2,
+        &strategy(run(2, 2, 3, &whole_dir, None), false),
+        &[],
+    )
+    .assert_success()
+    .reports(2);
+    let dir = harness::scratch_dir("sharded-resume-strategy");
+    let saved_dir = dir.join("saved");
+    launch(
+        TEST,
+        2,
+        &strategy(run(2, 2, 2, &saved_dir, None), false),
+        &[],
+    )
+    .assert_success();
+    let sizes = sizes(&crate::mlp::Mlp::<burn::backend::Flex>::new(
+        16,
+        &Default::default(),
+    ));
+
+    // On 3 processes at stage 2 and at stage 3: every process reads every model file (the
+    // learner's model is whole until the first step) and the optimizer files holding its
+    // partition's state alone.
+    for zero_stage in [2, 3] {
+        let copies = dir.join(format!("three-stage-{zero_stage}"));
+        let deleted = copies_for_each_process(
+            &saved_dir.join("checkpoint"),
+            &copies,
+            "checkpoint",
+            3,
+            2,
+            2,
+            |rank, part| overlapping(&sizes, 2, rank, 3, part == "model"),
+        );
+        assert!(deleted > 0, "some process of 3 needs fewer optimizer files");
+        // Burn's metric logs of the epochs before: the main process reads them back.
+        for entry in std::fs::read_dir(&saved_dir).unwrap() {
+            let entry = entry.unwrap();
+            if entry.file_type().unwrap().is_dir() && entry.file_name() != "checkpoint" {
+                copy_tree(
+                    &entry.path(),
+                    &copies.join("rank-0").join(entry.file_name()),
+                );
+            }
+        }
+        let resumed: Vec<supervised::RunReport> = launch(
+            TEST,
+            3,
+            &strategy(run(3, zero_stage, 3, &copies, Some(2)), true),
+            &[],
+        )
+        .assert_success()
+        .reports(3);
+        assert_eq!(resumed[0].epochs, [3]);
+        let d = max_relative_difference(&resumed[0].parameters, &whole[0].parameters);
+        assert!(d < 1e-5, "3 processes at stage {zero_stage}: {d:e}");
+    }
+    // On one process: every file, the same training to rounding.
+    let one_dir = dir.join("one");
+    copy_tree(&saved_dir, &one_dir);
+    let one: Vec<supervised::RunReport> = launch(
+        TEST,
+        1,
+        &strategy(run(1, 0, 3, &one_dir, Some(2)), false),
+        &[],
+    )
+    .assert_success()
+    .reports(1);
+    assert_eq!(one[0].epochs, [3]);
+    let d = max_relative_difference(&one[0].parameters, &whole[0].parameters);
+    assert!(d < 1e-5, "1 process: {d:e}");
+
+    check_checkpoint_fits_on_sharded_files(&saved_dir.join("checkpoint"), &dir.join("fits"));
+    harness::clean(&whole_dir);
+    harness::clean(&dir);
+}
+
+fn copy_tree(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_tree(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
+}
+
+// `check_checkpoint_fits` on the strategy's sharded checkpoints of 2 processes (`saved`,
+// epochs 1 and 2), in this test's own process: the model that wrote them fits; another width,
+// a parameter no file holds, a process's file that is gone are refused naming the parameter
+// and the file.
+fn check_checkpoint_fits_on_sharded_files(saved: &Path, scratch: &Path) {
+    use burn_accelerate::AccelerateError;
+    use burn_accelerate::train::AccelerateStrategy;
+
+    use crate::mlp::{Mlp, MlpComponents};
+
+    type Train = burn_accelerate::Accelerated<burn::backend::Autodiff<burn::backend::Flex>>;
+    let device = Default::default();
+    let check = |dir: &Path, hidden: usize| {
+        AccelerateStrategy::<MlpComponents<Train>>::new(
+            burn_accelerate::AccelerateConfig::new(),
+            &device,
+        )
+        .unwrap()
+        .try_with_checkpoint_dir(dir)?
+        .check_checkpoint_fits(&Mlp::new(hidden, &device))
+    };
+    let refused = |dir: &Path, hidden: usize| match check(dir, hidden) {
+        Err(AccelerateError::Checkpoint { path, reason }) => (path, reason),
+        other => panic!("expected a checkpoint error, got {other:?}"),
+    };
+    check(saved, 16).expect("the model that wrote it fits");
+
+    // Another width: the largest parameter, `fc1.weight`'s, in the file of its owner.
+    let (path, reason) = refused(saved, 32);
+    let owner = burn_accelerate::zero::partition(
+        &sizes(&Mlp::<burn::backend::Flex>::new(32, &Default::default())),
+        2,
+    )[0];
+    assert_eq!(
+        Path::new(&path),
+        saved.join(format!("model-2.shard-{owner}-of-2.mpk")),
+        "{reason}"
+    );
+    assert!(
+        reason.contains("parameter `fc1.weight` has shape") && reason.contains("in the model"),
+        "{reason}"
+    );
+
+    // A process's file whose record names a module `fc2` otherwise (`fcX`), listed with its
+    // checksum: the parameter it lacks, and the file.
+    let renamed = scratch.join("renamed");
+    copy_tree(saved, &renamed);
+    let name = "model-2.shard-1-of-2.mpk";
+    let mut bytes = std::fs::read(renamed.join(name)).unwrap();
+    let mut found = 0;
+    for at in 0..bytes.len().saturating_sub(3) {
+        if &bytes[at..at + 3] == b"fc2" {
+            bytes[at + 2] = b'X';
+            found += 1;
+        }
+    }
+    assert!(found > 0, "the record names fc2");
+    std::fs::write(renamed.join(name), &bytes).unwrap();
+    Manifest::read(&renamed)
+        .unwrap()
+        .relisted(2, FileDigest::of(name.to_string(), &bytes))
+        .unwrap()
+        .write(&renamed)
+        .unwrap();
+    let (path, reason) = refused(&renamed, 16);
+    assert_eq!(Path::new(&path), renamed.join(name), "{reason}");
+    assert!(
+        reason.contains("parameter `fc2.weight`") && reason.contains("is not in the record"),
+        "{reason}"
+    );
+
+    // Process 1's files gone from both checkpoints: none can be resumed from, and the
+    // start-up check says which file is missing.
+    let gone = scratch.join("gone");
+    copy_tree(saved, &gone);
+    for number in [1, 2] {
+        std::fs::remove_file(gone.join(format!("model-{number}.shard-1-of-2.mpk"))).unwrap();
+    }
+    let (_, reason) = refused(&gone, 16);
+    assert!(reason.contains("model-2.shard-1-of-2.mpk"), "{reason}");
+    assert!(reason.contains("model-1.shard-1-of-2.mpk"), "{reason}");
+}
