@@ -31,8 +31,13 @@
 //!   `Matmul` backward, the same ops in the same order).
 //! - `embedding` (Burn's `nn::Embedding`): the table is gathered for the lookup alone; the
 //!   backward reads only its shape (`embedding_backward`), so it is not gathered again.
-//! - Every other op of every ops trait the decorator forwards (convolutions, layer norms,
-//!   casts under autocast, transactions), `linear` and `matmul` under autocast where the
+//! - The convolutions (Burn's `nn::conv`: `conv1d`, `conv2d`, `conv3d` and the transposed
+//!   ones), where autocast is off and the operands share a dtype: as `linear`, the weight
+//!   (and a registered bias) gathered for the op alone, the weight again for the input's
+//!   gradient, in Burn's convolution node's ops and order; the weight's and bias's gradients
+//!   read only their placeholders' shapes (`conv`).
+//! - Every other op of every ops trait the decorator forwards (layer norms, convolutions
+//!   under autocast, casts under autocast, transactions), `linear` and `matmul` under autocast where the
 //!   half kernels do not run them (fp8, f32-kept ops, a broadcast `matmul`, other backends): the
 //!   registered input is gathered in full and the op reads `anchor + gathered` (the gathered
 //!   value bit for bit, since `-0.0` is the additive identity, with the gradient flowing to
@@ -47,8 +52,8 @@
 //! at the parameter's first use in the pass: its backward sees the sum of every use's
 //! gradient, and hands it to the parameter as it is, or (in the backward pass that completes
 //! an accumulation window, `crate::zero::post_backward`) reduces it to the parameter's owner
-//! first, the other processes keeping nothing of it. `linear` and `matmul` place their
-//! anchors just above their other input, so that they run right after the op's backward;
+//! first, the other processes keeping nothing of it. `linear`, `matmul` and the
+//! convolutions place their anchors just above their other input, so that they run right after the op's backward;
 //! other ops' anchors (an embedding's among them: its input is integers) sit above the
 //! parameter alone and run at the end of the pass.
 //!
@@ -73,8 +78,13 @@ use burn_backend::{Backend, DType, FloatDType, Shape, TensorData, TensorMetadata
 
 use crate::hooks::{self, HookKind};
 
+mod conv;
 #[cfg(feature = "flex")]
 mod half;
+
+pub(crate) use conv::{
+    conv_transpose1d, conv_transpose2d, conv_transpose3d, conv1d, conv2d, conv3d,
+};
 
 /// Where a registered parameter's whole value comes from: one collective per use.
 pub trait Shard: Send + Sync + 'static {
@@ -265,6 +275,7 @@ pub fn register<B: Backend, C: CheckpointStrategy>() {
         embedding: bounded_embedding::<B, C>,
         anchor: anchor::<B, C>,
     });
+    conv::register::<B, C>();
     // Under its key the decorator says that its ops resolve placeholders.
     hooks::insert::<DecoratorHooks, super::Accelerated<Autodiff<B, C>>, _>(Resolves);
     hooks::insert::<PlaceholderHooks, super::Accelerated<Autodiff<B, C>>, _>(Tracked::<

@@ -12,6 +12,7 @@ mod lm;
 mod mlp;
 #[path = "../needs/mod.rs"]
 mod needs;
+mod stage3_conv;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
