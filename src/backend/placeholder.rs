@@ -35,9 +35,13 @@
 //!   ones), where autocast is off and the operands share a dtype: as `linear`, the weight
 //!   (and a registered bias) gathered for the op alone, the weight again for the input's
 //!   gradient, in Burn's convolution node's ops and order; the weight's and bias's gradients
-//!   read only their placeholders' shapes (`conv`).
-//! - Every other op of every ops trait the decorator forwards (layer norms, convolutions
-//!   under autocast, casts under autocast, transactions), `linear` and `matmul` under autocast where the
+//!   read only their placeholders' shapes (`conv`). Under bf16/f16 autocast on
+//!   `Autodiff<Flex>`, `conv2d` (and only it) where autocast runs it on the crate's half
+//!   convolution: the weight and bias gathered in the half type for the op, the weight again
+//!   for the backward pass, whose GEMMs read it for both the input's and the weight's
+//!   gradients (`half_conv`).
+//! - Every other op of every ops trait the decorator forwards (layer norms, the other
+//!   convolutions under autocast, casts under autocast, transactions), `linear` and `matmul` under autocast where the
 //!   half kernels do not run them (fp8, f32-kept ops, a broadcast `matmul`, other backends): the
 //!   registered input is gathered in full and the op reads `anchor + gathered` (the gathered
 //!   value bit for bit, since `-0.0` is the additive identity, with the gradient flowing to
@@ -81,6 +85,8 @@ use crate::hooks::{self, HookKind};
 mod conv;
 #[cfg(feature = "flex")]
 mod half;
+#[cfg(feature = "flex")]
+mod half_conv;
 
 pub(crate) use conv::{
     conv_transpose1d, conv_transpose2d, conv_transpose3d, conv1d, conv2d, conv3d,

@@ -11,7 +11,8 @@
 //! only their shape, dtype and device (a grouped convolution's zeros of the weight's shape),
 //! and Flex and NdArray keep those defaults.
 //!
-//! Under autocast the convolutions still gather their parameters whole (see the
+//! Under bf16/f16 autocast on `Autodiff<Flex>` a `conv2d` gathers its parameters in the half
+//! type (`half_conv`); other convolutions under autocast gather theirs whole (see the
 //! [parent module](super)'s "Which ops hold the bound").
 
 use std::marker::PhantomData;
@@ -226,11 +227,31 @@ macro_rules! dispatchers {
 
 dispatchers! {
     conv1d: Conv1d, ConvOptions<1>;
-    conv2d: Conv2d, ConvOptions<2>;
     conv3d: Conv3d, ConvOptions<3>;
     conv_transpose1d: ConvTranspose1d, ConvTransposeOptions<1>;
     conv_transpose2d: ConvTranspose2d, ConvTransposeOptions<2>;
     conv_transpose3d: ConvTranspose3d, ConvTransposeOptions<3>;
+}
+
+/// `conv2d(x, weight, bias, options)` with the per-layer bound, where it applies: a
+/// registered weight and either autocast off and one dtype (see the module docs), or bf16/f16
+/// autocast on `Autodiff<Flex>`, which runs the op on the crate's half convolution (the
+/// parameters gathered in the half type: see `half_conv`). Otherwise the inputs back, for the
+/// op's usual path.
+pub(crate) fn conv2d<B: Backend>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    bias: Option<FloatTensor<B>>,
+    options: ConvOptions<2>,
+) -> Result<FloatTensor<B>, ConvInputs<B, ConvOptions<2>>> {
+    #[cfg(feature = "flex")]
+    if let Some(weight_shard) = shard_of::<B>(&weight)
+        && let Some(crate::Precision::Bf16 | crate::Precision::F16) = crate::autocast::current()
+        && shard_of::<B>(&x).is_none()
+    {
+        return super::half_conv::autocast_conv2d::<B>(x, weight, bias, options, weight_shard);
+    }
+    dispatch::<B, Conv2d>(x, weight, bias, options)
 }
 
 // Burn's convolution node's state, the weight kept as its placeholder (gathered again for
