@@ -41,14 +41,15 @@
 //!   for the backward pass, whose GEMMs read it for both the input's and the weight's
 //!   gradients (`half_conv`).
 //! - Every other op of every ops trait the decorator forwards (layer norms, the other
-//!   convolutions under autocast, casts under autocast, transactions), `linear` and `matmul` under autocast where the
-//!   half kernels do not run them (fp8, f32-kept ops, a broadcast `matmul`, other backends): the
-//!   registered input is gathered in full and the op reads `anchor + gathered` (the gathered
-//!   value bit for bit, since `-0.0` is the additive identity, with the gradient flowing to
-//!   the anchor). The numbers are right; the gathered value stays whole while the autodiff
-//!   graph keeps it (until the step), as the lazy gather's did: no per-op bound for these
-//!   ops. Reads that build no graph (`into_data`, the decorator's `AutodiffBackend::inner`:
-//!   `Module::valid`'s copy) gather the same way, without an anchor.
+//!   convolutions under autocast, casts under autocast, transactions), `linear` and
+//!   `matmul` under autocast where the half kernels do not run them (fp8, f32-kept ops, a
+//!   broadcast `matmul`, other backends): the registered input is gathered in full and the
+//!   op reads `anchor + gathered` (the gathered value bit for bit, since `-0.0` is the
+//!   additive identity, with the gradient flowing to the anchor). The numbers are right;
+//!   the gathered value stays whole while the autodiff graph keeps it (until the step), as
+//!   the lazy gather's did: no per-op bound for these ops. Reads that build no graph
+//!   (`into_data`, the decorator's `AutodiffBackend::inner`: `Module::valid`'s copy) gather
+//!   the same way, without an anchor.
 //!
 //! # Anchors
 //!
@@ -57,9 +58,9 @@
 //! gradient, and hands it to the parameter as it is, or (in the backward pass that completes
 //! an accumulation window, `crate::zero::post_backward`) reduces it to the parameter's owner
 //! first, the other processes keeping nothing of it. `linear`, `matmul` and the
-//! convolutions place their anchors just above their other input, so that they run right after the op's backward;
-//! other ops' anchors (an embedding's among them: its input is integers) sit above the
-//! parameter alone and run at the end of the pass.
+//! convolutions place their anchors just above their other input, so that they run right
+//! after the op's backward; other ops' anchors (an embedding's among them: its input is
+//! integers) sit above the parameter alone and run at the end of the pass.
 //!
 //! Recognition needs the concrete `Autodiff<B, C>` (the node id), which `crate::hooks`
 //! registers per backend type; a backend without the hook registers nothing, and stage 3

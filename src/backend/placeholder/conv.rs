@@ -66,15 +66,18 @@ pub(super) trait Convolution: Send + Sync + 'static {
 // A convolution (`transposed: false`) or a transposed one, whose input's gradient reads no
 // input (Burn's `conv_transpose*_x_backward(weight, grad, options)`).
 macro_rules! convolution {
-    ($kind:ident, $options:ty, $forward:ident, $x:ident, $weight:ident, $bias:ident, transposed: false) => {
+    ($kind:ident, $options:ty, $forward:ident, $x:ident, $weight:ident, $bias:ident,
+     transposed: false) => {
         convolution!(@impl $kind, $options, $forward, $weight, $bias,
             |x, weight, grad, options| $x(x, weight, grad, options));
     };
-    ($kind:ident, $options:ty, $forward:ident, $x:ident, $weight:ident, $bias:ident, transposed: true) => {
+    ($kind:ident, $options:ty, $forward:ident, $x:ident, $weight:ident, $bias:ident,
+     transposed: true) => {
         convolution!(@impl $kind, $options, $forward, $weight, $bias,
             |_x, weight, grad, options| $x(weight, grad, options));
     };
-    (@impl $kind:ident, $options:ty, $forward:ident, $weight:ident, $bias:ident, |$xa:ident, $wa:ident, $ga:ident, $oa:ident| $x:ident($($arg:ident),*)) => {
+    (@impl $kind:ident, $options:ty, $forward:ident, $weight:ident, $bias:ident,
+     |$xa:ident, $wa:ident, $ga:ident, $oa:ident| $x:ident($($arg:ident),*)) => {
         pub(super) struct $kind;
 
         impl Convolution for $kind {
@@ -211,9 +214,9 @@ fn dispatch<B: Backend, K: Convolution>(
 
 macro_rules! dispatchers {
     ($($name:ident: $kind:ident, $options:ty;)*) => {$(
-        #[doc = concat!("`", stringify!($name), "(x, weight, bias, options)` with the per-layer bound, where it")]
-        /// applies (a registered weight, autocast off, one dtype: see the module docs);
-        /// otherwise the inputs back, for the op's usual path.
+        #[doc = concat!("`", stringify!($name), "(x, weight, bias, options)` with the")]
+        /// per-layer bound, where it applies (a registered weight, autocast off, one dtype:
+        /// see the module docs); otherwise the inputs back, for the op's usual path.
         pub(crate) fn $name<B: Backend>(
             x: FloatTensor<B>,
             weight: FloatTensor<B>,
