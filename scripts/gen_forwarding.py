@@ -224,6 +224,8 @@ RESOLVE = {
 # Ops with a bounded path in src/backend/placeholder.rs (and its modules), taking and giving back the op's
 # arguments (in signature order) where the path does not apply.
 BOUNDED = {"linear", "embedding", "float_matmul", "layer_norm"}
+# The convolutions' (src/backend/placeholder/conv.rs).
+BOUNDED |= {"conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"}
 
 # Reads that build no autodiff graph: a registered parameter is gathered without the anchor
 # node that ops read it through (`resolve_read`).

@@ -42,15 +42,24 @@
 //!   where gamma and beta are read as they are: the normalisation runs as Burn decomposes
 //!   it; gamma and beta are gathered for the affine part alone, and gamma again for the
 //!   normalised input's gradient (`norm`).
-//! - Every other op of every ops trait the decorator forwards (convolutions, RMS norms (a
-//!   reshape of gamma, then a product: each gathers in full), casts under autocast,
-//!   transactions), `linear` and `matmul` under autocast where neither the half kernels nor
-//!   fp8 run them (f32-kept ops, other backends): the
-//!   registered input is gathered in full and the op reads `anchor + gathered` (the gathered
-//!   value bit for bit, since `-0.0` is the additive identity, with the gradient flowing to
-//!   the anchor). The numbers are right; the gathered value stays whole while the autodiff
-//!   graph keeps it (until the step), as the lazy gather's did: no per-op bound for these
-//!   ops. Reads that build no graph (`into_data`, the decorator's `AutodiffBackend::inner`:
+//! - The convolutions (Burn's `nn::conv`: `conv1d`, `conv2d`, `conv3d` and the transposed
+//!   ones), where autocast is off and the operands share a dtype: as `linear`, the weight
+//!   (and a registered bias) gathered for the op alone, the weight again for the input's
+//!   gradient, in Burn's convolution node's ops and order; the weight's and bias's gradients
+//!   read only their placeholders' shapes (`conv`). Under bf16/f16 autocast on
+//!   `Autodiff<Flex>`, `conv2d` (and only it) where autocast runs it on the crate's half
+//!   convolution: the weight and bias gathered in the half type for the op, the weight again
+//!   for the backward pass, whose GEMMs read it for both the input's and the weight's
+//!   gradients (`half_conv`).
+//! - Every other op of every ops trait the decorator forwards (RMS norms (a reshape of
+//!   gamma, then a product: each gathers in full), the other convolutions under autocast,
+//!   casts under autocast, transactions), `linear` and `matmul` under autocast where neither
+//!   the half kernels nor fp8 run them (f32-kept ops, other backends): the registered
+//!   input is gathered in full and the op reads `anchor + gathered` (the gathered value bit
+//!   for bit, since `-0.0` is the additive identity, with the gradient flowing to the
+//!   anchor). The numbers are right; the gathered value stays whole while the autodiff graph
+//!   keeps it (until the step), as the lazy gather's did: no per-op bound for these ops.
+//!   Reads that build no graph (`into_data`, the decorator's `AutodiffBackend::inner`:
 //!   `Module::valid`'s copy) gather the same way, without an anchor.
 //!
 //! # Anchors
@@ -59,10 +68,11 @@
 //! at the parameter's first use in the pass: its backward sees the sum of every use's
 //! gradient, and hands it to the parameter as it is, or (in the backward pass that completes
 //! an accumulation window, `crate::zero::post_backward`) reduces it to the parameter's owner
-//! first, the other processes keeping nothing of it. `linear` and `matmul` place their
-//! anchors just above their other input (`layer_norm` above its normalised input), so that
-//! they run right after the op's backward; other ops' anchors (an embedding's among them:
-//! its input is integers) sit above the parameter alone and run at the end of the pass.
+//! first, the other processes keeping nothing of it. `linear`, `matmul` and the
+//! convolutions place their anchors just above their other input (`layer_norm` above its
+//! normalised input), so that they run right after the op's backward; other ops' anchors (an
+//! embedding's among them: its input is integers) sit above the parameter alone and run at
+//! the end of the pass.
 //!
 //! Recognition needs the concrete `Autodiff<B, C>` (the node id), which `crate::hooks`
 //! registers per backend type; a backend without the hook registers nothing, and stage 3
@@ -85,11 +95,17 @@ use burn_backend::{Backend, DType, FloatDType, Shape, TensorData, TensorMetadata
 
 use crate::hooks::{self, HookKind};
 
+mod conv;
 mod fp8;
 #[cfg(feature = "flex")]
 mod half;
+#[cfg(feature = "flex")]
+mod half_conv;
 mod norm;
 
+pub(crate) use conv::{
+    conv_transpose1d, conv_transpose2d, conv_transpose3d, conv1d, conv2d, conv3d,
+};
 pub(crate) use norm::layer_norm;
 
 /// Where a registered parameter's whole value comes from: one collective per use.
@@ -286,6 +302,7 @@ pub fn register<B: Backend, C: CheckpointStrategy>() {
         fp8_matmul: fp8::bounded_fp8_matmul::<B, C>,
     });
     norm::register::<B, C>();
+    conv::register::<B, C>();
     // Under its key the decorator says that its ops resolve placeholders.
     hooks::insert::<DecoratorHooks, super::Accelerated<Autodiff<B, C>>, _>(Resolves);
     hooks::insert::<PlaceholderHooks, super::Accelerated<Autodiff<B, C>>, _>(Tracked::<

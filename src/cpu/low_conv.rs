@@ -154,41 +154,62 @@ struct Saved {
 
 // The gradients of a convolution's parents `[x, weight, bias]` (bias absent without one).
 fn backward(saved: Saved, parents: &[Option<NodeId>], grad: FlexTensor, grads: &mut Gradients) {
-    let (dtype, grad) = (grad.dtype(), grad.to_contiguous());
-    if let Some(Some(id)) = parents.get(2) {
-        grads.register::<Flex>(*id, bias_grad(&grad, saved.route));
-    }
+    let want = [0, 1, 2].map(|i| matches!(parents.get(i), Some(Some(_))));
     let Saved {
         x,
         weight,
         options,
         route,
     } = saved;
+    let computed = conv2d_gradients(x, weight, options, route, grad, want);
+    // The bias's first, then the input's and the weight's, as computed.
+    for i in [2, 0, 1] {
+        if let (Some(Some(id)), Some(grad)) = (parents.get(i), computed[i].clone()) {
+            grads.register::<Flex>(*id, grad);
+        }
+    }
+}
+
+/// The half gradients of [`conv2d`] of `x` and `weight` for the output gradient `grad`, on
+/// `route`: the input's, the weight's and the bias's, each where `want` asks for it (the
+/// node's backward, [`conv2d_tracked`]'s, without the node: ZeRO stage 3's bounded
+/// convolution, which gathers the weight for it alone, runs the same).
+pub(crate) fn conv2d_gradients(
+    x: FlexTensor,
+    weight: FlexTensor,
+    options: ConvOptions<2>,
+    route: Route,
+    grad: FlexTensor,
+    [want_x, want_weight, want_bias]: [bool; 3],
+) -> [Option<FlexTensor>; 3] {
+    let (dtype, grad) = (grad.dtype(), grad.to_contiguous());
+    let bias = want_bias.then(|| bias_grad(&grad, route));
+    if !want_x && !want_weight {
+        return [None, None, bias];
+    }
     if let Some((kernel, geometry)) = gemm_conv(&x, &weight, &options, route) {
-        let want = [parents[0].is_some(), parents[1].is_some()];
+        let want = [want_x, want_weight];
         let (xc, wc) = (x.to_contiguous(), weight.to_contiguous());
         let computed = with_half!(dtype, H => {
             half_conv::backward::<H>(kernel, &geometry, xc.storage(), wc.storage(), grad.storage(), want)
         }, _ => None);
-        if let Some(results) = computed {
-            let shapes = [x.layout().shape(), weight.layout().shape()];
-            for ((parent, result), shape) in parents.iter().zip(results).zip(shapes) {
-                if let (Some(id), Some(bits)) = (parent, result) {
-                    grads.register::<Flex>(*id, half_tensor(bits, shape, dtype));
-                }
-            }
-            return;
+        if let Some([dx, dw]) = computed {
+            let as_tensor = |bits: Option<Vec<u16>>, shape: &[usize]| {
+                bits.map(|bits| half_tensor(bits, shape, dtype))
+            };
+            let dx = as_tensor(dx, x.layout().shape());
+            let dw = as_tensor(dw, weight.layout().shape());
+            return [dx, dw, bias];
         }
     }
     let (x32, w32, g32) = (wide(&x), wide(&weight), wide(&grad));
-    if let Some(id) = parents[0] {
+    let dx = want_x.then(|| {
         let dx = Flex::conv2d_x_backward(x32.clone(), w32.clone(), g32.clone(), options.clone());
-        grads.register::<Flex>(id, round(dx, dtype));
-    }
-    if let Some(id) = parents[1] {
-        let dw = Flex::conv2d_weight_backward(x32, w32, g32, options);
-        grads.register::<Flex>(id, round(dw, dtype));
-    }
+        round(dx, dtype)
+    });
+    let dw =
+        want_weight.then(|| round(Flex::conv2d_weight_backward(x32, w32, g32, options), dtype));
+    [dx, dw, bias]
 }
 
 #[derive(Debug)]

@@ -15,6 +15,7 @@ mod needs;
 mod one_save;
 mod sharded_resume;
 mod stage3_autocast_more;
+mod stage3_conv;
 mod stage3_norm;
 
 use std::collections::BTreeMap;

@@ -92,6 +92,11 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         bias: Option<FloatTensor<Self>>,
         options: ConvOptions<1>,
     ) -> FloatTensor<Self> {
+        let (x, weight, bias, options) =
+            match crate::backend::placeholder::conv1d::<B>(x, weight, bias, options) {
+                Ok(output) => return output,
+                Err(inputs) => inputs,
+            };
         let x = crate::backend::placeholder::resolve::<B>(x);
         let weight = crate::backend::placeholder::resolve::<B>(weight);
         let bias = crate::backend::placeholder::resolve_opt::<B>(bias);
@@ -154,6 +159,11 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         bias: Option<FloatTensor<Self>>,
         options: ConvOptions<2>,
     ) -> FloatTensor<Self> {
+        let (x, weight, bias, options) =
+            match crate::backend::placeholder::conv2d::<B>(x, weight, bias, options) {
+                Ok(output) => return output,
+                Err(inputs) => inputs,
+            };
         let x = crate::backend::placeholder::resolve::<B>(x);
         let weight = crate::backend::placeholder::resolve::<B>(weight);
         let bias = crate::backend::placeholder::resolve_opt::<B>(bias);
@@ -275,6 +285,11 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         bias: Option<FloatTensor<Self>>,
         options: ConvOptions<3>,
     ) -> FloatTensor<Self> {
+        let (x, weight, bias, options) =
+            match crate::backend::placeholder::conv3d::<B>(x, weight, bias, options) {
+                Ok(output) => return output,
+                Err(inputs) => inputs,
+            };
         let x = crate::backend::placeholder::resolve::<B>(x);
         let weight = crate::backend::placeholder::resolve::<B>(weight);
         let bias = crate::backend::placeholder::resolve_opt::<B>(bias);
@@ -337,6 +352,11 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         bias: Option<FloatTensor<Self>>,
         options: ConvTransposeOptions<1>,
     ) -> FloatTensor<Self> {
+        let (x, weight, bias, options) =
+            match crate::backend::placeholder::conv_transpose1d::<B>(x, weight, bias, options) {
+                Ok(output) => return output,
+                Err(inputs) => inputs,
+            };
         let x = crate::backend::placeholder::resolve::<B>(x);
         let weight = crate::backend::placeholder::resolve::<B>(weight);
         let bias = crate::backend::placeholder::resolve_opt::<B>(bias);
@@ -397,6 +417,11 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         bias: Option<FloatTensor<Self>>,
         options: ConvTransposeOptions<2>,
     ) -> FloatTensor<Self> {
+        let (x, weight, bias, options) =
+            match crate::backend::placeholder::conv_transpose2d::<B>(x, weight, bias, options) {
+                Ok(output) => return output,
+                Err(inputs) => inputs,
+            };
         let x = crate::backend::placeholder::resolve::<B>(x);
         let weight = crate::backend::placeholder::resolve::<B>(weight);
         let bias = crate::backend::placeholder::resolve_opt::<B>(bias);
@@ -457,6 +482,11 @@ impl<B: Backend> ModuleOps<Self> for Accelerated<B> {
         bias: Option<FloatTensor<Self>>,
         options: ConvTransposeOptions<3>,
     ) -> FloatTensor<Self> {
+        let (x, weight, bias, options) =
+            match crate::backend::placeholder::conv_transpose3d::<B>(x, weight, bias, options) {
+                Ok(output) => return output,
+                Err(inputs) => inputs,
+            };
         let x = crate::backend::placeholder::resolve::<B>(x);
         let weight = crate::backend::placeholder::resolve::<B>(weight);
         let bias = crate::backend::placeholder::resolve_opt::<B>(bias);

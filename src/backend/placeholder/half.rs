@@ -50,14 +50,18 @@ pub(super) type HalfLinear<B> = fn(
 
 // f32 through the crate's cast kernel: the cast node's forward and backward
 // (`fast_cast::convert_tracked`).
-fn cast(tensor: FlexTensor, dtype: FloatDType) -> FlexTensor {
+pub(super) fn cast(tensor: FlexTensor, dtype: FloatDType) -> FlexTensor {
     crate::cpu::table::cast::<Flex>(tensor, dtype)
 }
 
 // One use's gather of the parameter `tensor` stands for (its f32 placeholder, or the owner's
 // f32 value), in `dtype`: the owner casts its value and sends the halves, the others receive
 // them. Returns the bytes counted as whole (none on the owner, as for an f32 gather).
-fn gather_cast(shard: &dyn Shard, tensor: &FlexTensor, dtype: FloatDType) -> (FlexTensor, u64) {
+pub(super) fn gather_cast(
+    shard: &dyn Shard,
+    tensor: &FlexTensor,
+    dtype: FloatDType,
+) -> (FlexTensor, u64) {
     if shard.is_owned() {
         // The cast of the owner's f32 value: the bits autocast's cast of the gathered f32
         // value would give on every process (an elementwise rounding of the same values).
@@ -72,9 +76,9 @@ fn gather_cast(shard: &dyn Shard, tensor: &FlexTensor, dtype: FloatDType) -> (Fl
 // The weight as the node keeps it: its f32 placeholder (or the owner's value) and shard,
 // gathered again in the half type where the input's gradient needs it.
 #[derive(Clone)]
-struct HalfWeight {
-    tensor: FlexTensor,
-    shard: Arc<dyn Shard>,
+pub(super) struct HalfWeight {
+    pub(super) tensor: FlexTensor,
+    pub(super) shard: Arc<dyn Shard>,
 }
 
 impl core::fmt::Debug for HalfWeight {
