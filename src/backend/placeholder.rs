@@ -849,29 +849,86 @@ fn linear_backward<B: Backend>(
     }
 }
 
+// Burn's linear node, as `linear_backward`.
 #[derive(Debug)]
-struct BoundedLinearWithBias;
+struct BoundedLinear;
 
-impl<B: Backend> Backward<B, 3> for BoundedLinearWithBias {
+impl<B: Backend> WithOptionalThird<B> for BoundedLinear {
     type State = LinearState<B>;
 
-    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let grad = grads.consume::<B>(&ops.node);
-        let parents = ops.parents.map(|parent| parent.map(|node| node.id));
-        linear_backward::<B>(parents, grad, ops.state, grads);
+    fn run(
+        self,
+        parents: [Option<NodeId>; 3],
+        grad: FloatTensor<B>,
+        state: Self::State,
+        grads: &mut Gradients,
+    ) {
+        linear_backward::<B>(parents, grad, state, grads);
     }
 }
 
+/// The backward of a node over an input, a parameter and an optional third input (a
+/// layer's bias, a norm's beta): [`UpToThree`] makes it one node of either arity, as Burn's
+/// `LinearWithBias` and `LinearNoBias` are two.
+trait WithOptionalThird<B: Backend>: core::fmt::Debug + Send + Sized + 'static {
+    type State: Clone + core::fmt::Debug + Send + 'static;
+
+    /// The gradients of the node's parents (`None`: untracked, or no third input).
+    fn run(
+        self,
+        parents: [Option<NodeId>; 3],
+        grad: FloatTensor<B>,
+        state: Self::State,
+        grads: &mut Gradients,
+    );
+}
+
+/// A [`WithOptionalThird`] node over two or three parents.
 #[derive(Debug)]
-struct BoundedLinearNoBias;
+struct UpToThree<T>(T);
 
-impl<B: Backend> Backward<B, 2> for BoundedLinearNoBias {
-    type State = LinearState<B>;
+impl<B: Backend, T: WithOptionalThird<B>, const N: usize> Backward<B, N> for UpToThree<T> {
+    type State = T::State;
 
-    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+    fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _: &mut Checkpointer) {
         let grad = grads.consume::<B>(&ops.node);
-        let [x, weight] = ops.parents.map(|parent| parent.map(|node| node.id));
-        linear_backward::<B>([x, weight, None], grad, ops.state, grads);
+        let ids = ops.parents.map(|parent| parent.map(|node| node.id));
+        let parents = core::array::from_fn(|i| ids.get(i).copied().flatten());
+        self.0.run(parents, grad, ops.state, grads);
+    }
+}
+
+/// `output` as the op of `node` over `input`, `parameter` and `third` (where given), keeping
+/// `state()` where a parent is tracked.
+fn up_to_three<B: Backend, C: CheckpointStrategy, T: WithOptionalThird<B>>(
+    node: T,
+    [input, parameter]: [&FloatTensor<Autodiff<B, C>>; 2],
+    third: Option<&FloatTensor<Autodiff<B, C>>>,
+    state: impl FnOnce() -> T::State,
+    output: FloatTensor<B>,
+) -> FloatTensor<Autodiff<B, C>> {
+    let node = UpToThree(node);
+    match third {
+        Some(third) => match node
+            .prepare::<C>([
+                input.node.clone(),
+                parameter.node.clone(),
+                third.node.clone(),
+            ])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(state(), output),
+            OpsKind::UnTracked(prep) => prep.finish(output),
+        },
+        None => match node
+            .prepare::<C>([input.node.clone(), parameter.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(state(), output),
+            OpsKind::UnTracked(prep) => prep.finish(output),
+        },
     }
 }
 
@@ -896,7 +953,7 @@ fn bounded_linear<B: Backend, C: CheckpointStrategy>(
     });
     let output = B::linear(x.primitive.clone(), whole_weight, whole_bias);
     count_dropped(bytes);
-    let state = |x: &FloatTensor<Autodiff<B, C>>, weight: &FloatTensor<Autodiff<B, C>>| {
+    let state = || {
         (
             weight_tracked.then(|| x.primitive.clone()),
             x_tracked.then(|| Weight {
@@ -905,24 +962,7 @@ fn bounded_linear<B: Backend, C: CheckpointStrategy>(
             }),
         )
     };
-    match bias {
-        Some(bias) => match BoundedLinearWithBias
-            .prepare::<C>([x.node.clone(), weight.node.clone(), bias.node.clone()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => prep.finish(state(&x, &weight), output),
-            OpsKind::UnTracked(prep) => prep.finish(output),
-        },
-        None => match BoundedLinearNoBias
-            .prepare::<C>([x.node.clone(), weight.node.clone()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => prep.finish(state(&x, &weight), output),
-            OpsKind::UnTracked(prep) => prep.finish(output),
-        },
-    }
+    up_to_three::<B, C, _>(BoundedLinear, [&x, &weight], bias.as_ref(), state, output)
 }
 
 // What an anchor's backward node keeps: the parameter's shard, its node id (the anchor's

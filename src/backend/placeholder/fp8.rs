@@ -35,8 +35,8 @@ use burn_backend::{Backend, DType, FloatDType, Shape, TensorMetadata};
 use crate::autocast::{CastInput, CastPlan, InputRounding, Op};
 
 use super::{
-    Shard, anchored, anchored_operands, count_dropped, counted, gather, resolve, resolve_opt,
-    shard_of,
+    Shard, WithOptionalThird, anchored, anchored_operands, count_dropped, counted, gather, resolve,
+    resolve_opt, shard_of, up_to_three,
 };
 
 /// The hook's signature for `linear`: the input (already through its fp8 cast), the weight's
@@ -224,8 +224,10 @@ struct BoundedFp8Linear {
     rounding: InputRounding,
 }
 
-impl BoundedFp8Linear {
-    fn run<B: Backend>(
+impl<B: Backend> WithOptionalThird<B> for BoundedFp8Linear {
+    type State = LinearState<B>;
+
+    fn run(
         self,
         [node_x, node_weight, node_bias]: [Option<NodeId>; 3],
         grad: FloatTensor<B>,
@@ -247,32 +249,6 @@ impl BoundedFp8Linear {
         if let Some(node) = node_bias {
             grads.register::<B>(node, B::linear_bias_backward(grad));
         }
-    }
-}
-
-#[derive(Debug)]
-struct WithBias(BoundedFp8Linear);
-
-impl<B: Backend> Backward<B, 3> for WithBias {
-    type State = LinearState<B>;
-
-    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let grad = grads.consume::<B>(&ops.node);
-        let parents = ops.parents.map(|parent| parent.map(|node| node.id));
-        self.0.run::<B>(parents, grad, ops.state, grads);
-    }
-}
-
-#[derive(Debug)]
-struct NoBias(BoundedFp8Linear);
-
-impl<B: Backend> Backward<B, 2> for NoBias {
-    type State = LinearState<B>;
-
-    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let grad = grads.consume::<B>(&ops.node);
-        let [x, weight] = ops.parents.map(|parent| parent.map(|node| node.id));
-        self.0.run::<B>([x, weight, None], grad, ops.state, grads);
     }
 }
 
@@ -303,29 +279,14 @@ pub(super) fn bounded_fp8_linear<B: Backend, C: CheckpointStrategy>(
     });
     let output = B::linear(x.primitive.clone(), whole_weight, whole_bias);
     count_dropped(bytes);
-    let state = (
-        weight_tracked.then(|| x.primitive.clone()),
-        x_tracked.then_some(kept),
-    );
+    let state = || {
+        (
+            weight_tracked.then(|| x.primitive.clone()),
+            x_tracked.then_some(kept),
+        )
+    };
     let node = BoundedFp8Linear { rounding };
-    match bias {
-        Some(bias) => match WithBias(node)
-            .prepare::<C>([x.node.clone(), weight.node.clone(), bias.node.clone()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => prep.finish(state, output),
-            OpsKind::UnTracked(prep) => prep.finish(output),
-        },
-        None => match NoBias(node)
-            .prepare::<C>([x.node.clone(), weight.node.clone()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => prep.finish(state, output),
-            OpsKind::UnTracked(prep) => prep.finish(output),
-        },
-    }
+    up_to_three::<B, C, _>(node, [&x, &weight], bias.as_ref(), state, output)
 }
 
 // Burn's `matmul` node (`burn-autodiff`'s `Matmul`, its broadcast included), each parameter

@@ -34,7 +34,7 @@ use crate::backend::lowered::broadcast_batches;
 use crate::cpu::Route;
 use crate::cpu::low_gemm;
 
-use super::{Shard, bytes_of, count_dropped, received};
+use super::{Shard, WithOptionalThird, bytes_of, count_dropped, received, up_to_three};
 
 /// The hook's signature: the cast input (a half tensor, 2-D), the weight's and the bias's
 /// anchors (f32), their shards, the half type and the kernels' route.
@@ -96,7 +96,9 @@ struct BoundedHalfLinear {
     dtype: FloatDType,
 }
 
-impl BoundedHalfLinear {
+impl WithOptionalThird<Flex> for BoundedHalfLinear {
+    type State = State;
+
     // `linear_tracked`'s backward: the bias add's node (the bias's gradient, the product's
     // unchanged), then the GEMM's (the input's gradient, the weight's), each parameter's
     // gradient cast to f32 as its cast node's backward casts it.
@@ -124,32 +126,6 @@ impl BoundedHalfLinear {
             let grad = low_gemm::gemm(low_gemm::transposed(x), grad, route);
             grads.register::<Flex>(node, cast(grad, FloatDType::F32));
         }
-    }
-}
-
-#[derive(Debug)]
-struct WithBias(BoundedHalfLinear);
-
-impl Backward<Flex, 3> for WithBias {
-    type State = State;
-
-    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let grad = grads.consume::<Flex>(&ops.node);
-        let parents = ops.parents.map(|parent| parent.map(|node| node.id));
-        self.0.run(parents, grad, ops.state, grads);
-    }
-}
-
-#[derive(Debug)]
-struct NoBias(BoundedHalfLinear);
-
-impl Backward<Flex, 2> for NoBias {
-    type State = State;
-
-    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let grad = grads.consume::<Flex>(&ops.node);
-        let [x, weight] = ops.parents.map(|parent| parent.map(|node| node.id));
-        self.0.run([x, weight, None], grad, ops.state, grads);
     }
 }
 
@@ -185,32 +161,17 @@ pub(super) fn bounded_half_linear(
         None => product,
     };
     count_dropped(bytes);
-    let state = (
-        weight_tracked.then(|| x.primitive.clone()),
-        x_tracked.then(|| HalfWeight {
-            tensor: weight.primitive.clone(),
-            shard: weight_shard.clone(),
-        }),
-    );
+    let state = || {
+        (
+            weight_tracked.then(|| x.primitive.clone()),
+            x_tracked.then(|| HalfWeight {
+                tensor: weight.primitive.clone(),
+                shard: weight_shard.clone(),
+            }),
+        )
+    };
     let node = BoundedHalfLinear { route, dtype };
-    match bias {
-        Some(bias) => match WithBias(node)
-            .prepare::<NoCheckpointing>([x.node.clone(), weight.node.clone(), bias.node.clone()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => prep.finish(state, output),
-            OpsKind::UnTracked(prep) => prep.finish(output),
-        },
-        None => match NoBias(node)
-            .prepare::<NoCheckpointing>([x.node.clone(), weight.node.clone()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => prep.finish(state, output),
-            OpsKind::UnTracked(prep) => prep.finish(output),
-        },
-    }
+    up_to_three::<Flex, NoCheckpointing, _>(node, [&x, &weight], bias.as_ref(), state, output)
 }
 
 /// The hook's signature for `matmul`: the operands (a registered parameter as its f32

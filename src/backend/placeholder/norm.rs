@@ -21,10 +21,9 @@ use std::sync::Arc;
 
 use burn::backend::Autodiff;
 use burn::backend::autodiff::NodeId;
-use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
-use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, broadcast_shape};
+use burn::backend::autodiff::ops::broadcast_shape;
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, DType, Shape, TensorMetadata};
 
@@ -32,8 +31,8 @@ use crate::autocast::{CastInput, CastPlan, Op};
 use crate::hooks::{self, HookKind};
 
 use super::{
-    PlaceholderHooks, Shard, Weight, anchored, count_dropped, counted, gather, resolve,
-    resolve_opt, shard_of,
+    PlaceholderHooks, Shard, Weight, WithOptionalThird, anchored, count_dropped, counted, gather,
+    resolve, resolve_opt, shard_of, up_to_three,
 };
 
 /// `layer_norm`'s inputs, given back where the bounded path does not apply.
@@ -203,29 +202,21 @@ fn affine_backward<B: Backend>(
     }
 }
 
+// The affine part's node, as `affine_backward`.
 #[derive(Debug)]
-struct BoundedAffineWithBeta;
+struct BoundedAffine;
 
-impl<B: Backend> Backward<B, 3> for BoundedAffineWithBeta {
+impl<B: Backend> WithOptionalThird<B> for BoundedAffine {
     type State = AffineState<B>;
 
-    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let grad = grads.consume::<B>(&ops.node);
-        let parents = ops.parents.map(|parent| parent.map(|node| node.id));
-        affine_backward::<B>(parents, grad, ops.state, grads);
-    }
-}
-
-#[derive(Debug)]
-struct BoundedAffineNoBeta;
-
-impl<B: Backend> Backward<B, 2> for BoundedAffineNoBeta {
-    type State = AffineState<B>;
-
-    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let grad = grads.consume::<B>(&ops.node);
-        let [normalized, gamma] = ops.parents.map(|parent| parent.map(|node| node.id));
-        affine_backward::<B>([normalized, gamma, None], grad, ops.state, grads);
+    fn run(
+        self,
+        parents: [Option<NodeId>; 3],
+        grad: FloatTensor<B>,
+        state: Self::State,
+        grads: &mut Gradients,
+    ) {
+        affine_backward::<B>(parents, grad, state, grads);
     }
 }
 
@@ -261,7 +252,7 @@ fn bounded_affine<B: Backend, C: CheckpointStrategy>(
         None => scaled,
     };
     count_dropped(bytes);
-    let state = AffineState::<B> {
+    let state = || AffineState::<B> {
         normalized: gamma_tracked.then(|| normalized.primitive.clone()),
         gamma: normalized_tracked.then(|| Weight {
             tensor: gamma.primitive.clone(),
@@ -271,26 +262,11 @@ fn bounded_affine<B: Backend, C: CheckpointStrategy>(
         gamma_shape: gamma.primitive.shape(),
         beta_shape: beta.as_ref().map(|beta| beta.primitive.shape()),
     };
-    match beta {
-        Some(beta) => match BoundedAffineWithBeta
-            .prepare::<C>([
-                normalized.node.clone(),
-                gamma.node.clone(),
-                beta.node.clone(),
-            ])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => prep.finish(state, output),
-            OpsKind::UnTracked(prep) => prep.finish(output),
-        },
-        None => match BoundedAffineNoBeta
-            .prepare::<C>([normalized.node.clone(), gamma.node.clone()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => prep.finish(state, output),
-            OpsKind::UnTracked(prep) => prep.finish(output),
-        },
-    }
+    up_to_three::<B, C, _>(
+        BoundedAffine,
+        [&normalized, &gamma],
+        beta.as_ref(),
+        state,
+        output,
+    )
 }
