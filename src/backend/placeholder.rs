@@ -102,11 +102,13 @@ mod half;
 #[cfg(feature = "flex")]
 mod half_conv;
 mod norm;
+mod view;
 
 pub(crate) use conv::{
     conv_transpose1d, conv_transpose2d, conv_transpose3d, conv1d, conv2d, conv3d,
 };
 pub(crate) use norm::layer_norm;
+pub(crate) use view::{float_mul, float_reshape};
 
 /// Where a registered parameter's whole value comes from: one collective per use.
 pub trait Shard: Send + Sync + 'static {
@@ -148,6 +150,9 @@ struct Registry {
     // that its backward node sees the sum of every use's gradient. Dropped when its
     // backward runs, or when the parameters are released.
     anchors: BTreeMap<u64, Box<dyn Any + Send>>,
+    // Reshaped parameters (`view`), by their node ids: registered in `shards` too, with their
+    // parameter's shard.
+    views: BTreeMap<u64, view::View>,
     // Whether the anchors' backward reduces each parameter's gradient to its owner (the
     // backward pass that completes an accumulation window), or hands it to the parameter
     // as it is (the window's earlier passes).
@@ -174,6 +179,7 @@ static PLACEHOLDERS: Placeholders = Placeholders {
     registry: Mutex::new(Registry {
         shards: BTreeMap::new(),
         anchors: BTreeMap::new(),
+        views: BTreeMap::new(),
         reducing: false,
         window: BTreeMap::new(),
         bytes: GatheredBytes { alive: 0, peak: 0 },
@@ -302,6 +308,7 @@ pub fn register<B: Backend, C: CheckpointStrategy>() {
         fp8_matmul: fp8::bounded_fp8_matmul::<B, C>,
     });
     norm::register::<B, C>();
+    view::register::<B, C>();
     conv::register::<B, C>();
     // Under its key the decorator says that its ops resolve placeholders.
     hooks::insert::<DecoratorHooks, super::Accelerated<Autodiff<B, C>>, _>(Resolves);
@@ -368,6 +375,7 @@ pub(crate) fn forget_all() {
     registry(|r| {
         r.shards.clear();
         r.anchors.clear();
+        r.views.clear();
         r.reducing = false;
         r.window.clear();
         r.bytes.alive = 0;
@@ -506,6 +514,9 @@ fn anchored<B: Backend>(
     let Some(tracked) = tracked::<B>() else {
         return leaf;
     };
+    if let Some(anchor) = view::anchored_view::<B>(&leaf, input, &shard) {
+        return anchor;
+    }
     let id = (tracked.node_id)(&leaf);
     let cached = registry(|r| {
         r.anchors
