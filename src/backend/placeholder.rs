@@ -51,9 +51,15 @@
 //!   convolution: the weight and bias gathered in the half type for the op, the weight again
 //!   for the backward pass, whose GEMMs read it for both the input's and the weight's
 //!   gradients (`half_conv`).
-//! - Every other op of every ops trait the decorator forwards (RMS norms (a reshape of
-//!   gamma, then a product: each gathers in full), the other convolutions under autocast,
-//!   casts under autocast, transactions), `linear` and `matmul` under autocast where neither
+//! - `reshape` of a registered parameter (Burn's `unsqueeze` of `nn::RmsNorm`'s gamma):
+//!   nothing is gathered; the result is a *view*, a placeholder of the new shape registered
+//!   with the parameter's shard, read through the parameter's anchor reshaped (`view`).
+//!   `mul` with one registered operand (a parameter or a view; autocast off, one dtype):
+//!   the parameter gathered for the product alone, again in backward for the other
+//!   operand's gradient, in Burn's `Mul` and `ReshapeDim` backward ops (`nn::RmsNorm`).
+//! - Every other op of every ops trait the decorator forwards (the other convolutions under
+//!   autocast, casts under autocast, transactions, `mul` of a parameter under autocast),
+//!   `linear` and `matmul` under autocast where neither
 //!   the half kernels nor fp8 run them (f32-kept ops, other backends): the registered
 //!   input is gathered in full and the op reads `anchor + gathered` (the gathered value bit
 //!   for bit, since `-0.0` is the additive identity, with the gradient flowing to the
