@@ -10,7 +10,7 @@ use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Linear, LinearConfig, Relu, RmsNorm, RmsNormConfig};
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
-use burn_accelerate::{AccelerateConfig, Accelerated};
+use burn_accelerate::{AccelerateConfig, Accelerated, Precision};
 use serde::{Deserialize, Serialize};
 
 use super::harness::{launch, report, worker};
@@ -55,6 +55,8 @@ struct RmsRun {
     /// The layers read a 3-D input (`[2, 2, features]`: two sequences of two), so that the
     /// parameters' gradients sum over two broadcast dimensions.
     sequences: bool,
+    /// Under autocast (every linear layer cast: the net is tiny: `SmallOps::Cast`).
+    precision: Option<Precision>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -72,9 +74,14 @@ fn rms_worker(args: &RmsRun) -> RmsReport {
     let state = burn_accelerate::distributed::ProcessState::from_env().unwrap();
     let device = Default::default();
     let mut model = RmsNormed::<B>::new(&device);
-    let config = AccelerateConfig::new()
+    let mut config = AccelerateConfig::new()
         .with_gradient_accumulation_steps(args.grad_accum)
         .with_zero_stage(burn_accelerate::zero::ZeroStage::from_number(args.zero_stage).unwrap());
+    if let Some(precision) = args.precision {
+        config = config
+            .with_mixed_precision(precision)
+            .with_small_ops(Some(burn_accelerate::autocast::SmallOps::Cast));
+    }
     let mut accelerator = config.init::<B>(&device).unwrap();
     let mut optim = burn::optim::AdamConfig::new().init();
     let mut report = RmsReport {
@@ -92,6 +99,7 @@ fn rms_worker(args: &RmsRun) -> RmsReport {
         burn_accelerate::zero::reset_gathered_peak();
         let before = burn_accelerate::zero::sent_bytes();
         let loss = {
+            let _autocast = args.precision.map(|_| accelerator.autocast());
             let logits = if args.sequences {
                 let x: Tensor<B, 3> = batch.x.reshape([2, 2, FEATURES]);
                 model.forward(x).reshape([4, CLASSES])
@@ -185,6 +193,7 @@ fn stage_3_holds_one_rms_norms_gathered_gamma_at_a_time_and_ends_where_stage_2_d
                     zero_stage,
                     grad_accum,
                     sequences,
+                    precision: None,
                 },
                 &[],
             )
@@ -211,6 +220,40 @@ fn stage_3_holds_one_rms_norms_gathered_gamma_at_a_time_and_ends_where_stage_2_d
                 let completes = (batch + 1).is_multiple_of(grad_accum);
                 assert_sent(s3.sent[batch], expected(rank, completes), &what);
             }
+        }
+    }
+}
+
+/// RMS norms under bf16 autocast, whose products keep no bound there (each gamma gathered
+/// whole until the step, through its view's anchor): stage 3 still ends where stage 2 does,
+/// bit for bit.
+#[test]
+fn stage_3_through_rms_norms_under_autocast_ends_where_stage_2_does() {
+    const TEST: &str =
+        "stage3_rmsnorm::stage_3_through_rms_norms_under_autocast_ends_where_stage_2_does";
+    if let Some(args) = worker::<RmsRun>() {
+        return report(&rms_worker(&args));
+    }
+    for (processes, grad_accum) in [(2, 2), (3, 1)] {
+        let run = |zero_stage: u8| -> Vec<RmsReport> {
+            launch(
+                TEST,
+                processes,
+                &RmsRun {
+                    zero_stage,
+                    grad_accum,
+                    sequences: true,
+                    precision: Some(Precision::Bf16),
+                },
+                &[],
+            )
+            .assert_success()
+            .reports(processes)
+        };
+        let (stage2, stage3) = (run(2), run(3));
+        for (rank, (s3, s2)) in stage3.iter().zip(&stage2).enumerate() {
+            let what = format!("{processes} processes, window {grad_accum}, rank {rank}");
+            assert_eq!(bits(&s3.parameters), bits(&s2.parameters), "{what}");
         }
     }
 }
