@@ -1,7 +1,8 @@
 //! ZeRO stage 3's per-layer bound through RMS norms: `nn::RmsNorm` between linear layers
 //! (`normalized * gamma.unsqueeze()`: a reshape of gamma, then a broadcast product) gathers
 //! gamma for its product alone, and again for its input's gradient, and ends where stage 2
-//! does, bit for bit.
+//! does, bit for bit; under bf16 autocast, where the product keeps no bound, it still ends
+//! where stage 2 does.
 
 use burn::backend::{Autodiff, Flex};
 use burn::data::dataloader::batcher::Batcher;
