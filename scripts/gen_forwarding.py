@@ -225,6 +225,8 @@ RESOLVE = {
 # arguments (in signature order) where the path does not apply.
 BOUNDED = {"linear", "embedding", "float_matmul", "layer_norm"}
 # The convolutions' (src/backend/placeholder/conv.rs).
+# Reshaped parameters and their products (src/backend/placeholder/view.rs).
+BOUNDED |= {"float_reshape", "float_mul"}
 BOUNDED |= {"conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"}
 
 # Reads that build no autodiff graph: a registered parameter is gathered without the anchor

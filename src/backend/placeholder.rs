@@ -51,9 +51,15 @@
 //!   convolution: the weight and bias gathered in the half type for the op, the weight again
 //!   for the backward pass, whose GEMMs read it for both the input's and the weight's
 //!   gradients (`half_conv`).
-//! - Every other op of every ops trait the decorator forwards (RMS norms (a reshape of
-//!   gamma, then a product: each gathers in full), the other convolutions under autocast,
-//!   casts under autocast, transactions), `linear` and `matmul` under autocast where neither
+//! - `reshape` of a registered parameter (Burn's `unsqueeze` of `nn::RmsNorm`'s gamma):
+//!   nothing is gathered; the result is a *view*, a placeholder of the new shape registered
+//!   with the parameter's shard, read through the parameter's anchor reshaped (`view`).
+//!   `mul` with one registered operand (a parameter or a view; autocast off, one dtype):
+//!   the parameter gathered for the product alone, again in backward for the other
+//!   operand's gradient, in Burn's `Mul` and `ReshapeDim` backward ops (`nn::RmsNorm`).
+//! - Every other op of every ops trait the decorator forwards (the other convolutions under
+//!   autocast, casts under autocast, transactions, `mul` of a parameter under autocast),
+//!   `linear` and `matmul` under autocast where neither
 //!   the half kernels nor fp8 run them (f32-kept ops, other backends): the registered
 //!   input is gathered in full and the op reads `anchor + gathered` (the gathered value bit
 //!   for bit, since `-0.0` is the additive identity, with the gradient flowing to the
@@ -102,11 +108,13 @@ mod half;
 #[cfg(feature = "flex")]
 mod half_conv;
 mod norm;
+mod view;
 
 pub(crate) use conv::{
     conv_transpose1d, conv_transpose2d, conv_transpose3d, conv1d, conv2d, conv3d,
 };
 pub(crate) use norm::layer_norm;
+pub(crate) use view::{float_mul, float_reshape};
 
 /// Where a registered parameter's whole value comes from: one collective per use.
 pub trait Shard: Send + Sync + 'static {
@@ -148,6 +156,9 @@ struct Registry {
     // that its backward node sees the sum of every use's gradient. Dropped when its
     // backward runs, or when the parameters are released.
     anchors: BTreeMap<u64, Box<dyn Any + Send>>,
+    // Reshaped parameters (`view`), by their node ids: registered in `shards` too, with their
+    // parameter's shard.
+    views: BTreeMap<u64, view::View>,
     // Whether the anchors' backward reduces each parameter's gradient to its owner (the
     // backward pass that completes an accumulation window), or hands it to the parameter
     // as it is (the window's earlier passes).
@@ -174,6 +185,7 @@ static PLACEHOLDERS: Placeholders = Placeholders {
     registry: Mutex::new(Registry {
         shards: BTreeMap::new(),
         anchors: BTreeMap::new(),
+        views: BTreeMap::new(),
         reducing: false,
         window: BTreeMap::new(),
         bytes: GatheredBytes { alive: 0, peak: 0 },
@@ -302,6 +314,7 @@ pub fn register<B: Backend, C: CheckpointStrategy>() {
         fp8_matmul: fp8::bounded_fp8_matmul::<B, C>,
     });
     norm::register::<B, C>();
+    view::register::<B, C>();
     conv::register::<B, C>();
     // Under its key the decorator says that its ops resolve placeholders.
     hooks::insert::<DecoratorHooks, super::Accelerated<Autodiff<B, C>>, _>(Resolves);
@@ -368,6 +381,7 @@ pub(crate) fn forget_all() {
     registry(|r| {
         r.shards.clear();
         r.anchors.clear();
+        r.views.clear();
         r.reducing = false;
         r.window.clear();
         r.bytes.alive = 0;
@@ -506,6 +520,9 @@ fn anchored<B: Backend>(
     let Some(tracked) = tracked::<B>() else {
         return leaf;
     };
+    if let Some(anchor) = view::anchored_view::<B>(&leaf, input, &shard) {
+        return anchor;
+    }
     let id = (tracked.node_id)(&leaf);
     let cached = registry(|r| {
         r.anchors

@@ -107,6 +107,10 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         crate::backend::kernels::sub_scalar::<B>(lhs, rhs)
     }
     fn float_mul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        let (lhs, rhs) = match crate::backend::placeholder::float_mul::<B>(lhs, rhs) {
+            Ok(output) => return output,
+            Err(inputs) => inputs,
+        };
         let lhs = crate::backend::placeholder::resolve::<B>(lhs);
         let rhs = crate::backend::placeholder::resolve::<B>(rhs);
         let colocate = Colocate::<B>::new(&[CastInput::One(&lhs), CastInput::One(&rhs)]);
@@ -208,6 +212,10 @@ impl<B: Backend> FloatTensorOps<Self> for Accelerated<B> {
         B::float_flip(tensor, axes)
     }
     fn float_reshape(tensor: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {
+        let (tensor, shape) = match crate::backend::placeholder::float_reshape::<B>(tensor, shape) {
+            Ok(output) => return output,
+            Err(inputs) => inputs,
+        };
         let tensor = crate::backend::placeholder::resolve::<B>(tensor);
         crate::backend::kernels::reshape::<B>(tensor, shape)
     }
