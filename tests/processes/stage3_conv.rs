@@ -2,7 +2,7 @@
 //! `ConvTranspose2d`, a `Conv1d` and a linear head) gathers each convolution's weight and
 //! bias for its forward op alone, and its weight again for its input's gradient, and ends
 //! where stage 2 does, bit for bit; under bf16/f16 autocast a CNN of `Conv2d` layers does the
-//! same in the half type.
+//! same in the half type, and so does a net of a `ConvTranspose2d`, a `Conv1d` and a `Conv3d`.
 
 use burn::backend::{Autodiff, Flex};
 use burn::module::Module;

@@ -11,9 +11,14 @@
 //! only their shape, dtype and device (a grouped convolution's zeros of the weight's shape),
 //! and Flex and NdArray keep those defaults.
 //!
-//! Under bf16/f16 autocast on `Autodiff<Flex>` a `conv2d` gathers its parameters in the half
-//! type (`half_conv`); other convolutions under autocast gather theirs whole (see the
-//! [parent module](super)'s "Which ops hold the bound").
+//! Under autocast (`autocast_dispatch`) the op's cast plan is decided once: parameters it
+//! reads as they are take the path above on the cast input; f32 parameters it casts to
+//! bf16/f16 are gathered in the half type (the owner casts with autocast's cast and sends
+//! halves: the bits of the cast of the gathered value), for the same node on the half
+//! operands with each parameter's gradient cast to f32 as its cast node's backward casts
+//! it, or on `Autodiff<Flex>` for the crate's half convolution where autocast runs the op
+//! there (`half_conv`: `conv2d`, and `conv1d` as a 2-D one). Under fp8 or with parameters of
+//! another dtype the op runs its own path, the parameters gathered whole.
 
 use std::marker::PhantomData;
 use std::sync::Arc;
