@@ -484,7 +484,16 @@ impl<B: Backend> OtherConvNet<B> {
     }
 }
 
-fn other_conv_worker(args: &HalfConvRun) -> HalfConvReport {
+#[derive(Debug, Serialize, Deserialize)]
+struct OtherConvRun {
+    zero_stage: u8,
+    precision: Precision,
+    grad_accum: usize,
+    /// The convolutions in autocast's f32 class: gathered in f32.
+    kept_f32: bool,
+}
+
+fn other_conv_worker(args: &OtherConvRun) -> HalfConvReport {
     type B = Accelerated<Autodiff<Flex>>;
     let state = ProcessState::from_env().unwrap();
     let device = Default::default();
@@ -516,6 +525,15 @@ fn other_conv_worker(args: &HalfConvRun) -> HalfConvReport {
         let before = burn_accelerate::zero::sent_bytes();
         let loss = {
             let _autocast = accelerator.autocast();
+            // The convolutions in autocast's f32 class where asked: gathered in f32.
+            let _classes = args.kept_f32.then(|| {
+                use burn_accelerate::autocast::{Op, OpClass, OpClasses, scope_op_classes};
+                scope_op_classes(
+                    [Op::ConvTranspose2d, Op::Conv1d, Op::Conv3d]
+                        .into_iter()
+                        .fold(OpClasses::new(), |c, op| c.with(op, OpClass::Fp32)),
+                )
+            });
             CrossEntropyLossConfig::new()
                 .init(&device)
                 .forward(model.logits(x), y)
@@ -545,13 +563,14 @@ fn other_conv_worker(args: &HalfConvRun) -> HalfConvReport {
 /// gradient, which the first layer, reading the data, does not take). Stage 3 ends where
 /// stage 2 does under the same autocast, bit for bit (f16: the same outcomes and loss scale),
 /// one layer's halves are whole at a time, none after backward, and each batch sends what the
-/// formula says with two bytes a gathered value.
+/// formula says with two bytes a gathered value. With the convolutions in autocast's f32
+/// class, they gather in f32 for their ops alone, with the same checks.
 #[test]
 fn stage_3_under_autocast_gathers_conv1d_conv3d_and_transposed_parameters_in_the_half_type_like_stage_2()
  {
     const TEST: &str = "stage3_conv::\
         stage_3_under_autocast_gathers_conv1d_conv3d_and_transposed_parameters_in_the_half_type_like_stage_2";
-    if let Some(args) = worker::<HalfConvRun>() {
+    if let Some(args) = worker::<OtherConvRun>() {
         return report(&other_conv_worker(&args));
     }
     // Each parameter in visiting order: its values, and whether it is a weight read again in
@@ -567,20 +586,31 @@ fn stage_3_under_autocast_gathers_conv1d_conv3d_and_transposed_parameters_in_the
         (CLASSES, false),
     ];
     let sizes: Vec<usize> = params.iter().map(|&(values, _)| values).collect();
-    for (processes, precision, grad_accum) in [
-        (2, Precision::Bf16, 2),
-        (3, Precision::Bf16, 1),
-        (2, Precision::F16, 1),
-        (3, Precision::F16, 2),
+    for (processes, precision, grad_accum, kept_f32) in [
+        (2, Precision::Bf16, 2, false),
+        (3, Precision::Bf16, 1, false),
+        (2, Precision::F16, 1, false),
+        (3, Precision::F16, 2, false),
+        (2, Precision::Bf16, 1, true),
+        (3, Precision::F16, 2, true),
     ] {
         let owners = burn_accelerate::zero::partition(&sizes, processes);
         let agree = 2 * 8 * (processes - 1) as u64;
-        // Gathers in halves (2 bytes a value), reductions in f32 (4).
+        // Gathers in halves (2 bytes a value), the convolutions' (the first six parameters)
+        // in f32 where they are kept in f32; reductions in f32 (4).
+        let width = |param: usize| -> u64 { if kept_f32 && param < 6 { 4 } else { 2 } };
         let expected_sent = |rank: usize, reduces: bool| -> u64 {
             let mut sent = 0;
-            for (&(values, read_in_backward), &owner) in params.iter().zip(&owners) {
+            for (param, (&(values, read_in_backward), &owner)) in
+                params.iter().zip(&owners).enumerate()
+            {
                 let last = (owner + processes - 1) % processes;
-                let gather = agree + if rank == last { 0 } else { 2 * values as u64 };
+                let gather = agree
+                    + if rank == last {
+                        0
+                    } else {
+                        width(param) * values as u64
+                    };
                 sent += gather;
                 if read_in_backward {
                     sent += gather;
@@ -595,7 +625,11 @@ fn stage_3_under_autocast_gathers_conv1d_conv3d_and_transposed_parameters_in_the
             let gathered: Vec<u64> = sizes
                 .iter()
                 .zip(&owners)
-                .map(|(&values, &owner)| if owner == rank { 0 } else { 2 * values as u64 })
+                .enumerate()
+                .map(|(param, (&values, &owner))| match owner == rank {
+                    true => 0,
+                    false => width(param) * values as u64,
+                })
                 .collect();
             gathered
                 .chunks(2)
@@ -607,10 +641,11 @@ fn stage_3_under_autocast_gathers_conv1d_conv3d_and_transposed_parameters_in_the
             launch(
                 TEST,
                 processes,
-                &HalfConvRun {
+                &OtherConvRun {
                     zero_stage,
                     precision,
                     grad_accum,
+                    kept_f32,
                 },
                 &[],
             )
@@ -619,8 +654,10 @@ fn stage_3_under_autocast_gathers_conv1d_conv3d_and_transposed_parameters_in_the
         };
         let (stage2, stage3) = (run(2), run(3));
         for (rank, (s3, s2)) in stage3.iter().zip(&stage2).enumerate() {
-            let what =
-                format!("{processes} processes, {precision:?}, window {grad_accum}, rank {rank}");
+            let what = format!(
+                "{processes} processes, {precision:?}, window {grad_accum}, kept in f32 \
+                 {kept_f32}, rank {rank}"
+            );
             assert_eq!(s3.outcomes, s2.outcomes, "{what}");
             assert_eq!(s3.loss_scale, s2.loss_scale, "{what}");
             let (s3, s2) = (&s3.run, &s2.run);
