@@ -46,10 +46,13 @@
 //!   ones), where autocast is off and the operands share a dtype: as `linear`, the weight
 //!   (and a registered bias) gathered for the op alone, the weight again for the input's
 //!   gradient, in Burn's convolution node's ops and order; the weight's and bias's gradients
-//!   read only their placeholders' shapes (`conv`). Under bf16/f16 autocast on
-//!   `Autodiff<Flex>`, `conv2d` (and only it) where autocast runs it on the crate's half
-//!   convolution: the weight and bias gathered in the half type for the op, the weight again
-//!   for the backward pass, whose GEMMs read it for both the input's and the weight's
+//!   read only their placeholders' shapes (`conv`). Under autocast, each convolution's cast
+//!   plan decided once: parameters it reads as they are (an f32-kept op) gathered as with
+//!   autocast off; f32 parameters it casts to bf16/f16 gathered in the half type (the owner
+//!   casts and sends halves), for Burn's convolution node on the half operands (`conv`), or
+//!   on `Autodiff<Flex>` where autocast runs `conv2d` or `conv1d` (as a 2-D one, the weight
+//!   reshaped inside the node) on the crate's half convolution, for its node, the weight
+//!   again for the backward pass, whose GEMMs read it for both the input's and the weight's
 //!   gradients (`half_conv`).
 //! - `reshape` of a registered parameter (Burn's `unsqueeze` of `nn::RmsNorm`'s gamma):
 //!   nothing is gathered; the result is a *view*, a placeholder of the new shape registered
@@ -57,7 +60,7 @@
 //!   `mul` with one registered operand (a parameter or a view; autocast off, one dtype):
 //!   the parameter gathered for the product alone, again in backward for the other
 //!   operand's gradient, in Burn's `Mul` and `ReshapeDim` backward ops (`nn::RmsNorm`).
-//! - Every other op of every ops trait the decorator forwards (the other convolutions under
+//! - Every other op of every ops trait the decorator forwards (convolutions under fp8
 //!   autocast, casts under autocast, transactions, `mul` of a parameter under autocast),
 //!   `linear` and `matmul` under autocast where neither
 //!   the half kernels nor fp8 run them (f32-kept ops, other backends): the registered

@@ -2,12 +2,13 @@
 //! `ConvTranspose2d`, a `Conv1d` and a linear head) gathers each convolution's weight and
 //! bias for its forward op alone, and its weight again for its input's gradient, and ends
 //! where stage 2 does, bit for bit; under bf16/f16 autocast a CNN of `Conv2d` layers does the
-//! same in the half type.
+//! same in the half type, and so does a net of a `ConvTranspose2d`, a `Conv1d` and a `Conv3d`.
 
 use burn::backend::{Autodiff, Flex};
 use burn::module::Module;
 use burn::nn::conv::{
-    Conv1d, Conv1dConfig, Conv2d, Conv2dConfig, ConvTranspose2d, ConvTranspose2dConfig,
+    Conv1d, Conv1dConfig, Conv2d, Conv2dConfig, Conv3d, Conv3dConfig, ConvTranspose2d,
+    ConvTranspose2dConfig,
 };
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Linear, LinearConfig, PaddingConfig1d, PaddingConfig2d, Relu};
@@ -442,6 +443,235 @@ fn stage_3_under_autocast_gathers_conv2d_parameters_in_the_half_type_like_stage_
         }
         if precision == Precision::F16 {
             // The loss scaler scaled the f16 losses (and compared its scale above).
+            assert!(stage3[0].loss_scale > 1.0, "{:?}", stage3[0].loss_scale);
+        }
+    }
+}
+
+/// A `ConvTranspose2d`, a `Conv1d` and a `Conv3d` and a linear head: under bf16/f16 autocast
+/// the `Conv1d` runs on the crate's half convolution as a 2-D one (its weight reshaped), the
+/// others on Burn's half convolutions.
+#[derive(Module, Debug)]
+struct OtherConvNet<B: Backend> {
+    // [4, 2, 6, 6] -> [4, 3, 7, 7], read as [4, 3, 49]
+    up: ConvTranspose2d<B>,
+    // -> [4, 4, 49] (padded), read as [4, 1, 4, 7, 7]
+    line: Conv1d<B>,
+    // -> [4, 2, 3, 5, 5], read as [4, 150]
+    volume: Conv3d<B>,
+    head: Linear<B>,
+}
+
+impl<B: Backend> OtherConvNet<B> {
+    fn new(device: &B::Device) -> Self {
+        B::seed(device, 29);
+        Self {
+            up: ConvTranspose2dConfig::new([IN_CHANNELS, 3], [2, 2]).init(device),
+            line: Conv1dConfig::new(3, 4, 3)
+                .with_padding(PaddingConfig1d::Explicit(1, 1))
+                .init(device),
+            volume: Conv3dConfig::new([1, 2], [2, 3, 3]).init(device),
+            head: LinearConfig::new(150, CLASSES).init(device),
+        }
+    }
+
+    fn logits(&self, x: Tensor<B, 4>) -> Tensor<B, 2> {
+        let relu = Relu::new();
+        let h = relu.forward(self.up.forward(x));
+        let h = relu.forward(self.line.forward(h.reshape([BATCH, 3, 49])));
+        let h = relu.forward(self.volume.forward(h.reshape([BATCH, 1, 4, 7, 7])));
+        self.head.forward(h.reshape([BATCH, 150]))
+    }
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct OtherConvRun {
+    zero_stage: u8,
+    precision: Precision,
+    grad_accum: usize,
+    /// The convolutions in autocast's f32 class: gathered in f32.
+    kept_f32: bool,
+}
+
+fn other_conv_worker(args: &OtherConvRun) -> HalfConvReport {
+    type B = Accelerated<Autodiff<Flex>>;
+    let state = ProcessState::from_env().unwrap();
+    let device = Default::default();
+    let mut model = OtherConvNet::<B>::new(&device);
+    let mut accelerator = AccelerateConfig::new()
+        .with_gradient_accumulation_steps(args.grad_accum)
+        .with_mixed_precision(args.precision)
+        // The net is tiny: every op autocast lowers is cast.
+        .with_small_ops(Some(burn_accelerate::autocast::SmallOps::Cast))
+        .with_zero_stage(burn_accelerate::zero::ZeroStage::from_number(args.zero_stage).unwrap())
+        .init::<B>(&device)
+        .unwrap();
+    model = accelerator.prepare_model(model);
+    let mut optim = burn::optim::AdamConfig::new().init();
+    let mut report = HalfConvReport {
+        run: ConvReport {
+            parameters: Vec::new(),
+            sent: Vec::new(),
+            gathered_peak: Vec::new(),
+            gathered_after_backward: Vec::new(),
+        },
+        outcomes: Vec::new(),
+        loss_scale: 0.0,
+    };
+    for step in 0..3 * args.grad_accum {
+        let (x, y) = images::<B>(step, state.process_index(), &device);
+        let _step = accelerator.accumulate(&model);
+        burn_accelerate::zero::reset_gathered_peak();
+        let before = burn_accelerate::zero::sent_bytes();
+        let loss = {
+            let _autocast = accelerator.autocast();
+            // The convolutions in autocast's f32 class where asked: gathered in f32.
+            let _classes = args.kept_f32.then(|| {
+                use burn_accelerate::autocast::{Op, OpClass, OpClasses, scope_op_classes};
+                scope_op_classes(
+                    [Op::ConvTranspose2d, Op::Conv1d, Op::Conv3d]
+                        .into_iter()
+                        .fold(OpClasses::new(), |c, op| c.with(op, OpClass::Fp32)),
+                )
+            });
+            CrossEntropyLossConfig::new()
+                .init(&device)
+                .forward(model.logits(x), y)
+        };
+        accelerator.backward(loss, &model);
+        let run = &mut report.run;
+        run.sent.push(burn_accelerate::zero::sent_bytes() - before);
+        let bytes = burn_accelerate::zero::gathered_bytes();
+        run.gathered_peak.push(bytes.peak);
+        run.gathered_after_backward.push(bytes.alive);
+        let (next, outcome) = accelerator
+            .optimizer_step(&mut optim, model, &mut 0.01)
+            .unwrap();
+        report.outcomes.push(format!("{outcome:?}"));
+        model = next;
+    }
+    report.run.parameters = parameters(&model);
+    report.loss_scale = accelerator.loss_scale().loss_scale();
+    report
+}
+
+/// Under bf16 and f16 autocast, a `Conv1d` (which autocast runs on the crate's half
+/// convolution as a 2-D one, its weight reshaped inside the bounded node), a
+/// `ConvTranspose2d` and a `Conv3d` (on Burn's own convolutions in the half type) gather
+/// their weight and bias in the half type for the forward op alone, and their weight again
+/// where backward reads it (the `Conv1d`'s GEMMs for both gradients; the others' input
+/// gradient, which the first layer, reading the data, does not take). Stage 3 ends where
+/// stage 2 does under the same autocast, bit for bit (f16: the same outcomes and loss scale),
+/// one layer's halves are whole at a time, none after backward, and each batch sends what the
+/// formula says with two bytes a gathered value. With the convolutions in autocast's f32
+/// class, they gather in f32 for their ops alone, with the same checks.
+#[test]
+fn stage_3_under_autocast_gathers_conv1d_conv3d_and_transposed_parameters_in_the_half_type_like_stage_2()
+ {
+    const TEST: &str = "stage3_conv::\
+        stage_3_under_autocast_gathers_conv1d_conv3d_and_transposed_parameters_in_the_half_type_like_stage_2";
+    if let Some(args) = worker::<OtherConvRun>() {
+        return report(&other_conv_worker(&args));
+    }
+    // Each parameter in visiting order: its values, and whether it is a weight read again in
+    // backward.
+    let params: Vec<(usize, bool)> = vec![
+        (IN_CHANNELS * 3 * 2 * 2, false),
+        (3, false),
+        (4 * 3 * 3, true),
+        (4, false),
+        (2 * 2 * 3 * 3, true),
+        (2, false),
+        (150 * CLASSES, true),
+        (CLASSES, false),
+    ];
+    let sizes: Vec<usize> = params.iter().map(|&(values, _)| values).collect();
+    for (processes, precision, grad_accum, kept_f32) in [
+        (2, Precision::Bf16, 2, false),
+        (3, Precision::Bf16, 1, false),
+        (2, Precision::F16, 1, false),
+        (3, Precision::F16, 2, false),
+        (2, Precision::Bf16, 1, true),
+        (3, Precision::F16, 2, true),
+    ] {
+        let owners = burn_accelerate::zero::partition(&sizes, processes);
+        let agree = 2 * 8 * (processes - 1) as u64;
+        // Gathers in halves (2 bytes a value), the convolutions' (the first six parameters)
+        // in f32 where they are kept in f32; reductions in f32 (4).
+        let width = |param: usize| -> u64 { if kept_f32 && param < 6 { 4 } else { 2 } };
+        let expected_sent = |rank: usize, reduces: bool| -> u64 {
+            let mut sent = 0;
+            for (param, (&(values, read_in_backward), &owner)) in
+                params.iter().zip(&owners).enumerate()
+            {
+                let last = (owner + processes - 1) % processes;
+                let gather = agree
+                    + if rank == last {
+                        0
+                    } else {
+                        width(param) * values as u64
+                    };
+                sent += gather;
+                if read_in_backward {
+                    sent += gather;
+                }
+                if reduces {
+                    sent += agree + if rank == owner { 0 } else { 4 * values as u64 };
+                }
+            }
+            sent
+        };
+        let bound = |rank: usize| -> u64 {
+            let gathered: Vec<u64> = sizes
+                .iter()
+                .zip(&owners)
+                .enumerate()
+                .map(|(param, (&values, &owner))| match owner == rank {
+                    true => 0,
+                    false => width(param) * values as u64,
+                })
+                .collect();
+            gathered
+                .chunks(2)
+                .map(|layer| layer.iter().sum())
+                .max()
+                .unwrap()
+        };
+        let run = |zero_stage: u8| -> Vec<HalfConvReport> {
+            launch(
+                TEST,
+                processes,
+                &OtherConvRun {
+                    zero_stage,
+                    precision,
+                    grad_accum,
+                    kept_f32,
+                },
+                &[],
+            )
+            .assert_success()
+            .reports(processes)
+        };
+        let (stage2, stage3) = (run(2), run(3));
+        for (rank, (s3, s2)) in stage3.iter().zip(&stage2).enumerate() {
+            let what = format!(
+                "{processes} processes, {precision:?}, window {grad_accum}, kept in f32 \
+                 {kept_f32}, rank {rank}"
+            );
+            assert_eq!(s3.outcomes, s2.outcomes, "{what}");
+            assert_eq!(s3.loss_scale, s2.loss_scale, "{what}");
+            let (s3, s2) = (&s3.run, &s2.run);
+            assert_eq!(bits(&s3.parameters), bits(&s2.parameters), "{what}");
+            for (batch, &sent) in s3.sent.iter().enumerate() {
+                let what = format!("{what}, batch {batch}");
+                let completes = (batch + 1).is_multiple_of(grad_accum);
+                assert_sent(sent, expected_sent(rank, completes), &what);
+                assert_eq!(s3.gathered_peak[batch], bound(rank), "{what}");
+                assert_eq!(s3.gathered_after_backward[batch], 0, "{what}");
+                assert_eq!((s2.sent[batch], s2.gathered_peak[batch]), (0, 0), "{what}");
+            }
+        }
+        if precision == Precision::F16 {
             assert!(stage3[0].loss_scale > 1.0, "{:?}", stage3[0].loss_scale);
         }
     }

@@ -11,9 +11,14 @@
 //! only their shape, dtype and device (a grouped convolution's zeros of the weight's shape),
 //! and Flex and NdArray keep those defaults.
 //!
-//! Under bf16/f16 autocast on `Autodiff<Flex>` a `conv2d` gathers its parameters in the half
-//! type (`half_conv`); other convolutions under autocast gather theirs whole (see the
-//! [parent module](super)'s "Which ops hold the bound").
+//! Under autocast (`autocast_dispatch`) the op's cast plan is decided once: parameters it
+//! reads as they are take the path above on the cast input; f32 parameters it casts to
+//! bf16/f16 are gathered in the half type (the owner casts with autocast's cast and sends
+//! halves: the bits of the cast of the gathered value), for the same node on the half
+//! operands with each parameter's gradient cast to f32 as its cast node's backward casts
+//! it, or on `Autodiff<Flex>` for the crate's half convolution where autocast runs the op
+//! there (`half_conv`: `conv2d`, and `conv1d` as a 2-D one). Under fp8 or with parameters of
+//! another dtype the op runs its own path, the parameters gathered whole.
 
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -25,15 +30,52 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn_backend::ops::{ConvOptions, ConvTransposeOptions};
 use burn_backend::tensor::FloatTensor;
-use burn_backend::{Backend, TensorMetadata};
+use burn_backend::{Backend, DType, FloatDType, TensorMetadata};
 
-use super::{Shard, Weight, anchored, count_dropped, counted, gather, shard_of};
+use super::{
+    Shard, Weight, anchored, bytes_of, count_dropped, counted, gather, received, resolve,
+    resolve_opt, shard_of,
+};
+use crate::autocast::{CastInput, CastPlan, Op};
 use crate::hooks::{self, HookKind};
 
 /// One kind of convolution: its options, its forward op and the three gradients of Burn's
 /// node, by the inner backend's ops.
 pub(super) trait Convolution: Send + Sync + 'static {
     type Options: Clone + core::fmt::Debug + Send + Sync + 'static;
+
+    /// The op autocast's table and plan know it by.
+    const OP: Op;
+
+    /// The options' groups (a grouped convolution's weight gradient starts from zeros of the
+    /// weight's dtype).
+    fn groups(options: &Self::Options) -> usize;
+
+    /// The op's own path under autocast once its inputs are cast (`crate::backend::forward`'s:
+    /// `lowered` where the crate has a half kernel for it, else `B`'s op).
+    fn own<B: Backend>(
+        plan: &CastPlan,
+        x: FloatTensor<B>,
+        weight: FloatTensor<B>,
+        bias: Option<FloatTensor<B>>,
+        options: Self::Options,
+    ) -> FloatTensor<B>;
+
+    /// The op on the crate's half convolution with the parameters gathered in `dtype`, where
+    /// `own` would run it there (the inputs back otherwise): `x` cast, the parameters' anchors.
+    #[allow(clippy::too_many_arguments)]
+    fn on_half_kernel<B: Backend>(
+        x: FloatTensor<B>,
+        weight: FloatTensor<B>,
+        bias: Option<FloatTensor<B>>,
+        weight_shard: Arc<dyn Shard>,
+        bias_shard: Option<Arc<dyn Shard>>,
+        options: Self::Options,
+        dtype: FloatDType,
+    ) -> Result<FloatTensor<B>, ConvInputs<B, Self::Options>> {
+        let _ = (weight_shard, bias_shard, dtype);
+        Err((x, weight, bias, options))
+    }
 
     fn forward<B: Backend>(
         x: FloatTensor<B>,
@@ -67,21 +109,53 @@ pub(super) trait Convolution: Send + Sync + 'static {
 // input (Burn's `conv_transpose*_x_backward(weight, grad, options)`).
 macro_rules! convolution {
     ($kind:ident, $options:ty, $forward:ident, $x:ident, $weight:ident, $bias:ident,
-     transposed: false) => {
-        convolution!(@impl $kind, $options, $forward, $weight, $bias,
+     transposed: false, own: $own:expr $(, kernel: $kernel:ident)?) => {
+        convolution!(@impl $kind, $options, $forward, $weight, $bias, $own, [$($kernel)?],
             |x, weight, grad, options| $x(x, weight, grad, options));
     };
     ($kind:ident, $options:ty, $forward:ident, $x:ident, $weight:ident, $bias:ident,
-     transposed: true) => {
-        convolution!(@impl $kind, $options, $forward, $weight, $bias,
+     transposed: true, own: $own:expr) => {
+        convolution!(@impl $kind, $options, $forward, $weight, $bias, $own, [],
             |_x, weight, grad, options| $x(weight, grad, options));
     };
-    (@impl $kind:ident, $options:ty, $forward:ident, $weight:ident, $bias:ident,
-     |$xa:ident, $wa:ident, $ga:ident, $oa:ident| $x:ident($($arg:ident),*)) => {
+    (@kernel []) => {};
+    (@kernel [$kernel:ident]) => {
+        fn on_half_kernel<B: Backend>(
+            x: FloatTensor<B>,
+            weight: FloatTensor<B>,
+            bias: Option<FloatTensor<B>>,
+            weight_shard: Arc<dyn Shard>,
+            bias_shard: Option<Arc<dyn Shard>>,
+            options: Self::Options,
+            dtype: FloatDType,
+        ) -> Result<FloatTensor<B>, ConvInputs<B, Self::Options>> {
+            half_kernel::$kernel::<B>(x, weight, bias, weight_shard, bias_shard, options, dtype)
+        }
+    };
+    (@impl $kind:ident, $options:ty, $forward:ident, $weight:ident, $bias:ident, $own:expr,
+     [$($kernel:ident)?], |$xa:ident, $wa:ident, $ga:ident, $oa:ident| $x:ident($($arg:ident),*)) => {
         pub(super) struct $kind;
 
         impl Convolution for $kind {
             type Options = $options;
+
+            const OP: Op = Op::$kind;
+
+            fn groups(options: &Self::Options) -> usize {
+                options.groups
+            }
+
+            fn own<B: Backend>(
+                plan: &CastPlan,
+                x: FloatTensor<B>,
+                weight: FloatTensor<B>,
+                bias: Option<FloatTensor<B>>,
+                options: Self::Options,
+            ) -> FloatTensor<B> {
+                ($own)(plan, x, weight, bias, options)
+            }
+
+            convolution!(@kernel [$($kernel)?]);
 
             fn forward<B: Backend>(
                 x: FloatTensor<B>,
@@ -122,23 +196,32 @@ macro_rules! convolution {
 }
 
 convolution!(Conv1d, ConvOptions<1>, conv1d, conv1d_x_backward,
-    conv1d_weight_backward, conv1d_bias_backward, transposed: false);
+    conv1d_weight_backward, conv1d_bias_backward, transposed: false,
+    own: |plan: &CastPlan, x, w, b, o| crate::backend::lowered::conv1d::<B>(plan, x, w, b, o),
+    kernel: conv1d);
 convolution!(Conv2d, ConvOptions<2>, conv2d, conv2d_x_backward,
-    conv2d_weight_backward, conv2d_bias_backward, transposed: false);
+    conv2d_weight_backward, conv2d_bias_backward, transposed: false,
+    own: |plan: &CastPlan, x, w, b, o| crate::backend::lowered::conv2d::<B>(plan, x, w, b, o),
+    kernel: conv2d);
 convolution!(Conv3d, ConvOptions<3>, conv3d, conv3d_x_backward,
-    conv3d_weight_backward, conv3d_bias_backward, transposed: false);
+    conv3d_weight_backward, conv3d_bias_backward, transposed: false,
+    own: |_: &CastPlan, x, w, b, o| B::conv3d(x, w, b, o));
 convolution!(ConvTranspose1d, ConvTransposeOptions<1>, conv_transpose1d,
     conv_transpose1d_x_backward, conv_transpose1d_weight_backward,
-    conv_transpose1d_bias_backward, transposed: true);
+    conv_transpose1d_bias_backward, transposed: true,
+    own: |_: &CastPlan, x, w, b, o| B::conv_transpose1d(x, w, b, o));
 convolution!(ConvTranspose2d, ConvTransposeOptions<2>, conv_transpose2d,
     conv_transpose2d_x_backward, conv_transpose2d_weight_backward,
-    conv_transpose2d_bias_backward, transposed: true);
+    conv_transpose2d_bias_backward, transposed: true,
+    own: |_: &CastPlan, x, w, b, o| B::conv_transpose2d(x, w, b, o));
 convolution!(ConvTranspose3d, ConvTransposeOptions<3>, conv_transpose3d,
     conv_transpose3d_x_backward, conv_transpose3d_weight_backward,
-    conv_transpose3d_bias_backward, transposed: true);
+    conv_transpose3d_bias_backward, transposed: true,
+    own: |_: &CastPlan, x, w, b, o| B::conv_transpose3d(x, w, b, o));
 
 // The bounded convolution of kind `K` on a registered `Autodiff<B, C>`: the input, the
-// weight's and the bias's anchors, their shards, the options.
+// weight's and the bias's anchors, their shards, the options, and under autocast the half
+// type the parameters are gathered in (`None`: as they are).
 type ConvHook<B, K> = fn(
     FloatTensor<B>,
     FloatTensor<B>,
@@ -146,6 +229,7 @@ type ConvHook<B, K> = fn(
     Arc<dyn Shard>,
     Option<Arc<dyn Shard>>,
     <K as Convolution>::Options,
+    Option<FloatDType>,
 ) -> FloatTensor<B>;
 
 // The bounded convolutions of kind `K`, per backend type.
@@ -181,7 +265,8 @@ pub(super) fn register<B: Backend, C: CheckpointStrategy>() {
 pub(crate) type ConvInputs<B, O> = (FloatTensor<B>, FloatTensor<B>, Option<FloatTensor<B>>, O);
 
 // The convolution of kind `K` with the per-layer bound, where it applies: the weight is a
-// registered parameter, `x` is not, autocast is off and the operands share a dtype.
+// registered parameter, `x` is not, and either autocast is off and the operands share a
+// dtype, or autocast is on and the operands are on one device (`autocast_dispatch`).
 // Otherwise the inputs back, for the op's usual path.
 fn dispatch<B: Backend, K: Convolution>(
     x: FloatTensor<B>,
@@ -192,30 +277,147 @@ fn dispatch<B: Backend, K: Convolution>(
     let Some(weight_shard) = shard_of::<B>(&weight) else {
         return Err((x, weight, bias, options));
     };
-    let same_dtype =
-        weight.dtype() == x.dtype() && bias.as_ref().is_none_or(|b| b.dtype() == x.dtype());
-    let applies = same_dtype && crate::autocast::current().is_none() && shard_of::<B>(&x).is_none();
-    let hook = applies
-        .then(hooks::get::<ConvHooks<K>, B, ConvHook<B, K>>)
-        .flatten();
-    let Some(hook) = hook else {
+    let hook = hooks::get::<ConvHooks<K>, B, ConvHook<B, K>>();
+    let (Some(hook), None) = (hook, shard_of::<B>(&x)) else {
         return Err((x, weight, bias, options));
     };
+    if crate::autocast::current().is_some() {
+        return autocast_dispatch::<B, K>(x, weight, bias, options, weight_shard, hook);
+    }
+    let same_dtype =
+        weight.dtype() == x.dtype() && bias.as_ref().is_none_or(|b| b.dtype() == x.dtype());
+    if !same_dtype {
+        return Err((x, weight, bias, options));
+    }
     let bias_shard = bias.as_ref().and_then(shard_of::<B>);
-    // As `linear`'s: the anchors sit just above the input, so that they run right after
-    // the convolution's backward.
-    let weight = anchored::<B>(weight, Some(&x), weight_shard.clone());
-    let bias = match (bias, &bias_shard) {
-        (Some(bias), Some(shard)) => Some(anchored::<B>(bias, Some(&x), shard.clone())),
+    let (weight, bias) = anchors::<B>(&x, weight, bias, &weight_shard, &bias_shard);
+    Ok(hook(
+        x,
+        weight,
+        bias,
+        weight_shard,
+        bias_shard,
+        options,
+        None,
+    ))
+}
+
+// As `linear`'s: the anchors sit just above the input, so that they run right after the
+// convolution's backward.
+fn anchors<B: Backend>(
+    x: &FloatTensor<B>,
+    weight: FloatTensor<B>,
+    bias: Option<FloatTensor<B>>,
+    weight_shard: &Arc<dyn Shard>,
+    bias_shard: &Option<Arc<dyn Shard>>,
+) -> (FloatTensor<B>, Option<FloatTensor<B>>) {
+    let weight = anchored::<B>(weight, Some(x), weight_shard.clone());
+    let bias = match (bias, bias_shard) {
+        (Some(bias), Some(shard)) => Some(anchored::<B>(bias, Some(x), shard.clone())),
         (bias, _) => bias,
     };
-    Ok(hook(x, weight, bias, weight_shard, bias_shard, options))
+    (weight, bias)
+}
+
+// Under autocast: the op's own path (`crate::backend::forward`'s: the cast plan, decided
+// once, the casts, `K::own`) with the parameters gathered for the op alone, in the dtype the
+// op reads them in. Where the plan reads them as they are (an fp32-class or small op of f32
+// parameters), the bounded path of autocast off on the cast input; where it casts f32
+// parameters to bf16/f16, gathered in the half type (the owner casts and sends halves), on
+// the crate's half convolution where `K::own` runs it there, else on `B`'s op as Burn's node;
+// otherwise (fp8's rounding, parameters of another dtype) the op's own path with the
+// parameters gathered whole, as every op without a bound reads them.
+fn autocast_dispatch<B: Backend, K: Convolution>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    bias: Option<FloatTensor<B>>,
+    options: K::Options,
+    weight_shard: Arc<dyn Shard>,
+    hook: ConvHook<B, K>,
+) -> Result<FloatTensor<B>, ConvInputs<B, K::Options>> {
+    let device = B::float_device(&x);
+    let one_device = B::float_device(&weight) == device
+        && bias.as_ref().is_none_or(|b| B::float_device(b) == device);
+    if !one_device {
+        // The op's path co-locates them first.
+        return Err((x, weight, bias, options));
+    }
+    let plan = CastPlan::new::<B>(
+        K::OP,
+        &[
+            CastInput::One(&x),
+            CastInput::One(&weight),
+            CastInput::Maybe(&bias),
+        ],
+    );
+    let x = plan.cast_at::<B>(0, x);
+    let bias_shard = bias.as_ref().and_then(shard_of::<B>);
+    let read_as_is = |t: &FloatTensor<B>| {
+        t.dtype() == x.dtype()
+            && plan
+                .target()
+                .is_none_or(|target| t.dtype() == DType::from(target))
+    };
+    let unregistered_bias = bias.is_some() && bias_shard.is_none();
+    if !plan.rounds_to_fp8() && read_as_is(&weight) && bias.as_ref().is_none_or(read_as_is) {
+        let (weight, bias) = anchors::<B>(&x, weight, bias, &weight_shard, &bias_shard);
+        return Ok(hook(
+            x,
+            weight,
+            bias,
+            weight_shard,
+            bias_shard,
+            options,
+            None,
+        ));
+    }
+    let half = plan
+        .target()
+        .filter(|t| matches!(t, FloatDType::BF16 | FloatDType::F16))
+        .filter(|t| x.dtype() == DType::from(*t));
+    let f32_params =
+        weight.dtype() == DType::F32 && bias.as_ref().is_none_or(|b| b.dtype() == DType::F32);
+    if let Some(dtype) = half
+        && f32_params
+        && !plan.rounds_to_fp8()
+    {
+        // A bias that is no parameter is cast by the plan, as the op's own path casts it.
+        let bias = match unregistered_bias {
+            true => plan.cast_opt::<B>(bias),
+            false => bias,
+        };
+        let (weight, bias) = anchors::<B>(&x, weight, bias, &weight_shard, &bias_shard);
+        let (x, weight, bias, options) = match K::on_half_kernel::<B>(
+            x,
+            weight,
+            bias,
+            weight_shard.clone(),
+            bias_shard.clone(),
+            options,
+            dtype,
+        ) {
+            Ok(output) => return Ok(output),
+            Err(inputs) => inputs,
+        };
+        return Ok(hook(
+            x,
+            weight,
+            bias,
+            weight_shard,
+            bias_shard,
+            options,
+            Some(dtype),
+        ));
+    }
+    let weight = plan.cast_at::<B>(1, resolve::<B>(weight));
+    let bias = plan.cast_opt::<B>(resolve_opt::<B>(bias));
+    Ok(K::own::<B>(&plan, x, weight, bias, options))
 }
 
 macro_rules! dispatchers {
     ($($name:ident: $kind:ident, $options:ty;)*) => {$(
         #[doc = concat!("`", stringify!($name), "(x, weight, bias, options)` with the")]
-        /// per-layer bound, where it applies (a registered weight, autocast off, one dtype:
+        /// per-layer bound, where it applies (a registered weight and input that is not one:
         /// see the module docs); otherwise the inputs back, for the op's usual path.
         pub(crate) fn $name<B: Backend>(
             x: FloatTensor<B>,
@@ -230,41 +432,115 @@ macro_rules! dispatchers {
 
 dispatchers! {
     conv1d: Conv1d, ConvOptions<1>;
+    conv2d: Conv2d, ConvOptions<2>;
     conv3d: Conv3d, ConvOptions<3>;
     conv_transpose1d: ConvTranspose1d, ConvTransposeOptions<1>;
     conv_transpose2d: ConvTranspose2d, ConvTransposeOptions<2>;
     conv_transpose3d: ConvTranspose3d, ConvTransposeOptions<3>;
 }
 
-/// `conv2d(x, weight, bias, options)` with the per-layer bound, where it applies: a
-/// registered weight and either autocast off and one dtype (see the module docs), or bf16/f16
-/// autocast on `Autodiff<Flex>`, which runs the op on the crate's half convolution (the
-/// parameters gathered in the half type: see `half_conv`). Otherwise the inputs back, for the
-/// op's usual path.
-pub(crate) fn conv2d<B: Backend>(
-    x: FloatTensor<B>,
-    weight: FloatTensor<B>,
-    bias: Option<FloatTensor<B>>,
-    options: ConvOptions<2>,
-) -> Result<FloatTensor<B>, ConvInputs<B, ConvOptions<2>>> {
-    #[cfg(feature = "flex")]
-    if let Some(weight_shard) = shard_of::<B>(&weight)
-        && let Some(crate::Precision::Bf16 | crate::Precision::F16) = crate::autocast::current()
-        && shard_of::<B>(&x).is_none()
-    {
-        return super::half_conv::autocast_conv2d::<B>(x, weight, bias, options, weight_shard);
+// The crate's half convolution under autocast (`half_conv`, `Autodiff<Flex>`), where
+// `lowered` would run the op on it.
+mod half_kernel {
+    use std::sync::Arc;
+
+    use burn_backend::ops::ConvOptions;
+    use burn_backend::tensor::FloatTensor;
+    use burn_backend::{Backend, FloatDType};
+
+    use super::{ConvInputs, Shard};
+
+    pub(super) fn conv2d<B: Backend>(
+        x: FloatTensor<B>,
+        weight: FloatTensor<B>,
+        bias: Option<FloatTensor<B>>,
+        weight_shard: Arc<dyn Shard>,
+        bias_shard: Option<Arc<dyn Shard>>,
+        options: ConvOptions<2>,
+        dtype: FloatDType,
+    ) -> Result<FloatTensor<B>, ConvInputs<B, ConvOptions<2>>> {
+        #[cfg(feature = "flex")]
+        return super::super::half_conv::conv2d::<B>(
+            x,
+            weight,
+            bias,
+            weight_shard,
+            bias_shard,
+            options,
+            dtype,
+        );
+        #[cfg(not(feature = "flex"))]
+        {
+            let _ = (weight_shard, bias_shard, dtype);
+            Err((x, weight, bias, options))
+        }
     }
-    dispatch::<B, Conv2d>(x, weight, bias, options)
+
+    pub(super) fn conv1d<B: Backend>(
+        x: FloatTensor<B>,
+        weight: FloatTensor<B>,
+        bias: Option<FloatTensor<B>>,
+        weight_shard: Arc<dyn Shard>,
+        bias_shard: Option<Arc<dyn Shard>>,
+        options: ConvOptions<1>,
+        dtype: FloatDType,
+    ) -> Result<FloatTensor<B>, ConvInputs<B, ConvOptions<1>>> {
+        #[cfg(feature = "flex")]
+        return super::super::half_conv::conv1d::<B>(
+            x,
+            weight,
+            bias,
+            weight_shard,
+            bias_shard,
+            options,
+            dtype,
+        );
+        #[cfg(not(feature = "flex"))]
+        {
+            let _ = (weight_shard, bias_shard, dtype);
+            Err((x, weight, bias, options))
+        }
+    }
+}
+
+// One use's gather of the parameter `tensor` stands for, in `dtype` where given (the owner
+// casts its value with autocast's cast and sends those bits: what autocast's cast of the
+// gathered value gives on every process), else as it is. With the bytes counted.
+fn gather_in<B: Backend>(
+    shard: &dyn Shard,
+    tensor: &FloatTensor<B>,
+    dtype: Option<FloatDType>,
+) -> (FloatTensor<B>, u64) {
+    let Some(dtype) = dtype else {
+        let bytes = counted(shard, tensor);
+        return (gather::<B>(shard, tensor), bytes);
+    };
+    if shard.is_owned() {
+        let halves = crate::cpu::table::cast::<B>(tensor.clone(), dtype);
+        shard.gather(Some(bytes_of::<B>(halves.clone())));
+        return (halves, 0);
+    }
+    let device = B::float_device(tensor);
+    received::<B>(shard, tensor.shape(), DType::from(dtype), &device)
 }
 
 // Burn's convolution node's state, the weight kept as its placeholder (gathered again for
 // the input's gradient) and the bias as its placeholder (the bias's gradient reads its
-// shape alone).
+// shape alone); under autocast the half type the parameters were gathered in.
 struct ConvState<B: Backend, K: Convolution> {
     x: FloatTensor<B>,
     weight: Weight<B>,
     bias: Option<FloatTensor<B>>,
     options: K::Options,
+    half: Option<Half>,
+}
+
+// The half type a node's parameters were gathered in, and whether its bias is a parameter
+// (whose gradient is cast to f32) or a tensor autocast cast before the op.
+#[derive(Clone, Copy)]
+struct Half {
+    dtype: FloatDType,
+    bias_registered: bool,
 }
 
 impl<B: Backend, K: Convolution> Clone for ConvState<B, K> {
@@ -274,6 +550,7 @@ impl<B: Backend, K: Convolution> Clone for ConvState<B, K> {
             weight: self.weight.clone(),
             bias: self.bias.clone(),
             options: self.options.clone(),
+            half: self.half,
         }
     }
 }
@@ -297,7 +574,9 @@ impl<B: Backend, K: Convolution, const N: usize> Backward<B, N> for BoundedConv<
     type State = ConvState<B, K>;
 
     // Burn's backward: the input's gradient, the weight's, the bias's, in this order, each
-    // by the same op on the same values (the weight gathered for the input's alone).
+    // by the same op on the same values (the weight gathered for the input's alone). Under
+    // autocast each parameter's gradient is then cast to f32 as its cast node's backward
+    // casts it.
     fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _: &mut Checkpointer) {
         let grad = grads.consume::<B>(&ops.node);
         let parents = ops.parents.map(|parent| parent.map(|node| node.id));
@@ -306,27 +585,50 @@ impl<B: Backend, K: Convolution, const N: usize> Backward<B, N> for BoundedConv<
             weight,
             bias,
             options,
+            half,
         } = ops.state;
-        if let Some(node) = parents[0] {
-            let whole = gather::<B>(weight.shard.as_ref(), &weight.tensor);
-            let bytes = counted(weight.shard.as_ref(), &weight.tensor);
-            let grad = K::x_backward::<B>(x.clone(), whole, grad.clone(), options.clone());
-            count_dropped(bytes);
+        let dtype = half.map(|h| h.dtype);
+        // A grouped convolution's weight gradient starts from zeros of the weight's dtype:
+        // under autocast the half one, so it reads the gathered halves.
+        let grouped_half = half.is_some() && K::groups(&options) > 1 && parents[1].is_some();
+        let whole = (parents[0].is_some() || grouped_half)
+            .then(|| gather_in::<B>(weight.shard.as_ref(), &weight.tensor, dtype));
+        let to_param = |grad: FloatTensor<B>| match dtype {
+            Some(_) => crate::cpu::table::cast::<B>(grad, FloatDType::F32),
+            None => grad,
+        };
+        if let (Some(node), Some((whole, _))) = (parents[0], &whole) {
+            let grad = K::x_backward::<B>(x.clone(), whole.clone(), grad.clone(), options.clone());
             grads.register::<B>(node, grad);
         }
         if let Some(node) = parents[1] {
-            let grad =
-                K::weight_backward::<B>(x.clone(), weight.tensor, grad.clone(), options.clone());
-            grads.register::<B>(node, grad);
+            let read = match (grouped_half, &whole) {
+                (true, Some((whole, _))) => whole.clone(),
+                _ => weight.tensor,
+            };
+            let grad = K::weight_backward::<B>(x.clone(), read, grad.clone(), options.clone());
+            grads.register::<B>(node, to_param(grad));
+        }
+        if let Some((_, bytes)) = whole {
+            count_dropped(bytes);
         }
         if let (Some(Some(node)), Some(bias)) = (parents.get(2), bias) {
-            grads.register::<B>(*node, K::bias_backward::<B>(x, bias, grad));
+            let grad = K::bias_backward::<B>(x, bias, grad);
+            let grad = match half {
+                Some(Half {
+                    bias_registered: false,
+                    ..
+                }) => grad,
+                _ => to_param(grad),
+            };
+            grads.register::<B>(*node, grad);
         }
     }
 }
 
 // Burn's convolution of kind `K` on `Autodiff<B, C>` with the weight (and a registered bias)
-// gathered for the forward op alone, and a node that keeps their placeholders.
+// gathered for the forward op alone, in `half` where given, and a node that keeps their
+// placeholders.
 fn bounded<B: Backend, C: CheckpointStrategy, K: Convolution>(
     x: FloatTensor<Autodiff<B, C>>,
     weight: FloatTensor<Autodiff<B, C>>,
@@ -334,13 +636,14 @@ fn bounded<B: Backend, C: CheckpointStrategy, K: Convolution>(
     weight_shard: Arc<dyn Shard>,
     bias_shard: Option<Arc<dyn Shard>>,
     options: K::Options,
+    half: Option<FloatDType>,
 ) -> FloatTensor<Autodiff<B, C>> {
-    let mut bytes = counted(weight_shard.as_ref(), &weight.primitive);
-    let whole_weight = gather::<B>(weight_shard.as_ref(), &weight.primitive);
+    let (whole_weight, mut bytes) = gather_in::<B>(weight_shard.as_ref(), &weight.primitive, half);
     let whole_bias = bias.as_ref().map(|bias| match &bias_shard {
         Some(shard) => {
-            bytes += counted(shard.as_ref(), &bias.primitive);
-            gather::<B>(shard.as_ref(), &bias.primitive)
+            let (whole, counted) = gather_in::<B>(shard.as_ref(), &bias.primitive, half);
+            bytes += counted;
+            whole
         }
         None => bias.primitive.clone(),
     });
@@ -359,6 +662,10 @@ fn bounded<B: Backend, C: CheckpointStrategy, K: Convolution>(
         },
         bias: bias.as_ref().map(|bias| bias.primitive.clone()),
         options,
+        half: half.map(|dtype| Half {
+            dtype,
+            bias_registered: bias_shard.is_some(),
+        }),
     };
     let node = BoundedConv::<K>(PhantomData);
     match bias {

@@ -1,6 +1,7 @@
-//! ZeRO stage 3's bounded `conv2d` under bf16 and f16 autocast (FSDP's `param_dtype`), on
-//! `Autodiff<Flex>` where autocast runs the crate's half convolution
-//! ([`low_conv::conv2d_tracked`]): the weight and bias are gathered in the half type the op
+//! ZeRO stage 3's bounded `conv2d` (and `conv1d`, which `lowered::conv1d` runs as a 2-D
+//! convolution of one-pixel-high images: here with the weight's reshape inside the node)
+//! under bf16 and f16 autocast (FSDP's `param_dtype`), on `Autodiff<Flex>` where autocast
+//! runs the crate's half convolution ([`low_conv::conv2d_tracked`]): the weight and bias are gathered in the half type the op
 //! runs in (the owner casts its f32 value and sends halves, as `half` does for `linear`), for
 //! the forward op alone, and the weight again for the backward pass, whose input and weight
 //! gradients both read it there (the im2col GEMMs take the weight whole); the gradients
@@ -20,26 +21,25 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::flex::FlexTensor;
 use burn::backend::{Autodiff, Flex};
 use burn_backend::ops::ConvOptions;
+use burn_backend::ops::FloatTensorOps;
 use burn_backend::tensor::FloatTensor;
-use burn_backend::{Backend, DType, FloatDType, TensorMetadata};
+use burn_backend::{Backend, FloatDType, TensorMetadata};
 
 use crate::cpu::Route;
 use crate::cpu::low_conv;
 use crate::hooks::{self, HookKind};
 
 use super::half::{HalfWeight, cast, gather_cast};
-use super::{Shard, anchored, count_dropped, resolve, resolve_opt, shard_of};
+use super::{Shard, count_dropped};
 
-/// `conv2d`'s inputs, given back where `B` has no hook.
-type Conv2dInputs<B> = (
-    FloatTensor<B>,
-    FloatTensor<B>,
-    Option<FloatTensor<B>>,
-    ConvOptions<2>,
-);
+/// A convolution's inputs, given back where `B` has no hook or the process runs the
+/// backend's own half convolution.
+type Inputs<B, O> = (FloatTensor<B>, FloatTensor<B>, Option<FloatTensor<B>>, O);
 
-/// The hook's signature: the cast input (half), the weight's and the bias's anchors (f32),
-/// their shards, the options, the half type and the kernels' route.
+/// The hook's signature: the cast input (half), the weight's and the bias's anchors (f32; a
+/// bias that is no parameter already cast), their shards, the options, the half type, the
+/// kernels' route, and whether the weight is a `conv1d`'s (`[out, in, k]`, read as
+/// `[out, in, 1, k]`).
 type HalfConv2d<B> = fn(
     FloatTensor<B>,
     FloatTensor<B>,
@@ -49,6 +49,7 @@ type HalfConv2d<B> = fn(
     ConvOptions<2>,
     FloatDType,
     Route,
+    bool,
 ) -> FloatTensor<B>;
 
 struct HalfConvHooks;
@@ -61,67 +62,90 @@ impl HookKind for HalfConvHooks {
     }
 }
 
-/// `conv2d` under bf16/f16 autocast of the registered parameter `weight` (`x` not one), where
-/// `B` has the half hook (`Autodiff<Flex>`): the op's own path (`crate::backend::forward`'s
-/// `conv2d`: the cast plan, the casts, `lowered::conv2d`), the plan decided once, with the
-/// weight and bias gathered in the half type for the op alone where the op runs on the
-/// crate's half convolution; otherwise gathered whole in f32 and cast, as every other op
-/// reads a parameter. The inputs back where `B` has no hook.
-pub(super) fn autocast_conv2d<B: Backend>(
+/// `conv2d` under bf16/f16 autocast where `lowered::conv2d` runs it on the crate's half
+/// convolution (`B` has the hook, the process takes the crate's kernels): `x` cast to
+/// `dtype`, the parameters' anchors, gathered in `dtype` for the op alone. The inputs back
+/// otherwise.
+pub(super) fn conv2d<B: Backend>(
     x: FloatTensor<B>,
     weight: FloatTensor<B>,
     bias: Option<FloatTensor<B>>,
-    options: ConvOptions<2>,
     weight_shard: Arc<dyn Shard>,
-) -> Result<FloatTensor<B>, Conv2dInputs<B>> {
-    use crate::autocast::{CastInput, CastPlan, Op};
+    bias_shard: Option<Arc<dyn Shard>>,
+    options: ConvOptions<2>,
+    dtype: FloatDType,
+) -> Result<FloatTensor<B>, Inputs<B, ConvOptions<2>>> {
     let Some(half_conv2d) = hooks::get::<HalfConvHooks, B, HalfConv2d<B>>() else {
         return Err((x, weight, bias, options));
     };
-    let plan = CastPlan::new::<B>(
-        Op::Conv2d,
-        &[
-            CastInput::One(&x),
-            CastInput::One(&weight),
-            CastInput::Maybe(&bias),
-        ],
-    );
-    let bias_shard = bias.as_ref().and_then(shard_of::<B>);
-    let x = plan.cast_at::<B>(0, x);
-    let target = plan
-        .target()
-        .filter(|t| matches!(t, FloatDType::BF16 | FloatDType::F16));
-    // `lowered::conv2d`'s conditions for the kernel: half operands of one dtype (the plan
-    // casts the f32 parameters to it).
-    let kernel_applies = target.is_some_and(|t| x.dtype() == DType::from(t))
-        && weight.dtype() == DType::F32
-        && bias
-            .as_ref()
-            .is_none_or(|b| b.dtype() == DType::F32 && bias_shard.is_some());
-    if let (Some(target), true) = (target, kernel_applies)
-        && let Some((_, route)) = crate::backend::lowered::chosen::<B>()
-    {
-        let weight = anchored::<B>(weight, Some(&x), weight_shard.clone());
-        let bias = match (bias, &bias_shard) {
-            (Some(bias), Some(shard)) => Some(anchored::<B>(bias, Some(&x), shard.clone())),
-            (bias, _) => bias,
-        };
-        return Ok(half_conv2d(
-            x,
-            weight,
-            bias,
-            weight_shard,
-            bias_shard,
-            options,
-            target,
-            route,
-        ));
-    }
-    let weight = plan.cast_at::<B>(1, resolve::<B>(weight));
-    let bias = plan.cast_opt::<B>(resolve_opt::<B>(bias));
-    Ok(crate::backend::lowered::conv2d::<B>(
-        &plan, x, weight, bias, options,
+    let Some((_, route)) = crate::backend::lowered::chosen::<B>() else {
+        return Err((x, weight, bias, options));
+    };
+    Ok(half_conv2d(
+        x,
+        weight,
+        bias,
+        weight_shard,
+        bias_shard,
+        options,
+        dtype,
+        route,
+        false,
     ))
+}
+
+/// `conv1d` as `lowered::conv1d` runs it on the crate's half convolution: a 2-D convolution
+/// of one-pixel-high images, the input and output reshaped around it as there, the weight
+/// reshaped inside the node (its halves are gathered there). The inputs back where
+/// [`conv2d`] gives them back.
+pub(super) fn conv1d<B: Backend>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    bias: Option<FloatTensor<B>>,
+    weight_shard: Arc<dyn Shard>,
+    bias_shard: Option<Arc<dyn Shard>>,
+    options: ConvOptions<1>,
+    dtype: FloatDType,
+) -> Result<FloatTensor<B>, Inputs<B, ConvOptions<1>>> {
+    let (x_shape, w_shape) = (x.shape(), weight.shape());
+    let Some(half_conv2d) = hooks::get::<HalfConvHooks, B, HalfConv2d<B>>() else {
+        return Err((x, weight, bias, options));
+    };
+    if x_shape.num_dims() != 3 || w_shape.num_dims() != 3 {
+        return Err((x, weight, bias, options));
+    }
+    let Some((_, route)) = crate::backend::lowered::chosen::<B>() else {
+        return Err((x, weight, bias, options));
+    };
+    let options = ConvOptions::new(
+        [1, options.stride[0]],
+        [0, options.padding[0]],
+        [1, options.dilation[0]],
+        options.groups,
+    );
+    let x = B::float_reshape(x, [x_shape[0], x_shape[1], 1, x_shape[2]].into());
+    let out = half_conv2d(
+        x,
+        weight,
+        bias,
+        weight_shard,
+        bias_shard,
+        options,
+        dtype,
+        route,
+        true,
+    );
+    let out_shape = out.shape();
+    Ok(B::float_reshape(
+        out,
+        [out_shape[0], out_shape[1], out_shape[3]].into(),
+    ))
+}
+
+// A `conv1d`'s weight `[out, in, k]` as `lowered::conv1d` reads it, `[out, in, 1, k]`.
+fn as_2d(weight: FlexTensor) -> FlexTensor {
+    let shape = weight.shape();
+    Flex::float_reshape(weight, [shape[0], shape[1], 1, shape[2]].into())
 }
 
 // The node's state: the half input, the weight's placeholder, the options.
@@ -131,6 +155,10 @@ type State = (FlexTensor, HalfWeight, ConvOptions<2>);
 struct BoundedHalfConv2d {
     route: Route,
     dtype: FloatDType,
+    // A `conv1d`'s weight, reshaped to 2-D for the kernel and its gradient back.
+    flat_weight: bool,
+    // Whether the bias is a parameter (its gradient cast to f32) or a tensor autocast cast.
+    bias_registered: bool,
 }
 
 // One node for both arities: `[x, weight]`, or `[x, weight, bias]`.
@@ -147,12 +175,24 @@ impl<const N: usize> Backward<Flex, N> for BoundedHalfConv2d {
             true => gather_cast(weight.shard.as_ref(), &weight.tensor, self.dtype),
             false => (weight.tensor.clone(), 0),
         };
+        let whole = match self.flat_weight {
+            true => as_2d(whole),
+            false => whole,
+        };
         let [dx, dw, db] = low_conv::conv2d_gradients(x, whole, options, self.route, grad, want);
         count_dropped(bytes);
         // The input's as it is (half); each parameter's cast to f32 as its cast node's
         // backward casts it.
         let to_param = |grad: FlexTensor| cast(grad, FloatDType::F32);
-        for (i, grad) in [(2, db.map(to_param)), (0, dx), (1, dw.map(to_param))] {
+        let dw = dw.map(|grad| match self.flat_weight {
+            true => Flex::float_reshape(grad, weight.tensor.shape()),
+            false => grad,
+        });
+        let db = match self.bias_registered {
+            true => db.map(to_param),
+            false => db,
+        };
+        for (i, grad) in [(2, db), (0, dx), (1, dw.map(to_param))] {
             if let (Some(Some(id)), Some(grad)) = (parents.get(i), grad) {
                 grads.register::<Flex>(*id, grad);
             }
@@ -172,15 +212,21 @@ fn bounded_half_conv2d(
     options: ConvOptions<2>,
     dtype: FloatDType,
     route: Route,
+    flat_weight: bool,
 ) -> FloatTensor<Autodiff<Flex>> {
     let (whole_weight, mut bytes) = gather_cast(weight_shard.as_ref(), &weight.primitive, dtype);
+    let whole_weight = match flat_weight {
+        true => as_2d(whole_weight),
+        false => whole_weight,
+    };
     let whole_bias = match (&bias, &bias_shard) {
         (Some(bias), Some(shard)) => {
             let (whole, counted) = gather_cast(shard.as_ref(), &bias.primitive, dtype);
             bytes += counted;
             Some(whole)
         }
-        (Some(bias), None) => Some(cast(bias.primitive.clone(), dtype)),
+        // Cast by autocast before the op.
+        (Some(bias), None) => Some(bias.primitive.clone()),
         (None, _) => None,
     };
     let output = low_conv::conv2d(
@@ -199,7 +245,12 @@ fn bounded_half_conv2d(
         },
         options,
     );
-    let node = BoundedHalfConv2d { route, dtype };
+    let node = BoundedHalfConv2d {
+        route,
+        dtype,
+        flat_weight,
+        bias_registered: bias_shard.is_some(),
+    };
     match bias {
         Some(bias) => match node
             .prepare::<NoCheckpointing>([x.node.clone(), weight.node.clone(), bias.node.clone()])
