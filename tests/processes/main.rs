@@ -75,6 +75,33 @@ fn assert_sent(sent: u64, expected: u64, what: &str) {
     }
 }
 
+/// The bytes process `rank` of `processes` sends over the built-in engine's ring for one batch
+/// at stage 3, for parameters given as `(gathered, reduced, again)` (the bytes of the value a
+/// gather moves, of its f32 gradient, and whether backward gathers it again) and owned by
+/// `owners`: each gather is a broadcast from the owner (every process but the ring's last
+/// before the owner passes the value on), each reduction, on a batch that completes a window
+/// (`reduces`), the owner's block of a reduce-scatter (every process but the owner sends its
+/// gradient), and every collective first sends 2 × 8 bytes to each other process.
+fn stage_3_sent(
+    params: impl IntoIterator<Item = (u64, u64, bool)>,
+    owners: &[usize],
+    processes: usize,
+    rank: usize,
+    reduces: bool,
+) -> u64 {
+    let fixed = 2 * 8 * (processes - 1) as u64;
+    params
+        .into_iter()
+        .zip(owners)
+        .map(|((gathered, reduced, again), &owner)| {
+            let last = (owner + processes - 1) % processes;
+            let gather = fixed + if rank == last { 0 } else { gathered };
+            let reduce = if rank == owner { 0 } else { reduced };
+            gather * (1 + u64::from(again)) + if reduces { fixed + reduce } else { 0 }
+        })
+        .sum()
+}
+
 fn bits(values: &[f32]) -> Vec<u32> {
     values.iter().map(|v| v.to_bits()).collect()
 }
@@ -1134,22 +1161,17 @@ fn stage_3_under_autocast_gathers_linear_and_matmul_parameters_in_the_half_type_
             .max()
             .unwrap();
         let owners = burn_accelerate::zero::partition(&sizes, processes);
-        let agree = 2 * 8 * (processes - 1) as u64;
         // Gathers in halves (2 bytes a value), reductions in f32 (4).
         let expected = |rank: usize, reduces: bool| -> u64 {
-            let mut sent = 0;
-            for (&(values, read_in_backward), &owner) in params.iter().zip(&owners) {
-                let last = (owner + processes - 1) % processes;
-                let gather = agree + if rank == last { 0 } else { 2 * values as u64 };
-                sent += gather;
-                if read_in_backward {
-                    sent += gather;
-                }
-                if reduces {
-                    sent += agree + if rank == owner { 0 } else { 4 * values as u64 };
-                }
-            }
-            sent
+            stage_3_sent(
+                params
+                    .iter()
+                    .map(|&(values, again)| (2 * values as u64, 4 * values as u64, again)),
+                &owners,
+                processes,
+                rank,
+                reduces,
+            )
         };
         let run = |zero_stage: u8| -> Vec<HalfLayeredReport> {
             launch(
@@ -1307,21 +1329,16 @@ fn stage_3_reduces_each_gradient_to_its_owner_in_backward_and_sends_what_the_for
     let sizes: Vec<usize> = params.iter().map(|(bytes, _)| bytes / 4).collect();
     for processes in [2, 3] {
         let owners = burn_accelerate::zero::partition(&sizes, processes);
-        let agree = 2 * 8 * (processes - 1) as u64;
         let expected = |rank: usize, reduces: bool| -> u64 {
-            let mut sent = 0;
-            for (&(bytes, read_in_backward), &owner) in params.iter().zip(&owners) {
-                let last = (owner + processes - 1) % processes;
-                let gather = agree + if rank == last { 0 } else { bytes as u64 };
-                sent += gather;
-                if read_in_backward {
-                    sent += gather;
-                }
-                if reduces {
-                    sent += agree + if rank == owner { 0 } else { bytes as u64 };
-                }
-            }
-            sent
+            stage_3_sent(
+                params
+                    .iter()
+                    .map(|&(bytes, again)| (bytes as u64, bytes as u64, again)),
+                &owners,
+                processes,
+                rank,
+                reduces,
+            )
         };
         for grad_accum in [1, 2] {
             let run = |prepare: bool| -> Vec<TrafficReport> {
@@ -2842,21 +2859,16 @@ fn stage_3_with_accelerate_reduces_each_gradient_to_its_owner_in_the_users_backw
     // parameter is released.
     for (processes, grad_accum) in [(2, 3), (3, 3), (2, 1)] {
         let owners = burn_accelerate::zero::partition(&sizes, processes);
-        let agree = 2 * 8 * (processes - 1) as u64;
         let expected = |rank: usize, reduces: bool| -> u64 {
-            let mut sent = 0;
-            for (&(bytes, read_in_backward), &owner) in params.iter().zip(&owners) {
-                let last = (owner + processes - 1) % processes;
-                let gather = agree + if rank == last { 0 } else { bytes as u64 };
-                sent += gather;
-                if read_in_backward {
-                    sent += gather;
-                }
-                if reduces {
-                    sent += agree + if rank == owner { 0 } else { bytes as u64 };
-                }
-            }
-            sent
+            stage_3_sent(
+                params
+                    .iter()
+                    .map(|&(bytes, again)| (bytes as u64, bytes as u64, again)),
+                &owners,
+                processes,
+                rank,
+                reduces,
+            )
         };
         let epochs = 2;
         let go = |zero_stage: u8| -> Vec<supervised::WatchedReport> {

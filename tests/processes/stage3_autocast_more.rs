@@ -222,27 +222,17 @@ fn stage_3_against_stage_2(
         .unwrap();
     let all: u64 = sizes.iter().map(|&v| v as u64 * gathered_size).sum();
     let owners = burn_accelerate::zero::partition(&sizes, processes);
-    let agree = 2 * 8 * (processes - 1) as u64;
     // Gathers of `gathered_size` bytes a value, reductions in f32 (4).
     let expected = |rank: usize, reduces: bool| -> u64 {
-        let mut sent = 0;
-        for (&(values, read_in_backward), &owner) in params.iter().zip(&owners) {
-            let last = (owner + processes - 1) % processes;
-            let gather = agree
-                + if rank == last {
-                    0
-                } else {
-                    gathered_size * values as u64
-                };
-            sent += gather;
-            if read_in_backward {
-                sent += gather;
-            }
-            if reduces {
-                sent += agree + if rank == owner { 0 } else { 4 * values as u64 };
-            }
-        }
-        sent
+        stage_3_sent(
+            params
+                .iter()
+                .map(|&(values, again)| (gathered_size * values as u64, 4 * values as u64, again)),
+            &owners,
+            processes,
+            rank,
+            reduces,
+        )
     };
     let run = |zero_stage: u8| -> Vec<MoreReport> {
         launch(

@@ -19,7 +19,7 @@ use burn_accelerate::{AccelerateConfig, Accelerated, Precision};
 use serde::{Deserialize, Serialize};
 
 use super::harness::{launch, report, worker};
-use super::{CLASSES, assert_sent, bits, parameters};
+use super::{CLASSES, assert_sent, bits, parameters, stage_3_sent};
 
 #[derive(Module, Debug)]
 struct ConvNet<B: Backend> {
@@ -185,21 +185,16 @@ fn stage_3_gathers_each_convolutions_parameters_for_its_ops_alone_and_ends_where
     let sizes: Vec<usize> = params.iter().map(|&(values, _)| values).collect();
     for processes in [2, 3] {
         let owners = burn_accelerate::zero::partition(&sizes, processes);
-        let agree = 2 * 8 * (processes - 1) as u64;
         let expected_sent = |rank: usize, reduces: bool| -> u64 {
-            let mut sent = 0;
-            for (&(values, read_in_backward), &owner) in params.iter().zip(&owners) {
-                let last = (owner + processes - 1) % processes;
-                let gather = agree + if rank == last { 0 } else { 4 * values as u64 };
-                sent += gather;
-                if read_in_backward {
-                    sent += gather;
-                }
-                if reduces {
-                    sent += agree + if rank == owner { 0 } else { 4 * values as u64 };
-                }
-            }
-            sent
+            stage_3_sent(
+                params
+                    .iter()
+                    .map(|&(values, again)| (4 * values as u64, 4 * values as u64, again)),
+                &owners,
+                processes,
+                rank,
+                reduces,
+            )
         };
         // The bound: the largest of the layers' (weight and bias) bytes this process does
         // not own. Without it, every parameter it does not own would be whole at once.
@@ -381,22 +376,17 @@ fn stage_3_under_autocast_gathers_conv2d_parameters_in_the_half_type_like_stage_
         (3, Precision::F16, 2),
     ] {
         let owners = burn_accelerate::zero::partition(&sizes, processes);
-        let agree = 2 * 8 * (processes - 1) as u64;
         // Gathers in halves (2 bytes a value), reductions in f32 (4).
         let expected_sent = |rank: usize, reduces: bool| -> u64 {
-            let mut sent = 0;
-            for (&(values, read_in_backward), &owner) in params.iter().zip(&owners) {
-                let last = (owner + processes - 1) % processes;
-                let gather = agree + if rank == last { 0 } else { 2 * values as u64 };
-                sent += gather;
-                if read_in_backward {
-                    sent += gather;
-                }
-                if reduces {
-                    sent += agree + if rank == owner { 0 } else { 4 * values as u64 };
-                }
-            }
-            sent
+            stage_3_sent(
+                params
+                    .iter()
+                    .map(|&(values, again)| (2 * values as u64, 4 * values as u64, again)),
+                &owners,
+                processes,
+                rank,
+                reduces,
+            )
         };
         let bound = |rank: usize| -> u64 {
             let gathered: Vec<u64> = sizes
@@ -595,31 +585,19 @@ fn stage_3_under_autocast_gathers_conv1d_conv3d_and_transposed_parameters_in_the
         (3, Precision::F16, 2, true),
     ] {
         let owners = burn_accelerate::zero::partition(&sizes, processes);
-        let agree = 2 * 8 * (processes - 1) as u64;
         // Gathers in halves (2 bytes a value), the convolutions' (the first six parameters)
         // in f32 where they are kept in f32; reductions in f32 (4).
         let width = |param: usize| -> u64 { if kept_f32 && param < 6 { 4 } else { 2 } };
         let expected_sent = |rank: usize, reduces: bool| -> u64 {
-            let mut sent = 0;
-            for (param, (&(values, read_in_backward), &owner)) in
-                params.iter().zip(&owners).enumerate()
-            {
-                let last = (owner + processes - 1) % processes;
-                let gather = agree
-                    + if rank == last {
-                        0
-                    } else {
-                        width(param) * values as u64
-                    };
-                sent += gather;
-                if read_in_backward {
-                    sent += gather;
-                }
-                if reduces {
-                    sent += agree + if rank == owner { 0 } else { 4 * values as u64 };
-                }
-            }
-            sent
+            stage_3_sent(
+                params.iter().enumerate().map(|(param, &(values, again))| {
+                    (width(param) * values as u64, 4 * values as u64, again)
+                }),
+                &owners,
+                processes,
+                rank,
+                reduces,
+            )
         };
         let bound = |rank: usize| -> u64 {
             let gathered: Vec<u64> = sizes

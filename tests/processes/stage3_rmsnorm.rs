@@ -15,7 +15,7 @@ use burn_accelerate::{AccelerateConfig, Accelerated, Precision};
 use serde::{Deserialize, Serialize};
 
 use super::harness::{launch, report, worker};
-use super::{Batch, CLASSES, FEATURES, Samples, assert_sent, bits, parameters};
+use super::{Batch, CLASSES, FEATURES, Samples, assert_sent, bits, parameters, stage_3_sent};
 
 const HIDDEN: usize = 24;
 
@@ -169,22 +169,17 @@ fn stage_3_holds_one_rms_norms_gathered_gamma_at_a_time_and_ends_where_stage_2_d
         (2, 2, true),
     ] {
         let owners = burn_accelerate::zero::partition(&sizes, processes);
-        let agree = 2 * 8 * (processes - 1) as u64;
         // Gathers and reductions in f32.
         let expected = |rank: usize, reduces: bool| -> u64 {
-            let mut sent = 0;
-            for (&(values, read_in_backward), &owner) in params.iter().zip(&owners) {
-                let last = (owner + processes - 1) % processes;
-                let gather = agree + if rank == last { 0 } else { 4 * values as u64 };
-                sent += gather;
-                if read_in_backward {
-                    sent += gather;
-                }
-                if reduces {
-                    sent += agree + if rank == owner { 0 } else { 4 * values as u64 };
-                }
-            }
-            sent
+            stage_3_sent(
+                params
+                    .iter()
+                    .map(|&(values, again)| (4 * values as u64, 4 * values as u64, again)),
+                &owners,
+                processes,
+                rank,
+                reduces,
+            )
         };
         let run = |zero_stage: u8| -> Vec<RmsReport> {
             launch(
