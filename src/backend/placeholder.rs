@@ -57,13 +57,18 @@
 //! - `reshape` of a registered parameter (Burn's `unsqueeze` of `nn::RmsNorm`'s gamma):
 //!   nothing is gathered; the result is a *view*, a placeholder of the new shape registered
 //!   with the parameter's shard, read through the parameter's anchor reshaped (`view`).
-//!   `mul` with one registered operand (a parameter or a view; autocast off, one dtype):
-//!   the parameter gathered for the product alone, again in backward for the other
-//!   operand's gradient, in Burn's `Mul` and `ReshapeDim` backward ops (`nn::RmsNorm`).
-//! - Every other op of every ops trait the decorator forwards (convolutions under fp8
-//!   autocast, casts under autocast, transactions, `mul` of a parameter under autocast),
-//!   `linear` and `matmul` under autocast where neither
-//!   the half kernels nor fp8 run them (f32-kept ops, other backends): the registered
+//!   `mul` with one registered operand (a parameter or a view) that reads the parameter as
+//!   it is: autocast off and one dtype, or under autocast (`mul` is of the promote class: a
+//!   half operand times an f32 parameter, `nn::RmsNorm`'s `normalized * gamma` under
+//!   bf16/f16, is cast up to f32 by autocast's cast node, the parameter read in f32): the
+//!   parameter gathered in its own dtype for the product alone, again in backward for the
+//!   other operand's gradient, in Burn's `Mul` and `ReshapeDim` backward ops (tested under
+//!   autocast by
+//!   `stage_3_under_autocast_gathers_rms_norm_gamma_in_f32_for_its_product_alone_like_stage_2`).
+//! - Every other op of every ops trait the decorator forwards (casts under autocast,
+//!   transactions, `mul` where an override puts it in autocast's lower class), `linear` and
+//!   `matmul` under autocast where they read a parameter cast to a half type off the
+//!   crate's half kernels (Burn's own half path) or on other backends: the registered
 //!   input is gathered in full and the op reads `anchor + gathered` (the gathered value bit
 //!   for bit, since `-0.0` is the additive identity, with the gradient flowing to the
 //!   anchor). The numbers are right; the gathered value stays whole while the autodiff graph
