@@ -56,7 +56,11 @@
 //!   on `Autodiff<Flex>` where autocast runs `conv2d` or `conv1d` (as a 2-D one, the weight
 //!   reshaped inside the node) on the crate's half convolution, for its node, the weight
 //!   again for the backward pass, whose GEMMs read it for both the input's and the weight's
-//!   gradients (`half_conv`).
+//!   gradients (`half_conv`). Under fp8 autocast (fp8's cast node registered for the
+//!   backend), f32 parameters gathered in f32 for Burn's convolution node, the weight rounded
+//!   there by the op's own fp8 cast and again for the input's gradient, and its gradient
+//!   rounded as the cast node's backward rounds it, as `linear` under fp8 (tested by
+//!   `stage_3_under_fp8_gathers_each_convolutions_parameters_for_its_op_alone_like_stage_2`).
 //! - `reshape` of a registered parameter (Burn's `unsqueeze` of `nn::RmsNorm`'s gamma):
 //!   nothing is gathered; the result is a *view*, a placeholder of the new shape registered
 //!   with the parameter's shard, read through the parameter's anchor reshaped (`view`).
