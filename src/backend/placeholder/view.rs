@@ -161,6 +161,9 @@ pub(crate) fn float_mul<B: Backend>(
     Ok(bounded(other, anchor, operand_shape, param_is_lhs, shard))
 }
 
+// The two operands of a product, in its order.
+type Operands<B> = (FloatTensor<B>, FloatTensor<B>);
+
 // The operands of `lhs * rhs` under autocast as the op's own path hands them to the product
 // (`crate::backend::forward`'s `float_mul`: the cast plan, the casts), where that plan reads
 // the parameter operand as it is: `mul` is a promote-class op (`crate::op_table`), whose plan
@@ -175,7 +178,7 @@ fn autocast_operands<B: Backend>(
     lhs: FloatTensor<B>,
     rhs: FloatTensor<B>,
     param_is_lhs: bool,
-) -> Result<(FloatTensor<B>, FloatTensor<B>), (FloatTensor<B>, FloatTensor<B>)> {
+) -> Result<Operands<B>, Operands<B>> {
     use crate::autocast::{CastInput, CastPlan, Op, OpClass};
     if crate::autocast::op_class(Op::Mul) == OpClass::Lower {
         return Err((lhs, rhs));
