@@ -24,8 +24,11 @@
 //!   parameters gathered in the half type (the owner casts and sends halves: FSDP's
 //!   `param_dtype`; a broadcast one expanded as a view), and the gradients summed over a
 //!   broadcast and cast back to f32 for the parameters, as autocast's expand and cast nodes
-//!   do (`half`). Where autocast keeps the op in f32 (too small for the half type) the
-//!   parameters are gathered whole in f32, as for the ops below.
+//!   do (`half`). Where autocast reads the parameters in f32 (an op the small-op rule keeps
+//!   in f32 as too small for the half type, or one of the fp32 class), the bound of autocast
+//!   off on the cast input, the parameters gathered in f32 for the op alone (tested by
+//!   `stage_3_under_autocast_gathers_a_linear_kept_in_f32_for_its_op_alone_like_stage_2` and
+//!   `stage_3_under_autocast_gathers_an_fp32_class_matmul_parameter_for_its_op_alone_like_stage_2`).
 //! - `linear`, and `matmul` with a parameter operand (broadcast or not), under fp8 autocast
 //!   where fp8's cast node is registered for the backend: the same bound, with the
 //!   parameters gathered in f32 and the weight (the parameter operand) rounded there by the
@@ -53,17 +56,26 @@
 //!   on `Autodiff<Flex>` where autocast runs `conv2d` or `conv1d` (as a 2-D one, the weight
 //!   reshaped inside the node) on the crate's half convolution, for its node, the weight
 //!   again for the backward pass, whose GEMMs read it for both the input's and the weight's
-//!   gradients (`half_conv`).
+//!   gradients (`half_conv`). Under fp8 autocast (fp8's cast node registered for the
+//!   backend), f32 parameters gathered in f32 for Burn's convolution node, the weight rounded
+//!   there by the op's own fp8 cast and again for the input's gradient, and its gradient
+//!   rounded as the cast node's backward rounds it, as `linear` under fp8 (tested by
+//!   `stage_3_under_fp8_gathers_each_convolutions_parameters_for_its_op_alone_like_stage_2`).
 //! - `reshape` of a registered parameter (Burn's `unsqueeze` of `nn::RmsNorm`'s gamma):
 //!   nothing is gathered; the result is a *view*, a placeholder of the new shape registered
 //!   with the parameter's shard, read through the parameter's anchor reshaped (`view`).
-//!   `mul` with one registered operand (a parameter or a view; autocast off, one dtype):
-//!   the parameter gathered for the product alone, again in backward for the other
-//!   operand's gradient, in Burn's `Mul` and `ReshapeDim` backward ops (`nn::RmsNorm`).
-//! - Every other op of every ops trait the decorator forwards (convolutions under fp8
-//!   autocast, casts under autocast, transactions, `mul` of a parameter under autocast),
-//!   `linear` and `matmul` under autocast where neither
-//!   the half kernels nor fp8 run them (f32-kept ops, other backends): the registered
+//!   `mul` with one registered operand (a parameter or a view) that reads the parameter as
+//!   it is: autocast off and one dtype, or under autocast (`mul` is of the promote class: a
+//!   half operand times an f32 parameter, `nn::RmsNorm`'s `normalized * gamma` under
+//!   bf16/f16, is cast up to f32 by autocast's cast node, the parameter read in f32): the
+//!   parameter gathered in its own dtype for the product alone, again in backward for the
+//!   other operand's gradient, in Burn's `Mul` and `ReshapeDim` backward ops (tested under
+//!   autocast by
+//!   `stage_3_under_autocast_gathers_rms_norm_gamma_in_f32_for_its_product_alone_like_stage_2`).
+//! - Every other op of every ops trait the decorator forwards (casts under autocast,
+//!   transactions, `mul` where an override puts it in autocast's lower class), `linear` and
+//!   `matmul` under autocast where they read a parameter cast to a half type off the
+//!   crate's half kernels (Burn's own half path) or on other backends: the registered
 //!   input is gathered in full and the op reads `anchor + gathered` (the gathered value bit
 //!   for bit, since `-0.0` is the additive identity, with the gradient flowing to the
 //!   anchor). The numbers are right; the gathered value stays whole while the autodiff graph
@@ -586,8 +598,9 @@ impl HookKind for HalfMatmulHooks {
 /// `linear(x, weight, bias)` with the per-layer bound, where it applies: the weight is a
 /// registered parameter, `x` is not, and either autocast lowers nothing and the operands
 /// share a dtype, or bf16/f16 autocast runs the op on the crate's half kernels (the
-/// parameters gathered in the half type: see `half`). Otherwise the inputs back, for the
-/// op's usual path.
+/// parameters gathered in the half type: see `half`) or reads the parameters in f32 (on
+/// `Autodiff<Flex>`: gathered in f32), or fp8 autocast rounds them (see `fp8`). Otherwise
+/// the inputs back, for the op's usual path.
 pub(crate) fn linear<B: Backend>(
     x: FloatTensor<B>,
     weight: FloatTensor<B>,
@@ -648,8 +661,9 @@ fn half_matmul_hook<B: Backend>() -> Option<half::HalfMatmul<B>> {
 // (`crate::backend::forward`'s `float_matmul`: the plan, the casts, `lowered::matmul`), the
 // plan decided once, with each parameter operand gathered in the half type for the product
 // alone where the product runs on the crate's half kernel (a broadcast operand expanded as
-// that path expands it); otherwise gathered whole in f32 and cast, as every other op reads a
-// parameter.
+// that path expands it), gathered in f32 for the product alone where the plan reads it as
+// it is (an fp32-class matmul); otherwise gathered whole in f32 and cast, as every other op
+// reads a parameter.
 #[cfg(feature = "flex")]
 fn autocast_matmul<B: Backend>(
     lhs: FloatTensor<B>,
@@ -687,6 +701,23 @@ fn autocast_matmul<B: Backend>(
         let (lhs, rhs) = anchored_operands::<B>(lhs, rhs, &lhs_shard, &rhs_shard);
         return half_matmul(lhs, rhs, lhs_shard, rhs_shard, target, route);
     }
+    // Where the plan reads the parameter operands as they are (an fp32-class matmul:
+    // `lowered::matmul` runs `B::float_matmul` on the cast operands), the bounded path of
+    // autocast off, the parameters gathered in their own dtype.
+    let read_as_is = |t: &FloatTensor<B>| {
+        plan.target()
+            .is_none_or(|target| t.dtype() == DType::from(target))
+    };
+    let params_as_is = [(&lhs, &lhs_shard), (&rhs, &rhs_shard)]
+        .into_iter()
+        .all(|(t, shard)| shard.is_none() || read_as_is(t));
+    if params_as_is
+        && lhs.dtype() == rhs.dtype()
+        && let Some(tracked) = tracked::<B>()
+    {
+        let (lhs, rhs) = anchored_operands::<B>(lhs, rhs, &lhs_shard, &rhs_shard);
+        return (tracked.matmul)(lhs, rhs, lhs_shard, rhs_shard);
+    }
     let lhs = plan.cast_at::<B>(0, resolve::<B>(lhs));
     let rhs = plan.cast_at::<B>(1, resolve::<B>(rhs));
     super::lowered::matmul::<B>(&plan, lhs, rhs)
@@ -695,8 +726,9 @@ fn autocast_matmul<B: Backend>(
 // `linear` under bf16/f16 autocast of the registered parameter `weight`: the op's own path
 // (`crate::backend::forward`'s `linear`: the cast plan, the casts, `lowered::linear`), with
 // the plan decided once (it tallies the call), where the weight is gathered in the half type
-// for the op alone if the op runs on the crate's half kernels; otherwise gathered whole in
-// f32 and cast, as every other op reads a parameter.
+// for the op alone if the op runs on the crate's half kernels, in f32 for the op alone where
+// the plan reads the parameters as they are (the small-op rule's f32, the fp32 class);
+// otherwise gathered whole in f32 and cast, as every other op reads a parameter.
 #[cfg(feature = "flex")]
 fn autocast_linear<B: Backend>(
     x: FloatTensor<B>,
@@ -753,6 +785,26 @@ fn autocast_linear<B: Backend>(
             _ => B::float_reshape(product, out_shape),
         };
     }
+    // Where the plan reads the parameters as they are (an op the small-op rule keeps in f32,
+    // or an fp32-class one: `lowered::linear` runs `B::linear` on the cast input), the
+    // bounded path of autocast off, the parameters gathered in their own dtype.
+    let read_as_is = |t: &FloatTensor<B>| {
+        t.dtype() == x.dtype()
+            && plan
+                .target()
+                .is_none_or(|target| t.dtype() == DType::from(target))
+    };
+    if read_as_is(&weight)
+        && bias.as_ref().is_none_or(read_as_is)
+        && let Some(tracked) = tracked::<B>()
+    {
+        let weight = anchored::<B>(weight, Some(&x), weight_shard.clone());
+        let bias = match (bias, &bias_shard) {
+            (Some(bias), Some(shard)) => Some(anchored::<B>(bias, Some(&x), shard.clone())),
+            (bias, _) => bias,
+        };
+        return (tracked.linear)(x, weight, bias, weight_shard, bias_shard);
+    }
     let weight = resolve::<B>(weight);
     let bias = resolve_opt::<B>(bias);
     let weight = plan.cast_at::<B>(1, weight);
@@ -761,8 +813,10 @@ fn autocast_linear<B: Backend>(
 }
 
 /// `matmul(lhs, rhs)` with the per-op bound, where it applies: an operand is a registered
-/// parameter, autocast lowers nothing and the operands share a dtype. Otherwise the inputs
-/// back, for the op's usual path.
+/// parameter, and autocast lowers nothing and the operands share a dtype, or bf16/f16
+/// autocast runs the product on the crate's half kernel or reads the parameters in f32 (on
+/// `Autodiff<Flex>`), or fp8 autocast rounds them. Otherwise the inputs back, for the op's
+/// usual path.
 pub(crate) fn float_matmul<B: Backend>(
     lhs: FloatTensor<B>,
     rhs: FloatTensor<B>,

@@ -15,6 +15,7 @@ mod needs;
 mod one_save;
 mod sharded_resume;
 mod stage3_autocast_more;
+mod stage3_bounds;
 mod stage3_conv;
 mod stage3_norm;
 mod stage3_rmsnorm;

@@ -1,8 +1,8 @@
 //! ZeRO stage 3's per-layer bound through RMS norms: `nn::RmsNorm` between linear layers
 //! (`normalized * gamma.unsqueeze()`: a reshape of gamma, then a broadcast product) gathers
 //! gamma for its product alone, and again for its input's gradient, and ends where stage 2
-//! does, bit for bit; under bf16 autocast, where the product keeps no bound, it still ends
-//! where stage 2 does.
+//! does, bit for bit; under bf16 autocast it still ends where stage 2 does (its bound there:
+//! `stage3_bounds`).
 
 use burn::backend::{Autodiff, Flex};
 use burn::data::dataloader::batcher::Batcher;
@@ -220,9 +220,9 @@ fn stage_3_holds_one_rms_norms_gathered_gamma_at_a_time_and_ends_where_stage_2_d
     }
 }
 
-/// RMS norms under bf16 autocast, whose products keep no bound there (each gamma gathered
-/// whole until the step, through its view's anchor): stage 3 still ends where stage 2 does,
-/// bit for bit.
+/// RMS norms under bf16 autocast (each gamma gathered in f32 for its product alone: see
+/// `stage3_bounds`, which checks the bound and the bytes): stage 3 still ends where stage 2
+/// does, bit for bit.
 #[test]
 fn stage_3_through_rms_norms_under_autocast_ends_where_stage_2_does() {
     const TEST: &str =

@@ -17,8 +17,12 @@
 //! halves: the bits of the cast of the gathered value), for the same node on the half
 //! operands with each parameter's gradient cast to f32 as its cast node's backward casts
 //! it, or on `Autodiff<Flex>` for the crate's half convolution where autocast runs the op
-//! there (`half_conv`: `conv2d`, and `conv1d` as a 2-D one). Under fp8 or with parameters of
-//! another dtype the op runs its own path, the parameters gathered whole.
+//! there (`half_conv`: `conv2d`, and `conv1d` as a 2-D one). Under fp8, where the plan rounds
+//! f32 operands and fp8's cast node is registered for the backend, the parameters are
+//! gathered in f32 for the same node, the weight rounded by the op's own fp8 cast where it
+//! is read (forward: its amax recorded; backward: the same scale, nothing recorded) and its
+//! gradient rounded as the cast node's backward rounds it (`fp8`'s `linear` does the same).
+//! With parameters of another dtype the op runs its own path, the parameters gathered whole.
 
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -36,7 +40,7 @@ use super::{
     Shard, Weight, anchored, bytes_of, count_dropped, counted, gather, received, resolve,
     resolve_opt, shard_of,
 };
-use crate::autocast::{CastInput, CastPlan, Op};
+use crate::autocast::{CastInput, CastPlan, InputRounding, Op};
 use crate::hooks::{self, HookKind};
 
 /// One kind of convolution: its options, its forward op and the three gradients of Burn's
@@ -220,8 +224,8 @@ convolution!(ConvTranspose3d, ConvTransposeOptions<3>, conv_transpose3d,
     own: |_: &CastPlan, x, w, b, o| B::conv_transpose3d(x, w, b, o));
 
 // The bounded convolution of kind `K` on a registered `Autodiff<B, C>`: the input, the
-// weight's and the bias's anchors, their shards, the options, and under autocast the half
-// type the parameters are gathered in (`None`: as they are).
+// weight's and the bias's anchors, their shards, the options, and how the op reads the
+// parameters.
 type ConvHook<B, K> = fn(
     FloatTensor<B>,
     FloatTensor<B>,
@@ -229,8 +233,31 @@ type ConvHook<B, K> = fn(
     Arc<dyn Shard>,
     Option<Arc<dyn Shard>>,
     <K as Convolution>::Options,
-    Option<FloatDType>,
+    Reads,
 ) -> FloatTensor<B>;
+
+// How a bounded convolution reads its parameters, which decides what is gathered.
+#[derive(Clone, Copy)]
+enum Reads {
+    // As they are (autocast off, or a plan that leaves them alone).
+    AsIs,
+    // Cast to this half type by autocast: gathered in it (the owner casts and sends halves).
+    Half(FloatDType),
+    // Under fp8 autocast: gathered in f32, the weight rounded by the op's own fp8 cast (its
+    // key, scale and amax record) where the op reads it, the bias kept in f32 (as autocast
+    // keeps it), and the weight's gradient rounded as the cast node's backward rounds it.
+    Fp8(InputRounding),
+}
+
+impl Reads {
+    // The half type the parameters are gathered in, if any.
+    fn half(self) -> Option<FloatDType> {
+        match self {
+            Reads::Half(dtype) => Some(dtype),
+            Reads::AsIs | Reads::Fp8(_) => None,
+        }
+    }
+}
 
 // The bounded convolutions of kind `K`, per backend type.
 struct ConvHooks<K>(PhantomData<K>);
@@ -298,7 +325,7 @@ fn dispatch<B: Backend, K: Convolution>(
         weight_shard,
         bias_shard,
         options,
-        None,
+        Reads::AsIs,
     ))
 }
 
@@ -322,11 +349,12 @@ fn anchors<B: Backend>(
 // Under autocast: the op's own path (`crate::backend::forward`'s: the cast plan, decided
 // once, the casts, `K::own`) with the parameters gathered for the op alone, in the dtype the
 // op reads them in. Where the plan reads them as they are (an fp32-class or small op of f32
-// parameters), the bounded path of autocast off on the cast input; where it casts f32
+// parameters), the bounded path of autocast off on the cast input; under fp8, gathered in
+// f32 and the weight rounded by its cast where the node reads it; where it casts f32
 // parameters to bf16/f16, gathered in the half type (the owner casts and sends halves), on
 // the crate's half convolution where `K::own` runs it there, else on `B`'s op as Burn's node;
-// otherwise (fp8's rounding, parameters of another dtype) the op's own path with the
-// parameters gathered whole, as every op without a bound reads them.
+// otherwise (parameters of another dtype, a bias that is no parameter under fp8) the op's
+// own path with the parameters gathered whole, as every op without a bound reads them.
 fn autocast_dispatch<B: Backend, K: Convolution>(
     x: FloatTensor<B>,
     weight: FloatTensor<B>,
@@ -368,7 +396,30 @@ fn autocast_dispatch<B: Backend, K: Convolution>(
             weight_shard,
             bias_shard,
             options,
-            None,
+            Reads::AsIs,
+        ));
+    }
+    // fp8 (where its cast node is registered for `B`, as stage 2 rounds through it): the
+    // plan rounds the f32 operands in f32, the input by its own cast above, the weight here
+    // where the op reads it; a bias that is no parameter keeps the op's own path.
+    let operands: Vec<&FloatTensor<B>> = [Some(&x), Some(&weight), bias.as_ref()]
+        .into_iter()
+        .flatten()
+        .collect();
+    if super::fp8::applies::<B>()
+        && super::fp8::rounds_f32::<B>(&plan, &operands)
+        && !unregistered_bias
+        && let Some(rounding) = plan.fp8_rounding(1)
+    {
+        let (weight, bias) = anchors::<B>(&x, weight, bias, &weight_shard, &bias_shard);
+        return Ok(hook(
+            x,
+            weight,
+            bias,
+            weight_shard,
+            bias_shard,
+            options,
+            Reads::Fp8(rounding),
         ));
     }
     let half = plan
@@ -406,7 +457,7 @@ fn autocast_dispatch<B: Backend, K: Convolution>(
             weight_shard,
             bias_shard,
             options,
-            Some(dtype),
+            Reads::Half(dtype),
         ));
     }
     let weight = plan.cast_at::<B>(1, resolve::<B>(weight));
@@ -533,6 +584,9 @@ struct ConvState<B: Backend, K: Convolution> {
     bias: Option<FloatTensor<B>>,
     options: K::Options,
     half: Option<Half>,
+    // Under fp8: the weight's rounding (gathered again and rounded for the input's gradient,
+    // its gradient rounded as its cast node's backward rounds it).
+    fp8: Option<InputRounding>,
 }
 
 // The half type a node's parameters were gathered in, and whether its bias is a parameter
@@ -551,6 +605,7 @@ impl<B: Backend, K: Convolution> Clone for ConvState<B, K> {
             bias: self.bias.clone(),
             options: self.options.clone(),
             half: self.half,
+            fp8: self.fp8,
         }
     }
 }
@@ -586,16 +641,27 @@ impl<B: Backend, K: Convolution, const N: usize> Backward<B, N> for BoundedConv<
             bias,
             options,
             half,
+            fp8,
         } = ops.state;
         let dtype = half.map(|h| h.dtype);
         // A grouped convolution's weight gradient starts from zeros of the weight's dtype:
         // under autocast the half one, so it reads the gathered halves.
         let grouped_half = half.is_some() && K::groups(&options) > 1 && parents[1].is_some();
-        let whole = (parents[0].is_some() || grouped_half)
-            .then(|| gather_in::<B>(weight.shard.as_ref(), &weight.tensor, dtype));
+        let whole = (parents[0].is_some() || grouped_half).then(|| {
+            let (whole, bytes) = gather_in::<B>(weight.shard.as_ref(), &weight.tensor, dtype);
+            match fp8 {
+                // The forward's rounding again (its scale), recording nothing.
+                Some(rounding) => (rounding.again::<B>(whole), bytes),
+                None => (whole, bytes),
+            }
+        });
         let to_param = |grad: FloatTensor<B>| match dtype {
             Some(_) => crate::cpu::table::cast::<B>(grad, FloatDType::F32),
             None => grad,
+        };
+        let weight_to_param = |grad: FloatTensor<B>| match fp8 {
+            Some(rounding) => rounding.gradient::<B>(grad),
+            None => to_param(grad),
         };
         if let (Some(node), Some((whole, _))) = (parents[0], &whole) {
             let grad = K::x_backward::<B>(x.clone(), whole.clone(), grad.clone(), options.clone());
@@ -607,7 +673,7 @@ impl<B: Backend, K: Convolution, const N: usize> Backward<B, N> for BoundedConv<
                 _ => weight.tensor,
             };
             let grad = K::weight_backward::<B>(x.clone(), read, grad.clone(), options.clone());
-            grads.register::<B>(node, to_param(grad));
+            grads.register::<B>(node, weight_to_param(grad));
         }
         if let Some((_, bytes)) = whole {
             count_dropped(bytes);
@@ -636,9 +702,19 @@ fn bounded<B: Backend, C: CheckpointStrategy, K: Convolution>(
     weight_shard: Arc<dyn Shard>,
     bias_shard: Option<Arc<dyn Shard>>,
     options: K::Options,
-    half: Option<FloatDType>,
+    reads: Reads,
 ) -> FloatTensor<Autodiff<B, C>> {
+    let half = reads.half();
+    let fp8 = match reads {
+        Reads::Fp8(rounding) => Some(rounding),
+        Reads::AsIs | Reads::Half(_) => None,
+    };
     let (whole_weight, mut bytes) = gather_in::<B>(weight_shard.as_ref(), &weight.primitive, half);
+    // Under fp8 the weight's cast node's forward: its amax recorded, the current scale.
+    let whole_weight = match fp8 {
+        Some(rounding) => rounding.forward::<B>(whole_weight),
+        None => whole_weight,
+    };
     let whole_bias = bias.as_ref().map(|bias| match &bias_shard {
         Some(shard) => {
             let (whole, counted) = gather_in::<B>(shard.as_ref(), &bias.primitive, half);
@@ -666,6 +742,7 @@ fn bounded<B: Backend, C: CheckpointStrategy, K: Convolution>(
             dtype,
             bias_registered: bias_shard.is_some(),
         }),
+        fp8,
     };
     let node = BoundedConv::<K>(PhantomData);
     match bias {

@@ -67,8 +67,9 @@ pub(super) fn applies<B: Backend>() -> bool {
         && crate::autocast::rounds_through_node::<B>()
 }
 
-// Whether the plan rounds f32 operands in f32 (fp8's lower class), as the bounded path does.
-fn rounds_f32<B: Backend>(plan: &CastPlan, operands: &[&FloatTensor<B>]) -> bool {
+// Whether the plan rounds f32 operands in f32 (fp8's lower class), as the bounded paths do
+// (`linear`, `matmul`, and the convolutions': `conv`).
+pub(super) fn rounds_f32<B: Backend>(plan: &CastPlan, operands: &[&FloatTensor<B>]) -> bool {
     plan.rounds_to_fp8()
         && plan.target() == Some(FloatDType::F32)
         && operands.iter().all(|t| t.dtype() == DType::F32)

@@ -125,9 +125,11 @@ pub(super) fn anchored_view<B: Backend>(
 }
 
 /// `lhs * rhs` with the per-layer bound, where one operand is a registered parameter (or a
-/// view of one) and the other is not, autocast is off, and both share a dtype, a rank and a
-/// device (two half tensors of one shape keep the op's path, the crate's half kernel).
-/// Otherwise the inputs back.
+/// view of one) and the other is not, both share a rank and a device, and the product reads
+/// the parameter as it is: autocast off and both of one dtype, or under autocast a plan that
+/// leaves the parameter alone and casts the other operand to its dtype (`autocast_operands`).
+/// Two half tensors of one shape keep the op's path, the crate's half kernel. Otherwise the
+/// inputs back.
 pub(crate) fn float_mul<B: Backend>(
     lhs: FloatTensor<B>,
     rhs: FloatTensor<B>,
@@ -137,13 +139,18 @@ pub(crate) fn float_mul<B: Backend>(
         (None, Some(shard)) => (false, shard),
         _ => return Err((lhs, rhs)),
     };
+    if view_hooks::<B>().is_none() || B::float_device(&lhs) != B::float_device(&rhs) {
+        // The op's path co-locates them first.
+        return Err((lhs, rhs));
+    }
+    let (lhs, rhs) = match crate::autocast::current() {
+        None => (lhs, rhs),
+        Some(_) => autocast_operands::<B>(lhs, rhs, param_is_lhs)?,
+    };
     let dtype = lhs.dtype();
     let half_kernel = matches!(dtype, DType::BF16 | DType::F16) && lhs.shape() == rhs.shape();
-    let applies = dtype == rhs.dtype()
-        && !half_kernel
-        && lhs.shape().num_dims() == rhs.shape().num_dims()
-        && crate::autocast::current().is_none()
-        && B::float_device(&lhs) == B::float_device(&rhs);
+    let applies =
+        dtype == rhs.dtype() && !half_kernel && lhs.shape().num_dims() == rhs.shape().num_dims();
     let Some((_, bounded)) = view_hooks::<B>().filter(|_| applies) else {
         return Err((lhs, rhs));
     };
@@ -152,6 +159,46 @@ pub(crate) fn float_mul<B: Backend>(
     let parameter = viewed::<B>(&param).map_or(param, |(parameter, _)| parameter);
     let anchor = anchored::<B>(parameter, Some(&other), shard.clone());
     Ok(bounded(other, anchor, operand_shape, param_is_lhs, shard))
+}
+
+// The two operands of a product, in its order.
+type Operands<B> = (FloatTensor<B>, FloatTensor<B>);
+
+// The operands of `lhs * rhs` under autocast as the op's own path hands them to the product
+// (`crate::backend::forward`'s `float_mul`: the cast plan, the casts), where that plan reads
+// the parameter operand as it is: `mul` is a promote-class op (`crate::op_table`), whose plan
+// casts nothing where the dtypes agree and otherwise casts both to the wider (a half operand
+// times an f32 parameter, `nn::RmsNorm`'s `normalized * gamma` under bf16/f16: the half
+// operand cast up to f32 by autocast's cast node, the parameter read in f32). Those are the
+// bounded product's operands (the parameter gathered in its own dtype), and the numbers are
+// the op's own. An op class of the lower class (an override) gives the inputs back: its plan
+// would cast the parameter itself (or round it under fp8), and counts the call in autocast's
+// tally, which the op's path does once.
+fn autocast_operands<B: Backend>(
+    lhs: FloatTensor<B>,
+    rhs: FloatTensor<B>,
+    param_is_lhs: bool,
+) -> Result<Operands<B>, Operands<B>> {
+    use crate::autocast::{CastInput, CastPlan, Op, OpClass};
+    if crate::autocast::op_class(Op::Mul) == OpClass::Lower {
+        return Err((lhs, rhs));
+    }
+    let plan = CastPlan::new::<B>(Op::Mul, &[CastInput::One(&lhs), CastInput::One(&rhs)]);
+    let param_dtype = if param_is_lhs {
+        lhs.dtype()
+    } else {
+        rhs.dtype()
+    };
+    let keeps_param = plan
+        .target()
+        .is_none_or(|target| DType::from(target) == param_dtype);
+    if !keeps_param || plan.rounds_to_fp8() {
+        return Err((lhs, rhs));
+    }
+    Ok(match param_is_lhs {
+        true => (lhs, plan.cast_at::<B>(1, rhs)),
+        false => (plan.cast_at::<B>(0, lhs), rhs),
+    })
 }
 
 // A view of `tensor` on `Autodiff<B, C>`: a new leaf that builds no graph (ops read it
