@@ -18,6 +18,7 @@ mod stage3_autocast_more;
 mod stage3_conv;
 mod stage3_norm;
 mod stage3_rmsnorm;
+mod stage3_supervised_first_window;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
