@@ -493,7 +493,8 @@ impl<B: AutodiffBackend> Accelerator<B> {
     /// [`AccelerateConfig::divide_partial_window_by_length`] for the last partial window).
     ///
     /// At ZeRO stage 3 ([`ZeroStage::Parameters`](crate::zero::ZeroStage::Parameters), on
-    /// `Accelerated<Autodiff<B>>`, from the second window on), the backward pass of the batch
+    /// `Accelerated<Autodiff<B>>`, from the second window on, or from the first after
+    /// [`prepare_model`](Self::prepare_model)), the backward pass of the batch
     /// that completes a window reduces each gradient to the process that owns its parameter
     /// as soon as it is final (FSDP's post-backward reduce-scatter): afterwards
     /// [`gradients`](Self::gradients) holds this process's partition's averaged gradients

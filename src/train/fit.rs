@@ -389,7 +389,12 @@ where
         } else {
             self.valid_part(&dataloader_valid, self.device.inner())
         };
-        learner.fork(&self.device);
+        // A model resumed from a sharded checkpoint at ZeRO stage 3 holds its partition alone
+        // (the others' placeholders), read onto the main device as new leaves already: Burn's
+        // fork would move and detach each placeholder, an op that gathers it whole.
+        if !crate::zero::holds_released::<TrainingBackend<LC>, _>(&learner.model()) {
+            learner.fork(&self.device);
+        }
         let mut event_processor = training_components.event_processor;
         let mut checkpointer = training_components.checkpointer;
         let mut early_stopping = training_components.early_stopping;
@@ -416,6 +421,18 @@ where
         let mut core = self
             .fit_core(accumulation, loss_scale, loaders.len())
             .with_context(context.clone());
+        // At ZeRO stage 3 across processes, every parameter but this process's partition's is
+        // released before the first forward pass, as the `Accelerator`'s `prepare_model`
+        // releases it: the first window gathers per layer and reduces in backward as every
+        // later one does, and the learner's model is never whole again. Burn's reload holds
+        // the placeholders, as after each step (nothing is gathered).
+        if core
+            .sharded()
+            .is_some_and(|(_, stage)| stage.shards_parameters())
+        {
+            let model = core.prepare_model(learner.model());
+            learner.load_model(model.into_record());
+        }
         // The user's `TrainStep` calls `loss.backward()` itself: the decorator's backward
         // divides and scales its loss as the `Accelerator`'s `backward` would, on this thread.
         let armed = ThreadArmed::arm(core.loss_transform());

@@ -87,8 +87,10 @@
 //! resumes at any stage and on any number of processes. The optimizer's record must keep its
 //! state per parameter ([`ParamStateRecord`]: every Burn optimizer's does).
 //!
-//! At stage 3 the learner's model keeps each process's partition of the parameters between
-//! steps: Burn reloads the stepped model (its `load_model`), and on the decorator
+//! At stage 3 the learner's model keeps each process's partition of the parameters from the
+//! start of the fit (released before its first forward pass, as the `Accelerator`'s
+//! `prepare_model` releases it, so that the first accumulation window is sharded too) and
+//! between steps: Burn reloads the stepped model (its `load_model`), and on the decorator
 //! ([`Accelerated`](crate::Accelerated)) each other parameter comes back as a placeholder,
 //! gathered from its owner where an op reads it (on Burn's backends without the decorator it
 //! is gathered whole at the reload, as their lazy gather would at the first use: stage 2's

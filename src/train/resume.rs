@@ -9,11 +9,12 @@
 //! several processes, each process writes its partition's model and optimizer files instead
 //! (`{model,optimizer}-<epoch>.shard-R-of-W.mpk`, through [`crate::checkpoint::sharded`],
 //! the `Accelerator`'s writer) and the main process the scheduler's record and the state; on
-//! resume each process reads, as the `Accelerator`'s does (`sharded::keeps`), every model file
-//! (each parameter from the one that holds it: the learner's model is whole until the first
-//! step) and the optimizer files holding its partition's state (every one where the state is
-//! not sharded), which the fit then partitions for this run's processes and stage as a
-//! consolidated checkpoint's. They are the strategy's and not Burn's checkpointer's
+//! resume each process reads, as the `Accelerator`'s does (`sharded::keeps`), the model files
+//! holding its partition's parameters at ZeRO stage 3 (the others come back released, and the
+//! fit keeps them so from its start) and every model file at other stages (each parameter from
+//! the one that holds it), and the optimizer files holding its partition's state (every one
+//! where the state is not sharded), which the fit then partitions for this run's processes
+//! and stage as a consolidated checkpoint's. They are the strategy's and not Burn's checkpointer's
 //! because Burn's `FileCheckpointer` writes in place, on threads of its own, with nothing that
 //! says when a file is whole: a crash in the middle leaves a torn file under its final name.
 //!
@@ -148,17 +149,23 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
         // The model is checked against the record (Burn's load_checkpoint loads a record of
         // another model without a word) and every record against what Burn would panic on,
         // before any of it is loaded. Of a sharded checkpoint (`CheckpointLayout::Sharded`)
-        // each process reads the files the `Accelerator`'s resume would (`sharded::keeps`):
-        // every process's model file, as the learner's model is whole until the first step
-        // (at stage 3 too), and of the optimizer files those holding the state of its
-        // partition where the state is sharded (the fit keeps its partition's alone), every
-        // one otherwise.
+        // each process reads the files the `Accelerator`'s resume reads (`sharded::keeps`):
+        // at ZeRO stage 3 the model files holding its partition's parameters (the others
+        // come back released, as the fit keeps them from its start), at other stages every
+        // model file; of the optimizer files those holding the state of its partition where
+        // the state is sharded (the fit keeps its partition's alone), every one otherwise.
         let model = learner.model();
         let group = self.group.as_ref();
         let (rank, world) = group.map_or((0, 1), |g| (g.rank(), g.world_size()));
         let shards_state = crate::zero::shards(self.config.zero_stage, group);
-        let keep =
-            sharded::keeps::<TrainingBackend<LC>, _>(&model, rank, world, shards_state, false);
+        let shards_parameters = shards_state && self.config.zero_stage.shards_parameters();
+        let keep = sharded::keeps::<TrainingBackend<LC>, _>(
+            &model,
+            rank,
+            world,
+            shards_state,
+            shards_parameters,
+        );
         // The start-up check's copy holds every file: those this process does not read are
         // dropped before the records are decoded.
         let held = held.map(|mut held| {
@@ -198,8 +205,8 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
                     loaded,
                     Scheme::Strategy,
                     model,
-                    None,
-                    false,
+                    group,
+                    shards_parameters,
                     &self.device,
                 )?;
                 if let Some(name) = &name {

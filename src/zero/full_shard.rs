@@ -110,7 +110,7 @@
 //! save and load), which a checkpoint's record applies
 //! ([`gather_model_record`](super::gather_model_record)).
 
-use burn::module::{AutodiffModule, ModuleMapper, Param};
+use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{DType, Shape, Tensor, TensorData};
 
@@ -222,6 +222,25 @@ pub fn release_parameters<B: AutodiffBackend, M: AutodiffModule<B>>(
         partition,
         place: 0,
     })
+}
+
+/// Whether `module` holds a released parameter as it was read on this process (a placeholder,
+/// or the owner's value registered with its gather, on the decorator): an op that moves or
+/// detaches it would gather it whole.
+pub(crate) fn holds_released<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M) -> bool {
+    struct Registered(bool);
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Registered {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            // A lazy parameter is not read: reading it would initialise it.
+            if !self.0 && param.is_initialized() {
+                let primitive = param.val().into_primitive().tensor();
+                self.0 = placeholder::registered::<B>(&primitive).is_some();
+            }
+        }
+    }
+    let mut registered = Registered(false);
+    module.visit(&mut registered);
+    registered.0
 }
 
 /// Stage 3, before the optimizer steps this process's partition: the parameters' uses by ops

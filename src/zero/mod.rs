@@ -23,8 +23,8 @@ pub use crate::backend::placeholder::{GatheredBytes, gathered_bytes, reset_gathe
 pub use crate::distributed::sent_bytes;
 pub use checkpoint_layout::CheckpointLayout;
 pub use fingerprint::check_same_model;
-pub(crate) use full_shard::end_gathers;
 pub use full_shard::release_parameters;
+pub(crate) use full_shard::{end_gathers, holds_released};
 pub use full_shard_checkpoint::{gather_model, gather_model_record};
 pub(crate) use full_shard_checkpoint::{held_record, own_model_record, release_loaded};
 pub use optimizer_record::{ParamStateRecord, consolidate_state, keep_own_state};

@@ -21,8 +21,9 @@
 //! pass's backward then also runs the dropped pass's nodes, with zero gradients (a zero added
 //! to each gradient; more work, the same values but for the sign of a zero). Not tested.
 //!
-//! The reduction needs every parameter released (from the first step on: the first window
-//! is reduced at the step, as at stage 2) and the decorator over a registered autodiff
+//! The reduction needs every parameter released (by `prepare_model`, which the
+//! `with_accelerate` fit runs before its first forward pass, or else from the first step on:
+//! the first window is then reduced at the step, as at stage 2) and the decorator over a registered autodiff
 //! backend (whose ops make anchors); elsewhere [`begin`] declines and the step
 //! reduce-scatters the window at its end.
 

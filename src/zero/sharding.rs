@@ -49,7 +49,8 @@ pub enum ZeroStage {
     /// in the next forward pass ([`release_parameters`](crate::zero::release_parameters)).
     /// Both entry points (the [`Accelerator`](crate::Accelerator), whose
     /// [`prepare_model`](crate::Accelerator::prepare_model) releases the model before its
-    /// first step, and `with_accelerate`), checkpoints and restarts run it; see
+    /// first step, and `with_accelerate`, whose fit releases it before its first forward
+    /// pass), checkpoints and restarts run it; see
     /// `docs/zero.md` for what is bounded.
     Parameters,
 }

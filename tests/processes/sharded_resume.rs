@@ -20,7 +20,7 @@ use crate::harness::{self, launch, max_relative_difference, report, worker};
 use crate::{HandLoop, HandLoopReport, Net, bits, hand_loop, supervised};
 
 /// Every float parameter's number of values, in visiting order: what the partition is of.
-fn sizes<B: Backend, M: Module<B>>(module: &M) -> Vec<usize> {
+pub(super) fn sizes<B: Backend, M: Module<B>>(module: &M) -> Vec<usize> {
     struct Sizes(Vec<usize>);
     impl<B: Backend> ModuleVisitor<B> for Sizes {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
@@ -34,7 +34,7 @@ fn sizes<B: Backend, M: Module<B>>(module: &M) -> Vec<usize> {
 
 /// The processes of `saved` whose partitions hold a parameter of process `rank`'s of `world`
 /// (of every parameter where `whole`).
-fn overlapping(
+pub(super) fn overlapping(
     sizes: &[usize],
     saved: usize,
     rank: usize,
@@ -58,7 +58,7 @@ fn overlapping(
 /// `to`), process 0's whole, each other's without the shard files of checkpoint `number` (saved by
 /// `saved` processes) that `needs` does not give it: `needs(rank, part)` the saved processes
 /// whose `part` file (`"model"`, `"optimizer"`) it reads. Returns how many files were deleted.
-fn copies_for_each_process(
+pub(super) fn copies_for_each_process(
     from: &Path,
     to: &Path,
     sub: &str,
@@ -93,7 +93,7 @@ fn copies_for_each_process(
 }
 
 /// This process's directory of `dir` (`rank-R`), where `per_process`.
-fn own_copy(dir: &Path, per_process: bool) -> PathBuf {
+pub(super) fn own_copy(dir: &Path, per_process: bool) -> PathBuf {
     if per_process {
         let rank = ProcessState::from_env().unwrap().process_index();
         dir.join(format!("rank-{rank}"))
@@ -316,7 +316,7 @@ fn sharded_resume_with_accelerate_reads_only_the_optimizer_files_of_its_partitio
     harness::clean(&dir);
 }
 
-fn copy_tree(from: &Path, to: &Path) {
+pub(super) fn copy_tree(from: &Path, to: &Path) {
     std::fs::create_dir_all(to).unwrap();
     for entry in std::fs::read_dir(from).unwrap() {
         let entry = entry.unwrap();

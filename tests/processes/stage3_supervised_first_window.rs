@@ -1,0 +1,382 @@
+//! ZeRO stage 3 under `with_accelerate` from the first window on (issue 48): the strategy's fit
+//! releases the learner's model before its first forward pass, as the `Accelerator`'s
+//! `prepare_model` does, so that the first window's passes gather one layer at a time and
+//! reduce each gradient to its owner in the user's own `loss.backward()`, as every later
+//! window's do; and a sharded stage 3 checkpoint is resumed with each process reading only the
+//! model files of its partition (the parameters it does not own come back released).
+//!
+//! That a process reads no other file is shown as in `sharded_resume.rs`: each process is given
+//! a copy of the checkpoint directory from which the files it does not need are deleted.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use burn::backend::{Autodiff, Flex};
+use burn::data::dataloader::DataLoaderBuilder;
+use burn::data::dataset::InMemDataset;
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::{AdamConfig, GradientsParams};
+use burn::tensor::Tensor;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::train::metric::LossMetric;
+use burn::train::{
+    ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainOutput, TrainStep,
+};
+use burn_accelerate::data::{DataLoaderConfig, ShardLoader, ShardLoaderBuilder};
+use burn_accelerate::distributed::ProcessState;
+use burn_accelerate::train::{AccelerateStrategy, WithAccelerate};
+use burn_accelerate::zero::ZeroStage;
+use burn_accelerate::{AccelerateConfig, Accelerated};
+use serde::{Deserialize, Serialize};
+
+use crate::harness::{self, launch, max_relative_difference, report, worker};
+use crate::mlp::{BlobBatch, BlobBatcher, CLASSES, FEATURES, Mlp, QuietRenderer, Sample, blobs};
+use crate::sharded_resume::{copies_for_each_process, copy_tree, overlapping, own_copy, sizes};
+use crate::{assert_sent, bits, parameters, stage_3_sent, supervised};
+
+type Train = Accelerated<Autodiff<Flex>>;
+
+/// The hidden width of the observed `Mlp`.
+const HIDDEN: usize = 16;
+
+/// The `Mlp` with a training step that notes what its forward and backward passes did on this
+/// process: the bytes sent, the gathered bytes, and which parameters the step's gradients hold
+/// right after the user's own `loss.backward()`.
+#[derive(Module, Debug)]
+struct Observed<B: Backend> {
+    mlp: Mlp<B>,
+}
+
+/// One training step of this process.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Pass {
+    /// Bytes sent during the forward and backward passes.
+    sent: u64,
+    /// Per parameter in visiting order: whether the step's gradients hold one.
+    holds_gradient: Vec<bool>,
+    /// The gathered bytes whole when the step began (a validation's reads are counted until
+    /// the next optimizer step), and the most whole at once during its passes.
+    alive_before: u64,
+    peak: u64,
+}
+
+/// This process's steps, in order (one fit per process).
+static PASSES: Mutex<Vec<Pass>> = Mutex::new(Vec::new());
+
+impl<B: AutodiffBackend> TrainStep for Observed<B> {
+    type Input = BlobBatch<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn step(&self, batch: BlobBatch<B>) -> TrainOutput<Self::Output> {
+        struct Holds<'a>(&'a GradientsParams, Vec<bool>);
+        impl<B: AutodiffBackend> ModuleVisitor<B> for Holds<'_> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                let held = self.0.get::<B::InnerBackend, D>(param.id).is_some();
+                self.1.push(held);
+            }
+        }
+        let alive_before = burn_accelerate::zero::gathered_bytes().alive;
+        burn_accelerate::zero::reset_gathered_peak();
+        let before = burn_accelerate::zero::sent_bytes();
+        let item = self.mlp.classify(batch);
+        let grads = GradientsParams::from_grads(item.loss.backward(), self);
+        let sent = burn_accelerate::zero::sent_bytes() - before;
+        let peak = burn_accelerate::zero::gathered_bytes().peak;
+        let mut holds = Holds(&grads, Vec::new());
+        self.visit(&mut holds);
+        PASSES.lock().unwrap().push(Pass {
+            sent,
+            holds_gradient: holds.1,
+            alive_before,
+            peak,
+        });
+        TrainOutput { grads, item }
+    }
+}
+
+impl<B: Backend> InferenceStep for Observed<B> {
+    type Input = BlobBatch<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn step(&self, batch: BlobBatch<B>) -> Self::Output {
+        self.mlp.classify(batch)
+    }
+}
+
+type Components = burn::train::LearningComponentsMarker<
+    Train,
+    f64,
+    Observed<Train>,
+    burn::optim::adaptor::OptimizerAdaptor<burn::optim::Adam, Observed<Train>, Train>,
+>;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct ObservedRun {
+    zero_stage: u8,
+    grad_accum: usize,
+    epochs: usize,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct ObservedReport {
+    passes: Vec<Pass>,
+    parameters: Vec<f32>,
+    optimizer_steps: usize,
+}
+
+/// Burn's `SupervisedTraining` with `with_accelerate` of the observed `Mlp` (a model built by
+/// Burn's `Config::init`, lazy), Adam through Burn's learner, a batch of 20 per process over
+/// 256 items: 7 batches an epoch on 2 processes, 5 on 3.
+fn observed(args: &ObservedRun) -> ObservedReport {
+    let device = Default::default();
+    let state = ProcessState::from_env().unwrap();
+    let loader: ShardLoader<Train, Sample, BlobBatch<Train>> = ShardLoaderBuilder::new(
+        DataLoaderConfig::new(20)
+            .with_shuffle(true)
+            .with_data_seed(Some(11)),
+        InMemDataset::new(blobs(256, 1)),
+        BlobBatcher,
+    )
+    .build_for(&state, Default::default())
+    .unwrap();
+    let valid = DataLoaderBuilder::<Accelerated<Flex>, _, _>::new(BlobBatcher)
+        .batch_size(64)
+        .build(InMemDataset::new(blobs(64, 2)));
+    let dir = std::env::temp_dir().join(format!(
+        "burn-accelerate-processes-first-window-{}",
+        std::process::id()
+    ));
+    let config = AccelerateConfig::new()
+        .with_gradient_accumulation_steps(args.grad_accum)
+        .with_zero_stage(ZeroStage::from_number(args.zero_stage).unwrap());
+    let strategy = AccelerateStrategy::<Components>::new(config, &device)
+        .unwrap()
+        .with_artifact_dir(&dir);
+    let stats = strategy.report();
+    let builder = SupervisedTraining::new(&dir, Arc::new(loader), valid)
+        .num_epochs(args.epochs)
+        .metric_valid_numeric(LossMetric::new())
+        .renderer(QuietRenderer)
+        .with_application_logger(None);
+    Train::seed(&device, 5);
+    let model = Observed {
+        mlp: Mlp::new(HIDDEN, &device),
+    };
+    let learner = Learner::new(model, AdamConfig::new().init(), 1e-2);
+    let model = builder.with_accelerate(strategy).launch(learner).model;
+    let _ = std::fs::remove_dir_all(&dir);
+    ObservedReport {
+        passes: PASSES.lock().unwrap().drain(..).collect(),
+        parameters: parameters(&model),
+        optimizer_steps: stats.stats().optimizer_steps(),
+    }
+}
+
+/// From the first batch on, stage 3 under `with_accelerate` holds what it holds from the
+/// second window on: each pass gathers at most one linear layer's weight and bias at a time,
+/// the backward pass that completes a window reduces each gradient to its owner (this process
+/// keeps its own partition's and no other, and sent what `stage_3_sent` says), the window's
+/// earlier passes gather but reduce nothing; and the parameters still end where stage 2's do,
+/// bit for bit. On 2 and 3 processes, windows of 1 (every batch completes one, the first
+/// before any step) and 3 (a partial window at each epoch's end).
+#[test]
+fn stage_3_with_accelerate_gathers_per_layer_and_reduces_in_backward_from_the_first_window() {
+    const TEST: &str = "stage3_supervised_first_window::\
+        stage_3_with_accelerate_gathers_per_layer_and_reduces_in_backward_from_the_first_window";
+    if let Some(args) = worker::<ObservedRun>() {
+        return report(&observed(&args));
+    }
+    let widths = [FEATURES, HIDDEN, HIDDEN, CLASSES];
+    // Every parameter in visiting order (each layer's weight, then its bias), in f32 bytes,
+    // and whether it is a weight read again in backward (every one but the first layer's).
+    let mut params: Vec<(usize, bool)> = Vec::new();
+    for (i, w) in widths.windows(2).enumerate() {
+        params.push((w[0] * w[1] * 4, i > 0));
+        params.push((w[1] * 4, false));
+    }
+    let sizes: Vec<usize> = params.iter().map(|(bytes, _)| bytes / 4).collect();
+    // One layer's weight and bias, in f32 bytes: the most gathered whole at once.
+    let largest_layer = widths
+        .windows(2)
+        .map(|w| ((w[0] * w[1] + w[1]) * 4) as u64)
+        .max()
+        .unwrap();
+    let epochs = 2;
+    for (processes, grad_accum) in [(2, 1), (2, 3), (3, 1), (3, 3)] {
+        let owners = burn_accelerate::zero::partition(&sizes, processes);
+        let expected = |rank: usize, reduces: bool| -> u64 {
+            stage_3_sent(
+                params
+                    .iter()
+                    .map(|&(bytes, again)| (bytes as u64, bytes as u64, again)),
+                &owners,
+                processes,
+                rank,
+                reduces,
+            )
+        };
+        let go = |zero_stage: u8| -> Vec<ObservedReport> {
+            let run = ObservedRun {
+                zero_stage,
+                grad_accum,
+                epochs,
+            };
+            launch(TEST, processes, &run, &[])
+                .assert_success()
+                .reports(processes)
+        };
+        let (stage2, stage3) = (go(2), go(3));
+        for rank in 0..processes {
+            let what = format!("{processes} processes, window {grad_accum}, rank {rank}");
+            let (s2, s3) = (&stage2[rank], &stage3[rank]);
+            // (i) The same training as stage 2's, bit for bit.
+            assert_eq!(s3.optimizer_steps, s2.optimizer_steps, "{what}");
+            assert_eq!(bits(&s3.parameters), bits(&s2.parameters), "{what}");
+            let steps = s3.passes.len();
+            assert_eq!(steps, s2.passes.len(), "{what}");
+            assert_eq!(steps % epochs, 0, "{what}");
+            let per_epoch = steps / epochs;
+            if grad_accum > 1 {
+                assert_ne!(per_epoch % grad_accum, 0, "{what}: no partial window");
+            }
+            let completes = |batch: usize| {
+                let j = batch % per_epoch;
+                (j + 1).is_multiple_of(grad_accum) || j + 1 == per_epoch
+            };
+            assert_eq!(
+                (0..steps).filter(|&b| completes(b)).count(),
+                s3.optimizer_steps,
+                "{what}"
+            );
+            let own: Vec<bool> = owners.iter().map(|&o| o == rank).collect();
+            for batch in 0..steps {
+                let what = format!("{what}, batch {batch}");
+                // Stage 2 gathers and sends nothing in backward, and keeps every gradient
+                // until the step.
+                let p2 = &s2.passes[batch];
+                assert_eq!((p2.sent, p2.peak), (0, 0), "{what}");
+                assert!(p2.holds_gradient.iter().all(|&h| h), "{what}");
+                // (ii) Stage 3, the first window included.
+                let p3 = &s3.passes[batch];
+                let gathered = p3.peak - p3.alive_before;
+                assert!(
+                    gathered > 0 && gathered <= largest_layer,
+                    "{what}: {gathered} bytes gathered at once, one layer is {largest_layer}"
+                );
+                if completes(batch) {
+                    assert_sent(p3.sent, expected(rank, true), &what);
+                    assert_eq!(p3.holds_gradient, own, "{what}");
+                } else {
+                    assert_sent(p3.sent, expected(rank, false), &what);
+                    assert!(p3.holds_gradient.iter().all(|&h| h), "{what}");
+                }
+            }
+        }
+    }
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct ResumeRun {
+    run: supervised::Run,
+    /// Run in `run.dir`'s `rank-R` (this process's copy).
+    per_process: bool,
+}
+
+/// A sharded stage 3 checkpoint of `with_accelerate` (2 processes) resumed at stage 3 on 2 and
+/// on 3 processes, each process other than the main one given a copy of the checkpoint
+/// directory without the model and optimizer files of the processes whose partitions do not
+/// overlap its own: it reads only those of its partition, and the run ends where the
+/// uninterrupted one does (bit for bit on as many processes; within the 1e-5 of the other
+/// re-partitioned resumes on 3). Windows of 1 and of 3 (a partial one at each epoch's end).
+#[test]
+fn a_sharded_stage_3_supervised_checkpoint_is_resumed_from_the_files_of_each_partition() {
+    const TEST: &str = "stage3_supervised_first_window::\
+        a_sharded_stage_3_supervised_checkpoint_is_resumed_from_the_files_of_each_partition";
+    if let Some(mut args) = worker::<ResumeRun>() {
+        args.run.dir = args.run.dir.map(|dir| own_copy(&dir, args.per_process));
+        return report(&supervised::train(&args.run));
+    }
+    // A global batch of 48 over 192 items: 4 batches an epoch, the same on 2 and 3 processes.
+    let run = |processes: usize, grad_accum: usize, epochs: usize, dir: &Path, resume_from| {
+        supervised::Run {
+            batch_size: 48 / processes,
+            grad_accum,
+            epochs,
+            dir: Some(dir.to_path_buf()),
+            resume_from,
+            zero_stage: 3,
+            sharded_checkpoint: true,
+            items: 192,
+            ..Default::default()
+        }
+    };
+    let with = |run: supervised::Run, per_process: bool| ResumeRun { run, per_process };
+    let sizes = sizes(&Mlp::<Flex>::new(16, &Default::default()));
+    for grad_accum in [1, 3] {
+        let whole_dir = harness::scratch_dir(&format!("first-window-whole-{grad_accum}"));
+        let whole: Vec<supervised::RunReport> = launch(
+            TEST,
+            2,
+            &with(run(2, grad_accum, 3, &whole_dir, None), false),
+            &[],
+        )
+        .assert_success()
+        .reports(2);
+        let dir = harness::scratch_dir(&format!("first-window-resume-{grad_accum}"));
+        let saved_dir = dir.join("saved");
+        launch(
+            TEST,
+            2,
+            &with(run(2, grad_accum, 2, &saved_dir, None), false),
+            &[],
+        )
+        .assert_success();
+        for processes in [2, 3] {
+            let what = format!("window {grad_accum}, {processes} processes");
+            let copies = dir.join(format!("on-{processes}"));
+            let deleted = copies_for_each_process(
+                &saved_dir.join("checkpoint"),
+                &copies,
+                "checkpoint",
+                processes,
+                2,
+                2,
+                |rank, _| overlapping(&sizes, 2, rank, processes, false),
+            );
+            assert!(deleted > 0, "{what}: some process needs fewer model files");
+            // Burn's metric logs of the epochs before: the main process reads them back.
+            for entry in std::fs::read_dir(&saved_dir).unwrap() {
+                let entry = entry.unwrap();
+                if entry.file_type().unwrap().is_dir() && entry.file_name() != "checkpoint" {
+                    copy_tree(
+                        &entry.path(),
+                        &copies.join("rank-0").join(entry.file_name()),
+                    );
+                }
+            }
+            let resumed: Vec<supervised::RunReport> = launch(
+                TEST,
+                processes,
+                &with(run(processes, grad_accum, 3, &copies, Some(2)), true),
+                &[],
+            )
+            .assert_success()
+            .reports(processes);
+            assert_eq!(resumed[0].epochs, [3], "{what}");
+            for r in &resumed {
+                assert_eq!(bits(&r.parameters), bits(&resumed[0].parameters), "{what}");
+            }
+            if processes == 2 {
+                assert_eq!(
+                    bits(&resumed[0].parameters),
+                    bits(&whole[0].parameters),
+                    "{what}"
+                );
+            }
+            let d = max_relative_difference(&resumed[0].parameters, &whole[0].parameters);
+            assert!(d < 1e-5, "{what}: {d:e}");
+        }
+        harness::clean(&whole_dir);
+        harness::clean(&dir);
+    }
+}
