@@ -635,6 +635,32 @@ mod tests {
         assert!(complete(&entry(4, &mixed)).is_err());
     }
 
+    // Issue 48: the start-up check keeps a process's own shard files on as many processes as
+    // saved them, none on another number, and every other file.
+    #[test]
+    fn the_start_up_check_keeps_a_process_own_shards_on_as_many_processes_alone() {
+        let shards = |keep: &dyn Fn(&str) -> bool| -> Vec<String> {
+            [Part::Model, Part::Optimizer]
+                .into_iter()
+                .flat_map(|part| (0..2).map(move |rank| shard_name(part, 3, rank, 2)))
+                .filter(|name| keep(name))
+                .collect()
+        };
+        let keep = kept_at_start_up(1, 2);
+        assert_eq!(
+            shards(&keep),
+            [
+                shard_name(Part::Model, 3, 1, 2),
+                shard_name(Part::Optimizer, 3, 1, 2)
+            ]
+        );
+        for other in [kept_at_start_up(0, 3), kept_at_start_up(0, 1)] {
+            assert!(shards(&other).is_empty());
+            assert!(other("accelerate-3.json") && other("accelerate-3-scheduler.mpk"));
+            assert!(other("accelerate-3-model.mpk") && other("model-3.mpk"));
+        }
+    }
+
     // Parameters of 10, 40, 30 and 20 values: over 2 processes [0, 0, 1, 1], over 3
     // [2, 0, 1, 2] (`zero::partition`, largest first to the least loaded).
     #[cfg(feature = "flex")]

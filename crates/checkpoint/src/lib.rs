@@ -575,35 +575,59 @@ impl CheckpointDir {
         epoch: usize,
         keep: impl Fn(&str) -> bool,
     ) -> Result<LoadedCheckpoint, CheckpointError> {
+        let mut entry = self.listed(epoch)?;
+        entry.files.retain(|file| keep(&file.name));
+        self.read_listed(&entry, |_| true)
+    }
+
+    /// The checkpoint of `epoch`, every file verified as [`load`](Self::load) verifies it, of
+    /// which only those `keep` names are kept in memory: the others are streamed through the
+    /// hash and listed in [`LoadedCheckpoint::unkept`] (a main process resuming from an epoch
+    /// asked for, which verifies the files the other processes read).
+    ///
+    /// # Errors
+    /// As [`load`](Self::load).
+    pub fn load_verifying_all(
+        &self,
+        epoch: usize,
+        keep: impl Fn(&str) -> bool,
+    ) -> Result<LoadedCheckpoint, CheckpointError> {
+        self.read_listed(&self.listed(epoch)?, keep)
+    }
+
+    // The manifest's entry of `epoch`.
+    fn listed(&self, epoch: usize) -> Result<CheckpointEntry, CheckpointError> {
         let manifest = Manifest::read(&self.dir)?;
-        let path = self.dir.join(MANIFEST);
-        let entry = manifest.entry(epoch).ok_or_else(|| {
+        manifest.entry(epoch).cloned().ok_or_else(|| {
             let listed: Vec<usize> = manifest.checkpoints.iter().map(|c| c.epoch).collect();
             checkpoint_error(
-                &path,
+                &self.dir.join(MANIFEST),
                 format!(
                     "it lists no checkpoint of epoch {epoch} (it lists {listed:?}): is this the \
                      directory the run writes (the same for every process)?"
                 ),
             )
-        })?;
-        let kept = CheckpointEntry {
-            epoch,
-            files: entry
-                .files
-                .iter()
-                .filter(|file| keep(&file.name))
-                .cloned()
-                .collect(),
-        };
-        let (files, _) = read_entry(&self.dir, &kept, |_| true).map_err(|why| {
-            checkpoint_error(&path, format!("the checkpoint of epoch {epoch}: {why}"))
+        })
+    }
+
+    // The files of `entry` verified, those `keep` names kept.
+    fn read_listed(
+        &self,
+        entry: &CheckpointEntry,
+        keep: impl Fn(&str) -> bool,
+    ) -> Result<LoadedCheckpoint, CheckpointError> {
+        let epoch = entry.epoch;
+        let (files, unkept) = read_entry(&self.dir, entry, keep).map_err(|why| {
+            checkpoint_error(
+                &self.dir.join(MANIFEST),
+                format!("the checkpoint of epoch {epoch}: {why}"),
+            )
         })?;
         Ok(LoadedCheckpoint {
             epoch,
             files,
             skipped: Vec::new(),
-            unkept: Vec::new(),
+            unkept,
         })
     }
 }
@@ -1248,8 +1272,20 @@ mod tests {
         loaded.keep_also(&dir, |name| name != "small-2").unwrap();
         assert!(loaded.unkept.is_empty());
         assert!(loaded.files["big-2"] == big(2));
+        // An epoch asked for: every file verified, the unkept ones streamed.
+        let load_2 = || checkpoints.load_verifying_all(2, small_only);
+        let (largest, asked) = fuzz::largest_allocation(load_2);
+        let asked = asked.unwrap();
+        assert!(largest < 1 << 20, "{largest} bytes held at once");
+        assert_eq!(asked.unkept, [FileDigest::of("big-2", &big(2))]);
+        assert_eq!(asked.files.keys().collect::<Vec<_>>(), ["small-2"]);
         // The start-up check's verification streams too.
         std::fs::write(dir.join("big-2"), &altered).unwrap();
+        let why = load_2().unwrap_err().reason;
+        assert!(
+            why.contains("big-2 does not hold what was written"),
+            "{why}"
+        );
         let (largest, chosen) = fuzz::largest_allocation(|| verify::precheck(&dir));
         assert_eq!(chosen.unwrap().map(|entry| entry.epoch), Some(1));
         assert!(largest < 1 << 20, "{largest} bytes held at once");
