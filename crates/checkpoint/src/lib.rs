@@ -649,13 +649,16 @@ fn none_whole(dir: &Path, rejected: &[(usize, String)]) -> CheckpointError {
     )
 }
 
+// What `read_entry` gives: the files kept, by name, and the digests of those not kept.
+type Verified = (BTreeMap<String, Vec<u8>>, Vec<FileDigest>);
+
 // Every file of `entry` checked against what was written: those `keep` names read and kept,
-// the others streamed through the hash and listed (the files, and the digests not kept).
+// the others streamed through the hash and listed.
 fn read_entry(
     dir: &Path,
     entry: &CheckpointEntry,
     keep: impl Fn(&str) -> bool,
-) -> Result<(BTreeMap<String, Vec<u8>>, Vec<FileDigest>), String> {
+) -> Result<Verified, String> {
     let mut files = BTreeMap::new();
     let mut unkept = Vec::new();
     for file in &entry.files {
