@@ -31,7 +31,7 @@ pub(crate) fn agree_on_checkpoint(
 /// only the files of the picked checkpoint that `keep` names: the main process's `pick`
 /// verified them all (a sharded checkpoint's process reads its own partition's). A checkpoint
 /// verified without keeping every file `keep` names (`held`, the start-up check's, which keeps
-/// of a sharded checkpoint only the shard files any process surely reads) has those files
+/// of a sharded checkpoint only the shard files this process surely reads) has those files
 /// read now, each checked against the digest it verified with
 /// ([`LoadedCheckpoint::keep_also`]).
 ///

@@ -27,12 +27,13 @@ fn shapes<B: Backend, M: Module<B>>(module: &M) -> Vec<(String, Vec<usize>)> {
 }
 
 /// Whether the model files of a sharded checkpoint (`files`, process `R`'s at `R`, of
-/// `loaded`, whose directory is `dir`) are one partition of `model`, as a resume reads them: each lists every parameter
-/// of `model` under its path (Burn decodes it as `model`'s record), and each float parameter
-/// is held whole, of its shape, by the file of the process the partition over `files.len()`
-/// processes gives it to ([`crate::zero::partition`], as the processes that wrote them
-/// computed it), and with no elements by every other (int and bool parameters, which the
-/// partition does not split, of their shape wherever they are held). Only the shapes are read
+/// `loaded`, whose directory is `dir`) are one partition of `model`, as a resume reads them:
+/// each lists every parameter of `model` under its path (Burn decodes it as `model`'s
+/// record), and each float parameter is held whole, of its shape, by the file of the process
+/// the partition over `files.len()` processes gives it to ([`crate::zero::partition`], as the
+/// processes that wrote them computed it), and with no elements by every other (int and bool
+/// parameters, which the partition does not split, of their shape wherever they are held).
+/// Only the shapes are read
 /// (the record walk), no tensor is built; a file `loaded` verified without keeping it is read
 /// from `dir` for its shapes and dropped, and checked against the digest it verified with
 /// ([`LoadedCheckpoint::bytes`]): one file's bytes at a time (issue 48).

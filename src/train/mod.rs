@@ -615,8 +615,9 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
     /// is checked then.
     ///
     /// The checkpoint chosen is held, read and verified, until the training starts, and the
-    /// resume loads that copy (the loss scale and the loaders' positions included): its files
-    /// are not read or hashed again, and a file changed on disk in between changes nothing.
+    /// resume loads that copy (the loss scale and the loaders' positions included): the files
+    /// held are not read or hashed again, and such a file changed on disk in between changes
+    /// nothing.
     /// (The bytes are held from here rather than only while resuming: the resume holds them
     /// and their decoded records at once anyway.) Of a sharded checkpoint
     /// (`CheckpointLayout::Sharded`) each process holds only the shard files it surely loads:

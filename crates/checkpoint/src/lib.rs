@@ -676,7 +676,7 @@ fn read_entry(
 const CHUNK: usize = 64 << 10;
 
 /// `file` of `dir` checked against its digest as [`read_verified`] checks it, read through
-/// the hash [`CHUNK`] bytes at a time and not kept: what verifying a file this process does
+/// the hash 64 KiB at a time and not kept: what verifying a file this process does
 /// not load costs in memory is one chunk, whatever its size.
 ///
 /// # Errors
