@@ -249,6 +249,45 @@ fn the_start_up_check_of_a_sharded_stage_3_checkpoint_holds_only_what_each_proce
         output.contains("it changed after the checkpoint was verified, and is not loaded"),
         "{output}"
     );
+
+    // `check_checkpoint_fits` in this test's own process (one process: no shard file held)
+    // reads the model files the check did not keep as they verified: one changed since is
+    // refused naming it.
+    let fits = dir.join("fits");
+    copy_tree(&saved, &fits);
+    let device = Default::default();
+    let strategy =
+        AccelerateStrategy::<MlpComponents<Train>>::new(AccelerateConfig::new(), &device)
+            .unwrap()
+            .try_with_checkpoint_dir(fits.join("checkpoint"))
+            .unwrap();
+    let names: Vec<String> = strategy
+        .start_up_check_held_files()
+        .into_iter()
+        .map(|(name, _)| name)
+        .collect();
+    assert_eq!(names, small);
+    let model = Mlp::new(16, &device);
+    strategy.check_checkpoint_fits(&model).unwrap();
+    let changed = fits.join("checkpoint").join(shard("model", 1));
+    let mut bytes = std::fs::read(&changed).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x40;
+    std::fs::write(&changed, bytes).unwrap();
+    match strategy.check_checkpoint_fits(&model) {
+        Err(burn_accelerate::AccelerateError::Checkpoint { path, reason }) => {
+            assert_eq!(Path::new(&path), changed, "{reason}");
+            assert!(
+                reason.starts_with("verified by the start-up check")
+                    && reason.contains("it changed after the checkpoint was verified"),
+                "{reason}"
+            );
+        }
+        other => panic!(
+            "expected a checkpoint error naming {}, got {other:?}",
+            changed.display()
+        ),
+    }
     harness::clean(&whole_dir);
     harness::clean(&dir);
 }
