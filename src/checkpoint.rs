@@ -165,6 +165,19 @@ impl CheckpointDir {
         Ok(self.0.load_newest_where(at_most, complete, keep)?)
     }
 
+    /// The checkpoint of `epoch`, every file verified, only those `keep` names kept in
+    /// memory: see [`burn_accelerate_checkpoint::CheckpointDir::load_verifying_all`].
+    ///
+    /// # Errors
+    /// As [`load`](Self::load).
+    pub(crate) fn load_verifying_all(
+        &self,
+        epoch: usize,
+        keep: impl Fn(&str) -> bool,
+    ) -> Result<LoadedCheckpoint, AccelerateError> {
+        Ok(self.0.load_verifying_all(epoch, keep)?)
+    }
+
     /// The files of the checkpoint of `epoch` that `keep` names, read back and verified.
     ///
     /// # Errors

@@ -348,6 +348,7 @@ fn checkpoint(name: &str, bytes: Vec<u8>) -> LoadedCheckpoint {
         epoch: 1,
         files: BTreeMap::from([(name.to_string(), bytes)]),
         skipped: Vec::new(),
+        unkept: Vec::new(),
     }
 }
 

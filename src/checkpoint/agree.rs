@@ -29,10 +29,15 @@ pub(crate) fn agree_on_checkpoint(
 
 /// [`agree_on_checkpoint`], where the processes other than the main one read (and verify)
 /// only the files of the picked checkpoint that `keep` names: the main process's `pick`
-/// verified them all (a sharded checkpoint's process reads its own partition's).
+/// verified them all (a sharded checkpoint's process reads its own partition's). A checkpoint
+/// verified without keeping every file `keep` names (`held`, the start-up check's, which keeps
+/// of a sharded checkpoint only the shard files this process surely reads) has those files
+/// read now, each checked against the digest it verified with
+/// ([`LoadedCheckpoint::keep_also`]).
 ///
 /// # Errors
-/// As [`agree_on_checkpoint`].
+/// As [`agree_on_checkpoint`]; [`AccelerateError::Checkpoint`] naming a file `keep` names
+/// that changed after it was verified (it is not loaded).
 pub(crate) fn agree_on_checkpoint_keeping(
     group: Option<&ProcessGroup>,
     checkpoints: &CheckpointDir,
@@ -54,20 +59,30 @@ pub(crate) fn agree_on_checkpoint_keeping(
     let Some(number) = number else {
         return Ok(None);
     };
-    match (picked, held) {
-        (Some(loaded), _) => Ok(Some(loaded)),
-        (None, Some(held)) if held.epoch == number => Ok(Some(held)),
-        (None, _) => checkpoints
-            .load_keeping(number, keep)
-            .map(Some)
-            .map_err(|err| AccelerateError::Checkpoint {
-                path: checkpoints.path().display().to_string(),
-                reason: format!(
-                    "process {rank} cannot read checkpoint {number}, which the main process \
+    let mut loaded =
+        match (picked, held) {
+            (Some(loaded), _) => loaded,
+            (None, Some(held)) if held.epoch == number => held,
+            (None, _) => checkpoints.load_keeping(number, &keep).map_err(|err| {
+                AccelerateError::Checkpoint {
+                    path: checkpoints.path().display().to_string(),
+                    reason: format!(
+                        "process {rank} cannot read checkpoint {number}, which the main process \
                      resumes from (every process needs the same checkpoint directory): {err}"
-                ),
-            }),
-    }
+                    ),
+                }
+            })?,
+        };
+    loaded
+        .keep_also(checkpoints.path(), &keep)
+        .map_err(|err| AccelerateError::Checkpoint {
+            path: err.path,
+            reason: format!(
+                "process {rank}: {}",
+                super::records::changed_after_start_up(&err.reason)
+            ),
+        })?;
+    Ok(Some(loaded))
 }
 
 #[cfg(test)]

@@ -27,20 +27,24 @@ fn shapes<B: Backend, M: Module<B>>(module: &M) -> Vec<(String, Vec<usize>)> {
 }
 
 /// Whether the model files of a sharded checkpoint (`files`, process `R`'s at `R`, of
-/// `loaded`) are one partition of `model`, as a resume reads them: each lists every parameter
-/// of `model` under its path (Burn decodes it as `model`'s record), and each float parameter
-/// is held whole, of its shape, by the file of the process the partition over `files.len()`
-/// processes gives it to ([`crate::zero::partition`], as the processes that wrote them
-/// computed it), and with no elements by every other (int and bool parameters, which the
-/// partition does not split, of their shape wherever they are held). Only the shapes are read
-/// (the record walk), no tensor is built.
+/// `loaded`, whose directory is `dir`) are one partition of `model`, as a resume reads them:
+/// each lists every parameter of `model` under its path (Burn decodes it as `model`'s
+/// record), and each float parameter is held whole, of its shape, by the file of the process
+/// the partition over `files.len()` processes gives it to ([`crate::zero::partition`], as the
+/// processes that wrote them computed it), and with no elements by every other (int and bool
+/// parameters, which the partition does not split, of their shape wherever they are held).
+/// Only the shapes are read
+/// (the record walk), no tensor is built; a file `loaded` verified without keeping it is read
+/// from `dir` for its shapes and dropped, and checked against the digest it verified with
+/// ([`LoadedCheckpoint::bytes`]): one file's bytes at a time (issue 48).
 ///
 /// # Errors
 /// [`AccelerateError::Checkpoint`] naming the file (by its name in the checkpoint) and the
 /// first parameter, in the model's visiting order, that it lacks, holds in another shape, or
-/// holds though another process's file does; or the file that is not read back or does not
-/// walk as a record.
+/// holds though another process's file does; or the file that is not read back, changed
+/// since it was verified, or does not walk as a record.
 pub(crate) fn check_shards<B: Backend, M: Module<B>>(
+    dir: &std::path::Path,
     loaded: &LoadedCheckpoint,
     files: &[String],
     model: &M,
@@ -55,16 +59,19 @@ pub(crate) fn check_shards<B: Backend, M: Module<B>>(
     let record_shapes = Shapes::of_model::<B, M>(model);
     let mut held = Vec::with_capacity(files.len());
     for (rank, name) in files.iter().enumerate() {
-        let bytes = loaded.files.get(name).ok_or_else(|| {
-            record_error(
-                name,
-                format!(
-                    "process {rank}'s model file of the sharded checkpoint is not read back: \
-                     the checkpoint is incomplete"
-                ),
-            )
-        })?;
-        let shapes = crate::record_bytes::parameter_shapes(bytes, &record_shapes)
+        let bytes = loaded
+            .bytes(dir, name)
+            .map_err(|err| record_error(name, records::changed_after_start_up(&err.reason)))?
+            .ok_or_else(|| {
+                record_error(
+                    name,
+                    format!(
+                        "process {rank}'s model file of the sharded checkpoint is not read \
+                         back: the checkpoint is incomplete"
+                    ),
+                )
+            })?;
+        let shapes = crate::record_bytes::parameter_shapes(&bytes, &record_shapes)
             .map_err(|reason| record_error(name, reason))?;
         held.push(shapes);
     }
@@ -283,6 +290,9 @@ mod tests {
         }
     }
 
+    // The directory of the checkpoints `shards` builds: none, as they hold every file.
+    const HELD: &str = "";
+
     // `model`'s files of a sharded checkpoint over `world` processes, as `sharded::write`
     // writes them (each process's partition whole, the others' parameters of no elements).
     fn shards(model: &Two<A>, world: usize) -> (LoadedCheckpoint, Vec<String>) {
@@ -302,12 +312,13 @@ mod tests {
             epoch: 1,
             files,
             skipped: Vec::new(),
+            unkept: Vec::new(),
         };
         (loaded, names)
     }
 
     fn refused(loaded: &LoadedCheckpoint, names: &[String], model: &Two<A>, file: &str) -> String {
-        match check_shards::<A, _>(loaded, names, model) {
+        match check_shards::<A, _>(HELD.as_ref(), loaded, names, model) {
             Err(AccelerateError::Checkpoint { path, reason }) => {
                 assert_eq!(path, file, "{reason}");
                 reason
@@ -323,7 +334,7 @@ mod tests {
         for world in [1, 2, 3, 5] {
             let model = two_on::<A>(4, true);
             let (loaded, names) = shards(&model, world);
-            check_shards::<A, _>(&loaded, &names, &two_on::<A>(4, true))
+            check_shards::<A, _>(HELD.as_ref(), &loaded, &names, &two_on::<A>(4, true))
                 .unwrap_or_else(|err| panic!("{world} processes: {err}"));
         }
     }
@@ -437,6 +448,7 @@ mod tests {
             epoch: 1,
             files: [("model-1.mpk".to_string(), bytes.clone())].into(),
             skipped: Vec::new(),
+            unkept: Vec::new(),
         };
         let model = decode_model::<B, _>(&loaded, "model-1.mpk", varied(), &Default::default())
             .expect("its own record");
@@ -468,6 +480,7 @@ mod tests {
                 epoch: 1,
                 files: [("model-1.mpk".to_string(), bytes)].into(),
                 skipped: Vec::new(),
+                unkept: Vec::new(),
             };
             let err = decode_model::<B, _>(&loaded, "model-1.mpk", varied(), &Default::default())
                 .expect_err("a weight of rank 1");
@@ -512,6 +525,7 @@ mod tests {
             epoch: 1,
             files: [("optimizer-1.mpk".to_string(), bytes)].into(),
             skipped: Vec::new(),
+            unkept: Vec::new(),
         };
         let read = super::records::decode::<
             A,
@@ -533,6 +547,7 @@ mod tests {
             epoch: 1,
             files: [("optimizer-1.mpk".to_string(), bytes)].into(),
             skipped: Vec::new(),
+            unkept: Vec::new(),
         };
         let read = super::records::decode::<
             A,

@@ -96,6 +96,16 @@ pub(crate) fn record_error(what: &str, err: impl std::fmt::Display) -> Accelerat
     }
 }
 
+/// Why a file of a checkpoint the start-up check verified without keeping it
+/// ([`LoadedCheckpoint::unkept`]) is not loaded when it is needed: `reason`, the checkpoint
+/// crate's (it no longer holds what verified), said in the run's terms.
+pub(crate) fn changed_after_start_up(reason: &str) -> String {
+    format!(
+        "verified by the start-up check (`try_with_checkpoint_dir`), {reason}; restore it, or \
+         start the run again to check the directory anew"
+    )
+}
+
 /// `record` as a checkpoint's bytes; `what` names it in the error.
 pub(crate) fn encode<B: Backend, R: Record<B>>(
     record: R,
@@ -227,6 +237,7 @@ mod tests {
             epoch: 1,
             files: Default::default(),
             skipped: Vec::new(),
+            unkept: Vec::new(),
         };
         let err = file(&loaded, "model-1.mpk").unwrap_err();
         assert!(

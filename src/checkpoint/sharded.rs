@@ -178,20 +178,36 @@ pub(crate) fn keeps<B: AutodiffBackend, M: AutodiffModule<B>>(
     }
 }
 
+/// Which files of the checkpoint it picks the start-up check (`precheck`) of process `rank` of
+/// `world` keeps for the resume (issue 48): every file that is not a shard's (the state, the
+/// loop's own files, a consolidated checkpoint's records), and of a sharded checkpoint only
+/// the shard files the process surely reads whatever its model, which is not known yet: its
+/// own (`*.shard-R-of-W.mpk`) where `world` is the number of processes that saved it, as the
+/// partition is then computed over as many processes from the same model ([`keeps`]), and
+/// none otherwise. The others are verified without being held, and read at the resume (or by
+/// `check_checkpoint_fits`) only as they verified; a stage 3 process so never holds more of
+/// the model and its optimizer state than its partition's at start-up.
+pub(crate) fn kept_at_start_up(rank: usize, world: usize) -> impl Fn(&str) -> bool + Clone {
+    move |name| match parse_shard_name(name) {
+        None => true,
+        Some((_, _, saved_rank, saved_world)) => saved_world == world && saved_rank == rank,
+    }
+}
+
 /// The number of processes sharded checkpoint `loaded` was saved by (`None` for a
-/// consolidated one).
+/// consolidated one), from its files held or verified without keeping them.
 fn saved_world(loaded: &LoadedCheckpoint) -> Option<usize> {
-    loaded.files.keys().find_map(|name| {
+    loaded.names().find_map(|name| {
         let (_, number, _, world) = parse_shard_name(name)?;
         (number == loaded.epoch).then_some(world)
     })
 }
 
-/// Whether `loaded` (checkpoint `loaded.epoch`) is a sharded checkpoint.
+/// Whether `loaded` (checkpoint `loaded.epoch`) is a sharded checkpoint, from its files held
+/// or verified without keeping them.
 pub(crate) fn is_sharded(loaded: &LoadedCheckpoint) -> bool {
     loaded
-        .files
-        .keys()
+        .names()
         .any(|name| parse_shard_name(name).is_some_and(|(_, number, _, _)| number == loaded.epoch))
 }
 
@@ -199,7 +215,9 @@ pub(crate) fn is_sharded(loaded: &LoadedCheckpoint) -> bool {
 /// [`contents::precheck_loaded`](super::contents::precheck_loaded) says: the newest whose
 /// files verify (a newer one that does not, or a sharded one missing a process's file, is
 /// passed over with a warning, as at the resume); a sharded one is not looked for the model's
-/// and the optimizer's records of its own. `None` when none is listed.
+/// and the optimizer's records of its own. Of the files of the one picked, process `rank` of
+/// `world` keeps those [`kept_at_start_up`] names; the others are streamed through the hash
+/// and not held. `None` when none is listed.
 ///
 /// # Errors
 /// [`AccelerateError::Checkpoint`] naming the manifest (unreadable, or no listed checkpoint
@@ -207,8 +225,11 @@ pub(crate) fn is_sharded(loaded: &LoadedCheckpoint) -> bool {
 pub(crate) fn precheck(
     dir: &std::path::Path,
     scheme: Scheme,
+    rank: usize,
+    world: usize,
 ) -> Result<Option<LoadedCheckpoint>, AccelerateError> {
-    let Some(loaded) = CheckpointDir::new(dir).load_newest_where(None, complete, |_| true)? else {
+    let keep = kept_at_start_up(rank, world);
+    let Some(loaded) = CheckpointDir::new(dir).load_newest_where(None, complete, keep)? else {
         return Ok(None);
     };
     let records_listed = !is_sharded(&loaded);
@@ -218,7 +239,7 @@ pub(crate) fn precheck(
 /// [`contents::precheck_model`](super::contents::precheck_model) of a checkpoint of either
 /// layout: a sharded one's model files are checked to be one partition of `model`, each
 /// parameter of its shape in its owner's file ([`fits::check_shards`](super::fits::check_shards)),
-/// from their shapes alone.
+/// from their shapes alone (a file not held read from `dir`, one at a time).
 ///
 /// # Errors
 /// As [`contents::precheck_model`](super::contents::precheck_model), naming the process's
@@ -236,7 +257,7 @@ pub(crate) fn precheck_model<B: burn::tensor::backend::Backend, M: burn::module:
     let files: Vec<String> = (0..world)
         .map(|rank| shard_name(Part::Model, loaded.epoch, rank, world))
         .collect();
-    super::fits::check_shards::<B, M>(loaded, &files, model).map_err(|err| match err {
+    super::fits::check_shards::<B, M>(dir, loaded, &files, model).map_err(|err| match err {
         AccelerateError::Checkpoint { path, reason } => {
             record_error(&dir.join(path).display().to_string(), reason)
         }
@@ -612,6 +633,32 @@ mod tests {
         let mut mixed = all.clone();
         mixed.push(shard_name(Part::Model, 4, 0, 2));
         assert!(complete(&entry(4, &mixed)).is_err());
+    }
+
+    // Issue 48: the start-up check keeps a process's own shard files on as many processes as
+    // saved them, none on another number, and every other file.
+    #[test]
+    fn the_start_up_check_keeps_a_process_own_shards_on_as_many_processes_alone() {
+        let shards = |keep: &dyn Fn(&str) -> bool| -> Vec<String> {
+            [Part::Model, Part::Optimizer]
+                .into_iter()
+                .flat_map(|part| (0..2).map(move |rank| shard_name(part, 3, rank, 2)))
+                .filter(|name| keep(name))
+                .collect()
+        };
+        let keep = kept_at_start_up(1, 2);
+        assert_eq!(
+            shards(&keep),
+            [
+                shard_name(Part::Model, 3, 1, 2),
+                shard_name(Part::Optimizer, 3, 1, 2)
+            ]
+        );
+        for other in [kept_at_start_up(0, 3), kept_at_start_up(0, 1)] {
+            assert!(shards(&other).is_empty());
+            assert!(other("accelerate-3.json") && other("accelerate-3-scheduler.mpk"));
+            assert!(other("accelerate-3-model.mpk") && other("model-3.mpk"));
+        }
     }
 
     // Parameters of 10, 40, 30 and 20 values: over 2 processes [0, 0, 1, 1], over 3

@@ -209,7 +209,9 @@ pub struct AccelerateStrategy<LC: LearningComponentsTypes> {
     report: TrainingReport,
     checkpoint_dir: Option<PathBuf>,
     /// The checkpoint [`try_with_checkpoint_dir`](Self::try_with_checkpoint_dir) read and
-    /// verified, held for the resume to load without reading and hashing its files again.
+    /// verified, held for the resume to load without reading and hashing its files again (of
+    /// a sharded one, the shard files this process surely reads alone:
+    /// `sharded::kept_at_start_up`).
     verified: Mutex<Option<LoadedCheckpoint>>,
     /// Whether to resume by itself, and how many checkpoints to keep.
     resume: resume::ResumeSettings,
@@ -615,10 +617,18 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
     /// is checked then.
     ///
     /// The checkpoint chosen is held, read and verified, until the training starts, and the
-    /// resume loads that copy (the loss scale and the loaders' positions included): its files
-    /// are not read or hashed again, and a file changed on disk in between changes nothing.
+    /// resume loads that copy (the loss scale and the loaders' positions included): the files
+    /// held are not read or hashed again, and such a file changed on disk in between changes
+    /// nothing.
     /// (The bytes are held from here rather than only while resuming: the resume holds them
-    /// and their decoded records at once anyway.)
+    /// and their decoded records at once anyway.) Of a sharded checkpoint
+    /// (`CheckpointLayout::Sharded`) each process holds only the shard files it surely loads:
+    /// its own, when it runs on as many processes as saved it, none otherwise (the model is
+    /// not known here); every other file is verified without being held, and read when the
+    /// resume (or [`check_checkpoint_fits`](Self::check_checkpoint_fits)) needs it, checked
+    /// against the checksum it verified with: one changed in between stops the resume with an
+    /// error naming it, and is never loaded. No process so holds the whole model and optimizer
+    /// state of a ZeRO stage 3 run at start-up.
     ///
     /// ```
     /// use burn::train::{LearningComponentsTypes, TrainingBackend};
@@ -641,10 +651,31 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
     /// decode (the resume would stop there too, not fall back).
     pub fn try_with_checkpoint_dir(self, dir: impl Into<PathBuf>) -> Result<Self, AccelerateError> {
         let dir = dir.into();
-        let verified = crate::checkpoint::sharded::precheck(&dir, Scheme::Strategy)?;
+        let verified = self.precheck(&dir)?;
         let mut strategy = self.with_checkpoint_dir(dir);
         strategy.verified = Mutex::new(verified);
         Ok(strategy)
+    }
+
+    // The start-up check of `dir` for this process (`sharded::precheck`).
+    fn precheck(&self, dir: &std::path::Path) -> Result<Option<LoadedCheckpoint>, AccelerateError> {
+        let (rank, world) = (self.process.process_index(), self.process.num_processes());
+        crate::checkpoint::sharded::precheck(dir, Scheme::Strategy, rank, world)
+    }
+
+    /// The files of the checkpoint the start-up check
+    /// ([`try_with_checkpoint_dir`](Self::try_with_checkpoint_dir)) holds in memory for the
+    /// resume, by name with their length in bytes, until the training starts (empty when it
+    /// holds none): what the tests of issue 48 read to show that a process holds no other
+    /// process's shard files.
+    #[doc(hidden)]
+    pub fn start_up_check_held_files(&self) -> Vec<(String, usize)> {
+        let verified = self.verified.lock().unwrap_or_else(PoisonError::into_inner);
+        verified
+            .iter()
+            .flat_map(|loaded| &loaded.files)
+            .map(|(name, bytes)| (name.clone(), bytes.len()))
+            .collect()
     }
 
     /// Checks that the model's record of the checkpoint the training would resume from
@@ -682,7 +713,7 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
         };
         let mut verified = self.verified.lock().unwrap_or_else(PoisonError::into_inner);
         if verified.is_none() {
-            *verified = crate::checkpoint::sharded::precheck(dir, Scheme::Strategy)?;
+            *verified = self.precheck(dir)?;
         }
         match &*verified {
             Some(loaded) => crate::checkpoint::sharded::precheck_model::<TrainingBackend<LC>, _>(

@@ -166,8 +166,8 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
             shards_state,
             shards_parameters,
         );
-        // The start-up check's copy holds every file: those this process does not read are
-        // dropped before the records are decoded.
+        // The start-up check's copy holds files this process surely reads
+        // (`sharded::kept_at_start_up`); any other is dropped before the records are decoded.
         let held = held.map(|mut held| {
             held.files.retain(|name, _| keep(name));
             held
@@ -282,11 +282,8 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
         }
         // Every file verified, as of the newest: a damaged one is refused here, on the main
         // process, whichever process would have read it.
-        match checkpoints.load(epoch) {
-            Ok(mut loaded) => {
-                loaded.files.retain(|name, _| keep(name));
-                Ok(Some(loaded))
-            }
+        match checkpoints.load_verifying_all(epoch, keep) {
+            Ok(loaded) => Ok(Some(loaded)),
             Err(err) if burn_has_files => {
                 log::warn!(
                     "burn-accelerate: {err}: loading Burn's own checkpoint of epoch {epoch} \

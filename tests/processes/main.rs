@@ -13,6 +13,7 @@ mod mlp;
 #[path = "../needs/mod.rs"]
 mod needs;
 mod one_save;
+mod precheck_memory;
 mod sharded_resume;
 mod stage3_autocast_more;
 mod stage3_bounds;

@@ -43,8 +43,9 @@
 
 pub mod verify;
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
-use std::io::Write;
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -108,7 +109,11 @@ impl FileDigest {
                 self.size
             ));
         }
-        let sha256 = hex(&Sha256::digest(bytes));
+        self.check_sha256(&hex(&Sha256::digest(bytes)))
+    }
+
+    // Whether `sha256` (of the file read back, at its listed length) is the one written.
+    fn check_sha256(&self, sha256: &str) -> Result<(), String> {
         if sha256 != self.sha256 {
             return Err(format!(
                 "{} does not hold what was written (SHA-256 {sha256}, {} was written)",
@@ -312,6 +317,81 @@ pub struct LoadedCheckpoint {
     /// The newer checkpoints passed over because they did not verify, newest first, and why
     /// (each was also logged as a warning).
     pub skipped: Vec<(usize, String)>,
+    /// The checkpoint's files that were verified but not kept (streamed through the hash, not
+    /// held: see [`CheckpointDir::load_newest_where`]), as they verified. They are read again
+    /// only through [`bytes`](Self::bytes) and [`keep_also`](Self::keep_also), which check
+    /// them against these digests: a file changed since is refused, never loaded unverified.
+    pub unkept: Vec<FileDigest>,
+}
+
+impl LoadedCheckpoint {
+    /// The names of every file of the checkpoint that was verified: those held in
+    /// [`files`](Self::files), then those [`unkept`](Self::unkept).
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.files
+            .keys()
+            .map(String::as_str)
+            .chain(self.unkept.iter().map(|file| file.name.as_str()))
+    }
+
+    /// The bytes of file `name`: held, or read from `dir` (the checkpoint's directory) and
+    /// checked against the digest it verified with when it was not kept; `None` when no file
+    /// of that name was verified. A file read here is not kept: one file's bytes at a time.
+    ///
+    /// # Errors
+    /// [`CheckpointError`] naming the file's path when it cannot be read or no longer holds
+    /// what was verified.
+    pub fn bytes(&self, dir: &Path, name: &str) -> Result<Option<Cow<'_, [u8]>>, CheckpointError> {
+        if let Some(bytes) = self.files.get(name) {
+            return Ok(Some(Cow::Borrowed(bytes)));
+        }
+        let Some(file) = self.unkept.iter().find(|file| file.name == name) else {
+            return Ok(None);
+        };
+        read_again(dir, file).map(|bytes| Some(Cow::Owned(bytes)))
+    }
+
+    /// Reads from `dir` (the checkpoint's directory) into [`files`](Self::files) the files
+    /// not kept that `keep` names, each checked against the digest it verified with: what a
+    /// process needs of a checkpoint verified without keeping it, when it loads it.
+    ///
+    /// # Errors
+    /// [`CheckpointError`] naming the first file's path that cannot be read or no longer
+    /// holds what was verified (the files read before it are kept).
+    pub fn keep_also(
+        &mut self,
+        dir: &Path,
+        keep: impl Fn(&str) -> bool,
+    ) -> Result<(), CheckpointError> {
+        let (wanted, unkept): (Vec<FileDigest>, Vec<FileDigest>) = std::mem::take(&mut self.unkept)
+            .into_iter()
+            .partition(|file| keep(&file.name));
+        self.unkept = unkept;
+        let mut wanted = wanted.into_iter();
+        while let Some(file) = wanted.next() {
+            match read_again(dir, &file) {
+                Ok(bytes) => {
+                    self.files.insert(file.name, bytes);
+                }
+                Err(err) => {
+                    self.unkept.push(file);
+                    self.unkept.extend(wanted);
+                    return Err(err);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+// `file`, verified before and not kept, read from `dir` and checked against its digest again.
+fn read_again(dir: &Path, file: &FileDigest) -> Result<Vec<u8>, CheckpointError> {
+    read_verified(dir, file).map_err(|why| {
+        checkpoint_error(
+            &dir.join(&file.name),
+            format!("{why}: it changed after the checkpoint was verified, and is not loaded"),
+        )
+    })
 }
 
 /// A directory of crash-safe checkpoints (see the [module docs](self)), keeping the newest
@@ -440,8 +520,9 @@ impl CheckpointDir {
     /// [`load_newest`](Self::load_newest), where a checkpoint is whole only when `complete`
     /// accepts its entry too (a sharded checkpoint lists every process's files) and every
     /// file verifies; of the chosen one, only the files `keep` names are kept in memory (the
-    /// others are read, checked and dropped: a process of a sharded run keeps its own
-    /// partition's).
+    /// others are streamed through the hash in chunks and not kept, and listed in
+    /// [`LoadedCheckpoint::unkept`]: a process of a sharded run keeps its own partition's).
+    /// At most the kept files and one chunk are held.
     ///
     /// # Errors
     /// As [`load_newest`](Self::load_newest).
@@ -464,10 +545,11 @@ impl CheckpointDir {
             );
         }
         match choice.chosen {
-            Some((epoch, files)) => Ok(Some(LoadedCheckpoint {
+            Some((epoch, (files, unkept))) => Ok(Some(LoadedCheckpoint {
                 epoch,
                 files,
                 skipped: choice.rejected,
+                unkept,
             })),
             None if choice.rejected.is_empty() => Ok(None),
             None => Err(none_whole(&self.dir, &choice.rejected)),
@@ -493,34 +575,59 @@ impl CheckpointDir {
         epoch: usize,
         keep: impl Fn(&str) -> bool,
     ) -> Result<LoadedCheckpoint, CheckpointError> {
+        let mut entry = self.listed(epoch)?;
+        entry.files.retain(|file| keep(&file.name));
+        self.read_listed(&entry, |_| true)
+    }
+
+    /// The checkpoint of `epoch`, every file verified as [`load`](Self::load) verifies it, of
+    /// which only those `keep` names are kept in memory: the others are streamed through the
+    /// hash and listed in [`LoadedCheckpoint::unkept`] (a main process resuming from an epoch
+    /// asked for, which verifies the files the other processes read).
+    ///
+    /// # Errors
+    /// As [`load`](Self::load).
+    pub fn load_verifying_all(
+        &self,
+        epoch: usize,
+        keep: impl Fn(&str) -> bool,
+    ) -> Result<LoadedCheckpoint, CheckpointError> {
+        self.read_listed(&self.listed(epoch)?, keep)
+    }
+
+    // The manifest's entry of `epoch`.
+    fn listed(&self, epoch: usize) -> Result<CheckpointEntry, CheckpointError> {
         let manifest = Manifest::read(&self.dir)?;
-        let path = self.dir.join(MANIFEST);
-        let entry = manifest.entry(epoch).ok_or_else(|| {
+        manifest.entry(epoch).cloned().ok_or_else(|| {
             let listed: Vec<usize> = manifest.checkpoints.iter().map(|c| c.epoch).collect();
             checkpoint_error(
-                &path,
+                &self.dir.join(MANIFEST),
                 format!(
                     "it lists no checkpoint of epoch {epoch} (it lists {listed:?}): is this the \
                      directory the run writes (the same for every process)?"
                 ),
             )
-        })?;
-        let kept = CheckpointEntry {
-            epoch,
-            files: entry
-                .files
-                .iter()
-                .filter(|file| keep(&file.name))
-                .cloned()
-                .collect(),
-        };
-        let files = read_entry(&self.dir, &kept, |_| true).map_err(|why| {
-            checkpoint_error(&path, format!("the checkpoint of epoch {epoch}: {why}"))
+        })
+    }
+
+    // The files of `entry` verified, those `keep` names kept.
+    fn read_listed(
+        &self,
+        entry: &CheckpointEntry,
+        keep: impl Fn(&str) -> bool,
+    ) -> Result<LoadedCheckpoint, CheckpointError> {
+        let epoch = entry.epoch;
+        let (files, unkept) = read_entry(&self.dir, entry, keep).map_err(|why| {
+            checkpoint_error(
+                &self.dir.join(MANIFEST),
+                format!("the checkpoint of epoch {epoch}: {why}"),
+            )
         })?;
         Ok(LoadedCheckpoint {
             epoch,
             files,
             skipped: Vec::new(),
+            unkept,
         })
     }
 }
@@ -542,20 +649,72 @@ fn none_whole(dir: &Path, rejected: &[(usize, String)]) -> CheckpointError {
     )
 }
 
-// Every file of `entry`, read and checked against what was written; those `keep` names, kept.
+// What `read_entry` gives: the files kept, by name, and the digests of those not kept.
+type Verified = (BTreeMap<String, Vec<u8>>, Vec<FileDigest>);
+
+// Every file of `entry` checked against what was written: those `keep` names read and kept,
+// the others streamed through the hash and listed.
 fn read_entry(
     dir: &Path,
     entry: &CheckpointEntry,
     keep: impl Fn(&str) -> bool,
-) -> Result<BTreeMap<String, Vec<u8>>, String> {
+) -> Result<Verified, String> {
     let mut files = BTreeMap::new();
+    let mut unkept = Vec::new();
     for file in &entry.files {
-        let bytes = read_verified(dir, file)?;
         if keep(&file.name) {
-            files.insert(file.name.clone(), bytes);
+            files.insert(file.name.clone(), read_verified(dir, file)?);
+        } else {
+            verify_streaming(dir, file)?;
+            unkept.push(file.clone());
         }
     }
-    Ok(files)
+    Ok((files, unkept))
+}
+
+/// The bytes [`verify_streaming`] reads at a time.
+const CHUNK: usize = 64 << 10;
+
+/// `file` of `dir` checked against its digest as [`read_verified`] checks it, read through
+/// the hash 64 KiB at a time and not kept: what verifying a file this process does
+/// not load costs in memory is one chunk, whatever its size.
+///
+/// # Errors
+/// Why it cannot be used, in words (as [`read_verified`]'s).
+pub fn verify_streaming(dir: &Path, file: &FileDigest) -> Result<(), String> {
+    let path = listed_file(dir, file)?;
+    let unreadable = |e: std::io::Error| format!("{} cannot be read ({e})", file.name);
+    let mut reader = std::fs::File::open(&path).map_err(unreadable)?;
+    let mut chunk = vec![0u8; usize::try_from(file.size).unwrap_or(CHUNK).clamp(1, CHUNK)];
+    let mut hasher = Sha256::new();
+    let mut len = 0u64;
+    loop {
+        let read = match reader.read(&mut chunk) {
+            Ok(0) => break,
+            Ok(read) => read,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(unreadable(e)),
+        };
+        len += read as u64;
+        // Grown since its length was checked: no more is read than was written.
+        if len > file.size {
+            break;
+        }
+        hasher.update(&chunk[..read]);
+    }
+    if len != file.size {
+        return Err(format!(
+            "{} is {} bytes long, but {} were written",
+            file.name,
+            if len > file.size {
+                format!("more than {}", file.size)
+            } else {
+                len.to_string()
+            },
+            file.size
+        ));
+    }
+    file.check_sha256(&hex(&hasher.finalize()))
 }
 
 /// `file`'s path in `dir`, once it is known to be a plain name there whose file on disk has
@@ -1040,6 +1199,99 @@ mod tests {
             })
             .unwrap_err();
         assert!(twice.reason.contains("another process"), "{twice}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    // Issue 48: a file not kept is verified without being held (a chunk at a time), and a
+    // damaged one is still found and its checkpoint passed over; read when it is needed, it
+    // is checked against the digest it verified with, and refused, by its path, when it
+    // changed since (even relisted in the manifest with its new checksum).
+    #[test]
+    fn files_not_kept_are_verified_unheld_and_read_back_only_as_they_verified() {
+        let dir = scratch("unkept");
+        let checkpoints = CheckpointDir::new(&dir).with_keep_last(3);
+        // 4 MiB, of other bytes in each epoch.
+        let big = |epoch: u8| -> Vec<u8> { (0..4u32 << 20).map(|i| i as u8 ^ epoch).collect() };
+        for epoch in [1, 2] {
+            let (name, small) = (format!("big-{epoch}"), format!("small-{epoch}"));
+            checkpoints
+                .save(epoch, &[(&name, &big(epoch as u8)), (&small, b"s")])
+                .unwrap();
+        }
+        let small_only = |name: &str| name.starts_with("small");
+        let load = || checkpoints.load_newest_where(None, |_| Ok(()), small_only);
+        let (largest, loaded) = fuzz::largest_allocation(load);
+        let mut loaded = loaded.unwrap().unwrap();
+        assert!(largest < 1 << 20, "{largest} bytes held at once");
+        assert_eq!(loaded.epoch, 2);
+        assert_eq!(loaded.files.keys().collect::<Vec<_>>(), ["small-2"]);
+        assert_eq!(loaded.unkept, [FileDigest::of("big-2", &big(2))]);
+        assert_eq!(loaded.names().collect::<Vec<_>>(), ["small-2", "big-2"]);
+        let bytes = loaded.bytes(&dir, "big-2").unwrap().unwrap();
+        assert!(bytes[..] == big(2)[..]);
+        drop(bytes);
+        assert_eq!(loaded.bytes(&dir, "big-1").unwrap(), None);
+
+        // Damaged: at its length, cut, grown. The checkpoint is passed over, naming it.
+        let mut altered = big(2);
+        altered[12345] ^= 1;
+        let damages = [
+            (altered.clone(), "big-2 does not hold what was written"),
+            (big(2)[..100].to_vec(), "big-2 is 100 bytes long"),
+            ([big(2), vec![0]].concat(), "big-2 is 4194305 bytes long"),
+        ];
+        for (damaged, why) in &damages {
+            std::fs::write(dir.join("big-2"), damaged).unwrap();
+            let older = load().unwrap().unwrap();
+            assert_eq!(older.epoch, 1, "{why}");
+            assert_eq!(older.unkept, [FileDigest::of("big-1", &big(1))]);
+            assert!(older.skipped[0].1.contains(why), "{:?}", older.skipped);
+            // And the copy verified before reads it no more.
+            let err = loaded.bytes(&dir, "big-2").unwrap_err();
+            assert_eq!(Path::new(&err.path), dir.join("big-2"), "{err}");
+            assert!(
+                err.reason.contains(why)
+                    && err
+                        .reason
+                        .contains("changed after the checkpoint was verified"),
+                "{err}"
+            );
+            assert!(loaded.keep_also(&dir, |_| true).is_err());
+            assert_eq!((loaded.files.len(), loaded.unkept.len()), (1, 1));
+        }
+        // Relisted with its new checksum: still not what was verified.
+        std::fs::write(dir.join("big-2"), &altered).unwrap();
+        let listed = Manifest::read(&dir).unwrap();
+        listed
+            .clone()
+            .relisted(2, FileDigest::of("big-2", &altered))
+            .unwrap()
+            .write(&dir)
+            .unwrap();
+        assert!(loaded.keep_also(&dir, |_| true).is_err());
+        // Restored: kept when asked for, as written.
+        listed.write(&dir).unwrap();
+        std::fs::write(dir.join("big-2"), big(2)).unwrap();
+        loaded.keep_also(&dir, |name| name != "small-2").unwrap();
+        assert!(loaded.unkept.is_empty());
+        assert!(loaded.files["big-2"] == big(2));
+        // An epoch asked for: every file verified, the unkept ones streamed.
+        let load_2 = || checkpoints.load_verifying_all(2, small_only);
+        let (largest, asked) = fuzz::largest_allocation(load_2);
+        let asked = asked.unwrap();
+        assert!(largest < 1 << 20, "{largest} bytes held at once");
+        assert_eq!(asked.unkept, [FileDigest::of("big-2", &big(2))]);
+        assert_eq!(asked.files.keys().collect::<Vec<_>>(), ["small-2"]);
+        // The start-up check's verification streams too.
+        std::fs::write(dir.join("big-2"), &altered).unwrap();
+        let why = load_2().unwrap_err().reason;
+        assert!(
+            why.contains("big-2 does not hold what was written"),
+            "{why}"
+        );
+        let (largest, chosen) = fuzz::largest_allocation(|| verify::precheck(&dir));
+        assert_eq!(chosen.unwrap().map(|entry| entry.epoch), Some(1));
+        assert!(largest < 1 << 20, "{largest} bytes held at once");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -10,11 +10,11 @@
 
 use std::path::Path;
 
-use crate::{CheckpointEntry, CheckpointError, Manifest, none_whole, read_verified};
+use crate::{CheckpointEntry, CheckpointError, Manifest, none_whole, verify_streaming};
 
 /// The newest checkpoint in `dir` whose files all verify (length and SHA-256), as a resume
-/// would choose it; `None` when none is listed (a fresh run). Each file is read and hashed in
-/// turn, and its bytes dropped: at most the largest file is held at once.
+/// would choose it; `None` when none is listed (a fresh run). Each file is streamed through
+/// the hash in turn ([`verify_streaming`]): none is held.
 ///
 /// ```
 /// # let dir = std::env::temp_dir().join(format!("verify-doc-{}", std::process::id()));
@@ -31,7 +31,7 @@ pub fn precheck(dir: &Path) -> Result<Option<CheckpointEntry>, CheckpointError> 
         entry
             .files
             .iter()
-            .try_for_each(|file| read_verified(dir, file).map(drop))
+            .try_for_each(|file| verify_streaming(dir, file))
     });
     match choice.chosen {
         Some((epoch, ())) => Ok(manifest.entry(epoch).cloned()),
