@@ -481,8 +481,16 @@ impl<B: AutodiffBackend> Accelerator<B> {
     /// The model is taken for parity with Accelerate, where it names the modules whose
     /// gradient all-reduce is held back while accumulating; here the gradients of every
     /// process are averaged only when a window completes, so nothing happens to it.
+    ///
+    /// At ZeRO stage 3 the batch's forward pass starts here: a forward pass of the training
+    /// model run since the last backward and dropped without one (an evaluation that reads
+    /// its loss) leaves nothing to it. Call it before the batch's forward pass, and run such
+    /// evaluations outside the guard's batch (after its step, or through `model.valid()`).
     #[must_use = "the accumulate guard marks the batch; keep it for the batch's backward and step"]
     pub fn accumulate<M: AutodiffModule<B>>(&self, _model: &M) -> Accumulate {
+        // At ZeRO stage 3 the batch's pass reads the parameters through anchors of its own,
+        // not those of a forward pass dropped since the last backward (an evaluation).
+        crate::zero::discard_anchors();
         self.core.state().accumulate()
     }
 

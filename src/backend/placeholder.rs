@@ -93,7 +93,10 @@
 //! convolutions place their anchors just above their other input (`layer_norm` above its
 //! normalised input), so that they run right after the op's backward; other ops' anchors (an
 //! embedding's among them: its input is integers) sit above the parameter alone and run at
-//! the end of the pass.
+//! the end of the pass. An anchor is handed to the uses of the pass being built: where none
+//! is (a batch starts, a backward pass ended) the anchors left are discarded
+//! (`discard_anchors`), so that a forward pass dropped without a backward (an evaluation on
+//! the training model) leaves nothing to the next one.
 //!
 //! Recognition needs the concrete `Autodiff<B, C>` (the node id), which `crate::hooks`
 //! registers per backend type; a backend without the hook registers nothing, and stage 3
@@ -249,6 +252,32 @@ pub fn gathered_bytes() -> GatheredBytes {
     registry(|r| r.bytes)
 }
 
+/// How many entries stage 3's registry holds on this process: what the tests check does not
+/// grow from step to step.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RegistryEntries {
+    /// Registered tensors (parameters and views).
+    pub shards: usize,
+    /// Anchors kept for the current pass's next use of a parameter.
+    pub anchors: usize,
+    /// Reshaped parameters.
+    pub views: usize,
+    /// The window's earlier passes' sums handed to a reducing pass.
+    pub window: usize,
+}
+
+/// This process's [`RegistryEntries`].
+#[doc(hidden)]
+pub fn registry_entries() -> RegistryEntries {
+    registry(|r| RegistryEntries {
+        shards: r.shards.len(),
+        anchors: r.anchors.len(),
+        views: r.views.len(),
+        window: r.window.len(),
+    })
+}
+
 /// Starts the peak of [`gathered_bytes`] again from the bytes alive now.
 pub fn reset_gathered_peak() {
     registry(|r| r.bytes.peak = r.bytes.alive);
@@ -401,6 +430,17 @@ pub(crate) fn forget_all() {
         r.window.clear();
         r.bytes.alive = 0;
     });
+}
+
+/// Forgets the anchors kept for the next use of a parameter in the pass being built, where
+/// no pass is: a batch starts (`Accelerator::accumulate`), or a backward pass ended (an
+/// anchor left then was made by a forward pass that was not differentiated). A forward pass
+/// whose graph was dropped without a backward (an evaluation on the training model) leaves
+/// its anchors; the next pass would read the parameters through them, and its backward would
+/// run the dropped pass's nodes too. An anchor still in a graph keeps working: the registry
+/// only hands it to the next use.
+pub(crate) fn discard_anchors() {
+    registry(|r| r.anchors.clear());
 }
 
 // The shard `tensor` was registered with, if any: nothing to look up while none is.
@@ -1147,8 +1187,9 @@ fn anchor_backward<B: Backend, C: CheckpointStrategy>(
     grads: &mut Gradients,
 ) {
     // An anchor kept from a forward pass whose graph was dropped without a backward (its
-    // input is that pass's): that input's node runs in this backward too, and must find a
-    // gradient. Zeros: the dropped pass contributes nothing.
+    // input is that pass's; one run after the batch started, which `discard_anchors` did
+    // not see): that input's node runs in this backward too, and must find a gradient.
+    // Zeros: the dropped pass contributes nothing.
     if let Some(input) = &state.input
         && input.grad(grads).is_none()
     {

@@ -220,6 +220,9 @@ impl<B: AutodiffBackend> StepCore<B> {
             self.reduced_in_backward = true;
         }
         let (mut grads, made) = pass();
+        // Any anchor left was made by a forward pass that was not differentiated (an
+        // evaluation on the training model): the next pass makes its own.
+        zero::discard_anchors();
         if reduces {
             zero::post_backward::end::<B, M>(model, &mut grads);
             grads::accumulate::<B, M>(model, &mut self.grads, grads);

@@ -19,7 +19,10 @@ mod sharded;
 mod sharding;
 mod stage;
 
+pub(crate) use crate::backend::placeholder::discard_anchors;
 pub use crate::backend::placeholder::{GatheredBytes, gathered_bytes, reset_gathered_peak};
+#[doc(hidden)]
+pub use crate::backend::placeholder::{RegistryEntries, registry_entries};
 pub use crate::distributed::sent_bytes;
 pub use checkpoint_layout::CheckpointLayout;
 pub use fingerprint::check_same_model;

@@ -15,11 +15,15 @@
 //! partition's averaged gradients, as after stage 2's reduce-scatter: the loss scaler's
 //! overflow check and the global norm's clipping read them as they read stage 2's.
 //!
-//! An anchor lives until its backward runs or the parameters are released. A forward pass
-//! on the training model whose graph is dropped without a backward (an evaluation that does
-//! not go through `Module::valid`) leaves its anchors, which the next pass reuses: that
+//! An anchor lives until its backward runs, the parameters are released, or no pass is
+//! being built: the `Accelerator`'s `accumulate` (a batch starts) and the end of each backward
+//! pass discard the anchors left (`placeholder::discard_anchors`). A forward pass on the
+//! training model whose graph is dropped without a backward (an evaluation that reads its
+//! loss) thus leaves nothing to the next batch's pass, whose backward runs its own nodes alone
+//! (tested by `stage_3_forward_passes_dropped_without_backward_leave_nothing_and_end_where_stage_2_does`).
+//! One run after `accumulate` and before the batch's forward pass is still reused by it: that
 //! pass's backward then also runs the dropped pass's nodes, with zero gradients (a zero added
-//! to each gradient; more work, the same values but for the sign of a zero). Not tested.
+//! to each gradient; more work, the same values but for the sign of a zero).
 //!
 //! The reduction needs every parameter released (by `prepare_model`, which the
 //! `with_accelerate` fit runs before its first forward pass, or else from the first step on:

@@ -18,6 +18,7 @@ mod sharded_resume;
 mod stage3_autocast_more;
 mod stage3_bounds;
 mod stage3_conv;
+mod stage3_eval_forward;
 mod stage3_norm;
 mod stage3_rmsnorm;
 mod stage3_supervised_first_window;
