@@ -35,22 +35,23 @@ struct MoreRun {
     reads: Reads,
 }
 
+/// What a worker of a stage 2 / stage 3 comparison reports (`observed_training`).
 #[derive(Debug, Serialize, Deserialize)]
-struct MoreReport {
-    parameters: Vec<f32>,
-    outcomes: Vec<String>,
-    loss_scale: f32,
+pub(super) struct Stage3Report {
+    pub(super) parameters: Vec<f32>,
+    pub(super) outcomes: Vec<String>,
+    pub(super) loss_scale: f32,
     /// The training's fp8 state after the last step (JSON: every tensor's scale and amax
     /// history, bit for bit), under fp8.
-    fp8_state: Option<String>,
+    pub(super) fp8_state: Option<String>,
     /// Per batch: the bytes sent during its forward and backward passes, the most gathered
     /// bytes whole at once then, and those still whole after its backward pass.
-    sent: Vec<u64>,
-    gathered_peak: Vec<u64>,
-    gathered_after_backward: Vec<u64>,
+    pub(super) sent: Vec<u64>,
+    pub(super) gathered_peak: Vec<u64>,
+    pub(super) gathered_after_backward: Vec<u64>,
     /// Per batch, per parameter in visiting order: whether the window's gradients hold one
     /// right after the backward pass.
-    holds_gradient: Vec<Vec<bool>>,
+    pub(super) holds_gradient: Vec<Vec<bool>>,
 }
 
 fn kaiming<B: Backend, const D: usize>(
@@ -65,7 +66,7 @@ fn kaiming<B: Backend, const D: usize>(
     .init_with(shape, Some(fan_in), None, device)
 }
 
-fn more_worker(args: &MoreRun) -> MoreReport {
+fn more_worker(args: &MoreRun) -> Stage3Report {
     type B = Accelerated<Autodiff<Flex>>;
     let device = Default::default();
     B::seed(&device, 13);
@@ -123,20 +124,41 @@ fn more_training<M: burn::module::AutodiffModule<Accelerated<Autodiff<Flex>>>>(
         &M,
         Tensor<Accelerated<Autodiff<Flex>>, 2>,
     ) -> Tensor<Accelerated<Autodiff<Flex>>, 2>,
-) -> MoreReport {
+) -> Stage3Report {
+    let config =
+        AccelerateConfig::new().with_small_ops(Some(burn_accelerate::autocast::SmallOps::Cast));
+    let run = (args.zero_stage, args.precision, args.grad_accum);
+    observed_training(run, config, 4 * args.grad_accum, model, forward)
+}
+
+/// `batches` batches of 4 items of `Samples` a process through `forward` and the
+/// cross-entropy loss, at ZeRO stage `zero_stage` under `precision` with windows of
+/// `grad_accum` batches (`config` for the rest), the model sharded from the start at stage 3
+/// by `prepare_model`; per batch, what stage 3's checks read (the bytes sent, the gathered
+/// peak and what is left after backward, which gradients the window holds), and at the end
+/// the parameters, the loss scale and the fp8 state.
+pub(super) fn observed_training<M: burn::module::AutodiffModule<Accelerated<Autodiff<Flex>>>>(
+    (zero_stage, precision, grad_accum): (u8, Precision, usize),
+    config: AccelerateConfig,
+    batches: usize,
+    model: M,
+    forward: impl Fn(
+        &M,
+        Tensor<Accelerated<Autodiff<Flex>>, 2>,
+    ) -> Tensor<Accelerated<Autodiff<Flex>>, 2>,
+) -> Stage3Report {
     type B = Accelerated<Autodiff<Flex>>;
     let state = ProcessState::from_env().unwrap();
     let device = Default::default();
-    let mut accelerator = AccelerateConfig::new()
-        .with_gradient_accumulation_steps(args.grad_accum)
-        .with_mixed_precision(args.precision)
-        .with_small_ops(Some(burn_accelerate::autocast::SmallOps::Cast))
-        .with_zero_stage(burn_accelerate::zero::ZeroStage::from_number(args.zero_stage).unwrap())
+    let mut accelerator = config
+        .with_gradient_accumulation_steps(grad_accum)
+        .with_mixed_precision(precision)
+        .with_zero_stage(burn_accelerate::zero::ZeroStage::from_number(zero_stage).unwrap())
         .init::<B>(&device)
         .unwrap();
     let mut model = accelerator.prepare_model(model);
     let mut optim = burn::optim::AdamConfig::new().init();
-    let mut report = MoreReport {
+    let mut report = Stage3Report {
         parameters: Vec::new(),
         outcomes: Vec::new(),
         loss_scale: 0.0,
@@ -153,7 +175,7 @@ fn more_training<M: burn::module::AutodiffModule<Accelerated<Autodiff<Flex>>>>(
             self.1.push(held);
         }
     }
-    for step in 0..4 * args.grad_accum {
+    for step in 0..batches {
         let items: Vec<usize> = (0..4)
             .map(|i| step * 16 + state.process_index() * 4 + i)
             .collect();
@@ -184,7 +206,7 @@ fn more_training<M: burn::module::AutodiffModule<Accelerated<Autodiff<Flex>>>>(
         report.outcomes.push(format!("{outcome:?}"));
         model = next;
     }
-    if matches!(args.precision, Precision::Fp8(_)) {
+    if matches!(precision, Precision::Fp8(_)) {
         // The training's own state (its context's), which its steps advanced.
         let _autocast = accelerator.autocast();
         report.fp8_state = Some(serde_json::to_string(&fp8::state()).unwrap());
@@ -234,7 +256,7 @@ fn stage_3_against_stage_2(
             reduces,
         )
     };
-    let run = |zero_stage: u8| -> Vec<MoreReport> {
+    let run = |zero_stage: u8| -> Vec<Stage3Report> {
         launch(
             test,
             processes,

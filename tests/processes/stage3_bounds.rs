@@ -18,6 +18,8 @@ use burn::nn::{PaddingConfig1d, PaddingConfig2d, RmsNorm, RmsNormConfig};
 use burn_accelerate::autocast::{Op, OpClass, OpClasses, SmallOps};
 use burn_accelerate::fp8;
 
+use super::stage3_autocast_more::{Stage3Report, observed_training};
+
 const HIDDEN: usize = 24;
 
 /// linear → RmsNorm → linear → RmsNorm → linear head.
@@ -112,25 +114,7 @@ struct BoundsRun {
     model: Model,
 }
 
-#[derive(Debug, Serialize, Deserialize)]
-struct BoundsReport {
-    parameters: Vec<f32>,
-    outcomes: Vec<String>,
-    loss_scale: f32,
-    /// The training's fp8 state after the last step (JSON: every tensor's scale and amax
-    /// history, bit for bit), under fp8.
-    fp8_state: Option<String>,
-    /// Per batch: the bytes sent during its forward and backward passes, the most gathered
-    /// bytes whole at once then, and those still whole after its backward pass.
-    sent: Vec<u64>,
-    gathered_peak: Vec<u64>,
-    gathered_after_backward: Vec<u64>,
-    /// Per batch, per parameter in visiting order: whether the window's gradients hold one
-    /// right after the backward pass.
-    holds_gradient: Vec<Vec<bool>>,
-}
-
-fn bounds_worker(args: &BoundsRun) -> BoundsReport {
+fn bounds_worker(args: &BoundsRun) -> Stage3Report {
     type B = Accelerated<Autodiff<Flex>>;
     let device = Default::default();
     match args.model {
@@ -177,7 +161,7 @@ fn bounds_worker(args: &BoundsRun) -> BoundsReport {
     }
 }
 
-// `stage3_autocast_more`'s loop: sharded from the start at stage 3 by `prepare_model`.
+// `stage3_autocast_more`'s loop, 3 windows.
 fn bounds_training<M: burn::module::AutodiffModule<Accelerated<Autodiff<Flex>>>>(
     args: &BoundsRun,
     config: AccelerateConfig,
@@ -186,74 +170,9 @@ fn bounds_training<M: burn::module::AutodiffModule<Accelerated<Autodiff<Flex>>>>
         &M,
         Tensor<Accelerated<Autodiff<Flex>>, 2>,
     ) -> Tensor<Accelerated<Autodiff<Flex>>, 2>,
-) -> BoundsReport {
-    type B = Accelerated<Autodiff<Flex>>;
-    let state = ProcessState::from_env().unwrap();
-    let device = Default::default();
-    let mut accelerator = config
-        .with_gradient_accumulation_steps(args.grad_accum)
-        .with_mixed_precision(args.precision)
-        .with_zero_stage(burn_accelerate::zero::ZeroStage::from_number(args.zero_stage).unwrap())
-        .init::<B>(&device)
-        .unwrap();
-    let mut model = accelerator.prepare_model(model);
-    let mut optim = burn::optim::AdamConfig::new().init();
-    let mut report = BoundsReport {
-        parameters: Vec::new(),
-        outcomes: Vec::new(),
-        loss_scale: 0.0,
-        fp8_state: None,
-        sent: Vec::new(),
-        gathered_peak: Vec::new(),
-        gathered_after_backward: Vec::new(),
-        holds_gradient: Vec::new(),
-    };
-    struct Holds<'a>(&'a burn::optim::GradientsParams, Vec<bool>);
-    impl<B: AutodiffBackend> ModuleVisitor<B> for Holds<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let held = self.0.get::<B::InnerBackend, D>(param.id).is_some();
-            self.1.push(held);
-        }
-    }
-    for step in 0..3 * args.grad_accum {
-        let items: Vec<usize> = (0..4)
-            .map(|i| step * 16 + state.process_index() * 4 + i)
-            .collect();
-        let batch: Batch<B> = Samples.batch(items, &device);
-        let _step = accelerator.accumulate(&model);
-        burn_accelerate::zero::reset_gathered_peak();
-        let before = burn_accelerate::zero::sent_bytes();
-        let loss = {
-            let _autocast = accelerator.autocast();
-            let h = forward(&model, batch.x);
-            CrossEntropyLossConfig::new()
-                .init(&device)
-                .forward(h, batch.y)
-        };
-        accelerator.backward(loss, &model);
-        report
-            .sent
-            .push(burn_accelerate::zero::sent_bytes() - before);
-        let bytes = burn_accelerate::zero::gathered_bytes();
-        report.gathered_peak.push(bytes.peak);
-        report.gathered_after_backward.push(bytes.alive);
-        let mut holds = Holds(accelerator.gradients(), Vec::new());
-        model.visit(&mut holds);
-        report.holds_gradient.push(holds.1);
-        let (next, outcome) = accelerator
-            .optimizer_step(&mut optim, model, &mut 0.01)
-            .unwrap();
-        report.outcomes.push(format!("{outcome:?}"));
-        model = next;
-    }
-    if matches!(args.precision, Precision::Fp8(_)) {
-        // The training's own state (its context's), which its steps advanced.
-        let _autocast = accelerator.autocast();
-        report.fp8_state = Some(serde_json::to_string(&fp8::state()).unwrap());
-    }
-    report.parameters = parameters(&model);
-    report.loss_scale = accelerator.loss_scale().loss_scale();
-    report
+) -> Stage3Report {
+    let run = (args.zero_stage, args.precision, args.grad_accum);
+    observed_training(run, config, 3 * args.grad_accum, model, forward)
 }
 
 /// One parameter in visiting order: its values, the bytes a value it gathers takes, and
@@ -342,7 +261,7 @@ fn stage_3_against_stage_2(
             reduces,
         )
     };
-    let run = |zero_stage: u8| -> Vec<BoundsReport> {
+    let run = |zero_stage: u8| -> Vec<Stage3Report> {
         launch(
             test,
             processes,
