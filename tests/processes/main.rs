@@ -986,11 +986,15 @@ struct Mixed<B: Backend> {
     weights: Vec<Param<Tensor<B, 2>>>,
 }
 
+/// What a worker of a stage 2 / stage 3 comparison reports (`observed_training`).
 #[derive(Debug, Serialize, Deserialize)]
-struct HalfLayeredReport {
+struct Stage3Report {
     parameters: Vec<f32>,
     outcomes: Vec<String>,
     loss_scale: f32,
+    /// The training's fp8 state after the last step (JSON: every tensor's scale and amax
+    /// history, bit for bit), under fp8.
+    fp8_state: Option<String>,
     /// Per batch: the bytes sent during its forward and backward passes, the most gathered
     /// bytes whole at once then, and those still whole after its backward pass.
     sent: Vec<u64>,
@@ -1003,7 +1007,7 @@ struct HalfLayeredReport {
 
 // `layered_worker`'s model and data under autocast, sharded from the start at stage 3
 // (`prepare_model`), with every linear cast (the net is tiny: `SmallOps::Cast`).
-fn half_layered_worker(args: &HalfLayeredRun) -> HalfLayeredReport {
+fn half_layered_worker(args: &HalfLayeredRun) -> Stage3Report {
     type B = Accelerated<Autodiff<Flex>>;
     let device = Default::default();
     B::seed(&device, 13);
@@ -1057,24 +1061,45 @@ fn half_worker<M: burn::module::AutodiffModule<Accelerated<Autodiff<Flex>>>>(
         &M,
         Tensor<Accelerated<Autodiff<Flex>>, 2>,
     ) -> Tensor<Accelerated<Autodiff<Flex>>, 2>,
-) -> HalfLayeredReport {
+) -> Stage3Report {
+    let config =
+        AccelerateConfig::new().with_small_ops(Some(burn_accelerate::autocast::SmallOps::Cast));
+    let run = (args.zero_stage, args.precision, args.grad_accum);
+    observed_training(run, config, 4 * args.grad_accum, model, forward)
+}
+
+/// `batches` batches of 4 items of `Samples` a process through `forward` and the
+/// cross-entropy loss, at ZeRO stage `zero_stage` under `precision` with windows of
+/// `grad_accum` batches (`config` for the rest), the model sharded from the start at stage 3
+/// by `prepare_model`; per batch, what stage 3's checks read (the bytes sent, the gathered
+/// peak and what is left after backward, which gradients the window holds), and at the end
+/// the parameters, the loss scale and the fp8 state.
+fn observed_training<M: burn::module::AutodiffModule<Accelerated<Autodiff<Flex>>>>(
+    (zero_stage, precision, grad_accum): (u8, Precision, usize),
+    config: AccelerateConfig,
+    batches: usize,
+    model: M,
+    forward: impl Fn(
+        &M,
+        Tensor<Accelerated<Autodiff<Flex>>, 2>,
+    ) -> Tensor<Accelerated<Autodiff<Flex>>, 2>,
+) -> Stage3Report {
     type B = Accelerated<Autodiff<Flex>>;
     let state = ProcessState::from_env().unwrap();
     let device = Default::default();
-    let mut model = model;
-    let mut accelerator = AccelerateConfig::new()
-        .with_gradient_accumulation_steps(args.grad_accum)
-        .with_mixed_precision(args.precision)
-        .with_small_ops(Some(burn_accelerate::autocast::SmallOps::Cast))
-        .with_zero_stage(burn_accelerate::zero::ZeroStage::from_number(args.zero_stage).unwrap())
+    let mut accelerator = config
+        .with_gradient_accumulation_steps(grad_accum)
+        .with_mixed_precision(precision)
+        .with_zero_stage(burn_accelerate::zero::ZeroStage::from_number(zero_stage).unwrap())
         .init::<B>(&device)
         .unwrap();
-    model = accelerator.prepare_model(model);
+    let mut model = accelerator.prepare_model(model);
     let mut optim = burn::optim::AdamConfig::new().init();
-    let mut report = HalfLayeredReport {
+    let mut report = Stage3Report {
         parameters: Vec::new(),
         outcomes: Vec::new(),
         loss_scale: 0.0,
+        fp8_state: None,
         sent: Vec::new(),
         gathered_peak: Vec::new(),
         gathered_after_backward: Vec::new(),
@@ -1087,7 +1112,7 @@ fn half_worker<M: burn::module::AutodiffModule<Accelerated<Autodiff<Flex>>>>(
             self.1.push(held);
         }
     }
-    for step in 0..4 * args.grad_accum {
+    for step in 0..batches {
         let items: Vec<usize> = (0..4)
             .map(|i| step * 16 + state.process_index() * 4 + i)
             .collect();
@@ -1117,6 +1142,11 @@ fn half_worker<M: burn::module::AutodiffModule<Accelerated<Autodiff<Flex>>>>(
             .unwrap();
         report.outcomes.push(format!("{outcome:?}"));
         model = next;
+    }
+    if matches!(precision, Precision::Fp8(_)) {
+        // The training's own state (its context's), which its steps advanced.
+        let _autocast = accelerator.autocast();
+        report.fp8_state = Some(serde_json::to_string(&burn_accelerate::fp8::state()).unwrap());
     }
     report.parameters = parameters(&model);
     report.loss_scale = accelerator.loss_scale().loss_scale();
@@ -1177,7 +1207,7 @@ fn stage_3_under_autocast_gathers_linear_and_matmul_parameters_in_the_half_type_
                 reduces,
             )
         };
-        let run = |zero_stage: u8| -> Vec<HalfLayeredReport> {
+        let run = |zero_stage: u8| -> Vec<Stage3Report> {
             launch(
                 TEST,
                 processes,

@@ -35,25 +35,6 @@ struct MoreRun {
     reads: Reads,
 }
 
-/// What a worker of a stage 2 / stage 3 comparison reports (`observed_training`).
-#[derive(Debug, Serialize, Deserialize)]
-pub(super) struct Stage3Report {
-    pub(super) parameters: Vec<f32>,
-    pub(super) outcomes: Vec<String>,
-    pub(super) loss_scale: f32,
-    /// The training's fp8 state after the last step (JSON: every tensor's scale and amax
-    /// history, bit for bit), under fp8.
-    pub(super) fp8_state: Option<String>,
-    /// Per batch: the bytes sent during its forward and backward passes, the most gathered
-    /// bytes whole at once then, and those still whole after its backward pass.
-    pub(super) sent: Vec<u64>,
-    pub(super) gathered_peak: Vec<u64>,
-    pub(super) gathered_after_backward: Vec<u64>,
-    /// Per batch, per parameter in visiting order: whether the window's gradients hold one
-    /// right after the backward pass.
-    pub(super) holds_gradient: Vec<Vec<bool>>,
-}
-
 fn kaiming<B: Backend, const D: usize>(
     shape: [usize; D],
     fan_in: usize,
@@ -129,91 +110,6 @@ fn more_training<M: burn::module::AutodiffModule<Accelerated<Autodiff<Flex>>>>(
         AccelerateConfig::new().with_small_ops(Some(burn_accelerate::autocast::SmallOps::Cast));
     let run = (args.zero_stage, args.precision, args.grad_accum);
     observed_training(run, config, 4 * args.grad_accum, model, forward)
-}
-
-/// `batches` batches of 4 items of `Samples` a process through `forward` and the
-/// cross-entropy loss, at ZeRO stage `zero_stage` under `precision` with windows of
-/// `grad_accum` batches (`config` for the rest), the model sharded from the start at stage 3
-/// by `prepare_model`; per batch, what stage 3's checks read (the bytes sent, the gathered
-/// peak and what is left after backward, which gradients the window holds), and at the end
-/// the parameters, the loss scale and the fp8 state.
-pub(super) fn observed_training<M: burn::module::AutodiffModule<Accelerated<Autodiff<Flex>>>>(
-    (zero_stage, precision, grad_accum): (u8, Precision, usize),
-    config: AccelerateConfig,
-    batches: usize,
-    model: M,
-    forward: impl Fn(
-        &M,
-        Tensor<Accelerated<Autodiff<Flex>>, 2>,
-    ) -> Tensor<Accelerated<Autodiff<Flex>>, 2>,
-) -> Stage3Report {
-    type B = Accelerated<Autodiff<Flex>>;
-    let state = ProcessState::from_env().unwrap();
-    let device = Default::default();
-    let mut accelerator = config
-        .with_gradient_accumulation_steps(grad_accum)
-        .with_mixed_precision(precision)
-        .with_zero_stage(burn_accelerate::zero::ZeroStage::from_number(zero_stage).unwrap())
-        .init::<B>(&device)
-        .unwrap();
-    let mut model = accelerator.prepare_model(model);
-    let mut optim = burn::optim::AdamConfig::new().init();
-    let mut report = Stage3Report {
-        parameters: Vec::new(),
-        outcomes: Vec::new(),
-        loss_scale: 0.0,
-        fp8_state: None,
-        sent: Vec::new(),
-        gathered_peak: Vec::new(),
-        gathered_after_backward: Vec::new(),
-        holds_gradient: Vec::new(),
-    };
-    struct Holds<'a>(&'a burn::optim::GradientsParams, Vec<bool>);
-    impl<B: AutodiffBackend> ModuleVisitor<B> for Holds<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let held = self.0.get::<B::InnerBackend, D>(param.id).is_some();
-            self.1.push(held);
-        }
-    }
-    for step in 0..batches {
-        let items: Vec<usize> = (0..4)
-            .map(|i| step * 16 + state.process_index() * 4 + i)
-            .collect();
-        let batch: Batch<B> = Samples.batch(items, &device);
-        let _step = accelerator.accumulate(&model);
-        burn_accelerate::zero::reset_gathered_peak();
-        let before = burn_accelerate::zero::sent_bytes();
-        let loss = {
-            let _autocast = accelerator.autocast();
-            let h = forward(&model, batch.x);
-            CrossEntropyLossConfig::new()
-                .init(&device)
-                .forward(h, batch.y)
-        };
-        accelerator.backward(loss, &model);
-        report
-            .sent
-            .push(burn_accelerate::zero::sent_bytes() - before);
-        let bytes = burn_accelerate::zero::gathered_bytes();
-        report.gathered_peak.push(bytes.peak);
-        report.gathered_after_backward.push(bytes.alive);
-        let mut holds = Holds(accelerator.gradients(), Vec::new());
-        model.visit(&mut holds);
-        report.holds_gradient.push(holds.1);
-        let (next, outcome) = accelerator
-            .optimizer_step(&mut optim, model, &mut 0.01)
-            .unwrap();
-        report.outcomes.push(format!("{outcome:?}"));
-        model = next;
-    }
-    if matches!(precision, Precision::Fp8(_)) {
-        // The training's own state (its context's), which its steps advanced.
-        let _autocast = accelerator.autocast();
-        report.fp8_state = Some(serde_json::to_string(&fp8::state()).unwrap());
-    }
-    report.parameters = parameters(&model);
-    report.loss_scale = accelerator.loss_scale().loss_scale();
-    report
 }
 
 // Runs `(processes, precision, window, reads)` at stages 2 and 3 and checks stage 3 against

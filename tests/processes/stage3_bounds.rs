@@ -18,8 +18,6 @@ use burn::nn::{PaddingConfig1d, PaddingConfig2d, RmsNorm, RmsNormConfig};
 use burn_accelerate::autocast::{Op, OpClass, OpClasses, SmallOps};
 use burn_accelerate::fp8;
 
-use super::stage3_autocast_more::{Stage3Report, observed_training};
-
 const HIDDEN: usize = 24;
 
 /// linear → RmsNorm → linear → RmsNorm → linear head.
