@@ -168,6 +168,11 @@ pub fn launch_command<T: Serialize>(
         // The same worker bodies under mpirun: the launcher's own flags do not apply.
         let mut command = Command::new("mpirun");
         command
+            // Launches run at once, and Open MPI 4.1's mpiruns race creating (and removing)
+            // their shared session directory `/tmp/ompi.<host>.<uid>` ("File exists" in
+            // `orte_session_dir`): each gets a base of its own, short enough for the Unix
+            // sockets Open MPI makes in it. `run` removes it.
+            .env(OMPI_TMPDIR, mpi_session_base())
             .args(["--allow-run-as-root", "--oversubscribe", "--np"])
             .arg(processes.to_string())
             .args([
@@ -289,7 +294,34 @@ pub fn rank_of_two(
 }
 
 /// Runs `command` to its end (or the deadline), capturing its output.
-pub fn run(mut command: Command, dir: PathBuf) -> Launched {
+pub fn run(command: Command, dir: PathBuf) -> Launched {
+    let session_base = command
+        .get_envs()
+        .find(|(key, _)| *key == OMPI_TMPDIR)
+        .and_then(|(_, value)| value.map(PathBuf::from));
+    let launched = run_to_end(command, dir);
+    if let Some(base) = session_base {
+        let _ = std::fs::remove_dir_all(base);
+    }
+    launched
+}
+
+/// Open MPI's variable for the directory its session directories go in (`orte_tmpdir_base`).
+const OMPI_TMPDIR: &str = "OMPI_MCA_orte_tmpdir_base";
+
+/// A new directory for one `mpirun`'s session directories: `/tmp/ompi-<pid>-<n>`.
+fn mpi_session_base() -> PathBuf {
+    static BASES: AtomicUsize = AtomicUsize::new(0);
+    let base = std::env::temp_dir().join(format!(
+        "ompi-{}-{}",
+        std::process::id(),
+        BASES.fetch_add(1, Ordering::SeqCst)
+    ));
+    std::fs::create_dir_all(&base).unwrap();
+    base
+}
+
+fn run_to_end(mut command: Command, dir: PathBuf) -> Launched {
     let start = Instant::now();
     let mut child = command
         .stdin(Stdio::null())
