@@ -582,7 +582,18 @@ impl<B: AutodiffBackend> StepCore<B> {
     /// `model` before its first step: at ZeRO stage 3 across processes, every parameter but
     /// this process's partition's released, as after a step (the first window is then
     /// sharded too); otherwise `model` as it is. Every process must call it at the same point.
+    /// A model released already (by another core's `prepare_model`, the strategy's, or a
+    /// sharded checkpoint's resume) is taken as it is, with its partition: released again,
+    /// each placeholder would only be replaced by another.
     pub fn prepare_model<M: AutodiffModule<B>>(&mut self, model: M) -> M {
+        let shards_parameters = self
+            .sharded()
+            .is_some_and(|(_, stage)| stage.shards_parameters());
+        if shards_parameters && zero::holds_released::<B, M>(&model) {
+            self.partition(&model);
+            self.released = true;
+            return model;
+        }
         self.release(model)
     }
 

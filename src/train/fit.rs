@@ -392,7 +392,9 @@ where
         // A model resumed from a sharded checkpoint at ZeRO stage 3 holds its partition alone
         // (the others' placeholders), read onto the main device as new leaves already: Burn's
         // fork would move and detach each placeholder, an op that gathers it whole.
-        if !crate::zero::holds_released::<TrainingBackend<LC>, _>(&learner.model()) {
+        // So does a model released before Burn's `launch` (`AccelerateStrategy::prepare_model`).
+        let released = crate::zero::holds_released::<TrainingBackend<LC>, _>(&learner.model());
+        if !released {
             learner.fork(&self.device);
         }
         let mut event_processor = training_components.event_processor;
@@ -425,13 +427,17 @@ where
         // released before the first forward pass, as the `Accelerator`'s `prepare_model`
         // releases it: the first window gathers per layer and reduces in backward as every
         // later one does, and the learner's model is never whole again. Burn's reload holds
-        // the placeholders, as after each step (nothing is gathered).
+        // the placeholders, as after each step (nothing is gathered). A model released already
+        // (the strategy's `prepare_model`, or a sharded resume) is kept as it is: the core only
+        // takes its partition.
         if core
             .sharded()
             .is_some_and(|(_, stage)| stage.shards_parameters())
         {
             let model = core.prepare_model(learner.model());
-            learner.load_model(model.into_record());
+            if !released {
+                learner.load_model(model.into_record());
+            }
         }
         // The user's `TrainStep` calls `loss.backward()` itself: the decorator's backward
         // divides and scales its loss as the `Accelerator`'s `backward` would, on this thread.

@@ -90,8 +90,11 @@
 //! At stage 3 the learner's model keeps each process's partition of the parameters from the
 //! start of the fit (released before its first forward pass, as the `Accelerator`'s
 //! `prepare_model` releases it, so that the first accumulation window is sharded too) and
-//! between steps: Burn reloads the stepped model (its `load_model`), and on the decorator
-//! ([`Accelerated`](crate::Accelerated)) each other parameter comes back as a placeholder,
+//! between steps; [`AccelerateStrategy::prepare_model`] releases it before Burn's `launch`,
+//! which would otherwise initialise a lazy model whole on every process, and the fit then
+//! releases nothing again. Between steps Burn reloads the stepped model (its `load_model`),
+//! and on the decorator ([`Accelerated`](crate::Accelerated)) each other parameter comes back
+//! as a placeholder,
 //! gathered from its owner where an op reads it (on Burn's backends without the decorator it
 //! is gathered whole at the reload, as their lazy gather would at the first use: stage 2's
 //! peak). For a checkpoint (Burn's file checkpointer, the strategy's own) the model's record is
@@ -437,6 +440,49 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
             Some(shards) => shards.iter().map(|s| s.device.clone()).collect(),
             None => vec![self.device.clone()],
         }
+    }
+
+    /// Accelerate's `prepare(model)` for the model the learner will train, before Burn's
+    /// `Learner` is built: at ZeRO stage 3
+    /// ([`ZeroStage::Parameters`](crate::zero::ZeroStage::Parameters)) across processes, each
+    /// process keeps only its partition's parameters from here on, as the fit keeps them
+    /// after every step. Parameters Burn has not initialised yet (`Module::init`'s lazy ones)
+    /// are initialised one at a time, in visiting order, and dropped where this process does
+    /// not own them: a model no process can hold whole is never whole on any process.
+    ///
+    /// Without it the fit still shards the model before its first forward pass, but Burn's
+    /// `SupervisedTraining::launch` reads the learner's model (`devices()`) before the strategy
+    /// sees it, and so initialises every lazy parameter whole on every process, from `launch`
+    /// until the fit starts. With it, that read finds each released parameter's placeholder
+    /// (a few bytes, on the decorator [`Accelerated`](crate::Accelerated)) or this process's
+    /// own value, and the fit releases nothing again. The numbers are the same either way: the
+    /// parameters are initialised in the order `launch` would initialise them.
+    ///
+    /// At other stages, or on one process, `model` as it is. Every process must call it, with
+    /// the same model (the partition is computed from its parameters' shapes). The strategy's
+    /// checkpoints and their resume (consolidated or sharded) work as without it.
+    ///
+    /// ```text
+    /// let strategy = AccelerateStrategy::<LC>::new(
+    ///     AccelerateConfig::new().with_zero_stage(ZeroStage::Parameters),
+    ///     &device,
+    /// )?;
+    /// let model = strategy.prepare_model(ModelConfig::new().init(&device));
+    /// let learner = Learner::new(model, AdamConfig::new().init(), 1e-3);
+    /// SupervisedTraining::new(dir, train, valid)
+    ///     .with_accelerate(strategy)
+    ///     .launch(learner);
+    /// ```
+    pub fn prepare_model(&self, model: TrainingModel<LC>) -> TrainingModel<LC> {
+        // The step core's release, the one the fit and the `Accelerator` run (a core of its
+        // own: it counts no batch, and the fit's core computes the same partition).
+        StepCore::<TrainingBackend<LC>>::new(
+            self.config.step_settings(),
+            self.initial_scale,
+            self.state.clone(),
+            self.group.clone(),
+        )
+        .prepare_model(model)
     }
 
     /// Accelerate's `prepare(dataloader)` for a training loader: the loader this process

@@ -50,7 +50,8 @@ pub enum ZeroStage {
     /// Both entry points (the [`Accelerator`](crate::Accelerator), whose
     /// [`prepare_model`](crate::Accelerator::prepare_model) releases the model before its
     /// first step, and `with_accelerate`, whose fit releases it before its first forward
-    /// pass), checkpoints and restarts run it; see
+    /// pass, or [`AccelerateStrategy::prepare_model`](crate::train::AccelerateStrategy::prepare_model)
+    /// before Burn's `launch`), checkpoints and restarts run it; see
     /// `docs/zero.md` for what is bounded.
     Parameters,
 }
