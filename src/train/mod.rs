@@ -444,7 +444,7 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
 
     /// Accelerate's `prepare(model)` for the model the learner will train, before Burn's
     /// `Learner` is built: at ZeRO stage 3
-    /// ([`ZeroStage::Parameters`](crate::zero::ZeroStage::Parameters)) across processes, each
+    /// ([`ZeroStage::Parameters`]) across processes, each
     /// process keeps only its partition's parameters from here on, as the fit keeps them
     /// after every step. Parameters Burn has not initialised yet (`Module::init`'s lazy ones)
     /// are initialised one at a time, in visiting order, and dropped where this process does
