@@ -672,36 +672,20 @@ fn read_entry(
     Ok((files, unkept))
 }
 
-/// The bytes [`verify_streaming`] reads at a time.
-const CHUNK: usize = 64 << 10;
-
-/// `file` of `dir` checked against its digest as [`read_verified`] checks it, read through
-/// the hash 64 KiB at a time and not kept: what verifying a file this process does
-/// not load costs in memory is one chunk, whatever its size.
+/// `file` of `dir` checked against its digest as [`read_verified`] checks it, copied through
+/// the hash by `std::io::copy`'s small buffer and not kept: what verifying a file this process
+/// does not load costs in memory is that buffer, whatever the file's size.
 ///
 /// # Errors
 /// Why it cannot be used, in words (as [`read_verified`]'s).
 pub fn verify_streaming(dir: &Path, file: &FileDigest) -> Result<(), String> {
     let path = listed_file(dir, file)?;
     let unreadable = |e: std::io::Error| format!("{} cannot be read ({e})", file.name);
-    let mut reader = std::fs::File::open(&path).map_err(unreadable)?;
-    let mut chunk = vec![0u8; usize::try_from(file.size).unwrap_or(CHUNK).clamp(1, CHUNK)];
+    let reader = std::fs::File::open(&path).map_err(unreadable)?;
     let mut hasher = Sha256::new();
-    let mut len = 0u64;
-    loop {
-        let read = match reader.read(&mut chunk) {
-            Ok(0) => break,
-            Ok(read) => read,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(unreadable(e)),
-        };
-        len += read as u64;
-        // Grown since its length was checked: no more is read than was written.
-        if len > file.size {
-            break;
-        }
-        hasher.update(&chunk[..read]);
-    }
+    // One byte past the length written: a file grown since its length was checked is found
+    // without reading more than was written.
+    let len = std::io::copy(&mut reader.take(file.size + 1), &mut hasher).map_err(unreadable)?;
     if len != file.size {
         return Err(format!(
             "{} is {} bytes long, but {} were written",
