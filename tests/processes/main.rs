@@ -80,6 +80,23 @@ fn assert_sent(sent: u64, expected: u64, what: &str) {
     }
 }
 
+/// Per parameter of `module` in visiting order: whether `grads` holds its gradient.
+fn holds_gradient<B: AutodiffBackend, M: Module<B>>(
+    module: &M,
+    grads: &burn::optim::GradientsParams,
+) -> Vec<bool> {
+    struct Holds<'a>(&'a burn::optim::GradientsParams, Vec<bool>);
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Holds<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let held = self.0.get::<B::InnerBackend, D>(param.id).is_some();
+            self.1.push(held);
+        }
+    }
+    let mut holds = Holds(grads, Vec::new());
+    module.visit(&mut holds);
+    holds.1
+}
+
 /// The bytes process `rank` of `processes` sends over the built-in engine's ring for one batch
 /// at stage 3, for parameters given as `(gathered, reduced, again)` (the bytes of the value a
 /// gather moves, of its f32 gradient, and whether backward gathers it again) and owned by
@@ -1106,13 +1123,6 @@ fn observed_training<M: burn::module::AutodiffModule<Accelerated<Autodiff<Flex>>
         gathered_after_backward: Vec::new(),
         holds_gradient: Vec::new(),
     };
-    struct Holds<'a>(&'a burn::optim::GradientsParams, Vec<bool>);
-    impl<B: AutodiffBackend> ModuleVisitor<B> for Holds<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let held = self.0.get::<B::InnerBackend, D>(param.id).is_some();
-            self.1.push(held);
-        }
-    }
     for step in 0..batches {
         let items: Vec<usize> = (0..4)
             .map(|i| step * 16 + state.process_index() * 4 + i)
@@ -1135,9 +1145,8 @@ fn observed_training<M: burn::module::AutodiffModule<Accelerated<Autodiff<Flex>>
         let bytes = burn_accelerate::zero::gathered_bytes();
         report.gathered_peak.push(bytes.peak);
         report.gathered_after_backward.push(bytes.alive);
-        let mut holds = Holds(accelerator.gradients(), Vec::new());
-        model.visit(&mut holds);
-        report.holds_gradient.push(holds.1);
+        let holds = holds_gradient(&model, accelerator.gradients());
+        report.holds_gradient.push(holds);
         let (next, outcome) = accelerator
             .optimizer_step(&mut optim, model, &mut 0.01)
             .unwrap();
@@ -1297,13 +1306,6 @@ fn traffic_worker(args: &TrafficRun) -> TrafficReport {
         holds_gradient: Vec::new(),
         parameters: Vec::new(),
     };
-    struct Holds<'a>(&'a burn::optim::GradientsParams, Vec<bool>);
-    impl<B: AutodiffBackend> ModuleVisitor<B> for Holds<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let held = self.0.get::<B::InnerBackend, D>(param.id).is_some();
-            self.1.push(held);
-        }
-    }
     for step in 0..4 * args.grad_accum {
         let items: Vec<usize> = (0..4)
             .map(|i| step * 16 + state.process_index() * 4 + i)
@@ -1323,9 +1325,8 @@ fn traffic_worker(args: &TrafficRun) -> TrafficReport {
         report
             .sent
             .push(burn_accelerate::zero::sent_bytes() - before);
-        let mut holds = Holds(accelerator.gradients(), Vec::new());
-        model.visit(&mut holds);
-        report.holds_gradient.push(holds.1);
+        let holds = holds_gradient(&model, accelerator.gradients());
+        report.holds_gradient.push(holds);
         let (next, _) = accelerator
             .optimizer_step(&mut optim, model, &mut 0.01)
             .unwrap();
@@ -2453,20 +2454,12 @@ mod supervised {
         type Output = burn::train::ClassificationOutput<B>;
 
         fn step(&self, batch: BlobBatch<B>) -> burn::train::TrainOutput<Self::Output> {
-            struct Holds<'a>(&'a burn::optim::GradientsParams, Vec<bool>);
-            impl<B: AutodiffBackend> ModuleVisitor<B> for Holds<'_> {
-                fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-                    let held = self.0.get::<B::InnerBackend, D>(param.id).is_some();
-                    self.1.push(held);
-                }
-            }
             let before = burn_accelerate::zero::sent_bytes();
             let item = self.mlp.classify(batch);
             let grads = burn::optim::GradientsParams::from_grads(item.loss.backward(), self);
             let sent = burn_accelerate::zero::sent_bytes() - before;
-            let mut holds = Holds(&grads, Vec::new());
-            self.visit(&mut holds);
-            WATCHED.lock().unwrap().push((sent, holds.1));
+            let holds = holds_gradient(self, &grads);
+            WATCHED.lock().unwrap().push((sent, holds));
             burn::train::TrainOutput { grads, item }
         }
     }

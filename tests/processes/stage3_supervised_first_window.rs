@@ -14,9 +14,8 @@ use std::sync::{Arc, Mutex};
 use burn::backend::{Autodiff, Flex};
 use burn::data::dataloader::DataLoaderBuilder;
 use burn::data::dataset::InMemDataset;
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::Module;
 use burn::optim::{AdamConfig, GradientsParams};
-use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::train::metric::LossMetric;
 use burn::train::{
@@ -68,13 +67,6 @@ impl<B: AutodiffBackend> TrainStep for Observed<B> {
     type Output = ClassificationOutput<B>;
 
     fn step(&self, batch: BlobBatch<B>) -> TrainOutput<Self::Output> {
-        struct Holds<'a>(&'a GradientsParams, Vec<bool>);
-        impl<B: AutodiffBackend> ModuleVisitor<B> for Holds<'_> {
-            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-                let held = self.0.get::<B::InnerBackend, D>(param.id).is_some();
-                self.1.push(held);
-            }
-        }
         let alive_before = burn_accelerate::zero::gathered_bytes().alive;
         burn_accelerate::zero::reset_gathered_peak();
         let before = burn_accelerate::zero::sent_bytes();
@@ -82,11 +74,10 @@ impl<B: AutodiffBackend> TrainStep for Observed<B> {
         let grads = GradientsParams::from_grads(item.loss.backward(), self);
         let sent = burn_accelerate::zero::sent_bytes() - before;
         let peak = burn_accelerate::zero::gathered_bytes().peak;
-        let mut holds = Holds(&grads, Vec::new());
-        self.visit(&mut holds);
+        let holds = super::holds_gradient(self, &grads);
         PASSES.lock().unwrap().push(Pass {
             sent,
-            holds_gradient: holds.1,
+            holds_gradient: holds,
             alive_before,
             peak,
         });
