@@ -199,14 +199,11 @@ impl<B: AutodiffBackend> Accelerator<B> {
     {
         let device = self.device().clone();
         let group = self.core_group();
-        let (rank, world) = group.map_or((0, 1), |g| (g.rank(), g.world_size()));
-        let stage = self.config().zero_stage;
-        let shards_state = self.sharded_group().is_some();
-        let shards_parameters = shards_state && stage.gathers_whole_model();
         // A sharded checkpoint's process reads the files holding its partition (of the
         // parameters at stage 3, of the optimizer state at stages 1 to 3); the main process
         // verifies every file of the one it picks (and that none is missing), and keeps those.
-        let keep = sharded::keeps::<B, M>(&model, rank, world, shards_state, shards_parameters);
+        let (keep, shards_parameters) =
+            sharded::resume_reads::<B, M>(&model, group, self.config().zero_stage);
         let loaded = agree_on_checkpoint_keeping(
             group,
             dir,

@@ -134,6 +134,23 @@ pub(crate) fn complete(entry: &CheckpointEntry) -> Result<(), String> {
     Ok(())
 }
 
+/// What a resume of `model` at ZeRO `stage` across `group` (none: one process) reads of a
+/// checkpoint, for both entry points: the files ([`keeps`], for this process's rank and the
+/// group's size) and whether the parameters are sharded (stage 3 on several processes: the
+/// model files of its partition alone, the other parameters coming back released, as
+/// [`read`] takes them).
+pub(crate) fn resume_reads<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: &M,
+    group: Option<&ProcessGroup>,
+    stage: zero::ZeroStage,
+) -> (impl Fn(&str) -> bool + Clone + use<B, M>, bool) {
+    let (rank, world) = group.map_or((0, 1), |g| (g.rank(), g.world_size()));
+    let shards_state = zero::shards(stage, group);
+    let shards_parameters = shards_state && stage.shards_parameters();
+    let keep = keeps::<B, M>(model, rank, world, shards_state, shards_parameters);
+    (keep, shards_parameters)
+}
+
 /// Which files of a checkpoint process `rank` of `world` reads to resume `model` (every file
 /// that is not a shard's; of the shard files, those holding what it loads), for both entry
 /// points: a shard file of process `S` of `W` holds the parameters, and their optimizer state,

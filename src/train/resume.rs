@@ -9,7 +9,7 @@
 //! several processes, each process writes its partition's model and optimizer files instead
 //! (`{model,optimizer}-<epoch>.shard-R-of-W.mpk`, through [`crate::checkpoint::sharded`],
 //! the `Accelerator`'s writer) and the main process the scheduler's record and the state; on
-//! resume each process reads, as the `Accelerator`'s does (`sharded::keeps`), the model files
+//! resume each process reads, as the `Accelerator`'s does (`sharded::resume_reads`), the model files
 //! holding its partition's parameters at ZeRO stage 3 (the others come back released, and the
 //! fit keeps them so from its start) and every model file at other stages (each parameter from
 //! the one that holds it), and the optimizer files holding its partition's state (every one
@@ -149,23 +149,15 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
         // The model is checked against the record (Burn's load_checkpoint loads a record of
         // another model without a word) and every record against what Burn would panic on,
         // before any of it is loaded. Of a sharded checkpoint (`CheckpointLayout::Sharded`)
-        // each process reads the files the `Accelerator`'s resume reads (`sharded::keeps`):
+        // each process reads the files the `Accelerator`'s resume reads (`sharded::resume_reads`):
         // at ZeRO stage 3 the model files holding its partition's parameters (the others
         // come back released, as the fit keeps them from its start), at other stages every
         // model file; of the optimizer files those holding the state of its partition where
         // the state is sharded (the fit keeps its partition's alone), every one otherwise.
         let model = learner.model();
         let group = self.group.as_ref();
-        let (rank, world) = group.map_or((0, 1), |g| (g.rank(), g.world_size()));
-        let shards_state = crate::zero::shards(self.config.zero_stage, group);
-        let shards_parameters = shards_state && self.config.zero_stage.shards_parameters();
-        let keep = sharded::keeps::<TrainingBackend<LC>, _>(
-            &model,
-            rank,
-            world,
-            shards_state,
-            shards_parameters,
-        );
+        let (keep, shards_parameters) =
+            sharded::resume_reads::<TrainingBackend<LC>, _>(&model, group, self.config.zero_stage);
         // The start-up check's copy holds files this process surely reads
         // (`sharded::kept_at_start_up`); any other is dropped before the records are decoded.
         let held = held.map(|mut held| {
