@@ -9,7 +9,10 @@
 //! kernel there, so f16 is about 50× slower than f32. The probe therefore also times a
 //! square matmul in f32 and in each low dtype that runs, on the backend's own kernels, and
 //! flags a dtype [`SLOW_FACTOR`] times slower or worse, so that autocast never picks it
-//! silently. Where the slow case is known, a rule decides instead of the timing
+//! silently. Where the crate runs a backend's half-precision ops on a path of its own (Flex),
+//! nothing is flagged: autocast does not run the backend's kernels the timing measured (a
+//! busy machine once timed Flex's own f16 matmul past the factor and refused f16 autocast,
+//! which runs on the crate's path). Where the slow case is known, a rule decides instead of the timing
 //! ([`KNOWN_HALF_KERNELS`]: LibTorch's CPU f16 is slow exactly where the CPU has no f16
 //! arithmetic), because a timing taken beside other work can land on either side of the
 //! factor: LibTorch's f32 matmul spreads over every core and slows most when one is busy
@@ -471,7 +474,7 @@ pub fn probe<B: Backend>(device: &B::Device) -> Capabilities {
         let timed = timings::<B>(device, f16, bf16);
         let name = B::name(device);
         let host_cpu = on_host_cpu(&name);
-        let flag = |dtype, timed: Option<Timed>| flagged(&name, dtype, timed, cpu_has);
+        let flag = |dtype, timed: Option<Timed>| flagged(&name, dtype, timed, own_path, cpu_has);
         let caps = Capabilities {
             f16,
             bf16,
@@ -545,15 +548,21 @@ fn names(precisions: &[Precision]) -> String {
     names.join(", ")
 }
 
-// The slowdown the probe reports for a timed half type: by the rule where one covers it (the
-// measured figure, raised to the factor where the measurement fell short of the rule), by the
-// timing elsewhere.
+// The slowdown the probe reports for a timed half type: none where the crate runs the half
+// type's ops on a path of its own (`own_path`: Flex's, which autocast takes by rule, so the
+// backend's own kernels' speed says nothing of autocast's, and a timing beside other work
+// must not refuse it); by the rule where one covers it (the measured figure, raised to the
+// factor where the measurement fell short of the rule); by the timing elsewhere.
 fn flagged(
     name: &str,
     dtype: FloatDType,
     timed: Option<Timed>,
+    own_path: bool,
     has: impl Fn(&str) -> bool,
 ) -> Option<u32> {
+    if own_path {
+        return None;
+    }
     let timed = timed?;
     match known_slow(name, dtype, has) {
         Some(false) => None,
@@ -875,18 +884,37 @@ mod tests {
         let f16 = FloatDType::F16;
         // LibTorch's CPU f16 without AVX512-FP16: slow, even where a busy machine timed it
         // under the factor; the figure is the measured one where it reaches the factor.
-        assert_eq!(flagged("libtorch<cpu>", f16, timed(743), lacks), Some(8));
-        assert_eq!(flagged("libtorch<cpu>", f16, timed(5949), lacks), Some(59));
+        assert_eq!(
+            flagged("libtorch<cpu>", f16, timed(743), false, lacks),
+            Some(8)
+        );
+        assert_eq!(
+            flagged("libtorch<cpu>", f16, timed(5949), false, lacks),
+            Some(59)
+        );
         // With it: fast, whatever the timing said.
-        assert_eq!(flagged("libtorch<cpu>", f16, timed(5949), has), None);
-        assert_eq!(flagged("libtorch<cpu>", f16, timed(80), has), None);
+        assert_eq!(flagged("libtorch<cpu>", f16, timed(5949), false, has), None);
+        assert_eq!(flagged("libtorch<cpu>", f16, timed(80), false, has), None);
         // Untimed (f16 does not run): nothing to flag.
-        assert_eq!(flagged("libtorch<cpu>", f16, None, lacks), None);
+        assert_eq!(flagged("libtorch<cpu>", f16, None, false, lacks), None);
         // No rule for LibTorch's bf16 or a GPU: the timing decides.
         let bf16 = FloatDType::BF16;
-        assert_eq!(flagged("libtorch<cpu>", bf16, timed(1200), lacks), Some(12));
-        assert_eq!(flagged("libtorch<cpu>", bf16, timed(120), lacks), None);
-        assert_eq!(flagged("libtorch<cuda>", f16, timed(5000), lacks), Some(50));
+        assert_eq!(
+            flagged("libtorch<cpu>", bf16, timed(1200), false, lacks),
+            Some(12)
+        );
+        assert_eq!(
+            flagged("libtorch<cpu>", bf16, timed(120), false, lacks),
+            None
+        );
+        assert_eq!(
+            flagged("libtorch<cuda>", f16, timed(5000), false, lacks),
+            Some(50)
+        );
+        // Where the crate runs the half type on its own path (Flex's), never, whatever the
+        // backend's own kernels measured: autocast does not run them.
+        assert_eq!(flagged("flex", f16, timed(5000), true, lacks), None);
+        assert_eq!(flagged("flex", bf16, timed(1200), true, lacks), None);
     }
 
     #[test]
