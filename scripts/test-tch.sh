@@ -6,3 +6,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/tch-env.sh
 cargo test --features tch --test tch "$@"
+# ZeRO stage 3's per-layer bound on LibTorch, on real processes (tests/processes/stage3_backends.rs).
+cargo test --features tch --test processes stage3_backends

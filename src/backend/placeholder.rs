@@ -73,9 +73,10 @@
 //!   autocast by
 //!   `stage_3_under_autocast_gathers_rms_norm_gamma_in_f32_for_its_product_alone_like_stage_2`).
 //! - Every other op of every ops trait the decorator forwards (casts under autocast,
-//!   transactions, `mul` where an override puts it in autocast's lower class), `linear` and
-//!   `matmul` under autocast where they read a parameter cast to a half type off the
-//!   crate's half kernels (Burn's own half path) or on other backends: the registered
+//!   transactions, `mul` where an override puts it in autocast's lower class), `matmul`
+//!   under autocast where it reads a parameter cast to a half type off the crate's half
+//!   kernels (Burn's own half path) or on other backends, `linear` under autocast with
+//!   parameters of another dtype than f32: the registered
 //!   input is gathered in full and the op reads `anchor + gathered` (the gathered value bit
 //!   for bit, since `-0.0` is the additive identity, with the gradient flowing to the
 //!   anchor). The numbers are right; the gathered value stays whole while the autodiff graph
@@ -99,8 +100,9 @@
 //! the training model) leaves nothing to the next one.
 //!
 //! Recognition needs the concrete `Autodiff<B, C>` (the node id), which `crate::hooks`
-//! registers per backend type; a backend without the hook registers nothing, and stage 3
-//! keeps the lazy gather there (`crate::zero::release_parameters`).
+//! registers per backend type: Burn's autodiff over every backend this crate has a feature
+//! for (Flex, NdArray, wgpu, CUDA, LibTorch). Over any other backend nothing is registered,
+//! and stage 3 keeps the lazy gather there (`crate::zero::release_parameters`).
 
 use std::any::Any;
 use std::collections::BTreeMap;
@@ -318,12 +320,15 @@ type EmbeddingHook<B> = fn(FloatTensor<B>, IntTensor<B>, Arc<dyn Shard>) -> Floa
 // shard); the parameter itself where it is not tracked.
 type AnchorHook<B> = fn(FloatTensor<B>, Option<&FloatTensor<B>>, Arc<dyn Shard>) -> FloatTensor<B>;
 
+// The bounded linear: the input, the parameters' anchors, their shards, and the half type
+// they are gathered in under autocast (`None`: as they are).
 type LinearHook<B> = fn(
     FloatTensor<B>,
     FloatTensor<B>,
     Option<FloatTensor<B>>,
     Arc<dyn Shard>,
     Option<Arc<dyn Shard>>,
+    Option<FloatDType>,
 ) -> FloatTensor<B>;
 
 impl<B: Backend> Clone for Tracked<B> {
@@ -335,6 +340,9 @@ impl<B: Backend> Copy for Tracked<B> {}
 
 struct PlaceholderHooks;
 
+// Every backend this crate has a feature for, so that stage 3 holds its per-layer bound on
+// the GPU backends (where FSDP's users train) as on the CPU ones: the bounded ops run the
+// inner backend's own ops on gathered values, nothing in them is CPU-specific.
 impl HookKind for PlaceholderHooks {
     fn register_known() {
         use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
@@ -342,11 +350,18 @@ impl HookKind for PlaceholderHooks {
         register::<burn::backend::Flex, NoCheckpointing>();
         #[cfg(feature = "ndarray")]
         register::<burn::backend::NdArray, NoCheckpointing>();
+        #[cfg(feature = "wgpu")]
+        register::<burn::backend::Wgpu, NoCheckpointing>();
+        #[cfg(feature = "cuda")]
+        register::<burn::backend::Cuda, NoCheckpointing>();
+        #[cfg(feature = "tch")]
+        register::<burn::backend::LibTorch, NoCheckpointing>();
     }
 }
 
 /// Lets the decorator over `Autodiff<B, C>` recognise stage 3's placeholders (Burn's autodiff
-/// over Flex and NdArray, with default checkpointing, is registered without asking).
+/// over every backend this crate has a feature for, with default checkpointing, is registered
+/// without asking).
 pub fn register<B: Backend, C: CheckpointStrategy>() {
     hooks::insert::<PlaceholderHooks, Autodiff<B, C>, _>(Tracked::<Autodiff<B, C>> {
         node_id: node_id::<B>,
@@ -534,6 +549,43 @@ fn counted<T: TensorMetadata>(shard: &dyn Shard, tensor: &T) -> u64 {
     }
 }
 
+// One use's gather of the parameter `tensor` stands for, in `dtype` where given (the owner
+// casts its value with autocast's cast and sends those bits: what autocast's cast of the
+// gathered value gives on every process), else as it is. With the bytes counted.
+fn gather_in<B: Backend>(
+    shard: &dyn Shard,
+    tensor: &FloatTensor<B>,
+    dtype: Option<FloatDType>,
+) -> (FloatTensor<B>, u64) {
+    let Some(dtype) = dtype else {
+        let bytes = counted(shard, tensor);
+        return (gather::<B>(shard, tensor), bytes);
+    };
+    if shard.is_owned() {
+        let halves = crate::cpu::table::cast::<B>(tensor.clone(), dtype);
+        shard.gather(Some(bytes_of::<B>(halves.clone())));
+        return (halves, 0);
+    }
+    let device = B::float_device(tensor);
+    received::<B>(shard, tensor.shape(), DType::from(dtype), &device)
+}
+
+// The half type a node's parameters were gathered in under autocast, and whether its bias is
+// a parameter (whose gradient is cast to f32, as its cast node's backward casts it) or a
+// tensor autocast cast before the op (whose gradient its own cast node takes as it is).
+#[derive(Clone, Copy, Debug)]
+struct Half {
+    dtype: FloatDType,
+    bias_registered: bool,
+}
+
+impl Half {
+    // A parameter's gradient as its cast node's backward hands it to the f32 parameter.
+    fn to_param<B: Backend>(self, grad: FloatTensor<B>) -> FloatTensor<B> {
+        crate::cpu::table::cast::<B>(grad, FloatDType::F32)
+    }
+}
+
 /// `tensor` for an op that reads it: a registered parameter gathered whole (`anchor +
 /// gathered`, so the gradient reaches the parameter through its anchor; the owner's own value
 /// through its anchor), any other tensor as it is.
@@ -637,10 +689,10 @@ impl HookKind for HalfMatmulHooks {
 
 /// `linear(x, weight, bias)` with the per-layer bound, where it applies: the weight is a
 /// registered parameter, `x` is not, and either autocast lowers nothing and the operands
-/// share a dtype, or bf16/f16 autocast runs the op on the crate's half kernels (the
-/// parameters gathered in the half type: see `half`) or reads the parameters in f32 (on
-/// `Autodiff<Flex>`: gathered in f32), or fp8 autocast rounds them (see `fp8`). Otherwise
-/// the inputs back, for the op's usual path.
+/// share a dtype, or bf16/f16 autocast runs the op in the half type (the parameters gathered
+/// in it: on the crate's half kernels, see `half`, or by the backend's own `linear`) or reads
+/// the parameters in f32 (gathered in f32), or fp8 autocast rounds them (see `fp8`).
+/// Otherwise the inputs back, for the op's usual path.
 pub(crate) fn linear<B: Backend>(
     x: FloatTensor<B>,
     weight: FloatTensor<B>,
@@ -649,18 +701,16 @@ pub(crate) fn linear<B: Backend>(
     let Some(weight_shard) = shard_of::<B>(&weight) else {
         return Err((x, weight, bias));
     };
-    #[cfg(feature = "flex")]
+    let device = B::float_device(&x);
+    // The op's own path co-locates the operands first.
+    let one_device = B::float_device(&weight) == device
+        && bias.as_ref().is_none_or(|b| B::float_device(b) == device);
     if let Some(crate::Precision::Bf16 | crate::Precision::F16) = crate::autocast::current()
-        && let Some(half_linear) = half_linear_hook::<B>()
         && shard_of::<B>(&x).is_none()
+        && one_device
+        && let Some(tracked) = tracked::<B>()
     {
-        return Ok(autocast_linear::<B>(
-            x,
-            weight,
-            bias,
-            weight_shard,
-            half_linear,
-        ));
+        return Ok(autocast_linear::<B>(x, weight, bias, weight_shard, tracked));
     }
     if fp8::applies::<B>() && shard_of::<B>(&x).is_none() {
         let hook = tracked::<B>().map(|tracked| tracked.fp8_linear);
@@ -684,7 +734,14 @@ pub(crate) fn linear<B: Backend>(
         (Some(bias), Some(shard)) => Some(anchored::<B>(bias, Some(&x), shard.clone())),
         (bias, _) => bias,
     };
-    Ok((tracked.linear)(x, weight, bias, weight_shard, bias_shard))
+    Ok((tracked.linear)(
+        x,
+        weight,
+        bias,
+        weight_shard,
+        bias_shard,
+        None,
+    ))
 }
 
 #[cfg(feature = "flex")]
@@ -765,17 +822,18 @@ fn autocast_matmul<B: Backend>(
 
 // `linear` under bf16/f16 autocast of the registered parameter `weight`: the op's own path
 // (`crate::backend::forward`'s `linear`: the cast plan, the casts, `lowered::linear`), with
-// the plan decided once (it tallies the call), where the weight is gathered in the half type
-// for the op alone if the op runs on the crate's half kernels, in f32 for the op alone where
-// the plan reads the parameters as they are (the small-op rule's f32, the fp32 class);
-// otherwise gathered whole in f32 and cast, as every other op reads a parameter.
-#[cfg(feature = "flex")]
+// the plan decided once (it tallies the call). The parameters are gathered for the op alone:
+// in the half type where the op runs in it (on the crate's half kernels where
+// `lowered::linear` takes them, else by the backend's own `linear` on the half operands, as
+// Burn's node on autocast's casts), in f32 where the plan reads them as they are (the small-op
+// rule's f32, the fp32 class); otherwise (parameters of another dtype) gathered whole in f32
+// and cast, as every other op reads a parameter.
 fn autocast_linear<B: Backend>(
     x: FloatTensor<B>,
     weight: FloatTensor<B>,
     bias: Option<FloatTensor<B>>,
     weight_shard: Arc<dyn Shard>,
-    half_linear: half::HalfLinear<B>,
+    tracked: Tracked<B>,
 ) -> FloatTensor<B> {
     use crate::autocast::{CastInput, CastPlan, Op};
     let plan = CastPlan::new::<B>(
@@ -791,6 +849,84 @@ fn autocast_linear<B: Backend>(
     let target = plan
         .target()
         .filter(|t| matches!(t, FloatDType::BF16 | FloatDType::F16));
+    #[cfg(feature = "flex")]
+    let (x, weight, bias) =
+        match half_kernel_linear::<B>(target, x, weight, bias, &weight_shard, &bias_shard) {
+            Ok(output) => return output,
+            Err(inputs) => inputs,
+        };
+    let anchors = |x: &FloatTensor<B>, weight, bias: Option<FloatTensor<B>>| {
+        let weight = anchored::<B>(weight, Some(x), weight_shard.clone());
+        let bias = match (bias, &bias_shard) {
+            (Some(bias), Some(shard)) => Some(anchored::<B>(bias, Some(x), shard.clone())),
+            (bias, _) => bias,
+        };
+        (weight, bias)
+    };
+    // Where the plan reads the parameters as they are (an op the small-op rule keeps in f32,
+    // or an fp32-class one: `lowered::linear` runs `B::linear` on the cast input), the
+    // bounded path of autocast off, the parameters gathered in their own dtype.
+    let read_as_is = |t: &FloatTensor<B>| {
+        t.dtype() == x.dtype()
+            && plan
+                .target()
+                .is_none_or(|target| t.dtype() == DType::from(target))
+    };
+    if read_as_is(&weight) && bias.as_ref().is_none_or(read_as_is) {
+        let (weight, bias) = anchors(&x, weight, bias);
+        return (tracked.linear)(
+            x,
+            weight,
+            bias,
+            weight_shard.clone(),
+            bias_shard.clone(),
+            None,
+        );
+    }
+    // Where the plan casts the f32 parameters to the half type and `lowered::linear` runs
+    // `B::linear` on the half operands (a backend without the crate's half kernels, or the
+    // backend's own half path chosen): the parameters gathered in the half type, the owner
+    // casting with autocast's cast, for Burn's node on them.
+    let half_input = target.filter(|t| x.dtype() == DType::from(*t));
+    let f32_params =
+        weight.dtype() == DType::F32 && bias.as_ref().is_none_or(|b| b.dtype() == DType::F32);
+    if let Some(dtype) = half_input
+        && f32_params
+    {
+        // A bias that is no parameter is cast by the plan, as the op's own path casts it.
+        let bias = match bias_shard {
+            Some(_) => bias,
+            None => plan.cast_opt::<B>(bias),
+        };
+        let (weight, bias) = anchors(&x, weight, bias);
+        return (tracked.linear)(
+            x,
+            weight,
+            bias,
+            weight_shard.clone(),
+            bias_shard.clone(),
+            Some(dtype),
+        );
+    }
+    let weight = resolve::<B>(weight);
+    let bias = resolve_opt::<B>(bias);
+    let weight = plan.cast_at::<B>(1, weight);
+    let bias = plan.cast_opt::<B>(bias);
+    super::lowered::linear::<B>(&plan, x, weight, bias)
+}
+
+// `linear` on the crate's half kernels (`half`: `Autodiff<Flex>`, where `lowered::linear`
+// runs it there), the parameters gathered in the half type `target` for the op alone; the
+// inputs back where the kernels do not take the op.
+#[cfg(feature = "flex")]
+fn half_kernel_linear<B: Backend>(
+    target: Option<FloatDType>,
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    bias: Option<FloatTensor<B>>,
+    weight_shard: &Arc<dyn Shard>,
+    bias_shard: &Option<Arc<dyn Shard>>,
+) -> Result<FloatTensor<B>, LinearInputs<B>> {
     // `lowered::linear`'s conditions for the kernels: half operands of one dtype (the plan
     // casts the f32 parameters to it), a 2-D weight, an input of two dimensions or more.
     let dims = x.shape().num_dims();
@@ -801,55 +937,41 @@ fn autocast_linear<B: Backend>(
             .is_none_or(|b| b.dtype() == DType::F32 && bias_shard.is_some())
         && weight.shape().num_dims() == 2
         && dims >= 2;
-    if let (Some(target), true) = (target, kernels_apply)
-        && let Some((_, route)) = super::lowered::chosen::<B>()
-    {
-        let shape = x.shape();
-        let features = shape[dims - 1];
-        let rows = shape.num_elements() / features.max(1);
-        // As `lowered::linear`: the matrix of the input's rows, reshaped back after.
-        let x = match dims {
-            2 => x,
-            _ => B::float_reshape(x, [rows, features].into()),
-        };
-        let weight = anchored::<B>(weight, Some(&x), weight_shard.clone());
-        let bias = match (bias, &bias_shard) {
-            (Some(bias), Some(shard)) => Some(anchored::<B>(bias, Some(&x), shard.clone())),
-            (bias, _) => bias,
-        };
-        let mut out_shape = shape.clone();
-        out_shape[dims - 1] = weight.shape()[1];
-        let product = half_linear(x, weight, bias, weight_shard, bias_shard, target, route);
-        return match dims {
-            2 => product,
-            _ => B::float_reshape(product, out_shape),
-        };
-    }
-    // Where the plan reads the parameters as they are (an op the small-op rule keeps in f32,
-    // or an fp32-class one: `lowered::linear` runs `B::linear` on the cast input), the
-    // bounded path of autocast off, the parameters gathered in their own dtype.
-    let read_as_is = |t: &FloatTensor<B>| {
-        t.dtype() == x.dtype()
-            && plan
-                .target()
-                .is_none_or(|target| t.dtype() == DType::from(target))
+    let (Some(target), true, Some(half_linear)) = (target, kernels_apply, half_linear_hook::<B>())
+    else {
+        return Err((x, weight, bias));
     };
-    if read_as_is(&weight)
-        && bias.as_ref().is_none_or(read_as_is)
-        && let Some(tracked) = tracked::<B>()
-    {
-        let weight = anchored::<B>(weight, Some(&x), weight_shard.clone());
-        let bias = match (bias, &bias_shard) {
-            (Some(bias), Some(shard)) => Some(anchored::<B>(bias, Some(&x), shard.clone())),
-            (bias, _) => bias,
-        };
-        return (tracked.linear)(x, weight, bias, weight_shard, bias_shard);
-    }
-    let weight = resolve::<B>(weight);
-    let bias = resolve_opt::<B>(bias);
-    let weight = plan.cast_at::<B>(1, weight);
-    let bias = plan.cast_opt::<B>(bias);
-    super::lowered::linear::<B>(&plan, x, weight, bias)
+    let Some((_, route)) = super::lowered::chosen::<B>() else {
+        return Err((x, weight, bias));
+    };
+    let shape = x.shape();
+    let features = shape[dims - 1];
+    let rows = shape.num_elements() / features.max(1);
+    // As `lowered::linear`: the matrix of the input's rows, reshaped back after.
+    let x = match dims {
+        2 => x,
+        _ => B::float_reshape(x, [rows, features].into()),
+    };
+    let weight = anchored::<B>(weight, Some(&x), weight_shard.clone());
+    let bias = match (bias, bias_shard) {
+        (Some(bias), Some(shard)) => Some(anchored::<B>(bias, Some(&x), shard.clone())),
+        (bias, _) => bias,
+    };
+    let mut out_shape = shape.clone();
+    out_shape[dims - 1] = weight.shape()[1];
+    let product = half_linear(
+        x,
+        weight,
+        bias,
+        weight_shard.clone(),
+        bias_shard.clone(),
+        target,
+        route,
+    );
+    Ok(match dims {
+        2 => product,
+        _ => B::float_reshape(product, out_shape),
+    })
 }
 
 /// `matmul(lhs, rhs)` with the per-op bound, where it applies: an operand is a registered
@@ -932,23 +1054,29 @@ impl<B: Backend> core::fmt::Debug for Weight<B> {
     }
 }
 
-// Burn's `linear` node's state (the input where the weight's gradient needs it, the weight
-// where the input's does), the weight kept as its placeholder.
-type LinearState<B> = (Option<FloatTensor<B>>, Option<Weight<B>>);
+// Burn's `linear` node's state: the input where the weight's gradient needs it, the weight
+// (kept as its placeholder) where the input's does, and under autocast the half type the
+// parameters were gathered in.
+type LinearState<B> = (Option<FloatTensor<B>>, Option<Weight<B>>, Option<Half>);
 
 // Burn's linear backward (`burn-autodiff`'s `LinearWithBias`/`LinearNoBias`: the same ops
-// in the same order), with the weight gathered for the input's gradient alone.
+// in the same order), with the weight gathered for the input's gradient alone; under
+// autocast each parameter's gradient then cast to f32, as its cast node's backward casts it.
 fn linear_backward<B: Backend>(
     [node_x, node_weight, node_bias]: [Option<NodeId>; 3],
     grad: FloatTensor<B>,
     state: LinearState<B>,
     grads: &mut Gradients,
 ) {
-    let (x, weight) = state;
+    let (x, weight, half) = state;
+    let to_param = |grad: FloatTensor<B>| match half {
+        Some(half) => half.to_param::<B>(grad),
+        None => grad,
+    };
     if let Some(node) = node_x {
         let weight = weight.expect("kept where the input is tracked");
-        let gathered = gather::<B>(weight.shard.as_ref(), &weight.tensor);
-        let bytes = counted(weight.shard.as_ref(), &weight.tensor);
+        let dtype = half.map(|h| h.dtype);
+        let (gathered, bytes) = gather_in::<B>(weight.shard.as_ref(), &weight.tensor, dtype);
         let grad = B::linear_x_backward(gathered, grad.clone());
         count_dropped(bytes);
         grads.register::<B>(node, grad);
@@ -956,10 +1084,18 @@ fn linear_backward<B: Backend>(
     if let Some(node) = node_weight {
         let x = x.expect("kept where the weight is tracked");
         let grad = B::linear_weight_backward(x, grad.clone());
-        grads.register::<B>(node, grad);
+        grads.register::<B>(node, to_param(grad));
     }
     if let Some(node) = node_bias {
-        grads.register::<B>(node, B::linear_bias_backward(grad));
+        let grad = B::linear_bias_backward(grad);
+        let grad = match half {
+            Some(Half {
+                bias_registered: false,
+                ..
+            }) => grad,
+            _ => to_param(grad),
+        };
+        grads.register::<B>(node, grad);
     }
 }
 
@@ -1047,26 +1183,32 @@ fn up_to_three<B: Backend, C: CheckpointStrategy, T: WithOptionalThird<B>>(
 }
 
 // Burn's `linear` on `Autodiff<B, C>` with the weight (and a registered bias) gathered for
-// the forward op alone, and a node that keeps the placeholder instead of the gathered weight.
+// the forward op alone, in `half` where given (autocast's half type, the owner casting), and
+// a node that keeps the placeholder instead of the gathered weight.
 fn bounded_linear<B: Backend, C: CheckpointStrategy>(
     x: FloatTensor<Autodiff<B, C>>,
     weight: FloatTensor<Autodiff<B, C>>,
     bias: Option<FloatTensor<Autodiff<B, C>>>,
     weight_shard: Arc<dyn Shard>,
     bias_shard: Option<Arc<dyn Shard>>,
+    half: Option<FloatDType>,
 ) -> FloatTensor<Autodiff<B, C>> {
     let (x_tracked, weight_tracked) = (x.is_tracked(), weight.is_tracked());
-    let mut bytes = counted(weight_shard.as_ref(), &weight.primitive);
-    let whole_weight = gather::<B>(weight_shard.as_ref(), &weight.primitive);
+    let (whole_weight, mut bytes) = gather_in::<B>(weight_shard.as_ref(), &weight.primitive, half);
     let whole_bias = bias.as_ref().map(|bias| match &bias_shard {
         Some(shard) => {
-            bytes += counted(shard.as_ref(), &bias.primitive);
-            gather::<B>(shard.as_ref(), &bias.primitive)
+            let (whole, counted) = gather_in::<B>(shard.as_ref(), &bias.primitive, half);
+            bytes += counted;
+            whole
         }
         None => bias.primitive.clone(),
     });
     let output = B::linear(x.primitive.clone(), whole_weight, whole_bias);
     count_dropped(bytes);
+    let half = half.map(|dtype| Half {
+        dtype,
+        bias_registered: bias_shard.is_some(),
+    });
     let state = || {
         (
             weight_tracked.then(|| x.primitive.clone()),
@@ -1074,6 +1216,7 @@ fn bounded_linear<B: Backend, C: CheckpointStrategy>(
                 tensor: weight.primitive.clone(),
                 shard: weight_shard.clone(),
             }),
+            half,
         )
     };
     up_to_three::<B, C, _>(BoundedLinear, [&x, &weight], bias.as_ref(), state, output)

@@ -11,8 +11,9 @@
 //! value; the others' hold nothing but the owner's rank. What the first `Param::val()` of the
 //! next forward pass caches in the `Param` depends on the backend:
 //!
-//! - On the decorator over a registered autodiff backend (`Accelerated<Autodiff<Flex>>`,
-//!   `Accelerated<Autodiff<NdArray>>`): the owner's value on its owner, elsewhere a
+//! - On the decorator over Burn's autodiff over a backend this crate has a feature for
+//!   (`Accelerated<Autodiff<Flex>>`, and over NdArray, wgpu, CUDA and LibTorch): the owner's
+//!   value on its owner, elsewhere a
 //!   *placeholder* of the full shape (a stride-0 view of one `-0.0`: a few bytes), each
 //!   registered with the collective that gathers it (`crate::backend::placeholder`). Every
 //!   op that reads it is then one gather on every process (the owner sends, the others

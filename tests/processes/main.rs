@@ -16,6 +16,8 @@ mod one_save;
 mod precheck_memory;
 mod sharded_resume;
 mod stage3_autocast_more;
+#[cfg(any(feature = "wgpu", feature = "tch", feature = "cuda"))]
+mod stage3_backends;
 mod stage3_bounds;
 mod stage3_conv;
 mod stage3_eval_forward;

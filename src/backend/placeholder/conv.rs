@@ -37,8 +37,7 @@ use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, DType, FloatDType, TensorMetadata};
 
 use super::{
-    Shard, Weight, anchored, bytes_of, count_dropped, counted, gather, received, resolve,
-    resolve_opt, shard_of,
+    Half, Shard, Weight, anchored, count_dropped, gather_in, resolve, resolve_opt, shard_of,
 };
 use crate::autocast::{CastInput, CastPlan, InputRounding, Op};
 use crate::hooks::{self, HookKind};
@@ -262,13 +261,10 @@ impl Reads {
 // The bounded convolutions of kind `K`, per backend type.
 struct ConvHooks<K>(PhantomData<K>);
 
+// The backends `super::register` registers: one list, the placeholders' own.
 impl<K: Convolution> HookKind for ConvHooks<K> {
     fn register_known() {
-        use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
-        #[cfg(feature = "flex")]
-        insert::<burn::backend::Flex, NoCheckpointing, K>();
-        #[cfg(feature = "ndarray")]
-        insert::<burn::backend::NdArray, NoCheckpointing, K>();
+        super::PlaceholderHooks::register_known();
     }
 }
 
@@ -554,27 +550,6 @@ mod half_kernel {
     }
 }
 
-// One use's gather of the parameter `tensor` stands for, in `dtype` where given (the owner
-// casts its value with autocast's cast and sends those bits: what autocast's cast of the
-// gathered value gives on every process), else as it is. With the bytes counted.
-fn gather_in<B: Backend>(
-    shard: &dyn Shard,
-    tensor: &FloatTensor<B>,
-    dtype: Option<FloatDType>,
-) -> (FloatTensor<B>, u64) {
-    let Some(dtype) = dtype else {
-        let bytes = counted(shard, tensor);
-        return (gather::<B>(shard, tensor), bytes);
-    };
-    if shard.is_owned() {
-        let halves = crate::cpu::table::cast::<B>(tensor.clone(), dtype);
-        shard.gather(Some(bytes_of::<B>(halves.clone())));
-        return (halves, 0);
-    }
-    let device = B::float_device(tensor);
-    received::<B>(shard, tensor.shape(), DType::from(dtype), &device)
-}
-
 // Burn's convolution node's state, the weight kept as its placeholder (gathered again for
 // the input's gradient) and the bias as its placeholder (the bias's gradient reads its
 // shape alone); under autocast the half type the parameters were gathered in.
@@ -587,14 +562,6 @@ struct ConvState<B: Backend, K: Convolution> {
     // Under fp8: the weight's rounding (gathered again and rounded for the input's gradient,
     // its gradient rounded as its cast node's backward rounds it).
     fp8: Option<InputRounding>,
-}
-
-// The half type a node's parameters were gathered in, and whether its bias is a parameter
-// (whose gradient is cast to f32) or a tensor autocast cast before the op.
-#[derive(Clone, Copy)]
-struct Half {
-    dtype: FloatDType,
-    bias_registered: bool,
 }
 
 impl<B: Backend, K: Convolution> Clone for ConvState<B, K> {
