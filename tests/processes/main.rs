@@ -181,6 +181,14 @@ impl Stage3Expected {
         stage_3_sent(params, &self.owners, self.processes, rank, reduces)
     }
 
+    /// The bytes process `rank` sends in a forward pass without a backward (an evaluation's):
+    /// one gather per parameter.
+    fn sent_by_forward(&self, rank: usize) -> u64 {
+        let params = self.layers.iter().flatten();
+        let params = params.map(|&(values, width, _)| (width * values as u64, 0, false));
+        stage_3_sent(params, &self.owners, self.processes, rank, false)
+    }
+
     /// Per layer, the bytes of its gathered parameters that process `rank` does not own
     /// (`None`: all of them).
     fn layer_bytes(&self, rank: Option<usize>) -> Vec<u64> {
