@@ -21,7 +21,6 @@ mod stage3_conv;
 mod stage3_eval_forward;
 mod stage3_norm;
 mod stage3_prepared_learner;
-mod stage3_rmsnorm;
 mod stage3_supervised_first_window;
 
 use std::collections::BTreeMap;

@@ -9,45 +9,14 @@
 //! histories and scales), with at most one layer's gathered parameters whole at a time and
 //! each batch sending stage 3's formula in the dtype each parameter is gathered in.
 
+use super::stage3_norm::{NormKind, Normed, normed_layers};
 use super::*;
 
 use burn::nn::conv::{
     Conv1d, Conv1dConfig, Conv2d, Conv2dConfig, ConvTranspose2d, ConvTranspose2dConfig,
 };
-use burn::nn::{PaddingConfig1d, PaddingConfig2d, RmsNorm, RmsNormConfig};
+use burn::nn::{PaddingConfig1d, PaddingConfig2d};
 use burn_accelerate::autocast::{Op, OpClass, OpClasses, SmallOps};
-
-const HIDDEN: usize = 24;
-
-/// linear → RmsNorm → linear → RmsNorm → linear head.
-#[derive(Module, Debug)]
-struct RmsNormed<B: Backend> {
-    first: Linear<B>,
-    norm: RmsNorm<B>,
-    second: Linear<B>,
-    second_norm: RmsNorm<B>,
-    head: Linear<B>,
-}
-
-impl<B: Backend> RmsNormed<B> {
-    fn new(device: &B::Device) -> Self {
-        B::seed(device, 13);
-        RmsNormed {
-            first: LinearConfig::new(FEATURES, HIDDEN).init(device),
-            norm: RmsNormConfig::new(HIDDEN).init(device),
-            second: LinearConfig::new(HIDDEN, HIDDEN).init(device),
-            second_norm: RmsNormConfig::new(HIDDEN).init(device),
-            head: LinearConfig::new(HIDDEN, CLASSES).init(device),
-        }
-    }
-
-    fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        let relu = Relu::new();
-        let h = relu.forward(self.norm.forward(self.first.forward(x)));
-        let h = relu.forward(self.second_norm.forward(self.second.forward(h)));
-        self.head.forward(h)
-    }
-}
 
 /// A `Conv2d`, a `ConvTranspose2d`, a `Conv1d` and a linear head, on each sample's features
 /// read as a `[2, 2, 2]` image.
@@ -119,8 +88,8 @@ fn bounds_worker(args: &BoundsRun) -> Stage3Report {
                 false => SmallOps::KeepF32,
             };
             let config = AccelerateConfig::new().with_small_ops(Some(small_ops));
-            let model = RmsNormed::new(&device);
-            let forward = |model: &RmsNormed<_>, x| on_sequences(x, |x| model.forward(x));
+            let model = Normed::new(NormKind::Rms, &device);
+            let forward = |model: &Normed<_>, x| model.logits(x, true);
             observed_training(training, config, model, samples, forward, ())
         }
         Model::Fp32Matmul => {
@@ -150,15 +119,7 @@ fn layers(model: Model) -> Vec<Vec<Gathered>> {
         // A cast `Linear` gathers its weight and bias in the half type; gamma is read in f32
         // by the promote-class product.
         Model::RmsNormed { cast_linears } => {
-            let linear = if cast_linears { 2 } else { 4 };
-            vec![
-                // The first layer's input is the data: no gradient to compute.
-                weight_and_bias(FEATURES * HIDDEN, HIDDEN, linear, false),
-                vec![(HIDDEN, 4, true)],
-                weight_and_bias(HIDDEN * HIDDEN, HIDDEN, linear, true),
-                vec![(HIDDEN, 4, true)],
-                weight_and_bias(HIDDEN * CLASSES, CLASSES, linear, true),
-            ]
+            normed_layers(NormKind::Rms, if cast_linears { 2 } else { 4 })
         }
         Model::Fp32Matmul => Reads::Matmul.layers(4),
         // fp8 gathers f32 (and rounds it where the op reads it); every weight but the first
