@@ -60,8 +60,8 @@ impl<B: Backend> ConvNet<B> {
 /// What each test trains.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 enum Model {
-    /// `RmsNormed` on `[2, 2, features]` inputs (two sequences of two: gamma's gradient sums
-    /// over two broadcast dimensions); `cast_linears`: every `Linear` in the half type
+    /// `stage3_norm`'s `Normed` of RMS norms on `[2, 2, features]` inputs (two sequences of
+    /// two: gamma's gradient sums over two broadcast dimensions); `cast_linears`: every `Linear` in the half type
     /// (`SmallOps::Cast`), else the small-op rule's default, which keeps these tiny ones in
     /// f32 (`SmallOps::KeepF32`).
     RmsNormed { cast_linears: bool },
