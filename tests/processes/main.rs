@@ -265,11 +265,11 @@ impl Stage3Expected {
 }
 
 /// Runs `test`'s workers of `training` on `expected.processes` processes at stages 2 and 3
-/// (`args` makes a worker's arguments, which name the case in the messages) and checks stage 3 against stage 2 (the parameters,
-/// on every process the same, the step outcomes, the loss scale and the fp8 state, bit for
-/// bit; stage 2 sends and gathers nothing in its passes) and against `expected`
-/// (`Stage3Expected::check`, the peak as `peak` says); returns the reports, stage 2's then
-/// stage 3's, for the test's own checks.
+/// (`args` makes a worker's arguments, which name the case in the messages) and checks stage
+/// 3 against stage 2 (the parameters, on every process the same, the step outcomes, the loss
+/// scale and the fp8 state, bit for bit; stage 2 sends and gathers nothing in its passes) and
+/// against `expected` (`Stage3Expected::check`, the peak as `peak` says); returns the
+/// reports, stage 2's then stage 3's, for the test's own checks.
 fn stage_3_against_stage_2<R: Serialize + std::fmt::Debug, O: serde::de::DeserializeOwned>(
     test: &str,
     expected: &Stage3Expected,

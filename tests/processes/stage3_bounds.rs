@@ -61,9 +61,9 @@ impl<B: Backend> ConvNet<B> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 enum Model {
     /// `stage3_norm`'s `Normed` of RMS norms on `[2, 2, features]` inputs (two sequences of
-    /// two: gamma's gradient sums over two broadcast dimensions); `cast_linears`: every `Linear` in the half type
-    /// (`SmallOps::Cast`), else the small-op rule's default, which keeps these tiny ones in
-    /// f32 (`SmallOps::KeepF32`).
+    /// two: gamma's gradient sums over two broadcast dimensions); `cast_linears`: every
+    /// `Linear` in the half type (`SmallOps::Cast`), else the small-op rule's default, which
+    /// keeps these tiny ones in f32 (`SmallOps::KeepF32`).
     RmsNormed { cast_linears: bool },
     /// `Mixed` (a bare matrix per layer, read by `matmul`), with the matmul overridden to the
     /// fp32 class.
