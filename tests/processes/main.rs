@@ -23,7 +23,6 @@ mod stage3_conv;
 mod stage3_eval_forward;
 mod stage3_norm;
 mod stage3_prepared_learner;
-mod stage3_rmsnorm;
 mod stage3_supervised_first_window;
 
 use std::collections::BTreeMap;
@@ -124,6 +123,206 @@ fn stage_3_sent(
             gather * (1 + u64::from(again)) + if reduces { fixed + reduce } else { 0 }
         })
         .sum()
+}
+
+/// One parameter as stage 3 gathers it: its values, the bytes a gathered value takes (the
+/// dtype it is gathered in), and whether backward gathers it again (an op's backward reads it
+/// for the other operand's gradient).
+type Gathered = (usize, u64, bool);
+
+/// A layer's weight of `weight` values and bias of `bias`, gathered `width` bytes a value;
+/// backward gathers the weight again where `again` (the layer's input needs a gradient).
+fn weight_and_bias(weight: usize, bias: usize, width: u64, again: bool) -> Vec<Gathered> {
+    vec![(weight, width, again), (bias, width, false)]
+}
+
+/// What stage 3 does with a model's parameters on `processes` processes, all of it derived
+/// from who owns each parameter (`zero::partition` of their values): the bytes each process
+/// sends, the most it holds gathered at once, the gradients it keeps. The one home of these
+/// expectations.
+struct Stage3Expected {
+    /// The parameters in visiting order, by layer: a layer's forward op gathers all of its
+    /// parameters at once.
+    layers: Vec<Vec<Gathered>>,
+    processes: usize,
+    /// Each parameter's owner, in visiting order.
+    owners: Vec<usize>,
+}
+
+/// How a test bounds each batch's gathered peak at stage 3, besides at most the largest
+/// layer's gathered bytes and below every parameter's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Peak {
+    /// Something is gathered.
+    OneLayer,
+    /// Exactly `Stage3Expected::bound` of the process.
+    Bound,
+}
+
+impl Stage3Expected {
+    fn new(layers: Vec<Vec<Gathered>>, processes: usize) -> Self {
+        let values: Vec<usize> = layers.iter().flatten().map(|&(v, _, _)| v).collect();
+        let owners = burn_accelerate::zero::partition(&values, processes);
+        Self {
+            layers,
+            processes,
+            owners,
+        }
+    }
+
+    /// The bytes process `rank` sends in a training batch's forward and backward passes:
+    /// `stage_3_sent` of the gathers in each parameter's width and, where the batch completes
+    /// a window (`reduces`), the reductions of the f32 gradients.
+    fn sent(&self, rank: usize, reduces: bool) -> u64 {
+        let params = self
+            .layers
+            .iter()
+            .flatten()
+            .map(|&(values, width, again)| (width * values as u64, 4 * values as u64, again));
+        stage_3_sent(params, &self.owners, self.processes, rank, reduces)
+    }
+
+    /// The bytes process `rank` sends in a forward pass without a backward (an evaluation's):
+    /// one gather per parameter.
+    fn sent_by_forward(&self, rank: usize) -> u64 {
+        let params = self.layers.iter().flatten();
+        let params = params.map(|&(values, width, _)| (width * values as u64, 0, false));
+        stage_3_sent(params, &self.owners, self.processes, rank, false)
+    }
+
+    /// Per layer, the bytes of its gathered parameters that process `rank` does not own
+    /// (`None`: all of them).
+    fn layer_bytes(&self, rank: Option<usize>) -> Vec<u64> {
+        let mut owners = self.owners.iter();
+        let layer = |layer: &Vec<Gathered>| -> u64 {
+            let not_owned = layer
+                .iter()
+                .filter(|_| Some(*owners.next().unwrap()) != rank);
+            not_owned
+                .map(|&(values, width, _)| values as u64 * width)
+                .sum()
+        };
+        self.layers.iter().map(layer).collect()
+    }
+
+    /// The largest layer's gathered bytes: at most one layer's parameters whole at a time.
+    fn largest(&self) -> u64 {
+        self.layer_bytes(None).into_iter().max().unwrap()
+    }
+
+    /// The most process `rank` holds gathered at once where each layer's parameters are whole
+    /// for its ops alone: the largest of the layers' bytes it does not own (a layer's forward
+    /// op gathers them all; its backward, the weight again, no more). An op that kept its
+    /// gathered parameters until the step would add them to every later layer's.
+    fn bound(&self, rank: usize) -> u64 {
+        self.layer_bytes(Some(rank)).into_iter().max().unwrap()
+    }
+
+    /// Checks process `rank`'s stage 3 report of `training`, batch by batch: nothing gathered
+    /// is left whole after a backward pass. In the first window of a model built whole (not
+    /// prepared) nothing travels or is gathered before the step, which reduce-scatters as
+    /// stage 2 does: every gradient is held after backward. From then on the gathered peak is
+    /// as `peak` says, at most the largest layer's and below every parameter's together, the
+    /// bytes sent are `sent`'s, and a batch that completes a window leaves `rank` only its own
+    /// partition's gradients (each went to its owner in backward), any other batch every one
+    /// (`no_sync`).
+    fn check<O>(
+        &self,
+        rank: usize,
+        report: &Stage3Report<O>,
+        training: &Training,
+        peak: Peak,
+        what: &str,
+    ) {
+        let window = training.grad_accum;
+        let largest = self.largest();
+        let all: u64 = self.layer_bytes(None).into_iter().sum();
+        let own: Vec<bool> = self.owners.iter().map(|&o| o == rank).collect();
+        assert_eq!(report.sent.len(), training.batches, "{what}");
+        for batch in 0..training.batches {
+            let what = format!("{what}, batch {batch}");
+            let (sent, gathered) = (report.sent[batch], report.gathered_peak[batch]);
+            let holds = &report.holds_gradient[batch];
+            assert_eq!(report.gathered_after_backward[batch], 0, "{what}");
+            let completes = (batch + 1).is_multiple_of(window);
+            if batch < window && !training.prepare {
+                assert_eq!((sent, gathered), (0, 0), "{what}");
+                assert!(holds.iter().all(|&h| h), "{what}: {holds:?}");
+                continue;
+            }
+            match peak {
+                Peak::OneLayer => assert!(gathered > 0, "{what}"),
+                Peak::Bound => assert_eq!(gathered, self.bound(rank), "{what}"),
+            }
+            assert!(gathered <= largest, "{what}: {gathered} > {largest}");
+            assert!(gathered < all, "{what}: {gathered} against {all}");
+            assert_sent(sent, self.sent(rank, completes), &what);
+            if completes {
+                assert_eq!(holds, &own, "{what}");
+            } else {
+                assert!(holds.iter().all(|&h| h), "{what}: {holds:?}");
+            }
+        }
+    }
+}
+
+/// Runs `test`'s workers of `training` on `expected.processes` processes at stages 2 and 3
+/// (`args` makes a worker's arguments, which name the case in the messages) and checks stage
+/// 3 against stage 2 (the parameters, on every process the same, the step outcomes, the loss
+/// scale and the fp8 state, bit for bit; stage 2 sends and gathers nothing in its passes) and
+/// against `expected` (`Stage3Expected::check`, the peak as `peak` says); returns the
+/// reports, stage 2's then stage 3's, for the test's own checks.
+fn stage_3_against_stage_2<R: Serialize + std::fmt::Debug, O: serde::de::DeserializeOwned>(
+    test: &str,
+    expected: &Stage3Expected,
+    training: Training,
+    peak: Peak,
+    args: impl Fn(Training) -> R,
+) -> (Vec<Stage3Report<O>>, Vec<Stage3Report<O>>) {
+    let processes = expected.processes;
+    let case = format!("{processes} processes, {:?}", args(training));
+    let run = |zero_stage: u8| -> Vec<Stage3Report<O>> {
+        let training = Training {
+            zero_stage,
+            ..training
+        };
+        launch(test, processes, &args(training), &[])
+            .assert_success()
+            .reports(processes)
+    };
+    let (stage2, stage3) = (run(2), run(3));
+    for (rank, (s3, s2)) in stage3.iter().zip(&stage2).enumerate() {
+        let what = format!("{case}, rank {rank}");
+        assert_eq!(s3.outcomes, s2.outcomes, "{what}");
+        assert_eq!(s3.loss_scale, s2.loss_scale, "{what}");
+        assert_eq!(bits(&s3.parameters), bits(&s2.parameters), "{what}");
+        assert_eq!(bits(&s3.parameters), bits(&stage3[0].parameters), "{what}");
+        // The same amax histories and scales: the weights' amaxes seen in the gathered
+        // values, their gradients' (HYBRID) after the same rounding.
+        assert_eq!(s3.fp8_state, s2.fp8_state, "{what}");
+        assert_eq!(s2.sent.len(), training.batches, "{what}");
+        for (batch, (&sent, &gathered)) in s2.sent.iter().zip(&s2.gathered_peak).enumerate() {
+            assert_eq!((sent, gathered), (0, 0), "{what}, batch {batch} at stage 2");
+        }
+        expected.check(rank, s3, &training, peak, &what);
+    }
+    match training.precision {
+        // The loss scaler scaled the f16 losses (and compared its scale above).
+        Some(Precision::F16) => assert!(stage3[0].loss_scale > 1.0, "{case}"),
+        Some(Precision::Fp8(_)) => {
+            // The state read is the training's: its steps, and every layer's weight rounded
+            // by its forward op's cast (the op's input 1).
+            let state: burn_accelerate::fp8::Fp8State =
+                serde_json::from_str(stage3[0].fp8_state.as_deref().unwrap()).unwrap();
+            assert_eq!(state.steps(), training.batches as u64, "{case}");
+            let forward = burn_accelerate::fp8::Pass::Forward;
+            let weights = state.tensors();
+            let weights = weights.filter(|(key, _)| key.input == 1 && key.pass == forward);
+            assert_eq!(weights.count(), expected.layers.len(), "{case}");
+        }
+        _ => {}
+    }
+    (stage2, stage3)
 }
 
 fn bits(values: &[f32]) -> Vec<u32> {
@@ -853,162 +1052,117 @@ struct Layered<B: Backend> {
 
 const LAYERED_WIDTHS: [usize; 5] = [FEATURES, 48, 32, 24, CLASSES];
 
-#[derive(Debug, Serialize, Deserialize)]
-struct LayeredRun {
-    zero_stage: u8,
-    grad_accum: usize,
-}
-
-#[derive(Debug, Serialize, Deserialize)]
-struct LayeredReport {
-    parameters: Vec<f32>,
-    /// The parameters of `Module::valid`'s copy (each read through `inner`), after the steps.
-    valid_parameters: Vec<f32>,
-    /// Per batch: the most gathered bytes whole at once during its forward and backward
-    /// passes, and those still whole after its backward pass.
-    gathered_peak: Vec<u64>,
-    gathered_after_backward: Vec<u64>,
-}
-
-fn layered_worker(args: &LayeredRun) -> LayeredReport {
-    type B = Accelerated<Autodiff<Flex>>;
-    let state = ProcessState::from_env().unwrap();
-    let device = Default::default();
-    B::seed(&device, 13);
-    let mut model = Layered::<B> {
-        layers: LAYERED_WIDTHS
-            .windows(2)
-            .map(|w| LinearConfig::new(w[0], w[1]).init(&device))
-            .collect(),
-    };
-    let mut accelerator = AccelerateConfig::new()
-        .with_gradient_accumulation_steps(args.grad_accum)
-        .with_zero_stage(burn_accelerate::zero::ZeroStage::from_number(args.zero_stage).unwrap())
-        .init::<B>(&device)
-        .unwrap();
-    let mut optim = burn::optim::AdamConfig::new().init();
-    let mut report = LayeredReport {
-        parameters: Vec::new(),
-        valid_parameters: Vec::new(),
-        gathered_peak: Vec::new(),
-        gathered_after_backward: Vec::new(),
-    };
-    for step in 0..6 {
-        let items: Vec<usize> = (0..4)
-            .map(|i| step * 16 + state.process_index() * 4 + i)
-            .collect();
-        let batch: Batch<B> = Samples.batch(items, &device);
-        let _step = accelerator.accumulate(&model);
-        burn_accelerate::zero::reset_gathered_peak();
-        let relu = Relu::new();
-        let mut h = batch.x;
-        for layer in &model.layers {
-            h = relu.forward(layer.forward(h));
-        }
-        let loss = CrossEntropyLossConfig::new()
-            .init(&device)
-            .forward(h, batch.y);
-        accelerator.backward(loss, &model);
-        let bytes = burn_accelerate::zero::gathered_bytes();
-        report.gathered_peak.push(bytes.peak);
-        report.gathered_after_backward.push(bytes.alive);
-        let (next, _) = accelerator
-            .optimizer_step(&mut optim, model, &mut 0.01)
-            .unwrap();
-        model = next;
-    }
-    report.valid_parameters = parameters(&burn::module::AutodiffModule::valid(&model));
-    report.parameters = parameters(&model);
-    report
-}
-
-#[test]
-fn stage_3_holds_one_linear_layers_gathered_parameters_at_a_time_and_ends_where_stage_2_does() {
-    const TEST: &str =
-        "stage_3_holds_one_linear_layers_gathered_parameters_at_a_time_and_ends_where_stage_2_does";
-    if let Some(args) = worker::<LayeredRun>() {
-        return report(&layered_worker(&args));
-    }
-    // A linear layer's weight and bias, in f32 bytes: at most one layer's are whole at a
-    // time (its forward op, or its input gradient's backward op).
-    let layer_bytes: Vec<u64> = LAYERED_WIDTHS
-        .windows(2)
-        .map(|w| ((w[0] * w[1] + w[1]) * 4) as u64)
-        .collect();
-    let largest = *layer_bytes.iter().max().unwrap();
-    let all: u64 = layer_bytes.iter().sum();
-    for processes in [2, 3] {
-        for grad_accum in [1, 2] {
-            let run = |zero_stage: u8| -> Vec<LayeredReport> {
-                launch(
-                    TEST,
-                    processes,
-                    &LayeredRun {
-                        zero_stage,
-                        grad_accum,
-                    },
-                    &[],
-                )
-                .assert_success()
-                .reports(processes)
-            };
-            let (stage2, stage3) = (run(2), run(3));
-            for (rank, r) in stage3.iter().enumerate() {
-                let what = format!("{processes} processes, window {grad_accum}, rank {rank}");
-                // The model is built whole on every process; from the first step on, each
-                // process owns some layers and gathers the others' per use: something is
-                // gathered, never more than the largest layer at once, and nothing is left
-                // whole once the backward pass is over.
-                let peaks = &r.gathered_peak;
-                assert_eq!(peaks[..grad_accum], vec![0; grad_accum], "{what}");
-                for &peak in &peaks[grad_accum..] {
-                    assert!(peak > 0 && peak <= largest, "{what}: {peaks:?}, {largest}");
-                    assert!(peak < all, "{what}");
-                }
-                assert!(r.gathered_after_backward.iter().all(|&b| b == 0), "{what}");
-                assert_eq!(bits(&r.parameters), bits(&stage3[0].parameters), "{what}");
-                assert_eq!(
-                    bits(&r.parameters),
-                    bits(&stage2[rank].parameters),
-                    "{what}"
-                );
-                // The copy for evaluation holds the whole parameters, not placeholders.
-                assert_eq!(bits(&r.valid_parameters), bits(&r.parameters), "{what}");
-            }
-            // Stage 2 gathers nothing.
-            assert!(
-                stage2
-                    .iter()
-                    .all(|r| r.gathered_peak.iter().all(|&p| p == 0))
-            );
+impl<B: Backend> Layered<B> {
+    fn new(device: &B::Device) -> Self {
+        B::seed(device, 13);
+        Self {
+            layers: LAYERED_WIDTHS
+                .windows(2)
+                .map(|w| LinearConfig::new(w[0], w[1]).init(device))
+                .collect(),
         }
     }
+
+    fn forward<const D: usize>(&self, mut h: Tensor<B, D>) -> Tensor<B, D> {
+        for layer in &self.layers {
+            h = Relu::new().forward(layer.forward(h));
+        }
+        h
+    }
 }
 
-#[derive(Debug, Serialize, Deserialize)]
-struct HalfLayeredRun {
-    zero_stage: u8,
-    /// bf16, or f16 with the loss scaler.
-    precision: Precision,
-    grad_accum: usize,
-    /// `Mixed` (a `matmul` per layer) instead of `Layered`.
-    #[serde(default)]
-    by_matmul: bool,
-    /// `Layered` reads a 3-D input (`[2, 2, features]`: two sequences of two), as a
-    /// transformer's linear layers do.
-    #[serde(default)]
-    sequences: bool,
-}
-
-/// `Layered`'s widths as bare matrices, each read by `matmul` (no bias).
+/// `Layered`'s widths as bare matrices, each read by `h.matmul(weight)` (no bias): `[in, out]`
+/// matrices on 2-D activations (`Mixed`), or `[1, in, out]` ones on 3-D activations
+/// (`Broadcast`: Burn broadcasts the parameter over the batch).
 #[derive(Module, Debug)]
-struct Mixed<B: Backend> {
-    weights: Vec<Param<Tensor<B, 2>>>,
+struct Matrices<B: Backend, const D: usize> {
+    weights: Vec<Param<Tensor<B, D>>>,
+}
+
+type Mixed<B> = Matrices<B, 2>;
+type Broadcast<B> = Matrices<B, 3>;
+
+impl<B: Backend, const D: usize> Matrices<B, D> {
+    fn new(device: &B::Device) -> Self {
+        B::seed(device, 13);
+        let matrix = |w: &[usize]| {
+            let mut shape = [1; D];
+            shape[D - 2..].copy_from_slice(w);
+            kaiming(shape, w[0], device)
+        };
+        Self {
+            weights: LAYERED_WIDTHS.windows(2).map(matrix).collect(),
+        }
+    }
+
+    fn forward(&self, mut h: Tensor<B, D>) -> Tensor<B, D> {
+        for weight in &self.weights {
+            h = Relu::new().forward(h.matmul(weight.val()));
+        }
+        h
+    }
+}
+
+fn kaiming<B: Backend, const D: usize>(
+    shape: [usize; D],
+    fan_in: usize,
+    device: &B::Device,
+) -> Param<Tensor<B, D>> {
+    burn::nn::Initializer::KaimingUniform {
+        gain: 1.0,
+        fan_out_only: false,
+    }
+    .init_with(shape, Some(fan_in), None, device)
+}
+
+/// `forward` of `x`'s rows read as two sequences (`[2, rows / 2, features]`), as a
+/// transformer's layers read them, back to rows.
+fn on_sequences<B: Backend>(
+    x: Tensor<B, 2>,
+    forward: impl FnOnce(Tensor<B, 3>) -> Tensor<B, 3>,
+) -> Tensor<B, 2> {
+    let [rows, features] = x.dims();
+    let y = forward(x.reshape([2, rows / 2, features]));
+    let [_, _, outputs] = y.dims();
+    y.reshape([rows, outputs])
+}
+
+/// The backend stage 2 / stage 3 comparisons train on, and its device.
+type TrainingBackend = Accelerated<Autodiff<Flex>>;
+type TrainingDevice = <TrainingBackend as burn_backend::BackendTypes>::Device;
+
+/// How a worker of a stage 2 / stage 3 comparison trains (`observed_training`).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+struct Training {
+    /// The ZeRO stage (DeepSpeed's number).
+    zero_stage: u8,
+    /// Under autocast in this precision; `None`: no autocast.
+    precision: Option<Precision>,
+    grad_accum: usize,
+    /// How many batches each process trains on.
+    batches: usize,
+    /// The model goes through `Accelerator::prepare_model` first: at stage 3 it is sharded
+    /// from the start, else whole on every process until the first window's step.
+    prepare: bool,
+}
+
+impl Training {
+    /// Stage 3 under `precision`'s autocast, `windows` windows of `grad_accum` batches, the
+    /// model sharded from the start (`prepare_model`): every batch gathers.
+    fn sharded(precision: Option<Precision>, grad_accum: usize, windows: usize) -> Self {
+        Training {
+            zero_stage: 3,
+            precision,
+            grad_accum,
+            batches: windows * grad_accum,
+            prepare: true,
+        }
+    }
 }
 
 /// What a worker of a stage 2 / stage 3 comparison reports (`observed_training`).
 #[derive(Debug, Serialize, Deserialize)]
-struct Stage3Report {
+struct Stage3Report<O = ()> {
     parameters: Vec<f32>,
     outcomes: Vec<String>,
     loss_scale: f32,
@@ -1023,97 +1177,70 @@ struct Stage3Report {
     /// Per batch, per parameter in visiting order: whether the window's gradients hold one
     /// right after the backward pass.
     holds_gradient: Vec<Vec<bool>>,
+    /// What the worker's own `Observer` saw.
+    observed: O,
 }
 
-// `layered_worker`'s model and data under autocast, sharded from the start at stage 3
-// (`prepare_model`), with every linear cast (the net is tiny: `SmallOps::Cast`).
-fn half_layered_worker(args: &HalfLayeredRun) -> Stage3Report {
-    type B = Accelerated<Autodiff<Flex>>;
-    let device = Default::default();
-    B::seed(&device, 13);
-    if args.by_matmul {
-        let model = Mixed::<B> {
-            weights: LAYERED_WIDTHS
-                .windows(2)
-                .map(|w| {
-                    burn::nn::Initializer::KaimingUniform {
-                        gain: 1.0,
-                        fan_out_only: false,
-                    }
-                    .init_with([w[0], w[1]], Some(w[0]), None, &device)
-                })
-                .collect(),
-        };
-        return half_worker(args, model, |model, mut h| {
-            for weight in &model.weights {
-                h = Relu::new().forward(h.matmul(weight.val()));
-            }
-            h
-        });
-    }
-    let model = Layered::<B> {
-        layers: LAYERED_WIDTHS
-            .windows(2)
-            .map(|w| LinearConfig::new(w[0], w[1]).init(&device))
-            .collect(),
-    };
-    let sequences = args.sequences;
-    half_worker(args, model, move |model, h| {
-        if sequences {
-            let mut h: Tensor<B, 3> = h.reshape([2, 2, FEATURES]);
-            for layer in &model.layers {
-                h = Relu::new().forward(layer.forward(h));
-            }
-            return h.reshape([4, CLASSES]);
-        }
-        let mut h = h;
-        for layer in &model.layers {
-            h = Relu::new().forward(layer.forward(h));
-        }
-        h
-    })
+/// What a worker reads of its training besides `Stage3Report`'s observations: each hook runs
+/// at its point of every batch of `observed_training` (of `model`, the model being trained).
+trait Observer<M> {
+    /// As the batch starts (after `accumulate`).
+    fn at_start(&mut self, _batch: usize) {}
+    /// Between the batch's forward pass and its backward: what it sends is not counted as
+    /// the batch's, what it gathers is.
+    fn before_backward(&mut self, _model: &M, _batch: usize) {}
+    /// After the batch's backward pass and its observations, before its optimizer step.
+    fn after_backward(&mut self, _model: &M, _batch: usize) {}
+    /// After the batch's optimizer step.
+    fn after_step(&mut self, _model: &M, _batch: usize) {}
+    /// After the last batch and the fp8 state, before the parameters are read.
+    fn at_end(&mut self, _model: &M) {}
 }
 
-fn half_worker<M: burn::module::AutodiffModule<Accelerated<Autodiff<Flex>>>>(
-    args: &HalfLayeredRun,
-    model: M,
-    forward: impl Fn(
-        &M,
-        Tensor<Accelerated<Autodiff<Flex>>, 2>,
-    ) -> Tensor<Accelerated<Autodiff<Flex>>, 2>,
-) -> Stage3Report {
-    let config =
-        AccelerateConfig::new().with_small_ops(Some(burn_accelerate::autocast::SmallOps::Cast));
-    let run = (args.zero_stage, args.precision, args.grad_accum);
-    observed_training(run, config, 4 * args.grad_accum, model, forward)
+impl<M> Observer<M> for () {}
+
+/// Batch `batch` of process `process`: 4 items of `Samples`, each process its own.
+fn samples(
+    batch: usize,
+    process: usize,
+    device: &TrainingDevice,
+) -> (Tensor<TrainingBackend, 2>, Tensor<TrainingBackend, 1, Int>) {
+    let items: Vec<usize> = (0..4).map(|i| batch * 16 + process * 4 + i).collect();
+    let Batch { x, y } = Samples.batch(items, device);
+    (x, y)
 }
 
-/// `batches` batches of 4 items of `Samples` a process through `forward` and the
-/// cross-entropy loss, at ZeRO stage `zero_stage` under `precision` with windows of
-/// `grad_accum` batches (`config` for the rest), the model sharded from the start at stage 3
-/// by `prepare_model`; per batch, what stage 3's checks read (the bytes sent, the gathered
-/// peak and what is left after backward, which gradients the window holds), and at the end
-/// the parameters, the loss scale and the fp8 state.
-fn observed_training<M: burn::module::AutodiffModule<Accelerated<Autodiff<Flex>>>>(
-    (zero_stage, precision, grad_accum): (u8, Precision, usize),
+/// `training.batches` batches of `inputs` (of the batch and the process) through `forward`
+/// and the cross-entropy loss with Adam, at ZeRO stage `training.zero_stage` (`config` for
+/// the rest); per batch, what stage 3's checks read (the bytes sent, the gathered peak and
+/// what is left after backward, which gradients the window holds) and what `observer` reads,
+/// and at the end the parameters, the step outcomes, the loss scale and the fp8 state.
+fn observed_training<M, X, O>(
+    training: Training,
     config: AccelerateConfig,
-    batches: usize,
     model: M,
-    forward: impl Fn(
-        &M,
-        Tensor<Accelerated<Autodiff<Flex>>, 2>,
-    ) -> Tensor<Accelerated<Autodiff<Flex>>, 2>,
-) -> Stage3Report {
-    type B = Accelerated<Autodiff<Flex>>;
+    inputs: impl Fn(usize, usize, &TrainingDevice) -> (X, Tensor<TrainingBackend, 1, Int>),
+    forward: impl Fn(&M, X) -> Tensor<TrainingBackend, 2>,
+    observer: O,
+) -> Stage3Report<O>
+where
+    M: burn::module::AutodiffModule<TrainingBackend>,
+    O: Observer<M>,
+{
+    use burn_accelerate::zero::{ZeroStage, gathered_bytes, reset_gathered_peak, sent_bytes};
     let state = ProcessState::from_env().unwrap();
     let device = Default::default();
-    let mut accelerator = config
-        .with_gradient_accumulation_steps(grad_accum)
-        .with_mixed_precision(precision)
-        .with_zero_stage(burn_accelerate::zero::ZeroStage::from_number(zero_stage).unwrap())
-        .init::<B>(&device)
-        .unwrap();
-    let mut model = accelerator.prepare_model(model);
+    let mut config = config
+        .with_gradient_accumulation_steps(training.grad_accum)
+        .with_zero_stage(ZeroStage::from_number(training.zero_stage).unwrap());
+    if let Some(precision) = training.precision {
+        config = config.with_mixed_precision(precision);
+    }
+    let mut accelerator = config.init::<TrainingBackend>(&device).unwrap();
+    let mut model = match training.prepare {
+        true => accelerator.prepare_model(model),
+        false => model,
+    };
     let mut optim = burn::optim::AdamConfig::new().init();
     let mut report = Stage3Report {
         parameters: Vec::new(),
@@ -1124,45 +1251,179 @@ fn observed_training<M: burn::module::AutodiffModule<Accelerated<Autodiff<Flex>>
         gathered_peak: Vec::new(),
         gathered_after_backward: Vec::new(),
         holds_gradient: Vec::new(),
+        observed: observer,
     };
-    for step in 0..batches {
-        let items: Vec<usize> = (0..4)
-            .map(|i| step * 16 + state.process_index() * 4 + i)
-            .collect();
-        let batch: Batch<B> = Samples.batch(items, &device);
+    for batch in 0..training.batches {
+        let (x, y) = inputs(batch, state.process_index(), &device);
         let _step = accelerator.accumulate(&model);
-        burn_accelerate::zero::reset_gathered_peak();
-        let before = burn_accelerate::zero::sent_bytes();
+        report.observed.at_start(batch);
+        reset_gathered_peak();
+        let before = sent_bytes();
         let loss = {
-            let _autocast = accelerator.autocast();
-            let h = forward(&model, batch.x);
+            let _autocast = training.precision.map(|_| accelerator.autocast());
             CrossEntropyLossConfig::new()
                 .init(&device)
-                .forward(h, batch.y)
+                .forward(forward(&model, x), y)
         };
+        let observing = sent_bytes();
+        report.observed.before_backward(&model, batch);
+        let observed = sent_bytes() - observing;
         accelerator.backward(loss, &model);
-        report
-            .sent
-            .push(burn_accelerate::zero::sent_bytes() - before);
-        let bytes = burn_accelerate::zero::gathered_bytes();
+        report.sent.push(sent_bytes() - before - observed);
+        let bytes = gathered_bytes();
         report.gathered_peak.push(bytes.peak);
         report.gathered_after_backward.push(bytes.alive);
         let holds = holds_gradient(&model, accelerator.gradients());
         report.holds_gradient.push(holds);
+        report.observed.after_backward(&model, batch);
         let (next, outcome) = accelerator
             .optimizer_step(&mut optim, model, &mut 0.01)
             .unwrap();
         report.outcomes.push(format!("{outcome:?}"));
         model = next;
+        report.observed.after_step(&model, batch);
     }
-    if matches!(precision, Precision::Fp8(_)) {
+    if matches!(training.precision, Some(Precision::Fp8(_))) {
         // The training's own state (its context's), which its steps advanced.
         let _autocast = accelerator.autocast();
         report.fp8_state = Some(serde_json::to_string(&burn_accelerate::fp8::state()).unwrap());
     }
+    report.observed.at_end(&model);
     report.parameters = parameters(&model);
     report.loss_scale = accelerator.loss_scale().loss_scale();
     report
+}
+
+/// Which of `layered_worker`'s models trains, and how it reads its parameters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+enum Reads {
+    /// `Layered`: a `Linear` per layer (weight and bias) on 2-D activations.
+    Linear,
+    /// `Layered` on 3-D activations (`on_sequences`), as a transformer's linear layers.
+    LinearOnSequences,
+    /// `Mixed`: `h.matmul(weight)` on 2-D activations.
+    Matmul,
+    /// `Broadcast` on 3-D activations (`on_sequences`).
+    Broadcast,
+}
+
+impl Reads {
+    /// The model's parameters, gathered `width` bytes a value: every weight gathered again
+    /// in backward but the first layer's, whose input (the data) needs no gradient.
+    fn layers(self, width: u64) -> Vec<Vec<Gathered>> {
+        let bias = matches!(self, Reads::Linear | Reads::LinearOnSequences);
+        LAYERED_WIDTHS
+            .windows(2)
+            .enumerate()
+            .map(|(i, w)| match bias {
+                true => weight_and_bias(w[0] * w[1], w[1], width, i > 0),
+                false => vec![(w[0] * w[1], width, i > 0)],
+            })
+            .collect()
+    }
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct LayeredRun {
+    training: Training,
+    reads: Reads,
+}
+
+/// The parameters of `Module::valid`'s copy (each read through `inner`), after the steps.
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct ValidParameters(Vec<f32>);
+
+impl<M: burn::module::AutodiffModule<TrainingBackend>> Observer<M> for ValidParameters {
+    fn at_end(&mut self, model: &M) {
+        self.0 = parameters(&model.valid());
+    }
+}
+
+/// `Layered`, `Mixed` or `Broadcast` (`args.reads`) on `Samples`, every op autocast lowers
+/// cast (the net is tiny: `SmallOps::Cast`).
+fn layered_worker(args: &LayeredRun) -> Stage3Report<ValidParameters> {
+    fn train<M: burn::module::AutodiffModule<TrainingBackend>>(
+        training: Training,
+        model: M,
+        forward: impl Fn(&M, Tensor<TrainingBackend, 2>) -> Tensor<TrainingBackend, 2>,
+    ) -> Stage3Report<ValidParameters> {
+        let config =
+            AccelerateConfig::new().with_small_ops(Some(burn_accelerate::autocast::SmallOps::Cast));
+        observed_training(
+            training,
+            config,
+            model,
+            samples,
+            forward,
+            ValidParameters::default(),
+        )
+    }
+    let device = Default::default();
+    let training = args.training;
+    match args.reads {
+        Reads::Linear => train(training, Layered::new(&device), |model, x| model.forward(x)),
+        Reads::LinearOnSequences => train(training, Layered::new(&device), |model, x| {
+            on_sequences(x, |x| model.forward(x))
+        }),
+        Reads::Matmul => train(training, Mixed::new(&device), |model, x| model.forward(x)),
+        Reads::Broadcast => train(training, Broadcast::new(&device), |model, x| {
+            on_sequences(x, |x| model.forward(x))
+        }),
+    }
+}
+
+/// `stage_3_against_stage_2` of `layered_worker`'s model read as `reads`, one layer's
+/// gathered parameters whole at a time, in halves under bf16 and f16 autocast (every layer is
+/// cast) and in f32 otherwise (fp8 rounds f32 where the op reads it); and at the end the copy
+/// for evaluation holds the whole parameters, not placeholders.
+fn layered_against_stage_2(test: &str, processes: usize, training: Training, reads: Reads) {
+    let width = match training.precision {
+        Some(Precision::Bf16 | Precision::F16) => 2,
+        _ => 4,
+    };
+    let expected = Stage3Expected::new(reads.layers(width), processes);
+    let args = |training| LayeredRun { training, reads };
+    let (_, stage3) = stage_3_against_stage_2(test, &expected, training, Peak::OneLayer, args);
+    for (rank, r) in stage3.iter().enumerate() {
+        let ValidParameters(valid) = &r.observed;
+        let what = format!("{processes} processes, {reads:?}, {training:?}, rank {rank}");
+        assert_eq!(bits(valid), bits(&r.parameters), "{what}");
+    }
+}
+
+/// `layered_against_stage_2` of `(processes, precision, window, reads)` under autocast, 4
+/// windows, sharded from the start.
+fn autocast_layered_against_stage_2(
+    test: &str,
+    (processes, precision, grad_accum, reads): (usize, Precision, usize, Reads),
+) {
+    let training = Training::sharded(Some(precision), grad_accum, 4);
+    layered_against_stage_2(test, processes, training, reads);
+}
+
+/// The model is built whole on every process; from the first step on, each process owns
+/// some layers and gathers the others' per use: something is gathered, never more than the
+/// largest layer's weight and bias at once (its forward op, or its input gradient's backward
+/// op), and nothing is left whole once the backward pass is over.
+#[test]
+fn stage_3_holds_one_linear_layers_gathered_parameters_at_a_time_and_ends_where_stage_2_does() {
+    const TEST: &str =
+        "stage_3_holds_one_linear_layers_gathered_parameters_at_a_time_and_ends_where_stage_2_does";
+    if let Some(args) = worker::<LayeredRun>() {
+        return report(&layered_worker(&args));
+    }
+    for processes in [2, 3] {
+        for grad_accum in [1, 2] {
+            let training = Training {
+                zero_stage: 3,
+                precision: None,
+                grad_accum,
+                batches: 6,
+                prepare: false,
+            };
+            layered_against_stage_2(TEST, processes, training, Reads::Linear);
+        }
+    }
 }
 
 /// Under bf16 and f16 autocast (FSDP's `param_dtype`), a linear layer gathers its weight and
@@ -1178,164 +1439,20 @@ fn observed_training<M: burn::module::AutodiffModule<Accelerated<Autodiff<Flex>>
 fn stage_3_under_autocast_gathers_linear_and_matmul_parameters_in_the_half_type_like_stage_2() {
     const TEST: &str =
         "stage_3_under_autocast_gathers_linear_and_matmul_parameters_in_the_half_type_like_stage_2";
-    if let Some(args) = worker::<HalfLayeredRun>() {
-        return report(&half_layered_worker(&args));
+    if let Some(args) = worker::<LayeredRun>() {
+        return report(&layered_worker(&args));
     }
-    for (processes, precision, grad_accum, by_matmul, sequences) in [
-        (2, Precision::Bf16, 2, false, false),
-        (3, Precision::Bf16, 1, false, false),
-        (2, Precision::F16, 1, false, false),
-        (3, Precision::F16, 2, false, false),
-        (2, Precision::Bf16, 1, true, false),
-        (3, Precision::F16, 2, true, false),
-        (2, Precision::Bf16, 2, false, true),
+    for case in [
+        (2, Precision::Bf16, 2, Reads::Linear),
+        (3, Precision::Bf16, 1, Reads::Linear),
+        (2, Precision::F16, 1, Reads::Linear),
+        (3, Precision::F16, 2, Reads::Linear),
+        (2, Precision::Bf16, 1, Reads::Matmul),
+        (3, Precision::F16, 2, Reads::Matmul),
+        (2, Precision::Bf16, 2, Reads::LinearOnSequences),
     ] {
-        // Every parameter in visiting order (each layer's weight, then its bias, if a
-        // `Linear`): its values, and whether it is a weight read again in backward.
-        let mut params: Vec<(usize, bool)> = Vec::new();
-        for (i, w) in LAYERED_WIDTHS.windows(2).enumerate() {
-            params.push((w[0] * w[1], i > 0));
-            if !by_matmul {
-                params.push((w[1], false));
-            }
-        }
-        let sizes: Vec<usize> = params.iter().map(|&(values, _)| values).collect();
-        // A layer's weight and bias in halves: at most one layer's are whole at a time.
-        let largest = LAYERED_WIDTHS
-            .windows(2)
-            .map(|w| ((w[0] * w[1] + if by_matmul { 0 } else { w[1] }) * 2) as u64)
-            .max()
-            .unwrap();
-        let owners = burn_accelerate::zero::partition(&sizes, processes);
-        // Gathers in halves (2 bytes a value), reductions in f32 (4).
-        let expected = |rank: usize, reduces: bool| -> u64 {
-            stage_3_sent(
-                params
-                    .iter()
-                    .map(|&(values, again)| (2 * values as u64, 4 * values as u64, again)),
-                &owners,
-                processes,
-                rank,
-                reduces,
-            )
-        };
-        let run = |zero_stage: u8| -> Vec<Stage3Report> {
-            launch(
-                TEST,
-                processes,
-                &HalfLayeredRun {
-                    zero_stage,
-                    precision,
-                    grad_accum,
-                    by_matmul,
-                    sequences,
-                },
-                &[],
-            )
-            .assert_success()
-            .reports(processes)
-        };
-        let (stage2, stage3) = (run(2), run(3));
-        for (rank, (s3, s2)) in stage3.iter().zip(&stage2).enumerate() {
-            let what = format!(
-                "{processes} processes, {precision:?}, window {grad_accum}, matmul {by_matmul}, 3-D {sequences}, rank {rank}"
-            );
-            assert_eq!(s3.outcomes, s2.outcomes, "{what}");
-            assert_eq!(s3.loss_scale, s2.loss_scale, "{what}");
-            assert_eq!(bits(&s3.parameters), bits(&s2.parameters), "{what}");
-            for (batch, &sent) in s3.sent.iter().enumerate() {
-                let what = format!("{what}, batch {batch}");
-                let completes = (batch + 1).is_multiple_of(grad_accum);
-                assert_sent(sent, expected(rank, completes), &what);
-                let peak = s3.gathered_peak[batch];
-                assert!(peak > 0 && peak <= largest, "{what}: {peak} > {largest}");
-                assert_eq!(s3.gathered_after_backward[batch], 0, "{what}");
-                if completes {
-                    let own: Vec<bool> = owners.iter().map(|&o| o == rank).collect();
-                    assert_eq!(s3.holds_gradient[batch], own, "{what}");
-                }
-                // Stage 2 gathers and sends nothing in its passes.
-                assert_eq!((s2.sent[batch], s2.gathered_peak[batch]), (0, 0), "{what}");
-            }
-        }
-        if precision == Precision::F16 {
-            // The loss scaler scaled the f16 losses (and compared its scale above).
-            assert!(stage3[0].loss_scale > 1.0, "{:?}", stage3[0].loss_scale);
-        }
+        autocast_layered_against_stage_2(TEST, case);
     }
-}
-
-#[derive(Debug, Serialize, Deserialize)]
-struct TrafficRun {
-    grad_accum: usize,
-    /// The model goes through `Accelerator::prepare_model` before the first batch.
-    prepare: bool,
-}
-
-#[derive(Debug, Serialize, Deserialize)]
-struct TrafficReport {
-    /// Per batch: the bytes this process sent during its forward and backward passes.
-    sent: Vec<u64>,
-    /// Per batch, per parameter in visiting order: whether the window's gradients hold one
-    /// right after the backward pass.
-    holds_gradient: Vec<Vec<bool>>,
-    /// The parameters after the last step.
-    parameters: Vec<f32>,
-}
-
-fn traffic_worker(args: &TrafficRun) -> TrafficReport {
-    type B = Accelerated<Autodiff<Flex>>;
-    let state = ProcessState::from_env().unwrap();
-    let device = Default::default();
-    B::seed(&device, 13);
-    let mut model = Layered::<B> {
-        layers: LAYERED_WIDTHS
-            .windows(2)
-            .map(|w| LinearConfig::new(w[0], w[1]).init(&device))
-            .collect(),
-    };
-    let mut accelerator = AccelerateConfig::new()
-        .with_gradient_accumulation_steps(args.grad_accum)
-        .with_zero_stage(burn_accelerate::zero::ZeroStage::Parameters)
-        .init::<B>(&device)
-        .unwrap();
-    if args.prepare {
-        model = accelerator.prepare_model(model);
-    }
-    let mut optim = burn::optim::AdamConfig::new().init();
-    let mut report = TrafficReport {
-        sent: Vec::new(),
-        holds_gradient: Vec::new(),
-        parameters: Vec::new(),
-    };
-    for step in 0..4 * args.grad_accum {
-        let items: Vec<usize> = (0..4)
-            .map(|i| step * 16 + state.process_index() * 4 + i)
-            .collect();
-        let batch: Batch<B> = Samples.batch(items, &device);
-        let _step = accelerator.accumulate(&model);
-        let before = burn_accelerate::zero::sent_bytes();
-        let relu = Relu::new();
-        let mut h = batch.x;
-        for layer in &model.layers {
-            h = relu.forward(layer.forward(h));
-        }
-        let loss = CrossEntropyLossConfig::new()
-            .init(&device)
-            .forward(h, batch.y);
-        accelerator.backward(loss, &model);
-        report
-            .sent
-            .push(burn_accelerate::zero::sent_bytes() - before);
-        let holds = holds_gradient(&model, accelerator.gradients());
-        report.holds_gradient.push(holds);
-        let (next, _) = accelerator
-            .optimizer_step(&mut optim, model, &mut 0.01)
-            .unwrap();
-        model = next;
-    }
-    report.parameters = parameters(&model);
-    report
 }
 
 /// Stage 3's traffic and gradients per parameter owner, in f32 (the gather dtype without
@@ -1354,43 +1471,27 @@ fn traffic_worker(args: &TrafficRun) -> TrafficReport {
 fn stage_3_reduces_each_gradient_to_its_owner_in_backward_and_sends_what_the_formula_says() {
     const TEST: &str =
         "stage_3_reduces_each_gradient_to_its_owner_in_backward_and_sends_what_the_formula_says";
-    if let Some(args) = worker::<TrafficRun>() {
-        return report(&traffic_worker(&args));
+    if let Some(args) = worker::<LayeredRun>() {
+        return report(&layered_worker(&args));
     }
-    // Every parameter in visiting order (each layer's weight, then its bias), in f32 bytes,
-    // and whether it is a weight read again in backward.
-    let mut params: Vec<(usize, bool)> = Vec::new();
-    for (i, w) in LAYERED_WIDTHS.windows(2).enumerate() {
-        params.push((w[0] * w[1] * 4, i > 0));
-        params.push((w[1] * 4, false));
-    }
-    let sizes: Vec<usize> = params.iter().map(|(bytes, _)| bytes / 4).collect();
     for processes in [2, 3] {
-        let owners = burn_accelerate::zero::partition(&sizes, processes);
-        let expected = |rank: usize, reduces: bool| -> u64 {
-            stage_3_sent(
-                params
-                    .iter()
-                    .map(|&(bytes, again)| (bytes as u64, bytes as u64, again)),
-                &owners,
-                processes,
-                rank,
-                reduces,
-            )
-        };
+        let expected = Stage3Expected::new(Reads::Linear.layers(4), processes);
         for grad_accum in [1, 2] {
-            let run = |prepare: bool| -> Vec<TrafficReport> {
-                launch(
-                    TEST,
-                    processes,
-                    &TrafficRun {
-                        grad_accum,
-                        prepare,
-                    },
-                    &[],
-                )
-                .assert_success()
-                .reports(processes)
+            let training = |prepare: bool| Training {
+                zero_stage: 3,
+                precision: None,
+                grad_accum,
+                batches: 4 * grad_accum,
+                prepare,
+            };
+            let run = |prepare: bool| -> Vec<Stage3Report<ValidParameters>> {
+                let args = LayeredRun {
+                    training: training(prepare),
+                    reads: Reads::Linear,
+                };
+                launch(TEST, processes, &args, &[])
+                    .assert_success()
+                    .reports(processes)
             };
             let (reports, prepared) = (run(false), run(true));
             for (rank, r) in reports.iter().chain(&prepared).enumerate() {
@@ -1402,27 +1503,11 @@ fn stage_3_reduces_each_gradient_to_its_owner_in_backward_and_sends_what_the_for
                 // A prepared model is sharded from the start, and trains as the other: its
                 // lazy parameters are initialised in the order a first forward pass would.
                 assert_eq!(bits(&r.parameters), bits(&reports[0].parameters), "{what}");
-                for (batch, (&sent, holds)) in r.sent.iter().zip(&r.holds_gradient).enumerate() {
-                    let what = format!("{what}, batch {batch}");
-                    let completes = (batch + 1) % grad_accum == 0;
-                    if batch < grad_accum && !prepare {
-                        // The first window: the model is whole everywhere, nothing travels
-                        // before the step, which reduce-scatters as stage 2 does.
-                        assert_eq!(sent, 0, "{what}");
-                        assert!(holds.iter().all(|&h| h), "{what}");
-                    } else if completes {
-                        // Each gradient went to its owner during the backward pass: this
-                        // process holds its own partition's and no other.
-                        assert_sent(sent, expected(rank, true), &what);
-                        let own: Vec<bool> = owners.iter().map(|&o| o == rank).collect();
-                        assert_eq!(holds, &own, "{what}");
-                    } else {
-                        // A window's earlier batch gathers but reduces nothing (`no_sync`),
-                        // and keeps every gradient whole.
-                        assert_sent(sent, expected(rank, false), &what);
-                        assert!(holds.iter().all(|&h| h), "{what}");
-                    }
-                }
+                // The first window of a model built whole sends nothing; from then on each
+                // gradient goes to its owner during the backward pass of a window's last
+                // batch (this process holds its own partition's and no other), and the
+                // window's earlier batches gather but reduce nothing (`no_sync`).
+                expected.check(rank, r, &training(prepare), Peak::OneLayer, &what);
             }
         }
     }
@@ -1440,105 +1525,74 @@ struct Lookup<B: Backend> {
 const VOCABULARY: usize = 24;
 const LOOKUP_WIDTH: usize = 16;
 
-#[derive(Debug, Serialize, Deserialize)]
-struct LookupRun {
-    zero_stage: u8,
-}
-
-fn lookup_worker(args: &LookupRun) -> LayeredReport {
-    type B = Accelerated<Autodiff<Flex>>;
-    let state = ProcessState::from_env().unwrap();
-    let device = Default::default();
-    B::seed(&device, 17);
-    let mut model = Lookup::<B> {
-        embedding: burn::nn::EmbeddingConfig::new(VOCABULARY, LOOKUP_WIDTH).init(&device),
-        mix: burn::nn::Initializer::KaimingUniform {
-            gain: 1.0,
-            fan_out_only: false,
+impl<B: Backend> Lookup<B> {
+    fn new(device: &B::Device) -> Self {
+        B::seed(device, 17);
+        Self {
+            embedding: burn::nn::EmbeddingConfig::new(VOCABULARY, LOOKUP_WIDTH).init(device),
+            mix: kaiming([LOOKUP_WIDTH, LOOKUP_WIDTH], LOOKUP_WIDTH, device),
+            head: LinearConfig::new(LOOKUP_WIDTH, CLASSES).init(device),
         }
-        .init_with(
-            [LOOKUP_WIDTH, LOOKUP_WIDTH],
-            Some(LOOKUP_WIDTH),
-            None,
-            &device,
-        ),
-        head: LinearConfig::new(LOOKUP_WIDTH, CLASSES).init(&device),
-    };
-    let mut accelerator = AccelerateConfig::new()
-        .with_zero_stage(burn_accelerate::zero::ZeroStage::from_number(args.zero_stage).unwrap())
-        .init::<B>(&device)
-        .unwrap();
-    model = accelerator.prepare_model(model);
-    let mut optim = burn::optim::AdamConfig::new().init();
-    let mut report = LayeredReport {
-        parameters: Vec::new(),
-        valid_parameters: Vec::new(),
-        gathered_peak: Vec::new(),
-        gathered_after_backward: Vec::new(),
-    };
-    for step in 0..4 {
-        // Four sequences of three tokens, each process its own.
-        let tokens: Vec<i64> = (0..12)
-            .map(|i| ((step * 29 + state.process_index() * 13 + i * 7) % VOCABULARY) as i64)
-            .collect();
-        let labels: Vec<i64> = tokens.chunks(3).map(|t| t[0] % CLASSES as i64).collect();
-        let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(tokens, [4, 3]), &device);
-        let labels = Tensor::<B, 1, Int>::from_data(TensorData::new(labels, [4]), &device);
-        burn_accelerate::zero::reset_gathered_peak();
-        let h = model
+    }
+
+    fn logits(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 2> {
+        let [sequences, _] = tokens.dims();
+        let h = self
             .embedding
             .forward(tokens)
             .mean_dim(1)
-            .reshape([4, LOOKUP_WIDTH]);
-        let h = Relu::new().forward(h.matmul(model.mix.val()));
-        let logits = model.head.forward(h);
-        let loss = CrossEntropyLossConfig::new()
-            .init(&device)
-            .forward(logits, labels);
-        accelerator.backward(loss, &model);
-        let bytes = burn_accelerate::zero::gathered_bytes();
-        report.gathered_peak.push(bytes.peak);
-        report.gathered_after_backward.push(bytes.alive);
-        let (next, _) = accelerator
-            .optimizer_step(&mut optim, model, &mut 0.01)
-            .unwrap();
-        model = next;
+            .reshape([sequences, LOOKUP_WIDTH]);
+        let h = Relu::new().forward(h.matmul(self.mix.val()));
+        self.head.forward(h)
     }
-    report.parameters = parameters(&model);
-    report
 }
 
+/// Batch `batch` of process `process`: four sequences of three tokens, each process its own,
+/// each labelled by its first token.
+fn tokens(
+    batch: usize,
+    process: usize,
+    device: &TrainingDevice,
+) -> (
+    Tensor<TrainingBackend, 2, Int>,
+    Tensor<TrainingBackend, 1, Int>,
+) {
+    let tokens: Vec<i64> = (0..12)
+        .map(|i| ((batch * 29 + process * 13 + i * 7) % VOCABULARY) as i64)
+        .collect();
+    let labels: Vec<i64> = tokens.chunks(3).map(|t| t[0] % CLASSES as i64).collect();
+    (
+        Tensor::from_data(TensorData::new(tokens, [4, 3]), device),
+        Tensor::from_data(TensorData::new(labels, [4]), device),
+    )
+}
+
+fn lookup_worker(training: Training) -> Stage3Report {
+    let model = Lookup::new(&Default::default());
+    let config = AccelerateConfig::new();
+    observed_training(training, config, model, tokens, Lookup::logits, ())
+}
+
+/// Prepared, so that every batch gathers: at most one parameter whole at a time (the largest,
+/// the embedding's table; without the bounded paths the gathered embedding and `mix` stay
+/// whole until the step: their sum, and more), nothing left whole once the backward pass is
+/// over, each batch sending stage 3's f32 formula (the embedding's backward needs only the
+/// table's shape: gathered once; `mix` again for its input's gradient), and stage 2's bits.
 #[test]
 fn stage_3_gathers_an_embedding_and_a_matmul_parameter_for_their_ops_alone() {
     const TEST: &str = "stage_3_gathers_an_embedding_and_a_matmul_parameter_for_their_ops_alone";
-    if let Some(args) = worker::<LookupRun>() {
-        return report(&lookup_worker(&args));
+    if let Some(training) = worker::<Training>() {
+        return report(&lookup_worker(training));
     }
-    // The largest parameter, in f32 bytes: the embedding's table. Without the bounded paths
-    // the gathered embedding and `mix` stay whole until the step (their sum, and more).
-    let largest = (VOCABULARY * LOOKUP_WIDTH * 4) as u64;
+    let layers = vec![
+        vec![(VOCABULARY * LOOKUP_WIDTH, 4, false)],
+        vec![(LOOKUP_WIDTH * LOOKUP_WIDTH, 4, true)],
+        weight_and_bias(LOOKUP_WIDTH * CLASSES, CLASSES, 4, true),
+    ];
     for processes in [2, 3] {
-        let run = |zero_stage: u8| -> Vec<LayeredReport> {
-            launch(TEST, processes, &LookupRun { zero_stage }, &[])
-                .assert_success()
-                .reports(processes)
-        };
-        let (stage2, stage3) = (run(2), run(3));
-        for (rank, r) in stage3.iter().enumerate() {
-            let what = format!("{processes} processes, rank {rank}");
-            // Prepared: every batch gathers, at most one parameter at a time, and nothing is
-            // left whole once the backward pass is over.
-            for &peak in &r.gathered_peak {
-                assert!(peak > 0 && peak <= largest, "{what}: {:?}", r.gathered_peak);
-            }
-            assert!(r.gathered_after_backward.iter().all(|&b| b == 0), "{what}");
-            // Burn's ops and backward ops in Burn's order, the sums in stage 2's: its bits.
-            assert_eq!(
-                bits(&r.parameters),
-                bits(&stage2[rank].parameters),
-                "{what}"
-            );
-        }
+        let expected = Stage3Expected::new(layers.clone(), processes);
+        let training = Training::sharded(None, 1, 4);
+        stage_3_against_stage_2::<_, ()>(TEST, &expected, training, Peak::OneLayer, |t| t);
     }
 }
 

@@ -6,19 +6,13 @@
 //! nothing gathered stays whole, the registry does not grow, and the parameters (and the
 //! evaluation losses) are stage 2's, bit for bit.
 
-use burn::backend::{Autodiff, Flex};
-use burn::data::dataloader::batcher::Batcher;
-use burn::module::{AutodiffModule, Module};
-use burn::nn::loss::CrossEntropyLossConfig;
-use burn::nn::{Linear, LinearConfig, Relu};
-use burn::tensor::backend::Backend;
-use burn::tensor::{ElementConversion, Tensor};
-use burn_accelerate::zero::{RegistryEntries, registry_entries};
-use burn_accelerate::{AccelerateConfig, Accelerated};
-use serde::{Deserialize, Serialize};
+use super::*;
 
-use super::harness::{launch, report, worker};
-use super::{Batch, CLASSES, FEATURES, Samples, assert_sent, bits, parameters, stage_3_sent};
+use burn::module::AutodiffModule;
+use burn::tensor::ElementConversion;
+use burn_accelerate::zero::{
+    RegistryEntries, gathered_bytes, registry_entries, reset_gathered_peak, sent_bytes,
+};
 
 const HIDDEN: usize = 24;
 
@@ -40,11 +34,15 @@ impl<B: Backend> Mlp<B> {
         }
     }
 
-    fn loss(&self, batch: Batch<B>) -> Tensor<B, 1> {
+    fn logits(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
         let relu = Relu::new();
-        let h = relu.forward(self.first.forward(batch.x));
+        let h = relu.forward(self.first.forward(x));
         let h = relu.forward(self.second.forward(h));
-        let logits = self.head.forward(h);
+        self.head.forward(h)
+    }
+
+    fn loss(&self, batch: Batch<B>) -> Tensor<B, 1> {
+        let logits = self.logits(batch.x);
         CrossEntropyLossConfig::new()
             .init(&logits.device())
             .forward(logits, batch.y)
@@ -68,8 +66,7 @@ enum Place {
 
 #[derive(Debug, Serialize, Deserialize)]
 struct EvalRun {
-    zero_stage: u8,
-    grad_accum: usize,
+    training: Training,
     /// An evaluation on the training model after the step of every `eval_every`-th batch.
     eval_every: usize,
     /// Evaluations within a batch (before or after its backward, before its step).
@@ -106,119 +103,103 @@ impl From<RegistryEntries> for Entries {
     }
 }
 
-#[derive(Debug, Serialize, Deserialize)]
-struct EvalReport {
-    parameters: Vec<f32>,
-    /// Per batch: the bytes its training forward and backward sent, the most gathered bytes
-    /// whole at once then, those whole after its backward and after its step, and the
-    /// registry's entries as its training pass starts, after its backward and after its step.
-    sent: Vec<u64>,
-    gathered_peak: Vec<u64>,
-    alive_after_backward: Vec<u64>,
-    alive_after_step: Vec<u64>,
+/// The evaluations of an `EvalRun` and what the registry holds around each batch's training
+/// pass (`Observer`).
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct Evaluations {
+    /// `EvalRun`'s, and this process's evaluation items.
+    #[serde(skip)]
+    eval_every: usize,
+    #[serde(skip)]
+    within: Vec<(usize, Place)>,
+    #[serde(skip)]
+    items: Vec<usize>,
+    /// Per batch: the registry's entries as its training pass starts, after its backward and
+    /// after its step, and the gathered bytes whole after its step.
     at_start: Vec<Entries>,
     after_backward: Vec<Entries>,
     after_step: Vec<Entries>,
+    alive_after_step: Vec<u64>,
     evals: Vec<Eval>,
 }
 
-const BATCHES_PER_WINDOW: usize = 4;
+type TrainedMlp = Mlp<TrainingBackend>;
 
-fn eval_worker(args: &EvalRun) -> EvalReport {
-    type B = Accelerated<Autodiff<Flex>>;
-    let state = burn_accelerate::distributed::ProcessState::from_env().unwrap();
-    let device = Default::default();
-    let mut model = Mlp::<B>::new(&device);
-    let mut accelerator = AccelerateConfig::new()
-        .with_gradient_accumulation_steps(args.grad_accum)
-        .with_zero_stage(burn_accelerate::zero::ZeroStage::from_number(args.zero_stage).unwrap())
-        .init::<B>(&device)
-        .unwrap();
-    let mut optim = burn::optim::AdamConfig::new().init();
-    let mut report = EvalReport {
-        parameters: Vec::new(),
-        sent: Vec::new(),
-        gathered_peak: Vec::new(),
-        alive_after_backward: Vec::new(),
-        alive_after_step: Vec::new(),
-        at_start: Vec::new(),
-        after_backward: Vec::new(),
-        after_step: Vec::new(),
-        evals: Vec::new(),
-    };
-    // Six evaluation items per process (the training batches hold four), the same every time.
-    let eval_items: Vec<usize> = (0..6)
-        .map(|i| 1000 + state.process_index() * 6 + i)
-        .collect();
-    let evaluate = |model: &Mlp<B>, batch: usize, place: Place, evals: &mut Vec<Eval>| {
+impl Evaluations {
+    fn evaluate(&mut self, model: &TrainedMlp, batch: usize, place: Place) {
+        let device = Default::default();
         // Between a training pass's forward and backward, the peak goes on being the batch's.
         if place != Place::BeforeBackward {
-            burn_accelerate::zero::reset_gathered_peak();
+            reset_gathered_peak();
         }
-        let before = burn_accelerate::zero::sent_bytes();
+        let before = sent_bytes();
         let loss: f32 = if place == Place::ValidAfterBackward {
             let valid = model.valid();
             valid
-                .loss(Samples.batch(eval_items.clone(), &device))
+                .loss(Samples.batch(self.items.clone(), &device))
                 .into_scalar()
                 .elem()
         } else {
             // The training model's forward pass, its graph dropped without a backward.
-            let eval: Batch<B> = Samples.batch(eval_items.clone(), &device);
+            let eval: Batch<TrainingBackend> = Samples.batch(self.items.clone(), &device);
             model.loss(eval).into_scalar().elem()
         };
-        evals.push(Eval {
+        self.evals.push(Eval {
             batch,
             place,
             loss: loss.to_bits(),
-            sent: burn_accelerate::zero::sent_bytes() - before,
-            peak: burn_accelerate::zero::gathered_bytes().peak,
+            sent: sent_bytes() - before,
+            peak: gathered_bytes().peak,
         });
-    };
-    for batch in 0..BATCHES_PER_WINDOW * args.grad_accum {
-        let items: Vec<usize> = (0..4)
-            .map(|i| batch * 16 + state.process_index() * 4 + i)
-            .collect();
-        let train: Batch<B> = Samples.batch(items, &device);
-        let _step = accelerator.accumulate(&model);
-        report.at_start.push(registry_entries().into());
-        burn_accelerate::zero::reset_gathered_peak();
-        let before = burn_accelerate::zero::sent_bytes();
-        let loss = model.loss(train);
-        let mut evaluated = 0;
-        for &(at, place) in &args.within {
-            if at == batch && place == Place::BeforeBackward {
-                evaluate(&model, batch, place, &mut report.evals);
-                evaluated += report.evals.last().map_or(0, |e| e.sent);
+    }
+
+    /// The evaluations within `batch` before its backward, or after it.
+    fn evaluate_within(&mut self, model: &TrainedMlp, batch: usize, before_backward: bool) {
+        for (at, place) in self.within.clone() {
+            if at == batch && (place == Place::BeforeBackward) == before_backward {
+                self.evaluate(model, batch, place);
             }
-        }
-        accelerator.backward(loss, &model);
-        report
-            .sent
-            .push(burn_accelerate::zero::sent_bytes() - before - evaluated);
-        let bytes = burn_accelerate::zero::gathered_bytes();
-        report.gathered_peak.push(bytes.peak);
-        report.alive_after_backward.push(bytes.alive);
-        report.after_backward.push(registry_entries().into());
-        for &(at, place) in &args.within {
-            if at == batch && place != Place::BeforeBackward {
-                evaluate(&model, batch, place, &mut report.evals);
-            }
-        }
-        let (next, _) = accelerator
-            .optimizer_step(&mut optim, model, &mut 0.01)
-            .unwrap();
-        model = next;
-        report
-            .alive_after_step
-            .push(burn_accelerate::zero::gathered_bytes().alive);
-        report.after_step.push(registry_entries().into());
-        if batch.is_multiple_of(args.eval_every) {
-            evaluate(&model, batch, Place::AfterStep, &mut report.evals);
         }
     }
-    report.parameters = parameters(&model);
-    report
+}
+
+impl Observer<TrainedMlp> for Evaluations {
+    fn at_start(&mut self, _batch: usize) {
+        self.at_start.push(registry_entries().into());
+    }
+
+    fn before_backward(&mut self, model: &TrainedMlp, batch: usize) {
+        self.evaluate_within(model, batch, true);
+    }
+
+    fn after_backward(&mut self, model: &TrainedMlp, batch: usize) {
+        self.after_backward.push(registry_entries().into());
+        self.evaluate_within(model, batch, false);
+    }
+
+    fn after_step(&mut self, model: &TrainedMlp, batch: usize) {
+        self.alive_after_step.push(gathered_bytes().alive);
+        self.after_step.push(registry_entries().into());
+        if batch.is_multiple_of(self.eval_every) {
+            self.evaluate(model, batch, Place::AfterStep);
+        }
+    }
+}
+
+const BATCHES_PER_WINDOW: usize = 4;
+
+fn eval_worker(args: &EvalRun) -> Stage3Report<Evaluations> {
+    let process = ProcessState::from_env().unwrap().process_index();
+    // Six evaluation items per process (the training batches hold four), the same every time.
+    let evaluations = Evaluations {
+        eval_every: args.eval_every,
+        within: args.within.clone(),
+        items: (0..6).map(|i| 1000 + process * 6 + i).collect(),
+        ..Evaluations::default()
+    };
+    let model = Mlp::new(&Default::default());
+    let (config, forward) = (AccelerateConfig::new(), TrainedMlp::logits);
+    observed_training(args.training, config, model, samples, forward, evaluations)
 }
 
 /// Stage 3 with forward passes of the training model whose graphs are dropped without a
@@ -238,17 +219,13 @@ fn stage_3_forward_passes_dropped_without_backward_leave_nothing_and_end_where_s
     if let Some(args) = worker::<EvalRun>() {
         return report(&eval_worker(&args));
     }
-    // Every parameter in visiting order: its values and whether backward gathers it again.
-    let params: [(usize, bool); 6] = [
-        (FEATURES * HIDDEN, false),
-        (HIDDEN, false),
-        (HIDDEN * HIDDEN, true),
-        (HIDDEN, false),
-        (HIDDEN * CLASSES, true),
-        (CLASSES, false),
+    let layers = vec![
+        weight_and_bias(FEATURES * HIDDEN, HIDDEN, 4, false),
+        weight_and_bias(HIDDEN * HIDDEN, HIDDEN, 4, true),
+        weight_and_bias(HIDDEN * CLASSES, CLASSES, 4, true),
     ];
-    let largest = 4 * (HIDDEN * HIDDEN + HIDDEN) as u64;
-    let sizes: Vec<usize> = params.iter().map(|&(values, _)| values).collect();
+    let params = layers.iter().flatten().count();
+    let initial = parameters(&Mlp::<Flex>::new(&Default::default()));
     for (processes, grad_accum, eval_every, within) in [
         (2, 1, 1, vec![(2, Place::ValidAfterBackward)]),
         (
@@ -274,63 +251,33 @@ fn stage_3_forward_passes_dropped_without_backward_leave_nothing_and_end_where_s
             vec![(4, Place::AfterBackward), (3, Place::ValidAfterBackward)],
         ),
     ] {
-        let owners = burn_accelerate::zero::partition(&sizes, processes);
-        // A training pass: forward and backward gathers, and the reductions where it
-        // completes a window.
-        let training = |rank: usize, reduces: bool| -> u64 {
-            stage_3_sent(
-                params
-                    .iter()
-                    .map(|&(values, again)| (4 * values as u64, 4 * values as u64, again)),
-                &owners,
-                processes,
-                rank,
-                reduces,
-            )
+        let expected = Stage3Expected::new(layers.clone(), processes);
+        let batches = BATCHES_PER_WINDOW * grad_accum;
+        // Built whole: the first window gathers nothing. Each training pass sends exactly
+        // stage 3's formula for it (no dropped pass's node runs in its backward).
+        let training = Training {
+            zero_stage: 3,
+            precision: None,
+            grad_accum,
+            batches,
+            prepare: false,
         };
-        // An evaluation: one gather per parameter, nothing again, no reduction.
-        let evaluation = |rank: usize| -> u64 {
-            stage_3_sent(
-                params
-                    .iter()
-                    .map(|&(values, _)| (4 * values as u64, 4 * values as u64, false)),
-                &owners,
-                processes,
-                rank,
-                false,
-            )
+        let case = format!("{processes} processes, window {grad_accum}, eval every {eval_every}");
+        let args = |training| EvalRun {
+            training,
+            eval_every,
+            within: within.clone(),
         };
-        let run = |zero_stage: u8| -> Vec<EvalReport> {
-            launch(
-                TEST,
-                processes,
-                &EvalRun {
-                    zero_stage,
-                    grad_accum,
-                    eval_every,
-                    within: within.clone(),
-                },
-                &[],
-            )
-            .assert_success()
-            .reports(processes)
-        };
-        let (stage2, stage3) = (run(2), run(3));
+        let (stage2, stage3) =
+            stage_3_against_stage_2(TEST, &expected, training, Peak::OneLayer, args);
         for (rank, (s3, s2)) in stage3.iter().zip(&stage2).enumerate() {
-            let what = format!(
-                "{processes} processes, window {grad_accum}, eval every {eval_every}, rank {rank}"
-            );
-            assert_eq!(bits(&s3.parameters), bits(&s2.parameters), "{what}");
+            let what = format!("{case}, rank {rank}");
             // Training moved the parameters.
-            let initial = parameters(&Mlp::<Flex>::new(&Default::default()));
             assert_ne!(bits(&s3.parameters), bits(&initial), "{what}");
-            let batches = BATCHES_PER_WINDOW * grad_accum;
-            assert_eq!(s3.sent.len(), batches, "{what}");
+            let (s3, s2): (&Evaluations, &Evaluations) = (&s3.observed, &s2.observed);
             for batch in 0..batches {
                 let what = format!("{what}, batch {batch}");
-                assert_eq!((s2.sent[batch], s2.gathered_peak[batch]), (0, 0), "{what}");
-                // Nothing gathered is left whole after a backward or a step.
-                assert_eq!(s3.alive_after_backward[batch], 0, "{what}");
+                // Nothing gathered is left whole after a step.
                 assert_eq!(s3.alive_after_step[batch], 0, "{what}");
                 // No pass finds another's anchors, and none is left after a backward.
                 let (start, backward, step) = (
@@ -350,10 +297,9 @@ fn stage_3_forward_passes_dropped_without_backward_leave_nothing_and_end_where_s
                         (0, 0),
                         "{what}: {entries:?}"
                     );
-                    assert!(entries.shards <= params.len(), "{what}: {entries:?}");
+                    assert!(entries.shards <= params, "{what}: {entries:?}");
                 }
-                let completes = (batch + 1).is_multiple_of(grad_accum);
-                if completes {
+                if (batch + 1).is_multiple_of(grad_accum) {
                     // The step released the parameters: the registry starts afresh.
                     assert_eq!(
                         (step.shards, step.anchors, step.views, step.window),
@@ -361,14 +307,6 @@ fn stage_3_forward_passes_dropped_without_backward_leave_nothing_and_end_where_s
                         "{what}: {step:?}"
                     );
                 }
-                if batch < grad_accum {
-                    // The first window: the model is whole everywhere.
-                    assert_eq!((s3.sent[batch], s3.gathered_peak[batch]), (0, 0), "{what}");
-                    continue;
-                }
-                let peak = s3.gathered_peak[batch];
-                assert!(peak > 0 && peak <= largest, "{what}: {peak} > {largest}");
-                assert_sent(s3.sent[batch], training(rank, completes), &what);
             }
             // Every evaluation ran, at both stages, and read the same losses.
             let expected_evals = batches.div_ceil(eval_every) + within.len();
@@ -390,10 +328,12 @@ fn stage_3_forward_passes_dropped_without_backward_leave_nothing_and_end_where_s
                     assert_eq!((e3.sent, e3.peak), (0, 0), "{what}");
                     continue;
                 }
-                assert_sent(e3.sent, evaluation(rank), &what);
+                // One gather per parameter, nothing again, no reduction.
+                assert_sent(e3.sent, expected.sent_by_forward(rank), &what);
                 if e3.place != Place::ValidAfterBackward {
                     // The training model's layers gather for their ops alone; `valid()`'s
                     // copy is the whole model, counted until the step.
+                    let largest = expected.largest();
                     assert!(
                         e3.peak > 0 && e3.peak <= largest,
                         "{what}: {} > {largest}",
