@@ -79,7 +79,7 @@ struct BoundsRun {
 }
 
 fn bounds_worker(args: &BoundsRun) -> Stage3Report {
-    let device = Default::default();
+    let device: TrainingDevice = Default::default();
     let training = args.training;
     match args.model {
         Model::RmsNormed { cast_linears } => {
@@ -88,7 +88,7 @@ fn bounds_worker(args: &BoundsRun) -> Stage3Report {
                 false => SmallOps::KeepF32,
             };
             let config = AccelerateConfig::new().with_small_ops(Some(small_ops));
-            let model = Normed::new(NormKind::Rms, &device);
+            let model = Normed::<TrainingBackend>::new(NormKind::Rms, &device);
             let forward = |model: &Normed<_>, x| model.logits(x, true);
             observed_training(training, config, model, samples, forward, ())
         }
@@ -96,10 +96,17 @@ fn bounds_worker(args: &BoundsRun) -> Stage3Report {
             let classes = OpClasses::new().with(Op::Matmul, OpClass::Fp32);
             let config = AccelerateConfig::new().with_op_classes(classes);
             let forward = |model: &Mixed<_>, x| model.forward(x);
-            observed_training(training, config, Mixed::new(&device), samples, forward, ())
+            observed_training(
+                training,
+                config,
+                Mixed::<TrainingBackend>::new(&device),
+                samples,
+                forward,
+                (),
+            )
         }
         Model::ConvNet => {
-            let model = ConvNet::new(&device);
+            let model = ConvNet::<TrainingBackend>::new(&device);
             let forward = |model: &ConvNet<_>, x| model.forward(x);
             observed_training(
                 training,
@@ -145,7 +152,13 @@ fn bounds_against_stage_2(
     let expected = Stage3Expected::new(layers(model), processes);
     let training = Training::sharded(Some(precision), grad_accum, 3);
     let args = |training| BoundsRun { training, model };
-    stage_3_against_stage_2::<_, ()>(test, &expected, training, Peak::Bound, args);
+    stage_3_against_stage_2::<_, ()>(
+        test,
+        &expected,
+        training,
+        (Peak::Bound, Agreement::Bits),
+        args,
+    );
 }
 
 // Each process count, window and half type at least once (f16 with the loss scaler). A

@@ -257,7 +257,13 @@ fn conv_against_stage_2(
     let expected = Stage3Expected::new(net.layers(), processes);
     let training = Training::sharded(precision, grad_accum, 3);
     let args = |training| ConvRun { training, net };
-    stage_3_against_stage_2::<_, ()>(test, &expected, training, Peak::Bound, args);
+    stage_3_against_stage_2::<_, ()>(
+        test,
+        &expected,
+        training,
+        (Peak::Bound, Agreement::Bits),
+        args,
+    );
 }
 
 /// Each layer's parameters are gathered for its ops alone: the most whole at once on a
