@@ -27,6 +27,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::harness::{self, launch, max_relative_difference, report, worker};
 use crate::mlp::{BlobBatcher, Mlp, MlpComponents, QuietRenderer, blobs};
+use crate::sharded_resume::{copy_tree, own_copy, process_copy, sizes};
 use crate::{bits, parameters};
 
 type Train = burn_accelerate::Accelerated<burn::backend::Autodiff<burn::backend::Flex>>;
@@ -60,11 +61,7 @@ struct RunReport {
 fn train(args: &Run) -> RunReport {
     let state = ProcessState::from_env().unwrap();
     let rank = state.process_index();
-    let dir = if args.per_process {
-        args.dir.join(format!("rank-{rank}"))
-    } else {
-        args.dir.clone()
-    };
+    let dir = own_copy(&args.dir, args.per_process);
     let device = Default::default();
     let loader = ShardLoaderBuilder::new(
         DataLoaderConfig::new(48 / args.processes)
@@ -119,34 +116,6 @@ fn train(args: &Run) -> RunReport {
     }
 }
 
-/// Every float parameter's number of values, in visiting order: what the partition is of.
-fn sizes() -> Vec<usize> {
-    use burn::module::{Module, ModuleVisitor, Param};
-    use burn::tensor::Tensor;
-    struct Sizes(Vec<usize>);
-    impl<B: Backend> ModuleVisitor<B> for Sizes {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            self.0.push(param.lazy_shape().num_elements());
-        }
-    }
-    let mut sizes = Sizes(Vec::new());
-    Mlp::<burn::backend::Flex>::new(16, &Default::default()).visit(&mut sizes);
-    sizes.0
-}
-
-fn copy_tree(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let entry = entry.unwrap();
-        let target = to.join(entry.file_name());
-        if entry.file_type().unwrap().is_dir() {
-            copy_tree(&entry.path(), &target);
-        } else {
-            std::fs::copy(entry.path(), target).unwrap();
-        }
-    }
-}
-
 #[test]
 fn the_start_up_check_of_a_sharded_stage_3_checkpoint_holds_only_what_each_process_loads() {
     const TEST: &str = "precheck_memory::the_start_up_check_of_a_sharded_stage_3_checkpoint_holds_only_what_each_process_loads";
@@ -171,7 +140,7 @@ fn the_start_up_check_of_a_sharded_stage_3_checkpoint_holds_only_what_each_proce
     let copies = |name: &str, world: usize| {
         let to = dir.join(name);
         for rank in 0..world {
-            copy_tree(&saved, &to.join(format!("rank-{rank}")));
+            copy_tree(&saved, &process_copy(&to, rank));
         }
         to
     };
@@ -224,7 +193,7 @@ fn the_start_up_check_of_a_sharded_stage_3_checkpoint_holds_only_what_each_proce
     // On 3 processes, process 1's copy with an optimizer file it reads (of the saved process
     // that owned its first parameter) altered after its check, which did not keep it: refused
     // by name at the resume, as changed after the check, and not loaded.
-    let sizes = sizes();
+    let sizes = sizes(&Mlp::<burn::backend::Flex>::new(16, &Default::default()));
     let old = burn_accelerate::zero::partition(&sizes, 2);
     let new = burn_accelerate::zero::partition(&sizes, 3);
     let place = new.iter().position(|&owner| owner == 1).unwrap();

@@ -69,7 +69,7 @@ pub(super) fn copies_for_each_process(
 ) -> usize {
     let mut deleted = 0;
     for rank in 0..world {
-        let copy = to.join(format!("rank-{rank}")).join(sub);
+        let copy = process_copy(to, rank).join(sub);
         std::fs::create_dir_all(&copy).unwrap();
         for file in std::fs::read_dir(from).unwrap() {
             let file = file.unwrap();
@@ -92,35 +92,82 @@ pub(super) fn copies_for_each_process(
     deleted
 }
 
-/// This process's directory of `dir` (`rank-R`), where `per_process`.
+/// [`copies_for_each_process`] of a strategy run's directory `saved` (its checkpoints in
+/// `checkpoint`), with Burn's metric logs of the epochs before in the main process's copy: it
+/// reads them back.
+pub(super) fn strategy_copies_for_each_process(
+    saved: &Path,
+    to: &Path,
+    world: usize,
+    number: usize,
+    saved_by: usize,
+    needs: impl Fn(usize, &str) -> Vec<usize>,
+) -> usize {
+    let deleted = copies_for_each_process(
+        &saved.join("checkpoint"),
+        to,
+        "checkpoint",
+        world,
+        number,
+        saved_by,
+        needs,
+    );
+    for entry in std::fs::read_dir(saved).unwrap() {
+        let entry = entry.unwrap();
+        if entry.file_type().unwrap().is_dir() && entry.file_name() != "checkpoint" {
+            copy_tree(&entry.path(), &process_copy(to, 0).join(entry.file_name()));
+        }
+    }
+    deleted
+}
+
+/// Process `rank`'s copy (`rank-R`) among the copies for each process under `dir`.
+pub(super) fn process_copy(dir: &Path, rank: usize) -> PathBuf {
+    dir.join(format!("rank-{rank}"))
+}
+
+/// This process's copy of `dir` where `per_process`; `dir` itself otherwise.
 pub(super) fn own_copy(dir: &Path, per_process: bool) -> PathBuf {
     if per_process {
-        let rank = ProcessState::from_env().unwrap().process_index();
-        dir.join(format!("rank-{rank}"))
+        process_copy(dir, ProcessState::from_env().unwrap().process_index())
     } else {
         dir.to_path_buf()
     }
 }
 
+/// A run whose processes each read their own copy of its directory ([`own_copy`]) where
+/// `per_process`.
 #[derive(Debug, Serialize, Deserialize)]
-struct HandRun {
-    run: HandLoop,
-    /// Resume from `run.resume_from`'s `rank-R` (this process's copy).
-    per_process: bool,
+pub(super) struct FromCopy<T> {
+    pub run: T,
+    pub per_process: bool,
+}
+
+impl FromCopy<HandLoop> {
+    /// [`hand_loop`], resumed from this process's copy of `run.resume_from`.
+    pub fn train(mut self) -> HandLoopReport {
+        self.run.resume_from = self
+            .run
+            .resume_from
+            .map(|dir| own_copy(&dir, self.per_process));
+        hand_loop::<burn::backend::Autodiff<burn::backend::Flex>>(&self.run)
+    }
+}
+
+impl FromCopy<supervised::Run> {
+    /// [`supervised::train`] in this process's copy of `run.dir`.
+    pub fn train(mut self) -> supervised::RunReport {
+        self.run.dir = self.run.dir.map(|dir| own_copy(&dir, self.per_process));
+        supervised::train(&self.run)
+    }
 }
 
 #[test]
 fn sharded_resume_by_hand_reads_only_the_files_of_its_partition() {
     const TEST: &str =
         "sharded_resume::sharded_resume_by_hand_reads_only_the_files_of_its_partition";
-    if let Some(mut args) = worker::<HandRun>() {
-        args.run.resume_from = args
-            .run
-            .resume_from
-            .map(|dir| own_copy(&dir, args.per_process));
-        return report(&hand_loop::<burn::backend::Autodiff<burn::backend::Flex>>(
-            &args.run,
-        ));
+    if let Some(run) = worker::<FromCopy<HandLoop>>() {
+        return report(&run.train());
     }
     // A global batch of 12, Adam, ZeRO stage 3 on 2 processes, the checkpoint written sharded
     // (as the stage 3 checkpoint tests of main.rs).
@@ -138,7 +185,7 @@ fn sharded_resume_by_hand_reads_only_the_files_of_its_partition() {
         resume_from: None,
         sharded_checkpoint: true,
     };
-    let hand = |run: HandLoop, per_process: bool| HandRun { run, per_process };
+    let hand = |run: HandLoop, per_process: bool| FromCopy { run, per_process };
     let whole: Vec<HandLoopReport> = launch(TEST, 2, &hand(args(2, 3, 2), false), &[])
         .assert_success()
         .reports(2);
@@ -205,19 +252,11 @@ fn sharded_resume_by_hand_reads_only_the_files_of_its_partition() {
     harness::clean(&dir);
 }
 
-#[derive(Debug, Serialize, Deserialize)]
-struct StrategyRun {
-    run: supervised::Run,
-    /// Run in `run.dir`'s `rank-R` (this process's copy).
-    per_process: bool,
-}
-
 #[test]
 fn sharded_resume_with_accelerate_reads_only_the_optimizer_files_of_its_partition() {
     const TEST: &str = "sharded_resume::sharded_resume_with_accelerate_reads_only_the_optimizer_files_of_its_partition";
-    if let Some(mut args) = worker::<StrategyRun>() {
-        args.run.dir = args.run.dir.map(|dir| own_copy(&dir, args.per_process));
-        return report(&supervised::train(&args.run));
+    if let Some(run) = worker::<FromCopy<supervised::Run>>() {
+        return report(&run.train());
     }
     // A global batch of 48 over 192 items (the same batches on 1, 2 and 3 processes), Adam
     // through Burn's Learner, ZeRO stage 2 on 2 processes, the strategy's own checkpoints
@@ -235,7 +274,7 @@ fn sharded_resume_with_accelerate_reads_only_the_optimizer_files_of_its_partitio
             ..Default::default()
         }
     };
-    let strategy = |run: supervised::Run, per_process: bool| StrategyRun { run, per_process };
+    let strategy = |run: supervised::Run, per_process: bool| FromCopy { run, per_process };
     let whole_dir = harness::scratch_dir("sharded-resume-strategy-whole");
     let whole: Vec<supervised::RunReport> = launch(
         TEST,
@@ -264,26 +303,11 @@ fn sharded_resume_with_accelerate_reads_only_the_optimizer_files_of_its_partitio
     // partition's state alone.
     for zero_stage in [2, 3] {
         let copies = dir.join(format!("three-stage-{zero_stage}"));
-        let deleted = copies_for_each_process(
-            &saved_dir.join("checkpoint"),
-            &copies,
-            "checkpoint",
-            3,
-            2,
-            2,
-            |rank, part| overlapping(&sizes, 2, rank, 3, part == "model"),
-        );
+        let deleted =
+            strategy_copies_for_each_process(&saved_dir, &copies, 3, 2, 2, |rank, part| {
+                overlapping(&sizes, 2, rank, 3, part == "model")
+            });
         assert!(deleted > 0, "some process of 3 needs fewer optimizer files");
-        // Burn's metric logs of the epochs before: the main process reads them back.
-        for entry in std::fs::read_dir(&saved_dir).unwrap() {
-            let entry = entry.unwrap();
-            if entry.file_type().unwrap().is_dir() && entry.file_name() != "checkpoint" {
-                copy_tree(
-                    &entry.path(),
-                    &copies.join("rank-0").join(entry.file_name()),
-                );
-            }
-        }
         let resumed: Vec<supervised::RunReport> = launch(
             TEST,
             3,

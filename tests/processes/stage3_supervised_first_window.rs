@@ -30,7 +30,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::harness::{self, launch, max_relative_difference, report, worker};
 use crate::mlp::{BlobBatch, BlobBatcher, CLASSES, FEATURES, Mlp, QuietRenderer, Sample, blobs};
-use crate::sharded_resume::{copies_for_each_process, copy_tree, overlapping, own_copy, sizes};
+use crate::sharded_resume::{FromCopy, overlapping, sizes, strategy_copies_for_each_process};
 use crate::{assert_sent, bits, parameters, stage_3_sent, supervised};
 
 type Train = Accelerated<Autodiff<Flex>>;
@@ -266,13 +266,6 @@ fn stage_3_with_accelerate_gathers_per_layer_and_reduces_in_backward_from_the_fi
     }
 }
 
-#[derive(Debug, Serialize, Deserialize)]
-struct ResumeRun {
-    run: supervised::Run,
-    /// Run in `run.dir`'s `rank-R` (this process's copy).
-    per_process: bool,
-}
-
 /// A sharded stage 3 checkpoint of `with_accelerate` (2 processes) resumed at stage 3 on 2 and
 /// on 3 processes, each process other than the main one given a copy of the checkpoint
 /// directory without the model and optimizer files of the processes whose partitions do not
@@ -283,9 +276,8 @@ struct ResumeRun {
 fn a_sharded_stage_3_supervised_checkpoint_is_resumed_from_the_files_of_each_partition() {
     const TEST: &str = "stage3_supervised_first_window::\
         a_sharded_stage_3_supervised_checkpoint_is_resumed_from_the_files_of_each_partition";
-    if let Some(mut args) = worker::<ResumeRun>() {
-        args.run.dir = args.run.dir.map(|dir| own_copy(&dir, args.per_process));
-        return report(&supervised::train(&args.run));
+    if let Some(run) = worker::<FromCopy<supervised::Run>>() {
+        return report(&run.train());
     }
     // A global batch of 48 over 192 items: 4 batches an epoch, the same on 2 and 3 processes.
     let run = |processes: usize, grad_accum: usize, epochs: usize, dir: &Path, resume_from| {
@@ -301,7 +293,7 @@ fn a_sharded_stage_3_supervised_checkpoint_is_resumed_from_the_files_of_each_par
             ..Default::default()
         }
     };
-    let with = |run: supervised::Run, per_process: bool| ResumeRun { run, per_process };
+    let with = |run: supervised::Run, per_process: bool| FromCopy { run, per_process };
     let sizes = sizes(&Mlp::<Flex>::new(16, &Default::default()));
     for grad_accum in [1, 3] {
         let whole_dir = harness::scratch_dir(&format!("first-window-whole-{grad_accum}"));
@@ -325,26 +317,15 @@ fn a_sharded_stage_3_supervised_checkpoint_is_resumed_from_the_files_of_each_par
         for processes in [2, 3] {
             let what = format!("window {grad_accum}, {processes} processes");
             let copies = dir.join(format!("on-{processes}"));
-            let deleted = copies_for_each_process(
-                &saved_dir.join("checkpoint"),
+            let deleted = strategy_copies_for_each_process(
+                &saved_dir,
                 &copies,
-                "checkpoint",
                 processes,
                 2,
                 2,
                 |rank, _| overlapping(&sizes, 2, rank, processes, false),
             );
             assert!(deleted > 0, "{what}: some process needs fewer model files");
-            // Burn's metric logs of the epochs before: the main process reads them back.
-            for entry in std::fs::read_dir(&saved_dir).unwrap() {
-                let entry = entry.unwrap();
-                if entry.file_type().unwrap().is_dir() && entry.file_name() != "checkpoint" {
-                    copy_tree(
-                        &entry.path(),
-                        &copies.join("rank-0").join(entry.file_name()),
-                    );
-                }
-            }
             let resumed: Vec<supervised::RunReport> = launch(
                 TEST,
                 processes,
