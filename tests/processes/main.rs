@@ -14,6 +14,7 @@ mod mlp;
 mod needs;
 mod one_save;
 mod precheck_memory;
+mod resume;
 mod sharded_resume;
 mod stage3_autocast_more;
 mod stage3_bounds;
@@ -46,8 +47,10 @@ use burn_accelerate::fp8::Fp8Mode;
 use burn_accelerate::train::AccelerateCheckpoint;
 use burn_accelerate::{AccelerateConfig, Accelerated, Precision};
 use harness::{launch, max_relative_difference, report, worker};
+use resume::{HandCheckpoint, StrategyCheckpoint};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use sharded_resume::FromCopy;
 
 /// Every float parameter of `module`, in visiting order.
 fn parameters<B: Backend, M: Module<B>>(module: &M) -> Vec<f32> {
@@ -1540,218 +1543,109 @@ fn stage_3_gathers_an_embedding_and_a_matmul_parameter_for_their_ops_alone() {
     }
 }
 
+/// How many parameters' Adam state the consolidated checkpoint 1 of a `Net` in `dir` holds, as
+/// Burn loads it by itself.
+fn saved_adam_states(dir: &std::path::Path) -> usize {
+    use burn::optim::Optimizer;
+    use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
+    fn load<O: Optimizer<Net<Autodiff<Flex>>, Autodiff<Flex>>>(_: O, bytes: Vec<u8>) -> O::Record {
+        Recorder::<Autodiff<Flex>>::load(
+            &NamedMpkBytesRecorder::<FullPrecisionSettings>::new(),
+            bytes,
+            &Default::default(),
+        )
+        .unwrap()
+    }
+    let checkpoint = burn_accelerate::checkpoint::CheckpointDir::new(dir)
+        .load(1)
+        .unwrap();
+    let state = load(
+        burn::optim::AdamConfig::new().init(),
+        checkpoint.files["optimizer-1.mpk"].clone(),
+    );
+    state.len()
+}
+
+/// The `Net` in a checkpoint's model file, as Burn loads it by itself on a backend without
+/// autodiff or this crate's decorator.
+fn saved_net(bytes: Vec<u8>) -> Net<Flex> {
+    use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
+    let record: NetRecord<Flex> = Recorder::<Flex>::load(
+        &NamedMpkBytesRecorder::<FullPrecisionSettings>::new(),
+        bytes,
+        &Default::default(),
+    )
+    .unwrap();
+    Net::<Flex>::new(&Default::default()).load_record(record)
+}
+
 #[test]
 fn a_sharded_optimizer_state_resumes_on_any_number_of_processes_at_any_stage() {
     const TEST: &str = "a_sharded_optimizer_state_resumes_on_any_number_of_processes_at_any_stage";
-    if let Some(args) = worker::<HandLoop>() {
-        return report(&hand_loop::<Autodiff<Flex>>(&args));
+    if let Some(run) = worker::<FromCopy<HandLoop>>() {
+        return report(&run.train());
     }
-    // A global batch of 12 whatever the number of processes; Adam, whose state is per
-    // parameter, so that each stage-2 process holds part of it.
-    let args = |processes: usize, zero_stage: u8, epochs: usize| HandLoop {
-        batch_size: 12 / processes,
-        grad_accum: 1,
-        epochs,
-        precision: Precision::F32,
-        overflow_rank: None,
-        overflow_batch: 0,
-        zero_stage,
-        adam: true,
-        clip_norm: None,
-        save_to: None,
-        resume_from: None,
-        sharded_checkpoint: false,
-    };
-    let whole: Vec<HandLoopReport> = launch(TEST, 2, &args(2, 2, 2), &[])
-        .assert_success()
-        .reports(2);
+    // Saved at stage 2, where each process holds part of Adam's state.
+    let checkpoint = HandCheckpoint::new(TEST, false, 2);
     let dir = harness::scratch_dir("sharded-optimizer-state");
-    let first = HandLoop {
-        save_to: Some(dir.clone()),
-        ..args(2, 2, 1)
-    };
-    launch(TEST, 2, &first, &[]).assert_success();
+    checkpoint.save(2, &dir);
     // The checkpoint holds the state of every parameter: the consolidated one.
-    {
-        use burn::optim::Optimizer;
-        use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
-        fn load<O: Optimizer<Net<Autodiff<Flex>>, Autodiff<Flex>>>(
-            _: O,
-            bytes: Vec<u8>,
-        ) -> O::Record {
-            Recorder::<Autodiff<Flex>>::load(
-                &NamedMpkBytesRecorder::<FullPrecisionSettings>::new(),
-                bytes,
-                &Default::default(),
-            )
-            .unwrap()
-        }
-        let checkpoint = burn_accelerate::checkpoint::CheckpointDir::new(&dir)
-            .load(1)
-            .unwrap();
-        let whole = load(
-            burn::optim::AdamConfig::new().init(),
-            checkpoint.files["optimizer-1.mpk"].clone(),
-        );
-        assert_eq!(whole.len(), 4, "two weights and two biases");
-    }
-    let resume = |processes: usize, zero_stage: u8| HandLoop {
-        resume_from: Some(dir.clone()),
-        ..args(processes, zero_stage, 1)
-    };
+    assert_eq!(saved_adam_states(&dir), 4, "two weights and two biases");
     // The same processes and stage: bit for bit.
-    let same: Vec<HandLoopReport> = launch(TEST, 2, &resume(2, 2), &[])
-        .assert_success()
-        .reports(2);
-    assert_eq!(bits(&same[0].parameters), bits(&whole[0].parameters));
-    assert_eq!(same[0].outcomes, whole[0].outcomes[8..]);
+    let same = checkpoint.resume(2, 2, &dir);
+    checkpoint.assert_bit_for_bit(&same, "2 processes at stage 2");
     // Re-partitioned over other numbers of processes, and at other stages: the same training
     // to rounding (sums in another order). Stage 3 starts from the whole loaded model and
     // releases it after its first step.
     for (processes, zero_stage) in [(3, 1), (4, 2), (1, 0), (2, 0), (3, 3)] {
-        let resumed: Vec<HandLoopReport> =
-            launch(TEST, processes, &resume(processes, zero_stage), &[])
-                .assert_success()
-                .reports(processes);
-        for r in &resumed {
-            assert_eq!(bits(&r.parameters), bits(&resumed[0].parameters));
-            if zero_stage == 3 {
-                assert!(
-                    r.held_after_step.iter().all(|&h| h == 0),
-                    "{:?}",
-                    r.held_after_step
-                );
-            }
-        }
-        let d = max_relative_difference(&resumed[0].parameters, &whole[0].parameters);
-        assert!(
-            d < 1e-5,
-            "{processes} processes at stage {zero_stage}: {d:e}"
-        );
+        let resumed = checkpoint.resume(processes, zero_stage, &dir);
+        let what = format!("{processes} processes at stage {zero_stage}");
+        checkpoint.assert_to_rounding(&resumed, zero_stage, &what);
     }
     // Without its optimizer state the resumed run would differ: the check can fail.
-    let fresh: Vec<HandLoopReport> = launch(TEST, 2, &args(2, 2, 1), &[])
-        .assert_success()
-        .reports(2);
-    assert!(max_relative_difference(&fresh[0].parameters, &whole[0].parameters) > 1e-3);
+    let fresh = checkpoint.train(2, checkpoint.args(2, 2, 1));
+    let whole = &checkpoint.whole[0].parameters;
+    assert!(max_relative_difference(&fresh[0].parameters, whole) > 1e-3);
     harness::clean(&dir);
 }
 
 #[test]
 fn a_stage_3_checkpoint_resumes_on_other_process_counts_and_stages() {
     const TEST: &str = "a_stage_3_checkpoint_resumes_on_other_process_counts_and_stages";
-    if let Some(args) = worker::<HandLoop>() {
-        return report(&hand_loop::<Autodiff<Flex>>(&args));
+    if let Some(run) = worker::<FromCopy<HandLoop>>() {
+        return report(&run.train());
     }
-    // A global batch of 12 whatever the number of processes, Adam (state per parameter):
-    // stage 3 on 2 processes, where each process holds half of the parameters and of the
+    // Stage 3 on 2 processes, where each process holds half of the parameters and of the
     // optimizer state between steps.
-    let args = |processes: usize, zero_stage: u8, epochs: usize| HandLoop {
-        batch_size: 12 / processes,
-        grad_accum: 1,
-        epochs,
-        precision: Precision::F32,
-        overflow_rank: None,
-        overflow_batch: 0,
-        zero_stage,
-        adam: true,
-        clip_norm: None,
-        save_to: None,
-        resume_from: None,
-        sharded_checkpoint: false,
-    };
-    let whole: Vec<HandLoopReport> = launch(TEST, 2, &args(2, 3, 2), &[])
-        .assert_success()
-        .reports(2);
+    let checkpoint = HandCheckpoint::new(TEST, false, 3);
     let dir = harness::scratch_dir("stage-3-checkpoint");
-    let first = HandLoop {
-        save_to: Some(dir.clone()),
-        ..args(2, 3, 1)
-    };
-    let saved: Vec<HandLoopReport> = launch(TEST, 2, &first, &[]).assert_success().reports(2);
+    let saved = checkpoint.save(3, &dir);
     // Parameters stay released on both processes (the save gathered clones).
     assert!(
         saved
             .iter()
             .all(|r| r.held_after_step.iter().all(|&h| h == 0))
     );
-    // The checkpoint is a whole model Burn loads by itself, on a backend without autodiff or
-    // this crate's decorator: the parameters the run ended with, bit for bit; and the whole
-    // optimizer state.
-    {
-        use burn::optim::Optimizer;
-        use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
-        let checkpoint = burn_accelerate::checkpoint::CheckpointDir::new(&dir)
-            .load(1)
-            .unwrap();
-        let recorder = NamedMpkBytesRecorder::<FullPrecisionSettings>::new();
-        let record: NetRecord<Flex> = Recorder::<Flex>::load(
-            &recorder,
-            checkpoint.files["model-1.mpk"].clone(),
-            &Default::default(),
-        )
+    // The checkpoint is a whole model Burn loads by itself: the parameters the run ended with,
+    // bit for bit; and the whole optimizer state.
+    let listed = burn_accelerate::checkpoint::CheckpointDir::new(&dir)
+        .load(1)
         .unwrap();
-        let loaded = Net::<Flex>::new(&Default::default()).load_record(record);
-        assert_eq!(bits(&parameters(&loaded)), bits(&saved[0].parameters));
-        fn load<O: Optimizer<Net<Autodiff<Flex>>, Autodiff<Flex>>>(
-            _: O,
-            bytes: Vec<u8>,
-        ) -> O::Record {
-            Recorder::<Autodiff<Flex>>::load(
-                &NamedMpkBytesRecorder::<FullPrecisionSettings>::new(),
-                bytes,
-                &Default::default(),
-            )
-            .unwrap()
-        }
-        let state = load(
-            burn::optim::AdamConfig::new().init(),
-            checkpoint.files["optimizer-1.mpk"].clone(),
-        );
-        assert_eq!(state.len(), 4, "two weights and two biases");
-    }
-    let resume = |processes: usize, zero_stage: u8| HandLoop {
-        resume_from: Some(dir.clone()),
-        ..args(processes, zero_stage, 1)
-    };
+    let loaded = saved_net(listed.files["model-1.mpk"].clone());
+    assert_eq!(bits(&parameters(&loaded)), bits(&saved[0].parameters));
+    assert_eq!(saved_adam_states(&dir), 4, "two weights and two biases");
     // The same processes and stage, and stage 2 on them (stage 3 steps as stage 2 does, in
     // the same order): bit for bit.
     for zero_stage in [3, 2] {
-        let same: Vec<HandLoopReport> = launch(TEST, 2, &resume(2, zero_stage), &[])
-            .assert_success()
-            .reports(2);
-        for r in &same {
-            assert_eq!(
-                bits(&r.parameters),
-                bits(&whole[0].parameters),
-                "stage {zero_stage}"
-            );
-            assert_eq!(r.outcomes, whole[0].outcomes[8..], "stage {zero_stage}");
-        }
+        let same = checkpoint.resume(2, zero_stage, &dir);
+        checkpoint.assert_bit_for_bit(&same, &format!("stage {zero_stage}"));
     }
     // Another number of processes, at stage 0 and at stage 3: the same training to rounding
-    // (the mean over other parts sums in another order), within the 1e-5 that the stage-2
-    // checkpoint's resumes above hold.
+    // (the mean over other parts sums in another order), as the stage-2 checkpoint's resumes.
     for (processes, zero_stage) in [(1, 0), (3, 3)] {
-        let resumed: Vec<HandLoopReport> =
-            launch(TEST, processes, &resume(processes, zero_stage), &[])
-                .assert_success()
-                .reports(processes);
-        for r in &resumed {
-            assert_eq!(bits(&r.parameters), bits(&resumed[0].parameters));
-            if zero_stage == 3 {
-                assert!(
-                    r.held_after_step.iter().all(|&h| h == 0),
-                    "{:?}",
-                    r.held_after_step
-                );
-            }
-        }
-        let d = max_relative_difference(&resumed[0].parameters, &whole[0].parameters);
-        assert!(
-            d < 1e-5,
-            "{processes} processes at stage {zero_stage}: {d:e}"
-        );
+        let resumed = checkpoint.resume(processes, zero_stage, &dir);
+        let what = format!("{processes} processes at stage {zero_stage}");
+        checkpoint.assert_to_rounding(&resumed, zero_stage, &what);
     }
     harness::clean(&dir);
 }
@@ -1759,39 +1653,17 @@ fn a_stage_3_checkpoint_resumes_on_other_process_counts_and_stages() {
 #[test]
 fn a_sharded_stage_3_checkpoint_resumes_on_other_process_counts_and_stages() {
     const TEST: &str = "a_sharded_stage_3_checkpoint_resumes_on_other_process_counts_and_stages";
-    use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
     use burn_accelerate::checkpoint::{CheckpointDir, FileDigest, Manifest};
-    if let Some(args) = worker::<HandLoop>() {
-        return report(&hand_loop::<Autodiff<Flex>>(&args));
+    if let Some(run) = worker::<FromCopy<HandLoop>>() {
+        return report(&run.train());
     }
-    // As the consolidated stage 3 checkpoint's test above: a global batch of 12, Adam, stage
-    // 3 on 2 processes; the checkpoint written sharded.
-    let args = |processes: usize, zero_stage: u8, epochs: usize| HandLoop {
-        batch_size: 12 / processes,
-        grad_accum: 1,
-        epochs,
-        precision: Precision::F32,
-        overflow_rank: None,
-        overflow_batch: 0,
-        zero_stage,
-        adam: true,
-        clip_norm: None,
-        save_to: None,
-        resume_from: None,
-        sharded_checkpoint: true,
-    };
-    let whole: Vec<HandLoopReport> = launch(TEST, 2, &args(2, 3, 2), &[])
-        .assert_success()
-        .reports(2);
+    // As the consolidated stage 3 checkpoint's test above; the checkpoint written sharded.
+    let checkpoint = HandCheckpoint::new(TEST, true, 3);
     let dir = harness::scratch_dir("sharded-stage-3-checkpoint");
-    let first = HandLoop {
-        save_to: Some(dir.clone()),
-        ..args(2, 3, 1)
-    };
-    let saved: Vec<HandLoopReport> = launch(TEST, 2, &first, &[]).assert_success().reports(2);
-    let checkpoint = CheckpointDir::new(&dir).load(1).unwrap();
+    let saved = checkpoint.save(3, &dir);
+    let listed = CheckpointDir::new(&dir).load(1).unwrap();
     assert_eq!(
-        checkpoint.files.keys().collect::<Vec<_>>(),
+        listed.files.keys().collect::<Vec<_>>(),
         [
             "accelerator-1.json",
             "loader.json",
@@ -1804,16 +1676,9 @@ fn a_sharded_stage_3_checkpoint_resumes_on_other_process_counts_and_stages() {
     // Each process's model file holds its partition alone (Burn reads it by itself: the
     // others' parameters have no elements), and the two hold every parameter between them,
     // the values the run ended with.
-    let recorder = NamedMpkBytesRecorder::<FullPrecisionSettings>::new();
     let mut merged = vec![Vec::new(); 4];
     for rank in 0..2 {
-        let record: NetRecord<Flex> = Recorder::<Flex>::load(
-            &recorder,
-            checkpoint.files[&format!("model-1.shard-{rank}-of-2.mpk")].clone(),
-            &Default::default(),
-        )
-        .unwrap();
-        let net = Net::<Flex>::new(&Default::default()).load_record(record);
+        let net = saved_net(listed.files[&format!("model-1.shard-{rank}-of-2.mpk")].clone());
         let held = [
             net.hidden.weight.val().into_data(),
             net.hidden.bias.as_ref().unwrap().val().into_data(),
@@ -1827,34 +1692,15 @@ fn a_sharded_stage_3_checkpoint_resumes_on_other_process_counts_and_stages() {
         }
     }
     assert_eq!(bits(&merged.concat()), bits(&saved[0].parameters));
-    let resume = |processes: usize, zero_stage: u8| HandLoop {
-        resume_from: Some(dir.clone()),
-        ..args(processes, zero_stage, 1)
-    };
     // The same processes and stage: each process reads its own files alone, bit for bit.
-    let same: Vec<HandLoopReport> = launch(TEST, 2, &resume(2, 3), &[])
-        .assert_success()
-        .reports(2);
-    for r in &same {
-        assert_eq!(bits(&r.parameters), bits(&whole[0].parameters));
-        assert_eq!(r.outcomes, whole[0].outcomes[8..]);
-    }
+    let same = checkpoint.resume(2, 3, &dir);
+    checkpoint.assert_bit_for_bit(&same, "2 processes at stage 3");
     // Another number of processes, at stage 0 and at stage 3: re-partitioned from both files,
-    // the same training to rounding (the mean over other parts sums in another order), within
-    // the 1e-5 of the consolidated checkpoint's resumes.
+    // the same training to rounding, as the consolidated checkpoint's resumes.
     for (processes, zero_stage) in [(1, 0), (3, 3)] {
-        let resumed: Vec<HandLoopReport> =
-            launch(TEST, processes, &resume(processes, zero_stage), &[])
-                .assert_success()
-                .reports(processes);
-        for r in &resumed {
-            assert_eq!(bits(&r.parameters), bits(&resumed[0].parameters));
-        }
-        let d = max_relative_difference(&resumed[0].parameters, &whole[0].parameters);
-        assert!(
-            d < 1e-5,
-            "{processes} processes at stage {zero_stage}: {d:e}"
-        );
+        let resumed = checkpoint.resume(processes, zero_stage, &dir);
+        let what = format!("{processes} processes at stage {zero_stage}");
+        checkpoint.assert_to_rounding(&resumed, zero_stage, &what);
     }
 
     // Saved sharded at stage 2 (every process holds the whole model, and writes its own
@@ -1862,35 +1708,11 @@ fn a_sharded_stage_3_checkpoint_resumes_on_other_process_counts_and_stages() {
     // stage 2 does, in the same order, so both end where the uninterrupted run does, bit for
     // bit.
     let stage_2 = harness::scratch_dir("sharded-stage-2-checkpoint");
-    launch(
-        TEST,
-        2,
-        &HandLoop {
-            save_to: Some(stage_2.clone()),
-            ..args(2, 2, 1)
-        },
-        &[],
-    )
-    .assert_success();
+    checkpoint.save(2, &stage_2);
     for zero_stage in [2, 3] {
-        let resumed: Vec<HandLoopReport> = launch(
-            TEST,
-            2,
-            &HandLoop {
-                resume_from: Some(stage_2.clone()),
-                ..args(2, zero_stage, 1)
-            },
-            &[],
-        )
-        .assert_success()
-        .reports(2);
-        for r in &resumed {
-            assert_eq!(
-                bits(&r.parameters),
-                bits(&whole[0].parameters),
-                "saved at stage 2, resumed at stage {zero_stage}"
-            );
-        }
+        let resumed = checkpoint.resume(2, zero_stage, &stage_2);
+        let what = format!("saved at stage 2, resumed at stage {zero_stage}");
+        checkpoint.assert_bit_for_bit(&resumed, &what);
     }
     harness::clean(&stage_2);
 
@@ -1925,27 +1747,18 @@ fn a_sharded_stage_3_checkpoint_resumes_on_other_process_counts_and_stages() {
             bytes[last] ^= 0xff;
         }
         std::fs::write(&damaged, &bytes).unwrap();
-        let again: Vec<HandLoopReport> = launch(TEST, 2, &resume(2, 3), &[])
-            .assert_success()
-            .reports(2);
-        for r in &again {
-            assert_eq!(bits(&r.parameters), bits(&whole[0].parameters), "{what}");
-        }
+        checkpoint.assert_bit_for_bit(&checkpoint.resume(2, 3, &dir), what);
     }
 
     // A process that cannot write its part: the checkpoint is not listed, and every process
     // fails with the same error.
+    let save_to = |dir: &std::path::Path| HandLoop {
+        save_to: Some(dir.to_path_buf()),
+        ..checkpoint.args(2, 3, 1)
+    };
     let blocked = harness::scratch_dir("sharded-stage-3-blocked");
     std::fs::create_dir_all(blocked.join("model-1.shard-1-of-2.mpk")).unwrap();
-    let failed = launch(
-        TEST,
-        2,
-        &HandLoop {
-            save_to: Some(blocked.clone()),
-            ..args(2, 3, 1)
-        },
-        &[],
-    );
+    let failed = checkpoint.launched(2, save_to(&blocked));
     assert!(!failed.status.success(), "{}", failed.output());
     assert!(
         failed
@@ -1963,15 +1776,7 @@ fn a_sharded_stage_3_checkpoint_resumes_on_other_process_counts_and_stages() {
     // A process killed halfway through writing its part (the test hook): the run fails, and
     // the checkpoint is not listed (the main process never heard that the part was written).
     let crashed = harness::scratch_dir("sharded-stage-3-crashed");
-    let (mut command, reports) = harness::launch_command(
-        TEST,
-        2,
-        &HandLoop {
-            save_to: Some(crashed.clone()),
-            ..args(2, 3, 1)
-        },
-        &[],
-    );
+    let (mut command, reports) = checkpoint.command(2, save_to(&crashed), false);
     command.env(
         burn_accelerate::checkpoint::CRASH_WRITING,
         "0:model-1.shard-1-of-2.mpk",
@@ -2437,6 +2242,19 @@ mod supervised {
         }
     }
 
+    /// The `Mlp` in a model file that Burn's file checkpointer or the strategy wrote, as Burn
+    /// loads it by itself on a backend without autodiff or this crate's decorator.
+    pub fn saved_mlp(path: &std::path::Path) -> Mlp<Flex> {
+        use burn::record::Recorder;
+        let record: crate::mlp::MlpRecord<Flex> = Recorder::<Flex>::load(
+            &NamedMpkFileRecorder::<FullPrecisionSettings>::new(),
+            path.to_path_buf(),
+            &Default::default(),
+        )
+        .unwrap_or_else(|err| panic!("{}: {err}", path.display()));
+        Mlp::<Flex>::new(16, &Default::default()).load_record(record)
+    }
+
     /// The `Mlp` with a training step that notes, right after the user's own
     /// `loss.backward()`, the bytes this process sent during the step and which parameters
     /// the step's gradients hold: what the strategy's backward pass did.
@@ -2604,26 +2422,14 @@ fn the_main_process_logs_the_combined_validation_and_its_early_stopping_decides(
 #[test]
 fn a_resumed_run_of_processes_ends_where_the_uninterrupted_one_did() {
     const TEST: &str = "a_resumed_run_of_processes_ends_where_the_uninterrupted_one_did";
-    if let Some(args) = worker::<supervised::Run>() {
-        return report(&supervised::train(&args));
+    if let Some(run) = worker::<FromCopy<supervised::Run>>() {
+        return report(&run.train());
     }
-    let dir = |name: &str| harness::scratch_dir(&format!("resume-{name}"));
-    let run = |processes: usize, epochs: usize, dir: &PathBuf, resume_from| supervised::Run {
-        batch_size: 32 / processes,
-        grad_accum: 1,
-        epochs,
-        dir: Some(dir.clone()),
-        resume_from,
-        ..Default::default()
-    };
-    let whole_dir = dir("whole");
-    let whole: Vec<supervised::RunReport> = launch(TEST, 2, &run(2, 3, &whole_dir, None), &[])
-        .assert_success()
-        .reports(2);
+    let checkpoint = StrategyCheckpoint::consolidated(TEST, 0);
 
     // Two epochs, then the third resumed from epoch 2's checkpoint, on two processes.
-    let parts_dir = dir("parts");
-    launch(TEST, 2, &run(2, 2, &parts_dir, None), &[]).assert_success();
+    let parts_dir = harness::scratch_dir("resume-parts");
+    checkpoint.save(0, &parts_dir);
     let written: Vec<String> = std::fs::read_dir(parts_dir.join("checkpoint"))
         .unwrap()
         .map(|e| e.unwrap().file_name().into_string().unwrap())
@@ -2632,22 +2438,13 @@ fn a_resumed_run_of_processes_ends_where_the_uninterrupted_one_did() {
         written.contains(&"accelerate-2.json".to_string()),
         "{written:?}"
     );
-    let resumed: Vec<supervised::RunReport> = launch(TEST, 2, &run(2, 3, &parts_dir, Some(2)), &[])
-        .assert_success()
-        .reports(2);
-    assert_eq!(resumed[0].epochs, [3]);
-    for r in &resumed {
-        assert_eq!(bits(&r.parameters), bits(&whole[0].parameters));
-    }
+    let resumed = checkpoint.resume(2, 0, &parts_dir);
+    checkpoint.assert_bit_for_bit(&resumed, "2 processes");
 
     // The third epoch on one process with the same global batch: the data is sharded anew
     // from the checkpoint's epoch, and the run ends where the two processes did.
-    let one: Vec<supervised::RunReport> = launch(TEST, 1, &run(1, 3, &parts_dir, Some(2)), &[])
-        .assert_success()
-        .reports(1);
-    assert_eq!(one[0].epochs, [3]);
-    let difference = max_relative_difference(&one[0].parameters, &whole[0].parameters);
-    assert!(difference < 1e-5, "{difference:e}");
+    let one = checkpoint.resume(1, 0, &parts_dir);
+    checkpoint.assert_to_rounding(&one, "1 process");
 
     // A position inside an epoch has no mapping onto another number of processes: refused.
     let checkpoints = parts_dir.join("checkpoint");
@@ -2656,7 +2453,7 @@ fn a_resumed_run_of_processes_ends_where_the_uninterrupted_one_did() {
         .unwrap();
     saved.loaders[0].position = 3;
     saved.save_epoch(&checkpoints, 2).unwrap();
-    let refused = launch(TEST, 1, &run(1, 3, &parts_dir, Some(2)), &[]);
+    let refused = checkpoint.launched(1, checkpoint.run(1, 0, 3, &parts_dir, Some(2)), false);
     assert!(!refused.status.success());
     assert!(
         refused.stderr.contains(
@@ -2666,7 +2463,6 @@ fn a_resumed_run_of_processes_ends_where_the_uninterrupted_one_did() {
         "{}",
         refused.stderr
     );
-    harness::clean(&whole_dir);
     harness::clean(&parts_dir);
 }
 
@@ -2757,51 +2553,21 @@ fn sharded_supervised_training_ends_where_stage_0_does() {
 #[test]
 fn a_sharded_supervised_run_resumes_on_other_process_counts_and_stages() {
     const TEST: &str = "a_sharded_supervised_run_resumes_on_other_process_counts_and_stages";
-    if let Some(args) = worker::<supervised::Run>() {
-        return report(&supervised::train(&args));
+    if let Some(run) = worker::<FromCopy<supervised::Run>>() {
+        return report(&run.train());
     }
-    let run = |processes: usize, zero_stage: u8, epochs: usize, dir: &PathBuf, resume_from| {
-        supervised::Run {
-            batch_size: 32 / processes,
-            grad_accum: 1,
-            epochs,
-            dir: Some(dir.clone()),
-            resume_from,
-            zero_stage,
-            ..Default::default()
-        }
-    };
-    let whole_dir = harness::scratch_dir("sharded-resume-whole");
-    let whole: Vec<supervised::RunReport> = launch(TEST, 2, &run(2, 2, 3, &whole_dir, None), &[])
-        .assert_success()
-        .reports(2);
+    let checkpoint = StrategyCheckpoint::consolidated(TEST, 2);
     let parts_dir = harness::scratch_dir("sharded-resume-parts");
-    launch(TEST, 2, &run(2, 2, 2, &parts_dir, None), &[]).assert_success();
+    checkpoint.save(2, &parts_dir);
     // The same processes and stage: bit for bit.
-    let same: Vec<supervised::RunReport> = launch(TEST, 2, &run(2, 2, 3, &parts_dir, Some(2)), &[])
-        .assert_success()
-        .reports(2);
-    assert_eq!(same[0].epochs, [3]);
-    for r in &same {
-        assert_eq!(bits(&r.parameters), bits(&whole[0].parameters));
-    }
+    let same = checkpoint.resume(2, 2, &parts_dir);
+    checkpoint.assert_bit_for_bit(&same, "2 processes at stage 2");
     // Re-partitioned: the whole optimizer state was saved, whatever each process held.
     for (processes, zero_stage) in [(4, 1), (1, 0), (4, 2)] {
-        let resumed: Vec<supervised::RunReport> = launch(
-            TEST,
-            processes,
-            &run(processes, zero_stage, 3, &parts_dir, Some(2)),
-            &[],
-        )
-        .assert_success()
-        .reports(processes);
-        let d = max_relative_difference(&resumed[0].parameters, &whole[0].parameters);
-        assert!(
-            d < 1e-5,
-            "{processes} processes at stage {zero_stage}: {d:e}"
-        );
+        let resumed = checkpoint.resume(processes, zero_stage, &parts_dir);
+        let what = format!("{processes} processes at stage {zero_stage}");
+        checkpoint.assert_to_rounding(&resumed, &what);
     }
-    harness::clean(&whole_dir);
     harness::clean(&parts_dir);
 }
 
@@ -2958,45 +2724,20 @@ fn stage_3_with_accelerate_reduces_each_gradient_to_its_owner_in_the_users_backw
 #[test]
 fn a_stage_3_supervised_run_resumes_on_other_process_counts_and_stages() {
     const TEST: &str = "a_stage_3_supervised_run_resumes_on_other_process_counts_and_stages";
-    if let Some(args) = worker::<supervised::Run>() {
-        return report(&supervised::train(&args));
+    if let Some(run) = worker::<FromCopy<supervised::Run>>() {
+        return report(&run.train());
     }
     // Burn's file checkpointer and the strategy's own checkpoints, each written on the main
     // process from the model's record gathered there (the strategy's are resumed from).
-    let run = |processes: usize, zero_stage: u8, epochs: usize, dir: &PathBuf, resume_from| {
-        supervised::Run {
-            batch_size: 32 / processes,
-            grad_accum: 1,
-            epochs,
-            dir: Some(dir.clone()),
-            resume_from,
-            zero_stage,
-            ..Default::default()
-        }
-    };
-    let whole_dir = harness::scratch_dir("stage-3-resume-whole");
-    let whole: Vec<supervised::RunReport> = launch(TEST, 2, &run(2, 3, 3, &whole_dir, None), &[])
-        .assert_success()
-        .reports(2);
+    let checkpoint = StrategyCheckpoint::consolidated(TEST, 3);
     // Stage 3 and stage 2 on 2 processes step alike: each one's checkpoint of epoch 2.
     for saved_at in [3, 2] {
         let parts_dir = harness::scratch_dir(&format!("stage-3-resume-from-{saved_at}"));
-        let saved: Vec<supervised::RunReport> =
-            launch(TEST, 2, &run(2, saved_at, 2, &parts_dir, None), &[])
-                .assert_success()
-                .reports(2);
+        let saved = checkpoint.save(saved_at, &parts_dir);
         // Both files of epoch 2 hold the whole model the run ended with, and Burn loads them
         // by itself.
         for file in ["model-2.mpk", "accelerate-2-model.mpk"] {
-            use burn::module::Module;
-            use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
-            let record: crate::mlp::MlpRecord<Flex> = Recorder::<Flex>::load(
-                &NamedMpkFileRecorder::<FullPrecisionSettings>::new(),
-                parts_dir.join("checkpoint").join(file),
-                &Default::default(),
-            )
-            .unwrap_or_else(|err| panic!("saved at stage {saved_at}, {file}: {err}"));
-            let loaded = crate::mlp::Mlp::<Flex>::new(16, &Default::default()).load_record(record);
+            let loaded = supervised::saved_mlp(&parts_dir.join("checkpoint").join(file));
             assert_eq!(
                 bits(&parameters(&loaded)),
                 bits(&saved[0].parameters),
@@ -3004,73 +2745,32 @@ fn a_stage_3_supervised_run_resumes_on_other_process_counts_and_stages() {
             );
         }
         // The same processes at stage 3: bit for bit.
-        let same: Vec<supervised::RunReport> =
-            launch(TEST, 2, &run(2, 3, 3, &parts_dir, Some(2)), &[])
-                .assert_success()
-                .reports(2);
-        assert_eq!(same[0].epochs, [3]);
-        for r in &same {
-            assert_eq!(
-                bits(&r.parameters),
-                bits(&whole[0].parameters),
-                "saved at stage {saved_at}"
-            );
-        }
+        let same = checkpoint.resume(2, 3, &parts_dir);
+        checkpoint.assert_bit_for_bit(&same, &format!("saved at stage {saved_at}"));
         // Re-partitioned: to rounding (the means sum other parts), as stage 2's resumes.
         for (processes, zero_stage) in [(1, 0), (4, 3)] {
-            let resumed: Vec<supervised::RunReport> = launch(
-                TEST,
-                processes,
-                &run(processes, zero_stage, 3, &parts_dir, Some(2)),
-                &[],
-            )
-            .assert_success()
-            .reports(processes);
-            let d = max_relative_difference(&resumed[0].parameters, &whole[0].parameters);
-            assert!(
-                d < 1e-5,
-                "saved at stage {saved_at}, {processes} processes at stage {zero_stage}: {d:e}"
-            );
+            let resumed = checkpoint.resume(processes, zero_stage, &parts_dir);
+            let what =
+                format!("saved at stage {saved_at}, {processes} processes at stage {zero_stage}");
+            checkpoint.assert_to_rounding(&resumed, &what);
         }
         harness::clean(&parts_dir);
     }
-    harness::clean(&whole_dir);
 }
 
 #[test]
 fn a_sharded_stage_3_supervised_checkpoint_resumes_on_other_process_counts_and_stages() {
     const TEST: &str =
         "a_sharded_stage_3_supervised_checkpoint_resumes_on_other_process_counts_and_stages";
-    use burn::module::Module;
-    use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
     use burn_accelerate::checkpoint::CheckpointDir;
-    if let Some(args) = worker::<supervised::Run>() {
-        return report(&supervised::train(&args));
+    if let Some(run) = worker::<FromCopy<supervised::Run>>() {
+        return report(&run.train());
     }
-    // A global batch of 48 over 192 items (4 whole batches an epoch on 1, 2 and 3 processes:
-    // the same batches whatever the count), Adam through Burn's Learner, stage 3 on 2
-    // processes; the strategy's own checkpoints written sharded, beside Burn's own files.
-    let run = |processes: usize, zero_stage: u8, epochs: usize, dir: &PathBuf, resume_from| {
-        supervised::Run {
-            batch_size: 48 / processes,
-            grad_accum: 1,
-            epochs,
-            dir: Some(dir.clone()),
-            resume_from,
-            zero_stage,
-            sharded_checkpoint: true,
-            items: 192,
-            ..Default::default()
-        }
-    };
-    let whole_dir = harness::scratch_dir("sharded-stage-3-supervised-whole");
-    let whole: Vec<supervised::RunReport> = launch(TEST, 2, &run(2, 3, 3, &whole_dir, None), &[])
-        .assert_success()
-        .reports(2);
+    // Stage 3 on 2 processes; the strategy's own checkpoints written sharded, beside Burn's own
+    // files.
+    let checkpoint = StrategyCheckpoint::sharded(TEST, 1, 3);
     let parts_dir = harness::scratch_dir("sharded-stage-3-supervised-parts");
-    let saved: Vec<supervised::RunReport> = launch(TEST, 2, &run(2, 3, 2, &parts_dir, None), &[])
-        .assert_success()
-        .reports(2);
+    let saved = checkpoint.save(3, &parts_dir);
     let checkpoints = parts_dir.join("checkpoint");
     // The strategy's checkpoint of epoch 2: each process's files and the main process's
     // state and scheduler, no consolidated record.
@@ -3089,42 +2789,19 @@ fn a_sharded_stage_3_supervised_checkpoint_resumes_on_other_process_counts_and_s
     assert!(!checkpoints.join("accelerate-2-model.mpk").exists());
     // Burn's own file of epoch 2 stays whole, gathered on the main process: Burn loads it by
     // itself.
-    let record: crate::mlp::MlpRecord<Flex> = Recorder::<Flex>::load(
-        &NamedMpkFileRecorder::<FullPrecisionSettings>::new(),
-        checkpoints.join("model-2.mpk"),
-        &Default::default(),
-    )
-    .unwrap();
-    let loaded = crate::mlp::Mlp::<Flex>::new(16, &Default::default()).load_record(record);
+    let loaded = supervised::saved_mlp(&checkpoints.join("model-2.mpk"));
     assert_eq!(bits(&parameters(&loaded)), bits(&saved[0].parameters));
     // The same processes at stage 3: bit for bit.
-    let same: Vec<supervised::RunReport> = launch(TEST, 2, &run(2, 3, 3, &parts_dir, Some(2)), &[])
-        .assert_success()
-        .reports(2);
-    assert_eq!(same[0].epochs, [3]);
-    for r in &same {
-        assert_eq!(bits(&r.parameters), bits(&whole[0].parameters));
-    }
+    let same = checkpoint.resume(2, 3, &parts_dir);
+    checkpoint.assert_bit_for_bit(&same, "2 processes at stage 3");
     // Re-partitioned, at stage 0 and at stage 3: the same training to rounding (the mean of
-    // the gradients over other processes' parts sums in another order), within the 1e-5 of
-    // the consolidated checkpoint's resumes.
+    // the gradients over other processes' parts sums in another order), as the consolidated
+    // checkpoint's resumes.
     for (processes, zero_stage) in [(1, 0), (3, 3)] {
-        let resumed: Vec<supervised::RunReport> = launch(
-            TEST,
-            processes,
-            &run(processes, zero_stage, 3, &parts_dir, Some(2)),
-            &[],
-        )
-        .assert_success()
-        .reports(processes);
-        assert_eq!(resumed[0].epochs, [3]);
-        let d = max_relative_difference(&resumed[0].parameters, &whole[0].parameters);
-        assert!(
-            d < 1e-5,
-            "{processes} processes at stage {zero_stage}: {d:e}"
-        );
+        let resumed = checkpoint.resume(processes, zero_stage, &parts_dir);
+        let what = format!("{processes} processes at stage {zero_stage}");
+        checkpoint.assert_to_rounding(&resumed, &what);
     }
-    harness::clean(&whole_dir);
     harness::clean(&parts_dir);
 }
 

@@ -16,8 +16,9 @@ use burn_accelerate::checkpoint::{FileDigest, Manifest};
 use burn_accelerate::distributed::ProcessState;
 use serde::{Deserialize, Serialize};
 
-use crate::harness::{self, launch, max_relative_difference, report, worker};
-use crate::{HandLoop, HandLoopReport, Net, bits, hand_loop, supervised};
+use crate::harness::{self, report, worker};
+use crate::resume::{HandCheckpoint, StrategyCheckpoint};
+use crate::{HandLoop, HandLoopReport, Net, hand_loop, supervised};
 
 /// Every float parameter's number of values, in visiting order: what the partition is of.
 pub(super) fn sizes<B: Backend, M: Module<B>>(module: &M) -> Vec<usize> {
@@ -169,38 +170,17 @@ fn sharded_resume_by_hand_reads_only_the_files_of_its_partition() {
     if let Some(run) = worker::<FromCopy<HandLoop>>() {
         return report(&run.train());
     }
-    // A global batch of 12, Adam, ZeRO stage 3 on 2 processes, the checkpoint written sharded
-    // (as the stage 3 checkpoint tests of main.rs).
-    let args = |processes: usize, zero_stage: u8, epochs: usize| HandLoop {
-        batch_size: 12 / processes,
-        grad_accum: 1,
-        epochs,
-        precision: burn_accelerate::Precision::F32,
-        overflow_rank: None,
-        overflow_batch: 0,
-        zero_stage,
-        adam: true,
-        clip_norm: None,
-        save_to: None,
-        resume_from: None,
-        sharded_checkpoint: true,
-    };
-    let hand = |run: HandLoop, per_process: bool| FromCopy { run, per_process };
-    let whole: Vec<HandLoopReport> = launch(TEST, 2, &hand(args(2, 3, 2), false), &[])
-        .assert_success()
-        .reports(2);
+    // ZeRO stage 3 on 2 processes, the checkpoint written sharded (as the stage 3 checkpoint
+    // tests of main.rs).
+    let checkpoint = HandCheckpoint::new(TEST, true, 3);
     let dir = harness::scratch_dir("sharded-resume-by-hand");
     let saved_dir = dir.join("saved");
-    let first = HandLoop {
-        save_to: Some(saved_dir.clone()),
-        ..args(2, 3, 1)
-    };
-    launch(TEST, 2, &hand(first, false), &[]).assert_success();
+    checkpoint.save(3, &saved_dir);
     let sizes = sizes(&Net::<burn::backend::Flex>::new(&Default::default()));
 
     // On 3 processes at stage 3, each process's copy lacks the files it does not need (of
     // the model and of the optimizer state, both sharded at stage 3): the same training to
-    // rounding, within the 1e-5 of main.rs's re-partitioned resumes.
+    // rounding, as main.rs's re-partitioned resumes.
     let copies = dir.join("three");
     let deleted = copies_for_each_process(&saved_dir, &copies, "", 3, 1, 2, |rank, _| {
         overlapping(&sizes, 2, rank, 3, false)
@@ -209,23 +189,8 @@ fn sharded_resume_by_hand_reads_only_the_files_of_its_partition() {
         deleted > 0,
         "some process of 3 needs fewer files than saved"
     );
-    let resume = |processes: usize, zero_stage: u8, from: &Path, per_process: bool| {
-        hand(
-            HandLoop {
-                resume_from: Some(from.to_path_buf()),
-                ..args(processes, zero_stage, 1)
-            },
-            per_process,
-        )
-    };
-    let resumed: Vec<HandLoopReport> = launch(TEST, 3, &resume(3, 3, &copies, true), &[])
-        .assert_success()
-        .reports(3);
-    for r in &resumed {
-        assert_eq!(bits(&r.parameters), bits(&resumed[0].parameters));
-    }
-    let d = max_relative_difference(&resumed[0].parameters, &whole[0].parameters);
-    assert!(d < 1e-5, "3 processes at stage 3: {d:e}");
+    let resumed = checkpoint.resume_from_copies(3, 3, &copies);
+    checkpoint.assert_to_rounding(&resumed, 3, "3 processes at stage 3");
 
     // At stage 1 on 3 processes the parameters are whole: every model file, and the optimizer
     // files of its partition.
@@ -237,18 +202,12 @@ fn sharded_resume_by_hand_reads_only_the_files_of_its_partition() {
         deleted > 0,
         "some process of 3 needs fewer optimizer files than saved"
     );
-    let resumed: Vec<HandLoopReport> = launch(TEST, 3, &resume(3, 1, &stage_1, true), &[])
-        .assert_success()
-        .reports(3);
-    let d = max_relative_difference(&resumed[0].parameters, &whole[0].parameters);
-    assert!(d < 1e-5, "3 processes at stage 1: {d:e}");
+    let resumed = checkpoint.resume_from_copies(3, 1, &stage_1);
+    checkpoint.assert_to_rounding(&resumed, 1, "3 processes at stage 1");
 
     // On one process: both files of each part, the same training to rounding.
-    let one: Vec<HandLoopReport> = launch(TEST, 1, &resume(1, 0, &saved_dir, false), &[])
-        .assert_success()
-        .reports(1);
-    let d = max_relative_difference(&one[0].parameters, &whole[0].parameters);
-    assert!(d < 1e-5, "1 process: {d:e}");
+    let one = checkpoint.resume(1, 0, &saved_dir);
+    checkpoint.assert_to_rounding(&one, 0, "1 process");
     harness::clean(&dir);
 }
 
@@ -258,41 +217,11 @@ fn sharded_resume_with_accelerate_reads_only_the_optimizer_files_of_its_partitio
     if let Some(run) = worker::<FromCopy<supervised::Run>>() {
         return report(&run.train());
     }
-    // A global batch of 48 over 192 items (the same batches on 1, 2 and 3 processes), Adam
-    // through Burn's Learner, ZeRO stage 2 on 2 processes, the strategy's own checkpoints
-    // written sharded.
-    let run = |processes: usize, zero_stage: u8, epochs: usize, dir: &Path, resume_from| {
-        supervised::Run {
-            batch_size: 48 / processes,
-            grad_accum: 1,
-            epochs,
-            dir: Some(dir.to_path_buf()),
-            resume_from,
-            zero_stage,
-            sharded_checkpoint: true,
-            items: 192,
-            ..Default::default()
-        }
-    };
-    let strategy = |run: supervised::Run, per_process: bool| FromCopy { run, per_process };
-    let whole_dir = harness::scratch_dir("sharded-resume-strategy-whole");
-    let whole: Vec<supervised::RunReport> = launch(
-        TEST,
-        2,
-        &strategy(run(2, 2, 3, &whole_dir, None), false),
-        &[],
-    )
-    .assert_success()
-    .reports(2);
+    // ZeRO stage 2 on 2 processes, the strategy's own checkpoints written sharded.
+    let checkpoint = StrategyCheckpoint::sharded(TEST, 1, 2);
     let dir = harness::scratch_dir("sharded-resume-strategy");
     let saved_dir = dir.join("saved");
-    launch(
-        TEST,
-        2,
-        &strategy(run(2, 2, 2, &saved_dir, None), false),
-        &[],
-    )
-    .assert_success();
+    checkpoint.save(2, &saved_dir);
     let sizes = sizes(&crate::mlp::Mlp::<burn::backend::Flex>::new(
         16,
         &Default::default(),
@@ -308,35 +237,17 @@ fn sharded_resume_with_accelerate_reads_only_the_optimizer_files_of_its_partitio
                 overlapping(&sizes, 2, rank, 3, part == "model")
             });
         assert!(deleted > 0, "some process of 3 needs fewer optimizer files");
-        let resumed: Vec<supervised::RunReport> = launch(
-            TEST,
-            3,
-            &strategy(run(3, zero_stage, 3, &copies, Some(2)), true),
-            &[],
-        )
-        .assert_success()
-        .reports(3);
-        assert_eq!(resumed[0].epochs, [3]);
-        let d = max_relative_difference(&resumed[0].parameters, &whole[0].parameters);
-        assert!(d < 1e-5, "3 processes at stage {zero_stage}: {d:e}");
+        let resumed = checkpoint.resume_from_copies(3, zero_stage, &copies);
+        checkpoint.assert_to_rounding(&resumed, &format!("3 processes at stage {zero_stage}"));
     }
-    // On one process: every file, the same training to rounding.
+    // On one process: every file, the same training to rounding (in a copy: the checks below
+    // read the checkpoints as saved).
     let one_dir = dir.join("one");
     copy_tree(&saved_dir, &one_dir);
-    let one: Vec<supervised::RunReport> = launch(
-        TEST,
-        1,
-        &strategy(run(1, 0, 3, &one_dir, Some(2)), false),
-        &[],
-    )
-    .assert_success()
-    .reports(1);
-    assert_eq!(one[0].epochs, [3]);
-    let d = max_relative_difference(&one[0].parameters, &whole[0].parameters);
-    assert!(d < 1e-5, "1 process: {d:e}");
+    let one = checkpoint.resume(1, 0, &one_dir);
+    checkpoint.assert_to_rounding(&one, "1 process");
 
     check_checkpoint_fits_on_sharded_files(&saved_dir.join("checkpoint"), &dir.join("fits"));
-    harness::clean(&whole_dir);
     harness::clean(&dir);
 }
 

@@ -39,7 +39,7 @@ use serde::{Deserialize, Serialize};
 use crate::bits;
 use crate::harness::{self, launch, report, worker};
 use crate::mlp::{BlobBatch, BlobBatcher, CLASSES, FEATURES, QuietRenderer, Sample, blobs};
-use crate::parameters;
+use crate::{parameters, resume};
 
 type Train = Accelerated<Autodiff<Flex>>;
 
@@ -208,6 +208,12 @@ struct RunReport {
     epochs: Vec<usize>,
     first_step: FirstStep,
     not_owned_peak: u64,
+}
+
+impl resume::Trained for RunReport {
+    fn parameters(&self) -> &[f32] {
+        &self.parameters
+    }
 }
 
 /// Each parameter's number of values, in visiting order.
@@ -395,13 +401,7 @@ fn a_prepared_stage_3_model_resumes_from_its_checkpoint_bit_for_bit() {
             .assert_success()
             .reports(processes);
         assert_eq!(resumed[0].epochs, [3], "{what}: resumed after epoch 2");
-        for (rank, r) in resumed.iter().enumerate() {
-            assert_eq!(
-                bits(&r.parameters),
-                bits(&whole[0].parameters),
-                "{what}, rank {rank}"
-            );
-        }
+        resume::assert_bit_for_bit(&resumed, &whole, what);
         harness::clean(&whole_dir);
         harness::clean(&dir);
     }

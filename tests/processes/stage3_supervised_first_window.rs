@@ -8,7 +8,6 @@
 //! That a process reads no other file is shown as in `sharded_resume.rs`: each process is given
 //! a copy of the checkpoint directory from which the files it does not need are deleted.
 
-use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use burn::backend::{Autodiff, Flex};
@@ -28,8 +27,9 @@ use burn_accelerate::zero::ZeroStage;
 use burn_accelerate::{AccelerateConfig, Accelerated};
 use serde::{Deserialize, Serialize};
 
-use crate::harness::{self, launch, max_relative_difference, report, worker};
+use crate::harness::{self, launch, report, worker};
 use crate::mlp::{BlobBatch, BlobBatcher, CLASSES, FEATURES, Mlp, QuietRenderer, Sample, blobs};
+use crate::resume::StrategyCheckpoint;
 use crate::sharded_resume::{FromCopy, overlapping, sizes, strategy_copies_for_each_process};
 use crate::{assert_sent, bits, parameters, stage_3_sent, supervised};
 
@@ -279,41 +279,12 @@ fn a_sharded_stage_3_supervised_checkpoint_is_resumed_from_the_files_of_each_par
     if let Some(run) = worker::<FromCopy<supervised::Run>>() {
         return report(&run.train());
     }
-    // A global batch of 48 over 192 items: 4 batches an epoch, the same on 2 and 3 processes.
-    let run = |processes: usize, grad_accum: usize, epochs: usize, dir: &Path, resume_from| {
-        supervised::Run {
-            batch_size: 48 / processes,
-            grad_accum,
-            epochs,
-            dir: Some(dir.to_path_buf()),
-            resume_from,
-            zero_stage: 3,
-            sharded_checkpoint: true,
-            items: 192,
-            ..Default::default()
-        }
-    };
-    let with = |run: supervised::Run, per_process: bool| FromCopy { run, per_process };
     let sizes = sizes(&Mlp::<Flex>::new(16, &Default::default()));
     for grad_accum in [1, 3] {
-        let whole_dir = harness::scratch_dir(&format!("first-window-whole-{grad_accum}"));
-        let whole: Vec<supervised::RunReport> = launch(
-            TEST,
-            2,
-            &with(run(2, grad_accum, 3, &whole_dir, None), false),
-            &[],
-        )
-        .assert_success()
-        .reports(2);
+        let checkpoint = StrategyCheckpoint::sharded(TEST, grad_accum, 3);
         let dir = harness::scratch_dir(&format!("first-window-resume-{grad_accum}"));
         let saved_dir = dir.join("saved");
-        launch(
-            TEST,
-            2,
-            &with(run(2, grad_accum, 2, &saved_dir, None), false),
-            &[],
-        )
-        .assert_success();
+        checkpoint.save(3, &saved_dir);
         for processes in [2, 3] {
             let what = format!("window {grad_accum}, {processes} processes");
             let copies = dir.join(format!("on-{processes}"));
@@ -326,29 +297,13 @@ fn a_sharded_stage_3_supervised_checkpoint_is_resumed_from_the_files_of_each_par
                 |rank, _| overlapping(&sizes, 2, rank, processes, false),
             );
             assert!(deleted > 0, "{what}: some process needs fewer model files");
-            let resumed: Vec<supervised::RunReport> = launch(
-                TEST,
-                processes,
-                &with(run(processes, grad_accum, 3, &copies, Some(2)), true),
-                &[],
-            )
-            .assert_success()
-            .reports(processes);
-            assert_eq!(resumed[0].epochs, [3], "{what}");
-            for r in &resumed {
-                assert_eq!(bits(&r.parameters), bits(&resumed[0].parameters), "{what}");
-            }
+            let resumed = checkpoint.resume_from_copies(processes, 3, &copies);
             if processes == 2 {
-                assert_eq!(
-                    bits(&resumed[0].parameters),
-                    bits(&whole[0].parameters),
-                    "{what}"
-                );
+                checkpoint.assert_bit_for_bit(&resumed, &what);
+            } else {
+                checkpoint.assert_to_rounding(&resumed, &what);
             }
-            let d = max_relative_difference(&resumed[0].parameters, &whole[0].parameters);
-            assert!(d < 1e-5, "{what}: {d:e}");
         }
-        harness::clean(&whole_dir);
         harness::clean(&dir);
     }
 }
