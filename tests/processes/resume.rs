@@ -63,6 +63,41 @@ pub fn assert_to_rounding<R: Trained>(resumed: &[R], whole: &[R], what: &str) {
     assert!(d < TO_ROUNDING, "{what}: {d:e}");
 }
 
+/// Where the processes of a resume read its checkpoint: a directory (`&Path`, `&PathBuf`), or
+/// each its own copy under one ([`Copies`]).
+pub struct Source {
+    dir: PathBuf,
+    per_process: bool,
+}
+
+/// A directory of a copy for each process (`sharded_resume::copies_for_each_process`): each
+/// process resumes from its own (`sharded_resume::own_copy`).
+pub struct Copies<'a>(pub &'a Path);
+
+impl From<&Path> for Source {
+    fn from(dir: &Path) -> Self {
+        Self {
+            dir: dir.to_path_buf(),
+            per_process: false,
+        }
+    }
+}
+
+impl From<&PathBuf> for Source {
+    fn from(dir: &PathBuf) -> Self {
+        dir.as_path().into()
+    }
+}
+
+impl From<Copies<'_>> for Source {
+    fn from(Copies(dir): Copies<'_>) -> Self {
+        Self {
+            dir: dir.to_path_buf(),
+            per_process: true,
+        }
+    }
+}
+
 /// The hand-written loop's global batch, whatever the number of processes.
 const HAND_GLOBAL_BATCH: usize = 12;
 
@@ -141,34 +176,19 @@ impl HandCheckpoint {
         self.train(2, run)
     }
 
-    /// The second epoch on `processes` at `zero_stage`, resumed from the checkpoint in `dir`.
-    pub fn resume(&self, processes: usize, zero_stage: u8, dir: &Path) -> Vec<HandLoopReport> {
-        self.resume_as(processes, zero_stage, dir, false)
-    }
-
-    /// As [`Self::resume`], each process from its own copy under `copies`
-    /// (`sharded_resume::own_copy`).
-    pub fn resume_from_copies(
+    /// The second epoch on `processes` at `zero_stage`, resumed from the checkpoint in `from`.
+    pub fn resume(
         &self,
         processes: usize,
         zero_stage: u8,
-        copies: &Path,
+        from: impl Into<Source>,
     ) -> Vec<HandLoopReport> {
-        self.resume_as(processes, zero_stage, copies, true)
-    }
-
-    fn resume_as(
-        &self,
-        processes: usize,
-        zero_stage: u8,
-        dir: &Path,
-        per_process: bool,
-    ) -> Vec<HandLoopReport> {
+        let from = from.into();
         let run = HandLoop {
-            resume_from: Some(dir.to_path_buf()),
+            resume_from: Some(from.dir),
             ..self.args(processes, zero_stage, 1)
         };
-        let (command, reports) = self.command(processes, run, per_process);
+        let (command, reports) = self.command(processes, run, from.per_process);
         harness::run(command, reports)
             .assert_success()
             .reports(processes)
@@ -290,38 +310,18 @@ impl StrategyCheckpoint {
         self.train(2, self.run(2, zero_stage, 2, dir, None))
     }
 
-    /// Epoch 3 on `processes` at `zero_stage`, resumed from the checkpoint of epoch 2 in `dir`:
+    /// Epoch 3 on `processes` at `zero_stage`, resumed from the checkpoint of epoch 2 in `from`:
     /// every process trains that epoch alone.
     pub fn resume(
         &self,
         processes: usize,
         zero_stage: u8,
-        dir: &Path,
+        from: impl Into<Source>,
     ) -> Vec<supervised::RunReport> {
-        self.resume_as(processes, zero_stage, dir, false)
-    }
-
-    /// As [`Self::resume`], each process in its own copy under `copies`
-    /// (`sharded_resume::own_copy`).
-    pub fn resume_from_copies(
-        &self,
-        processes: usize,
-        zero_stage: u8,
-        copies: &Path,
-    ) -> Vec<supervised::RunReport> {
-        self.resume_as(processes, zero_stage, copies, true)
-    }
-
-    fn resume_as(
-        &self,
-        processes: usize,
-        zero_stage: u8,
-        dir: &Path,
-        per_process: bool,
-    ) -> Vec<supervised::RunReport> {
-        let run = self.run(processes, zero_stage, 3, dir, Some(2));
+        let from = from.into();
+        let run = self.run(processes, zero_stage, 3, &from.dir, Some(2));
         let resumed: Vec<supervised::RunReport> = self
-            .launched(processes, run, per_process)
+            .launched(processes, run, from.per_process)
             .assert_success()
             .reports(processes);
         for (rank, r) in resumed.iter().enumerate() {

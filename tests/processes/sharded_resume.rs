@@ -17,7 +17,7 @@ use burn_accelerate::distributed::ProcessState;
 use serde::{Deserialize, Serialize};
 
 use crate::harness::{self, report, worker};
-use crate::resume::{HandCheckpoint, StrategyCheckpoint};
+use crate::resume::{Copies, HandCheckpoint, StrategyCheckpoint};
 use crate::{HandLoop, HandLoopReport, Net, hand_loop, supervised};
 
 /// Every float parameter's number of values, in visiting order: what the partition is of.
@@ -189,7 +189,7 @@ fn sharded_resume_by_hand_reads_only_the_files_of_its_partition() {
         deleted > 0,
         "some process of 3 needs fewer files than saved"
     );
-    let resumed = checkpoint.resume_from_copies(3, 3, &copies);
+    let resumed = checkpoint.resume(3, 3, Copies(&copies));
     checkpoint.assert_to_rounding(&resumed, 3, "3 processes at stage 3");
 
     // At stage 1 on 3 processes the parameters are whole: every model file, and the optimizer
@@ -202,7 +202,7 @@ fn sharded_resume_by_hand_reads_only_the_files_of_its_partition() {
         deleted > 0,
         "some process of 3 needs fewer optimizer files than saved"
     );
-    let resumed = checkpoint.resume_from_copies(3, 1, &stage_1);
+    let resumed = checkpoint.resume(3, 1, Copies(&stage_1));
     checkpoint.assert_to_rounding(&resumed, 1, "3 processes at stage 1");
 
     // On one process: both files of each part, the same training to rounding.
@@ -237,7 +237,7 @@ fn sharded_resume_with_accelerate_reads_only_the_optimizer_files_of_its_partitio
                 overlapping(&sizes, 2, rank, 3, part == "model")
             });
         assert!(deleted > 0, "some process of 3 needs fewer optimizer files");
-        let resumed = checkpoint.resume_from_copies(3, zero_stage, &copies);
+        let resumed = checkpoint.resume(3, zero_stage, Copies(&copies));
         checkpoint.assert_to_rounding(&resumed, &format!("3 processes at stage {zero_stage}"));
     }
     // On one process: every file, the same training to rounding (in a copy: the checks below

@@ -29,7 +29,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::harness::{self, launch, report, worker};
 use crate::mlp::{BlobBatch, BlobBatcher, CLASSES, FEATURES, Mlp, QuietRenderer, Sample, blobs};
-use crate::resume::StrategyCheckpoint;
+use crate::resume::{Copies, StrategyCheckpoint};
 use crate::sharded_resume::{FromCopy, overlapping, sizes, strategy_copies_for_each_process};
 use crate::{assert_sent, bits, parameters, stage_3_sent, supervised};
 
@@ -297,7 +297,7 @@ fn a_sharded_stage_3_supervised_checkpoint_is_resumed_from_the_files_of_each_par
                 |rank, _| overlapping(&sizes, 2, rank, processes, false),
             );
             assert!(deleted > 0, "{what}: some process needs fewer model files");
-            let resumed = checkpoint.resume_from_copies(processes, 3, &copies);
+            let resumed = checkpoint.resume(processes, 3, Copies(&copies));
             if processes == 2 {
                 checkpoint.assert_bit_for_bit(&resumed, &what);
             } else {
