@@ -2087,17 +2087,128 @@ mod supervised {
         }
     }
 
-    fn loader(args: &Run) -> burn_accelerate::data::ShardLoader<Train, Sample, BlobBatch<Train>> {
+    /// The learning components of a model `M` trained by Adam at a constant learning rate.
+    pub type AdamComponents<M> = burn::train::LearningComponentsMarker<
+        Train,
+        f64,
+        M,
+        burn::optim::adaptor::OptimizerAdaptor<burn::optim::Adam, M, Train>,
+    >;
+
+    /// This process's shard of `items` training blobs (seed 1), shuffled (data seed 11), in
+    /// batches of `batch_size` per process.
+    pub fn blob_loader(batch_size: usize, items: usize) -> BlobLoader {
         let state = ProcessState::from_env().unwrap();
         ShardLoaderBuilder::new(
-            DataLoaderConfig::new(args.batch_size)
+            DataLoaderConfig::new(batch_size)
                 .with_shuffle(true)
                 .with_data_seed(Some(11)),
-            InMemDataset::new(blobs(if args.items == 0 { 256 } else { args.items }, 1)),
+            InMemDataset::new(blobs(items, 1)),
             BlobBatcher,
         )
         .build_for(&state, Default::default())
         .unwrap()
+    }
+
+    /// What [`blob_loader`] gives.
+    pub type BlobLoader = burn_accelerate::data::ShardLoader<Train, Sample, BlobBatch<Train>>;
+
+    /// Burn's `SupervisedTraining` of `epochs` epochs over `loader` in `dir`, validated on one
+    /// batch of `valid_items` other blobs (seed 2) with its loss logged, rendering nothing and
+    /// installing no application logger.
+    pub fn quiet_training<M>(
+        dir: &std::path::Path,
+        loader: BlobLoader,
+        valid_items: usize,
+        epochs: usize,
+    ) -> SupervisedTraining<AdamComponents<M>>
+    where
+        M: burn::train::TrainStep<
+                Input = BlobBatch<Train>,
+                Output = burn::train::ClassificationOutput<Train>,
+            > + burn::module::AutodiffModule<Train>
+            + core::fmt::Display
+            + 'static,
+        M::InnerModule: burn::train::InferenceStep<
+                Input = BlobBatch<Accelerated<Flex>>,
+                Output = burn::train::ClassificationOutput<Accelerated<Flex>>,
+            >,
+    {
+        let valid = DataLoaderBuilder::<Accelerated<Flex>, _, _>::new(BlobBatcher)
+            .batch_size(valid_items)
+            .build(InMemDataset::new(blobs(valid_items, 2)));
+        SupervisedTraining::new(dir, Arc::new(loader), valid)
+            .num_epochs(epochs)
+            .metric_valid_numeric(LossMetric::new())
+            .renderer(QuietRenderer)
+            .with_application_logger(None)
+    }
+
+    /// Where a fit writes Burn's metric logs (and the strategy's checkpoints): the directory
+    /// given, or one of this process's own, removed when this is dropped.
+    pub struct FitDir {
+        path: PathBuf,
+        own: bool,
+    }
+
+    impl FitDir {
+        /// `strategy` writing in `dir`, its checkpoints in `dir/checkpoint` (`loader`'s position
+        /// among them); or, where `dir` is `None`, in a directory of this process's own named
+        /// after `name`, without checkpoints. The main process writes Burn's metric logs (of
+        /// every process's validation) there.
+        pub fn of<LC>(
+            strategy: AccelerateStrategy<LC>,
+            dir: Option<&std::path::Path>,
+            loader: &BlobLoader,
+            name: &str,
+        ) -> (AccelerateStrategy<LC>, Self)
+        where
+            LC: burn::train::LearningComponentsTypes<
+                    Backend = Train,
+                    TrainingModel: burn::train::TrainStep<Input = BlobBatch<Train>>,
+                >,
+        {
+            let fit = match dir {
+                Some(dir) => Self {
+                    path: dir.to_path_buf(),
+                    own: false,
+                },
+                None => Self {
+                    path: std::env::temp_dir().join(format!(
+                        "burn-accelerate-processes-{name}-{}",
+                        std::process::id()
+                    )),
+                    own: true,
+                },
+            };
+            let strategy = if fit.own {
+                strategy
+            } else {
+                strategy
+                    .with_checkpoint_dir(fit.path.join("checkpoint"))
+                    .with_checkpointed_loader(loader)
+            };
+            (strategy.with_artifact_dir(&fit.path), fit)
+        }
+
+        pub fn path(&self) -> &std::path::Path {
+            &self.path
+        }
+    }
+
+    impl Drop for FitDir {
+        fn drop(&mut self) {
+            if self.own {
+                let _ = std::fs::remove_dir_all(&self.path);
+            }
+        }
+    }
+
+    fn loader(args: &Run) -> BlobLoader {
+        blob_loader(
+            args.batch_size,
+            if args.items == 0 { 256 } else { args.items },
+        )
     }
 
     fn config(args: &Run) -> AccelerateConfig {
@@ -2175,30 +2286,10 @@ mod supervised {
         }
         let device = Default::default();
         let loader = loader(args);
-        let valid = DataLoaderBuilder::<Accelerated<Flex>, _, _>::new(BlobBatcher)
-            .batch_size(64)
-            .build(InMemDataset::new(blobs(64, 2)));
-        let mut strategy = AccelerateStrategy::<Components>::new(config(args), &device).unwrap();
-        let dir = match &args.dir {
-            Some(dir) => {
-                strategy = strategy
-                    .with_checkpoint_dir(dir.join("checkpoint"))
-                    .with_checkpointed_loader(&loader);
-                dir.clone()
-            }
-            None => std::env::temp_dir().join(format!(
-                "burn-accelerate-processes-supervised-{}",
-                std::process::id()
-            )),
-        };
-        // Where the main process writes Burn's metric logs (of every process's validation).
-        let strategy = strategy.with_artifact_dir(&dir);
+        let strategy = AccelerateStrategy::<Components>::new(config(args), &device).unwrap();
+        let (strategy, dir) = FitDir::of(strategy, args.dir.as_deref(), &loader, "supervised");
         let report = strategy.report();
-        let mut builder = SupervisedTraining::new(&dir, Arc::new(loader), valid)
-            .num_epochs(args.epochs)
-            .metric_valid_numeric(LossMetric::new())
-            .renderer(QuietRenderer)
-            .with_application_logger(None)
+        let mut builder = quiet_training(dir.path(), loader, 64, args.epochs)
             // Full precision: Burn's `CompactRecorder` stores f16, and a resumed run must end
             // bit for bit where the uninterrupted one did.
             .with_file_checkpointer(NamedMpkFileRecorder::<FullPrecisionSettings>::new());
@@ -2218,6 +2309,7 @@ mod supervised {
             .iter()
             .map(|e| {
                 let log = dir
+                    .path()
                     .join("valid")
                     .join(format!("epoch-{}", e.epoch))
                     .join("Loss.log");
@@ -2228,9 +2320,6 @@ mod supervised {
                     .collect()
             })
             .collect();
-        if args.dir.is_none() {
-            let _ = std::fs::remove_dir_all(&dir);
-        }
         RunReport {
             parameters: parameters(&model),
             optimizer_steps: stats.optimizer_steps(),
@@ -2291,13 +2380,6 @@ mod supervised {
         }
     }
 
-    type WatchedComponents = burn::train::LearningComponentsMarker<
-        Train,
-        f64,
-        Watched<Train>,
-        burn::optim::adaptor::OptimizerAdaptor<burn::optim::Adam, Watched<Train>, Train>,
-    >;
-
     /// The hidden width of the watched `Mlp`.
     pub const WATCHED_HIDDEN: usize = 16;
 
@@ -2315,29 +2397,18 @@ mod supervised {
     pub fn watched(args: &Run) -> WatchedReport {
         let device = Default::default();
         let loader = loader(args);
-        let valid = DataLoaderBuilder::<Accelerated<Flex>, _, _>::new(BlobBatcher)
-            .batch_size(64)
-            .build(InMemDataset::new(blobs(64, 2)));
-        let dir = std::env::temp_dir().join(format!(
-            "burn-accelerate-processes-watched-{}",
-            std::process::id()
-        ));
-        let strategy = AccelerateStrategy::<WatchedComponents>::new(config(args), &device)
-            .unwrap()
-            .with_artifact_dir(&dir);
+        let strategy =
+            AccelerateStrategy::<AdamComponents<Watched<Train>>>::new(config(args), &device)
+                .unwrap();
+        let (strategy, dir) = FitDir::of(strategy, None, &loader, "watched");
         let report = strategy.report();
-        let builder = SupervisedTraining::new(&dir, Arc::new(loader), valid)
-            .num_epochs(args.epochs)
-            .metric_valid_numeric(LossMetric::new())
-            .renderer(QuietRenderer)
-            .with_application_logger(None);
+        let builder = quiet_training(dir.path(), loader, 64, args.epochs);
         Train::seed(&device, 5);
         let model = Watched {
             mlp: Mlp::new(WATCHED_HIDDEN, &device),
         };
         let learner = Learner::new(model, AdamConfig::new().init(), 1e-2);
         let model = builder.with_accelerate(strategy).launch(learner).model;
-        let _ = std::fs::remove_dir_all(&dir);
         let (sent, holds_gradient) = WATCHED.lock().unwrap().drain(..).unzip();
         WatchedReport {
             sent,

@@ -10,25 +10,21 @@
 //! without racing the others' checks.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
-use burn::data::dataloader::DataLoaderBuilder;
-use burn::data::dataset::InMemDataset;
 use burn::optim::AdamConfig;
 use burn::tensor::backend::Backend;
-use burn::train::{Learner, SupervisedTraining};
+use burn::train::Learner;
 use burn_accelerate::AccelerateConfig;
 use burn_accelerate::checkpoint::CheckpointLayout;
-use burn_accelerate::data::{DataLoaderConfig, ShardLoaderBuilder};
 use burn_accelerate::distributed::ProcessState;
 use burn_accelerate::train::{AccelerateStrategy, WithAccelerate};
 use burn_accelerate::zero::ZeroStage;
 use serde::{Deserialize, Serialize};
 
 use crate::harness::{self, launch, report, worker};
-use crate::mlp::{BlobBatcher, Mlp, MlpComponents, QuietRenderer, blobs};
+use crate::mlp::{Mlp, MlpComponents};
 use crate::sharded_resume::{copy_tree, own_copy, process_copy, sizes};
-use crate::{parameters, resume};
+use crate::{parameters, resume, supervised};
 
 type Train = burn_accelerate::Accelerated<burn::backend::Autodiff<burn::backend::Flex>>;
 
@@ -69,20 +65,7 @@ fn train(args: &Run) -> RunReport {
     let rank = state.process_index();
     let dir = own_copy(&args.dir, args.per_process);
     let device = Default::default();
-    let loader = ShardLoaderBuilder::new(
-        DataLoaderConfig::new(48 / args.processes)
-            .with_shuffle(true)
-            .with_data_seed(Some(11)),
-        InMemDataset::new(blobs(192, 1)),
-        BlobBatcher,
-    )
-    .build_for(&state, device)
-    .unwrap();
-    let valid = DataLoaderBuilder::<burn_accelerate::Accelerated<burn::backend::Flex>, _, _>::new(
-        BlobBatcher,
-    )
-    .batch_size(64)
-    .build(InMemDataset::new(blobs(64, 2)));
+    let loader = supervised::blob_loader(48 / args.processes, 192);
     let config = AccelerateConfig::new()
         .with_zero_stage(ZeroStage::from_number(3).unwrap())
         .with_checkpoint_layout(CheckpointLayout::Sharded);
@@ -107,10 +90,7 @@ fn train(args: &Run) -> RunReport {
     }
     let report = strategy.report();
     let learner = Learner::new(model, AdamConfig::new().init(), 1e-2);
-    let model = SupervisedTraining::new(&dir, Arc::new(loader), valid)
-        .num_epochs(args.epochs)
-        .renderer(QuietRenderer)
-        .with_application_logger(None)
+    let model = supervised::quiet_training(&dir, loader, 64, args.epochs)
         .with_accelerate(strategy)
         .launch(learner)
         .model;

@@ -8,29 +8,23 @@
 //! That a process reads no other file is shown as in `sharded_resume.rs`: each process is given
 //! a copy of the checkpoint directory from which the files it does not need are deleted.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 
 use burn::backend::{Autodiff, Flex};
-use burn::data::dataloader::DataLoaderBuilder;
-use burn::data::dataset::InMemDataset;
 use burn::module::Module;
 use burn::optim::{AdamConfig, GradientsParams};
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::train::metric::LossMetric;
-use burn::train::{
-    ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainOutput, TrainStep,
-};
-use burn_accelerate::data::{DataLoaderConfig, ShardLoader, ShardLoaderBuilder};
-use burn_accelerate::distributed::ProcessState;
+use burn::train::{ClassificationOutput, InferenceStep, Learner, TrainOutput, TrainStep};
 use burn_accelerate::train::{AccelerateStrategy, WithAccelerate};
 use burn_accelerate::zero::ZeroStage;
 use burn_accelerate::{AccelerateConfig, Accelerated};
 use serde::{Deserialize, Serialize};
 
 use crate::harness::{self, launch, report, worker};
-use crate::mlp::{BlobBatch, BlobBatcher, CLASSES, FEATURES, Mlp, QuietRenderer, Sample, blobs};
+use crate::mlp::{BlobBatch, CLASSES, FEATURES, Mlp};
 use crate::resume::{Copies, StrategyCheckpoint};
 use crate::sharded_resume::{FromCopy, overlapping, sizes, strategy_copies_for_each_process};
+use crate::supervised::FitDir;
 use crate::{assert_sent, bits, parameters, stage_3_sent, supervised};
 
 type Train = Accelerated<Autodiff<Flex>>;
@@ -94,12 +88,7 @@ impl<B: Backend> InferenceStep for Observed<B> {
     }
 }
 
-type Components = burn::train::LearningComponentsMarker<
-    Train,
-    f64,
-    Observed<Train>,
-    burn::optim::adaptor::OptimizerAdaptor<burn::optim::Adam, Observed<Train>, Train>,
->;
+type Components = supervised::AdamComponents<Observed<Train>>;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct ObservedRun {
@@ -120,42 +109,20 @@ struct ObservedReport {
 /// 256 items: 7 batches an epoch on 2 processes, 5 on 3.
 fn observed(args: &ObservedRun) -> ObservedReport {
     let device = Default::default();
-    let state = ProcessState::from_env().unwrap();
-    let loader: ShardLoader<Train, Sample, BlobBatch<Train>> = ShardLoaderBuilder::new(
-        DataLoaderConfig::new(20)
-            .with_shuffle(true)
-            .with_data_seed(Some(11)),
-        InMemDataset::new(blobs(256, 1)),
-        BlobBatcher,
-    )
-    .build_for(&state, Default::default())
-    .unwrap();
-    let valid = DataLoaderBuilder::<Accelerated<Flex>, _, _>::new(BlobBatcher)
-        .batch_size(64)
-        .build(InMemDataset::new(blobs(64, 2)));
-    let dir = std::env::temp_dir().join(format!(
-        "burn-accelerate-processes-first-window-{}",
-        std::process::id()
-    ));
+    let loader = supervised::blob_loader(20, 256);
     let config = AccelerateConfig::new()
         .with_gradient_accumulation_steps(args.grad_accum)
         .with_zero_stage(ZeroStage::from_number(args.zero_stage).unwrap());
-    let strategy = AccelerateStrategy::<Components>::new(config, &device)
-        .unwrap()
-        .with_artifact_dir(&dir);
+    let strategy = AccelerateStrategy::<Components>::new(config, &device).unwrap();
+    let (strategy, dir) = FitDir::of(strategy, None, &loader, "first-window");
     let stats = strategy.report();
-    let builder = SupervisedTraining::new(&dir, Arc::new(loader), valid)
-        .num_epochs(args.epochs)
-        .metric_valid_numeric(LossMetric::new())
-        .renderer(QuietRenderer)
-        .with_application_logger(None);
+    let builder = supervised::quiet_training(dir.path(), loader, 64, args.epochs);
     Train::seed(&device, 5);
     let model = Observed {
         mlp: Mlp::new(HIDDEN, &device),
     };
     let learner = Learner::new(model, AdamConfig::new().init(), 1e-2);
     let model = builder.with_accelerate(strategy).launch(learner).model;
-    let _ = std::fs::remove_dir_all(&dir);
     ObservedReport {
         passes: PASSES.lock().unwrap().drain(..).collect(),
         parameters: parameters(&model),
