@@ -130,13 +130,16 @@ fn observed(args: &ObservedRun) -> ObservedReport {
     }
 }
 
-/// From the first batch on, stage 3 under `with_accelerate` holds what it holds from the
-/// second window on: each pass gathers at most one linear layer's weight and bias at a time,
-/// the backward pass that completes a window reduces each gradient to its owner (this process
-/// keeps its own partition's and no other, and sent what `stage_3_sent` says), the window's
-/// earlier passes gather but reduce nothing; and the parameters still end where stage 2's do,
-/// bit for bit. On 2 and 3 processes, windows of 1 (every batch completes one, the first
-/// before any step) and 3 (a partial window at each epoch's end).
+/// The strategy's training step at stage 3 reduces each gradient to its owner inside the
+/// user's own `loss.backward()`, as the `Accelerator`'s `backward` does, and from the first
+/// batch on holds what it holds from the second window on: each pass gathers at most one linear
+/// layer's weight and bias at a time, the backward pass that completes a window reduces each
+/// gradient to its owner (this process keeps its own partition's and no other, and sent what
+/// `stage_3_sent` says: every parameter gathered in forward, every weight but the first
+/// layer's again in backward, every gradient reduced once), the window's earlier passes gather
+/// but reduce nothing; and the parameters still end where stage 2's do, bit for bit. On 2 and
+/// 3 processes, windows of 1 (every batch completes one, the first before any step) and 3 (a
+/// partial window at each epoch's end).
 #[test]
 fn stage_3_with_accelerate_gathers_per_layer_and_reduces_in_backward_from_the_first_window() {
     const TEST: &str = "stage3_supervised_first_window::\
