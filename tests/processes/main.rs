@@ -1543,6 +1543,28 @@ fn stage_3_gathers_an_embedding_and_a_matmul_parameter_for_their_ops_alone() {
     }
 }
 
+impl HandLoop {
+    /// `epochs` epochs of Adam (whose state is per parameter, so that each process of stages 1
+    /// to 3 holds part of it) in f32 at `zero_stage`, `batch_size` items a batch per process:
+    /// no overflow, clipping or checkpoint.
+    fn adam(batch_size: usize, zero_stage: u8, epochs: usize) -> Self {
+        HandLoop {
+            batch_size,
+            grad_accum: 1,
+            epochs,
+            precision: Precision::F32,
+            overflow_rank: None,
+            overflow_batch: 0,
+            zero_stage,
+            adam: true,
+            clip_norm: None,
+            save_to: None,
+            resume_from: None,
+            sharded_checkpoint: false,
+        }
+    }
+}
+
 /// How many parameters' Adam state the consolidated checkpoint 1 of a `Net` in `dir` holds, as
 /// Burn loads it by itself.
 fn saved_adam_states(dir: &std::path::Path) -> usize {
@@ -1910,22 +1932,8 @@ fn stage_3_trains_a_parameter_smaller_than_the_process_count_and_a_process_ownin
     // to their owners (nothing is split, so nothing is padded), the 4-value bias is owned by
     // one process, and process 4 owns nothing: it gathers every parameter at its use and
     // steps none.
-    let args = |zero_stage: u8| HandLoop {
-        batch_size: 2,
-        grad_accum: 1,
-        epochs: 1,
-        precision: Precision::F32,
-        overflow_rank: None,
-        overflow_batch: 0,
-        zero_stage,
-        adam: true,
-        clip_norm: None,
-        save_to: None,
-        resume_from: None,
-        sharded_checkpoint: false,
-    };
     let run = |zero_stage: u8| -> Vec<HandLoopReport> {
-        launch(TEST, 5, &args(zero_stage), &[])
+        launch(TEST, 5, &HandLoop::adam(2, zero_stage, 1), &[])
             .assert_success()
             .reports(5)
     };

@@ -8,8 +8,6 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use burn_accelerate::Precision;
-
 use crate::harness::{self, Launched, max_relative_difference};
 use crate::sharded_resume::FromCopy;
 use crate::{HandLoop, HandLoopReport, ITEMS, bits, supervised};
@@ -40,25 +38,13 @@ impl Trained for supervised::RunReport {
 /// A resume on as many processes as saved the checkpoint, at a stage that steps in the same
 /// order: every process ends where the uninterrupted run `whole` did, bit for bit.
 pub fn assert_bit_for_bit<R: Trained>(resumed: &[R], whole: &[R], what: &str) {
-    for (rank, r) in resumed.iter().enumerate() {
-        assert_eq!(
-            bits(r.parameters()),
-            bits(whole[0].parameters()),
-            "{what}, rank {rank}"
-        );
-    }
+    assert_every_process_ends_with(resumed, whole[0].parameters(), what);
 }
 
 /// A re-partitioned resume: every process ends alike, within [`TO_ROUNDING`] of the
 /// uninterrupted run `whole`.
 pub fn assert_to_rounding<R: Trained>(resumed: &[R], whole: &[R], what: &str) {
-    for (rank, r) in resumed.iter().enumerate() {
-        assert_eq!(
-            bits(r.parameters()),
-            bits(resumed[0].parameters()),
-            "{what}, rank {rank}"
-        );
-    }
+    assert_every_process_ends_with(resumed, resumed[0].parameters(), what);
     let d = max_relative_difference(resumed[0].parameters(), whole[0].parameters());
     assert!(d < TO_ROUNDING, "{what}: {d:e}");
 }
@@ -98,6 +84,17 @@ impl From<Copies<'_>> for Source {
     }
 }
 
+/// Every process of `run` ended with `parameters`, bit for bit.
+fn assert_every_process_ends_with<R: Trained>(run: &[R], parameters: &[f32], what: &str) {
+    for (rank, r) in run.iter().enumerate() {
+        assert_eq!(
+            bits(r.parameters()),
+            bits(parameters),
+            "{what}, rank {rank}"
+        );
+    }
+}
+
 /// The hand-written loop's global batch, whatever the number of processes.
 const HAND_GLOBAL_BATCH: usize = 12;
 
@@ -128,18 +125,8 @@ impl HandCheckpoint {
     /// `epochs` epochs on `processes` at `zero_stage`, neither saved nor resumed.
     pub fn args(&self, processes: usize, zero_stage: u8, epochs: usize) -> HandLoop {
         HandLoop {
-            batch_size: HAND_GLOBAL_BATCH / processes,
-            grad_accum: 1,
-            epochs,
-            precision: Precision::F32,
-            overflow_rank: None,
-            overflow_batch: 0,
-            zero_stage,
-            adam: true,
-            clip_norm: None,
-            save_to: None,
-            resume_from: None,
             sharded_checkpoint: self.sharded,
+            ..HandLoop::adam(HAND_GLOBAL_BATCH / processes, zero_stage, epochs)
         }
     }
 
