@@ -2095,6 +2095,9 @@ mod supervised {
         }
     }
 
+    /// The hidden width of the blobs' `Mlp` that the fits here train.
+    pub const HIDDEN: usize = 16;
+
     /// The learning components of a model `M` trained by Adam at a constant learning rate.
     pub type AdamComponents<M> = burn::train::LearningComponentsMarker<
         Train,
@@ -2255,7 +2258,7 @@ mod supervised {
             burn_accelerate::data::GradientStateObserver::new(accelerator.gradient_state().clone());
         let loader = loader(args).with_observer(Arc::new(observer));
         Train::seed(&device, 5);
-        let mut model = Mlp::<Train>::new(16, &device);
+        let mut model = Mlp::<Train>::new(HIDDEN, &device);
         let mut optim = AdamConfig::new().init::<Train, Mlp<Train>>();
         let (mut optimizer_steps, mut skipped_steps) = (0, 0);
         for _ in 0..args.epochs {
@@ -2308,7 +2311,7 @@ mod supervised {
             builder = builder.early_stopping(StopOnMainAfter(2));
         }
         Train::seed(&device, 5);
-        let learner = Learner::new(Mlp::new(16, &device), AdamConfig::new().init(), 1e-2);
+        let learner = Learner::new(Mlp::new(HIDDEN, &device), AdamConfig::new().init(), 1e-2);
         let model = builder.with_accelerate(strategy).launch(learner).model;
         let stats = report.stats();
         // One line per batch, the value first.
@@ -2349,7 +2352,7 @@ mod supervised {
             &Default::default(),
         )
         .unwrap_or_else(|err| panic!("{}: {err}", path.display()));
-        Mlp::<Flex>::new(16, &Default::default()).load_record(record)
+        Mlp::<Flex>::new(HIDDEN, &Default::default()).load_record(record)
     }
 }
 

@@ -78,7 +78,7 @@ fn train(args: &Run) -> RunReport {
         .with_artifact_dir(&dir);
     let held = strategy.start_up_check_held_files();
     Train::seed(&device, 5);
-    let model = Mlp::new(16, &device);
+    let model = Mlp::new(supervised::HIDDEN, &device);
     strategy.check_checkpoint_fits(&model).unwrap();
     let held_after_fits = strategy.start_up_check_held_files();
     if let Some((_, name)) = args.alter.as_ref().filter(|(at, _)| *at == rank) {
@@ -177,7 +177,10 @@ fn the_start_up_check_of_a_sharded_stage_3_checkpoint_holds_only_what_each_proce
     // On 3 processes, process 1's copy with an optimizer file it reads (of the saved process
     // that owned its first parameter) altered after its check, which did not keep it: refused
     // by name at the resume, as changed after the check, and not loaded.
-    let sizes = sizes(&Mlp::<burn::backend::Flex>::new(16, &Default::default()));
+    let sizes = sizes(&Mlp::<burn::backend::Flex>::new(
+        supervised::HIDDEN,
+        &Default::default(),
+    ));
     let old = burn_accelerate::zero::partition(&sizes, 2);
     let new = burn_accelerate::zero::partition(&sizes, 3);
     let place = new.iter().position(|&owner| owner == 1).unwrap();
@@ -220,7 +223,7 @@ fn the_start_up_check_of_a_sharded_stage_3_checkpoint_holds_only_what_each_proce
         .map(|(name, _)| name)
         .collect();
     assert_eq!(names, small);
-    let model = Mlp::new(16, &device);
+    let model = Mlp::new(supervised::HIDDEN, &device);
     strategy.check_checkpoint_fits(&model).unwrap();
     let changed = fits.join("checkpoint").join(shard("model", 1));
     let mut bytes = std::fs::read(&changed).unwrap();

@@ -223,7 +223,7 @@ fn sharded_resume_with_accelerate_reads_only_the_optimizer_files_of_its_partitio
     let saved_dir = dir.join("saved");
     checkpoint.save(2, &saved_dir);
     let sizes = sizes(&crate::mlp::Mlp::<burn::backend::Flex>::new(
-        16,
+        supervised::HIDDEN,
         &Default::default(),
     ));
 
@@ -289,12 +289,15 @@ fn check_checkpoint_fits_on_sharded_files(saved: &Path, scratch: &Path) {
         Err(AccelerateError::Checkpoint { path, reason }) => (path, reason),
         other => panic!("expected a checkpoint error, got {other:?}"),
     };
-    check(saved, 16).expect("the model that wrote it fits");
+    check(saved, supervised::HIDDEN).expect("the model that wrote it fits");
 
     // Another width: the largest parameter, `fc1.weight`'s, in the file of its owner.
-    let (path, reason) = refused(saved, 32);
+    let (path, reason) = refused(saved, 2 * supervised::HIDDEN);
     let owner = burn_accelerate::zero::partition(
-        &sizes(&Mlp::<burn::backend::Flex>::new(32, &Default::default())),
+        &sizes(&Mlp::<burn::backend::Flex>::new(
+            2 * supervised::HIDDEN,
+            &Default::default(),
+        )),
         2,
     )[0];
     assert_eq!(
@@ -328,7 +331,7 @@ fn check_checkpoint_fits_on_sharded_files(saved: &Path, scratch: &Path) {
         .unwrap()
         .write(&renamed)
         .unwrap();
-    let (path, reason) = refused(&renamed, 16);
+    let (path, reason) = refused(&renamed, supervised::HIDDEN);
     assert_eq!(Path::new(&path), renamed.join(name), "{reason}");
     assert!(
         reason.contains("parameter `fc2.weight`") && reason.contains("is not in the record"),
@@ -342,7 +345,7 @@ fn check_checkpoint_fits_on_sharded_files(saved: &Path, scratch: &Path) {
     for number in [1, 2] {
         std::fs::remove_file(gone.join(format!("model-{number}.shard-1-of-2.mpk"))).unwrap();
     }
-    let (_, reason) = refused(&gone, 16);
+    let (_, reason) = refused(&gone, supervised::HIDDEN);
     assert!(reason.contains("model-2.shard-1-of-2.mpk"), "{reason}");
     assert!(reason.contains("model-1.shard-1-of-2.mpk"), "{reason}");
 }

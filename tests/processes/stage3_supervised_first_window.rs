@@ -24,13 +24,10 @@ use crate::harness::{self, launch, report, worker};
 use crate::mlp::{BlobBatch, CLASSES, FEATURES, Mlp};
 use crate::resume::{Copies, StrategyCheckpoint};
 use crate::sharded_resume::{FromCopy, overlapping, sizes, strategy_copies_for_each_process};
-use crate::supervised::FitDir;
+use crate::supervised::{FitDir, HIDDEN};
 use crate::{assert_sent, bits, parameters, stage_3_sent, supervised};
 
 type Train = Accelerated<Autodiff<Flex>>;
-
-/// The hidden width of the observed `Mlp`.
-const HIDDEN: usize = 16;
 
 /// The `Mlp` with a training step that notes what its forward and backward passes did on this
 /// process: the bytes sent, the gathered bytes, and which parameters the step's gradients hold
@@ -249,7 +246,7 @@ fn a_sharded_stage_3_supervised_checkpoint_is_resumed_from_the_files_of_each_par
     if let Some(run) = worker::<FromCopy<supervised::Run>>() {
         return report(&run.train());
     }
-    let sizes = sizes(&Mlp::<Flex>::new(16, &Default::default()));
+    let sizes = sizes(&Mlp::<Flex>::new(HIDDEN, &Default::default()));
     for grad_accum in [1, 3] {
         let checkpoint = StrategyCheckpoint::sharded(TEST, grad_accum, 3);
         let dir = harness::scratch_dir(&format!("first-window-resume-{grad_accum}"));
