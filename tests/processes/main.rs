@@ -2095,6 +2095,17 @@ mod supervised {
         }
     }
 
+    /// The strategy's checkpoints written sharded (each process its own partition's files)
+    /// where `sharded`, consolidated otherwise.
+    pub fn checkpoint_layout(sharded: bool) -> burn_accelerate::checkpoint::CheckpointLayout {
+        use burn_accelerate::checkpoint::CheckpointLayout;
+        if sharded {
+            CheckpointLayout::Sharded
+        } else {
+            CheckpointLayout::Consolidated
+        }
+    }
+
     /// The hidden width of the blobs' `Mlp` that the fits here train.
     pub const HIDDEN: usize = 16;
 
@@ -2226,11 +2237,7 @@ mod supervised {
         let mut config = AccelerateConfig::new()
             .with_gradient_accumulation_steps(args.grad_accum)
             .with_zero_stage(ZeroStage::from_number(args.zero_stage).unwrap())
-            .with_checkpoint_layout(if args.sharded_checkpoint {
-                burn_accelerate::checkpoint::CheckpointLayout::Sharded
-            } else {
-                burn_accelerate::checkpoint::CheckpointLayout::Consolidated
-            });
+            .with_checkpoint_layout(checkpoint_layout(args.sharded_checkpoint));
         if args.f16 {
             // The net is tiny: cast all its lower-class ops (PyTorch's rule), so that f16
             // overflows.

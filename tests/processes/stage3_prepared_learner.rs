@@ -23,7 +23,6 @@ use burn::optim::AdamConfig;
 use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::train::{ClassificationOutput, InferenceStep, Learner, TrainOutput, TrainStep};
-use burn_accelerate::checkpoint::CheckpointLayout;
 use burn_accelerate::distributed::ProcessState;
 use burn_accelerate::train::{AccelerateStrategy, WithAccelerate};
 use burn_accelerate::zero::ZeroStage;
@@ -235,11 +234,7 @@ fn train(args: &Run) -> RunReport {
     let loader = supervised::blob_loader(16, 128);
     let config = AccelerateConfig::new()
         .with_zero_stage(ZeroStage::from_number(args.zero_stage).unwrap())
-        .with_checkpoint_layout(if args.sharded_checkpoint {
-            CheckpointLayout::Sharded
-        } else {
-            CheckpointLayout::Consolidated
-        });
+        .with_checkpoint_layout(supervised::checkpoint_layout(args.sharded_checkpoint));
     let strategy = AccelerateStrategy::<Components>::new(config, &device).unwrap();
     let (strategy, dir) = FitDir::of(strategy, args.dir.as_deref(), &loader, "prepared");
     let stats = strategy.report();
