@@ -14,6 +14,7 @@ mod mlp;
 mod needs;
 mod one_save;
 mod precheck_memory;
+mod resume;
 mod sharded_resume;
 mod stage3_autocast_more;
 #[cfg(any(feature = "wgpu", feature = "tch", feature = "cuda"))]
@@ -47,8 +48,10 @@ use burn_accelerate::fp8::Fp8Mode;
 use burn_accelerate::train::AccelerateCheckpoint;
 use burn_accelerate::{AccelerateConfig, Accelerated, Precision};
 use harness::{launch, max_relative_difference, report, worker};
+use resume::{HandCheckpoint, StrategyCheckpoint};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use sharded_resume::FromCopy;
 
 /// Every float parameter of `module`, in visiting order.
 fn parameters<B: Backend, M: Module<B>>(module: &M) -> Vec<f32> {
@@ -1630,218 +1633,131 @@ fn stage_3_gathers_an_embedding_and_a_matmul_parameter_for_their_ops_alone() {
     }
 }
 
+impl HandLoop {
+    /// `epochs` epochs of Adam (whose state is per parameter, so that each process of stages 1
+    /// to 3 holds part of it) in f32 at `zero_stage`, `batch_size` items a batch per process:
+    /// no overflow, clipping or checkpoint.
+    fn adam(batch_size: usize, zero_stage: u8, epochs: usize) -> Self {
+        HandLoop {
+            batch_size,
+            grad_accum: 1,
+            epochs,
+            precision: Precision::F32,
+            overflow_rank: None,
+            overflow_batch: 0,
+            zero_stage,
+            adam: true,
+            clip_norm: None,
+            save_to: None,
+            resume_from: None,
+            sharded_checkpoint: false,
+        }
+    }
+}
+
+/// How many parameters' Adam state the consolidated checkpoint 1 of a `Net` in `dir` holds, as
+/// Burn loads it by itself.
+fn saved_adam_states(dir: &std::path::Path) -> usize {
+    use burn::optim::Optimizer;
+    use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
+    fn load<O: Optimizer<Net<Autodiff<Flex>>, Autodiff<Flex>>>(_: O, bytes: Vec<u8>) -> O::Record {
+        Recorder::<Autodiff<Flex>>::load(
+            &NamedMpkBytesRecorder::<FullPrecisionSettings>::new(),
+            bytes,
+            &Default::default(),
+        )
+        .unwrap()
+    }
+    let checkpoint = burn_accelerate::checkpoint::CheckpointDir::new(dir)
+        .load(1)
+        .unwrap();
+    let state = load(
+        burn::optim::AdamConfig::new().init(),
+        checkpoint.files["optimizer-1.mpk"].clone(),
+    );
+    state.len()
+}
+
+/// The `Net` in a checkpoint's model file, as Burn loads it by itself on a backend without
+/// autodiff or this crate's decorator.
+fn saved_net(bytes: Vec<u8>) -> Net<Flex> {
+    use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
+    let record: NetRecord<Flex> = Recorder::<Flex>::load(
+        &NamedMpkBytesRecorder::<FullPrecisionSettings>::new(),
+        bytes,
+        &Default::default(),
+    )
+    .unwrap();
+    Net::<Flex>::new(&Default::default()).load_record(record)
+}
+
 #[test]
 fn a_sharded_optimizer_state_resumes_on_any_number_of_processes_at_any_stage() {
     const TEST: &str = "a_sharded_optimizer_state_resumes_on_any_number_of_processes_at_any_stage";
-    if let Some(args) = worker::<HandLoop>() {
-        return report(&hand_loop::<Autodiff<Flex>>(&args));
+    if let Some(run) = worker::<FromCopy<HandLoop>>() {
+        return report(&run.train());
     }
-    // A global batch of 12 whatever the number of processes; Adam, whose state is per
-    // parameter, so that each stage-2 process holds part of it.
-    let args = |processes: usize, zero_stage: u8, epochs: usize| HandLoop {
-        batch_size: 12 / processes,
-        grad_accum: 1,
-        epochs,
-        precision: Precision::F32,
-        overflow_rank: None,
-        overflow_batch: 0,
-        zero_stage,
-        adam: true,
-        clip_norm: None,
-        save_to: None,
-        resume_from: None,
-        sharded_checkpoint: false,
-    };
-    let whole: Vec<HandLoopReport> = launch(TEST, 2, &args(2, 2, 2), &[])
-        .assert_success()
-        .reports(2);
+    // Saved at stage 2, where each process holds part of Adam's state.
+    let checkpoint = HandCheckpoint::new(TEST, false, 2);
     let dir = harness::scratch_dir("sharded-optimizer-state");
-    let first = HandLoop {
-        save_to: Some(dir.clone()),
-        ..args(2, 2, 1)
-    };
-    launch(TEST, 2, &first, &[]).assert_success();
+    checkpoint.save(2, &dir);
     // The checkpoint holds the state of every parameter: the consolidated one.
-    {
-        use burn::optim::Optimizer;
-        use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
-        fn load<O: Optimizer<Net<Autodiff<Flex>>, Autodiff<Flex>>>(
-            _: O,
-            bytes: Vec<u8>,
-        ) -> O::Record {
-            Recorder::<Autodiff<Flex>>::load(
-                &NamedMpkBytesRecorder::<FullPrecisionSettings>::new(),
-                bytes,
-                &Default::default(),
-            )
-            .unwrap()
-        }
-        let checkpoint = burn_accelerate::checkpoint::CheckpointDir::new(&dir)
-            .load(1)
-            .unwrap();
-        let whole = load(
-            burn::optim::AdamConfig::new().init(),
-            checkpoint.files["optimizer-1.mpk"].clone(),
-        );
-        assert_eq!(whole.len(), 4, "two weights and two biases");
-    }
-    let resume = |processes: usize, zero_stage: u8| HandLoop {
-        resume_from: Some(dir.clone()),
-        ..args(processes, zero_stage, 1)
-    };
+    assert_eq!(saved_adam_states(&dir), 4, "two weights and two biases");
     // The same processes and stage: bit for bit.
-    let same: Vec<HandLoopReport> = launch(TEST, 2, &resume(2, 2), &[])
-        .assert_success()
-        .reports(2);
-    assert_eq!(bits(&same[0].parameters), bits(&whole[0].parameters));
-    assert_eq!(same[0].outcomes, whole[0].outcomes[8..]);
+    let same = checkpoint.resume(2, 2, &dir);
+    checkpoint.assert_bit_for_bit(&same, "2 processes at stage 2");
     // Re-partitioned over other numbers of processes, and at other stages: the same training
     // to rounding (sums in another order). Stage 3 starts from the whole loaded model and
     // releases it after its first step.
     for (processes, zero_stage) in [(3, 1), (4, 2), (1, 0), (2, 0), (3, 3)] {
-        let resumed: Vec<HandLoopReport> =
-            launch(TEST, processes, &resume(processes, zero_stage), &[])
-                .assert_success()
-                .reports(processes);
-        for r in &resumed {
-            assert_eq!(bits(&r.parameters), bits(&resumed[0].parameters));
-            if zero_stage == 3 {
-                assert!(
-                    r.held_after_step.iter().all(|&h| h == 0),
-                    "{:?}",
-                    r.held_after_step
-                );
-            }
-        }
-        let d = max_relative_difference(&resumed[0].parameters, &whole[0].parameters);
-        assert!(
-            d < 1e-5,
-            "{processes} processes at stage {zero_stage}: {d:e}"
-        );
+        let resumed = checkpoint.resume(processes, zero_stage, &dir);
+        let what = format!("{processes} processes at stage {zero_stage}");
+        checkpoint.assert_to_rounding(&resumed, zero_stage, &what);
     }
     // Without its optimizer state the resumed run would differ: the check can fail.
-    let fresh: Vec<HandLoopReport> = launch(TEST, 2, &args(2, 2, 1), &[])
-        .assert_success()
-        .reports(2);
-    assert!(max_relative_difference(&fresh[0].parameters, &whole[0].parameters) > 1e-3);
+    let fresh = checkpoint.train(2, checkpoint.args(2, 2, 1));
+    let whole = &checkpoint.whole[0].parameters;
+    assert!(max_relative_difference(&fresh[0].parameters, whole) > 1e-3);
     harness::clean(&dir);
 }
 
 #[test]
 fn a_stage_3_checkpoint_resumes_on_other_process_counts_and_stages() {
     const TEST: &str = "a_stage_3_checkpoint_resumes_on_other_process_counts_and_stages";
-    if let Some(args) = worker::<HandLoop>() {
-        return report(&hand_loop::<Autodiff<Flex>>(&args));
+    if let Some(run) = worker::<FromCopy<HandLoop>>() {
+        return report(&run.train());
     }
-    // A global batch of 12 whatever the number of processes, Adam (state per parameter):
-    // stage 3 on 2 processes, where each process holds half of the parameters and of the
+    // Stage 3 on 2 processes, where each process holds half of the parameters and of the
     // optimizer state between steps.
-    let args = |processes: usize, zero_stage: u8, epochs: usize| HandLoop {
-        batch_size: 12 / processes,
-        grad_accum: 1,
-        epochs,
-        precision: Precision::F32,
-        overflow_rank: None,
-        overflow_batch: 0,
-        zero_stage,
-        adam: true,
-        clip_norm: None,
-        save_to: None,
-        resume_from: None,
-        sharded_checkpoint: false,
-    };
-    let whole: Vec<HandLoopReport> = launch(TEST, 2, &args(2, 3, 2), &[])
-        .assert_success()
-        .reports(2);
+    let checkpoint = HandCheckpoint::new(TEST, false, 3);
     let dir = harness::scratch_dir("stage-3-checkpoint");
-    let first = HandLoop {
-        save_to: Some(dir.clone()),
-        ..args(2, 3, 1)
-    };
-    let saved: Vec<HandLoopReport> = launch(TEST, 2, &first, &[]).assert_success().reports(2);
+    let saved = checkpoint.save(3, &dir);
     // Parameters stay released on both processes (the save gathered clones).
     assert!(
         saved
             .iter()
             .all(|r| r.held_after_step.iter().all(|&h| h == 0))
     );
-    // The checkpoint is a whole model Burn loads by itself, on a backend without autodiff or
-    // this crate's decorator: the parameters the run ended with, bit for bit; and the whole
-    // optimizer state.
-    {
-        use burn::optim::Optimizer;
-        use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
-        let checkpoint = burn_accelerate::checkpoint::CheckpointDir::new(&dir)
-            .load(1)
-            .unwrap();
-        let recorder = NamedMpkBytesRecorder::<FullPrecisionSettings>::new();
-        let record: NetRecord<Flex> = Recorder::<Flex>::load(
-            &recorder,
-            checkpoint.files["model-1.mpk"].clone(),
-            &Default::default(),
-        )
+    // The checkpoint is a whole model Burn loads by itself: the parameters the run ended with,
+    // bit for bit; and the whole optimizer state.
+    let listed = burn_accelerate::checkpoint::CheckpointDir::new(&dir)
+        .load(1)
         .unwrap();
-        let loaded = Net::<Flex>::new(&Default::default()).load_record(record);
-        assert_eq!(bits(&parameters(&loaded)), bits(&saved[0].parameters));
-        fn load<O: Optimizer<Net<Autodiff<Flex>>, Autodiff<Flex>>>(
-            _: O,
-            bytes: Vec<u8>,
-        ) -> O::Record {
-            Recorder::<Autodiff<Flex>>::load(
-                &NamedMpkBytesRecorder::<FullPrecisionSettings>::new(),
-                bytes,
-                &Default::default(),
-            )
-            .unwrap()
-        }
-        let state = load(
-            burn::optim::AdamConfig::new().init(),
-            checkpoint.files["optimizer-1.mpk"].clone(),
-        );
-        assert_eq!(state.len(), 4, "two weights and two biases");
-    }
-    let resume = |processes: usize, zero_stage: u8| HandLoop {
-        resume_from: Some(dir.clone()),
-        ..args(processes, zero_stage, 1)
-    };
+    let loaded = saved_net(listed.files["model-1.mpk"].clone());
+    assert_eq!(bits(&parameters(&loaded)), bits(&saved[0].parameters));
+    assert_eq!(saved_adam_states(&dir), 4, "two weights and two biases");
     // The same processes and stage, and stage 2 on them (stage 3 steps as stage 2 does, in
     // the same order): bit for bit.
     for zero_stage in [3, 2] {
-        let same: Vec<HandLoopReport> = launch(TEST, 2, &resume(2, zero_stage), &[])
-            .assert_success()
-            .reports(2);
-        for r in &same {
-            assert_eq!(
-                bits(&r.parameters),
-                bits(&whole[0].parameters),
-                "stage {zero_stage}"
-            );
-            assert_eq!(r.outcomes, whole[0].outcomes[8..], "stage {zero_stage}");
-        }
+        let same = checkpoint.resume(2, zero_stage, &dir);
+        checkpoint.assert_bit_for_bit(&same, &format!("stage {zero_stage}"));
     }
     // Another number of processes, at stage 0 and at stage 3: the same training to rounding
-    // (the mean over other parts sums in another order), within the 1e-5 that the stage-2
-    // checkpoint's resumes above hold.
+    // (the mean over other parts sums in another order), as the stage-2 checkpoint's resumes.
     for (processes, zero_stage) in [(1, 0), (3, 3)] {
-        let resumed: Vec<HandLoopReport> =
-            launch(TEST, processes, &resume(processes, zero_stage), &[])
-                .assert_success()
-                .reports(processes);
-        for r in &resumed {
-            assert_eq!(bits(&r.parameters), bits(&resumed[0].parameters));
-            if zero_stage == 3 {
-                assert!(
-                    r.held_after_step.iter().all(|&h| h == 0),
-                    "{:?}",
-                    r.held_after_step
-                );
-            }
-        }
-        let d = max_relative_difference(&resumed[0].parameters, &whole[0].parameters);
-        assert!(
-            d < 1e-5,
-            "{processes} processes at stage {zero_stage}: {d:e}"
-        );
+        let resumed = checkpoint.resume(processes, zero_stage, &dir);
+        let what = format!("{processes} processes at stage {zero_stage}");
+        checkpoint.assert_to_rounding(&resumed, zero_stage, &what);
     }
     harness::clean(&dir);
 }
@@ -1849,39 +1765,17 @@ fn a_stage_3_checkpoint_resumes_on_other_process_counts_and_stages() {
 #[test]
 fn a_sharded_stage_3_checkpoint_resumes_on_other_process_counts_and_stages() {
     const TEST: &str = "a_sharded_stage_3_checkpoint_resumes_on_other_process_counts_and_stages";
-    use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
     use burn_accelerate::checkpoint::{CheckpointDir, FileDigest, Manifest};
-    if let Some(args) = worker::<HandLoop>() {
-        return report(&hand_loop::<Autodiff<Flex>>(&args));
+    if let Some(run) = worker::<FromCopy<HandLoop>>() {
+        return report(&run.train());
     }
-    // As the consolidated stage 3 checkpoint's test above: a global batch of 12, Adam, stage
-    // 3 on 2 processes; the checkpoint written sharded.
-    let args = |processes: usize, zero_stage: u8, epochs: usize| HandLoop {
-        batch_size: 12 / processes,
-        grad_accum: 1,
-        epochs,
-        precision: Precision::F32,
-        overflow_rank: None,
-        overflow_batch: 0,
-        zero_stage,
-        adam: true,
-        clip_norm: None,
-        save_to: None,
-        resume_from: None,
-        sharded_checkpoint: true,
-    };
-    let whole: Vec<HandLoopReport> = launch(TEST, 2, &args(2, 3, 2), &[])
-        .assert_success()
-        .reports(2);
+    // As the consolidated stage 3 checkpoint's test above; the checkpoint written sharded.
+    let checkpoint = HandCheckpoint::new(TEST, true, 3);
     let dir = harness::scratch_dir("sharded-stage-3-checkpoint");
-    let first = HandLoop {
-        save_to: Some(dir.clone()),
-        ..args(2, 3, 1)
-    };
-    let saved: Vec<HandLoopReport> = launch(TEST, 2, &first, &[]).assert_success().reports(2);
-    let checkpoint = CheckpointDir::new(&dir).load(1).unwrap();
+    let saved = checkpoint.save(3, &dir);
+    let listed = CheckpointDir::new(&dir).load(1).unwrap();
     assert_eq!(
-        checkpoint.files.keys().collect::<Vec<_>>(),
+        listed.files.keys().collect::<Vec<_>>(),
         [
             "accelerator-1.json",
             "loader.json",
@@ -1894,16 +1788,9 @@ fn a_sharded_stage_3_checkpoint_resumes_on_other_process_counts_and_stages() {
     // Each process's model file holds its partition alone (Burn reads it by itself: the
     // others' parameters have no elements), and the two hold every parameter between them,
     // the values the run ended with.
-    let recorder = NamedMpkBytesRecorder::<FullPrecisionSettings>::new();
     let mut merged = vec![Vec::new(); 4];
     for rank in 0..2 {
-        let record: NetRecord<Flex> = Recorder::<Flex>::load(
-            &recorder,
-            checkpoint.files[&format!("model-1.shard-{rank}-of-2.mpk")].clone(),
-            &Default::default(),
-        )
-        .unwrap();
-        let net = Net::<Flex>::new(&Default::default()).load_record(record);
+        let net = saved_net(listed.files[&format!("model-1.shard-{rank}-of-2.mpk")].clone());
         let held = [
             net.hidden.weight.val().into_data(),
             net.hidden.bias.as_ref().unwrap().val().into_data(),
@@ -1917,34 +1804,15 @@ fn a_sharded_stage_3_checkpoint_resumes_on_other_process_counts_and_stages() {
         }
     }
     assert_eq!(bits(&merged.concat()), bits(&saved[0].parameters));
-    let resume = |processes: usize, zero_stage: u8| HandLoop {
-        resume_from: Some(dir.clone()),
-        ..args(processes, zero_stage, 1)
-    };
     // The same processes and stage: each process reads its own files alone, bit for bit.
-    let same: Vec<HandLoopReport> = launch(TEST, 2, &resume(2, 3), &[])
-        .assert_success()
-        .reports(2);
-    for r in &same {
-        assert_eq!(bits(&r.parameters), bits(&whole[0].parameters));
-        assert_eq!(r.outcomes, whole[0].outcomes[8..]);
-    }
+    let same = checkpoint.resume(2, 3, &dir);
+    checkpoint.assert_bit_for_bit(&same, "2 processes at stage 3");
     // Another number of processes, at stage 0 and at stage 3: re-partitioned from both files,
-    // the same training to rounding (the mean over other parts sums in another order), within
-    // the 1e-5 of the consolidated checkpoint's resumes.
+    // the same training to rounding, as the consolidated checkpoint's resumes.
     for (processes, zero_stage) in [(1, 0), (3, 3)] {
-        let resumed: Vec<HandLoopReport> =
-            launch(TEST, processes, &resume(processes, zero_stage), &[])
-                .assert_success()
-                .reports(processes);
-        for r in &resumed {
-            assert_eq!(bits(&r.parameters), bits(&resumed[0].parameters));
-        }
-        let d = max_relative_difference(&resumed[0].parameters, &whole[0].parameters);
-        assert!(
-            d < 1e-5,
-            "{processes} processes at stage {zero_stage}: {d:e}"
-        );
+        let resumed = checkpoint.resume(processes, zero_stage, &dir);
+        let what = format!("{processes} processes at stage {zero_stage}");
+        checkpoint.assert_to_rounding(&resumed, zero_stage, &what);
     }
 
     // Saved sharded at stage 2 (every process holds the whole model, and writes its own
@@ -1952,35 +1820,11 @@ fn a_sharded_stage_3_checkpoint_resumes_on_other_process_counts_and_stages() {
     // stage 2 does, in the same order, so both end where the uninterrupted run does, bit for
     // bit.
     let stage_2 = harness::scratch_dir("sharded-stage-2-checkpoint");
-    launch(
-        TEST,
-        2,
-        &HandLoop {
-            save_to: Some(stage_2.clone()),
-            ..args(2, 2, 1)
-        },
-        &[],
-    )
-    .assert_success();
+    checkpoint.save(2, &stage_2);
     for zero_stage in [2, 3] {
-        let resumed: Vec<HandLoopReport> = launch(
-            TEST,
-            2,
-            &HandLoop {
-                resume_from: Some(stage_2.clone()),
-                ..args(2, zero_stage, 1)
-            },
-            &[],
-        )
-        .assert_success()
-        .reports(2);
-        for r in &resumed {
-            assert_eq!(
-                bits(&r.parameters),
-                bits(&whole[0].parameters),
-                "saved at stage 2, resumed at stage {zero_stage}"
-            );
-        }
+        let resumed = checkpoint.resume(2, zero_stage, &stage_2);
+        let what = format!("saved at stage 2, resumed at stage {zero_stage}");
+        checkpoint.assert_bit_for_bit(&resumed, &what);
     }
     harness::clean(&stage_2);
 
@@ -2015,27 +1859,18 @@ fn a_sharded_stage_3_checkpoint_resumes_on_other_process_counts_and_stages() {
             bytes[last] ^= 0xff;
         }
         std::fs::write(&damaged, &bytes).unwrap();
-        let again: Vec<HandLoopReport> = launch(TEST, 2, &resume(2, 3), &[])
-            .assert_success()
-            .reports(2);
-        for r in &again {
-            assert_eq!(bits(&r.parameters), bits(&whole[0].parameters), "{what}");
-        }
+        checkpoint.assert_bit_for_bit(&checkpoint.resume(2, 3, &dir), what);
     }
 
     // A process that cannot write its part: the checkpoint is not listed, and every process
     // fails with the same error.
+    let save_to = |dir: &std::path::Path| HandLoop {
+        save_to: Some(dir.to_path_buf()),
+        ..checkpoint.args(2, 3, 1)
+    };
     let blocked = harness::scratch_dir("sharded-stage-3-blocked");
     std::fs::create_dir_all(blocked.join("model-1.shard-1-of-2.mpk")).unwrap();
-    let failed = launch(
-        TEST,
-        2,
-        &HandLoop {
-            save_to: Some(blocked.clone()),
-            ..args(2, 3, 1)
-        },
-        &[],
-    );
+    let failed = checkpoint.launched(2, save_to(&blocked));
     assert!(!failed.status.success(), "{}", failed.output());
     assert!(
         failed
@@ -2053,15 +1888,7 @@ fn a_sharded_stage_3_checkpoint_resumes_on_other_process_counts_and_stages() {
     // A process killed halfway through writing its part (the test hook): the run fails, and
     // the checkpoint is not listed (the main process never heard that the part was written).
     let crashed = harness::scratch_dir("sharded-stage-3-crashed");
-    let (mut command, reports) = harness::launch_command(
-        TEST,
-        2,
-        &HandLoop {
-            save_to: Some(crashed.clone()),
-            ..args(2, 3, 1)
-        },
-        &[],
-    );
+    let (mut command, reports) = checkpoint.command(2, save_to(&crashed), false);
     command.env(
         burn_accelerate::checkpoint::CRASH_WRITING,
         "0:model-1.shard-1-of-2.mpk",
@@ -2195,22 +2022,8 @@ fn stage_3_trains_a_parameter_smaller_than_the_process_count_and_a_process_ownin
     // to their owners (nothing is split, so nothing is padded), the 4-value bias is owned by
     // one process, and process 4 owns nothing: it gathers every parameter at its use and
     // steps none.
-    let args = |zero_stage: u8| HandLoop {
-        batch_size: 2,
-        grad_accum: 1,
-        epochs: 1,
-        precision: Precision::F32,
-        overflow_rank: None,
-        overflow_batch: 0,
-        zero_stage,
-        adam: true,
-        clip_norm: None,
-        save_to: None,
-        resume_from: None,
-        sharded_checkpoint: false,
-    };
     let run = |zero_stage: u8| -> Vec<HandLoopReport> {
-        launch(TEST, 5, &args(zero_stage), &[])
+        launch(TEST, 5, &HandLoop::adam(2, zero_stage, 1), &[])
             .assert_success()
             .reports(5)
     };
@@ -2372,28 +2185,149 @@ mod supervised {
         }
     }
 
-    fn loader(args: &Run) -> burn_accelerate::data::ShardLoader<Train, Sample, BlobBatch<Train>> {
+    /// The strategy's checkpoints written sharded (each process its own partition's files)
+    /// where `sharded`, consolidated otherwise.
+    pub fn checkpoint_layout(sharded: bool) -> burn_accelerate::checkpoint::CheckpointLayout {
+        use burn_accelerate::checkpoint::CheckpointLayout;
+        if sharded {
+            CheckpointLayout::Sharded
+        } else {
+            CheckpointLayout::Consolidated
+        }
+    }
+
+    /// The hidden width of the blobs' `Mlp` that the fits here train.
+    pub const HIDDEN: usize = 16;
+
+    /// The learning components of a model `M` trained by Adam at a constant learning rate.
+    pub type AdamComponents<M> = burn::train::LearningComponentsMarker<
+        Train,
+        f64,
+        M,
+        burn::optim::adaptor::OptimizerAdaptor<burn::optim::Adam, M, Train>,
+    >;
+
+    /// This process's shard of `items` training blobs (seed 1), shuffled (data seed 11), in
+    /// batches of `batch_size` per process.
+    pub fn blob_loader(batch_size: usize, items: usize) -> BlobLoader {
         let state = ProcessState::from_env().unwrap();
         ShardLoaderBuilder::new(
-            DataLoaderConfig::new(args.batch_size)
+            DataLoaderConfig::new(batch_size)
                 .with_shuffle(true)
                 .with_data_seed(Some(11)),
-            InMemDataset::new(blobs(if args.items == 0 { 256 } else { args.items }, 1)),
+            InMemDataset::new(blobs(items, 1)),
             BlobBatcher,
         )
         .build_for(&state, Default::default())
         .unwrap()
     }
 
+    /// What [`blob_loader`] gives.
+    pub type BlobLoader = burn_accelerate::data::ShardLoader<Train, Sample, BlobBatch<Train>>;
+
+    /// Burn's `SupervisedTraining` of `epochs` epochs over `loader` in `dir`, validated on one
+    /// batch of `valid_items` other blobs (seed 2) with its loss logged, rendering nothing and
+    /// installing no application logger.
+    pub fn quiet_training<M>(
+        dir: &std::path::Path,
+        loader: BlobLoader,
+        valid_items: usize,
+        epochs: usize,
+    ) -> SupervisedTraining<AdamComponents<M>>
+    where
+        M: burn::train::TrainStep<
+                Input = BlobBatch<Train>,
+                Output = burn::train::ClassificationOutput<Train>,
+            > + burn::module::AutodiffModule<Train>
+            + core::fmt::Display
+            + 'static,
+        M::InnerModule: burn::train::InferenceStep<
+                Input = BlobBatch<Accelerated<Flex>>,
+                Output = burn::train::ClassificationOutput<Accelerated<Flex>>,
+            >,
+    {
+        let valid = DataLoaderBuilder::<Accelerated<Flex>, _, _>::new(BlobBatcher)
+            .batch_size(valid_items)
+            .build(InMemDataset::new(blobs(valid_items, 2)));
+        SupervisedTraining::new(dir, Arc::new(loader), valid)
+            .num_epochs(epochs)
+            .metric_valid_numeric(LossMetric::new())
+            .renderer(QuietRenderer)
+            .with_application_logger(None)
+    }
+
+    /// Where a fit writes Burn's metric logs (and the strategy's checkpoints): the directory
+    /// given, or one of this process's own, removed when this is dropped.
+    pub struct FitDir {
+        path: PathBuf,
+        own: bool,
+    }
+
+    impl FitDir {
+        /// `strategy` writing in `dir`, its checkpoints in `dir/checkpoint` (`loader`'s position
+        /// among them); or, where `dir` is `None`, in a directory of this process's own named
+        /// after `name`, without checkpoints. The main process writes Burn's metric logs (of
+        /// every process's validation) there.
+        pub fn of<LC>(
+            strategy: AccelerateStrategy<LC>,
+            dir: Option<&std::path::Path>,
+            loader: &BlobLoader,
+            name: &str,
+        ) -> (AccelerateStrategy<LC>, Self)
+        where
+            LC: burn::train::LearningComponentsTypes<
+                    Backend = Train,
+                    TrainingModel: burn::train::TrainStep<Input = BlobBatch<Train>>,
+                >,
+        {
+            let fit = match dir {
+                Some(dir) => Self {
+                    path: dir.to_path_buf(),
+                    own: false,
+                },
+                None => Self {
+                    path: std::env::temp_dir().join(format!(
+                        "burn-accelerate-processes-{name}-{}",
+                        std::process::id()
+                    )),
+                    own: true,
+                },
+            };
+            let strategy = if fit.own {
+                strategy
+            } else {
+                strategy
+                    .with_checkpoint_dir(fit.path.join("checkpoint"))
+                    .with_checkpointed_loader(loader)
+            };
+            (strategy.with_artifact_dir(&fit.path), fit)
+        }
+
+        pub fn path(&self) -> &std::path::Path {
+            &self.path
+        }
+    }
+
+    impl Drop for FitDir {
+        fn drop(&mut self) {
+            if self.own {
+                let _ = std::fs::remove_dir_all(&self.path);
+            }
+        }
+    }
+
+    fn loader(args: &Run) -> BlobLoader {
+        blob_loader(
+            args.batch_size,
+            if args.items == 0 { 256 } else { args.items },
+        )
+    }
+
     fn config(args: &Run) -> AccelerateConfig {
         let mut config = AccelerateConfig::new()
             .with_gradient_accumulation_steps(args.grad_accum)
             .with_zero_stage(ZeroStage::from_number(args.zero_stage).unwrap())
-            .with_checkpoint_layout(if args.sharded_checkpoint {
-                burn_accelerate::checkpoint::CheckpointLayout::Sharded
-            } else {
-                burn_accelerate::checkpoint::CheckpointLayout::Consolidated
-            });
+            .with_checkpoint_layout(checkpoint_layout(args.sharded_checkpoint));
         if args.f16 {
             // The net is tiny: cast all its lower-class ops (PyTorch's rule), so that f16
             // overflows.
@@ -2421,7 +2355,7 @@ mod supervised {
             burn_accelerate::data::GradientStateObserver::new(accelerator.gradient_state().clone());
         let loader = loader(args).with_observer(Arc::new(observer));
         Train::seed(&device, 5);
-        let mut model = Mlp::<Train>::new(16, &device);
+        let mut model = Mlp::<Train>::new(HIDDEN, &device);
         let mut optim = AdamConfig::new().init::<Train, Mlp<Train>>();
         let (mut optimizer_steps, mut skipped_steps) = (0, 0);
         for _ in 0..args.epochs {
@@ -2460,30 +2394,10 @@ mod supervised {
         }
         let device = Default::default();
         let loader = loader(args);
-        let valid = DataLoaderBuilder::<Accelerated<Flex>, _, _>::new(BlobBatcher)
-            .batch_size(64)
-            .build(InMemDataset::new(blobs(64, 2)));
-        let mut strategy = AccelerateStrategy::<Components>::new(config(args), &device).unwrap();
-        let dir = match &args.dir {
-            Some(dir) => {
-                strategy = strategy
-                    .with_checkpoint_dir(dir.join("checkpoint"))
-                    .with_checkpointed_loader(&loader);
-                dir.clone()
-            }
-            None => std::env::temp_dir().join(format!(
-                "burn-accelerate-processes-supervised-{}",
-                std::process::id()
-            )),
-        };
-        // Where the main process writes Burn's metric logs (of every process's validation).
-        let strategy = strategy.with_artifact_dir(&dir);
+        let strategy = AccelerateStrategy::<Components>::new(config(args), &device).unwrap();
+        let (strategy, dir) = FitDir::of(strategy, args.dir.as_deref(), &loader, "supervised");
         let report = strategy.report();
-        let mut builder = SupervisedTraining::new(&dir, Arc::new(loader), valid)
-            .num_epochs(args.epochs)
-            .metric_valid_numeric(LossMetric::new())
-            .renderer(QuietRenderer)
-            .with_application_logger(None)
+        let mut builder = quiet_training(dir.path(), loader, 64, args.epochs)
             // Full precision: Burn's `CompactRecorder` stores f16, and a resumed run must end
             // bit for bit where the uninterrupted one did.
             .with_file_checkpointer(NamedMpkFileRecorder::<FullPrecisionSettings>::new());
@@ -2494,7 +2408,7 @@ mod supervised {
             builder = builder.early_stopping(StopOnMainAfter(2));
         }
         Train::seed(&device, 5);
-        let learner = Learner::new(Mlp::new(16, &device), AdamConfig::new().init(), 1e-2);
+        let learner = Learner::new(Mlp::new(HIDDEN, &device), AdamConfig::new().init(), 1e-2);
         let model = builder.with_accelerate(strategy).launch(learner).model;
         let stats = report.stats();
         // One line per batch, the value first.
@@ -2503,6 +2417,7 @@ mod supervised {
             .iter()
             .map(|e| {
                 let log = dir
+                    .path()
                     .join("valid")
                     .join(format!("epoch-{}", e.epoch))
                     .join("Loss.log");
@@ -2513,9 +2428,6 @@ mod supervised {
                     .collect()
             })
             .collect();
-        if args.dir.is_none() {
-            let _ = std::fs::remove_dir_all(&dir);
-        }
         RunReport {
             parameters: parameters(&model),
             optimizer_steps: stats.optimizer_steps(),
@@ -2527,96 +2439,17 @@ mod supervised {
         }
     }
 
-    /// The `Mlp` with a training step that notes, right after the user's own
-    /// `loss.backward()`, the bytes this process sent during the step and which parameters
-    /// the step's gradients hold: what the strategy's backward pass did.
-    #[derive(Module, Debug)]
-    pub struct Watched<B: Backend> {
-        mlp: Mlp<B>,
-    }
-
-    /// Per step of this process: the bytes sent, and per parameter in visiting order whether
-    /// the step's gradients hold one.
-    static WATCHED: std::sync::Mutex<Vec<(u64, Vec<bool>)>> = std::sync::Mutex::new(Vec::new());
-
-    impl<B: AutodiffBackend> burn::train::TrainStep for Watched<B> {
-        type Input = BlobBatch<B>;
-        type Output = burn::train::ClassificationOutput<B>;
-
-        fn step(&self, batch: BlobBatch<B>) -> burn::train::TrainOutput<Self::Output> {
-            let before = burn_accelerate::zero::sent_bytes();
-            let item = self.mlp.classify(batch);
-            let grads = burn::optim::GradientsParams::from_grads(item.loss.backward(), self);
-            let sent = burn_accelerate::zero::sent_bytes() - before;
-            let holds = holds_gradient(self, &grads);
-            WATCHED.lock().unwrap().push((sent, holds));
-            burn::train::TrainOutput { grads, item }
-        }
-    }
-
-    impl<B: Backend> burn::train::InferenceStep for Watched<B> {
-        type Input = BlobBatch<B>;
-        type Output = burn::train::ClassificationOutput<B>;
-
-        fn step(&self, batch: BlobBatch<B>) -> Self::Output {
-            self.mlp.classify(batch)
-        }
-    }
-
-    type WatchedComponents = burn::train::LearningComponentsMarker<
-        Train,
-        f64,
-        Watched<Train>,
-        burn::optim::adaptor::OptimizerAdaptor<burn::optim::Adam, Watched<Train>, Train>,
-    >;
-
-    /// The hidden width of the watched `Mlp`.
-    pub const WATCHED_HIDDEN: usize = 16;
-
-    #[derive(Debug, Serialize, Deserialize)]
-    pub struct WatchedReport {
-        /// Per step: the bytes sent during the forward and backward passes.
-        pub sent: Vec<u64>,
-        /// Per step, per parameter in visiting order: whether the gradients hold one.
-        pub holds_gradient: Vec<Vec<bool>>,
-        pub parameters: Vec<f32>,
-        pub optimizer_steps: usize,
-    }
-
-    /// `train`'s training (without f16, checkpoints or early stopping) of the watched `Mlp`.
-    pub fn watched(args: &Run) -> WatchedReport {
-        let device = Default::default();
-        let loader = loader(args);
-        let valid = DataLoaderBuilder::<Accelerated<Flex>, _, _>::new(BlobBatcher)
-            .batch_size(64)
-            .build(InMemDataset::new(blobs(64, 2)));
-        let dir = std::env::temp_dir().join(format!(
-            "burn-accelerate-processes-watched-{}",
-            std::process::id()
-        ));
-        let strategy = AccelerateStrategy::<WatchedComponents>::new(config(args), &device)
-            .unwrap()
-            .with_artifact_dir(&dir);
-        let report = strategy.report();
-        let builder = SupervisedTraining::new(&dir, Arc::new(loader), valid)
-            .num_epochs(args.epochs)
-            .metric_valid_numeric(LossMetric::new())
-            .renderer(QuietRenderer)
-            .with_application_logger(None);
-        Train::seed(&device, 5);
-        let model = Watched {
-            mlp: Mlp::new(WATCHED_HIDDEN, &device),
-        };
-        let learner = Learner::new(model, AdamConfig::new().init(), 1e-2);
-        let model = builder.with_accelerate(strategy).launch(learner).model;
-        let _ = std::fs::remove_dir_all(&dir);
-        let (sent, holds_gradient) = WATCHED.lock().unwrap().drain(..).unzip();
-        WatchedReport {
-            sent,
-            holds_gradient,
-            parameters: parameters(&model),
-            optimizer_steps: report.stats().optimizer_steps(),
-        }
+    /// The `Mlp` in a model file that Burn's file checkpointer or the strategy wrote, as Burn
+    /// loads it by itself on a backend without autodiff or this crate's decorator.
+    pub fn saved_mlp(path: &std::path::Path) -> Mlp<Flex> {
+        use burn::record::Recorder;
+        let record: crate::mlp::MlpRecord<Flex> = Recorder::<Flex>::load(
+            &NamedMpkFileRecorder::<FullPrecisionSettings>::new(),
+            path.to_path_buf(),
+            &Default::default(),
+        )
+        .unwrap_or_else(|err| panic!("{}: {err}", path.display()));
+        Mlp::<Flex>::new(HIDDEN, &Default::default()).load_record(record)
     }
 }
 
@@ -2694,26 +2527,14 @@ fn the_main_process_logs_the_combined_validation_and_its_early_stopping_decides(
 #[test]
 fn a_resumed_run_of_processes_ends_where_the_uninterrupted_one_did() {
     const TEST: &str = "a_resumed_run_of_processes_ends_where_the_uninterrupted_one_did";
-    if let Some(args) = worker::<supervised::Run>() {
-        return report(&supervised::train(&args));
+    if let Some(run) = worker::<FromCopy<supervised::Run>>() {
+        return report(&run.train());
     }
-    let dir = |name: &str| harness::scratch_dir(&format!("resume-{name}"));
-    let run = |processes: usize, epochs: usize, dir: &PathBuf, resume_from| supervised::Run {
-        batch_size: 32 / processes,
-        grad_accum: 1,
-        epochs,
-        dir: Some(dir.clone()),
-        resume_from,
-        ..Default::default()
-    };
-    let whole_dir = dir("whole");
-    let whole: Vec<supervised::RunReport> = launch(TEST, 2, &run(2, 3, &whole_dir, None), &[])
-        .assert_success()
-        .reports(2);
+    let checkpoint = StrategyCheckpoint::consolidated(TEST, 0);
 
     // Two epochs, then the third resumed from epoch 2's checkpoint, on two processes.
-    let parts_dir = dir("parts");
-    launch(TEST, 2, &run(2, 2, &parts_dir, None), &[]).assert_success();
+    let parts_dir = harness::scratch_dir("resume-parts");
+    checkpoint.save(0, &parts_dir);
     let written: Vec<String> = std::fs::read_dir(parts_dir.join("checkpoint"))
         .unwrap()
         .map(|e| e.unwrap().file_name().into_string().unwrap())
@@ -2722,22 +2543,13 @@ fn a_resumed_run_of_processes_ends_where_the_uninterrupted_one_did() {
         written.contains(&"accelerate-2.json".to_string()),
         "{written:?}"
     );
-    let resumed: Vec<supervised::RunReport> = launch(TEST, 2, &run(2, 3, &parts_dir, Some(2)), &[])
-        .assert_success()
-        .reports(2);
-    assert_eq!(resumed[0].epochs, [3]);
-    for r in &resumed {
-        assert_eq!(bits(&r.parameters), bits(&whole[0].parameters));
-    }
+    let resumed = checkpoint.resume(2, 0, &parts_dir);
+    checkpoint.assert_bit_for_bit(&resumed, "2 processes");
 
     // The third epoch on one process with the same global batch: the data is sharded anew
     // from the checkpoint's epoch, and the run ends where the two processes did.
-    let one: Vec<supervised::RunReport> = launch(TEST, 1, &run(1, 3, &parts_dir, Some(2)), &[])
-        .assert_success()
-        .reports(1);
-    assert_eq!(one[0].epochs, [3]);
-    let difference = max_relative_difference(&one[0].parameters, &whole[0].parameters);
-    assert!(difference < 1e-5, "{difference:e}");
+    let one = checkpoint.resume(1, 0, &parts_dir);
+    checkpoint.assert_to_rounding(&one, "1 process");
 
     // A position inside an epoch has no mapping onto another number of processes: refused.
     let checkpoints = parts_dir.join("checkpoint");
@@ -2746,7 +2558,7 @@ fn a_resumed_run_of_processes_ends_where_the_uninterrupted_one_did() {
         .unwrap();
     saved.loaders[0].position = 3;
     saved.save_epoch(&checkpoints, 2).unwrap();
-    let refused = launch(TEST, 1, &run(1, 3, &parts_dir, Some(2)), &[]);
+    let refused = checkpoint.launched(1, checkpoint.run(1, 0, 3, &parts_dir, Some(2)), false);
     assert!(!refused.status.success());
     assert!(
         refused.stderr.contains(
@@ -2756,7 +2568,6 @@ fn a_resumed_run_of_processes_ends_where_the_uninterrupted_one_did() {
         "{}",
         refused.stderr
     );
-    harness::clean(&whole_dir);
     harness::clean(&parts_dir);
 }
 
@@ -2847,51 +2658,21 @@ fn sharded_supervised_training_ends_where_stage_0_does() {
 #[test]
 fn a_sharded_supervised_run_resumes_on_other_process_counts_and_stages() {
     const TEST: &str = "a_sharded_supervised_run_resumes_on_other_process_counts_and_stages";
-    if let Some(args) = worker::<supervised::Run>() {
-        return report(&supervised::train(&args));
+    if let Some(run) = worker::<FromCopy<supervised::Run>>() {
+        return report(&run.train());
     }
-    let run = |processes: usize, zero_stage: u8, epochs: usize, dir: &PathBuf, resume_from| {
-        supervised::Run {
-            batch_size: 32 / processes,
-            grad_accum: 1,
-            epochs,
-            dir: Some(dir.clone()),
-            resume_from,
-            zero_stage,
-            ..Default::default()
-        }
-    };
-    let whole_dir = harness::scratch_dir("sharded-resume-whole");
-    let whole: Vec<supervised::RunReport> = launch(TEST, 2, &run(2, 2, 3, &whole_dir, None), &[])
-        .assert_success()
-        .reports(2);
+    let checkpoint = StrategyCheckpoint::consolidated(TEST, 2);
     let parts_dir = harness::scratch_dir("sharded-resume-parts");
-    launch(TEST, 2, &run(2, 2, 2, &parts_dir, None), &[]).assert_success();
+    checkpoint.save(2, &parts_dir);
     // The same processes and stage: bit for bit.
-    let same: Vec<supervised::RunReport> = launch(TEST, 2, &run(2, 2, 3, &parts_dir, Some(2)), &[])
-        .assert_success()
-        .reports(2);
-    assert_eq!(same[0].epochs, [3]);
-    for r in &same {
-        assert_eq!(bits(&r.parameters), bits(&whole[0].parameters));
-    }
+    let same = checkpoint.resume(2, 2, &parts_dir);
+    checkpoint.assert_bit_for_bit(&same, "2 processes at stage 2");
     // Re-partitioned: the whole optimizer state was saved, whatever each process held.
     for (processes, zero_stage) in [(4, 1), (1, 0), (4, 2)] {
-        let resumed: Vec<supervised::RunReport> = launch(
-            TEST,
-            processes,
-            &run(processes, zero_stage, 3, &parts_dir, Some(2)),
-            &[],
-        )
-        .assert_success()
-        .reports(processes);
-        let d = max_relative_difference(&resumed[0].parameters, &whole[0].parameters);
-        assert!(
-            d < 1e-5,
-            "{processes} processes at stage {zero_stage}: {d:e}"
-        );
+        let resumed = checkpoint.resume(processes, zero_stage, &parts_dir);
+        let what = format!("{processes} processes at stage {zero_stage}");
+        checkpoint.assert_to_rounding(&resumed, &what);
     }
-    harness::clean(&whole_dir);
     harness::clean(&parts_dir);
 }
 
@@ -2945,148 +2726,23 @@ fn stage_3_with_accelerate_ends_where_stage_2_and_the_hand_written_loop_do() {
     }
 }
 
-/// The strategy's training step at stage 3 reduces each gradient to its owner inside the
-/// user's own `loss.backward()`, as the `Accelerator`'s `backward` does: after the backward
-/// pass that completes a window, a process holds its own parameters' gradients and no other,
-/// and the step sent what `stage_3_reduces_each_gradient_to_its_owner_in_backward_and_sends_
-/// what_the_formula_says`'s formula says (every parameter gathered in forward, every weight
-/// but the first layer's again in backward, every gradient reduced once; the window's earlier
-/// batches reduce nothing). The parameters end where stage 2's do, bit for bit.
-#[test]
-fn stage_3_with_accelerate_reduces_each_gradient_to_its_owner_in_the_users_backward() {
-    const TEST: &str =
-        "stage_3_with_accelerate_reduces_each_gradient_to_its_owner_in_the_users_backward";
-    if let Some(args) = worker::<supervised::Run>() {
-        return report(&supervised::watched(&args));
-    }
-    let widths = [
-        mlp::FEATURES,
-        supervised::WATCHED_HIDDEN,
-        supervised::WATCHED_HIDDEN,
-        mlp::CLASSES,
-    ];
-    // Every parameter in visiting order (each layer's weight, then its bias), in f32 bytes,
-    // and whether it is a weight read again in backward.
-    let mut params: Vec<(usize, bool)> = Vec::new();
-    for (i, w) in widths.windows(2).enumerate() {
-        params.push((w[0] * w[1] * 4, i > 0));
-        params.push((w[1] * 4, false));
-    }
-    let sizes: Vec<usize> = params.iter().map(|(bytes, _)| bytes / 4).collect();
-    // A window of 1 too: every batch completes a window, the first one before any
-    // parameter is released.
-    for (processes, grad_accum) in [(2, 3), (3, 3), (2, 1)] {
-        let owners = burn_accelerate::zero::partition(&sizes, processes);
-        let expected = |rank: usize, reduces: bool| -> u64 {
-            stage_3_sent(
-                params
-                    .iter()
-                    .map(|&(bytes, again)| (bytes as u64, bytes as u64, again)),
-                &owners,
-                processes,
-                rank,
-                reduces,
-            )
-        };
-        let epochs = 2;
-        let go = |zero_stage: u8| -> Vec<supervised::WatchedReport> {
-            // 256 items: 7 batches per epoch on 2 processes, 5 on 3.
-            let run = supervised::Run {
-                batch_size: 20,
-                grad_accum,
-                epochs,
-                zero_stage,
-                ..Default::default()
-            };
-            launch(TEST, processes, &run, &[])
-                .assert_success()
-                .reports(processes)
-        };
-        let (stage2, stage3) = (go(2), go(3));
-        for rank in 0..processes {
-            let what = format!("{processes} processes, window {grad_accum}, rank {rank}");
-            let (s2, s3) = (&stage2[rank], &stage3[rank]);
-            assert_eq!(s3.optimizer_steps, s2.optimizer_steps, "{what}");
-            assert_eq!(bits(&s3.parameters), bits(&s2.parameters), "{what}");
-            let steps = s3.sent.len();
-            assert_eq!(steps % epochs, 0, "{what}");
-            let per_epoch = steps / epochs;
-            // Each epoch's windows of `grad_accum` batches, the last one partial.
-            if grad_accum > 1 {
-                assert_ne!(per_epoch % grad_accum, 0, "{what}: no partial window");
-            }
-            let completes = |batch: usize| {
-                let j = batch % per_epoch;
-                (j + 1).is_multiple_of(grad_accum) || j + 1 == per_epoch
-            };
-            assert_eq!(
-                (0..steps).filter(|&b| completes(b)).count(),
-                s3.optimizer_steps,
-                "{what}"
-            );
-            for batch in 0..steps {
-                let what = format!("{what}, batch {batch}");
-                // Stage 2 sends nothing in backward and keeps every gradient until the step.
-                assert_eq!(s2.sent[batch], 0, "{what}");
-                assert!(s2.holds_gradient[batch].iter().all(|&h| h), "{what}");
-                let (sent, holds) = (s3.sent[batch], &s3.holds_gradient[batch]);
-                // The first window too: the fit released the model before its first pass
-                // (`stage3_supervised_first_window.rs`).
-                if completes(batch) {
-                    assert_sent(sent, expected(rank, true), &what);
-                    let own: Vec<bool> = owners.iter().map(|&o| o == rank).collect();
-                    assert_eq!(holds, &own, "{what}");
-                } else {
-                    assert_sent(sent, expected(rank, false), &what);
-                    assert!(holds.iter().all(|&h| h), "{what}");
-                }
-            }
-        }
-    }
-}
-
 #[test]
 fn a_stage_3_supervised_run_resumes_on_other_process_counts_and_stages() {
     const TEST: &str = "a_stage_3_supervised_run_resumes_on_other_process_counts_and_stages";
-    if let Some(args) = worker::<supervised::Run>() {
-        return report(&supervised::train(&args));
+    if let Some(run) = worker::<FromCopy<supervised::Run>>() {
+        return report(&run.train());
     }
     // Burn's file checkpointer and the strategy's own checkpoints, each written on the main
     // process from the model's record gathered there (the strategy's are resumed from).
-    let run = |processes: usize, zero_stage: u8, epochs: usize, dir: &PathBuf, resume_from| {
-        supervised::Run {
-            batch_size: 32 / processes,
-            grad_accum: 1,
-            epochs,
-            dir: Some(dir.clone()),
-            resume_from,
-            zero_stage,
-            ..Default::default()
-        }
-    };
-    let whole_dir = harness::scratch_dir("stage-3-resume-whole");
-    let whole: Vec<supervised::RunReport> = launch(TEST, 2, &run(2, 3, 3, &whole_dir, None), &[])
-        .assert_success()
-        .reports(2);
+    let checkpoint = StrategyCheckpoint::consolidated(TEST, 3);
     // Stage 3 and stage 2 on 2 processes step alike: each one's checkpoint of epoch 2.
     for saved_at in [3, 2] {
         let parts_dir = harness::scratch_dir(&format!("stage-3-resume-from-{saved_at}"));
-        let saved: Vec<supervised::RunReport> =
-            launch(TEST, 2, &run(2, saved_at, 2, &parts_dir, None), &[])
-                .assert_success()
-                .reports(2);
+        let saved = checkpoint.save(saved_at, &parts_dir);
         // Both files of epoch 2 hold the whole model the run ended with, and Burn loads them
         // by itself.
         for file in ["model-2.mpk", "accelerate-2-model.mpk"] {
-            use burn::module::Module;
-            use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
-            let record: crate::mlp::MlpRecord<Flex> = Recorder::<Flex>::load(
-                &NamedMpkFileRecorder::<FullPrecisionSettings>::new(),
-                parts_dir.join("checkpoint").join(file),
-                &Default::default(),
-            )
-            .unwrap_or_else(|err| panic!("saved at stage {saved_at}, {file}: {err}"));
-            let loaded = crate::mlp::Mlp::<Flex>::new(16, &Default::default()).load_record(record);
+            let loaded = supervised::saved_mlp(&parts_dir.join("checkpoint").join(file));
             assert_eq!(
                 bits(&parameters(&loaded)),
                 bits(&saved[0].parameters),
@@ -3094,73 +2750,32 @@ fn a_stage_3_supervised_run_resumes_on_other_process_counts_and_stages() {
             );
         }
         // The same processes at stage 3: bit for bit.
-        let same: Vec<supervised::RunReport> =
-            launch(TEST, 2, &run(2, 3, 3, &parts_dir, Some(2)), &[])
-                .assert_success()
-                .reports(2);
-        assert_eq!(same[0].epochs, [3]);
-        for r in &same {
-            assert_eq!(
-                bits(&r.parameters),
-                bits(&whole[0].parameters),
-                "saved at stage {saved_at}"
-            );
-        }
+        let same = checkpoint.resume(2, 3, &parts_dir);
+        checkpoint.assert_bit_for_bit(&same, &format!("saved at stage {saved_at}"));
         // Re-partitioned: to rounding (the means sum other parts), as stage 2's resumes.
         for (processes, zero_stage) in [(1, 0), (4, 3)] {
-            let resumed: Vec<supervised::RunReport> = launch(
-                TEST,
-                processes,
-                &run(processes, zero_stage, 3, &parts_dir, Some(2)),
-                &[],
-            )
-            .assert_success()
-            .reports(processes);
-            let d = max_relative_difference(&resumed[0].parameters, &whole[0].parameters);
-            assert!(
-                d < 1e-5,
-                "saved at stage {saved_at}, {processes} processes at stage {zero_stage}: {d:e}"
-            );
+            let resumed = checkpoint.resume(processes, zero_stage, &parts_dir);
+            let what =
+                format!("saved at stage {saved_at}, {processes} processes at stage {zero_stage}");
+            checkpoint.assert_to_rounding(&resumed, &what);
         }
         harness::clean(&parts_dir);
     }
-    harness::clean(&whole_dir);
 }
 
 #[test]
 fn a_sharded_stage_3_supervised_checkpoint_resumes_on_other_process_counts_and_stages() {
     const TEST: &str =
         "a_sharded_stage_3_supervised_checkpoint_resumes_on_other_process_counts_and_stages";
-    use burn::module::Module;
-    use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
     use burn_accelerate::checkpoint::CheckpointDir;
-    if let Some(args) = worker::<supervised::Run>() {
-        return report(&supervised::train(&args));
+    if let Some(run) = worker::<FromCopy<supervised::Run>>() {
+        return report(&run.train());
     }
-    // A global batch of 48 over 192 items (4 whole batches an epoch on 1, 2 and 3 processes:
-    // the same batches whatever the count), Adam through Burn's Learner, stage 3 on 2
-    // processes; the strategy's own checkpoints written sharded, beside Burn's own files.
-    let run = |processes: usize, zero_stage: u8, epochs: usize, dir: &PathBuf, resume_from| {
-        supervised::Run {
-            batch_size: 48 / processes,
-            grad_accum: 1,
-            epochs,
-            dir: Some(dir.clone()),
-            resume_from,
-            zero_stage,
-            sharded_checkpoint: true,
-            items: 192,
-            ..Default::default()
-        }
-    };
-    let whole_dir = harness::scratch_dir("sharded-stage-3-supervised-whole");
-    let whole: Vec<supervised::RunReport> = launch(TEST, 2, &run(2, 3, 3, &whole_dir, None), &[])
-        .assert_success()
-        .reports(2);
+    // Stage 3 on 2 processes; the strategy's own checkpoints written sharded, beside Burn's own
+    // files.
+    let checkpoint = StrategyCheckpoint::sharded(TEST, 1, 3);
     let parts_dir = harness::scratch_dir("sharded-stage-3-supervised-parts");
-    let saved: Vec<supervised::RunReport> = launch(TEST, 2, &run(2, 3, 2, &parts_dir, None), &[])
-        .assert_success()
-        .reports(2);
+    let saved = checkpoint.save(3, &parts_dir);
     let checkpoints = parts_dir.join("checkpoint");
     // The strategy's checkpoint of epoch 2: each process's files and the main process's
     // state and scheduler, no consolidated record.
@@ -3179,42 +2794,19 @@ fn a_sharded_stage_3_supervised_checkpoint_resumes_on_other_process_counts_and_s
     assert!(!checkpoints.join("accelerate-2-model.mpk").exists());
     // Burn's own file of epoch 2 stays whole, gathered on the main process: Burn loads it by
     // itself.
-    let record: crate::mlp::MlpRecord<Flex> = Recorder::<Flex>::load(
-        &NamedMpkFileRecorder::<FullPrecisionSettings>::new(),
-        checkpoints.join("model-2.mpk"),
-        &Default::default(),
-    )
-    .unwrap();
-    let loaded = crate::mlp::Mlp::<Flex>::new(16, &Default::default()).load_record(record);
+    let loaded = supervised::saved_mlp(&checkpoints.join("model-2.mpk"));
     assert_eq!(bits(&parameters(&loaded)), bits(&saved[0].parameters));
     // The same processes at stage 3: bit for bit.
-    let same: Vec<supervised::RunReport> = launch(TEST, 2, &run(2, 3, 3, &parts_dir, Some(2)), &[])
-        .assert_success()
-        .reports(2);
-    assert_eq!(same[0].epochs, [3]);
-    for r in &same {
-        assert_eq!(bits(&r.parameters), bits(&whole[0].parameters));
-    }
+    let same = checkpoint.resume(2, 3, &parts_dir);
+    checkpoint.assert_bit_for_bit(&same, "2 processes at stage 3");
     // Re-partitioned, at stage 0 and at stage 3: the same training to rounding (the mean of
-    // the gradients over other processes' parts sums in another order), within the 1e-5 of
-    // the consolidated checkpoint's resumes.
+    // the gradients over other processes' parts sums in another order), as the consolidated
+    // checkpoint's resumes.
     for (processes, zero_stage) in [(1, 0), (3, 3)] {
-        let resumed: Vec<supervised::RunReport> = launch(
-            TEST,
-            processes,
-            &run(processes, zero_stage, 3, &parts_dir, Some(2)),
-            &[],
-        )
-        .assert_success()
-        .reports(processes);
-        assert_eq!(resumed[0].epochs, [3]);
-        let d = max_relative_difference(&resumed[0].parameters, &whole[0].parameters);
-        assert!(
-            d < 1e-5,
-            "{processes} processes at stage {zero_stage}: {d:e}"
-        );
+        let resumed = checkpoint.resume(processes, zero_stage, &parts_dir);
+        let what = format!("{processes} processes at stage {zero_stage}");
+        checkpoint.assert_to_rounding(&resumed, &what);
     }
-    harness::clean(&whole_dir);
     harness::clean(&parts_dir);
 }
 

@@ -10,24 +10,21 @@
 //! without racing the others' checks.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
-use burn::data::dataloader::DataLoaderBuilder;
-use burn::data::dataset::InMemDataset;
 use burn::optim::AdamConfig;
 use burn::tensor::backend::Backend;
-use burn::train::{Learner, SupervisedTraining};
+use burn::train::Learner;
 use burn_accelerate::AccelerateConfig;
 use burn_accelerate::checkpoint::CheckpointLayout;
-use burn_accelerate::data::{DataLoaderConfig, ShardLoaderBuilder};
 use burn_accelerate::distributed::ProcessState;
 use burn_accelerate::train::{AccelerateStrategy, WithAccelerate};
 use burn_accelerate::zero::ZeroStage;
 use serde::{Deserialize, Serialize};
 
-use crate::harness::{self, launch, max_relative_difference, report, worker};
-use crate::mlp::{BlobBatcher, Mlp, MlpComponents, QuietRenderer, blobs};
-use crate::{bits, parameters};
+use crate::harness::{self, launch, report, worker};
+use crate::mlp::{Mlp, MlpComponents};
+use crate::sharded_resume::{copy_tree, own_copy, process_copy, sizes};
+use crate::{parameters, resume, supervised};
 
 type Train = burn_accelerate::Accelerated<burn::backend::Autodiff<burn::backend::Flex>>;
 
@@ -54,32 +51,21 @@ struct RunReport {
     held_after_fits: Vec<(String, usize)>,
 }
 
+impl resume::Trained for RunReport {
+    fn parameters(&self) -> &[f32] {
+        &self.parameters
+    }
+}
+
 // A global batch of 48 over 192 items (the same batches on 2 and 3 processes), Adam through
 // Burn's Learner at ZeRO stage 3, the strategy's checkpoints written sharded: the setting of
 // main.rs's sharded stage 3 resume test, checked with `try_with_checkpoint_dir`.
 fn train(args: &Run) -> RunReport {
     let state = ProcessState::from_env().unwrap();
     let rank = state.process_index();
-    let dir = if args.per_process {
-        args.dir.join(format!("rank-{rank}"))
-    } else {
-        args.dir.clone()
-    };
+    let dir = own_copy(&args.dir, args.per_process);
     let device = Default::default();
-    let loader = ShardLoaderBuilder::new(
-        DataLoaderConfig::new(48 / args.processes)
-            .with_shuffle(true)
-            .with_data_seed(Some(11)),
-        InMemDataset::new(blobs(192, 1)),
-        BlobBatcher,
-    )
-    .build_for(&state, device)
-    .unwrap();
-    let valid = DataLoaderBuilder::<burn_accelerate::Accelerated<burn::backend::Flex>, _, _>::new(
-        BlobBatcher,
-    )
-    .batch_size(64)
-    .build(InMemDataset::new(blobs(64, 2)));
+    let loader = supervised::blob_loader(48 / args.processes, 192);
     let config = AccelerateConfig::new()
         .with_zero_stage(ZeroStage::from_number(3).unwrap())
         .with_checkpoint_layout(CheckpointLayout::Sharded);
@@ -92,7 +78,7 @@ fn train(args: &Run) -> RunReport {
         .with_artifact_dir(&dir);
     let held = strategy.start_up_check_held_files();
     Train::seed(&device, 5);
-    let model = Mlp::new(16, &device);
+    let model = Mlp::new(supervised::HIDDEN, &device);
     strategy.check_checkpoint_fits(&model).unwrap();
     let held_after_fits = strategy.start_up_check_held_files();
     if let Some((_, name)) = args.alter.as_ref().filter(|(at, _)| *at == rank) {
@@ -104,10 +90,7 @@ fn train(args: &Run) -> RunReport {
     }
     let report = strategy.report();
     let learner = Learner::new(model, AdamConfig::new().init(), 1e-2);
-    let model = SupervisedTraining::new(&dir, Arc::new(loader), valid)
-        .num_epochs(args.epochs)
-        .renderer(QuietRenderer)
-        .with_application_logger(None)
+    let model = supervised::quiet_training(&dir, loader, 64, args.epochs)
         .with_accelerate(strategy)
         .launch(learner)
         .model;
@@ -116,34 +99,6 @@ fn train(args: &Run) -> RunReport {
         epochs: report.stats().epochs.iter().map(|e| e.epoch).collect(),
         held,
         held_after_fits,
-    }
-}
-
-/// Every float parameter's number of values, in visiting order: what the partition is of.
-fn sizes() -> Vec<usize> {
-    use burn::module::{Module, ModuleVisitor, Param};
-    use burn::tensor::Tensor;
-    struct Sizes(Vec<usize>);
-    impl<B: Backend> ModuleVisitor<B> for Sizes {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            self.0.push(param.lazy_shape().num_elements());
-        }
-    }
-    let mut sizes = Sizes(Vec::new());
-    Mlp::<burn::backend::Flex>::new(16, &Default::default()).visit(&mut sizes);
-    sizes.0
-}
-
-fn copy_tree(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let entry = entry.unwrap();
-        let target = to.join(entry.file_name());
-        if entry.file_type().unwrap().is_dir() {
-            copy_tree(&entry.path(), &target);
-        } else {
-            std::fs::copy(entry.path(), target).unwrap();
-        }
     }
 }
 
@@ -171,7 +126,7 @@ fn the_start_up_check_of_a_sharded_stage_3_checkpoint_holds_only_what_each_proce
     let copies = |name: &str, world: usize| {
         let to = dir.join(name);
         for rank in 0..world {
-            copy_tree(&saved, &to.join(format!("rank-{rank}")));
+            copy_tree(&saved, &process_copy(&to, rank));
         }
         to
     };
@@ -203,8 +158,8 @@ fn the_start_up_check_of_a_sharded_stage_3_checkpoint_holds_only_what_each_proce
         assert_eq!(r.held, expected, "process {rank} of 2");
         assert_eq!(r.held_after_fits, expected, "process {rank} of 2");
         assert_eq!(r.epochs, [3]);
-        assert_eq!(bits(&r.parameters), bits(&whole[0].parameters));
     }
+    resume::assert_bit_for_bit(&same, &whole, "2 processes");
 
     // On 3 processes: no shard file held (which each reads depends on the model, unknown at
     // the check); the run ends within the 1e-5 of the other re-partitioned resumes.
@@ -216,15 +171,16 @@ fn the_start_up_check_of_a_sharded_stage_3_checkpoint_holds_only_what_each_proce
         assert_eq!(names, small, "process {rank} of 3");
         assert_eq!(r.held_after_fits, r.held, "process {rank} of 3");
         assert_eq!(r.epochs, [3]);
-        assert_eq!(bits(&r.parameters), bits(&three[0].parameters));
     }
-    let d = max_relative_difference(&three[0].parameters, &whole[0].parameters);
-    assert!(d < 1e-5, "3 processes: {d:e}");
+    resume::assert_to_rounding(&three, &whole, "3 processes");
 
     // On 3 processes, process 1's copy with an optimizer file it reads (of the saved process
     // that owned its first parameter) altered after its check, which did not keep it: refused
     // by name at the resume, as changed after the check, and not loaded.
-    let sizes = sizes();
+    let sizes = sizes(&Mlp::<burn::backend::Flex>::new(
+        supervised::HIDDEN,
+        &Default::default(),
+    ));
     let old = burn_accelerate::zero::partition(&sizes, 2);
     let new = burn_accelerate::zero::partition(&sizes, 3);
     let place = new.iter().position(|&owner| owner == 1).unwrap();
@@ -267,7 +223,7 @@ fn the_start_up_check_of_a_sharded_stage_3_checkpoint_holds_only_what_each_proce
         .map(|(name, _)| name)
         .collect();
     assert_eq!(names, small);
-    let model = Mlp::new(16, &device);
+    let model = Mlp::new(supervised::HIDDEN, &device);
     strategy.check_checkpoint_fits(&model).unwrap();
     let changed = fits.join("checkpoint").join(shard("model", 1));
     let mut bytes = std::fs::read(&changed).unwrap();

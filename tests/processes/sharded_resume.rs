@@ -16,8 +16,9 @@ use burn_accelerate::checkpoint::{FileDigest, Manifest};
 use burn_accelerate::distributed::ProcessState;
 use serde::{Deserialize, Serialize};
 
-use crate::harness::{self, launch, max_relative_difference, report, worker};
-use crate::{HandLoop, HandLoopReport, Net, bits, hand_loop, supervised};
+use crate::harness::{self, report, worker};
+use crate::resume::{Copies, HandCheckpoint, StrategyCheckpoint};
+use crate::{HandLoop, HandLoopReport, Net, hand_loop, supervised};
 
 /// Every float parameter's number of values, in visiting order: what the partition is of.
 pub(super) fn sizes<B: Backend, M: Module<B>>(module: &M) -> Vec<usize> {
@@ -69,7 +70,7 @@ pub(super) fn copies_for_each_process(
 ) -> usize {
     let mut deleted = 0;
     for rank in 0..world {
-        let copy = to.join(format!("rank-{rank}")).join(sub);
+        let copy = process_copy(to, rank).join(sub);
         std::fs::create_dir_all(&copy).unwrap();
         for file in std::fs::read_dir(from).unwrap() {
             let file = file.unwrap();
@@ -92,68 +93,94 @@ pub(super) fn copies_for_each_process(
     deleted
 }
 
-/// This process's directory of `dir` (`rank-R`), where `per_process`.
+/// [`copies_for_each_process`] of a strategy run's directory `saved` (its checkpoints in
+/// `checkpoint`), with Burn's metric logs of the epochs before in the main process's copy: it
+/// reads them back.
+pub(super) fn strategy_copies_for_each_process(
+    saved: &Path,
+    to: &Path,
+    world: usize,
+    number: usize,
+    saved_by: usize,
+    needs: impl Fn(usize, &str) -> Vec<usize>,
+) -> usize {
+    let deleted = copies_for_each_process(
+        &saved.join("checkpoint"),
+        to,
+        "checkpoint",
+        world,
+        number,
+        saved_by,
+        needs,
+    );
+    for entry in std::fs::read_dir(saved).unwrap() {
+        let entry = entry.unwrap();
+        if entry.file_type().unwrap().is_dir() && entry.file_name() != "checkpoint" {
+            copy_tree(&entry.path(), &process_copy(to, 0).join(entry.file_name()));
+        }
+    }
+    deleted
+}
+
+/// Process `rank`'s copy (`rank-R`) among the copies for each process under `dir`.
+pub(super) fn process_copy(dir: &Path, rank: usize) -> PathBuf {
+    dir.join(format!("rank-{rank}"))
+}
+
+/// This process's copy of `dir` where `per_process`; `dir` itself otherwise.
 pub(super) fn own_copy(dir: &Path, per_process: bool) -> PathBuf {
     if per_process {
-        let rank = ProcessState::from_env().unwrap().process_index();
-        dir.join(format!("rank-{rank}"))
+        process_copy(dir, ProcessState::from_env().unwrap().process_index())
     } else {
         dir.to_path_buf()
     }
 }
 
+/// A run whose processes each read their own copy of its directory ([`own_copy`]) where
+/// `per_process`.
 #[derive(Debug, Serialize, Deserialize)]
-struct HandRun {
-    run: HandLoop,
-    /// Resume from `run.resume_from`'s `rank-R` (this process's copy).
-    per_process: bool,
+pub(super) struct FromCopy<T> {
+    pub run: T,
+    pub per_process: bool,
+}
+
+impl FromCopy<HandLoop> {
+    /// [`hand_loop`], resumed from this process's copy of `run.resume_from`.
+    pub fn train(mut self) -> HandLoopReport {
+        self.run.resume_from = self
+            .run
+            .resume_from
+            .map(|dir| own_copy(&dir, self.per_process));
+        hand_loop::<burn::backend::Autodiff<burn::backend::Flex>>(&self.run)
+    }
+}
+
+impl FromCopy<supervised::Run> {
+    /// [`supervised::train`] in this process's copy of `run.dir`.
+    pub fn train(mut self) -> supervised::RunReport {
+        self.run.dir = self.run.dir.map(|dir| own_copy(&dir, self.per_process));
+        supervised::train(&self.run)
+    }
 }
 
 #[test]
 fn sharded_resume_by_hand_reads_only_the_files_of_its_partition() {
     const TEST: &str =
         "sharded_resume::sharded_resume_by_hand_reads_only_the_files_of_its_partition";
-    if let Some(mut args) = worker::<HandRun>() {
-        args.run.resume_from = args
-            .run
-            .resume_from
-            .map(|dir| own_copy(&dir, args.per_process));
-        return report(&hand_loop::<burn::backend::Autodiff<burn::backend::Flex>>(
-            &args.run,
-        ));
+    if let Some(run) = worker::<FromCopy<HandLoop>>() {
+        return report(&run.train());
     }
-    // A global batch of 12, Adam, ZeRO stage 3 on 2 processes, the checkpoint written sharded
-    // (as the stage 3 checkpoint tests of main.rs).
-    let args = |processes: usize, zero_stage: u8, epochs: usize| HandLoop {
-        batch_size: 12 / processes,
-        grad_accum: 1,
-        epochs,
-        precision: burn_accelerate::Precision::F32,
-        overflow_rank: None,
-        overflow_batch: 0,
-        zero_stage,
-        adam: true,
-        clip_norm: None,
-        save_to: None,
-        resume_from: None,
-        sharded_checkpoint: true,
-    };
-    let hand = |run: HandLoop, per_process: bool| HandRun { run, per_process };
-    let whole: Vec<HandLoopReport> = launch(TEST, 2, &hand(args(2, 3, 2), false), &[])
-        .assert_success()
-        .reports(2);
+    // ZeRO stage 3 on 2 processes, the checkpoint written sharded (as the stage 3 checkpoint
+    // tests of main.rs).
+    let checkpoint = HandCheckpoint::new(TEST, true, 3);
     let dir = harness::scratch_dir("sharded-resume-by-hand");
     let saved_dir = dir.join("saved");
-    let first = HandLoop {
-        save_to: Some(saved_dir.clone()),
-        ..args(2, 3, 1)
-    };
-    launch(TEST, 2, &hand(first, false), &[]).assert_success();
+    checkpoint.save(3, &saved_dir);
     let sizes = sizes(&Net::<burn::backend::Flex>::new(&Default::default()));
 
     // On 3 processes at stage 3, each process's copy lacks the files it does not need (of
     // the model and of the optimizer state, both sharded at stage 3): the same training to
-    // rounding, within the 1e-5 of main.rs's re-partitioned resumes.
+    // rounding, as main.rs's re-partitioned resumes.
     let copies = dir.join("three");
     let deleted = copies_for_each_process(&saved_dir, &copies, "", 3, 1, 2, |rank, _| {
         overlapping(&sizes, 2, rank, 3, false)
@@ -162,23 +189,8 @@ fn sharded_resume_by_hand_reads_only_the_files_of_its_partition() {
         deleted > 0,
         "some process of 3 needs fewer files than saved"
     );
-    let resume = |processes: usize, zero_stage: u8, from: &Path, per_process: bool| {
-        hand(
-            HandLoop {
-                resume_from: Some(from.to_path_buf()),
-                ..args(processes, zero_stage, 1)
-            },
-            per_process,
-        )
-    };
-    let resumed: Vec<HandLoopReport> = launch(TEST, 3, &resume(3, 3, &copies, true), &[])
-        .assert_success()
-        .reports(3);
-    for r in &resumed {
-        assert_eq!(bits(&r.parameters), bits(&resumed[0].parameters));
-    }
-    let d = max_relative_difference(&resumed[0].parameters, &whole[0].parameters);
-    assert!(d < 1e-5, "3 processes at stage 3: {d:e}");
+    let resumed = checkpoint.resume(3, 3, Copies(&copies));
+    checkpoint.assert_to_rounding(&resumed, 3, "3 processes at stage 3");
 
     // At stage 1 on 3 processes the parameters are whole: every model file, and the optimizer
     // files of its partition.
@@ -190,72 +202,28 @@ fn sharded_resume_by_hand_reads_only_the_files_of_its_partition() {
         deleted > 0,
         "some process of 3 needs fewer optimizer files than saved"
     );
-    let resumed: Vec<HandLoopReport> = launch(TEST, 3, &resume(3, 1, &stage_1, true), &[])
-        .assert_success()
-        .reports(3);
-    let d = max_relative_difference(&resumed[0].parameters, &whole[0].parameters);
-    assert!(d < 1e-5, "3 processes at stage 1: {d:e}");
+    let resumed = checkpoint.resume(3, 1, Copies(&stage_1));
+    checkpoint.assert_to_rounding(&resumed, 1, "3 processes at stage 1");
 
     // On one process: both files of each part, the same training to rounding.
-    let one: Vec<HandLoopReport> = launch(TEST, 1, &resume(1, 0, &saved_dir, false), &[])
-        .assert_success()
-        .reports(1);
-    let d = max_relative_difference(&one[0].parameters, &whole[0].parameters);
-    assert!(d < 1e-5, "1 process: {d:e}");
+    let one = checkpoint.resume(1, 0, &saved_dir);
+    checkpoint.assert_to_rounding(&one, 0, "1 process");
     harness::clean(&dir);
-}
-
-#[derive(Debug, Serialize, Deserialize)]
-struct StrategyRun {
-    run: supervised::Run,
-    /// Run in `run.dir`'s `rank-R` (this process's copy).
-    per_process: bool,
 }
 
 #[test]
 fn sharded_resume_with_accelerate_reads_only_the_optimizer_files_of_its_partition() {
     const TEST: &str = "sharded_resume::sharded_resume_with_accelerate_reads_only_the_optimizer_files_of_its_partition";
-    if let Some(mut args) = worker::<StrategyRun>() {
-        args.run.dir = args.run.dir.map(|dir| own_copy(&dir, args.per_process));
-        return report(&supervised::train(&args.run));
+    if let Some(run) = worker::<FromCopy<supervised::Run>>() {
+        return report(&run.train());
     }
-    // A global batch of 48 over 192 items (the same batches on 1, 2 and 3 processes), Adam
-    // through Burn's Learner, ZeRO stage 2 on 2 processes, the strategy's own checkpoints
-    // written sharded.
-    let run = |processes: usize, zero_stage: u8, epochs: usize, dir: &Path, resume_from| {
-        supervised::Run {
-            batch_size: 48 / processes,
-            grad_accum: 1,
-            epochs,
-            dir: Some(dir.to_path_buf()),
-            resume_from,
-            zero_stage,
-            sharded_checkpoint: true,
-            items: 192,
-            ..Default::default()
-        }
-    };
-    let strategy = |run: supervised::Run, per_process: bool| StrategyRun { run, per_process };
-    let whole_dir = harness::scratch_dir("sharded-resume-strategy-whole");
-    let whole: Vec<supervised::RunReport> = launch(
-        TEST,
-        2,
-        &strategy(run(2, 2, 3, &whole_dir, None), false),
-        &[],
-    )
-    .assert_success()
-    .reports(2);
+    // ZeRO stage 2 on 2 processes, the strategy's own checkpoints written sharded.
+    let checkpoint = StrategyCheckpoint::sharded(TEST, 1, 2);
     let dir = harness::scratch_dir("sharded-resume-strategy");
     let saved_dir = dir.join("saved");
-    launch(
-        TEST,
-        2,
-        &strategy(run(2, 2, 2, &saved_dir, None), false),
-        &[],
-    )
-    .assert_success();
+    checkpoint.save(2, &saved_dir);
     let sizes = sizes(&crate::mlp::Mlp::<burn::backend::Flex>::new(
-        16,
+        supervised::HIDDEN,
         &Default::default(),
     ));
 
@@ -264,55 +232,22 @@ fn sharded_resume_with_accelerate_reads_only_the_optimizer_files_of_its_partitio
     // partition's state alone.
     for zero_stage in [2, 3] {
         let copies = dir.join(format!("three-stage-{zero_stage}"));
-        let deleted = copies_for_each_process(
-            &saved_dir.join("checkpoint"),
-            &copies,
-            "checkpoint",
-            3,
-            2,
-            2,
-            |rank, part| overlapping(&sizes, 2, rank, 3, part == "model"),
-        );
+        let deleted =
+            strategy_copies_for_each_process(&saved_dir, &copies, 3, 2, 2, |rank, part| {
+                overlapping(&sizes, 2, rank, 3, part == "model")
+            });
         assert!(deleted > 0, "some process of 3 needs fewer optimizer files");
-        // Burn's metric logs of the epochs before: the main process reads them back.
-        for entry in std::fs::read_dir(&saved_dir).unwrap() {
-            let entry = entry.unwrap();
-            if entry.file_type().unwrap().is_dir() && entry.file_name() != "checkpoint" {
-                copy_tree(
-                    &entry.path(),
-                    &copies.join("rank-0").join(entry.file_name()),
-                );
-            }
-        }
-        let resumed: Vec<supervised::RunReport> = launch(
-            TEST,
-            3,
-            &strategy(run(3, zero_stage, 3, &copies, Some(2)), true),
-            &[],
-        )
-        .assert_success()
-        .reports(3);
-        assert_eq!(resumed[0].epochs, [3]);
-        let d = max_relative_difference(&resumed[0].parameters, &whole[0].parameters);
-        assert!(d < 1e-5, "3 processes at stage {zero_stage}: {d:e}");
+        let resumed = checkpoint.resume(3, zero_stage, Copies(&copies));
+        checkpoint.assert_to_rounding(&resumed, &format!("3 processes at stage {zero_stage}"));
     }
-    // On one process: every file, the same training to rounding.
+    // On one process: every file, the same training to rounding (in a copy: the checks below
+    // read the checkpoints as saved).
     let one_dir = dir.join("one");
     copy_tree(&saved_dir, &one_dir);
-    let one: Vec<supervised::RunReport> = launch(
-        TEST,
-        1,
-        &strategy(run(1, 0, 3, &one_dir, Some(2)), false),
-        &[],
-    )
-    .assert_success()
-    .reports(1);
-    assert_eq!(one[0].epochs, [3]);
-    let d = max_relative_difference(&one[0].parameters, &whole[0].parameters);
-    assert!(d < 1e-5, "1 process: {d:e}");
+    let one = checkpoint.resume(1, 0, &one_dir);
+    checkpoint.assert_to_rounding(&one, "1 process");
 
     check_checkpoint_fits_on_sharded_files(&saved_dir.join("checkpoint"), &dir.join("fits"));
-    harness::clean(&whole_dir);
     harness::clean(&dir);
 }
 
@@ -354,12 +289,15 @@ fn check_checkpoint_fits_on_sharded_files(saved: &Path, scratch: &Path) {
         Err(AccelerateError::Checkpoint { path, reason }) => (path, reason),
         other => panic!("expected a checkpoint error, got {other:?}"),
     };
-    check(saved, 16).expect("the model that wrote it fits");
+    check(saved, supervised::HIDDEN).expect("the model that wrote it fits");
 
     // Another width: the largest parameter, `fc1.weight`'s, in the file of its owner.
-    let (path, reason) = refused(saved, 32);
+    let (path, reason) = refused(saved, 2 * supervised::HIDDEN);
     let owner = burn_accelerate::zero::partition(
-        &sizes(&Mlp::<burn::backend::Flex>::new(32, &Default::default())),
+        &sizes(&Mlp::<burn::backend::Flex>::new(
+            2 * supervised::HIDDEN,
+            &Default::default(),
+        )),
         2,
     )[0];
     assert_eq!(
@@ -393,7 +331,7 @@ fn check_checkpoint_fits_on_sharded_files(saved: &Path, scratch: &Path) {
         .unwrap()
         .write(&renamed)
         .unwrap();
-    let (path, reason) = refused(&renamed, 16);
+    let (path, reason) = refused(&renamed, supervised::HIDDEN);
     assert_eq!(Path::new(&path), renamed.join(name), "{reason}");
     assert!(
         reason.contains("parameter `fc2.weight`") && reason.contains("is not in the record"),
@@ -407,7 +345,7 @@ fn check_checkpoint_fits_on_sharded_files(saved: &Path, scratch: &Path) {
     for number in [1, 2] {
         std::fs::remove_file(gone.join(format!("model-{number}.shard-1-of-2.mpk"))).unwrap();
     }
-    let (_, reason) = refused(&gone, 16);
+    let (_, reason) = refused(&gone, supervised::HIDDEN);
     assert!(reason.contains("model-2.shard-1-of-2.mpk"), "{reason}");
     assert!(reason.contains("model-1.shard-1-of-2.mpk"), "{reason}");
 }

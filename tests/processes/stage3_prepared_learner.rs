@@ -16,20 +16,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use burn::backend::{Autodiff, Flex};
-use burn::data::dataloader::DataLoaderBuilder;
-use burn::data::dataset::InMemDataset;
 use burn::module::{Module, ModuleMapper, Param};
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::AdamConfig;
 use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::train::metric::LossMetric;
-use burn::train::{
-    ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainOutput, TrainStep,
-};
-use burn_accelerate::checkpoint::CheckpointLayout;
-use burn_accelerate::data::{DataLoaderConfig, ShardLoader, ShardLoaderBuilder};
+use burn::train::{ClassificationOutput, InferenceStep, Learner, TrainOutput, TrainStep};
 use burn_accelerate::distributed::ProcessState;
 use burn_accelerate::train::{AccelerateStrategy, WithAccelerate};
 use burn_accelerate::zero::ZeroStage;
@@ -38,8 +31,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::bits;
 use crate::harness::{self, launch, report, worker};
-use crate::mlp::{BlobBatch, BlobBatcher, CLASSES, FEATURES, QuietRenderer, Sample, blobs};
-use crate::parameters;
+use crate::mlp::{BlobBatch, CLASSES, FEATURES};
+use crate::supervised::{self, FitDir};
+use crate::{parameters, resume};
 
 type Train = Accelerated<Autodiff<Flex>>;
 
@@ -120,12 +114,7 @@ impl<B: Backend> InferenceStep for Stack<B> {
     }
 }
 
-type Components = burn::train::LearningComponentsMarker<
-    Train,
-    f64,
-    Stack<Train>,
-    burn::optim::adaptor::OptimizerAdaptor<burn::optim::Adam, Stack<Train>, Train>,
->;
+type Components = supervised::AdamComponents<Stack<Train>>;
 
 /// A value Burn's initializer made for the parameter at a place in visiting order: its bytes,
 /// and whether its storage is still alive.
@@ -210,6 +199,12 @@ struct RunReport {
     not_owned_peak: u64,
 }
 
+impl resume::Trained for RunReport {
+    fn parameters(&self) -> &[f32] {
+        &self.parameters
+    }
+}
+
 /// Each parameter's number of values, in visiting order.
 fn sizes() -> Vec<usize> {
     WIDTHS
@@ -236,45 +231,14 @@ fn train(args: &Run) -> RunReport {
     let (rank, processes) = (state.process_index(), state.num_processes());
     let owners = burn_accelerate::zero::partition(&sizes(), processes);
     *OWNED.lock().unwrap() = owners.iter().map(|&o| o == rank).collect();
-    let loader: ShardLoader<Train, Sample, BlobBatch<Train>> = ShardLoaderBuilder::new(
-        DataLoaderConfig::new(16)
-            .with_shuffle(true)
-            .with_data_seed(Some(11)),
-        InMemDataset::new(blobs(128, 1)),
-        BlobBatcher,
-    )
-    .build_for(&state, Default::default())
-    .unwrap();
-    let valid = DataLoaderBuilder::<Accelerated<Flex>, _, _>::new(BlobBatcher)
-        .batch_size(32)
-        .build(InMemDataset::new(blobs(32, 2)));
+    let loader = supervised::blob_loader(16, 128);
     let config = AccelerateConfig::new()
         .with_zero_stage(ZeroStage::from_number(args.zero_stage).unwrap())
-        .with_checkpoint_layout(if args.sharded_checkpoint {
-            CheckpointLayout::Sharded
-        } else {
-            CheckpointLayout::Consolidated
-        });
-    let mut strategy = AccelerateStrategy::<Components>::new(config, &device).unwrap();
-    let dir = match &args.dir {
-        Some(dir) => {
-            strategy = strategy
-                .with_checkpoint_dir(dir.join("checkpoint"))
-                .with_checkpointed_loader(&loader);
-            dir.clone()
-        }
-        None => std::env::temp_dir().join(format!(
-            "burn-accelerate-processes-prepared-{}",
-            std::process::id()
-        )),
-    };
-    let strategy = strategy.with_artifact_dir(&dir);
+        .with_checkpoint_layout(supervised::checkpoint_layout(args.sharded_checkpoint));
+    let strategy = AccelerateStrategy::<Components>::new(config, &device).unwrap();
+    let (strategy, dir) = FitDir::of(strategy, args.dir.as_deref(), &loader, "prepared");
     let stats = strategy.report();
-    let builder = SupervisedTraining::new(&dir, Arc::new(loader), valid)
-        .num_epochs(args.epochs)
-        .metric_valid_numeric(LossMetric::new())
-        .renderer(QuietRenderer)
-        .with_application_logger(None);
+    let builder = supervised::quiet_training(dir.path(), loader, 32, args.epochs);
     Train::seed(&device, 5);
     burn_accelerate::zero::reset_gathered_peak();
     let model = Stack::<Train>::new(&device).map(&mut Watch { place: 0 });
@@ -285,9 +249,6 @@ fn train(args: &Run) -> RunReport {
     };
     let learner = Learner::new(model, AdamConfig::new().init(), 1e-2);
     let model = builder.with_accelerate(strategy).launch(learner).model;
-    if args.dir.is_none() {
-        let _ = std::fs::remove_dir_all(&dir);
-    }
     let stats = stats.stats();
     RunReport {
         parameters: parameters(&model),
@@ -395,13 +356,7 @@ fn a_prepared_stage_3_model_resumes_from_its_checkpoint_bit_for_bit() {
             .assert_success()
             .reports(processes);
         assert_eq!(resumed[0].epochs, [3], "{what}: resumed after epoch 2");
-        for (rank, r) in resumed.iter().enumerate() {
-            assert_eq!(
-                bits(&r.parameters),
-                bits(&whole[0].parameters),
-                "{what}, rank {rank}"
-            );
-        }
+        resume::assert_bit_for_bit(&resumed, &whole, what);
         harness::clean(&whole_dir);
         harness::clean(&dir);
     }

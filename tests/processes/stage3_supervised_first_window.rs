@@ -8,35 +8,26 @@
 //! That a process reads no other file is shown as in `sharded_resume.rs`: each process is given
 //! a copy of the checkpoint directory from which the files it does not need are deleted.
 
-use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 
 use burn::backend::{Autodiff, Flex};
-use burn::data::dataloader::DataLoaderBuilder;
-use burn::data::dataset::InMemDataset;
 use burn::module::Module;
 use burn::optim::{AdamConfig, GradientsParams};
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::train::metric::LossMetric;
-use burn::train::{
-    ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainOutput, TrainStep,
-};
-use burn_accelerate::data::{DataLoaderConfig, ShardLoader, ShardLoaderBuilder};
-use burn_accelerate::distributed::ProcessState;
+use burn::train::{ClassificationOutput, InferenceStep, Learner, TrainOutput, TrainStep};
 use burn_accelerate::train::{AccelerateStrategy, WithAccelerate};
 use burn_accelerate::zero::ZeroStage;
 use burn_accelerate::{AccelerateConfig, Accelerated};
 use serde::{Deserialize, Serialize};
 
-use crate::harness::{self, launch, max_relative_difference, report, worker};
-use crate::mlp::{BlobBatch, BlobBatcher, CLASSES, FEATURES, Mlp, QuietRenderer, Sample, blobs};
-use crate::sharded_resume::{copies_for_each_process, copy_tree, overlapping, own_copy, sizes};
+use crate::harness::{self, launch, report, worker};
+use crate::mlp::{BlobBatch, CLASSES, FEATURES, Mlp};
+use crate::resume::{Copies, StrategyCheckpoint};
+use crate::sharded_resume::{FromCopy, overlapping, sizes, strategy_copies_for_each_process};
+use crate::supervised::{FitDir, HIDDEN};
 use crate::{assert_sent, bits, parameters, stage_3_sent, supervised};
 
 type Train = Accelerated<Autodiff<Flex>>;
-
-/// The hidden width of the observed `Mlp`.
-const HIDDEN: usize = 16;
 
 /// The `Mlp` with a training step that notes what its forward and backward passes did on this
 /// process: the bytes sent, the gathered bytes, and which parameters the step's gradients hold
@@ -94,12 +85,7 @@ impl<B: Backend> InferenceStep for Observed<B> {
     }
 }
 
-type Components = burn::train::LearningComponentsMarker<
-    Train,
-    f64,
-    Observed<Train>,
-    burn::optim::adaptor::OptimizerAdaptor<burn::optim::Adam, Observed<Train>, Train>,
->;
+type Components = supervised::AdamComponents<Observed<Train>>;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct ObservedRun {
@@ -120,42 +106,20 @@ struct ObservedReport {
 /// 256 items: 7 batches an epoch on 2 processes, 5 on 3.
 fn observed(args: &ObservedRun) -> ObservedReport {
     let device = Default::default();
-    let state = ProcessState::from_env().unwrap();
-    let loader: ShardLoader<Train, Sample, BlobBatch<Train>> = ShardLoaderBuilder::new(
-        DataLoaderConfig::new(20)
-            .with_shuffle(true)
-            .with_data_seed(Some(11)),
-        InMemDataset::new(blobs(256, 1)),
-        BlobBatcher,
-    )
-    .build_for(&state, Default::default())
-    .unwrap();
-    let valid = DataLoaderBuilder::<Accelerated<Flex>, _, _>::new(BlobBatcher)
-        .batch_size(64)
-        .build(InMemDataset::new(blobs(64, 2)));
-    let dir = std::env::temp_dir().join(format!(
-        "burn-accelerate-processes-first-window-{}",
-        std::process::id()
-    ));
+    let loader = supervised::blob_loader(20, 256);
     let config = AccelerateConfig::new()
         .with_gradient_accumulation_steps(args.grad_accum)
         .with_zero_stage(ZeroStage::from_number(args.zero_stage).unwrap());
-    let strategy = AccelerateStrategy::<Components>::new(config, &device)
-        .unwrap()
-        .with_artifact_dir(&dir);
+    let strategy = AccelerateStrategy::<Components>::new(config, &device).unwrap();
+    let (strategy, dir) = FitDir::of(strategy, None, &loader, "first-window");
     let stats = strategy.report();
-    let builder = SupervisedTraining::new(&dir, Arc::new(loader), valid)
-        .num_epochs(args.epochs)
-        .metric_valid_numeric(LossMetric::new())
-        .renderer(QuietRenderer)
-        .with_application_logger(None);
+    let builder = supervised::quiet_training(dir.path(), loader, 64, args.epochs);
     Train::seed(&device, 5);
     let model = Observed {
         mlp: Mlp::new(HIDDEN, &device),
     };
     let learner = Learner::new(model, AdamConfig::new().init(), 1e-2);
     let model = builder.with_accelerate(strategy).launch(learner).model;
-    let _ = std::fs::remove_dir_all(&dir);
     ObservedReport {
         passes: PASSES.lock().unwrap().drain(..).collect(),
         parameters: parameters(&model),
@@ -163,13 +127,16 @@ fn observed(args: &ObservedRun) -> ObservedReport {
     }
 }
 
-/// From the first batch on, stage 3 under `with_accelerate` holds what it holds from the
-/// second window on: each pass gathers at most one linear layer's weight and bias at a time,
-/// the backward pass that completes a window reduces each gradient to its owner (this process
-/// keeps its own partition's and no other, and sent what `stage_3_sent` says), the window's
-/// earlier passes gather but reduce nothing; and the parameters still end where stage 2's do,
-/// bit for bit. On 2 and 3 processes, windows of 1 (every batch completes one, the first
-/// before any step) and 3 (a partial window at each epoch's end).
+/// The strategy's training step at stage 3 reduces each gradient to its owner inside the
+/// user's own `loss.backward()`, as the `Accelerator`'s `backward` does, and from the first
+/// batch on holds what it holds from the second window on: each pass gathers at most one linear
+/// layer's weight and bias at a time, the backward pass that completes a window reduces each
+/// gradient to its owner (this process keeps its own partition's and no other, and sent what
+/// `stage_3_sent` says: every parameter gathered in forward, every weight but the first
+/// layer's again in backward, every gradient reduced once), the window's earlier passes gather
+/// but reduce nothing; and the parameters still end where stage 2's do, bit for bit. On 2 and
+/// 3 processes, windows of 1 (every batch completes one, the first before any step) and 3 (a
+/// partial window at each epoch's end).
 #[test]
 fn stage_3_with_accelerate_gathers_per_layer_and_reduces_in_backward_from_the_first_window() {
     const TEST: &str = "stage3_supervised_first_window::\
@@ -266,13 +233,6 @@ fn stage_3_with_accelerate_gathers_per_layer_and_reduces_in_backward_from_the_fi
     }
 }
 
-#[derive(Debug, Serialize, Deserialize)]
-struct ResumeRun {
-    run: supervised::Run,
-    /// Run in `run.dir`'s `rank-R` (this process's copy).
-    per_process: bool,
-}
-
 /// A sharded stage 3 checkpoint of `with_accelerate` (2 processes) resumed at stage 3 on 2 and
 /// on 3 processes, each process other than the main one given a copy of the checkpoint
 /// directory without the model and optimizer files of the processes whose partitions do not
@@ -283,91 +243,34 @@ struct ResumeRun {
 fn a_sharded_stage_3_supervised_checkpoint_is_resumed_from_the_files_of_each_partition() {
     const TEST: &str = "stage3_supervised_first_window::\
         a_sharded_stage_3_supervised_checkpoint_is_resumed_from_the_files_of_each_partition";
-    if let Some(mut args) = worker::<ResumeRun>() {
-        args.run.dir = args.run.dir.map(|dir| own_copy(&dir, args.per_process));
-        return report(&supervised::train(&args.run));
+    if let Some(run) = worker::<FromCopy<supervised::Run>>() {
+        return report(&run.train());
     }
-    // A global batch of 48 over 192 items: 4 batches an epoch, the same on 2 and 3 processes.
-    let run = |processes: usize, grad_accum: usize, epochs: usize, dir: &Path, resume_from| {
-        supervised::Run {
-            batch_size: 48 / processes,
-            grad_accum,
-            epochs,
-            dir: Some(dir.to_path_buf()),
-            resume_from,
-            zero_stage: 3,
-            sharded_checkpoint: true,
-            items: 192,
-            ..Default::default()
-        }
-    };
-    let with = |run: supervised::Run, per_process: bool| ResumeRun { run, per_process };
-    let sizes = sizes(&Mlp::<Flex>::new(16, &Default::default()));
+    let sizes = sizes(&Mlp::<Flex>::new(HIDDEN, &Default::default()));
     for grad_accum in [1, 3] {
-        let whole_dir = harness::scratch_dir(&format!("first-window-whole-{grad_accum}"));
-        let whole: Vec<supervised::RunReport> = launch(
-            TEST,
-            2,
-            &with(run(2, grad_accum, 3, &whole_dir, None), false),
-            &[],
-        )
-        .assert_success()
-        .reports(2);
+        let checkpoint = StrategyCheckpoint::sharded(TEST, grad_accum, 3);
         let dir = harness::scratch_dir(&format!("first-window-resume-{grad_accum}"));
         let saved_dir = dir.join("saved");
-        launch(
-            TEST,
-            2,
-            &with(run(2, grad_accum, 2, &saved_dir, None), false),
-            &[],
-        )
-        .assert_success();
+        checkpoint.save(3, &saved_dir);
         for processes in [2, 3] {
             let what = format!("window {grad_accum}, {processes} processes");
             let copies = dir.join(format!("on-{processes}"));
-            let deleted = copies_for_each_process(
-                &saved_dir.join("checkpoint"),
+            let deleted = strategy_copies_for_each_process(
+                &saved_dir,
                 &copies,
-                "checkpoint",
                 processes,
                 2,
                 2,
                 |rank, _| overlapping(&sizes, 2, rank, processes, false),
             );
             assert!(deleted > 0, "{what}: some process needs fewer model files");
-            // Burn's metric logs of the epochs before: the main process reads them back.
-            for entry in std::fs::read_dir(&saved_dir).unwrap() {
-                let entry = entry.unwrap();
-                if entry.file_type().unwrap().is_dir() && entry.file_name() != "checkpoint" {
-                    copy_tree(
-                        &entry.path(),
-                        &copies.join("rank-0").join(entry.file_name()),
-                    );
-                }
-            }
-            let resumed: Vec<supervised::RunReport> = launch(
-                TEST,
-                processes,
-                &with(run(processes, grad_accum, 3, &copies, Some(2)), true),
-                &[],
-            )
-            .assert_success()
-            .reports(processes);
-            assert_eq!(resumed[0].epochs, [3], "{what}");
-            for r in &resumed {
-                assert_eq!(bits(&r.parameters), bits(&resumed[0].parameters), "{what}");
-            }
+            let resumed = checkpoint.resume(processes, 3, Copies(&copies));
             if processes == 2 {
-                assert_eq!(
-                    bits(&resumed[0].parameters),
-                    bits(&whole[0].parameters),
-                    "{what}"
-                );
+                checkpoint.assert_bit_for_bit(&resumed, &what);
+            } else {
+                checkpoint.assert_to_rounding(&resumed, &what);
             }
-            let d = max_relative_difference(&resumed[0].parameters, &whole[0].parameters);
-            assert!(d < 1e-5, "{what}: {d:e}");
         }
-        harness::clean(&whole_dir);
         harness::clean(&dir);
     }
 }
