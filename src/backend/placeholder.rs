@@ -29,6 +29,14 @@
 //!   off on the cast input, the parameters gathered in f32 for the op alone (tested by
 //!   `stage_3_under_autocast_gathers_a_linear_kept_in_f32_for_its_op_alone_like_stage_2` and
 //!   `stage_3_under_autocast_gathers_an_fp32_class_matmul_parameter_for_its_op_alone_like_stage_2`).
+//! - `linear`, and `matmul` with a parameter operand, under bf16/f16 autocast on every other
+//!   registered backend (wgpu, CUDA, LibTorch, NdArray), and on `Autodiff<Flex>` where the
+//!   process runs Flex's own half ops (`HalfPath::Own`): where autocast casts the f32
+//!   parameters to the half type and the backend's `linear` (`float_matmul`) runs on the
+//!   half operands, the parameters gathered in the half type (the owner casts with
+//!   autocast's cast and sends halves) for Burn's node on them, the weight again for the
+//!   other operand's gradient, each parameter's gradient cast to f32 as its cast node's
+//!   backward casts it (tested on wgpu and LibTorch by `stage3_backends`).
 //! - `linear`, and `matmul` with a parameter operand (broadcast or not), under fp8 autocast
 //!   where fp8's cast node is registered for the backend: the same bound, with the
 //!   parameters gathered in f32 and the weight (the parameter operand) rounded there by the
@@ -73,10 +81,8 @@
 //!   autocast by
 //!   `stage_3_under_autocast_gathers_rms_norm_gamma_in_f32_for_its_product_alone_like_stage_2`).
 //! - Every other op of every ops trait the decorator forwards (casts under autocast,
-//!   transactions, `mul` where an override puts it in autocast's lower class), `matmul`
-//!   under autocast where it reads a parameter cast to a half type off the crate's half
-//!   kernels (Burn's own half path) or on other backends, `linear` under autocast with
-//!   parameters of another dtype than f32: the registered
+//!   transactions, `mul` where an override puts it in autocast's lower class), `linear` and
+//!   `matmul` under autocast with parameters of another dtype than f32: the registered
 //!   input is gathered in full and the op reads `anchor + gathered` (the gathered value bit
 //!   for bit, since `-0.0` is the additive identity, with the gradient flowing to the
 //!   anchor). The numbers are right; the gathered value stays whole while the autodiff graph
@@ -307,11 +313,14 @@ struct Tracked<B: Backend> {
     fp8_matmul: fp8::Fp8Matmul<B>,
 }
 
+// The bounded matmul: the operands (a parameter's through its anchor), their shards, and the
+// half type the parameter operands are gathered in under autocast (`None`: as they are).
 type MatmulHook<B> = fn(
     FloatTensor<B>,
     FloatTensor<B>,
     Option<Arc<dyn Shard>>,
     Option<Arc<dyn Shard>>,
+    Option<FloatDType>,
 ) -> FloatTensor<B>;
 
 type EmbeddingHook<B> = fn(FloatTensor<B>, IntTensor<B>, Arc<dyn Shard>) -> FloatTensor<B>;
@@ -579,10 +588,12 @@ struct Half {
     bias_registered: bool,
 }
 
-impl Half {
-    // A parameter's gradient as its cast node's backward hands it to the f32 parameter.
-    fn to_param<B: Backend>(self, grad: FloatTensor<B>) -> FloatTensor<B> {
-        crate::cpu::table::cast::<B>(grad, FloatDType::F32)
+// A parameter's gradient as the parameter takes it: where it was gathered in a half type
+// (`half`), cast to f32 as its cast node's backward casts it; as it is otherwise.
+fn to_param<B: Backend>(half: Option<FloatDType>, grad: FloatTensor<B>) -> FloatTensor<B> {
+    match half {
+        Some(_) => crate::cpu::table::cast::<B>(grad, FloatDType::F32),
+        None => grad,
     }
 }
 
@@ -756,24 +767,24 @@ fn half_matmul_hook<B: Backend>() -> Option<half::HalfMatmul<B>> {
 
 // `matmul` under bf16/f16 autocast with a registered parameter operand: the op's own path
 // (`crate::backend::forward`'s `float_matmul`: the plan, the casts, `lowered::matmul`), the
-// plan decided once, with each parameter operand gathered in the half type for the product
-// alone where the product runs on the crate's half kernel (a broadcast operand expanded as
-// that path expands it), gathered in f32 for the product alone where the plan reads it as
-// it is (an fp32-class matmul); otherwise gathered whole in f32 and cast, as every other op
-// reads a parameter.
-#[cfg(feature = "flex")]
+// plan decided once, with each parameter operand gathered for the product alone: in the half
+// type where the product runs in it (on the crate's half kernel where `lowered::matmul` takes
+// it, a broadcast operand expanded as that path expands it; else by the backend's own
+// `float_matmul` on the half operands, as Burn's node on autocast's casts), in f32 where the
+// plan reads it as it is (an fp32-class matmul); otherwise gathered whole in f32 and cast,
+// as every other op reads a parameter.
 fn autocast_matmul<B: Backend>(
     lhs: FloatTensor<B>,
     rhs: FloatTensor<B>,
     [lhs_shard, rhs_shard]: [Option<Arc<dyn Shard>>; 2],
-    half_matmul: half::HalfMatmul<B>,
+    tracked: Tracked<B>,
 ) -> FloatTensor<B> {
     use crate::autocast::{CastInput, CastPlan, Op};
     let plan = CastPlan::new::<B>(Op::Matmul, &[CastInput::One(&lhs), CastInput::One(&rhs)]);
     let target = plan
         .target()
         .filter(|t| matches!(t, FloatDType::BF16 | FloatDType::F16));
-    // Each operand as the kernel would take it: a parameter kept f32 (gathered in the half
+    // Each operand as the product would take it: a parameter kept f32 (gathered in the half
     // type), any other cast as the op's own path casts it.
     let lhs = match &lhs_shard {
         Some(_) => lhs,
@@ -788,16 +799,14 @@ fn autocast_matmul<B: Backend>(
             Some(_) => t.dtype() == DType::F32,
             None => t.dtype() == DType::from(target),
         };
-    // `lowered::matmul`'s conditions for the kernel: batches equal or broadcast.
-    let kernel_applies = target
-        .is_some_and(|t| operand_fits(&lhs, &lhs_shard, t) && operand_fits(&rhs, &rhs_shard, t))
-        && super::lowered::broadcast_batches(lhs.shape(), rhs.shape()).is_some();
-    if let (Some(target), true) = (target, kernel_applies)
-        && let Some((_, route)) = super::lowered::chosen::<B>()
+    let half_operands =
+        target.filter(|&t| operand_fits(&lhs, &lhs_shard, t) && operand_fits(&rhs, &rhs_shard, t));
+    #[cfg(feature = "flex")]
+    let (lhs, rhs) = match half_kernel_matmul::<B>(half_operands, lhs, rhs, &lhs_shard, &rhs_shard)
     {
-        let (lhs, rhs) = anchored_operands::<B>(lhs, rhs, &lhs_shard, &rhs_shard);
-        return half_matmul(lhs, rhs, lhs_shard, rhs_shard, target, route);
-    }
+        Ok(output) => return output,
+        Err(operands) => operands,
+    };
     // Where the plan reads the parameter operands as they are (an fp32-class matmul:
     // `lowered::matmul` runs `B::float_matmul` on the cast operands), the bounded path of
     // autocast off, the parameters gathered in their own dtype.
@@ -808,16 +817,52 @@ fn autocast_matmul<B: Backend>(
     let params_as_is = [(&lhs, &lhs_shard), (&rhs, &rhs_shard)]
         .into_iter()
         .all(|(t, shard)| shard.is_none() || read_as_is(t));
-    if params_as_is
-        && lhs.dtype() == rhs.dtype()
-        && let Some(tracked) = tracked::<B>()
-    {
+    if params_as_is && lhs.dtype() == rhs.dtype() {
         let (lhs, rhs) = anchored_operands::<B>(lhs, rhs, &lhs_shard, &rhs_shard);
-        return (tracked.matmul)(lhs, rhs, lhs_shard, rhs_shard);
+        return (tracked.matmul)(lhs, rhs, lhs_shard, rhs_shard, None);
+    }
+    // Where the plan casts the f32 parameter operands to the half type and `lowered::matmul`
+    // runs `B::float_matmul` on the half operands (a backend without the crate's half
+    // kernel, or the backend's own half path chosen): the parameters gathered in the half
+    // type, the owner casting with autocast's cast, for Burn's node on them.
+    if let Some(dtype) = half_operands {
+        let (lhs, rhs) = anchored_operands::<B>(lhs, rhs, &lhs_shard, &rhs_shard);
+        return (tracked.matmul)(lhs, rhs, lhs_shard, rhs_shard, Some(dtype));
     }
     let lhs = plan.cast_at::<B>(0, resolve::<B>(lhs));
     let rhs = plan.cast_at::<B>(1, resolve::<B>(rhs));
     super::lowered::matmul::<B>(&plan, lhs, rhs)
+}
+
+// `matmul` on the crate's half kernel (`half`: `Autodiff<Flex>`, where `lowered::matmul` runs
+// it there: batches equal or broadcast), the parameter operands gathered in `half_operands`'
+// half type for the product alone; the operands back where the kernel does not take it.
+#[cfg(feature = "flex")]
+fn half_kernel_matmul<B: Backend>(
+    half_operands: Option<FloatDType>,
+    lhs: FloatTensor<B>,
+    rhs: FloatTensor<B>,
+    lhs_shard: &Option<Arc<dyn Shard>>,
+    rhs_shard: &Option<Arc<dyn Shard>>,
+) -> Result<FloatTensor<B>, (FloatTensor<B>, FloatTensor<B>)> {
+    let kernel_applies = super::lowered::broadcast_batches(lhs.shape(), rhs.shape()).is_some();
+    let (Some(target), true, Some(half_matmul)) =
+        (half_operands, kernel_applies, half_matmul_hook::<B>())
+    else {
+        return Err((lhs, rhs));
+    };
+    let Some((_, route)) = super::lowered::chosen::<B>() else {
+        return Err((lhs, rhs));
+    };
+    let (lhs, rhs) = anchored_operands::<B>(lhs, rhs, lhs_shard, rhs_shard);
+    Ok(half_matmul(
+        lhs,
+        rhs,
+        lhs_shard.clone(),
+        rhs_shard.clone(),
+        target,
+        route,
+    ))
 }
 
 // `linear` under bf16/f16 autocast of the registered parameter `weight`: the op's own path
@@ -984,16 +1029,18 @@ pub(crate) fn float_matmul<B: Backend>(
     rhs: FloatTensor<B>,
 ) -> Result<FloatTensor<B>, (FloatTensor<B>, FloatTensor<B>)> {
     let (lhs_shard, rhs_shard) = (shard_of::<B>(&lhs), shard_of::<B>(&rhs));
-    #[cfg(feature = "flex")]
+    // The op's own path co-locates the operands first.
+    let one_device = B::float_device(&lhs) == B::float_device(&rhs);
     if (lhs_shard.is_some() || rhs_shard.is_some())
         && let Some(crate::Precision::Bf16 | crate::Precision::F16) = crate::autocast::current()
-        && let Some(half_matmul) = half_matmul_hook::<B>()
+        && one_device
+        && let Some(tracked) = tracked::<B>()
     {
         return Ok(autocast_matmul::<B>(
             lhs,
             rhs,
             [lhs_shard, rhs_shard],
-            half_matmul,
+            tracked,
         ));
     }
     if (lhs_shard.is_some() || rhs_shard.is_some()) && fp8::applies::<B>() {
@@ -1012,7 +1059,7 @@ pub(crate) fn float_matmul<B: Backend>(
         return Err((lhs, rhs));
     };
     let (lhs, rhs) = anchored_operands::<B>(lhs, rhs, &lhs_shard, &rhs_shard);
-    Ok((tracked.matmul)(lhs, rhs, lhs_shard, rhs_shard))
+    Ok((tracked.matmul)(lhs, rhs, lhs_shard, rhs_shard, None))
 }
 
 /// `embedding(weights, indices)` with the per-op bound, where the weights are a registered
@@ -1069,13 +1116,9 @@ fn linear_backward<B: Backend>(
     grads: &mut Gradients,
 ) {
     let (x, weight, half) = state;
-    let to_param = |grad: FloatTensor<B>| match half {
-        Some(half) => half.to_param::<B>(grad),
-        None => grad,
-    };
+    let dtype = half.map(|h| h.dtype);
     if let Some(node) = node_x {
         let weight = weight.expect("kept where the input is tracked");
-        let dtype = half.map(|h| h.dtype);
         let (gathered, bytes) = gather_in::<B>(weight.shard.as_ref(), &weight.tensor, dtype);
         let grad = B::linear_x_backward(gathered, grad.clone());
         count_dropped(bytes);
@@ -1084,7 +1127,7 @@ fn linear_backward<B: Backend>(
     if let Some(node) = node_weight {
         let x = x.expect("kept where the weight is tracked");
         let grad = B::linear_weight_backward(x, grad.clone());
-        grads.register::<B>(node, to_param(grad));
+        grads.register::<B>(node, to_param::<B>(dtype, grad));
     }
     if let Some(node) = node_bias {
         let grad = B::linear_bias_backward(grad);
@@ -1093,7 +1136,7 @@ fn linear_backward<B: Backend>(
                 bias_registered: false,
                 ..
             }) => grad,
-            _ => to_param(grad),
+            _ => to_param::<B>(dtype, grad),
         };
         grads.register::<B>(node, grad);
     }
@@ -1431,6 +1474,9 @@ pub(crate) fn end_reducing() -> BTreeMap<u64, Box<dyn Any + Send>> {
 struct Operand<B: Backend> {
     tensor: FloatTensor<B>,
     shard: Option<Arc<dyn Shard>>,
+    // Under autocast, the half type a registered operand is gathered in (its gradient cast to
+    // f32 for the parameter, as its cast node's backward casts it).
+    half: Option<FloatDType>,
 }
 
 impl<B: Backend> Clone for Operand<B> {
@@ -1438,6 +1484,7 @@ impl<B: Backend> Clone for Operand<B> {
         Operand {
             tensor: self.tensor.clone(),
             shard: self.shard.clone(),
+            half: self.half,
         }
     }
 }
@@ -1449,11 +1496,13 @@ impl<B: Backend> core::fmt::Debug for Operand<B> {
 }
 
 // Burn's `matmul` node's state (`burn-autodiff`'s `Matmul`: the left operand where the right
-// one's gradient needs it, and the reverse), and the operands' shapes where they broadcast.
+// one's gradient needs it, and the reverse), the operands' shapes where they broadcast, and
+// the half type each operand was gathered in under autocast (a registered one).
 type MatmulState<B> = (
     Option<Operand<B>>,
     Option<Operand<B>>,
     Option<(burn_backend::Shape, burn_backend::Shape)>,
+    [Option<FloatDType>; 2],
 );
 
 #[derive(Debug)]
@@ -1463,7 +1512,7 @@ impl<B: Backend> Backward<B, 2> for BoundedMatmul {
     type State = MatmulState<B>;
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let (lhs, rhs, broadcast) = ops.state;
+        let (lhs, rhs, broadcast, [lhs_half, rhs_half]) = ops.state;
         let grad = grads.consume::<B>(&ops.node);
         let [node_lhs, node_rhs] = ops.parents;
         // Burn's `Matmul` backward: the same ops in the same order, each kept operand
@@ -1477,7 +1526,7 @@ impl<B: Backend> Backward<B, 2> for BoundedMatmul {
                 Some((lhs_shape, _)) => broadcast_shape::<B>(out, lhs_shape),
                 None => out,
             };
-            grads.register::<B>(node.id, out);
+            grads.register::<B>(node.id, to_param::<B>(lhs_half, out));
         }
         if let Some(node) = node_rhs {
             let lhs = lhs.expect("kept where the right operand is tracked");
@@ -1488,7 +1537,7 @@ impl<B: Backend> Backward<B, 2> for BoundedMatmul {
                 Some((_, rhs_shape)) => broadcast_shape::<B>(out, rhs_shape),
                 None => out,
             };
-            grads.register::<B>(node.id, out);
+            grads.register::<B>(node.id, to_param::<B>(rhs_half, out));
         }
     }
 }
@@ -1497,23 +1546,26 @@ impl<B: Backend> Operand<B> {
     // The whole value (gathered where registered), and the bytes a gather counted.
     fn whole(&self) -> (FloatTensor<B>, u64) {
         match &self.shard {
-            Some(shard) => (
-                gather::<B>(shard.as_ref(), &self.tensor),
-                counted(shard.as_ref(), &self.tensor),
-            ),
+            Some(shard) => gather_in::<B>(shard.as_ref(), &self.tensor, self.half),
             None => (self.tensor.clone(), 0),
         }
     }
 }
 
 // Burn's `matmul` on `Autodiff<B, C>` with each registered operand gathered for the forward
-// op alone, and a node that keeps its placeholder instead of the gathered value.
+// op alone (in `half` where given: autocast's half type, the owner casting), and a node that
+// keeps its placeholder instead of the gathered value.
 fn bounded_matmul<B: Backend, C: CheckpointStrategy>(
     lhs: FloatTensor<Autodiff<B, C>>,
     rhs: FloatTensor<Autodiff<B, C>>,
     lhs_shard: Option<Arc<dyn Shard>>,
     rhs_shard: Option<Arc<dyn Shard>>,
+    half: Option<FloatDType>,
 ) -> FloatTensor<Autodiff<B, C>> {
+    // Under autocast a registered operand is an f32 parameter gathered in the half type; the
+    // other operand autocast cast already.
+    let half_of = |shard: &Option<Arc<dyn Shard>>| half.filter(|_| shard.is_some());
+    let halves = [half_of(&lhs_shard), half_of(&rhs_shard)];
     let (lhs_tracked, rhs_tracked) = (lhs.is_tracked(), rhs.is_tracked());
     let (lhs_shape, rhs_shape) = (lhs.primitive.shape(), rhs.primitive.shape());
     // Burn's `BinaryOpsBroadcast`: any dimension that differs.
@@ -1523,10 +1575,12 @@ fn bounded_matmul<B: Backend, C: CheckpointStrategy>(
     let lhs_kept = Operand {
         tensor: lhs.primitive.clone(),
         shard: lhs_shard,
+        half: halves[0],
     };
     let rhs_kept = Operand {
         tensor: rhs.primitive.clone(),
         shard: rhs_shard,
+        half: halves[1],
     };
     let (lhs_whole, lhs_bytes) = lhs_kept.whole();
     let (rhs_whole, rhs_bytes) = rhs_kept.whole();
@@ -1542,6 +1596,7 @@ fn bounded_matmul<B: Backend, C: CheckpointStrategy>(
                 rhs_tracked.then_some(lhs_kept),
                 lhs_tracked.then_some(rhs_kept),
                 broadcast,
+                halves,
             ),
             output,
         ),

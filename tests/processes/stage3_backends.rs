@@ -1,9 +1,10 @@
 //! ZeRO stage 3's per-layer bound on the backends besides Flex and NdArray: wgpu (Mesa's
 //! lavapipe in `.ci/run`'s wgpu tier), LibTorch (its CPU device, in the LibTorch tier) and
 //! CUDA (where `nvidia-smi` lists a GPU), one instance per backend feature. On each,
-//! `Layered`'s `Linear` layers on 2 and 3 real processes, windows of 1 and 2, in f32 and
-//! under the half autocast the backend runs (f16 on lavapipe, bf16 on LibTorch's CPU and on
-//! CUDA), hold one layer's gathered parameters at a time (the peak equals the largest layer
+//! `Layered`'s `Linear` layers and the same widths as bare matrices read by `matmul`, on 2
+//! and 3 real processes, windows of 1 and 2, in f32 and under the half autocast the backend
+//! runs (f16 on lavapipe, bf16 on LibTorch's CPU and on CUDA), hold one layer's gathered
+//! parameters at a time (the peak equals the largest layer
 //! a process does not own, in the gather dtype, on every batch), leave nothing gathered after
 //! the backward pass, send what stage 3's formula says (halves for the gathers under
 //! autocast) and end where stage 2 does, with the same step outcomes and loss scale
@@ -21,51 +22,65 @@ use serde::{Deserialize, Serialize};
 
 use super::harness::{report, worker};
 use super::{
-    Agreement, Layered, Peak, Reads, Stage3Expected, Stage3Report, Training, observed_training,
-    samples, stage_3_against_stage_2,
+    Agreement, Layered, Mixed, Peak, Reads, Stage3Expected, Stage3Report, Training,
+    observed_training, samples, stage_3_against_stage_2,
 };
 
 #[derive(Debug, Serialize, Deserialize)]
 struct BackendRun {
     training: Training,
+    /// `Layered` (`Reads::Linear`) or its widths as bare matrices (`Reads::Matmul`).
+    reads: Reads,
 }
 
-// `Layered` trained on `Accelerated<Autodiff<B>>`, every layer cast under autocast (the net
-// is tiny: `SmallOps::Cast`).
-fn train<B: Backend>(training: Training) -> Stage3Report {
+// The model `reads` names trained on `Accelerated<Autodiff<B>>`, every layer cast under
+// autocast (the net is tiny: `SmallOps::Cast`).
+fn train<B: Backend>(training: Training, reads: Reads) -> Stage3Report {
     let device = Default::default();
     let config = AccelerateConfig::new().with_small_ops(Some(SmallOps::Cast));
-    let model = Layered::<Accelerated<Autodiff<B>>>::new(&device);
-    observed_training(
-        training,
-        config,
-        model,
-        samples,
-        |model, x| model.forward(x),
-        (),
-    )
+    match reads {
+        Reads::Matmul => observed_training(
+            training,
+            config,
+            Mixed::<Accelerated<Autodiff<B>>>::new(&device),
+            samples,
+            |model, x| model.forward(x),
+            (),
+        ),
+        _ => observed_training(
+            training,
+            config,
+            Layered::<Accelerated<Autodiff<B>>>::new(&device),
+            samples,
+            |model, x| model.forward(x),
+            (),
+        ),
+    }
 }
 
 // Stage 3 against stage 2 on backend `B`, whose test `test` is, in f32 and under `half`
 // autocast.
 fn on_backend<B: Backend>(test: &str, half: Precision) {
     if let Some(args) = worker::<BackendRun>() {
-        return report(&train::<B>(args.training));
+        return report(&train::<B>(args.training, args.reads));
     }
-    for (processes, grad_accum, precision) in [
-        (2, 1, None),
-        (2, 2, None),
-        (3, 1, None),
-        (2, 1, Some(half)),
-        (3, 2, Some(half)),
+    for (reads, processes, grad_accum, precision) in [
+        (Reads::Linear, 2, 1, None),
+        (Reads::Linear, 2, 2, None),
+        (Reads::Linear, 3, 1, None),
+        (Reads::Linear, 2, 1, Some(half)),
+        (Reads::Linear, 3, 2, Some(half)),
+        (Reads::Matmul, 2, 1, None),
+        (Reads::Matmul, 2, 2, Some(half)),
+        (Reads::Matmul, 3, 1, Some(half)),
     ] {
         // Halves under autocast (the reductions stay f32).
         let width = if precision.is_some() { 2 } else { 4 };
-        let expected = Stage3Expected::new(Reads::Linear.layers(width), processes);
+        let expected = Stage3Expected::new(reads.layers(width), processes);
         let training = Training::sharded(precision, grad_accum, 3);
         let checks = (Peak::Bound, Agreement::Within(1e-5));
         stage_3_against_stage_2::<_, ()>(test, &expected, training, checks, |training| {
-            BackendRun { training }
+            BackendRun { training, reads }
         });
     }
 }

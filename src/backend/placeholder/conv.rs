@@ -38,6 +38,7 @@ use burn_backend::{Backend, DType, FloatDType, TensorMetadata};
 
 use super::{
     Half, Shard, Weight, anchored, count_dropped, gather_in, resolve, resolve_opt, shard_of,
+    to_param,
 };
 use crate::autocast::{CastInput, CastPlan, InputRounding, Op};
 use crate::hooks::{self, HookKind};
@@ -622,13 +623,9 @@ impl<B: Backend, K: Convolution, const N: usize> Backward<B, N> for BoundedConv<
                 None => (whole, bytes),
             }
         });
-        let to_param = |grad: FloatTensor<B>| match dtype {
-            Some(_) => crate::cpu::table::cast::<B>(grad, FloatDType::F32),
-            None => grad,
-        };
         let weight_to_param = |grad: FloatTensor<B>| match fp8 {
             Some(rounding) => rounding.gradient::<B>(grad),
-            None => to_param(grad),
+            None => to_param::<B>(dtype, grad),
         };
         if let (Some(node), Some((whole, _))) = (parents[0], &whole) {
             let grad = K::x_backward::<B>(x.clone(), whole.clone(), grad.clone(), options.clone());
@@ -652,7 +649,7 @@ impl<B: Backend, K: Convolution, const N: usize> Backward<B, N> for BoundedConv<
                     bias_registered: false,
                     ..
                 }) => grad,
-                _ => to_param(grad),
+                _ => to_param::<B>(dtype, grad),
             };
             grads.register::<B>(*node, grad);
         }
