@@ -46,6 +46,30 @@ fn change<K: HookKind, R>(change: impl FnOnce(&mut Table) -> R) -> R {
     change(&mut registry[index])
 }
 
+/// What runs for each backend this crate has a feature for ([`each_backend`]): a kind's
+/// registration of its hooks for Burn's autodiff (or the decorator) over it.
+pub(crate) trait ForEachBackend {
+    /// Runs for backend `B` (Burn's own, without autodiff).
+    fn call<B: burn_backend::Backend>(&mut self);
+}
+
+/// Runs `f` for each backend this crate has a feature for (Flex, NdArray, wgpu, CUDA,
+/// LibTorch): the one list the kinds that register for every backend read, so that a
+/// backend feature added here reaches all of them.
+pub(crate) fn each_backend(f: &mut impl ForEachBackend) {
+    #[cfg(feature = "flex")]
+    f.call::<burn::backend::Flex>();
+    #[cfg(feature = "ndarray")]
+    f.call::<burn::backend::NdArray>();
+    #[cfg(feature = "wgpu")]
+    f.call::<burn::backend::Wgpu>();
+    #[cfg(feature = "cuda")]
+    f.call::<burn::backend::Cuda>();
+    #[cfg(feature = "tch")]
+    f.call::<burn::backend::LibTorch>();
+    let _ = f;
+}
+
 /// Registers `hook` of kind `K` for backend `B`, replacing any earlier one.
 pub(crate) fn insert<K: HookKind, B: 'static, H: Any + Send + Sync>(hook: H) {
     change::<K, _>(|table| table.hooks.insert(TypeId::of::<B>(), Box::new(hook)));

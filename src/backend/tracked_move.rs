@@ -87,17 +87,14 @@ pub fn register<B: Backend, C: CheckpointStrategy>() {
 }
 
 fn register_known() {
-    use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
-    #[cfg(feature = "flex")]
-    register::<burn::backend::Flex, NoCheckpointing>();
-    #[cfg(feature = "ndarray")]
-    register::<burn::backend::NdArray, NoCheckpointing>();
-    #[cfg(feature = "wgpu")]
-    register::<burn::backend::Wgpu, NoCheckpointing>();
-    #[cfg(feature = "cuda")]
-    register::<burn::backend::Cuda, NoCheckpointing>();
-    #[cfg(feature = "tch")]
-    register::<burn::backend::LibTorch, NoCheckpointing>();
+    struct Register;
+    impl hooks::ForEachBackend for Register {
+        fn call<B: Backend>(&mut self) {
+            use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
+            register::<B, NoCheckpointing>();
+        }
+    }
+    hooks::each_backend(&mut Register);
 }
 
 /// `tensor` moved to `device` through the host as a recorded autodiff op, where `B` is a

@@ -137,18 +137,16 @@ fn hook<B: Backend>() -> Option<Hook<B>> {
     hooks::get::<Fp8Casts, B, Hook<B>>()
 }
 
-// Burn's own autodiff backends, for every backend feature this crate was built with.
+// Burn's own autodiff backends under the decorator, for every backend feature this crate was
+// built with.
 fn register_known() {
-    #[cfg(feature = "flex")]
-    register::<Accelerated<Autodiff<burn::backend::Flex>>>();
-    #[cfg(feature = "ndarray")]
-    register::<Accelerated<Autodiff<burn::backend::NdArray>>>();
-    #[cfg(feature = "wgpu")]
-    register::<Accelerated<Autodiff<burn::backend::Wgpu>>>();
-    #[cfg(feature = "cuda")]
-    register::<Accelerated<Autodiff<burn::backend::Cuda>>>();
-    #[cfg(feature = "tch")]
-    register::<Accelerated<Autodiff<burn::backend::LibTorch>>>();
+    struct Register;
+    impl crate::hooks::ForEachBackend for Register {
+        fn call<B: Backend>(&mut self) {
+            register::<Accelerated<Autodiff<B>>>();
+        }
+    }
+    crate::hooks::each_backend(&mut Register);
 }
 
 /// Applies an fp8 cast on any backend: through the registered node where there is one,
