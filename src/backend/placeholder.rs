@@ -36,7 +36,8 @@
 //!   half operands, the parameters gathered in the half type (the owner casts with
 //!   autocast's cast and sends halves) for Burn's node on them, the weight again for the
 //!   other operand's gradient, each parameter's gradient cast to f32 as its cast node's
-//!   backward casts it (tested on wgpu and LibTorch by `stage3_backends`).
+//!   backward casts it (tested on wgpu, LibTorch and Flex's own half ops by
+//!   `stage3_backends`).
 //! - `linear`, and `matmul` with a parameter operand (broadcast or not), under fp8 autocast
 //!   where fp8's cast node is registered for the backend: the same bound, with the
 //!   parameters gathered in f32 and the weight (the parameter operand) rounded there by the

@@ -17,7 +17,6 @@ mod precheck_memory;
 mod resume;
 mod sharded_resume;
 mod stage3_autocast_more;
-#[cfg(any(feature = "wgpu", feature = "tch", feature = "cuda"))]
 mod stage3_backends;
 mod stage3_bounds;
 mod stage3_conv;
@@ -276,10 +275,10 @@ enum Agreement {
     Bits,
     /// Within this relative difference (`max_relative_difference`): a backend that picks
     /// its kernels by timing (cubecl's autotuned matmuls) need not sum in the same order in
-    /// two runs. (Its tests, `stage3_backends`, build with those backends' features.)
+    /// two runs.
     #[cfg_attr(
         not(any(feature = "wgpu", feature = "tch", feature = "cuda")),
-        allow(dead_code)
+        allow(dead_code) // Its tests (`stage3_backends`) build with those backends' features.
     )]
     Within(f32),
 }
