@@ -207,6 +207,12 @@ impl Stage3Expected {
         self.layers.iter().map(layer).collect()
     }
 
+    /// Per parameter in visiting order, whether process `rank` owns it: the gradients it keeps
+    /// after the backward pass that completes a window.
+    fn own(&self, rank: usize) -> Vec<bool> {
+        self.owners.iter().map(|&o| o == rank).collect()
+    }
+
     /// The largest layer's gathered bytes: at most one layer's parameters whole at a time.
     fn largest(&self) -> u64 {
         self.layer_bytes(None).into_iter().max().unwrap()
@@ -239,7 +245,7 @@ impl Stage3Expected {
         let window = training.grad_accum;
         let largest = self.largest();
         let all: u64 = self.layer_bytes(None).into_iter().sum();
-        let own: Vec<bool> = self.owners.iter().map(|&o| o == rank).collect();
+        let own = self.own(rank);
         assert_eq!(report.sent.len(), training.batches, "{what}");
         for batch in 0..training.batches {
             let what = format!("{what}, batch {batch}");

@@ -25,7 +25,7 @@ use crate::mlp::{BlobBatch, CLASSES, FEATURES, Mlp};
 use crate::resume::{Copies, StrategyCheckpoint};
 use crate::sharded_resume::{FromCopy, overlapping, sizes, strategy_copies_for_each_process};
 use crate::supervised::{FitDir, HIDDEN};
-use crate::{assert_sent, bits, parameters, stage_3_sent, supervised};
+use crate::{Gathered, Stage3Expected, assert_sent, bits, parameters, supervised, weight_and_bias};
 
 type Train = Accelerated<Autodiff<Flex>>;
 
@@ -132,7 +132,7 @@ fn observed(args: &ObservedRun) -> ObservedReport {
 /// batch on holds what it holds from the second window on: each pass gathers at most one linear
 /// layer's weight and bias at a time, the backward pass that completes a window reduces each
 /// gradient to its owner (this process keeps its own partition's and no other, and sent what
-/// `stage_3_sent` says: every parameter gathered in forward, every weight but the first
+/// `Stage3Expected::sent` says: every parameter gathered in forward, every weight but the first
 /// layer's again in backward, every gradient reduced once), the window's earlier passes gather
 /// but reduce nothing; and the parameters still end where stage 2's do, bit for bit. On 2 and
 /// 3 processes, windows of 1 (every batch completes one, the first before any step) and 3 (a
@@ -144,35 +144,18 @@ fn stage_3_with_accelerate_gathers_per_layer_and_reduces_in_backward_from_the_fi
     if let Some(args) = worker::<ObservedRun>() {
         return report(&observed(&args));
     }
-    let widths = [FEATURES, HIDDEN, HIDDEN, CLASSES];
-    // Every parameter in visiting order (each layer's weight, then its bias), in f32 bytes,
-    // and whether it is a weight read again in backward (every one but the first layer's).
-    let mut params: Vec<(usize, bool)> = Vec::new();
-    for (i, w) in widths.windows(2).enumerate() {
-        params.push((w[0] * w[1] * 4, i > 0));
-        params.push((w[1] * 4, false));
-    }
-    let sizes: Vec<usize> = params.iter().map(|(bytes, _)| bytes / 4).collect();
-    // One layer's weight and bias, in f32 bytes: the most gathered whole at once.
-    let largest_layer = widths
+    // Each linear layer's weight (read again in backward but the first layer's) and bias, in
+    // f32.
+    let layers: Vec<Vec<Gathered>> = [FEATURES, HIDDEN, HIDDEN, CLASSES]
         .windows(2)
-        .map(|w| ((w[0] * w[1] + w[1]) * 4) as u64)
-        .max()
-        .unwrap();
+        .enumerate()
+        .map(|(i, w)| weight_and_bias(w[0] * w[1], w[1], 4, i > 0))
+        .collect();
     let epochs = 2;
     for (processes, grad_accum) in [(2, 1), (2, 3), (3, 1), (3, 3)] {
-        let owners = burn_accelerate::zero::partition(&sizes, processes);
-        let expected = |rank: usize, reduces: bool| -> u64 {
-            stage_3_sent(
-                params
-                    .iter()
-                    .map(|&(bytes, again)| (bytes as u64, bytes as u64, again)),
-                &owners,
-                processes,
-                rank,
-                reduces,
-            )
-        };
+        let expected = Stage3Expected::new(layers.clone(), processes);
+        // One layer's weight and bias: the most gathered whole at once.
+        let largest_layer = expected.largest();
         let go = |zero_stage: u8| -> Vec<ObservedReport> {
             let run = ObservedRun {
                 zero_stage,
@@ -206,7 +189,7 @@ fn stage_3_with_accelerate_gathers_per_layer_and_reduces_in_backward_from_the_fi
                 s3.optimizer_steps,
                 "{what}"
             );
-            let own: Vec<bool> = owners.iter().map(|&o| o == rank).collect();
+            let own = expected.own(rank);
             for batch in 0..steps {
                 let what = format!("{what}, batch {batch}");
                 // Stage 2 gathers and sends nothing in backward, and keeps every gradient
@@ -222,10 +205,10 @@ fn stage_3_with_accelerate_gathers_per_layer_and_reduces_in_backward_from_the_fi
                     "{what}: {gathered} bytes gathered at once, one layer is {largest_layer}"
                 );
                 if completes(batch) {
-                    assert_sent(p3.sent, expected(rank, true), &what);
+                    assert_sent(p3.sent, expected.sent(rank, true), &what);
                     assert_eq!(p3.holds_gradient, own, "{what}");
                 } else {
-                    assert_sent(p3.sent, expected(rank, false), &what);
+                    assert_sent(p3.sent, expected.sent(rank, false), &what);
                     assert!(p3.holds_gradient.iter().all(|&h| h), "{what}");
                 }
             }
