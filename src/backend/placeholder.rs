@@ -898,13 +898,21 @@ fn autocast_linear<B: Backend>(
             Ok(output) => return output,
             Err(inputs) => inputs,
         };
-    let anchors = |x: &FloatTensor<B>, weight, bias: Option<FloatTensor<B>>| {
-        let weight = anchored::<B>(weight, Some(x), weight_shard.clone());
+    // The bounded linear on the parameters' anchors, gathered in `half` where given.
+    let bounded = |x: FloatTensor<B>, weight, bias: Option<FloatTensor<B>>, half| {
+        let weight = anchored::<B>(weight, Some(&x), weight_shard.clone());
         let bias = match (bias, &bias_shard) {
-            (Some(bias), Some(shard)) => Some(anchored::<B>(bias, Some(x), shard.clone())),
+            (Some(bias), Some(shard)) => Some(anchored::<B>(bias, Some(&x), shard.clone())),
             (bias, _) => bias,
         };
-        (weight, bias)
+        (tracked.linear)(
+            x,
+            weight,
+            bias,
+            weight_shard.clone(),
+            bias_shard.clone(),
+            half,
+        )
     };
     // Where the plan reads the parameters as they are (an op the small-op rule keeps in f32,
     // or an fp32-class one: `lowered::linear` runs `B::linear` on the cast input), the
@@ -916,15 +924,7 @@ fn autocast_linear<B: Backend>(
                 .is_none_or(|target| t.dtype() == DType::from(target))
     };
     if read_as_is(&weight) && bias.as_ref().is_none_or(read_as_is) {
-        let (weight, bias) = anchors(&x, weight, bias);
-        return (tracked.linear)(
-            x,
-            weight,
-            bias,
-            weight_shard.clone(),
-            bias_shard.clone(),
-            None,
-        );
+        return bounded(x, weight, bias, None);
     }
     // Where the plan casts the f32 parameters to the half type and `lowered::linear` runs
     // `B::linear` on the half operands (a backend without the crate's half kernels, or the
@@ -941,15 +941,7 @@ fn autocast_linear<B: Backend>(
             Some(_) => bias,
             None => plan.cast_opt::<B>(bias),
         };
-        let (weight, bias) = anchors(&x, weight, bias);
-        return (tracked.linear)(
-            x,
-            weight,
-            bias,
-            weight_shard.clone(),
-            bias_shard.clone(),
-            Some(dtype),
-        );
+        return bounded(x, weight, bias, Some(dtype));
     }
     let weight = resolve::<B>(weight);
     let bias = resolve_opt::<B>(bias);
