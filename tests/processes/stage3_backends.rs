@@ -3,8 +3,9 @@
 //! device, in the LibTorch tier), CUDA (where `nvidia-smi` lists a GPU), one instance per
 //! backend feature, and Flex under `HalfPath::Own` (where autocast runs Flex's own half
 //! `linear` and `matmul`, not the crate's kernels). On each,
-//! `Layered`'s `Linear` layers and the same widths as bare matrices read by `matmul`, on 2
-//! and 3 real processes, windows of 1 and 2, in f32 and under the half autocast the backend
+//! `Layered`'s `Linear` layers, the same widths as bare matrices read by `matmul`, and
+//! `stage3_conv`'s nets of convolutions (`Conv2d`, `ConvTranspose2d`, `Conv1d`, `Conv3d`), on
+//! 2 and 3 real processes, windows of 1 and 2, in f32 and under the half autocast the backend
 //! runs (f16 on lavapipe, bf16 on LibTorch's CPU and on CUDA), hold one layer's gathered
 //! parameters at a time (the peak equals the largest layer
 //! a process does not own, in the gather dtype, on every batch), leave nothing gathered after
@@ -24,28 +25,51 @@ use burn_accelerate::{AccelerateConfig, Accelerated, Precision};
 use serde::{Deserialize, Serialize};
 
 use super::harness::{report, worker};
+use super::stage3_conv::{Net, conv_training};
 use super::{
-    Agreement, Layered, Mixed, Peak, Reads, Stage3Expected, Stage3Report, Training,
+    Agreement, Gathered, Layered, Mixed, Peak, Reads, Stage3Expected, Stage3Report, Training,
     observed_training, samples, stage_3_against_stage_2,
 };
+
+/// Which model a case trains.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+enum Model {
+    /// `Layered` (`Reads::Linear`) or its widths as bare matrices (`Reads::Matmul`).
+    Layers(Reads),
+    /// One of `stage3_conv`'s nets.
+    Convolutions(Net),
+}
+
+impl Model {
+    // Its parameters, gathered in `width` bytes a value (`Layers`; a net says its own).
+    fn layers(self, width: u64) -> Vec<Vec<Gathered>> {
+        match self {
+            Model::Layers(reads) => reads.layers(width),
+            Model::Convolutions(net) => net.layers(),
+        }
+    }
+}
 
 #[derive(Debug, Serialize, Deserialize)]
 struct BackendRun {
     training: Training,
-    /// `Layered` (`Reads::Linear`) or its widths as bare matrices (`Reads::Matmul`).
-    reads: Reads,
+    model: Model,
     /// The path of half-precision ops (`None`: the default).
     half_path: Option<HalfPath>,
 }
 
-// The model `args.reads` names trained on `Accelerated<Autodiff<B>>`, every layer cast under
-// autocast (the net is tiny: `SmallOps::Cast`).
+// The model `args.model` names trained on `Accelerated<Autodiff<B>>`, every layer cast under
+// autocast (the nets are tiny: `SmallOps::Cast`).
 fn train<B: Backend>(args: &BackendRun) -> Stage3Report {
-    let (training, reads) = (args.training, args.reads);
+    let training = args.training;
     let device = Default::default();
     let config = AccelerateConfig::new()
         .with_small_ops(Some(SmallOps::Cast))
         .with_half_path(args.half_path);
+    let reads = match args.model {
+        Model::Layers(reads) => reads,
+        Model::Convolutions(net) => return conv_training::<B>(training, net, config),
+    };
     match reads {
         Reads::Matmul => observed_training(
             training,
@@ -77,25 +101,37 @@ fn on_backend<B: Backend>(
     if let Some(args) = worker::<BackendRun>() {
         return report(&train::<B>(&args));
     }
-    for (reads, processes, grad_accum, precision) in [
-        (Reads::Linear, 2, 1, None),
-        (Reads::Linear, 2, 2, None),
-        (Reads::Linear, 3, 1, None),
-        (Reads::Linear, 2, 1, Some(half)),
-        (Reads::Linear, 3, 2, Some(half)),
-        (Reads::Matmul, 2, 1, None),
-        (Reads::Matmul, 2, 2, Some(half)),
-        (Reads::Matmul, 3, 1, Some(half)),
+    let (linear, matmul) = (Model::Layers(Reads::Linear), Model::Layers(Reads::Matmul));
+    // Under autocast the other net's convolutions run on Burn's convolution node on the half
+    // operands (on Flex, its `Conv1d` runs on the crate's half convolution, which holds the
+    // same bound).
+    let (convolutions, half_convolutions) = (
+        Model::Convolutions(Net::Conv),
+        Model::Convolutions(Net::OtherConv { kept_f32: false }),
+    );
+    for (model, processes, grad_accum, precision) in [
+        (linear, 2, 1, None),
+        (linear, 2, 2, None),
+        (linear, 3, 1, None),
+        (linear, 2, 1, Some(half)),
+        (linear, 3, 2, Some(half)),
+        (matmul, 2, 1, None),
+        (matmul, 2, 2, Some(half)),
+        (matmul, 3, 1, Some(half)),
+        (convolutions, 2, 2, None),
+        (convolutions, 3, 1, None),
+        (half_convolutions, 2, 1, Some(half)),
+        (half_convolutions, 3, 2, Some(half)),
     ] {
         // Halves under autocast (the reductions stay f32).
         let width = if precision.is_some() { 2 } else { 4 };
-        let expected = Stage3Expected::new(reads.layers(width), processes);
+        let expected = Stage3Expected::new(model.layers(width), processes);
         let training = Training::sharded(precision, grad_accum, 3);
         let checks = (Peak::Bound, agreement);
         stage_3_against_stage_2::<_, ()>(test, &expected, training, checks, |training| {
             BackendRun {
                 training,
-                reads,
+                model,
                 half_path,
             }
         });

@@ -151,7 +151,7 @@ impl<B: Backend> OtherConvNet<B> {
 
 /// Which net a test trains, on `images`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-enum Net {
+pub(super) enum Net {
     /// `ConvNet`, without autocast.
     Conv,
     /// `HalfConvNet`, under bf16/f16 autocast.
@@ -163,7 +163,7 @@ enum Net {
 
 impl Net {
     /// The net's parameters under its test's autocast.
-    fn layers(self) -> Vec<Vec<Gathered>> {
+    pub(super) fn layers(self) -> Vec<Vec<Gathered>> {
         match self {
             // Gathered in f32; every weight but the first layer's (whose input is the data)
             // again in backward for its input's gradient.
@@ -202,11 +202,21 @@ struct ConvRun {
 }
 
 fn conv_worker(args: &ConvRun) -> Stage3Report {
-    let device = Default::default();
     // The nets are tiny: under autocast every op it lowers is cast.
     let config = AccelerateConfig::new().with_small_ops(Some(SmallOps::Cast));
-    let (training, inputs) = (args.training, images::<TrainingBackend>);
-    match args.net {
+    conv_training::<Flex>(args.training, args.net, config)
+}
+
+/// `net` trained on `Accelerated<Autodiff<B>>` as `training` says (`config` for the rest),
+/// observed by `observed_training`.
+pub(super) fn conv_training<B: Backend>(
+    training: Training,
+    net: Net,
+    config: AccelerateConfig,
+) -> Stage3Report {
+    let device = Default::default();
+    let inputs = images::<Accelerated<Autodiff<B>>>;
+    match net {
         Net::Conv => {
             let forward = |model: &ConvNet<_>, x| model.logits(x);
             observed_training(training, config, ConvNet::new(&device), inputs, forward, ())
