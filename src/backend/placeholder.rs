@@ -929,12 +929,18 @@ fn autocast_linear<B: Backend>(
     // Where the plan casts the f32 parameters to the half type and `lowered::linear` runs
     // `B::linear` on the half operands (a backend without the crate's half kernels, or the
     // backend's own half path chosen): the parameters gathered in the half type, the owner
-    // casting with autocast's cast, for Burn's node on them.
+    // casting with autocast's cast, for Burn's node on them. Where `lowered::linear` would
+    // run the crate's kernels instead (a bias that is no parameter, which the kernels' path
+    // above leaves to the op's own path), the op's own path, for the kernels' bits.
     let half_input = target.filter(|t| x.dtype() == DType::from(*t));
     let f32_params =
         weight.dtype() == DType::F32 && bias.as_ref().is_none_or(|b| b.dtype() == DType::F32);
+    let kernels_run = x.shape().num_dims() >= 2
+        && weight.shape().num_dims() == 2
+        && super::lowered::chosen::<B>().is_some();
     if let Some(dtype) = half_input
         && f32_params
+        && !kernels_run
     {
         // A bias that is no parameter is cast by the plan, as the op's own path casts it.
         let bias = match bias_shard {
