@@ -7,4 +7,4 @@ cd "$(dirname "$0")/.."
 source scripts/tch-env.sh
 cargo test --features tch --test tch "$@"
 # ZeRO stage 3's per-layer bound on LibTorch, on real processes (tests/processes/stage3_backends.rs).
-cargo test --features tch --test processes stage3_backends::stage_3_holds_one_linear_layers_gathered_parameters_at_a_time_on_libtorch
+cargo test --features tch --test processes stage3_backends::stage_3_holds_one_layers_gathered_parameters_at_a_time_on_libtorch

@@ -4,8 +4,9 @@
 //! backend feature, and Flex under `HalfPath::Own` (where autocast runs Flex's own half
 //! `linear` and `matmul`, not the crate's kernels). On each,
 //! `Layered`'s `Linear` layers, the same widths as bare matrices read by `matmul`, and
-//! `stage3_conv`'s nets of convolutions (`Conv2d`, `ConvTranspose2d`, `Conv1d`, `Conv3d`), on
-//! 2 and 3 real processes, windows of 1 and 2, in f32 and under the half autocast the backend
+//! `stage3_conv`'s nets of convolutions (`Conv2d`, `ConvTranspose2d`, `Conv1d`, `Conv3d`) and
+//! `stage3_norm`'s linear layers with `LayerNorm`s or `RmsNorm`s between them, on 2 and 3
+//! real processes, windows of 1 and 2, in f32 and under the half autocast the backend
 //! runs (f16 on lavapipe, bf16 on LibTorch's CPU and on CUDA), hold one layer's gathered
 //! parameters at a time (the peak equals the largest layer
 //! a process does not own, in the gather dtype, on every batch), leave nothing gathered after
@@ -26,6 +27,7 @@ use serde::{Deserialize, Serialize};
 
 use super::harness::{report, worker};
 use super::stage3_conv::{Net, conv_training};
+use super::stage3_norm::{NormKind, Normed, normed_layers};
 use super::{
     Agreement, Gathered, Layered, Mixed, Peak, Reads, Stage3Expected, Stage3Report, Training,
     observed_training, samples, stage_3_against_stage_2,
@@ -38,6 +40,8 @@ enum Model {
     Layers(Reads),
     /// One of `stage3_conv`'s nets.
     Convolutions(Net),
+    /// `stage3_norm`'s linear layers with norms of this kind between them.
+    Norms(NormKind),
 }
 
 impl Model {
@@ -46,6 +50,7 @@ impl Model {
         match self {
             Model::Layers(reads) => reads.layers(width),
             Model::Convolutions(net) => net.layers(),
+            Model::Norms(kind) => normed_layers(kind, width),
         }
     }
 }
@@ -69,6 +74,11 @@ fn train<B: Backend>(args: &BackendRun) -> Stage3Report {
     let reads = match args.model {
         Model::Layers(reads) => reads,
         Model::Convolutions(net) => return conv_training::<B>(training, net, config),
+        Model::Norms(kind) => {
+            let model = Normed::<Accelerated<Autodiff<B>>>::new(kind, &device);
+            let forward = |model: &Normed<_>, x| model.logits(x, false);
+            return observed_training(training, config, model, samples, forward, ());
+        }
     };
     match reads {
         Reads::Matmul => observed_training(
@@ -122,6 +132,10 @@ fn on_backend<B: Backend>(
         (convolutions, 3, 1, None),
         (half_convolutions, 2, 1, Some(half)),
         (half_convolutions, 3, 2, Some(half)),
+        (Model::Norms(NormKind::Layer), 2, 2, None),
+        (Model::Norms(NormKind::Rms), 3, 1, None),
+        (Model::Norms(NormKind::Layer), 3, 1, Some(half)),
+        (Model::Norms(NormKind::Rms), 2, 2, Some(half)),
     ] {
         // Halves under autocast (the reductions stay f32).
         let width = if precision.is_some() { 2 } else { 4 };
@@ -139,9 +153,9 @@ fn on_backend<B: Backend>(
 }
 
 #[test]
-fn stage_3_holds_one_linear_layers_gathered_parameters_at_a_time_on_flex_s_own_half_ops() {
+fn stage_3_holds_one_layers_gathered_parameters_at_a_time_on_flex_s_own_half_ops() {
     on_backend::<burn::backend::Flex>(
-        "stage3_backends::stage_3_holds_one_linear_layers_gathered_parameters_at_a_time_on_flex_s_own_half_ops",
+        "stage3_backends::stage_3_holds_one_layers_gathered_parameters_at_a_time_on_flex_s_own_half_ops",
         Precision::Bf16,
         Some(HalfPath::Own),
         Agreement::Bits,
@@ -150,9 +164,9 @@ fn stage_3_holds_one_linear_layers_gathered_parameters_at_a_time_on_flex_s_own_h
 
 #[cfg(feature = "wgpu")]
 #[test]
-fn stage_3_holds_one_linear_layers_gathered_parameters_at_a_time_on_wgpu() {
+fn stage_3_holds_one_layers_gathered_parameters_at_a_time_on_wgpu() {
     on_backend::<burn::backend::Wgpu>(
-        "stage3_backends::stage_3_holds_one_linear_layers_gathered_parameters_at_a_time_on_wgpu",
+        "stage3_backends::stage_3_holds_one_layers_gathered_parameters_at_a_time_on_wgpu",
         Precision::F16,
         None,
         Agreement::Within(1e-5),
@@ -161,9 +175,9 @@ fn stage_3_holds_one_linear_layers_gathered_parameters_at_a_time_on_wgpu() {
 
 #[cfg(feature = "tch")]
 #[test]
-fn stage_3_holds_one_linear_layers_gathered_parameters_at_a_time_on_libtorch() {
+fn stage_3_holds_one_layers_gathered_parameters_at_a_time_on_libtorch() {
     on_backend::<burn::backend::LibTorch>(
-        "stage3_backends::stage_3_holds_one_linear_layers_gathered_parameters_at_a_time_on_libtorch",
+        "stage3_backends::stage_3_holds_one_layers_gathered_parameters_at_a_time_on_libtorch",
         Precision::Bf16,
         None,
         Agreement::Within(1e-5),
@@ -173,14 +187,14 @@ fn stage_3_holds_one_linear_layers_gathered_parameters_at_a_time_on_libtorch() {
 #[cfg(feature = "cuda")]
 #[test]
 #[ignore = "needs a CUDA device: run with --ignored where `nvidia-smi` lists one"]
-fn stage_3_holds_one_linear_layers_gathered_parameters_at_a_time_on_cuda() {
+fn stage_3_holds_one_layers_gathered_parameters_at_a_time_on_cuda() {
     use burn::backend::Cuda;
     use burn::backend::cuda::CudaDevice;
     if burn_accelerate::capability::device_count::<Cuda>(&CudaDevice::default()) == 0 {
         super::needs::missing("a CUDA device (no NVIDIA driver or no GPU on this machine)");
     }
     on_backend::<Cuda>(
-        "stage3_backends::stage_3_holds_one_linear_layers_gathered_parameters_at_a_time_on_cuda",
+        "stage3_backends::stage_3_holds_one_layers_gathered_parameters_at_a_time_on_cuda",
         Precision::Bf16,
         None,
         Agreement::Within(1e-5),
