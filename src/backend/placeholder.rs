@@ -656,6 +656,24 @@ fn anchored<B: Backend>(
     anchor
 }
 
+// A layer's weight and bias (where it is a registered parameter) through their anchors,
+// which sit just above the layer's input `x`, so that they run right after the layer's
+// backward (`linear`, the convolutions).
+fn anchors<B: Backend>(
+    x: &FloatTensor<B>,
+    weight: FloatTensor<B>,
+    bias: Option<FloatTensor<B>>,
+    weight_shard: &Arc<dyn Shard>,
+    bias_shard: &Option<Arc<dyn Shard>>,
+) -> (FloatTensor<B>, Option<FloatTensor<B>>) {
+    let weight = anchored::<B>(weight, Some(x), weight_shard.clone());
+    let bias = match (bias, bias_shard) {
+        (Some(bias), Some(shard)) => Some(anchored::<B>(bias, Some(x), shard.clone())),
+        (bias, _) => bias,
+    };
+    (weight, bias)
+}
+
 /// [`resolve`] of an optional input.
 pub(crate) fn resolve_opt<B: Backend>(tensor: Option<FloatTensor<B>>) -> Option<FloatTensor<B>> {
     tensor.map(resolve::<B>)
@@ -738,11 +756,7 @@ pub(crate) fn linear<B: Backend>(
         return Err((x, weight, bias));
     };
     let bias_shard = bias.as_ref().and_then(shard_of::<B>);
-    let weight = anchored::<B>(weight, Some(&x), weight_shard.clone());
-    let bias = match (bias, &bias_shard) {
-        (Some(bias), Some(shard)) => Some(anchored::<B>(bias, Some(&x), shard.clone())),
-        (bias, _) => bias,
-    };
+    let (weight, bias) = anchors::<B>(&x, weight, bias, &weight_shard, &bias_shard);
     Ok((tracked.linear)(
         x,
         weight,
@@ -900,11 +914,7 @@ fn autocast_linear<B: Backend>(
         };
     // The bounded linear on the parameters' anchors, gathered in `half` where given.
     let bounded = |x: FloatTensor<B>, weight, bias: Option<FloatTensor<B>>, half| {
-        let weight = anchored::<B>(weight, Some(&x), weight_shard.clone());
-        let bias = match (bias, &bias_shard) {
-            (Some(bias), Some(shard)) => Some(anchored::<B>(bias, Some(&x), shard.clone())),
-            (bias, _) => bias,
-        };
+        let (weight, bias) = anchors::<B>(&x, weight, bias, &weight_shard, &bias_shard);
         (tracked.linear)(
             x,
             weight,
@@ -993,11 +1003,7 @@ fn half_kernel_linear<B: Backend>(
         2 => x,
         _ => B::float_reshape(x, [rows, features].into()),
     };
-    let weight = anchored::<B>(weight, Some(&x), weight_shard.clone());
-    let bias = match (bias, bias_shard) {
-        (Some(bias), Some(shard)) => Some(anchored::<B>(bias, Some(&x), shard.clone())),
-        (bias, _) => bias,
-    };
+    let (weight, bias) = anchors::<B>(&x, weight, bias, weight_shard, bias_shard);
     let mut out_shape = shape.clone();
     out_shape[dims - 1] = weight.shape()[1];
     let product = half_linear(
@@ -1017,9 +1023,9 @@ fn half_kernel_linear<B: Backend>(
 
 /// `matmul(lhs, rhs)` with the per-op bound, where it applies: an operand is a registered
 /// parameter, and autocast lowers nothing and the operands share a dtype, or bf16/f16
-/// autocast runs the product on the crate's half kernel or reads the parameters in f32 (on
-/// `Autodiff<Flex>`), or fp8 autocast rounds them. Otherwise the inputs back, for the op's
-/// usual path.
+/// autocast runs the product in the half type (the parameters gathered in it: on the crate's
+/// half kernel, or by the backend's own `float_matmul`) or reads the parameters in f32, or
+/// fp8 autocast rounds them. Otherwise the inputs back, for the op's usual path.
 pub(crate) fn float_matmul<B: Backend>(
     lhs: FloatTensor<B>,
     rhs: FloatTensor<B>,

@@ -37,7 +37,7 @@ use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, DType, FloatDType, TensorMetadata};
 
 use super::{
-    Half, Shard, Weight, anchored, count_dropped, gather_in, resolve, resolve_opt, shard_of,
+    Half, Shard, Weight, anchors, count_dropped, gather_in, resolve, resolve_opt, shard_of,
     to_param,
 };
 use crate::autocast::{CastInput, CastPlan, InputRounding, Op};
@@ -324,23 +324,6 @@ fn dispatch<B: Backend, K: Convolution>(
         options,
         Reads::AsIs,
     ))
-}
-
-// As `linear`'s: the anchors sit just above the input, so that they run right after the
-// convolution's backward.
-fn anchors<B: Backend>(
-    x: &FloatTensor<B>,
-    weight: FloatTensor<B>,
-    bias: Option<FloatTensor<B>>,
-    weight_shard: &Arc<dyn Shard>,
-    bias_shard: &Option<Arc<dyn Shard>>,
-) -> (FloatTensor<B>, Option<FloatTensor<B>>) {
-    let weight = anchored::<B>(weight, Some(x), weight_shard.clone());
-    let bias = match (bias, bias_shard) {
-        (Some(bias), Some(shard)) => Some(anchored::<B>(bias, Some(x), shard.clone())),
-        (bias, _) => bias,
-    };
-    (weight, bias)
 }
 
 // Under autocast: the op's own path (`crate::backend::forward`'s: the cast plan, decided

@@ -35,7 +35,7 @@ use burn_backend::{Backend, DType, FloatDType, Shape, TensorMetadata};
 use crate::autocast::{CastInput, CastPlan, InputRounding, Op};
 
 use super::{
-    Shard, WithOptionalThird, anchored, anchored_operands, count_dropped, counted, gather, resolve,
+    Shard, WithOptionalThird, anchored_operands, anchors, count_dropped, counted, gather, resolve,
     resolve_opt, shard_of, up_to_three,
 };
 
@@ -106,11 +106,7 @@ pub(super) fn autocast_linear<B: Backend>(
         && bias.is_none() == bias_shard.is_none()
         && let Some(rounding) = plan.fp8_rounding(1)
     {
-        let weight = anchored::<B>(weight, Some(&x), weight_shard.clone());
-        let bias = match (bias, &bias_shard) {
-            (Some(bias), Some(shard)) => Some(anchored::<B>(bias, Some(&x), shard.clone())),
-            (bias, _) => bias,
-        };
+        let (weight, bias) = anchors::<B>(&x, weight, bias, &weight_shard, &bias_shard);
         return hook(x, weight, bias, weight_shard, bias_shard, rounding);
     }
     let weight = plan.cast_at::<B>(1, resolve::<B>(weight));
