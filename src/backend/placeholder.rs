@@ -1031,11 +1031,10 @@ pub(crate) fn float_matmul<B: Backend>(
     rhs: FloatTensor<B>,
 ) -> Result<FloatTensor<B>, (FloatTensor<B>, FloatTensor<B>)> {
     let (lhs_shard, rhs_shard) = (shard_of::<B>(&lhs), shard_of::<B>(&rhs));
-    // The op's own path co-locates the operands first.
-    let one_device = B::float_device(&lhs) == B::float_device(&rhs);
     if (lhs_shard.is_some() || rhs_shard.is_some())
         && let Some(crate::Precision::Bf16 | crate::Precision::F16) = crate::autocast::current()
-        && one_device
+        // The op's own path co-locates the operands first.
+        && B::float_device(&lhs) == B::float_device(&rhs)
         && let Some(tracked) = tracked::<B>()
     {
         return Ok(autocast_matmul::<B>(
