@@ -34,4 +34,4 @@ pub use optimizer_record::{ParamStateRecord, consolidate_state, keep_own_state};
 pub(crate) use optimizer_record::{keyed_by_id, keyed_by_place};
 pub(crate) use sharded::shards;
 pub use sharded::{Partition, keep_own, reduce_scatter_gradients, share_parameters};
-pub use sharding::{ZeroStage, partition};
+pub use sharding::{ZeroStage, partition, slice_len, slice_range};

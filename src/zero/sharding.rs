@@ -105,6 +105,37 @@ pub fn partition(sizes: &[usize], processes: usize) -> Vec<usize> {
     owners
 }
 
+/// How many values each process holds of a parameter of `values` values sliced over
+/// `processes` processes at ZeRO stage 3 (FSDP's flat slice): the parameter flattened, padded
+/// with zeros to a multiple of `processes`, and cut into equal slices, so that every slice's
+/// collective moves the same number of values (a parameter of fewer values than processes
+/// still has a slice of one on every process).
+///
+/// ```
+/// use burn_accelerate::zero::slice_len;
+/// assert_eq!(slice_len(10, 4), 3); // 12 values with the padding, 3 a process
+/// assert_eq!(slice_len(2, 4), 1);
+/// assert_eq!(slice_len(0, 4), 0);
+/// ```
+pub fn slice_len(values: usize, processes: usize) -> usize {
+    values.div_ceil(processes.max(1))
+}
+
+/// Which of the parameter's flat values process `rank`'s slice holds ([`slice_len`]); the
+/// rest of the slice, up to its length, is padding.
+///
+/// ```
+/// use burn_accelerate::zero::slice_range;
+/// assert_eq!(slice_range(10, 4, 0), 0..3);
+/// assert_eq!(slice_range(10, 4, 3), 9..10); // and two values of padding
+/// assert_eq!(slice_range(2, 4, 3), 2..2); // padding only
+/// ```
+pub fn slice_range(values: usize, processes: usize, rank: usize) -> std::ops::Range<usize> {
+    let len = slice_len(values, processes);
+    let start = (rank * len).min(values);
+    start..((rank + 1) * len).min(values)
+}
+
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
@@ -129,6 +160,26 @@ mod tests {
         assert_eq!(partition(&[3, 7], 4), [1, 0]);
         // Equal sizes go round the processes in visiting order.
         assert_eq!(partition(&[1, 1, 1, 1], 2), [0, 1, 0, 1]);
+    }
+
+    proptest! {
+        #[test]
+        fn slices_cover_every_value_once_in_order(
+            values in 0usize..10_000,
+            processes in 1usize..9,
+        ) {
+            let len = slice_len(values, processes);
+            prop_assert!(len * processes >= values);
+            prop_assert!(len * processes < values + processes);
+            let mut next = 0;
+            for rank in 0..processes {
+                let range = slice_range(values, processes, rank);
+                prop_assert_eq!(range.start, next);
+                prop_assert!(range.len() <= len);
+                next = range.end;
+            }
+            prop_assert_eq!(next, values);
+        }
     }
 
     proptest! {
