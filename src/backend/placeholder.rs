@@ -143,23 +143,25 @@ pub(crate) use conv::{
 pub(crate) use norm::layer_norm;
 pub(crate) use view::{float_mul, float_reshape};
 
-/// Where a registered parameter's whole value comes from: one collective per use.
+/// Where a registered parameter's whole value comes from: one collective per use. Every
+/// process holds a slice of the parameter (ZeRO stage 3's 1/N, FSDP's flat slice) and a
+/// placeholder of its full shape; each use gathers the slices.
 pub trait Shard: Send + Sync + 'static {
-    /// Whether this process owns the parameter (holds its value, and sends it).
-    fn is_owned(&self) -> bool;
-
-    /// The parameter's whole bytes, on every process: the owner passes its own (`Some`), the
-    /// others `None`. Every process must call it at the same use. A failure (processes that
+    /// The parameter's whole bytes in `dtype` (its own, or the half type an op runs in under
+    /// autocast: each process casts its slice, FSDP's `param_dtype`), in logical order, on
+    /// every process. Every process must call it at the same use. A failure (processes that
     /// read different parameters, a lost peer) panics with what to change: it runs inside an
     /// op, which has no error channel.
-    fn gather(&self, own: Option<Vec<u8>>) -> Vec<u8>;
+    fn gather(&self, dtype: DType) -> Vec<u8>;
 
-    /// The mean over the processes of the parameter's gradient (`grad`: this process's, f32
-    /// bytes in logical order), on its owner (`Some`); `None` on the others, which keep
-    /// nothing of it. Every process must call it at the same point of the same backward
-    /// pass; the per-value sums run in the order ZeRO stage 2's reduce-scatter sums the
-    /// owner's block. Panics as [`gather`](Self::gather) does.
-    fn reduce(&self, grad: Vec<u8>) -> Option<Vec<u8>>;
+    /// This process's slice of the mean over the processes of the parameter's gradient
+    /// (`grad`: this process's whole gradient, f32 bytes in logical order), as f32 bytes of
+    /// the slice's length (its padding's values zero). Every process must call it at the
+    /// same point of the same backward pass. Panics as [`gather`](Self::gather) does.
+    fn reduce(&self, grad: Vec<u8>) -> Vec<u8>;
+
+    /// The shard as [`Any`], for the owner of the slice (ZeRO stage 3) to read it back.
+    fn as_any(&self) -> &dyn Any;
 }
 
 /// The gathered parameters' bytes that are whole right now on this process, and the most
@@ -195,9 +197,13 @@ struct Registry {
     window: BTreeMap<u64, Box<dyn Any + Send>>,
     bytes: GatheredBytes,
     // The thread on which a checkpoint's record reads released parameters: there their
-    // initializer gives the value held (the owner's own, a placeholder elsewhere) instead of
-    // gathering it on every process (`zero::gather_model_record` sends it to the root itself).
+    // initializer gives a placeholder instead of gathering it on every process
+    // (`zero::gather_model_record` sends each slice to the root itself).
     reading_held: Option<ThreadId>,
+    // Each released parameter's shard (this process's slice of it), by the parameter's id:
+    // what the step, the release and a checkpoint read of it without a collective. Replaced
+    // at each release, kept from the step's `forget_all` to the release.
+    slices: BTreeMap<u64, Arc<dyn Shard>>,
 }
 
 // The registry, and how many tensors it holds: every op of the decorator asks, and outside
@@ -217,6 +223,7 @@ static PLACEHOLDERS: Placeholders = Placeholders {
         window: BTreeMap::new(),
         bytes: GatheredBytes { alive: 0, peak: 0 },
         reading_held: None,
+        slices: BTreeMap::new(),
     }),
 };
 
@@ -441,6 +448,17 @@ pub(crate) fn unregister_tensor<B: Backend>(tensor: &FloatTensor<B>) {
     }
 }
 
+/// Keeps `slices` (each released parameter's shard, by the parameter's id) as the released
+/// parameters' shards, instead of the last release's.
+pub(crate) fn keep_slices(slices: BTreeMap<u64, Arc<dyn Shard>>) {
+    registry(|r| r.slices = slices);
+}
+
+/// The shard of the released parameter of id `param` (by [`keep_slices`]), if any.
+pub(crate) fn slice_shard(param: u64) -> Option<Arc<dyn Shard>> {
+    registry(|r| r.slices.get(&param).cloned())
+}
+
 /// Forgets every registered tensor (stage 3 releases its model's parameters), and the
 /// gathered bytes the ops without a bound left whole (counted until the step).
 pub(crate) fn forget_all() {
@@ -483,13 +501,8 @@ fn bytes_of<B: Backend>(tensor: FloatTensor<B>) -> Vec<u8> {
 }
 
 // One use's gather of the parameter `tensor` stands for, as a tensor of `B` beside it (same
-// shape, dtype, device): the owner's own value, the others' received. Counted as whole until
-// `count_dropped` (the owner's is not counted).
+// shape, dtype, device), counted as whole until `count_dropped`.
 fn gather<B: Backend>(shard: &dyn Shard, tensor: &FloatTensor<B>) -> FloatTensor<B> {
-    if shard.is_owned() {
-        shard.gather(Some(bytes_of::<B>(tensor.clone())));
-        return tensor.clone();
-    }
     received::<B>(
         shard,
         tensor.shape(),
@@ -499,15 +512,15 @@ fn gather<B: Backend>(shard: &dyn Shard, tensor: &FloatTensor<B>) -> FloatTensor
     .0
 }
 
-// A gather's value on a process that does not own the parameter: `shape` in `dtype` from its
-// owner, counted as whole until `count_dropped`; with the bytes counted.
+// A gather's value: `shape` in `dtype` from every process's slice, counted as whole until
+// `count_dropped`; with the bytes counted.
 fn received<B: Backend>(
     shard: &dyn Shard,
     shape: Shape,
     dtype: DType,
     device: &B::Device,
 ) -> (FloatTensor<B>, u64) {
-    let bytes = shard.gather(None);
+    let bytes = shard.gather(dtype);
     let expected = shape.num_elements() * dtype.size();
     assert_eq!(
         bytes.len(),
@@ -548,33 +561,20 @@ fn anchored_operands<B: Backend>(
 }
 
 // The bytes one use's gather counted.
-fn counted<T: TensorMetadata>(shard: &dyn Shard, tensor: &T) -> u64 {
-    if shard.is_owned() {
-        0
-    } else {
-        (tensor.shape().num_elements() * tensor.dtype().size()) as u64
-    }
+fn counted<T: TensorMetadata>(tensor: &T) -> u64 {
+    (tensor.shape().num_elements() * tensor.dtype().size()) as u64
 }
 
-// One use's gather of the parameter `tensor` stands for, in `dtype` where given (the owner
-// casts its value with autocast's cast and sends those bits: what autocast's cast of the
-// gathered value gives on every process), else as it is. With the bytes counted.
+// One use's gather of the parameter `tensor` stands for, in `dtype` where given (each process
+// casts its slice with autocast's cast: what autocast's cast of the gathered value gives, an
+// elementwise rounding of the same values), else as it is. With the bytes counted.
 fn gather_in<B: Backend>(
     shard: &dyn Shard,
     tensor: &FloatTensor<B>,
     dtype: Option<FloatDType>,
 ) -> (FloatTensor<B>, u64) {
-    let Some(dtype) = dtype else {
-        let bytes = counted(shard, tensor);
-        return (gather::<B>(shard, tensor), bytes);
-    };
-    if shard.is_owned() {
-        let halves = crate::cpu::table::cast::<B>(tensor.clone(), dtype);
-        shard.gather(Some(bytes_of::<B>(halves.clone())));
-        return (halves, 0);
-    }
-    let device = B::float_device(tensor);
-    received::<B>(shard, tensor.shape(), DType::from(dtype), &device)
+    let dtype = dtype.map_or(tensor.dtype(), DType::from);
+    received::<B>(shard, tensor.shape(), dtype, &B::float_device(tensor))
 }
 
 // The half type a node's parameters were gathered in under autocast, and whether its bias is
@@ -604,12 +604,8 @@ pub(crate) fn resolve<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
     };
     let gathered = gather::<B>(shard.as_ref(), &tensor);
     let anchor = anchored::<B>(tensor, None, shard.clone());
-    if shard.is_owned() {
-        anchor
-    } else {
-        // Whole until the step: the graph may keep the sum. Not counted as dropped.
-        B::float_add(anchor, gathered)
-    }
+    // Whole until the step: the graph may keep the sum. Not counted as dropped.
+    B::float_add(anchor, gathered)
 }
 
 /// [`resolve`] for a read that builds no graph (`into_data`, `AutodiffBackend::inner`): the
@@ -619,11 +615,7 @@ pub(crate) fn resolve_read<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B>
         return tensor;
     };
     let gathered = gather::<B>(shard.as_ref(), &tensor);
-    if shard.is_owned() {
-        gathered
-    } else {
-        B::float_add(tensor, gathered)
-    }
+    B::float_add(tensor, gathered)
 }
 
 // The parameter `leaf` through this pass's anchor (made at its first use, `input` an input of
@@ -1401,13 +1393,11 @@ fn anchor_backward<B: Backend, C: CheckpointStrategy>(
             Some(earlier) => B::float_add(earlier, grad),
             None => grad,
         };
-        reduce_to_owner::<B>(state.shard.as_ref(), grad)
+        reduce_to_slice::<B>(state.shard.as_ref(), grad)
     } else {
-        Some(grad)
+        grad
     };
-    if let Some(grad) = grad {
-        grads.register::<B>(leaf, grad);
-    }
+    grads.register::<B>(leaf, grad);
 }
 
 // The window's earlier passes' sum for the parameter of node `leaf`, if any.
@@ -1420,26 +1410,36 @@ fn take_window<B: Backend>(leaf: u64) -> Option<FloatTensor<B>> {
     )
 }
 
-/// The mean over the processes of `grad` (this process's gradient of the parameter `shard`
-/// gathers), on the parameter's owner, in `grad`'s shape and dtype (reduced in f32, as ZeRO
-/// stage 2 reduces); `None` on the other processes.
-pub(crate) fn reduce_to_owner<B: Backend>(
+/// This process's slice of the mean over the processes of `grad` (this process's whole
+/// gradient of the parameter `shard` gathers), reduced in f32 (as ZeRO stage 2 reduces) and
+/// cast back to `grad`'s dtype, shaped `[1, .., 1, slice]` in `grad`'s rank: the gradient of
+/// the slice the optimizer steps.
+pub(crate) fn reduce_to_slice<B: Backend>(
     shard: &dyn Shard,
     grad: FloatTensor<B>,
-) -> Option<FloatTensor<B>> {
-    let (shape, dtype, device) = (grad.shape(), grad.dtype(), B::float_device(&grad));
+) -> FloatTensor<B> {
+    let (rank, dtype, device) = (grad.shape().num_dims(), grad.dtype(), B::float_device(&grad));
     let grad = if dtype == DType::F32 {
         grad
     } else {
         B::float_cast(grad, FloatDType::F32)
     };
-    let mean = shard.reduce(bytes_of::<B>(grad))?;
+    let mean = shard.reduce(bytes_of::<B>(grad));
+    let shape = slice_shape(rank, mean.len() / DType::F32.size());
     let mean = B::float_from_data(TensorData::from_bytes_vec(mean, shape, DType::F32), &device);
-    Some(if dtype == DType::F32 {
+    if dtype == DType::F32 {
         mean
     } else {
         B::float_cast(mean, FloatDType::from(dtype))
-    })
+    }
+}
+
+/// The shape a slice of `len` values takes in a parameter's rank `rank`: `[1, .., 1, len]`
+/// (what the optimizer steps and keeps state for at ZeRO stage 3).
+pub(crate) fn slice_shape(rank: usize, len: usize) -> Shape {
+    let mut dims = vec![1; rank.max(1)];
+    *dims.last_mut().expect("one dimension at least") = len;
+    Shape::from(dims)
 }
 
 /// The node id of `tensor` and the shard it is registered with, if it is a registered
@@ -1629,7 +1629,7 @@ fn bounded_embedding<B: Backend, C: CheckpointStrategy>(
     indices: IntTensor<Autodiff<B, C>>,
     shard: Arc<dyn Shard>,
 ) -> FloatTensor<Autodiff<B, C>> {
-    let bytes = counted(shard.as_ref(), &weights.primitive);
+    let bytes = counted(&weights.primitive);
     let whole = gather::<B>(shard.as_ref(), &weights.primitive);
     let output = B::embedding(whole, indices.clone());
     count_dropped(bytes);

@@ -304,7 +304,8 @@ mod tests {
             .iter()
             .enumerate()
             .map(|(rank, name)| {
-                let record = crate::zero::own_model_record::<A, _>(model, &partition, rank);
+                let record =
+                    crate::zero::own_model_record::<A, _>(model, &partition, rank, None).unwrap();
                 (name.clone(), records::encode::<A, _>(record, name).unwrap())
             })
             .collect();

@@ -319,7 +319,9 @@ where
 {
     let (rank, world) = (group.rank(), group.world_size());
     let partition = Partition::of::<B, M>(model, world);
-    let written = match write_own::<B, M, R>(dir, number, model, optimizer, &partition, rank, world)
+    // The parameters each process writes, gathered to it where they are released (stage 3).
+    let model_record = zero::own_model_record::<B, M>(model, &partition, rank, Some(group))?;
+    let written = match write_own::<B, M, R>(dir, number, model, model_record, optimizer, rank, world)
     {
         Ok(files) => Written::Files(files),
         Err(err) => Written::Failed(format!("process {rank}: {err}")),
@@ -362,8 +364,8 @@ fn write_own<B, M, R>(
     dir: &CheckpointDir,
     number: usize,
     model: &M,
+    model_record: M::Record,
     optimizer: R,
-    partition: &Partition,
     rank: usize,
     world: usize,
 ) -> Result<Vec<FileDigest>, AccelerateError>
@@ -374,10 +376,7 @@ where
 {
     let model_name = shard_name(Part::Model, number, rank, world);
     let optimizer_name = shard_name(Part::Optimizer, number, rank, world);
-    let model_bytes = records::encode::<B, _>(
-        zero::own_model_record::<B, M>(model, partition, rank),
-        &model_name,
-    )?;
+    let model_bytes = records::encode::<B, _>(model_record, &model_name)?;
     let optimizer_bytes = records::encode::<B, _>(
         zero::keyed_by_place::<B, M, R>(model, optimizer),
         &optimizer_name,
@@ -502,7 +501,7 @@ where
         )
     })?;
     if let Some(group) = group.filter(|_| shards_parameters) {
-        model = zero::release_loaded(group, model, &partition);
+        model = zero::release_loaded(group, model, &partition)?;
     }
     loaded.files.remove(&names.state);
     Ok(Contents {

@@ -411,12 +411,11 @@ impl<B: AutodiffBackend> StepCore<B> {
             // reduce-scattered here and added.
             Some(true) if self.reduced_in_backward => {
                 if !self.unreduced.is_empty() {
-                    self.partition(model);
-                    let (Some(group), Some(partition)) = (&self.group, &self.partition) else {
-                        unreachable!("sharded, so a group and its partition");
+                    let Some(group) = &self.group else {
+                        unreachable!("sharded, so a group");
                     };
                     let mut late = core::mem::take(&mut self.unreduced);
-                    zero::reduce_scatter_gradients::<B, M>(group, model, &mut late, partition)?;
+                    zero::reduce_scatter_slices::<B, M>(group, model, &mut late)?;
                     grads::accumulate::<B, M>(model, &mut self.grads, late);
                 }
             }
@@ -432,7 +431,16 @@ impl<B: AutodiffBackend> StepCore<B> {
                 let (Some(group), Some(partition)) = (&self.group, &self.partition) else {
                     unreachable!("sharded, so a group and its partition");
                 };
-                zero::reduce_scatter_gradients::<B, M>(group, model, &mut self.grads, partition)?;
+                if self.zero_stage.shards_parameters() {
+                    zero::reduce_scatter_slices::<B, M>(group, model, &mut self.grads)?;
+                } else {
+                    zero::reduce_scatter_gradients::<B, M>(
+                        group,
+                        model,
+                        &mut self.grads,
+                        partition,
+                    )?;
+                }
             }
             _ => {
                 if let Some(group) = &self.group {
@@ -563,14 +571,18 @@ impl<B: AutodiffBackend> StepCore<B> {
         if stage.drops_others_gradients() {
             zero::keep_own::<B, M>(&model, &mut grads, partition, group.rank());
         }
-        if stage.shards_parameters() {
-            // The optimizer reads the owner's values (`inner`) on the owner alone: no
+        let model = if stage.shards_parameters() {
+            // The optimizer steps this process's slices, and reads nothing else: no
             // collective from here to the release.
+            let model = zero::to_slices::<B, M>(group, model);
             zero::end_gathers();
-        }
+            model
+        } else {
+            model
+        };
         let (model, lr) = apply(model, grads);
         let model = if stage.shards_parameters() {
-            let model = zero::release_parameters::<B, M>(group, model, partition);
+            let model = zero::release_stepped::<B, M>(group, model);
             self.released = group.world_size() > 1;
             model
         } else {
@@ -601,13 +613,9 @@ impl<B: AutodiffBackend> StepCore<B> {
     // process's partition's released, to be gathered at its next use. Elsewhere the model.
     fn release<M: AutodiffModule<B>>(&mut self, model: M) -> M {
         match self.sharded() {
-            Some((_, stage)) if stage.shards_parameters() => {
-                self.partition(&model);
-                let (Some(group), Some(partition)) = (&self.group, &self.partition) else {
-                    unreachable!("sharded, so a group and its partition");
-                };
-                let model = zero::release_parameters::<B, M>(group, model, partition);
-                self.released = group.world_size() > 1;
+            Some((group, stage)) if stage.shards_parameters() => {
+                let model = zero::release_parameters::<B, M>(group, model);
+                self.released = true;
                 model
             }
             _ => model,

@@ -112,7 +112,15 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
             core.end_pass();
 
             if batch.sync_gradients() {
-                let stepped = core.step(model, |_, grads| {
+                let slices = core
+                    .sharded()
+                    .is_some_and(|(_, stage)| stage.shards_parameters());
+                let stepped = core.step(model, |model, grads| {
+                    if slices {
+                        // The learner's optimizer steps the model it holds: at stage 3, this
+                        // process's slices.
+                        learner.load_model(model.into_record());
+                    }
                     learner.lr_step();
                     learner.optimizer_step(grads);
                     (learner.model(), learner.lr_current())

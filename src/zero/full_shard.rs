@@ -111,123 +111,379 @@
 //! save and load), which a checkpoint's record applies
 //! ([`gather_model_record`](super::gather_model_record)).
 
-use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param};
-use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{DType, Shape, Tensor, TensorData};
-
+use std::any::Any;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
+use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{DType, FloatDType, Shape, Tensor, TensorData, TensorPrimitive};
+
 use crate::backend::placeholder::{self, Shard};
+use crate::distributed::bucket::Inner;
+use crate::distributed::gradients;
 use crate::distributed::{DistributedError, Element, ProcessGroup, ReduceOp};
 
-use super::sharded::Partition;
+use super::sharding::{slice_len, slice_range};
 
-/// Stage 3, after the step: every float parameter of `module` released, to be gathered from
-/// its owner at each use by an op (at its first use, on backends whose ops do not resolve
+/// Stage 3, between steps: every float parameter of `module` released, each process keeping
+/// its slice of it ([`slice_range`]: the parameter flattened, padded to a multiple of the
+/// processes, cut in equal parts, FSDP's `FULL_SHARD`), to be gathered from every process's
+/// slice at each use by an op (at its first use, on backends whose ops do not resolve
 /// placeholders). Each becomes one of Burn's lazy parameters (same id, shape, device,
-/// gradient requirement): the parameters this process owns keep their values (inside their
-/// initializer), the others' values are dropped.
+/// gradient requirement, mappers) whose value is dropped.
 ///
-/// Every process must call it at the same step, with the same partition, and afterwards read
-/// the parameters in the same order (a forward pass, a visit of the whole module): each read
-/// by an op (each first read, on a backend without placeholders) is a collective: the
-/// processes first agree on which parameter they gather, so a read of another parameter (or of one on some processes only, paired with the others' next
-/// gather) panics at once with a [`DistributedError::Mismatch`] naming both parameters; a
-/// read that no other collective ever meets waits until the group's timeout, and panics with
-/// its error.
+/// A parameter's slice comes from its value where the model holds it whole (a model not yet
+/// released, or loaded), and from its shard where it is released already (every process
+/// holds the same whole value, or the same released model).
+///
+/// Every process must call it at the same step, and afterwards read the parameters in the
+/// same order (a forward pass, a visit of the whole module): each read by an op (each first
+/// read, on a backend without placeholders) is a collective: the processes first agree on
+/// which parameter they gather, so a read of another parameter (or of one on some processes
+/// only, paired with the others' next gather) panics at once with a
+/// [`DistributedError::Mismatch`] naming both parameters; a read that no other collective
+/// ever meets waits until the group's timeout, and panics with its error.
 ///
 /// # Memory
 ///
-/// Between steps a process holds its partition's parameters and optimizer state and no
-/// gradients. During a step, on the decorator (`Accelerated<Autodiff<B>>`), a `linear`
-/// layer's gathered parameters are whole for its forward op and its input gradient's op
-/// alone (f32, or bf16/f16 autocast on `Autodiff<Flex>`, gathered in the half type), as are a `matmul` operand's and an embedding's table; other
-/// ops, and other backends, keep a gathered parameter whole until the step. In the backward pass that completes a window (the
-/// [`Accelerator`](crate::Accelerator)'s `backward`, or the user's `loss.backward()` in a
-/// `TrainStep` under `with_accelerate`: both run through the step core), each gradient is reduced to its owner as
-/// soon as it is final and dropped by the others. The notes atop `src/zero/full_shard.rs` say
-/// which ops hold the bound.
+/// Between steps a process holds its slice of every parameter and of their optimizer state,
+/// and no gradients. During a step, on the decorator (`Accelerated<Autodiff<B>>`), a
+/// `linear` layer's gathered parameters are whole for its forward op and its input
+/// gradient's op alone (f32, or bf16/f16 autocast, gathered in the half type), as are a
+/// `matmul` operand's, an embedding's table and the convolutions'; other ops, and other
+/// backends, keep a gathered parameter whole until the step. In the backward pass that
+/// completes a window (the [`Accelerator`](crate::Accelerator)'s `backward`, or the user's
+/// `loss.backward()` in a `TrainStep` under `with_accelerate`: both run through the step
+/// core), each gradient is reduce-scattered as soon as it is final: every process keeps its
+/// slice's mean. The notes atop `src/zero/full_shard.rs` say which ops hold the bound.
 pub fn release_parameters<B: AutodiffBackend, M: AutodiffModule<B>>(
     group: &ProcessGroup,
     module: M,
-    partition: &Partition,
+) -> M {
+    release::<B, M>(group, module, Held::AsReleased)
+}
+
+/// Stage 3, after the optimizer stepped the slices [`to_slices`] gave it: every parameter
+/// released again, each process keeping its stepped slice. Every process must call it at the
+/// same step.
+pub(crate) fn release_stepped<B: AutodiffBackend, M: AutodiffModule<B>>(
+    group: &ProcessGroup,
+    module: M,
+) -> M {
+    release::<B, M>(group, module, Held::Stepped)
+}
+
+/// Stage 3, before the optimizer steps: every parameter of `module` replaced by this
+/// process's slice of it, shaped `[1, .., 1, slice]` in the parameter's rank (Burn's
+/// optimizers are elementwise: they step a slice, and keep its state, as they would the
+/// whole), with the gradient requirement and mappers it had. The gradients the step core
+/// holds then are the slices' ([`reduce_scatter_slices`], or the backward pass's reductions).
+/// No collective: a released parameter's slice is its shard's, a whole one's is cut from it.
+pub(crate) fn to_slices<B: AutodiffBackend, M: AutodiffModule<B>>(
+    group: &ProcessGroup,
+    module: M,
+) -> M {
+    struct ToSlices<'a> {
+        group: &'a ProcessGroup,
+        place: u64,
+        // The slices about to be stepped, as shards: where their parameters' shapes and
+        // places are kept for `release_stepped`.
+        slices: BTreeMap<u64, Arc<dyn Shard>>,
+    }
+    impl<B: AutodiffBackend> ModuleMapper<B> for ToSlices<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let held = HeldParam::<B, D>::read(param, self.group, Held::AsReleased);
+            let shard = held.shard(self.group, self.place);
+            self.place += 1;
+            self.slices.insert(held.id.val(), shard);
+            let value = Tensor::<B, D>::from_inner(held.slice.reshape(slice_dims::<D>(held.len)));
+            let value = value.set_require_grad(held.require_grad);
+            Param::from_mapped_value(held.id, value, held.mappers)
+        }
+    }
+    let reading = placeholder::reading_held();
+    let mut to_slices = ToSlices {
+        group,
+        place: 0,
+        slices: BTreeMap::new(),
+    };
+    let module = module.map(&mut to_slices);
+    drop(reading);
+    placeholder::keep_slices(to_slices.slices);
+    module
+}
+
+// What the parameters of a model to release hold.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Held {
+    // Whole values, or released parameters (placeholders, lazy ones, gathered whole values):
+    // each process's slice is its shard's, or cut from the whole value.
+    AsReleased,
+    // The slices the optimizer stepped ([`to_slices`]), of the shards' shapes.
+    Stepped,
+}
+
+fn release<B: AutodiffBackend, M: AutodiffModule<B>>(
+    group: &ProcessGroup,
+    module: M,
+    held: Held,
 ) -> M {
     struct Release<'a> {
-        group: &'a ProcessGroup,
-        partition: &'a Partition,
-        // The next parameter's place in visiting order.
-        place: u64,
+        held: Held,
+        releasing: Releasing<'a>,
     }
     impl<B: AutodiffBackend> ModuleMapper<B> for Release<'_> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-            let (id, value, mappers) = param.consume();
-            // The value's placeholder (or the owner's own value) is no longer read.
-            placeholder::unregister_tensor::<B>(&value.clone().into_primitive().tensor());
-            let require_grad = value.is_require_grad();
-            let (shape, dtype, device) = (value.shape(), value.dtype(), value.device());
-            let owner = self.partition.owner(id);
-            // The autodiff wrapper is not kept: the next use starts a new leaf, as Burn's
-            // optimizers start one for the values they step.
-            let own = (owner == self.group.rank()).then(|| value.inner());
-            let shard = Arc::new(ReleasedShard {
-                group: self.group.clone(),
-                owner,
-                place: self.place,
-            });
-            self.place += 1;
-            let gathered_shape = shape.clone();
-            let init = move |device: &B::Device, require_grad: bool| {
-                // A checkpoint's record reads the owner's value where it is, and sends it to
-                // the main process alone (`gather_model_record`): no collective here.
-                if placeholder::reads_held_values() {
-                    return held::<B, D>(own.clone(), &gathered_shape, dtype, device);
-                }
-                let placeholders = placeholder::recognised::<B>();
-                let value = if placeholders {
-                    held::<B, D>(own.clone(), &gathered_shape, dtype, device)
-                } else {
-                    shard
-                        .gather_whole::<B, D>(own.as_ref(), &gathered_shape, dtype, device)
-                        .unwrap_or_else(|err| shard.fail(err))
-                };
-                let value = if require_grad {
-                    value.require_grad()
-                } else {
-                    value
-                };
-                if placeholders {
-                    // Registered once its node is final (`require_grad` keeps a leaf's node).
-                    placeholder::register_tensor::<B>(
-                        &value.clone().into_primitive().tensor(),
-                        shard.clone(),
-                    );
-                }
-                value
-            };
-            // The mappers go on with it: a checkpoint's record applies them
-            // (`gather_model_record`).
-            let (load, save) = (mappers.clone(), mappers);
-            Param::uninitialized(id, init, device, require_grad, shape)
-                .load_mapper(move |value| load.on_load(value))
-                .save_mapper(move |value| save.on_save(value))
+            let held = HeldParam::<B, D>::read(param, self.releasing.group, self.held);
+            self.releasing.add(held)
         }
     }
     if group.world_size() == 1 {
         return module;
     }
-    // The step replaced the values the owner registered: none of the last step's is read
-    // again (one stage 3 model per process).
-    placeholder::forget_all();
-    module.map(&mut Release::<'_> {
-        group,
-        partition,
-        place: 0,
-    })
+    // A lazy parameter's read gives a placeholder, with no collective, and registers nothing.
+    let reading = placeholder::reading_held();
+    let mut release = Release {
+        held,
+        releasing: Releasing::start(group),
+    };
+    let module = module.map(&mut release);
+    drop(reading);
+    release.releasing.end();
+    module
 }
 
-/// Whether `module` holds a released parameter as it was read on this process (a placeholder,
-/// or the owner's value registered with its gather, on the decorator): an op that moves or
-/// detaches it would gather it whole.
+/// A model's parameters released one by one, in visiting order (each one's place is what the
+/// processes agree on at its collectives).
+pub(crate) struct Releasing<'a> {
+    group: &'a ProcessGroup,
+    place: u64,
+    slices: BTreeMap<u64, Arc<dyn Shard>>,
+}
+
+impl<'a> Releasing<'a> {
+    pub(crate) fn start(group: &'a ProcessGroup) -> Self {
+        Self {
+            group,
+            place: 0,
+            slices: BTreeMap::new(),
+        }
+    }
+
+    /// The next parameter released, this process keeping `held`'s slice.
+    pub(crate) fn add<B: AutodiffBackend, const D: usize>(
+        &mut self,
+        held: HeldParam<B, D>,
+    ) -> Param<Tensor<B, D>> {
+        let (param, shard) = held.release(self.group, self.place);
+        self.place += 1;
+        self.slices.insert(param.id.val(), shard);
+        param
+    }
+
+    /// The released parameters' shards kept, instead of the last release's; the values the
+    /// last step registered forgotten (none is read again: one stage 3 model per process).
+    pub(crate) fn end(self) {
+        placeholder::forget_all();
+        placeholder::keep_slices(self.slices);
+    }
+}
+
+/// One parameter as this process holds it at stage 3: its slice, and what it takes to
+/// make it a parameter again.
+pub(crate) struct HeldParam<B: AutodiffBackend, const D: usize> {
+    pub(crate) id: ParamId,
+    /// This process's slice, padded to `len` values, in the parameter's dtype.
+    pub(crate) slice: Tensor<Inner<B>, 1>,
+    pub(crate) len: usize,
+    pub(crate) shape: Shape,
+    pub(crate) dtype: DType,
+    pub(crate) device: B::Device,
+    pub(crate) require_grad: bool,
+    pub(crate) mappers: burn::module::ParamMapper<Tensor<B, D>>,
+}
+
+impl<B: AutodiffBackend, const D: usize> HeldParam<B, D> {
+    // `param` read (under `placeholder::reading_held`: a released lazy parameter gives its
+    // placeholder, with no collective) into this process's slice.
+    fn read(param: Param<Tensor<B, D>>, group: &ProcessGroup, held: Held) -> Self {
+        let initialized = param.is_initialized();
+        let (id, value, mappers) = param.consume();
+        let (device, require_grad) = (value.device(), value.is_require_grad());
+        let primitive = value.clone().into_primitive().tensor();
+        let registered = placeholder::registered::<B>(&primitive).is_some();
+        let shard = placeholder::slice_shard(id.val());
+        let shard = shard
+            .as_deref()
+            .and_then(|s| s.as_any().downcast_ref::<FlatShard<Inner<B>>>());
+        match (held, shard) {
+            (Held::Stepped, Some(shard)) => Self {
+                id,
+                slice: value.inner().reshape([shard.len()]),
+                len: shard.len(),
+                shape: shard.shape.clone(),
+                dtype: shard.dtype,
+                device,
+                require_grad,
+                mappers,
+            },
+            (Held::AsReleased, Some(shard)) if registered || !initialized => Self {
+                id,
+                slice: shard.slice.clone(),
+                len: shard.len(),
+                shape: shard.shape.clone(),
+                dtype: shard.dtype,
+                device,
+                require_grad,
+                mappers,
+            },
+            (Held::Stepped, None) => unreachable!(
+                "ZeRO stage 3 stepped a parameter it never released (its slice has no shard)"
+            ),
+            _ => Self::whole(id, value, mappers, group),
+        }
+    }
+
+    /// A released parameter (see [`is_released`]), read under `placeholder::reading_held`:
+    /// its shard's slice, with no collective.
+    pub(crate) fn released(param: Param<Tensor<B, D>>) -> Self {
+        let (id, value, mappers) = param.consume();
+        let shard = placeholder::slice_shard(id.val()).expect("a released parameter's shard");
+        let shard = shard
+            .as_any()
+            .downcast_ref::<FlatShard<Inner<B>>>()
+            .expect("a released parameter's shard is of its backend");
+        Self {
+            id,
+            slice: shard.slice.clone(),
+            len: shard.len(),
+            shape: shard.shape.clone(),
+            dtype: shard.dtype,
+            device: value.device(),
+            require_grad: value.is_require_grad(),
+            mappers,
+        }
+    }
+
+    /// A parameter this process holds whole (`value`, with its gradient requirement): its
+    /// slice cut from it.
+    pub(crate) fn whole(
+        id: ParamId,
+        value: Tensor<B, D>,
+        mappers: burn::module::ParamMapper<Tensor<B, D>>,
+        group: &ProcessGroup,
+    ) -> Self {
+        let (shape, dtype, device) = (value.shape(), value.dtype(), value.device());
+        let require_grad = value.is_require_grad();
+        let (n, rank) = (group.world_size(), group.rank());
+        let len = slice_len(shape.num_elements(), n);
+        Self {
+            id,
+            slice: cut_slice(value.inner().reshape([-1]), len, n, rank),
+            len,
+            shape,
+            dtype,
+            device,
+            require_grad,
+            mappers,
+        }
+    }
+
+    // The parameter released: a lazy one whose reads give a placeholder registered with its
+    // new shard (or the gathered value, where placeholders are not recognised), and the shard.
+    // The slice as the shard of the parameter at `place`.
+    fn shard(&self, group: &ProcessGroup, place: u64) -> Arc<FlatShard<Inner<B>>> {
+        Arc::new(FlatShard::<Inner<B>> {
+            group: group.clone(),
+            place,
+            shape: self.shape.clone(),
+            dtype: self.dtype,
+            slice: self.slice.clone(),
+        })
+    }
+
+    fn release(self, group: &ProcessGroup, place: u64) -> (Param<Tensor<B, D>>, Arc<dyn Shard>) {
+        let shard = self.shard(group, place);
+        let (shape, dtype) = (self.shape.clone(), self.dtype);
+        let for_init = shard.clone();
+        let init = move |device: &B::Device, require_grad: bool| {
+            let reading = placeholder::reads_held_values();
+            let placeholders = placeholder::recognised::<B>();
+            let value = if reading || placeholders {
+                placeholder_of::<B, D>(&shape, dtype, device)
+            } else {
+                for_init
+                    .gather_whole::<B, D>(device)
+                    .unwrap_or_else(|err| for_init.fail(err))
+            };
+            let value = value.set_require_grad(require_grad);
+            if placeholders && !reading {
+                // Registered once its node is final (`require_grad` keeps a leaf's node).
+                placeholder::register_tensor::<B>(
+                    &value.clone().into_primitive().tensor(),
+                    for_init.clone(),
+                );
+            }
+            value
+        };
+        // The mappers go on with it: a checkpoint's record applies them
+        // (`gather_model_record`).
+        let (load, save) = (self.mappers.clone(), self.mappers);
+        let param = Param::uninitialized(self.id, init, self.device, self.require_grad, self.shape)
+            .load_mapper(move |value| load.on_load(value))
+            .save_mapper(move |value| save.on_save(value));
+        (param, shard)
+    }
+}
+
+/// This process's padded slice of `flat` (a parameter's values in logical order): the values
+/// of [`slice_range`], then zeros up to `len`.
+pub(crate) fn cut_slice<I: Backend>(
+    flat: Tensor<I, 1>,
+    len: usize,
+    processes: usize,
+    rank: usize,
+) -> Tensor<I, 1> {
+    let values = flat.dims()[0];
+    let range = slice_range(values, processes, rank);
+    let own = range.len();
+    let slice = if own == values {
+        flat
+    } else {
+        flat.slice(range)
+    };
+    if own == len {
+        return slice;
+    }
+    let padding = Tensor::<I, 1>::zeros([len - own], &slice.device()).cast(slice.dtype());
+    if own == 0 {
+        padding
+    } else {
+        Tensor::cat(vec![slice, padding], 0)
+    }
+}
+
+// `[1, .., 1, len]` in rank `D`.
+fn slice_dims<const D: usize>(len: usize) -> [usize; D] {
+    let mut dims = [1; D];
+    dims[D - 1] = len;
+    dims
+}
+
+/// Whether `param` is released (this process holds its slice, in its shard): lazy, or read
+/// as a placeholder, and not replaced by a whole value since (a checkpoint loaded, the model
+/// gathered whole).
+pub(crate) fn is_released<B: AutodiffBackend, const D: usize>(param: &Param<Tensor<B, D>>) -> bool {
+    placeholder::slice_shard(param.id.val()).is_some()
+        && (!param.is_initialized()
+            || placeholder::registered::<B>(&param.val().into_primitive().tensor()).is_some())
+}
+
+/// Whether `module` holds a released parameter as it was read on this process (a
+/// placeholder registered with its gather, on the decorator): an op that moves or detaches it
+/// would gather it whole.
 pub(crate) fn holds_released<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M) -> bool {
     struct Registered(bool);
     impl<B: AutodiffBackend> ModuleVisitor<B> for Registered {
@@ -244,11 +500,70 @@ pub(crate) fn holds_released<B: AutodiffBackend, M: AutodiffModule<B>>(module: &
     registered.0
 }
 
-/// Stage 3, before the optimizer steps this process's partition: the parameters' uses by ops
-/// stop being collectives until [`release_parameters`] (the optimizer reads the values it
-/// steps on their owner alone). Every process must call it at the same step.
+/// Stage 3, before the optimizer steps this process's slices: the parameters' uses by ops
+/// stop being collectives until [`release_stepped`]. Every process must call it at the same
+/// step.
 pub(crate) fn end_gathers() {
     placeholder::forget_all();
+}
+
+/// Stage 3, where the window's gradients were not reduced in its backward pass (the first
+/// window before any release, a backend whose ops make no anchors, a pass after the
+/// reducing one): each parameter's gradient in `grads` replaced by this process's slice of
+/// its mean over the processes (a reduce-scatter of the gradient padded as the parameter is,
+/// FSDP's), shaped as [`to_slices`] shapes the parameter; a parameter no process has a
+/// gradient for stays without one. Every process must call it at the same step.
+///
+/// # Errors
+/// What [`ProcessGroup::reduce_scatter`] returns.
+pub(crate) fn reduce_scatter_slices<B: AutodiffBackend, M: AutodiffModule<B>>(
+    group: &ProcessGroup,
+    module: &M,
+    grads: &mut GradientsParams,
+) -> Result<(), DistributedError> {
+    let n = group.world_size();
+    let slots = gradients::take_slots(module, grads);
+    let present = gradients::presence(group, &slots)?;
+    let mut reduced = HashMap::new();
+    for (slot, present) in slots.into_iter().zip(present) {
+        if present == 0 {
+            continue;
+        }
+        let values: usize = slot.dims.iter().product();
+        let len = slice_len(values, n);
+        let grad = slot
+            .grad
+            .unwrap_or_else(|| Tensor::zeros([values], &slot.device));
+        let mut bytes = padded_bytes(grad, len * n);
+        let mine = reduce_scatter_padded(group, &mut bytes, len)?;
+        let mean = TensorData::from_bytes_vec(bytes[mine].to_vec(), [len], DType::F32);
+        let mut dims = vec![1; slot.dims.len()];
+        *dims.last_mut().expect("a parameter has a dimension") = len;
+        reduced.insert(
+            slot.id,
+            (Tensor::from_data(mean, &slot.device), slot.dtype, dims),
+        );
+    }
+    gradients::put_back(module, grads, reduced);
+    Ok(())
+}
+
+// The f32 values of `flat`, zero-padded to `padded` values, as bytes.
+fn padded_bytes<I: Backend>(flat: Tensor<I, 1>, padded: usize) -> Vec<u8> {
+    let mut bytes = flat.into_data().bytes.to_vec();
+    bytes.resize(padded * Element::F32.size(), 0);
+    bytes
+}
+
+// The mean over the processes of `bytes` (f32, padded to `len` values a process): this
+// process's slice of it, in `bytes`.
+fn reduce_scatter_padded(
+    group: &ProcessGroup,
+    bytes: &mut [u8],
+    len: usize,
+) -> Result<std::ops::Range<usize>, DistributedError> {
+    let counts = vec![len; group.world_size()];
+    group.reduce_scatter_bytes(Element::F32, bytes, &counts, ReduceOp::Mean)
 }
 
 // Every process gathers the parameter at `place` (in the model's visiting order) now: a
@@ -270,116 +585,112 @@ fn agree_on(group: &ProcessGroup, place: u64) -> Result<(), DistributedError> {
     }
 }
 
-// One released parameter's collective: its place in the model's visiting order, and its
-// owner, who sends it at each gather.
-struct ReleasedShard {
+/// One released parameter's slice on this process, and its collectives: the gather of every
+/// process's slice (FSDP's all-gather) and the reduce-scatter of its gradient.
+pub(crate) struct FlatShard<I: Backend> {
     group: ProcessGroup,
-    owner: usize,
+    // Its place in the model's visiting order, which every process agrees on at each
+    // collective.
     place: u64,
+    pub(crate) shape: Shape,
+    pub(crate) dtype: DType,
+    /// This process's slice, padded, in the parameter's dtype.
+    pub(crate) slice: Tensor<I, 1>,
 }
 
-impl ReleasedShard {
-    // Every process's gather of the parameter's bytes, after agreeing on which it gathers.
-    fn bytes(&self, own: Option<Vec<u8>>) -> Result<Vec<u8>, DistributedError> {
-        agree_on(&self.group, self.place)?;
-        self.group
-            .broadcast_bytes(self.owner, own.unwrap_or_default())
+impl<I: Backend> FlatShard<I> {
+    /// Values a process holds: its slice, padding included.
+    pub(crate) fn len(&self) -> usize {
+        self.slice.dims()[0]
     }
 
     // A gather that failed, inside an op or a lazy initializer (neither has an error channel).
     fn fail(&self, err: DistributedError) -> ! {
         panic!(
-            "ZeRO stage 3 could not gather a parameter from process {} at its use: {err}. \
-             Every process must run the same forward pass and read the same parameters in \
-             the same order",
-            self.owner
+            "ZeRO stage 3 could not gather parameter #{} (in the model's visiting order) at its \
+             use: {err}. Every process must run the same forward pass and read the same \
+             parameters in the same order",
+            self.place
         )
     }
 
-    /// Gathers the parameter whole, as a new leaf without a gradient requirement (the
-    /// lazy gather, for backends whose ops do not resolve placeholders).
-    fn gather_whole<B: AutodiffBackend, const D: usize>(
+    // Every process's slice in `dtype` (each cast where it lies: autocast's cast, an
+    // elementwise rounding, gives the bits the cast of the whole would), the padding cut.
+    fn gathered(&self, dtype: DType) -> Result<Vec<u8>, DistributedError> {
+        agree_on(&self.group, self.place)?;
+        let own = if dtype == self.dtype {
+            self.slice.clone()
+        } else {
+            let cast = crate::cpu::table::cast::<I>(
+                self.slice.clone().into_primitive().tensor(),
+                FloatDType::from(dtype),
+            );
+            Tensor::from_primitive(TensorPrimitive::Float(cast))
+        };
+        let own = own.into_data().bytes;
+        let (n, rank) = (self.group.world_size(), self.group.rank());
+        let block = own.len();
+        let mut buffer = vec![0u8; block * n];
+        buffer[rank * block..(rank + 1) * block].copy_from_slice(&own);
+        drop(own);
+        self.group.all_gather_in_place(&mut buffer, &vec![block; n])?;
+        buffer.truncate(self.shape.num_elements() * dtype.size());
+        Ok(buffer)
+    }
+
+    /// The parameter gathered whole, as a new leaf without a gradient requirement (the lazy
+    /// gather, for backends whose ops do not resolve placeholders).
+    fn gather_whole<B: AutodiffBackend<InnerBackend = I>, const D: usize>(
         &self,
-        own: Option<&Tensor<B::InnerBackend, D>>,
-        shape: &Shape,
-        dtype: DType,
         device: &B::Device,
     ) -> Result<Tensor<B, D>, DistributedError> {
-        if let Some(own) = own {
-            self.bytes(Some(own.clone().into_data().bytes.to_vec()))?;
-            return Ok(Tensor::from_inner(own.clone()));
-        }
-        let bytes = self.bytes(None)?;
-        let expected = shape.num_elements() * dtype.size();
-        if bytes.len() != expected {
-            return Err(DistributedError::Mismatch {
-                rank: self.owner,
-                detail: format!(
-                    "it sent {} bytes for a {dtype:?} parameter of shape {shape:?} ({expected} \
-                     bytes): the processes' models differ",
-                    bytes.len()
-                ),
-            });
-        }
-        let data = TensorData::from_bytes_vec(bytes, shape.clone(), dtype);
+        let bytes = self.gathered(self.dtype)?;
+        let data = TensorData::from_bytes_vec(bytes, self.shape.clone(), self.dtype);
         Ok(Tensor::from_data(data, device))
     }
 }
 
-impl Shard for ReleasedShard {
-    fn is_owned(&self) -> bool {
-        self.owner == self.group.rank()
+impl<I: Backend> Shard for FlatShard<I> {
+    fn gather(&self, dtype: DType) -> Vec<u8> {
+        self.gathered(dtype).unwrap_or_else(|err| self.fail(err))
     }
 
-    fn gather(&self, own: Option<Vec<u8>>) -> Vec<u8> {
-        self.bytes(own).unwrap_or_else(|err| self.fail(err))
-    }
-
-    fn reduce(&self, grad: Vec<u8>) -> Option<Vec<u8>> {
+    fn reduce(&self, grad: Vec<u8>) -> Vec<u8> {
         self.reduced(grad).unwrap_or_else(|err| {
             panic!(
-                "ZeRO stage 3 could not reduce a gradient to its owner, process {}: {err}. \
-                 Every process must run the same backward pass",
-                self.owner
+                "ZeRO stage 3 could not reduce-scatter the gradient of parameter #{} (in the \
+                 model's visiting order): {err}. Every process must run the same backward pass",
+                self.place
             )
         })
     }
-}
 
-impl ReleasedShard {
-    // The parameter's gradient summed over the processes onto its owner, as the owner's block
-    // of a reduce-scatter whose other blocks are empty: the ring sums that block in the order
-    // stage 2's reduce-scatter sums the owner's (the order depends on the block's owner, not
-    // on its offset), and divides as it does, so each value is stage 2's bit for bit.
-    fn reduced(&self, mut grad: Vec<u8>) -> Result<Option<Vec<u8>>, DistributedError> {
-        agree_on(&self.group, self.place)?;
-        let mut counts = vec![0; self.group.world_size()];
-        counts[self.owner] = grad.len() / Element::F32.size();
-        let mine =
-            self.group
-                .reduce_scatter_bytes(Element::F32, &mut grad, &counts, ReduceOp::Mean)?;
-        if !self.is_owned() {
-            return Ok(None);
-        }
-        grad.truncate(mine.end);
-        grad.drain(..mine.start);
-        Ok(Some(grad))
+    fn as_any(&self) -> &dyn Any {
+        self
     }
 }
 
-// What a released parameter's `Param` holds once read, where the decorator resolves
-// placeholders: the owner's own value, elsewhere a placeholder of the full shape (a stride-0
-// view of one `-0.0`, a few bytes), each registered with the shard that gathers it per use.
-fn held<B: AutodiffBackend, const D: usize>(
-    own: Option<Tensor<B::InnerBackend, D>>,
+impl<I: Backend> FlatShard<I> {
+    // The mean over the processes of the parameter's gradient, this process's slice of it (a
+    // reduce-scatter of the gradient padded as the parameter is).
+    fn reduced(&self, mut grad: Vec<u8>) -> Result<Vec<u8>, DistributedError> {
+        agree_on(&self.group, self.place)?;
+        let len = self.len();
+        grad.resize(len * self.group.world_size() * Element::F32.size(), 0);
+        let mine = reduce_scatter_padded(&self.group, &mut grad, len)?;
+        grad.truncate(mine.end);
+        grad.drain(..mine.start);
+        Ok(grad)
+    }
+}
+
+// A placeholder of the parameter's full shape: a stride-0 view of one `-0.0` (a few bytes).
+fn placeholder_of<B: AutodiffBackend, const D: usize>(
     shape: &Shape,
     dtype: DType,
     device: &B::Device,
 ) -> Tensor<B, D> {
-    if let Some(own) = own {
-        return Tensor::from_inner(own);
-    }
-    let zero = Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(vec![-0.0f32], [1]), device)
+    let zero = Tensor::<Inner<B>, 1>::from_data(TensorData::new(vec![-0.0f32], [1]), device)
         .cast(dtype)
         .reshape([1; D]);
     let dims: [usize; D] = shape.dims();

@@ -29,6 +29,7 @@ use burn::tensor::TensorData;
 use crate::backend::placeholder;
 use crate::distributed::{DistributedError, ProcessGroup, Stream};
 
+use super::full_shard::{HeldParam, Releasing};
 use super::sharded::Partition;
 
 /// The record of `module` (Burn's `into_record`, each parameter's save mapper applied), whole,
@@ -65,16 +66,16 @@ where
     let keep = group.rank() == root;
     let mut to_root = ToRoot {
         rank: group.rank(),
-        root,
-        partition: Partition::of::<B, M>(module, n),
+        world: n,
+        root: Root::One(root),
         // Every process opens it, so that the streams opened after it pair up.
-        stream: group.stream(),
+        stream: Some(group.stream()),
         place: 0,
         failed: None,
-        whole: Gather {
+        whole: Whole::Gather(Gather {
             keep,
             tracked: false,
-        },
+        }),
     };
     let reading = placeholder::reading_held();
     // A clone: a released parameter's clone is released too (Burn clones a lazy parameter
@@ -91,68 +92,134 @@ where
 /// The record of `module` with the values of the parameters `partition` gives to `rank` alone
 /// (each with its save mapper applied), every other parameter a value of no elements: this
 /// process's part of a sharded checkpoint (FSDP's `SHARDED_STATE_DICT`, DeepSpeed's per-rank
-/// files). Nothing is sent or gathered: a released parameter (ZeRO stage 3) gives the value
-/// its owner holds, a whole one (stages 1 and 2) its own. `module` itself is left as it was.
-pub(crate) fn own_model_record<B, M>(module: &M, partition: &Partition, rank: usize) -> M::Record
+/// files), in the layout stages 1 and 2 write, so that a run resumes from it at any stage on
+/// any number of processes. A whole parameter (stages 1 and 2) gives its own value, with
+/// nothing sent; a released one (ZeRO stage 3) is gathered from every process's slice to its
+/// owner alone, point to point (the save's traffic is the model once). Every process must
+/// call it at the same point, with the same model (`group`: the processes' group, which a
+/// model with released parameters needs). `module` itself is left as it was.
+///
+/// # Errors
+/// What the group's point-to-point messages return (a process that left);
+/// [`DistributedError::Mismatch`] when a process sends another slice than the one expected
+/// (the processes' models differ).
+pub(crate) fn own_model_record<B, M>(
+    module: &M,
+    partition: &Partition,
+    rank: usize,
+    group: Option<&ProcessGroup>,
+) -> Result<M::Record, DistributedError>
 where
     B: AutodiffBackend,
     M: AutodiffModule<B>,
 {
-    struct OwnOnly<'a> {
-        partition: &'a Partition,
-        rank: usize,
+    let mut to_owner = ToRoot {
+        rank,
+        world: group.map_or(1, ProcessGroup::world_size),
+        root: Root::Owner(partition),
+        stream: group.map(ProcessGroup::stream),
+        place: 0,
+        failed: None,
+        whole: Whole::OwnOnly,
+    };
+    let reading = placeholder::reading_held();
+    // A clone, as in `gather_model_record`: `module`'s released parameters stay released.
+    let own = module.clone().map(&mut to_owner);
+    drop(reading);
+    match to_owner.failed {
+        Some(err) => Err(err),
+        None => Ok(own.into_record()),
     }
-    impl<B: AutodiffBackend> ModuleMapper<B> for OwnOnly<'_> {
+}
+
+/// [`release_parameters`](super::release_parameters) of a model whose parameters `partition`
+/// gives to this process were loaded from a sharded checkpoint (whole), and the others are
+/// fresh (Burn's lazy initializers) or released already (`Accelerator::prepare_model`'s):
+/// each parameter goes from its owner to every process, one at a time in visiting order, and
+/// each keeps its slice; the others' values are dropped as they are held, without gathering
+/// them. Every process must call it at the same point.
+///
+/// # Errors
+/// What the broadcasts return; [`DistributedError::Mismatch`] when an owner sends another
+/// size than this process's model has (the processes' models differ).
+pub(crate) fn release_loaded<B, M>(
+    group: &ProcessGroup,
+    module: M,
+    partition: &Partition,
+) -> Result<M, DistributedError>
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B>,
+{
+    struct FromOwners<'a> {
+        group: &'a ProcessGroup,
+        partition: &'a Partition,
+        releasing: Releasing<'a>,
+        place: u64,
+        failed: Option<DistributedError>,
+    }
+    impl<B: AutodiffBackend> ModuleMapper<B> for FromOwners<'_> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-            let own = self.partition.owner(param.id) == self.rank;
-            let device = param.lazy_device();
-            // The held value (`reads_held_values`) of a released parameter: no collective.
+            let place = self.place;
+            self.place += 1;
+            let owner = self.partition.owner(param.id);
+            let owned = owner == self.group.rank();
             let (id, value, mappers) = param.consume();
-            let value = if own {
-                own_value(value)
-            } else {
-                Tensor::empty([0; D], &device)
-            };
-            Param::from_mapped_value(id, value, mappers)
+            let (shape, dtype, device) = (value.shape(), value.dtype(), value.device());
+            let require_grad = value.is_require_grad();
+            let own = owned.then(|| value.into_data().bytes.to_vec());
+            if self.failed.is_some() {
+                return Param::from_mapped_value(id, Tensor::empty([0; D], &device), mappers);
+            }
+            let expected = shape.num_elements() * dtype.size();
+            let whole = self
+                .group
+                .broadcast_bytes(owner, own.unwrap_or_default())
+                .and_then(|bytes| {
+                    if bytes.len() == expected {
+                        Ok(bytes)
+                    } else {
+                        Err(DistributedError::Mismatch {
+                            rank: owner,
+                            detail: format!(
+                                "it sent {} bytes for parameter #{place} (in the model's \
+                                 visiting order), a {dtype:?} parameter of shape {shape:?} \
+                                 here ({expected} bytes): the processes' models differ",
+                                bytes.len()
+                            ),
+                        })
+                    }
+                });
+            match whole {
+                Ok(bytes) => {
+                    let data = TensorData::from_bytes_vec(bytes, shape.clone(), dtype);
+                    let whole = Tensor::<B, D>::from_data(data, &device);
+                    let whole = whole.set_require_grad(require_grad);
+                    let held = HeldParam::whole(id, whole, mappers, self.group);
+                    self.releasing.add(held)
+                }
+                Err(err) => {
+                    self.failed = Some(err);
+                    Param::from_mapped_value(id, Tensor::empty([0; D], &device), mappers)
+                }
+            }
         }
     }
     let reading = placeholder::reading_held();
-    // A clone, as in `gather_model_record`: `module`'s released parameters stay released.
-    let own = module.clone().map(&mut OwnOnly { partition, rank });
-    drop(reading);
-    own.into_record()
-}
-
-// The value this process owns of a parameter, read without a collective: a placeholder the
-// model holds initialised (Burn's `Learner` reloads the stepped model, whose owned values stay
-// registered as the parameters they stand for) is read as the tensor it is, its registration
-// set aside for the read and put back; any other value is itself.
-fn own_value<B: AutodiffBackend, const D: usize>(value: Tensor<B, D>) -> Tensor<B, D> {
-    let primitive = value.clone().into_primitive().tensor();
-    let Some((_, shard)) = placeholder::registered::<B>(&primitive) else {
-        return value;
+    let mut from_owners = FromOwners {
+        group,
+        partition,
+        releasing: Releasing::start(group),
+        place: 0,
+        failed: None,
     };
-    let device = value.device();
-    placeholder::unregister_tensor::<B>(&primitive);
-    let data = value.into_data();
-    placeholder::register_tensor::<B>(&primitive, shard);
-    Tensor::from_data(data, &device)
-}
-
-/// [`release_parameters`](super::release_parameters) of a model some of whose parameters
-/// were loaded from a checkpoint and the others are as given: fresh (Burn's lazy
-/// initializers) or released already (`Accelerator::prepare_model`'s), whose values are
-/// dropped as they are held, without gathering them. Every process must call it at the same
-/// point.
-pub(crate) fn release_loaded<B, M>(group: &ProcessGroup, module: M, partition: &Partition) -> M
-where
-    B: AutodiffBackend,
-    M: AutodiffModule<B>,
-{
-    let reading = placeholder::reading_held();
-    let released = super::release_parameters(group, module, partition);
+    let released = module.map(&mut from_owners);
     drop(reading);
-    released
+    from_owners.releasing.end();
+    match from_owners.failed {
+        Some(err) => Err(err),
+        None => Ok(released),
+    }
 }
 
 /// `module` with every parameter whole on this process: each released parameter gathered
@@ -227,82 +294,116 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Gather {
     }
 }
 
-// Sends each released parameter from its owner to the root, in visiting order; a parameter
-// held whole is read as `Gather` reads it. The root keeps the values; the others keep a value
-// of no elements.
-struct ToRoot {
+// Where a released parameter's slices go: to one process, or each to its owner.
+enum Root<'a> {
+    One(usize),
+    Owner(&'a Partition),
+}
+
+// How a parameter held whole is read: as an op reads it (kept on the root), or as this
+// process's own value where it is the parameter's root (a value of no elements elsewhere,
+// with nothing sent).
+enum Whole {
+    Gather(Gather),
+    OwnOnly,
+}
+
+// Sends every process's slice of each released parameter to its root, in visiting order; a
+// parameter held whole is read as `whole` says. The root keeps the values; the others keep a
+// value of no elements.
+struct ToRoot<'a> {
     rank: usize,
-    root: usize,
-    partition: Partition,
-    stream: Stream,
+    world: usize,
+    root: Root<'a>,
+    // Where there are released parameters: the group's.
+    stream: Option<Stream>,
     // The next parameter's place in visiting order: the message's tag.
     place: u64,
     // The first failure; no message is sent or awaited after it.
     failed: Option<DistributedError>,
-    whole: Gather,
+    whole: Whole,
 }
 
-impl ToRoot {
-    // The value the root keeps for the parameter at `place`, owned by `owner`, of which this
-    // process holds `held` (the owner's value on its owner, a placeholder elsewhere).
+impl ToRoot<'_> {
+    // The value `root` keeps of the parameter at `place`, of which this process holds
+    // `held`'s slice: every slice, in rank order, cut to the parameter's values.
     fn value<B: AutodiffBackend, const D: usize>(
         &mut self,
-        owner: usize,
+        root: usize,
         place: u64,
-        held: Tensor<B, D>,
+        held: &HeldParam<B, D>,
     ) -> Result<Option<Tensor<B, D>>, DistributedError> {
-        let (is_owner, is_root) = (self.rank == owner, self.rank == self.root);
-        match (is_owner, is_root) {
-            (true, true) => Ok(Some(held)),
-            (true, false) => {
-                let bytes = held.into_data().bytes;
-                self.stream.send(self.root, place, 0, &bytes)?;
-                Ok(None)
-            }
-            (false, true) => {
-                let (shape, dtype, device) = (held.shape(), held.dtype(), held.device());
-                let (tag, _, bytes) = self.stream.recv(owner)?;
-                let expected = shape.num_elements() * dtype.size();
-                if tag != place || bytes.len() != expected {
-                    return Err(DistributedError::Mismatch {
-                        rank: owner,
-                        detail: format!(
-                            "for a checkpoint it sent parameter #{tag} ({} bytes) where this \
-                             process expects #{place}, a {dtype:?} parameter of shape \
-                             {shape:?} ({expected} bytes): the processes' models differ",
-                            bytes.len()
-                        ),
-                    });
-                }
-                let data = TensorData::from_bytes_vec(bytes, shape, dtype);
-                Ok(Some(Tensor::from_data(data, &device)))
-            }
-            (false, false) => Ok(None),
+        let (rank, n) = (self.rank, self.world);
+        let stream = self
+            .stream
+            .as_ref()
+            .expect("released parameters come with their group");
+        let own = held.slice.clone().into_data().bytes;
+        if rank != root {
+            stream.send(root, place, 0, &own)?;
+            return Ok(None);
         }
+        let block = own.len();
+        let mut whole = vec![0u8; block * n];
+        whole[rank * block..(rank + 1) * block].copy_from_slice(&own);
+        drop(own);
+        for from in (0..n).filter(|&r| r != root) {
+            let (tag, _, bytes) = stream.recv(from)?;
+            if tag != place || bytes.len() != block {
+                return Err(DistributedError::Mismatch {
+                    rank: from,
+                    detail: format!(
+                        "for a checkpoint it sent a slice of parameter #{tag} ({} bytes) where \
+                         this process expects one of #{place}, a {:?} parameter of shape {:?} \
+                         ({block} bytes a slice): the processes' models differ",
+                        bytes.len(),
+                        held.dtype,
+                        held.shape
+                    ),
+                });
+            }
+            whole[from * block..(from + 1) * block].copy_from_slice(&bytes);
+        }
+        whole.truncate(held.shape.num_elements() * held.dtype.size());
+        let data = TensorData::from_bytes_vec(whole, held.shape.clone(), held.dtype);
+        Ok(Some(Tensor::from_data(data, &held.device)))
     }
 }
 
-impl<B: AutodiffBackend> ModuleMapper<B> for ToRoot {
+impl<B: AutodiffBackend> ModuleMapper<B> for ToRoot<'_> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let place = self.place;
         self.place += 1;
-        if param.is_initialized() {
-            return <Gather as ModuleMapper<B>>::map_float(&mut self.whole, param);
+        let root = match self.root {
+            Root::One(root) => root,
+            Root::Owner(partition) => partition.owner(param.id),
+        };
+        if !super::full_shard::is_released(&param) {
+            return match &mut self.whole {
+                Whole::Gather(gather) => <Gather as ModuleMapper<B>>::map_float(gather, param),
+                Whole::OwnOnly => {
+                    let (id, value, mappers) = param.consume();
+                    let value = if root == self.rank {
+                        value
+                    } else {
+                        Tensor::empty([0; D], &value.device())
+                    };
+                    Param::from_mapped_value(id, value, mappers)
+                }
+            };
         }
-        let owner = self.partition.owner(param.id);
         // The held value (`reads_held_values`): no collective, nothing registered.
-        let (id, held, mappers) = param.consume();
-        let device = held.device();
+        let held = HeldParam::<B, D>::released(param);
         let value = match self.failed {
             Some(_) => None,
             None => self
-                .value::<B, D>(owner, place, held)
+                .value::<B, D>(root, place, &held)
                 .unwrap_or_else(|err| {
                     self.failed = Some(err);
                     None
                 }),
         };
-        let value = value.unwrap_or_else(|| Tensor::empty([0; D], &device));
-        Param::from_mapped_value(id, value, mappers)
+        let value = value.unwrap_or_else(|| Tensor::empty([0; D], &held.device));
+        Param::from_mapped_value(held.id, value, held.mappers)
     }
 }

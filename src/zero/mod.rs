@@ -27,7 +27,9 @@ pub use crate::distributed::sent_bytes;
 pub use checkpoint_layout::CheckpointLayout;
 pub use fingerprint::check_same_model;
 pub use full_shard::release_parameters;
-pub(crate) use full_shard::{end_gathers, holds_released};
+pub(crate) use full_shard::{
+    end_gathers, holds_released, reduce_scatter_slices, release_stepped, to_slices,
+};
 pub use full_shard_checkpoint::{gather_model, gather_model_record};
 pub(crate) use full_shard_checkpoint::{held_record, own_model_record, release_loaded};
 pub use optimizer_record::{ParamStateRecord, consolidate_state, keep_own_state};

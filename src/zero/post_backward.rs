@@ -116,12 +116,9 @@ pub(crate) fn end<B: AutodiffBackend, M: AutodiffModule<B>>(
             let sum = *sum
                 .downcast::<burn::tensor::ops::FloatTensor<B::InnerBackend>>()
                 .unwrap_or_else(|_| unreachable!("`begin` kept the inner backend's tensors"));
-            if let Some(mean) = placeholder::reduce_to_owner::<B::InnerBackend>(shard.as_ref(), sum)
-            {
-                let mean =
-                    Tensor::<B::InnerBackend, D>::from_primitive(TensorPrimitive::Float(mean));
-                self.grads.register(param.id, mean);
-            }
+            let mean = placeholder::reduce_to_slice::<B::InnerBackend>(shard.as_ref(), sum);
+            let mean = Tensor::<B::InnerBackend, D>::from_primitive(TensorPrimitive::Float(mean));
+            self.grads.register(param.id, mean);
         }
     }
     model.visit(&mut Reduce { grads, left });

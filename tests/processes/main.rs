@@ -100,29 +100,28 @@ fn holds_gradient<B: AutodiffBackend, M: Module<B>>(
     holds.1
 }
 
-/// The bytes process `rank` of `processes` sends over the built-in engine's ring for one batch
-/// at stage 3, for parameters given as `(gathered, reduced, again)` (the bytes of the value a
-/// gather moves, of its f32 gradient, and whether backward gathers it again) and owned by
-/// `owners`: each gather is a broadcast from the owner (every process but the ring's last
-/// before the owner passes the value on), each reduction, on a batch that completes a window
-/// (`reduces`), the owner's block of a reduce-scatter (every process but the owner sends its
-/// gradient), and every collective first sends 2 × 8 bytes to each other process.
+/// The bytes each of `processes` processes sends over the built-in engine's ring for one
+/// batch at stage 3, for parameters given as `(values, width, again)` (the values, the bytes
+/// a gathered value takes, and whether backward gathers it again): each process holds a slice
+/// of `zero::slice_len` values of every parameter (padded); each gather is a ring all-gather
+/// of the slices (every process sends the `processes - 1` slices not its own on, in the
+/// gather's width), each reduction, on a batch that completes a window (`reduces`), a ring
+/// reduce-scatter of the padded f32 gradient (every process sends `processes - 1` slices), and
+/// every collective first sends 2 × 8 bytes to each other process.
 fn stage_3_sent(
-    params: impl IntoIterator<Item = (u64, u64, bool)>,
-    owners: &[usize],
+    params: impl IntoIterator<Item = (usize, u64, bool)>,
     processes: usize,
-    rank: usize,
     reduces: bool,
 ) -> u64 {
-    let fixed = 2 * 8 * (processes - 1) as u64;
+    let others = (processes - 1) as u64;
+    let fixed = 2 * 8 * others;
     params
         .into_iter()
-        .zip(owners)
-        .map(|((gathered, reduced, again), &owner)| {
-            let last = (owner + processes - 1) % processes;
-            let gather = fixed + if rank == last { 0 } else { gathered };
-            let reduce = if rank == owner { 0 } else { reduced };
-            gather * (1 + u64::from(again)) + if reduces { fixed + reduce } else { 0 }
+        .map(|(values, width, again)| {
+            let slices = others * burn_accelerate::zero::slice_len(values, processes) as u64;
+            let gather = fixed + slices * width;
+            let reduce = fixed + slices * 4;
+            gather * (1 + u64::from(again)) + if reduces { reduce } else { 0 }
         })
         .sum()
 }
@@ -138,17 +137,15 @@ fn weight_and_bias(weight: usize, bias: usize, width: u64, again: bool) -> Vec<G
     vec![(weight, width, again), (bias, width, false)]
 }
 
-/// What stage 3 does with a model's parameters on `processes` processes, all of it derived
-/// from who owns each parameter (`zero::partition` of their values): the bytes each process
-/// sends, the most it holds gathered at once, the gradients it keeps. The one home of these
+/// What stage 3 does with a model's parameters on `processes` processes, each process
+/// holding a slice of every parameter (`zero::slice_len`): the bytes each process sends, the
+/// most it holds gathered at once, the gradients it keeps. The one home of these
 /// expectations.
 struct Stage3Expected {
     /// The parameters in visiting order, by layer: a layer's forward op gathers all of its
     /// parameters at once.
     layers: Vec<Vec<Gathered>>,
     processes: usize,
-    /// Each parameter's owner, in visiting order.
-    owners: Vec<usize>,
 }
 
 /// How a test bounds each batch's gathered peak at stage 3, besides at most the largest
@@ -157,73 +154,59 @@ struct Stage3Expected {
 enum Peak {
     /// Something is gathered.
     OneLayer,
-    /// Exactly `Stage3Expected::bound` of the process.
+    /// Exactly `Stage3Expected::bound`.
     Bound,
 }
 
 impl Stage3Expected {
     fn new(layers: Vec<Vec<Gathered>>, processes: usize) -> Self {
-        let values: Vec<usize> = layers.iter().flatten().map(|&(v, _, _)| v).collect();
-        let owners = burn_accelerate::zero::partition(&values, processes);
-        Self {
-            layers,
-            processes,
-            owners,
-        }
+        Self { layers, processes }
     }
 
-    /// The bytes process `rank` sends in a training batch's forward and backward passes:
+    /// The bytes each process sends in a training batch's forward and backward passes:
     /// `stage_3_sent` of the gathers in each parameter's width and, where the batch completes
-    /// a window (`reduces`), the reductions of the f32 gradients.
-    fn sent(&self, rank: usize, reduces: bool) -> u64 {
-        let params = self
-            .layers
-            .iter()
-            .flatten()
-            .map(|&(values, width, again)| (width * values as u64, 4 * values as u64, again));
-        stage_3_sent(params, &self.owners, self.processes, rank, reduces)
+    /// a window (`reduces`), the reduce-scatters of the f32 gradients. Every process sends
+    /// the same (`_rank`: the process whose report is checked).
+    fn sent(&self, _rank: usize, reduces: bool) -> u64 {
+        stage_3_sent(self.layers.iter().flatten().copied(), self.processes, reduces)
     }
 
-    /// The bytes process `rank` sends in a forward pass without a backward (an evaluation's):
+    /// The bytes each process sends in a forward pass without a backward (an evaluation's):
     /// one gather per parameter.
-    fn sent_by_forward(&self, rank: usize) -> u64 {
+    fn sent_by_forward(&self, _rank: usize) -> u64 {
         let params = self.layers.iter().flatten();
-        let params = params.map(|&(values, width, _)| (width * values as u64, 0, false));
-        stage_3_sent(params, &self.owners, self.processes, rank, false)
+        let params = params.map(|&(values, width, _)| (values, width, false));
+        stage_3_sent(params, self.processes, false)
     }
 
-    /// Per layer, the bytes of its gathered parameters that process `rank` does not own
-    /// (`None`: all of them).
-    fn layer_bytes(&self, rank: Option<usize>) -> Vec<u64> {
-        let mut owners = self.owners.iter();
+    /// Per layer, the bytes of its gathered parameters.
+    fn layer_bytes(&self) -> Vec<u64> {
         let layer = |layer: &Vec<Gathered>| -> u64 {
-            let not_owned = layer
+            layer
                 .iter()
-                .filter(|_| Some(*owners.next().unwrap()) != rank);
-            not_owned
                 .map(|&(values, width, _)| values as u64 * width)
                 .sum()
         };
         self.layers.iter().map(layer).collect()
     }
 
-    /// Per parameter in visiting order, whether process `rank` owns it: the gradients it keeps
-    /// after the backward pass that completes a window.
-    fn own(&self, rank: usize) -> Vec<bool> {
-        self.owners.iter().map(|&o| o == rank).collect()
+    /// Per parameter in visiting order, whether process `rank` keeps a gradient for it after
+    /// the backward pass that completes a window: its slice's, of every parameter.
+    fn own(&self, _rank: usize) -> Vec<bool> {
+        vec![true; self.layers.iter().flatten().count()]
     }
 
     /// The largest layer's gathered bytes: at most one layer's parameters whole at a time.
     fn largest(&self) -> u64 {
-        self.layer_bytes(None).into_iter().max().unwrap()
+        self.layer_bytes().into_iter().max().unwrap()
     }
 
-    /// The most process `rank` holds gathered at once where each layer's parameters are whole
-    /// for its ops alone: the largest of the layers' bytes it does not own (a layer's forward
-    /// op gathers them all; its backward, the weight again, no more). An op that kept its
-    /// gathered parameters until the step would add them to every later layer's.
-    fn bound(&self, rank: usize) -> u64 {
-        self.layer_bytes(Some(rank)).into_iter().max().unwrap()
+    /// The most a process holds gathered at once where each layer's parameters are whole for
+    /// its ops alone: the largest layer's bytes (a layer's forward op gathers them all; its
+    /// backward, the weight again, no more). An op that kept its gathered parameters until
+    /// the step would add them to every later layer's.
+    fn bound(&self) -> u64 {
+        self.largest()
     }
 
     /// Checks process `rank`'s stage 3 report of `training`, batch by batch: nothing gathered
@@ -244,7 +227,7 @@ impl Stage3Expected {
     ) {
         let window = training.grad_accum;
         let largest = self.largest();
-        let all: u64 = self.layer_bytes(None).into_iter().sum();
+        let all: u64 = self.layer_bytes().into_iter().sum();
         let own = self.own(rank);
         assert_eq!(report.sent.len(), training.batches, "{what}");
         for batch in 0..training.batches {
@@ -260,7 +243,7 @@ impl Stage3Expected {
             }
             match peak {
                 Peak::OneLayer => assert!(gathered > 0, "{what}"),
-                Peak::Bound => assert_eq!(gathered, self.bound(rank), "{what}"),
+                Peak::Bound => assert_eq!(gathered, self.bound(), "{what}"),
             }
             assert!(gathered <= largest, "{what}: {gathered} > {largest}");
             assert!(gathered < all, "{what}: {gathered} against {all}");
@@ -274,6 +257,26 @@ impl Stage3Expected {
     }
 }
 
+/// How far stage 3's parameters may be from stage 2's (relative) where the sums run in
+/// another order: on more than two processes, stage 2 sums each parameter's gradient in the
+/// ring order of its owner's block, stage 3 each slice in its own block's (and the global
+/// norm sums slices instead of whole parameters): rounding, compounded through the steps.
+const STAGE_3_ROUNDING: f32 = 1e-6;
+
+/// Checks stage 3's parameters against stage 2's: bit for bit where the sums cannot differ
+/// (`exact`), else within [`STAGE_3_ROUNDING`].
+fn assert_like_stage_2(stage3: &[f32], stage2: &[f32], exact: bool, what: &str) {
+    if exact {
+        assert_eq!(bits(stage3), bits(stage2), "{what}");
+    } else {
+        let difference = max_relative_difference(stage3, stage2);
+        assert!(
+            difference <= STAGE_3_ROUNDING,
+            "{what}: {difference} from stage 2"
+        );
+    }
+}
+
 /// How stage 3's parameters must agree with stage 2's.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Agreement {
@@ -282,10 +285,6 @@ enum Agreement {
     /// Within this relative difference (`max_relative_difference`): a backend that picks
     /// its kernels by timing (cubecl's autotuned matmuls) need not sum in the same order in
     /// two runs.
-    #[cfg_attr(
-        not(any(feature = "wgpu", feature = "tch", feature = "cuda")),
-        allow(dead_code) // Its tests (`stage3_backends`) build with those backends' features.
-    )]
     Within(f32),
 }
 
@@ -314,6 +313,13 @@ fn stage_3_against_stage_2<R: Serialize + std::fmt::Debug, O: serde::de::Deseria
             .reports(processes)
     };
     let (stage2, stage3) = (run(2), run(3));
+    // Stage 2 sums each parameter's gradient in its owner's order of the ring; stage 3 each
+    // slice in its own's. A mean of two values is one rounding whatever the order; of more,
+    // the orders differ and the parameters agree to rounding (compounded through the steps).
+    let agreement = match agreement {
+        Agreement::Bits if processes > 2 => Agreement::Within(STAGE_3_ROUNDING),
+        agreement => agreement,
+    };
     for (rank, (s3, s2)) in stage3.iter().zip(&stage2).enumerate() {
         let what = format!("{case}, rank {rank}");
         assert_eq!(s3.outcomes, s2.outcomes, "{what}");
@@ -908,12 +914,11 @@ fn stage_3_keeps_parameters_sharded_between_steps_and_ends_where_stage_0_does() 
                 // Gathered whole at the end (the report's visit of every parameter), the same
                 // bits on every process.
                 assert_eq!(bits(&r.parameters), bits(&stage3[0].parameters), "{what}");
-                // Stage 3 reduce-scatters as stage 2 does, in the same order: the same bits.
-                assert_eq!(
-                    bits(&r.parameters),
-                    bits(&stage2[rank].parameters),
-                    "{what}"
-                );
+                // Stage 3 reduce-scatters slices where stage 2 reduces whole parameters to
+                // their owners: the same bits where the sums cannot differ (two processes, no
+                // norm summed over what each holds), to rounding elsewhere.
+                let exact = processes == 2 && clip_norm.is_none();
+                assert_like_stage_2(&r.parameters, &stage2[rank].parameters, exact, &what);
                 // Against stage 0's all-reduce: a mean of two values is one rounding whatever
                 // the order, so two processes end bit for bit without clipping. Of three, the
                 // ring sums in another order than the reduce-scatter, and clipping's norm sums
@@ -2036,12 +2041,8 @@ fn stage_3_trains_a_parameter_smaller_than_the_process_count_and_a_process_ownin
     for (rank, r) in stage3.iter().enumerate() {
         assert_eq!(r.outcomes, stage2[rank].outcomes, "rank {rank}");
         assert!(r.held_after_step.iter().all(|&h| h == 0), "rank {rank}");
-        // Stage 3 reduce-scatters and steps as stage 2 does: the same bits.
-        assert_eq!(
-            bits(&r.parameters),
-            bits(&stage2[rank].parameters),
-            "rank {rank}"
-        );
+        // Five processes: each slice summed in its own block's order.
+        assert_like_stage_2(&r.parameters, &stage2[rank].parameters, false, &format!("rank {rank}"));
         // Stage 0's all-reduce sums five values in another order: to rounding.
         let d = max_relative_difference(&r.parameters, &stage0[0].parameters);
         assert!(d < 1e-5, "rank {rank}: {d:e}");
@@ -2689,8 +2690,8 @@ fn stage_3_with_accelerate_ends_where_stage_2_and_the_hand_written_loop_do() {
     }
     // Adam through Burn's Learner, which reloads the stepped model (placeholders, on the
     // decorator); accumulation 3 over 256 items leaves a partial window at each epoch's end;
-    // f16 skips its first steps. Stage 3 reduce-scatters and steps as stage 2 does, in the
-    // same order: the same bits, on 2 and 3 processes.
+    // f16 skips its first steps. Stage 3 steps the slices by hand and under Burn's learner the
+    // same bits, and stage 2's on 2 processes (to rounding on 3: `assert_like_stage_2`).
     for (processes, f16) in [(2, false), (2, true), (3, false)] {
         let run = |zero_stage: u8, by_hand: bool| supervised::Run {
             batch_size: 48 / processes,
@@ -2721,11 +2722,8 @@ fn stage_3_with_accelerate_ends_where_stage_2_and_the_hand_written_loop_do() {
                 assert_eq!(s.optimizer_steps, other.optimizer_steps, "{what}, {name}");
                 assert_eq!(s.skipped_steps, other.skipped_steps, "{what}, {name}");
                 assert_eq!(s.loss_scale, other.loss_scale, "{what}, {name}");
-                assert_eq!(
-                    bits(&s.parameters),
-                    bits(&other.parameters),
-                    "{what}, {name}"
-                );
+                let exact = processes == 2 || name == "by hand";
+                assert_like_stage_2(&s.parameters, &other.parameters, exact, &what);
             }
         }
     }

@@ -185,7 +185,7 @@ impl<B: Backend> Operand<B> {
     fn whole(&self, read: Read) -> (FloatTensor<B>, u64) {
         match &self.rounded {
             Some((shard, rounding)) => {
-                let bytes = counted(shard.as_ref(), &self.tensor);
+                let bytes = counted(&self.tensor);
                 let gathered = gather::<B>(shard.as_ref(), &self.tensor);
                 let rounded = match read {
                     Read::Forward => rounding.forward::<B>(gathered),
@@ -269,7 +269,7 @@ pub(super) fn bounded_fp8_linear<B: Backend, C: CheckpointStrategy>(
     let (whole_weight, mut bytes) = kept.whole(Read::Forward);
     let whole_bias = bias.as_ref().map(|bias| match &bias_shard {
         Some(shard) => {
-            bytes += counted(shard.as_ref(), &bias.primitive);
+            bytes += counted(&bias.primitive);
             gather::<B>(shard.as_ref(), &bias.primitive)
         }
         None => bias.primitive.clone(),

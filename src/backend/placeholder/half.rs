@@ -34,7 +34,7 @@ use crate::backend::lowered::broadcast_batches;
 use crate::cpu::Route;
 use crate::cpu::low_gemm;
 
-use super::{Shard, WithOptionalThird, bytes_of, count_dropped, received, up_to_three};
+use super::{Shard, WithOptionalThird, count_dropped, received, up_to_three};
 
 /// The hook's signature: the cast input (a half tensor, 2-D), the weight's and the bias's
 /// anchors (f32), their shards, the half type and the kernels' route.
@@ -54,21 +54,14 @@ pub(super) fn cast(tensor: FlexTensor, dtype: FloatDType) -> FlexTensor {
     crate::cpu::table::cast::<Flex>(tensor, dtype)
 }
 
-// One use's gather of the parameter `tensor` stands for (its f32 placeholder, or the owner's
-// f32 value), in `dtype`: the owner casts its value and sends the halves, the others receive
-// them. Returns the bytes counted as whole (none on the owner, as for an f32 gather).
+// One use's gather of the parameter `tensor` stands for (its f32 placeholder), in `dtype`:
+// each process casts its slice and the halves are gathered. Returns the bytes counted as
+// whole.
 pub(super) fn gather_cast(
     shard: &dyn Shard,
     tensor: &FlexTensor,
     dtype: FloatDType,
 ) -> (FlexTensor, u64) {
-    if shard.is_owned() {
-        // The cast of the owner's f32 value: the bits autocast's cast of the gathered f32
-        // value would give on every process (an elementwise rounding of the same values).
-        let halves = cast(tensor.clone(), dtype);
-        shard.gather(Some(bytes_of::<Flex>(halves.clone())));
-        return (halves, 0);
-    }
     let device = Flex::float_device(tensor);
     received::<Flex>(shard, tensor.shape(), DType::from(dtype), &device)
 }

@@ -188,7 +188,7 @@ fn affine_backward<B: Backend>(
             .gamma
             .expect("kept where the normalised input is tracked");
         let whole = gather::<B>(gamma.shard.as_ref(), &gamma.tensor);
-        let bytes = counted(gamma.shard.as_ref(), &gamma.tensor);
+        let bytes = counted(&gamma.tensor);
         let gamma_b = B::float_reshape(whole, state.broadcast.clone());
         let out = B::float_mul(grad.clone(), gamma_b);
         count_dropped(bytes);
@@ -232,7 +232,7 @@ fn bounded_affine<B: Backend, C: CheckpointStrategy>(
 ) -> FloatTensor<Autodiff<B, C>> {
     let (normalized_tracked, gamma_tracked) = (normalized.is_tracked(), gamma.is_tracked());
     let broadcast = broadcast_dims(&normalized.primitive.shape());
-    let mut bytes = counted(gamma_shard.as_ref(), &gamma.primitive);
+    let mut bytes = counted(&gamma.primitive);
     let whole_gamma = gather::<B>(gamma_shard.as_ref(), &gamma.primitive);
     let scaled = B::float_mul(
         normalized.primitive.clone(),
@@ -242,7 +242,7 @@ fn bounded_affine<B: Backend, C: CheckpointStrategy>(
         Some(beta) => {
             let whole_beta = match &beta_shard {
                 Some(shard) => {
-                    bytes += counted(shard.as_ref(), &beta.primitive);
+                    bytes += counted(&beta.primitive);
                     gather::<B>(shard.as_ref(), &beta.primitive)
                 }
                 None => beta.primitive.clone(),

@@ -43,9 +43,9 @@ pub(super) struct View {
     shape: Shape,
 }
 
-// A new view of a parameter (the tensor reshaped, the new shape, whether this process owns
-// it: its value reshaped, or a placeholder of the new shape).
-type ViewHook<B> = fn(&FloatTensor<B>, Shape, bool) -> FloatTensor<B>;
+// A new view of a parameter (the tensor reshaped, the new shape): a placeholder of the new
+// shape.
+type ViewHook<B> = fn(&FloatTensor<B>, Shape) -> FloatTensor<B>;
 
 // The bounded product: the other operand, the parameter's anchor, the registered operand's
 // shape, whether it is the left operand, its shard.
@@ -99,7 +99,7 @@ pub(crate) fn float_reshape<B: Backend>(
     }
     // A view of a view is a view of its parameter.
     let parameter = viewed::<B>(&tensor).map_or_else(|| tensor.clone(), |(parameter, _)| parameter);
-    let view = new_view(&tensor, shape.clone(), shard.is_owned());
+    let view = new_view(&tensor, shape.clone());
     let id = (tracked.node_id)(&view);
     let entry = View {
         parameter: Box::new(parameter),
@@ -202,28 +202,22 @@ fn autocast_operands<B: Backend>(
 }
 
 // A view of `tensor` on `Autodiff<B, C>`: a new leaf that builds no graph (ops read it
-// through its anchor), the owner's value reshaped or, elsewhere, a stride-0 view of one
-// `-0.0` of the new shape (a few bytes, as the parameter's placeholder).
+// through its anchor), a stride-0 view of one `-0.0` of the new shape (a few bytes, as the
+// parameter's placeholder).
 fn new_view<B: Backend, C: CheckpointStrategy>(
     tensor: &FloatTensor<Autodiff<B, C>>,
     shape: Shape,
-    owned: bool,
 ) -> FloatTensor<Autodiff<B, C>> {
-    let value = if owned {
-        B::float_reshape(tensor.primitive.clone(), shape)
+    let dtype = tensor.primitive.dtype();
+    let device = B::float_device(&tensor.primitive);
+    let ones = Shape::from(vec![1; shape.num_dims()]);
+    let zero = B::float_from_data(TensorData::new(vec![-0.0f32], ones), &device);
+    let zero = if dtype == DType::F32 {
+        zero
     } else {
-        let dtype = tensor.primitive.dtype();
-        let device = B::float_device(&tensor.primitive);
-        let ones = Shape::from(vec![1; shape.num_dims()]);
-        let zero = B::float_from_data(TensorData::new(vec![-0.0f32], ones), &device);
-        let zero = if dtype == DType::F32 {
-            zero
-        } else {
-            B::float_cast(zero, FloatDType::from(dtype))
-        };
-        B::float_expand(zero, shape)
+        B::float_cast(zero, FloatDType::from(dtype))
     };
-    Autodiff::<B, C>::from_inner(value)
+    Autodiff::<B, C>::from_inner(B::float_expand(zero, shape))
 }
 
 // What the product's node keeps: the other operand where the parameter's gradient needs it,
@@ -290,7 +284,7 @@ fn mul_backward<B: Backend>(
             .param
             .clone()
             .expect("kept where the other operand is tracked");
-        let bytes = counted(param.shard.as_ref(), &param.tensor);
+        let bytes = counted(&param.tensor);
         let whole = gather::<B>(param.shard.as_ref(), &param.tensor);
         let out = B::float_mul(grad, reshaped::<B>(whole, &state.operand_shape));
         count_dropped(bytes);
@@ -350,7 +344,7 @@ fn bounded_mul<B: Backend, C: CheckpointStrategy>(
     let (other_tracked, param_tracked) = (other.is_tracked(), param.is_tracked());
     let other_shape = other.primitive.shape();
     let broadcast = other_shape != operand_shape;
-    let bytes = counted(shard.as_ref(), &param.primitive);
+    let bytes = counted(&param.primitive);
     let whole = reshaped::<B>(
         gather::<B>(shard.as_ref(), &param.primitive),
         &operand_shape,
