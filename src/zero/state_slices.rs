@@ -707,7 +707,8 @@ mod tests {
         assert!(join_state(&parts, &[7]).unwrap() == whole);
     }
 
-    /// Real optimizer records, on a backend.
+    /// Real optimizer records, on every backend the build has.
+    #[cfg(any(feature = "flex", feature = "ndarray"))]
     mod records {
         use burn::module::{Module, Param, ParamId};
         use burn::optim::{
@@ -842,7 +843,7 @@ mod tests {
             found
         }
 
-        fn adam_and_sgd_states_slice_and_join<B: AutodiffBackend>() {
+        fn adam_and_sgd_states_slice_and_join_on<B: AutodiffBackend>() {
             let (_, shapes) = trained::<B, _>(AdamConfig::new().init::<B, Net<B>>());
             for processes in [1, 2, 3, 4] {
                 // Every record of a test is its optimizer's after the same steps from the same
@@ -877,7 +878,7 @@ mod tests {
                 .collect()
         }
 
-        fn a_state_missing_from_a_part_is_refused<B: AutodiffBackend>() {
+        fn a_state_missing_from_a_part_is_refused_on<B: AutodiffBackend>() {
             let device = Default::default();
             // Keyed by place, as the processes' parts travel: the error names the place.
             let shapes: HashMap<ParamId, Vec<usize>> = [vec![3, 5], vec![7], vec![2]]
@@ -903,34 +904,24 @@ mod tests {
             );
         }
 
-        #[cfg(feature = "flex")]
-        mod flex {
-            type B = burn::backend::Autodiff<burn::backend::Flex>;
-
-            #[test]
-            fn adam_and_sgd_states_slice_and_join() {
-                super::adam_and_sgd_states_slice_and_join::<B>();
-            }
-
-            #[test]
-            fn a_state_missing_from_a_part_is_refused() {
-                super::a_state_missing_from_a_part_is_refused::<B>();
-            }
+        /// Runs the generic check `$check` on every backend this build has.
+        macro_rules! on_every_backend {
+            ($check:ident) => {{
+                #[cfg(feature = "flex")]
+                $check::<burn::backend::Autodiff<burn::backend::Flex>>();
+                #[cfg(feature = "ndarray")]
+                $check::<burn::backend::Autodiff<burn::backend::NdArray>>();
+            }};
         }
 
-        #[cfg(feature = "ndarray")]
-        mod ndarray {
-            type B = burn::backend::Autodiff<burn::backend::NdArray>;
+        #[test]
+        fn adam_and_sgd_states_slice_and_join() {
+            on_every_backend!(adam_and_sgd_states_slice_and_join_on);
+        }
 
-            #[test]
-            fn adam_and_sgd_states_slice_and_join() {
-                super::adam_and_sgd_states_slice_and_join::<B>();
-            }
-
-            #[test]
-            fn a_state_missing_from_a_part_is_refused() {
-                super::a_state_missing_from_a_part_is_refused::<B>();
-            }
+        #[test]
+        fn a_state_missing_from_a_part_is_refused() {
+            on_every_backend!(a_state_missing_from_a_part_is_refused_on);
         }
     }
 }
