@@ -55,11 +55,9 @@ pub(crate) fn slice_state(
     let mut unmatched = Unmatched::default();
     let sliced = rewrite(&[&record], bytes.len(), &mut |path, tensors| {
         let tensor = &tensors[0];
-        if tensor.shape != shape {
-            unmatched.note(path, &tensor.shape);
+        if !unmatched.matches(path, &tensor.shape, shape) {
             return Ok(None);
         }
-        unmatched.matched = true;
         let size = tensor.dtype.size();
         Ok(Some(Replacement {
             shape: slice_shape(shape.len(), len),
@@ -110,11 +108,9 @@ pub(crate) fn join_state(parts: &[Vec<u8>], shape: &[usize]) -> Result<Vec<u8>, 
                 tensor.dtype, tensor.shape, other.dtype, other.shape
             ));
         }
-        if tensor.shape != sliced {
-            unmatched.note(path, &tensor.shape);
+        if !unmatched.matches(path, &tensor.shape, &sliced) {
             return Ok(None);
         }
-        unmatched.matched = true;
         let size = tensor.dtype.size();
         Ok(Some(Replacement {
             shape: shape.to_vec(),
@@ -178,9 +174,15 @@ struct Unmatched {
 }
 
 impl Unmatched {
-    fn note(&mut self, path: &str, shape: &[usize]) {
-        self.first
-            .get_or_insert_with(|| (path.to_string(), shape.to_vec()));
+    /// Whether the tensor at `path` of shape `shape` is of the shape `expected`, noted.
+    fn matches(&mut self, path: &str, shape: &[usize], expected: &[usize]) -> bool {
+        if shape == expected {
+            self.matched = true;
+        } else {
+            self.first
+                .get_or_insert_with(|| (path.to_string(), shape.to_vec()));
+        }
+        shape == expected
     }
 
     /// An error when tensors were met and none had the shape `expected` names.
