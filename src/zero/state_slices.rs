@@ -880,7 +880,7 @@ mod tests {
                 .collect()
         }
 
-        fn a_state_missing_from_a_part_is_refused_on<B: AutodiffBackend>() {
+        fn a_state_one_part_lacks_is_refused_on<B: AutodiffBackend>() {
             let device = Default::default();
             // Keyed by place, as the processes' parts travel: the error names the place.
             let shapes: HashMap<ParamId, Vec<usize>> = [vec![3, 5], vec![7], vec![2]]
@@ -889,20 +889,32 @@ mod tests {
                 .map(|(shape, place)| (ParamId::from(place), shape))
                 .collect();
             let shape_of = |id: ParamId| shapes.get(&id).cloned();
-            let mut parts = (0..2)
-                .map(|rank| {
-                    let (record, ids) = trained::<B, _>(AdamConfig::new().init::<B, Net<B>>());
-                    rekey_as(record, &ids, &shapes).slice(&shape_of, 2, rank, &device)
-                })
-                .collect::<Result<Vec<_>, _>>()
-                .unwrap();
-            parts[1].remove(&ParamId::from(1));
-            let Err(err) = HashMap::join(parts, &shape_of, &device) else {
+            let parts = || -> Vec<HashMap<ParamId, _>> {
+                (0..2)
+                    .map(|rank| {
+                        let (record, ids) = trained::<B, _>(AdamConfig::new().init::<B, Net<B>>());
+                        let record = rekey_as(record, &ids, &shapes);
+                        record.slice(&shape_of, 2, rank, &device).unwrap()
+                    })
+                    .collect()
+            };
+            let mut missing = parts();
+            missing[1].remove(&ParamId::from(1));
+            let Err(err) = HashMap::join(missing, &shape_of, &device) else {
                 panic!("joined without a state");
             };
             assert_eq!(
                 err,
                 "process 1's optimizer state holds none of parameter #1, and process 0's does"
+            );
+            let mut extra = parts();
+            extra[0].remove(&ParamId::from(2));
+            let Err(err) = HashMap::join(extra, &shape_of, &device) else {
+                panic!("joined without a state");
+            };
+            assert_eq!(
+                err,
+                "process 1's optimizer state holds parameter #2's, and process 0's does not"
             );
         }
 
@@ -922,8 +934,8 @@ mod tests {
         }
 
         #[test]
-        fn a_state_missing_from_a_part_is_refused() {
-            on_every_backend!(a_state_missing_from_a_part_is_refused_on);
+        fn a_state_one_part_lacks_is_refused() {
+            on_every_backend!(a_state_one_part_lacks_is_refused_on);
         }
     }
 }
