@@ -18,6 +18,7 @@ pub(crate) mod post_backward;
 mod sharded;
 mod sharding;
 mod stage;
+mod state_slices;
 
 pub(crate) use crate::backend::placeholder::discard_anchors;
 pub use crate::backend::placeholder::{GatheredBytes, gathered_bytes, reset_gathered_peak};

@@ -16,6 +16,7 @@ use crate::distributed::{DistributedError, ProcessGroup};
 use crate::record_bytes::{Bytes, from_bytes};
 
 use super::sharded::{Partition, param_ids};
+use super::state_slices::{join_state, slice_state};
 
 /// An optimizer record that keeps its state per parameter, so that sharded training can split
 /// it among the parameters' owners and merge it back.
@@ -30,6 +31,67 @@ pub trait ParamStateRecord<B: Backend>: Record<B> {
 
     /// The state of both records (parameters are in one or the other).
     fn merge(self, other: Self) -> Self;
+
+    /// The record with the state of each parameter whose shape `shapes` gives cut to process
+    /// `rank`'s flat slice of `processes` (the state of a parameter it gives none of stays as
+    /// it is), its tensors on `device`.
+    ///
+    /// At ZeRO stage 3 each process steps only its flat slice of every parameter (FSDP's
+    /// sharded optimizer state, [`slice_range`](crate::zero::slice_range)), so an elementwise
+    /// optimizer's state has the slices' shape there: a run resuming from a checkpoint's whole
+    /// state at stage 3 keeps its own slices of it.
+    ///
+    /// # Errors
+    /// The default: the record cannot be sliced. Burn's records: a state that cannot be
+    /// encoded or read back, or holds no tensor of its parameter's shape.
+    fn slice(
+        self,
+        shapes: &dyn Fn(ParamId) -> Option<Vec<usize>>,
+        processes: usize,
+        rank: usize,
+        device: &B::Device,
+    ) -> Result<Self, String>
+    where
+        Self: Sized,
+    {
+        let _ = (shapes, processes, rank, device);
+        Err(cannot_slice::<Self>())
+    }
+
+    /// The whole record of every process's sliced one (`parts`, in rank order, each as
+    /// [`slice`](Self::slice) cut it, keyed by the same ids): the state of each parameter whose
+    /// shape `shapes` gives joined from the parts' slices (the state of a parameter it gives
+    /// none of is part 0's), its tensors on `device`.
+    ///
+    /// A checkpoint holds the whole state (as a run at stages 0 to 2 writes it, so that it
+    /// resumes at any stage on any number of processes): at ZeRO stage 3, where each process
+    /// holds its slices of every parameter's state, consolidating it joins them.
+    ///
+    /// # Errors
+    /// The default: the record cannot be joined. Burn's records: no parts, a state one part
+    /// holds and another does not, parts of different structure or sliced over another number
+    /// of processes.
+    fn join(
+        parts: Vec<Self>,
+        shapes: &dyn Fn(ParamId) -> Option<Vec<usize>>,
+        device: &B::Device,
+    ) -> Result<Self, String>
+    where
+        Self: Sized,
+    {
+        let _ = (parts, shapes, device);
+        Err(cannot_slice::<Self>())
+    }
+}
+
+/// Why a record without [`ParamStateRecord::slice`] and [`join`](ParamStateRecord::join)
+/// cannot train at ZeRO stage 3.
+fn cannot_slice<R>() -> String {
+    format!(
+        "the optimizer's record ({}) cannot be cut along ZeRO stage 3's parameter slices: \
+         implement `ParamStateRecord::slice` and `ParamStateRecord::join` for it",
+        std::any::type_name::<R>()
+    )
 }
 
 impl<B: Backend, R: Record<B>> ParamStateRecord<B> for HashMap<ParamId, R> {
@@ -42,6 +104,111 @@ impl<B: Backend, R: Record<B>> ParamStateRecord<B> for HashMap<ParamId, R> {
     fn merge(mut self, other: Self) -> Self {
         self.extend(other);
         self
+    }
+
+    fn slice(
+        self,
+        shapes: &dyn Fn(ParamId) -> Option<Vec<usize>>,
+        processes: usize,
+        rank: usize,
+        device: &B::Device,
+    ) -> Result<Self, String> {
+        self.into_iter()
+            .map(|(id, state)| {
+                let Some(shape) = shapes(id) else {
+                    return Ok((id, state));
+                };
+                let bytes = state_bytes::<B, R>(id, state)?;
+                let sliced = slice_state(&bytes, &shape, processes, rank)
+                    .map_err(|e| format!("the optimizer state of {}: {e}", param_name(id)))?;
+                Ok((id, state_from_bytes::<B, R>(id, sliced, device)?))
+            })
+            .collect()
+    }
+
+    fn join(
+        parts: Vec<Self>,
+        shapes: &dyn Fn(ParamId) -> Option<Vec<usize>>,
+        device: &B::Device,
+    ) -> Result<Self, String> {
+        let mut parts = parts.into_iter();
+        let Some(first) = parts.next() else {
+            return Err("no process's optimizer state to join".into());
+        };
+        let mut others: Vec<Self> = parts.collect();
+        for (rank, other) in (1..).zip(&others) {
+            if let Some(&id) = other.keys().find(|id| !first.contains_key(*id)) {
+                return Err(format!(
+                    "process {rank}'s optimizer state holds {}'s, and process 0's does not",
+                    param_name(id)
+                ));
+            }
+        }
+        first
+            .into_iter()
+            .map(|(id, state)| {
+                let mut states = vec![state];
+                for (rank, other) in (1..).zip(&mut others) {
+                    states.push(other.remove(&id).ok_or_else(|| {
+                        format!(
+                            "process {rank}'s optimizer state holds none of {}, and process 0's \
+                             does",
+                            param_name(id)
+                        )
+                    })?);
+                }
+                let Some(shape) = shapes(id) else {
+                    return Ok((id, states.swap_remove(0)));
+                };
+                let parts = states
+                    .into_iter()
+                    .map(|state| state_bytes::<B, R>(id, state))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let whole = join_state(&parts, &shape)
+                    .map_err(|e| format!("the optimizer state of {}: {e}", param_name(id)))?;
+                Ok((id, state_from_bytes::<B, R>(id, whole, device)?))
+            })
+            .collect()
+    }
+}
+
+/// The bytes of the state of parameter `id` on its own, as a record of one entry keyed by
+/// `id`: `from_bytes`'s check knows an optimizer state by the parameter id it is under, and
+/// refuses a state record on its own (whose state is under Burn's `item`, not an id).
+fn state_bytes<B: Backend, R: Record<B>>(id: ParamId, state: R) -> Result<Vec<u8>, String> {
+    Recorder::<B>::record(&Bytes::default(), HashMap::from([(id, state)]), ()).map_err(|e| {
+        format!(
+            "cannot encode the optimizer state of {}: {e}",
+            param_name(id)
+        )
+    })
+}
+
+/// The state of parameter `id` from [`state_bytes`]'s, on `device`.
+fn state_from_bytes<B: Backend, R: Record<B>>(
+    id: ParamId,
+    bytes: Vec<u8>,
+    device: &B::Device,
+) -> Result<R, String> {
+    let cannot = |e: String| {
+        format!(
+            "the optimizer state of {} cannot be read: {e}",
+            param_name(id)
+        )
+    };
+    from_bytes::<B, HashMap<ParamId, R>>(bytes, device)
+        .map_err(cannot)?
+        .remove(&id)
+        .ok_or_else(|| cannot("it is under another id".into()))
+}
+
+/// A parameter as an error names it: by its place in the model where the id is one (the
+/// state of another process is keyed by place, [`keyed_by_place`]; Burn draws ids at random
+/// over 64 bits, so a drawn one is below 2^32 about once in four billion), else by its id.
+fn param_name(id: ParamId) -> String {
+    match id.val() {
+        place if place < 1 << 32 => format!("parameter #{place}"),
+        _ => format!("parameter {id}"),
     }
 }
 
