@@ -750,15 +750,19 @@ impl<B: AutodiffBackend> Accelerator<B> {
     /// The part of a whole optimizer state (a checkpoint's, from
     /// [`consolidate_optimizer_record`](Self::consolidate_optimizer_record) or a stage 0 run)
     /// that this process steps at this run's ZeRO stage, for the optimizer's `load_record`:
-    /// its own partition's at stages 1 and 2, whatever the number of processes that saved
-    /// it; all of it otherwise. `model` is the model the optimizer steps (loaded from the
+    /// its own partition's at stages 1 and 2 (its slice of every parameter's at stage 3),
+    /// whatever the number of processes that saved it; all of it otherwise. `model` is the model the optimizer steps (loaded from the
     /// same checkpoint: the state is keyed by its parameters' ids).
+    ///
+    /// # Errors
+    /// [`AccelerateError::OptimizerState`] where ZeRO stage 3 cannot cut the record into this
+    /// process's slices.
     pub fn shard_optimizer_record<M: AutodiffModule<B>, R: ParamStateRecord<B>>(
         &mut self,
         model: &M,
         record: R,
-    ) -> R {
-        self.core.own_optimizer_record(model, record)
+    ) -> Result<R, AccelerateError> {
+        self.core.own_optimizer_record(model, record, &self.device)
     }
 
     // The process group of the steps, when there are several processes.

@@ -156,6 +156,14 @@ pub enum AccelerateError {
         reason: String,
     },
 
+    /// An optimizer record that ZeRO stage 3 cannot cut into its slices (an optimizer whose
+    /// record implements `ParamStateRecord` without `slice` and `join`).
+    #[error("ZeRO stage 3 cannot slice the optimizer's state: {reason}")]
+    OptimizerState {
+        /// What went wrong.
+        reason: String,
+    },
+
     /// A data loader configuration that cannot be built, or a loader state that cannot be
     /// restored.
     #[error(transparent)]

@@ -150,6 +150,10 @@ impl<B: AutodiffBackend> Accelerator<B> {
                 &state(),
                 files,
                 |_| false,
+                self.config()
+                    .zero_stage
+                    .shards_parameters()
+                    .then_some(self.device()),
             );
         }
         let whole = self.consolidate_optimizer_record(model, optimizer.to_record())?;
@@ -241,7 +245,7 @@ impl<B: AutodiffBackend> Accelerator<B> {
             }
             Resume::From(read) => read,
         };
-        let own = self.shard_optimizer_record(&read.model, read.optimizer);
+        let own = self.shard_optimizer_record(&read.model, read.optimizer)?;
         optimizer = optimizer.load_record(own);
         // The state in the one order of both entry points; the position and loss scale as
         // `load_state` restores them, once it has checked the accumulation settings (the

@@ -294,7 +294,8 @@ enum Written {
 /// process `state` (under `scheme`'s name: the `Accelerator`'s or `with_accelerate`'s) and
 /// the loop's `own` files, listed once every process wrote its files; the files of dropped
 /// checkpoints for which `spare` says so stay on disk. Every process of `group` must call it
-/// at the same point, between steps.
+/// at the same point, between steps. `sliced`: at ZeRO stage 3, the device on which the
+/// processes' slices of the optimizer state are joined into each partition's whole.
 ///
 /// # Errors
 /// [`AccelerateError::Checkpoint`] on every process when any process could not write its files
@@ -311,6 +312,7 @@ pub(crate) fn write<B, M, R>(
     state: &CheckpointState,
     own: &[(&str, &[u8])],
     spare: impl Fn(&str) -> bool,
+    sliced: Option<&B::Device>,
 ) -> Result<(), AccelerateError>
 where
     B: AutodiffBackend,
@@ -319,6 +321,16 @@ where
 {
     let (rank, world) = (group.rank(), group.world_size());
     let partition = Partition::of::<B, M>(model, world);
+    // At stage 3 each process holds its slices of every parameter's state: the files hold
+    // each partition's whole, as stages 1 and 2 write them.
+    let optimizer = match sliced {
+        Some(device) => zero::keyed_by_id::<B, M, R>(
+            model,
+            zero::own_whole_state::<B, M, R>(group, model, optimizer, &partition, device)?,
+        )
+        .map_err(|reason| AccelerateError::OptimizerState { reason })?,
+        None => optimizer,
+    };
     // The parameters each process writes, gathered to it where they are released (stage 3).
     let model_record = zero::own_model_record::<B, M>(model, &partition, rank, Some(group))?;
     let written = match write_own::<B, M, R>(dir, number, model, model_record, optimizer, rank, world)

@@ -328,8 +328,13 @@ impl<B: AutodiffBackend> StepCore<B> {
         device: &B::Device,
     ) -> Result<Option<R>, AccelerateError> {
         match self.sharded() {
-            Some((group, _)) => Ok(zero::consolidate_state::<B, M, R>(
-                group, model, record, 0, device,
+            Some((group, stage)) => Ok(zero::consolidate_state::<B, M, R>(
+                group,
+                model,
+                record,
+                0,
+                stage.shards_parameters(),
+                device,
             )?),
             None => Ok(self
                 .group
@@ -378,22 +383,31 @@ impl<B: AutodiffBackend> StepCore<B> {
     }
 
     /// The part of a whole optimizer `record` (a checkpoint's, or a fresh optimizer's) that
-    /// this process steps: its partition's when sharded, all of it otherwise. The partition
-    /// is computed anew from `model` (one loaded from a checkpoint has the checkpoint's
-    /// parameter ids) and kept for the steps.
+    /// this process steps: its partition's when sharded (at stage 3, its slice of every
+    /// parameter's state, on `device`), all of it otherwise. The partition is computed anew
+    /// from `model` (one loaded from a checkpoint has the checkpoint's parameter ids) and kept
+    /// for the steps.
+    ///
+    /// # Errors
+    /// [`AccelerateError::OptimizerState`] where stage 3 cannot slice the record.
     pub fn own_optimizer_record<M: AutodiffModule<B>, R: ParamStateRecord<B>>(
         &mut self,
         model: &M,
         record: R,
-    ) -> R {
-        let Some((group, _)) = self.sharded() else {
-            return record;
+        device: &B::Device,
+    ) -> Result<R, AccelerateError> {
+        let Some((group, stage)) = self.sharded() else {
+            return Ok(record);
         };
         let (rank, world) = (group.rank(), group.world_size());
-        let partition = Partition::of::<B, M>(model, world);
-        let own = zero::keep_own_state(record, &partition, rank);
-        self.partition = Some(partition);
-        own
+        let own = if stage.shards_parameters() {
+            zero::keep_own_slices::<B, M, R>(model, record, world, rank, device)
+                .map_err(|reason| AccelerateError::OptimizerState { reason })?
+        } else {
+            zero::keep_own_state(record, &Partition::of::<B, M>(model, world), rank)
+        };
+        self.partition = Some(Partition::of::<B, M>(model, world));
+        Ok(own)
     }
 
     /// Averages the window's gradients over the processes (at stage 2, this process's

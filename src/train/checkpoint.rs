@@ -301,6 +301,9 @@ where
             &state,
             &[(&scheduler_name, &scheduler)],
             |name| burn_keeps(dir, name),
+            core.sharded()
+                .is_some_and(|(_, stage)| stage.shards_parameters())
+                .then_some(&self.device),
         );
         if let Err(err) = written {
             // The checkpoints listed before stay whole: a restart resumes from the newest.

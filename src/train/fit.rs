@@ -462,7 +462,10 @@ where
             let whole = tap
                 .optimizer(&learner, &training_components.event_store)
                 .unwrap_or_else(|err| fail("cannot read the optimizer state", err));
-            learner.load_optim(core.own_optimizer_record(&learner.model(), whole));
+            let own = core
+                .own_optimizer_record(&learner.model(), whole, &self.device)
+                .unwrap_or_else(|err| fail("cannot keep this process's optimizer state", err));
+            learner.load_optim(own);
         }
         for epoch in starting_epoch..=training_components.num_epochs {
             let progress = Progress {

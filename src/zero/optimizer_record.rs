@@ -15,7 +15,7 @@ use hashbrown::HashMap;
 use crate::distributed::{DistributedError, ProcessGroup};
 use crate::record_bytes::{Bytes, from_bytes};
 
-use super::sharded::{Partition, param_ids};
+use super::sharded::{Partition, param_ids, param_shapes};
 use super::state_slices::{join_state, slice_state};
 
 /// An optimizer record that keeps its state per parameter, so that sharded training can split
@@ -222,8 +222,33 @@ pub fn keep_own_state<B: Backend, R: ParamStateRecord<B>>(
     record.rekey(&mut |id| (partition.owner(id) == rank).then_some(id))
 }
 
+/// ZeRO stage 3: the part of a whole `record` (a checkpoint's, or a fresh optimizer's) this
+/// process steps: every parameter's state cut to this process's slice of the parameter
+/// ([`ParamStateRecord::slice`]), its tensors on `device`.
+///
+/// # Errors
+/// What [`ParamStateRecord::slice`] returns.
+pub fn keep_own_slices<B, M, R>(
+    module: &M,
+    record: R,
+    processes: usize,
+    rank: usize,
+    device: &B::Device,
+) -> Result<R, String>
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B>,
+    R: ParamStateRecord<B>,
+{
+    let shapes: HashMap<ParamId, Vec<usize>> = param_shapes::<B, M>(module).into_iter().collect();
+    record.slice(&|id| shapes.get(&id).cloned(), processes, rank, device)
+}
+
 /// Every process's part of the optimizer state of `module`, merged on process `root` (`None`
 /// on the others), with its tensors on `device`. Every process must call it at the same point.
+/// Where `sliced` (ZeRO stage 3: each process holds its slices of every parameter's state),
+/// the parts are joined ([`ParamStateRecord::join`]); otherwise each parameter's state is its
+/// owner's.
 ///
 /// Each part travels whole to the root, which holds the whole state for a moment, as torch's
 /// `consolidate_state_dict` does. Processes give the same parameter different ids (Burn draws
@@ -232,12 +257,13 @@ pub fn keep_own_state<B: Backend, R: ParamStateRecord<B>>(
 ///
 /// # Errors
 /// What the group's point-to-point messages return; [`DistributedError::Malformed`] when a
-/// part cannot be read back (processes built from different optimizers).
+/// part cannot be read back (processes built from different optimizers), or joined.
 pub fn consolidate_state<B, M, R>(
     group: &ProcessGroup,
     module: &M,
     part: R,
     root: usize,
+    sliced: bool,
     device: &B::Device,
 ) -> Result<Option<R>, DistributedError>
 where
@@ -245,7 +271,7 @@ where
     M: AutodiffModule<B>,
     R: ParamStateRecord<B>,
 {
-    let (rank, n) = (group.rank(), group.world_size());
+    let n = group.world_size();
     if root >= n {
         return Err(DistributedError::InvalidCall(format!(
             "consolidate on process {root}, but there are {n} (ranks 0..{n})"
@@ -254,8 +280,87 @@ where
     if n == 1 {
         return Ok(Some(part));
     }
-    let ids = param_ids::<B, M>(module);
-    let place: HashMap<ParamId, u64> = ids.iter().zip(0u64..).map(|(id, i)| (*id, i)).collect();
+    let part = keyed_by_place::<B, M, R>(module, part);
+    let Some(parts) = parts_at(group, part, root, device)? else {
+        return Ok(None);
+    };
+    let whole = if sliced {
+        let shapes = param_shapes::<B, M>(module);
+        let by_place = |place: ParamId| shapes.get(place.val() as usize).map(|(_, s)| s.clone());
+        R::join(parts, &by_place, device).map_err(|detail| DistributedError::Malformed {
+            rank: root,
+            detail: format!("the processes' slices of the optimizer state do not join: {detail}"),
+        })?
+    } else {
+        let mut parts = parts.into_iter();
+        let first = parts.next().expect("one part a process");
+        parts.fold(first, R::merge)
+    };
+    keyed_by_id::<B, M, R>(module, whole)
+        .map(Some)
+        .map_err(|detail| DistributedError::Malformed { rank: root, detail })
+}
+
+/// ZeRO stage 3's part of a sharded checkpoint: the whole state of the parameters `partition`
+/// gives to this process (the layout stages 1 and 2 write, so that a run resumes from it at
+/// any stage on any number of processes), joined from every process's slices (`part`), each
+/// parameter's on its owner alone, keyed by place ([`keyed_by_place`]). Every process must
+/// call it at the same point.
+///
+/// # Errors
+/// As [`consolidate_state`]'s.
+pub(crate) fn own_whole_state<B, M, R>(
+    group: &ProcessGroup,
+    module: &M,
+    part: R,
+    partition: &Partition,
+    device: &B::Device,
+) -> Result<R, DistributedError>
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B>,
+    R: ParamStateRecord<B>,
+{
+    let (rank, n) = (group.rank(), group.world_size());
+    let shapes = param_shapes::<B, M>(module);
+    let owners: Vec<usize> = shapes.iter().map(|(id, _)| partition.owner(*id)).collect();
+    let by_place = |place: ParamId| shapes.get(place.val() as usize).map(|(_, s)| s.clone());
+    // Records need not be `Clone`: each owner's share is decoded from one encoding.
+    let part = keyed_by_place::<B, M, R>(module, part);
+    let encoded = Bytes::default()
+        .record(part, ())
+        .map_err(|e| DistributedError::InvalidCall(format!("cannot encode the state: {e}")))?;
+    let mut own = None;
+    for owner in 0..n {
+        let share: R = from_bytes::<B, R>(encoded.clone(), device).map_err(|detail| {
+            DistributedError::InvalidCall(format!("cannot read the state back: {detail}"))
+        })?;
+        let share = share.rekey(&mut |place| {
+            (owners.get(place.val() as usize) == Some(&owner)).then_some(place)
+        });
+        if let Some(parts) = parts_at(group, share, owner, device)? {
+            let joined =
+                R::join(parts, &by_place, device).map_err(|detail| DistributedError::Malformed {
+                    rank,
+                    detail: format!(
+                        "the processes' slices of the optimizer state do not join: {detail}"
+                    ),
+                })?;
+            own = Some(joined);
+        }
+    }
+    Ok(own.expect("this process is one of the owners"))
+}
+
+// Every process's `part` (keyed by place) on process `root`, in rank order (`None` on the
+// others), with its tensors on `device`.
+fn parts_at<B: Backend, R: ParamStateRecord<B>>(
+    group: &ProcessGroup,
+    part: R,
+    root: usize,
+    device: &B::Device,
+) -> Result<Option<Vec<R>>, DistributedError> {
+    let (rank, n) = (group.rank(), group.world_size());
     // NamedMpk rather than bincode: Burn's bincode recorder allocates whatever length the
     // bytes claim (a damaged part aborted the main process), and MessagePack's decoder reads
     // a claimed length only as far as the bytes go (SECURITY.md).
@@ -263,43 +368,28 @@ where
     // Every process opens the stream, so that the streams opened after it pair up.
     let stream = group.stream();
     if rank != root {
-        // State of a parameter the module does not have has no place to travel to.
-        let part = part.rekey(&mut |id| place.get(&id).map(|&i| ParamId::from(i)));
         let bytes = recorder
             .record(part, ())
             .map_err(|e| DistributedError::InvalidCall(format!("cannot encode the state: {e}")))?;
         stream.send(root, 0, 0, &bytes)?;
         return Ok(None);
     }
-    let mut whole = part;
-    for from in (0..n).filter(|&r| r != root) {
+    let mut parts = Vec::with_capacity(n);
+    let mut own = Some(part);
+    for from in 0..n {
+        if from == root {
+            parts.push(own.take().expect("the root's own part, once"));
+            continue;
+        }
         let (_, _, bytes) = stream.recv(from)?;
         let other: R =
             from_bytes::<B, R>(bytes, device).map_err(|e| DistributedError::Malformed {
                 rank: from,
                 detail: format!("its optimizer state cannot be read: {e}"),
             })?;
-        let mut unknown = None;
-        let other = other.rekey(&mut |place| {
-            let id = ids.get(place.val() as usize).copied();
-            if id.is_none() {
-                unknown = Some(place.val());
-            }
-            id
-        });
-        if let Some(place) = unknown {
-            return Err(DistributedError::Malformed {
-                rank: from,
-                detail: format!(
-                    "it sent the optimizer state of parameter #{place}, and this process's \
-                     model has {} parameters",
-                    ids.len()
-                ),
-            });
-        }
-        whole = whole.merge(other);
+        parts.push(other);
     }
-    Ok(Some(whole))
+    Ok(Some(parts))
 }
 
 /// `part` keyed by each parameter's place in `module`'s visiting order instead of its id (ids

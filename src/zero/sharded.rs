@@ -61,6 +61,21 @@ pub(crate) fn param_ids<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M) ->
     params(module).into_iter().map(|(id, _)| id).collect()
 }
 
+/// Every float parameter's id and shape, in visiting order, without reading it.
+pub(crate) fn param_shapes<B: AutodiffBackend, M: AutodiffModule<B>>(
+    module: &M,
+) -> Vec<(ParamId, Vec<usize>)> {
+    struct Shapes(Vec<(ParamId, Vec<usize>)>);
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Shapes {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0.push((param.id, param.lazy_shape().dims::<D>().to_vec()));
+        }
+    }
+    let mut shapes = Shapes(Vec::new());
+    module.visit(&mut shapes);
+    shapes.0
+}
+
 // Every float parameter's id and number of values, in visiting order.
 fn params<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M) -> Vec<(ParamId, usize)> {
     struct Sizes(Vec<(ParamId, usize)>);

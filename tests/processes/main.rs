@@ -869,11 +869,19 @@ fn stage_3_keeps_parameters_sharded_between_steps_and_ends_where_stage_0_does() 
             (Precision::F32, None, 3),
             (Precision::F16, Some(0.5), 2),
             // Autocast casts the gathered f32 parameter per op, as it casts a held one; fp8's
-            // amax histories are per process, as at stage 0.
+            // amax histories are per process, as at stage 0. Bf16 on two processes only: on
+            // three, a gradient's mean differs from stage 2's in its last bit where the slices
+            // sum in another order, bf16 rounds the next activations of parameters a bit
+            // apart differently, and Adam at this learning rate (0.5) carries that to 7e-2 by
+            // the end (stage 3 under bf16 on three processes holds 1e-6 at a learning rate
+            // that does not amplify it: `stage_3_under_autocast_gathers_linear_and_matmul_*`).
             (Precision::Bf16, None, 1),
             (Precision::Fp8(Fp8Mode::Hybrid), Some(0.5), 2),
         ];
         for (precision, clip_norm, grad_accum) in cases {
+            if precision == Precision::Bf16 && processes > 2 {
+                continue;
+            }
             let args = |zero_stage: u8| HandLoop {
                 batch_size: 4,
                 grad_accum,
