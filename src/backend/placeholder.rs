@@ -147,12 +147,16 @@ pub(crate) use view::{float_mul, float_reshape};
 /// process holds a slice of the parameter (ZeRO stage 3's 1/N, FSDP's flat slice) and a
 /// placeholder of its full shape; each use gathers the slices.
 pub trait Shard: Send + Sync + 'static {
+    /// This process's slice of the parameter (padded): its bytes, and the parameter's dtype.
+    fn slice(&self) -> (Vec<u8>, DType);
+
     /// The parameter's whole bytes in `dtype` (its own, or the half type an op runs in under
-    /// autocast: each process casts its slice, FSDP's `param_dtype`), in logical order, on
-    /// every process. Every process must call it at the same use. A failure (processes that
+    /// autocast: FSDP's `param_dtype`), in logical order, on every process, from every
+    /// process's slice (`own`: this process's, in `dtype`, cast by the op's backend as
+    /// autocast casts). Every process must call it at the same use. A failure (processes that
     /// read different parameters, a lost peer) panics with what to change: it runs inside an
     /// op, which has no error channel.
-    fn gather(&self, dtype: DType) -> Vec<u8>;
+    fn gather(&self, own: Vec<u8>, dtype: DType) -> Vec<u8>;
 
     /// This process's slice of the mean over the processes of the parameter's gradient
     /// (`grad`: this process's whole gradient, f32 bytes in logical order), as f32 bytes of
@@ -520,7 +524,17 @@ fn received<B: Backend>(
     dtype: DType,
     device: &B::Device,
 ) -> (FloatTensor<B>, u64) {
-    let bytes = shard.gather(dtype);
+    let (own, from) = shard.slice();
+    let own = if from == dtype {
+        own
+    } else {
+        // Autocast's cast, on the op's backend: the bits its cast of the whole value gives
+        // (an elementwise rounding).
+        let values = own.len() / from.size();
+        let own = B::float_from_data(TensorData::from_bytes_vec(own, [values], from), device);
+        bytes_of::<B>(crate::cpu::table::cast::<B>(own, FloatDType::from(dtype)))
+    };
+    let bytes = shard.gather(own, dtype);
     let expected = shape.num_elements() * dtype.size();
     assert_eq!(
         bytes.len(),
@@ -1418,7 +1432,11 @@ pub(crate) fn reduce_to_slice<B: Backend>(
     shard: &dyn Shard,
     grad: FloatTensor<B>,
 ) -> FloatTensor<B> {
-    let (rank, dtype, device) = (grad.shape().num_dims(), grad.dtype(), B::float_device(&grad));
+    let (rank, dtype, device) = (
+        grad.shape().num_dims(),
+        grad.dtype(),
+        B::float_device(&grad),
+    );
     let grad = if dtype == DType::F32 {
         grad
     } else {

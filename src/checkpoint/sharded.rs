@@ -137,16 +137,20 @@ pub(crate) fn complete(entry: &CheckpointEntry) -> Result<(), String> {
 /// What a resume of `model` at ZeRO `stage` across `group` (none: one process) reads of a
 /// checkpoint, for both entry points: the files ([`keeps`], for this process's rank and the
 /// group's size) and whether the parameters are sharded (stage 3 on several processes: the
-/// model files of its partition alone, the other parameters coming back released, as
-/// [`read`] takes them).
+/// model files of its partition alone, and every optimizer file, each process keeping its
+/// slice of every parameter, as [`read`] takes them).
 pub(crate) fn resume_reads<B: AutodiffBackend, M: AutodiffModule<B>>(
     model: &M,
     group: Option<&ProcessGroup>,
     stage: zero::ZeroStage,
 ) -> (impl Fn(&str) -> bool + Clone + use<B, M>, bool) {
     let (rank, world) = group.map_or((0, 1), |g| (g.rank(), g.world_size()));
-    let shards_state = zero::shards(stage, group);
-    let shards_parameters = shards_state && stage.shards_parameters();
+    let shards = zero::shards(stage, group);
+    let shards_parameters = shards && stage.shards_parameters();
+    // At stage 3 each process keeps its slice of every parameter's state: it reads every
+    // optimizer file (and the model files of its partition, whose parameters it sends to
+    // every process to slice).
+    let shards_state = shards && !shards_parameters;
     let keep = keeps::<B, M>(model, rank, world, shards_state, shards_parameters);
     (keep, shards_parameters)
 }
@@ -333,11 +337,11 @@ where
     };
     // The parameters each process writes, gathered to it where they are released (stage 3).
     let model_record = zero::own_model_record::<B, M>(model, &partition, rank, Some(group))?;
-    let written = match write_own::<B, M, R>(dir, number, model, model_record, optimizer, rank, world)
-    {
-        Ok(files) => Written::Files(files),
-        Err(err) => Written::Failed(format!("process {rank}: {err}")),
-    };
+    let written =
+        match write_own::<B, M, R>(dir, number, model, model_record, optimizer, rank, world) {
+            Ok(files) => Written::Files(files),
+            Err(err) => Written::Failed(format!("process {rank}: {err}")),
+        };
     // Every process's files (torch's `all_gather_object`): the main one lists them all.
     let everyone = group.all_gather_object(&written)?;
     let failure = if rank == 0 {

@@ -118,7 +118,7 @@ use std::sync::Arc;
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{DType, FloatDType, Shape, Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{DType, Shape, Tensor, TensorData};
 
 use crate::backend::placeholder::{self, Shard};
 use crate::distributed::bucket::Inner;
@@ -439,30 +439,23 @@ impl<B: AutodiffBackend, const D: usize> HeldParam<B, D> {
 }
 
 /// This process's padded slice of `flat` (a parameter's values in logical order): the values
-/// of [`slice_range`], then zeros up to `len`.
+/// of [`slice_range`], then zeros up to `len`, in storage of its own (a view of `flat`'s would
+/// keep the whole parameter alive as long as the slice).
 pub(crate) fn cut_slice<I: Backend>(
     flat: Tensor<I, 1>,
     len: usize,
     processes: usize,
     rank: usize,
 ) -> Tensor<I, 1> {
-    let values = flat.dims()[0];
+    let (values, dtype, device) = (flat.dims()[0], flat.dtype(), flat.device());
     let range = slice_range(values, processes, rank);
-    let own = range.len();
-    let slice = if own == values {
-        flat
+    let mut bytes = if range.is_empty() {
+        Vec::new()
     } else {
-        flat.slice(range)
+        flat.slice(range).into_data().bytes.to_vec()
     };
-    if own == len {
-        return slice;
-    }
-    let padding = Tensor::<I, 1>::zeros([len - own], &slice.device()).cast(slice.dtype());
-    if own == 0 {
-        padding
-    } else {
-        Tensor::cat(vec![slice, padding], 0)
-    }
+    bytes.resize(len * dtype.size(), 0);
+    Tensor::from_data(TensorData::from_bytes_vec(bytes, [len], dtype), &device)
 }
 
 // `[1, .., 1, len]` in rank `D`.
@@ -614,26 +607,23 @@ impl<I: Backend> FlatShard<I> {
         )
     }
 
-    // Every process's slice in `dtype` (each cast where it lies: autocast's cast, an
-    // elementwise rounding, gives the bits the cast of the whole would), the padding cut.
-    fn gathered(&self, dtype: DType) -> Result<Vec<u8>, DistributedError> {
+    // Every process's slice (`own`: this process's, in `dtype`), the padding cut.
+    fn gathered(&self, own: &[u8], dtype: DType) -> Result<Vec<u8>, DistributedError> {
         agree_on(&self.group, self.place)?;
-        let own = if dtype == self.dtype {
-            self.slice.clone()
-        } else {
-            let cast = crate::cpu::table::cast::<I>(
-                self.slice.clone().into_primitive().tensor(),
-                FloatDType::from(dtype),
-            );
-            Tensor::from_primitive(TensorPrimitive::Float(cast))
-        };
-        let own = own.into_data().bytes;
         let (n, rank) = (self.group.world_size(), self.group.rank());
-        let block = own.len();
+        let block = self.len() * dtype.size();
+        if own.len() != block {
+            return Err(DistributedError::InvalidCall(format!(
+                "a slice of {} bytes to gather where a {dtype:?} slice of parameter #{} takes \
+                 {block}",
+                own.len(),
+                self.place
+            )));
+        }
         let mut buffer = vec![0u8; block * n];
-        buffer[rank * block..(rank + 1) * block].copy_from_slice(&own);
-        drop(own);
-        self.group.all_gather_in_place(&mut buffer, &vec![block; n])?;
+        buffer[rank * block..(rank + 1) * block].copy_from_slice(own);
+        self.group
+            .all_gather_in_place(&mut buffer, &vec![block; n])?;
         buffer.truncate(self.shape.num_elements() * dtype.size());
         Ok(buffer)
     }
@@ -644,15 +634,21 @@ impl<I: Backend> FlatShard<I> {
         &self,
         device: &B::Device,
     ) -> Result<Tensor<B, D>, DistributedError> {
-        let bytes = self.gathered(self.dtype)?;
+        let own = self.slice.clone().into_data().bytes;
+        let bytes = self.gathered(&own, self.dtype)?;
         let data = TensorData::from_bytes_vec(bytes, self.shape.clone(), self.dtype);
         Ok(Tensor::from_data(data, device))
     }
 }
 
 impl<I: Backend> Shard for FlatShard<I> {
-    fn gather(&self, dtype: DType) -> Vec<u8> {
-        self.gathered(dtype).unwrap_or_else(|err| self.fail(err))
+    fn slice(&self) -> (Vec<u8>, DType) {
+        (self.slice.clone().into_data().bytes.to_vec(), self.dtype)
+    }
+
+    fn gather(&self, own: Vec<u8>, dtype: DType) -> Vec<u8> {
+        self.gathered(&own, dtype)
+            .unwrap_or_else(|err| self.fail(err))
     }
 
     fn reduce(&self, grad: Vec<u8>) -> Vec<u8> {

@@ -33,8 +33,8 @@ pub(crate) use full_shard::{
 };
 pub use full_shard_checkpoint::{gather_model, gather_model_record};
 pub(crate) use full_shard_checkpoint::{held_record, own_model_record, release_loaded};
-pub use optimizer_record::{ParamStateRecord, consolidate_state, keep_own_slices, keep_own_state};
 pub(crate) use optimizer_record::own_whole_state;
+pub use optimizer_record::{ParamStateRecord, consolidate_state, keep_own_slices, keep_own_state};
 pub(crate) use optimizer_record::{keyed_by_id, keyed_by_place};
 pub(crate) use sharded::shards;
 pub use sharded::{Partition, keep_own, reduce_scatter_gradients, share_parameters};

@@ -339,13 +339,14 @@ where
             (owners.get(place.val() as usize) == Some(&owner)).then_some(place)
         });
         if let Some(parts) = parts_at(group, share, owner, device)? {
-            let joined =
-                R::join(parts, &by_place, device).map_err(|detail| DistributedError::Malformed {
+            let joined = R::join(parts, &by_place, device).map_err(|detail| {
+                DistributedError::Malformed {
                     rank,
                     detail: format!(
                         "the processes' slices of the optimizer state do not join: {detail}"
                     ),
-                })?;
+                }
+            })?;
             own = Some(joined);
         }
     }

@@ -68,7 +68,8 @@ pub(crate) fn param_shapes<B: AutodiffBackend, M: AutodiffModule<B>>(
     struct Shapes(Vec<(ParamId, Vec<usize>)>);
     impl<B: AutodiffBackend> ModuleVisitor<B> for Shapes {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            self.0.push((param.id, param.lazy_shape().dims::<D>().to_vec()));
+            self.0
+                .push((param.id, param.lazy_shape().dims::<D>().to_vec()));
         }
     }
     let mut shapes = Shapes(Vec::new());

@@ -29,10 +29,10 @@ use burn_accelerate::zero::ZeroStage;
 use burn_accelerate::{AccelerateConfig, Accelerated};
 use serde::{Deserialize, Serialize};
 
-use crate::{assert_like_stage_2, bits};
 use crate::harness::{self, launch, report, worker};
 use crate::mlp::{BlobBatch, CLASSES, FEATURES};
 use crate::supervised::{self, FitDir};
+use crate::{assert_like_stage_2, bits};
 use crate::{parameters, resume};
 
 type Train = Accelerated<Autodiff<Flex>>;
