@@ -19,8 +19,8 @@
 //! at stage 3). With
 //! `--checkpoint DIR`, the `Accelerator` then saves a checkpoint into `DIR`
 //! (`save_checkpoint`): consolidated (the whole optimizer state gathered on the main process,
-//! and at stage 3 the model, each parameter sent to it by its owner alone), or with
-//! `--sharded-checkpoint` each process's partition in files of its own. A second line says
+//! and at stage 3 the model, every process sending its slice of each parameter to it alone),
+//! or with `--sharded-checkpoint` each process's partition in files of its own. A second line says
 //! what that cost: `checkpoint_s=T main_peak_rss_mib=M main_save_peak_rss_mib=S
 //! others_save_peak_rss_mib=O` (the main process's peak over the whole run; the main
 //! process's and the other processes' largest peaks during the save alone).
@@ -29,12 +29,13 @@
 //! cast (`SmallOps::Cast`); at stage 3 each layer is then gathered in the half type (FSDP's
 //! `param_dtype`: `sent_per_param_byte` about `2 (n - 1) / n`).
 //!
-//! The model trains on `Accelerated<Autodiff<Flex>>` (f32, autocast off, by default) at every stage. At
-//! stage 3 a layer's weight and bias are gathered for its forward op and again for its
+//! The model trains on `Accelerated<Autodiff<Flex>>` (f32, autocast off, by default) at every
+//! stage. At stage 3 each process holds a 1/N slice of every parameter (FSDP's flat slice); a
+//! layer's weight and bias are gathered from the slices for its forward op and again for its
 //! input gradient's, and dropped after each (`burn_accelerate::zero::release_parameters`):
-//! besides its own partition, a process holds one other layer's parameters at a time. Each
-//! gradient goes to its owner as soon as the backward pass has computed it, and the other
-//! processes drop it.
+//! besides its slices, a process holds one layer's parameters at a time. Each gradient is
+//! reduce-scattered as soon as the backward pass has computed it: every process keeps its
+//! slice's mean, and the optimizer steps the slices.
 
 #[path = "common/memory.rs"]
 mod memory;

@@ -434,3 +434,46 @@ where
         None => Ok(part),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::Flex;
+    use burn::record::Record;
+    use burn::tensor::Tensor;
+
+    use super::*;
+
+    /// An optimizer's record of the user's own, implementing only what stages 1 and 2 need.
+    #[derive(Record)]
+    struct Own<B: Backend> {
+        moment: Tensor<B, 1>,
+    }
+
+    impl<B: Backend> ParamStateRecord<B> for Own<B> {
+        fn rekey(self, _: &mut dyn FnMut(ParamId) -> Option<ParamId>) -> Self {
+            self
+        }
+
+        fn merge(self, _: Self) -> Self {
+            self
+        }
+    }
+
+    #[test]
+    fn a_record_without_slice_and_join_says_to_implement_them() {
+        let device = Default::default();
+        let own = || Own::<Flex> {
+            moment: Tensor::zeros([3], &device),
+        };
+        let shapes = |_: ParamId| Some(vec![3]);
+        let err = own().slice(&shapes, 2, 0, &device).err().unwrap();
+        assert!(
+            err.contains("implement `ParamStateRecord::slice` and `ParamStateRecord::join`"),
+            "{err}"
+        );
+        let err = Own::join(vec![own(), own()], &shapes, &device)
+            .err()
+            .unwrap();
+        assert!(err.contains("cannot be cut along ZeRO stage 3's"), "{err}");
+    }
+}
