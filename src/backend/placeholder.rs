@@ -147,22 +147,22 @@ pub(crate) use view::{float_mul, float_reshape};
 /// process holds a slice of the parameter (ZeRO stage 3's 1/N, FSDP's flat slice) and a
 /// placeholder of its full shape; each use gathers the slices.
 pub trait Shard: Send + Sync + 'static {
-    /// This process's slice of the parameter (padded): its bytes, and the parameter's dtype.
-    fn slice(&self) -> (Vec<u8>, DType);
+    /// This process's slice of the parameter (padded), in the parameter's dtype.
+    fn slice(&self) -> TensorData;
 
-    /// The parameter's whole bytes in `dtype` (its own, or the half type an op runs in under
-    /// autocast: FSDP's `param_dtype`), in logical order, on every process, from every
+    /// The whole parameter in `dtype` (its own, or the half type an op runs in under
+    /// autocast: FSDP's `param_dtype`), on every process, from every
     /// process's slice (`own`: this process's, in `dtype`, cast by the op's backend as
     /// autocast casts). Every process must call it at the same use. A failure (processes that
     /// read different parameters, a lost peer) panics with what to change: it runs inside an
     /// op, which has no error channel.
-    fn gather(&self, own: Vec<u8>, dtype: DType) -> Vec<u8>;
+    fn gather(&self, own: &[u8], dtype: DType) -> TensorData;
 
     /// This process's slice of the mean over the processes of the parameter's gradient
-    /// (`grad`: this process's whole gradient, f32 bytes in logical order), as f32 bytes of
+    /// (`grad`: this process's whole gradient, in logical order), as values of
     /// the slice's length (its padding's values zero). Every process must call it at the
     /// same point of the same backward pass. Panics as [`gather`](Self::gather) does.
-    fn reduce(&self, grad: Vec<u8>) -> Vec<u8>;
+    fn reduce(&self, grad: Vec<f32>) -> Vec<f32>;
 
     /// The shard as [`Any`], for the owner of the slice (ZeRO stage 3) to read it back.
     fn as_any(&self) -> &dyn Any;
@@ -496,14 +496,6 @@ fn shard_of<B: Backend>(tensor: &FloatTensor<B>) -> Option<Arc<dyn Shard>> {
     registry(|r| r.shards.get(&id).cloned())
 }
 
-fn bytes_of<B: Backend>(tensor: FloatTensor<B>) -> Vec<u8> {
-    try_read_sync(B::float_into_data(tensor))
-        .and_then(Result::ok)
-        .expect("ZeRO stage 3 could not read a parameter it owns to send it")
-        .bytes
-        .to_vec()
-}
-
 // One use's gather of the parameter `tensor` stands for, as a tensor of `B` beside it (same
 // shape, dtype, device), counted as whole until `count_dropped`.
 fn gather<B: Backend>(shard: &dyn Shard, tensor: &FloatTensor<B>) -> FloatTensor<B> {
@@ -524,27 +516,28 @@ fn received<B: Backend>(
     dtype: DType,
     device: &B::Device,
 ) -> (FloatTensor<B>, u64) {
-    let (own, from) = shard.slice();
-    let own = if from == dtype {
+    let own = shard.slice();
+    let own = if own.dtype == dtype {
         own
     } else {
         // Autocast's cast, on the op's backend: the bits its cast of the whole value gives
         // (an elementwise rounding).
-        let values = own.len() / from.size();
-        let own = B::float_from_data(TensorData::from_bytes_vec(own, [values], from), device);
-        bytes_of::<B>(crate::cpu::table::cast::<B>(own, FloatDType::from(dtype)))
+        let own = B::float_from_data(own, device);
+        let cast = crate::cpu::table::cast::<B>(own, FloatDType::from(dtype));
+        try_read_sync(B::float_into_data(cast))
+            .and_then(Result::ok)
+            .expect("ZeRO stage 3 could not read its slice to send it")
     };
-    let bytes = shard.gather(own, dtype);
+    let data = shard.gather(&own.bytes, dtype);
     let expected = shape.num_elements() * dtype.size();
-    assert_eq!(
-        bytes.len(),
-        expected,
-        "ZeRO stage 3 received {} bytes for a {dtype:?} parameter of shape {shape:?} \
-         ({expected} bytes): the processes' models differ",
-        bytes.len()
+    assert!(
+        data.bytes.len() == expected && data.shape == shape,
+        "ZeRO stage 3 gathered {} bytes of shape {:?} for a {dtype:?} parameter of shape \
+         {shape:?} ({expected} bytes): the processes' models differ",
+        data.bytes.len(),
+        data.shape
     );
     count_gathered(expected as u64);
-    let data = TensorData::from_bytes_vec(bytes, shape, dtype);
     (B::float_from_data(data, device), expected as u64)
 }
 
@@ -1442,9 +1435,17 @@ pub(crate) fn reduce_to_slice<B: Backend>(
     } else {
         B::float_cast(grad, FloatDType::F32)
     };
-    let mean = shard.reduce(bytes_of::<B>(grad));
-    let shape = slice_shape(rank, mean.len() / DType::F32.size());
-    let mean = B::float_from_data(TensorData::from_bytes_vec(mean, shape, DType::F32), &device);
+    // The gradient's own buffer where it is not shared (no copy), and the slice's handed to
+    // the tensor as it is.
+    let grad = try_read_sync(B::float_into_data(grad))
+        .and_then(Result::ok)
+        .expect("ZeRO stage 3 could not read a gradient to reduce it");
+    let grad = grad
+        .into_vec::<f32>()
+        .expect("the gradient was cast to f32");
+    let mean = shard.reduce(grad);
+    let shape = slice_shape(rank, mean.len());
+    let mean = B::float_from_data(TensorData::new(mean, shape), &device);
     if dtype == DType::F32 {
         mean
     } else {

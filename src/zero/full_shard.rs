@@ -607,10 +607,25 @@ impl<I: Backend> FlatShard<I> {
         )
     }
 
-    // Every process's slice (`own`: this process's, in `dtype`), the padding cut.
-    fn gathered(&self, own: &[u8], dtype: DType) -> Result<Vec<u8>, DistributedError> {
+    // Every process's slice (`own`: this process's, in `dtype`), the padding cut: the whole
+    // parameter, in a buffer of `dtype`'s values that the tensor takes as it is (a buffer of
+    // bytes would be copied to align it).
+    fn gathered(&self, own: &[u8], dtype: DType) -> Result<TensorData, DistributedError> {
+        fn values<E: bytemuck::Pod + burn::tensor::Element>(
+            shard: &FlatShard<impl Backend>,
+            own: &[u8],
+        ) -> Result<TensorData, DistributedError> {
+            let (n, rank) = (shard.group.world_size(), shard.group.rank());
+            let len = shard.len();
+            let mut whole = vec![E::zeroed(); len * n];
+            let block = len * size_of::<E>();
+            let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut whole);
+            bytes[rank * block..(rank + 1) * block].copy_from_slice(own);
+            shard.group.all_gather_in_place(bytes, &vec![block; n])?;
+            whole.truncate(shard.shape.num_elements());
+            Ok(TensorData::new(whole, shard.shape.clone()))
+        }
         agree_on(&self.group, self.place)?;
-        let (n, rank) = (self.group.world_size(), self.group.rank());
         let block = self.len() * dtype.size();
         if own.len() != block {
             return Err(DistributedError::InvalidCall(format!(
@@ -620,12 +635,15 @@ impl<I: Backend> FlatShard<I> {
                 self.place
             )));
         }
-        let mut buffer = vec![0u8; block * n];
-        buffer[rank * block..(rank + 1) * block].copy_from_slice(own);
-        self.group
-            .all_gather_in_place(&mut buffer, &vec![block; n])?;
-        buffer.truncate(self.shape.num_elements() * dtype.size());
-        Ok(buffer)
+        match dtype {
+            DType::F64 => values::<f64>(self, own),
+            DType::F32 => values::<f32>(self, own),
+            DType::F16 => values::<half::f16>(self, own),
+            DType::BF16 => values::<half::bf16>(self, own),
+            other => Err(DistributedError::InvalidCall(format!(
+                "ZeRO stage 3 gathers float parameters, not {other:?} ones"
+            ))),
+        }
     }
 
     /// The parameter gathered whole, as a new leaf without a gradient requirement (the lazy
@@ -635,23 +653,21 @@ impl<I: Backend> FlatShard<I> {
         device: &B::Device,
     ) -> Result<Tensor<B, D>, DistributedError> {
         let own = self.slice.clone().into_data().bytes;
-        let bytes = self.gathered(&own, self.dtype)?;
-        let data = TensorData::from_bytes_vec(bytes, self.shape.clone(), self.dtype);
-        Ok(Tensor::from_data(data, device))
+        Ok(Tensor::from_data(self.gathered(&own, self.dtype)?, device))
     }
 }
 
 impl<I: Backend> Shard for FlatShard<I> {
-    fn slice(&self) -> (Vec<u8>, DType) {
-        (self.slice.clone().into_data().bytes.to_vec(), self.dtype)
+    fn slice(&self) -> TensorData {
+        self.slice.clone().into_data()
     }
 
-    fn gather(&self, own: Vec<u8>, dtype: DType) -> Vec<u8> {
-        self.gathered(&own, dtype)
+    fn gather(&self, own: &[u8], dtype: DType) -> TensorData {
+        self.gathered(own, dtype)
             .unwrap_or_else(|err| self.fail(err))
     }
 
-    fn reduce(&self, grad: Vec<u8>) -> Vec<u8> {
+    fn reduce(&self, grad: Vec<f32>) -> Vec<f32> {
         self.reduced(grad).unwrap_or_else(|err| {
             panic!(
                 "ZeRO stage 3 could not reduce-scatter the gradient of parameter #{} (in the \
@@ -669,14 +685,16 @@ impl<I: Backend> Shard for FlatShard<I> {
 impl<I: Backend> FlatShard<I> {
     // The mean over the processes of the parameter's gradient, this process's slice of it (a
     // reduce-scatter of the gradient padded as the parameter is).
-    fn reduced(&self, mut grad: Vec<u8>) -> Result<Vec<u8>, DistributedError> {
+    fn reduced(&self, mut grad: Vec<f32>) -> Result<Vec<f32>, DistributedError> {
         agree_on(&self.group, self.place)?;
         let len = self.len();
-        grad.resize(len * self.group.world_size() * Element::F32.size(), 0);
-        let mine = reduce_scatter_padded(&self.group, &mut grad, len)?;
-        grad.truncate(mine.end);
-        grad.drain(..mine.start);
-        Ok(grad)
+        grad.resize(len * self.group.world_size(), 0.0);
+        let counts = vec![len; self.group.world_size()];
+        let mine = self
+            .group
+            .reduce_scatter(&mut grad, &counts, ReduceOp::Mean)?
+            .to_vec();
+        Ok(mine)
     }
 }
 
