@@ -54,21 +54,21 @@
 //!   where gamma and beta are read as they are: the normalisation runs as Burn decomposes
 //!   it; gamma and beta are gathered for the affine part alone, and gamma again for the
 //!   normalised input's gradient (`norm`).
-//! - The convolutions (Burn's `nn::conv`: `conv1d`, `conv2d`, `conv3d` and the transposed
-//!   ones), where autocast is off and the operands share a dtype: as `linear`, the weight
-//!   (and a registered bias) gathered for the op alone, the weight again for the input's
-//!   gradient, in Burn's convolution node's ops and order; the weight's and bias's gradients
-//!   read only their placeholders' shapes (`conv`). Under autocast, each convolution's cast
-//!   plan decided once: parameters it reads as they are (an f32-kept op) gathered as with
-//!   autocast off; f32 parameters it casts to bf16/f16 gathered in the half type (each
-//!   process casts its slice and sends halves), for Burn's convolution node on the half operands (`conv`), or
-//!   on `Autodiff<Flex>` where autocast runs `conv2d` or `conv1d` (as a 2-D one, the weight
-//!   reshaped inside the node) on the crate's half convolution, for its node, the weight
-//!   again for the backward pass, whose GEMMs read it for both the input's and the weight's
-//!   gradients (`half_conv`). Under fp8 autocast (fp8's cast node registered for the
-//!   backend), f32 parameters gathered in f32 for Burn's convolution node, the weight rounded
-//!   there by the op's own fp8 cast and again for the input's gradient, and its gradient
-//!   rounded as the cast node's backward rounds it, as `linear` under fp8 (tested by
+//! - The convolutions (Burn's `nn::conv`: `conv1d`, `conv2d`, `conv3d` and the transposed ones),
+//!   where autocast is off and the operands share a dtype: as `linear`, the weight (and a
+//!   registered bias) gathered for the op alone, the weight again for the input's gradient, in
+//!   Burn's convolution node's ops and order; the weight's and bias's gradients read only their
+//!   placeholders' shapes (`conv`). Under autocast, each convolution's cast plan decided once:
+//!   parameters it reads as they are (an f32-kept op) gathered as with autocast off; f32 parameters
+//!   it casts to bf16/f16 gathered in the half type (each process casts its slice and sends
+//!   halves), for Burn's convolution node on the half operands (`conv`), or on `Autodiff<Flex>`
+//!   where autocast runs `conv2d` or `conv1d` (as a 2-D one, the weight reshaped inside the node)
+//!   on the crate's half convolution, for its node, the weight again for the backward pass, whose
+//!   GEMMs read it for both the input's and the weight's gradients (`half_conv`). Under fp8
+//!   autocast (fp8's cast node registered for the backend), f32 parameters gathered in f32 for
+//!   Burn's convolution node, the weight rounded there by the op's own fp8 cast and again for the
+//!   input's gradient, and its gradient rounded as the cast node's backward rounds it, as `linear`
+//!   under fp8 (tested by
 //!   `stage_3_under_fp8_gathers_each_convolutions_parameters_for_its_op_alone_like_stage_2`).
 //! - `reshape` of a registered parameter (Burn's `unsqueeze` of `nn::RmsNorm`'s gamma):
 //!   nothing is gathered; the result is a *view*, a placeholder of the new shape registered
@@ -944,9 +944,9 @@ fn autocast_linear<B: Backend>(
     }
     // Where the plan casts the f32 parameters to the half type and `lowered::linear` runs
     // `B::linear` on the half operands (a backend without the crate's half kernels, or the
-    // backend's own half path chosen): the parameters gathered in the half type, each
-    // process casting its slice with autocast's cast, for Burn's node on them. Where `lowered::linear` would
-    // run the crate's kernels instead (a bias that is no parameter, which the kernels' path
+    // backend's own half path chosen): the parameters gathered in the half type, each process
+    // casting its slice with autocast's cast, for Burn's node on them. Where `lowered::linear`
+    // would run the crate's kernels instead (a bias that is no parameter, which the kernels' path
     // above leaves to the op's own path), the op's own path, for the kernels' bits.
     let half_input = target.filter(|t| x.dtype() == DType::from(*t));
     let f32_params =
@@ -1232,9 +1232,9 @@ fn up_to_three<B: Backend, C: CheckpointStrategy, T: WithOptionalThird<B>>(
     }
 }
 
-// Burn's `linear` on `Autodiff<B, C>` with the weight (and a registered bias) gathered for
-// the forward op alone, in `half` where given (autocast's half type, each process casting its slice), and
-// a node that keeps the placeholder instead of the gathered weight.
+// Burn's `linear` on `Autodiff<B, C>` with the weight (and a registered bias) gathered for the
+// forward op alone, in `half` where given (autocast's half type, each process casting its slice),
+// and a node that keeps the placeholder instead of the gathered weight.
 fn bounded_linear<B: Backend, C: CheckpointStrategy>(
     x: FloatTensor<Autodiff<B, C>>,
     weight: FloatTensor<Autodiff<B, C>>,
@@ -1571,9 +1571,9 @@ impl<B: Backend> Operand<B> {
     }
 }
 
-// Burn's `matmul` on `Autodiff<B, C>` with each registered operand gathered for the forward
-// op alone (in `half` where given: autocast's half type, each process casting its slice), and a node that
-// keeps its placeholder instead of the gathered value.
+// Burn's `matmul` on `Autodiff<B, C>` with each registered operand gathered for the forward op
+// alone (in `half` where given: autocast's half type, each process casting its slice), and a node
+// that keeps its placeholder instead of the gathered value.
 fn bounded_matmul<B: Backend, C: CheckpointStrategy>(
     lhs: FloatTensor<Autodiff<B, C>>,
     rhs: FloatTensor<Autodiff<B, C>>,

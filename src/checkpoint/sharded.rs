@@ -1,37 +1,37 @@
-//! A sharded checkpoint ([`CheckpointLayout::Sharded`](super::CheckpointLayout::Sharded)):
-//! each process writes its own partition's parameters and optimizer state ([`zero::partition`],
-//! at stage 3 too) into the checkpoint directory, and the main process lists every process's files, with their checksums, in one
-//! manifest entry once all are on the disk; and the resume, which re-partitions them for any
-//! number of processes at any stage.
+//! A sharded checkpoint ([`CheckpointLayout::Sharded`](super::CheckpointLayout::Sharded)): each
+//! process writes its own partition's parameters and optimizer state ([`zero::partition`], at stage
+//! 3 too) into the checkpoint directory, and the main process lists every process's files, with
+//! their checksums, in one manifest entry once all are on the disk; and the resume, which
+//! re-partitions them for any number of processes at any stage.
 //!
 //! # The files
 //!
 //! Process `R` of `W` writes `model-N.shard-R-of-W.mpk` (the model's record, Burn's `NamedMpk`,
-//! each parameter of its partition with its save mapper applied, every other parameter a
-//! tensor of no elements) and `optimizer-N.shard-R-of-W.mpk` (its optimizer state, keyed by
-//! each parameter's place in the model's visiting order: ids are drawn per process). At stage
-//! 3, where each process holds a slice of every parameter and of its state, each released
-//! parameter's slices go to the process whose partition holds it, and the state's slices are
-//! joined there, so the files are those stages 1 and 2 write. The main
-//! process writes the state file (the `Accelerator`'s `accelerator-N.json`, `with_accelerate`'s
-//! `accelerate-N.json`) and the loop's own files (`with_accelerate`'s scheduler record). Each file is
-//! written aside, flushed and renamed ([`write_atomic`](super::write_atomic)); each process
-//! sends the main one its files' digests (or why it could not write them), and the main
-//! process lists the checkpoint only when every process wrote both of its files: a checkpoint
-//! missing a process's part is never listed, and the processes all return the same error.
+//! each parameter of its partition with its save mapper applied, every other parameter a tensor of
+//! no elements) and `optimizer-N.shard-R-of-W.mpk` (its optimizer state, keyed by each parameter's
+//! place in the model's visiting order: ids are drawn per process). At stage 3, where each process
+//! holds a slice of every parameter and of its state, each released parameter's slices go to the
+//! process whose partition holds it, and the state's slices are joined there, so the files are
+//! those stages 1 and 2 write. The main process writes the state file (the `Accelerator`'s
+//! `accelerator-N.json`, `with_accelerate`'s `accelerate-N.json`) and the loop's own files
+//! (`with_accelerate`'s scheduler record). Each file is written aside, flushed and renamed
+//! ([`write_atomic`](super::write_atomic)); each process sends the main one its files' digests (or
+//! why it could not write them), and the main process lists the checkpoint only when every process
+//! wrote both of its files: a checkpoint missing a process's part is never listed, and the
+//! processes all return the same error.
 //!
 //! # The resume
 //!
-//! The main process picks the newest checkpoint whose entry lists both files of every process
-//! (one written otherwise is incomplete, passed over as a damaged one is) and whose files all
-//! verify. Each process then reads only the files holding what it loads ([`keeps`], for both
-//! entry points): of the optimizer state at stages 1 and 2 and of the parameters at stage 3,
-//! the files of the saved processes whose partitions overlap its new one (on as many
-//! processes, its own); every file of what it loads whole (at stage 3 every optimizer file:
-//! it keeps its slice of every parameter's state). At stage 3 each process then sends the
-//! parameters of its partition to every process, each keeping its slice. A parameter is taken from the
-//! file that holds it whole: no index is needed. Before a run, `check_checkpoint_fits` checks
-//! the model files against the model from their shapes ([`precheck_model`]).
+//! The main process picks the newest checkpoint whose entry lists both files of every process (one
+//! written otherwise is incomplete, passed over as a damaged one is) and whose files all verify.
+//! Each process then reads only the files holding what it loads ([`keeps`], for both entry points):
+//! of the optimizer state at stages 1 and 2 and of the parameters at stage 3, the files of the
+//! saved processes whose partitions overlap its new one (on as many processes, its own); every file
+//! of what it loads whole (at stage 3 every optimizer file: it keeps its slice of every parameter's
+//! state). At stage 3 each process then sends the parameters of its partition to every process,
+//! each keeping its slice. A parameter is taken from the file that holds it whole: no index is
+//! needed. Before a run, `check_checkpoint_fits` checks the model files against the model from
+//! their shapes ([`precheck_model`]).
 
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::tensor::backend::AutodiffBackend;
@@ -431,12 +431,12 @@ fn commit(
         .map_err(|err| err.to_string())
 }
 
-/// Reads sharded checkpoint `loaded` (its state file, named by `scheme`, and the shard files
-/// this process kept: [`keeps`]) into `model` and an optimizer record keyed by `model`'s ids, for process `rank`
-/// of `world`: where `shards_parameters` (stage 3 on several processes) only the parameters
-/// of this process's partition are loaded, each sent to every process to keep its slice
-/// (`zero::release_loaded`), and `model` comes back released (every parameter gathered from
-/// the slices at its use, as after a step).
+/// Reads sharded checkpoint `loaded` (its state file, named by `scheme`, and the shard files this
+/// process kept: [`keeps`]) into `model` and an optimizer record keyed by `model`'s ids, for
+/// process `rank` of `world`: where `shards_parameters` (stage 3 on several processes) only the
+/// parameters of this process's partition are loaded, each sent to every process to keep its slice
+/// (`zero::release_loaded`), and `model` comes back released (every parameter gathered from the
+/// slices at its use, as after a step).
 ///
 /// # Errors
 /// [`AccelerateError::Checkpoint`] naming the file that does not decode, or the parameter no

@@ -1,23 +1,23 @@
 //! The strategy's own checkpoints, and resuming from them without code of the user's.
 //!
-//! With [`AccelerateStrategy::with_checkpoint_dir`], the main process writes, after each
-//! epoch, a crash-safe checkpoint into the directory ([`crate::checkpoint`]): the model's, the
-//! optimizer's (whole, under ZeRO) and the scheduler's records, in full precision
-//! (`accelerate-<epoch>-{model,optim,scheduler}.mpk`, Burn's `NamedMpk` format), and the
-//! strategy's state beside them (`accelerate-<epoch>.json`: the loss scale, the gradient
-//! state, the loaders' positions). With `CheckpointLayout::Sharded` at ZeRO stages 1 to 3 on
-//! several processes, each process writes its partition's model and optimizer files instead
-//! (`{model,optimizer}-<epoch>.shard-R-of-W.mpk`, through [`crate::checkpoint::sharded`],
-//! the `Accelerator`'s writer) and the main process the scheduler's record and the state; on
-//! resume each process reads, as the `Accelerator`'s does (`sharded::resume_reads`), the model files
-//! holding its partition's parameters at ZeRO stage 3 (each sent to every process, which
-//! keeps its slice: the model comes back released, and the fit keeps it so from its start) and
-//! every model file at other stages (each parameter from the one that holds it), and the
-//! optimizer files holding its partition's state at stages 1 and 2 (every one otherwise, at
-//! stage 3 too: it keeps a slice of every parameter's state), which the fit then splits for
-//! this run's processes and stage as a consolidated checkpoint's. They are the strategy's and not Burn's checkpointer's
-//! because Burn's `FileCheckpointer` writes in place, on threads of its own, with nothing that
-//! says when a file is whole: a crash in the middle leaves a torn file under its final name.
+//! With [`AccelerateStrategy::with_checkpoint_dir`], the main process writes, after each epoch, a
+//! crash-safe checkpoint into the directory ([`crate::checkpoint`]): the model's, the optimizer's
+//! (whole, under ZeRO) and the scheduler's records, in full precision
+//! (`accelerate-<epoch>-{model,optim,scheduler}.mpk`, Burn's `NamedMpk` format), and the strategy's
+//! state beside them (`accelerate-<epoch>.json`: the loss scale, the gradient state, the loaders'
+//! positions). With `CheckpointLayout::Sharded` at ZeRO stages 1 to 3 on several processes, each
+//! process writes its partition's model and optimizer files instead
+//! (`{model,optimizer}-<epoch>.shard-R-of-W.mpk`, through [`crate::checkpoint::sharded`], the
+//! `Accelerator`'s writer) and the main process the scheduler's record and the state; on resume
+//! each process reads, as the `Accelerator`'s does (`sharded::resume_reads`), the model files
+//! holding its partition's parameters at ZeRO stage 3 (each sent to every process, which keeps its
+//! slice: the model comes back released, and the fit keeps it so from its start) and every model
+//! file at other stages (each parameter from the one that holds it), and the optimizer files
+//! holding its partition's state at stages 1 and 2 (every one otherwise, at stage 3 too: it keeps a
+//! slice of every parameter's state), which the fit then splits for this run's processes and stage
+//! as a consolidated checkpoint's. They are the strategy's and not Burn's checkpointer's because
+//! Burn's `FileCheckpointer` writes in place, on threads of its own, with nothing that says when a
+//! file is whole: a crash in the middle leaves a torn file under its final name.
 //!
 //! What a checkpoint holds and the order it is read back in are the same as for the
 //! `Accelerator`'s ([`crate::checkpoint::contents`]); this module is the strategy's adapter:

@@ -37,10 +37,10 @@ use super::sharded::Partition;
 /// (ZeRO stage 3, between steps) or whole. Every process must call it at the same point, with
 /// the same model, and no process may read the model in between.
 ///
-/// Each process sends its slice of each released parameter to `root` alone, point to point,
-/// in visiting order, and no other process receives it (the save's traffic is the model
-/// once); `root` joins the slices and cuts the padding. A parameter held whole (on one process, or read already during
-/// a step) is read as an op reads it. `module` itself is left as it was: its released
+/// Each process sends its slice of each released parameter to `root` alone, point to point, in
+/// visiting order, and no other process receives it (the save's traffic is the model once); `root`
+/// joins the slices and cuts the padding. A parameter held whole (on one process, or read already
+/// during a step) is read as an op reads it. `module` itself is left as it was: its released
 /// parameters stay released.
 ///
 /// # Errors
@@ -89,15 +89,15 @@ where
     Ok(keep.then(|| gathered.into_record()))
 }
 
-/// The record of `module` with the values of the parameters `partition` gives to `rank` alone
-/// (each with its save mapper applied), every other parameter a value of no elements: this
-/// process's part of a sharded checkpoint (FSDP's `SHARDED_STATE_DICT`, DeepSpeed's per-rank
-/// files), in the layout stages 1 and 2 write, so that a run resumes from it at any stage on
-/// any number of processes. A whole parameter (stages 1 and 2) gives its own value, with
-/// nothing sent; a released one (ZeRO stage 3) is gathered from every process's slice to the
-/// process `partition` gives it to alone, point to point (the save's traffic is the model once). Every process must
-/// call it at the same point, with the same model (`group`: the processes' group, which a
-/// model with released parameters needs). `module` itself is left as it was.
+/// The record of `module` with the values of the parameters `partition` gives to `rank` alone (each
+/// with its save mapper applied), every other parameter a value of no elements: this process's part
+/// of a sharded checkpoint (FSDP's `SHARDED_STATE_DICT`, DeepSpeed's per-rank files), in the layout
+/// stages 1 and 2 write, so that a run resumes from it at any stage on any number of processes. A
+/// whole parameter (stages 1 and 2) gives its own value, with nothing sent; a released one (ZeRO
+/// stage 3) is gathered from every process's slice to the process `partition` gives it to alone,
+/// point to point (the save's traffic is the model once). Every process must call it at the same
+/// point, with the same model (`group`: the processes' group, which a model with released
+/// parameters needs). `module` itself is left as it was.
 ///
 /// # Errors
 /// What the group's point-to-point messages return (a process that left);
@@ -223,11 +223,11 @@ where
     }
 }
 
-/// `module` with every parameter whole on this process: each released parameter gathered
-/// from every process's slice (as an op gathers it, in visiting order), with its gradient requirement and
+/// `module` with every parameter whole on this process: each released parameter gathered from every
+/// process's slice (as an op gathers it, in visiting order), with its gradient requirement and
 /// mappers; a whole one as it is. Every process must call it at the same point, with the same
-/// model. The result reads no placeholder and gathers nothing at its uses: every process may
-/// use it alone (evaluate it, save it).
+/// model. The result reads no placeholder and gathers nothing at its uses: every process may use it
+/// alone (evaluate it, save it).
 ///
 /// A gather that fails (a process that left, or whose model differs) panics with the gather's
 /// error, as it does inside an op.

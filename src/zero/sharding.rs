@@ -27,16 +27,16 @@ use serde::{Deserialize, Serialize};
 /// bounded).
 ///
 /// Where it runs: the [`Accelerator`](crate::Accelerator)'s hand-written loops and
-/// `with_accelerate` (`AccelerateConfig::with_zero_stage`), across processes (a
-/// data-parallel strategy over one process's devices refuses a stage). Each process's
-/// optimizer then holds its own part's state only; checkpoints hold the whole state,
-/// merged on the main process ([`consolidate_state`](crate::zero::consolidate_state);
-/// `with_accelerate` does it for Burn's checkpoints, a hand-written loop calls
-/// `Accelerator::consolidate_optimizer_record`), so a run resumes at any stage on any number
-/// of processes. At stage 3 a checkpoint's model record is gathered on the main process too,
-/// parameter by parameter, from every process's slice ([`gather_model_record`](crate::zero::gather_model_record); a
-/// hand-written loop calls `Accelerator::consolidate_model_record`; `with_accelerate` does it
-/// for Burn's checkpoints and its own).
+/// `with_accelerate` (`AccelerateConfig::with_zero_stage`), across processes (a data-parallel
+/// strategy over one process's devices refuses a stage). Each process's optimizer then holds its
+/// own part's state only; checkpoints hold the whole state, merged on the main process
+/// ([`consolidate_state`](crate::zero::consolidate_state); `with_accelerate` does it for Burn's
+/// checkpoints, a hand-written loop calls `Accelerator::consolidate_optimizer_record`), so a run
+/// resumes at any stage on any number of processes. At stage 3 a checkpoint's model record is
+/// gathered on the main process too, parameter by parameter, from every process's slice
+/// ([`gather_model_record`](crate::zero::gather_model_record); a hand-written loop calls
+/// `Accelerator::consolidate_model_record`; `with_accelerate` does it for Burn's checkpoints and
+/// its own).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum ZeroStage {
     /// Data parallel: every process steps the whole model.

@@ -66,7 +66,8 @@ pub(super) fn gather_cast(
     received::<Flex>(shard, tensor.shape(), DType::from(dtype), &device)
 }
 
-// The weight as the node keeps it: its f32 placeholder and shard, gathered again in the half type where the input's gradient needs it.
+// The weight as the node keeps it: its f32 placeholder and shard, gathered again in the half type
+// where the input's gradient needs it.
 #[derive(Clone)]
 pub(super) struct HalfWeight {
     pub(super) tensor: FlexTensor,
