@@ -1,13 +1,13 @@
 //! ZeRO stage 3's per-layer bound for the ops that autocast leaves reading a parameter in f32:
-//! `nn::RmsNorm`'s product (`normalized * gamma.unsqueeze()`, a promote-class `mul`: under
-//! bf16/f16 autocast the half `normalized` is cast up to f32 and gamma read in f32), a
-//! `Linear` that the small-op rule keeps in f32, a `matmul` of the fp32 class, and the
-//! convolutions under fp8 autocast (f32 operands, the weight rounded by its fp8 cast). Each
-//! gathers its parameters in f32 for the op alone (again in backward where the other
-//! operand's gradient reads them), and stage 3 ends where stage 2 does under the same
-//! autocast (bit for bit on 2 processes, to rounding on 3; f16 with the loss scaler: the same outcomes and scale; fp8: the same amax
-//! histories and scales), with at most one layer's gathered parameters whole at a time and
-//! each batch sending stage 3's formula in the dtype each parameter is gathered in.
+//! `nn::RmsNorm`'s product (`normalized * gamma.unsqueeze()`, a promote-class `mul`: under bf16/f16
+//! autocast the half `normalized` is cast up to f32 and gamma read in f32), a `Linear` that the
+//! small-op rule keeps in f32, a `matmul` of the fp32 class, and the convolutions under fp8
+//! autocast (f32 operands, the weight rounded by its fp8 cast). Each gathers its parameters in f32
+//! for the op alone (again in backward where the other operand's gradient reads them), and stage 3
+//! ends where stage 2 does under the same autocast (bit for bit on 2 processes, to rounding on 3;
+//! f16 with the loss scaler: the same outcomes and scale; fp8: the same amax histories and scales),
+//! with at most one layer's gathered parameters whole at a time and each batch sending stage 3's
+//! formula in the dtype each parameter is gathered in.
 
 use super::stage3_norm::{NormKind, Normed, normed_layers};
 use super::*;

@@ -1,7 +1,7 @@
-//! ZeRO stage 3's per-layer bound on convolutions: a small CNN (two `Conv2d`, a
-//! `ConvTranspose2d`, a `Conv1d` and a linear head) gathers each convolution's weight and
-//! bias for its forward op alone, and its weight again for its input's gradient, and ends
-//! where stage 2 does (bit for bit on 2 processes, to rounding on 3); under bf16/f16 autocast a CNN of `Conv2d` layers does the
+//! ZeRO stage 3's per-layer bound on convolutions: a small CNN (two `Conv2d`, a `ConvTranspose2d`,
+//! a `Conv1d` and a linear head) gathers each convolution's weight and bias for its forward op
+//! alone, and its weight again for its input's gradient, and ends where stage 2 does (bit for bit
+//! on 2 processes, to rounding on 3); under bf16/f16 autocast a CNN of `Conv2d` layers does the
 //! same in the half type, and so does a net of a `ConvTranspose2d`, a `Conv1d` and a `Conv3d`.
 
 use super::*;
@@ -299,13 +299,13 @@ fn stage_3_gathers_each_convolutions_parameters_for_its_ops_alone_and_ends_where
     }
 }
 
-/// Under bf16 and f16 autocast (FSDP's `param_dtype`), a `Conv2d` gathers its weight and bias
-/// in the half type the crate's half convolution runs in, for the forward op, and its weight
-/// again for the backward pass (whose GEMMs read it for the input's gradient and the
-/// weight's: the first layer's too); the gradients, cast back to f32, are reduce-scattered in
-/// f32. Stage 3 ends where stage 2 does under the same autocast (bit for bit on 2 processes,
-/// to rounding on 3; f16 with the loss scaler: the same outcomes and scale), one layer's halves are whole at a time,
-/// and each batch sends what the formula says with two bytes a gathered value.
+/// Under bf16 and f16 autocast (FSDP's `param_dtype`), a `Conv2d` gathers its weight and bias in
+/// the half type the crate's half convolution runs in, for the forward op, and its weight again for
+/// the backward pass (whose GEMMs read it for the input's gradient and the weight's: the first
+/// layer's too); the gradients, cast back to f32, are reduce-scattered in f32. Stage 3 ends where
+/// stage 2 does under the same autocast (bit for bit on 2 processes, to rounding on 3; f16 with the
+/// loss scaler: the same outcomes and scale), one layer's halves are whole at a time, and each
+/// batch sends what the formula says with two bytes a gathered value.
 #[test]
 fn stage_3_under_autocast_gathers_conv2d_parameters_in_the_half_type_like_stage_2() {
     const TEST: &str = "stage3_conv::\

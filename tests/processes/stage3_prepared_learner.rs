@@ -4,13 +4,13 @@
 //! every parameter before the strategy sees the learner, finds placeholders instead of
 //! initialising the whole model on every process.
 //!
-//! What a process holds whole of the parameters outside its share of `zero::partition` (the
-//! test's observed set: at stage 3 no process keeps a parameter whole, each keeps a slice of
-//! every one) is observed at their source: every lazy parameter of the model is wrapped in one
-//! whose initializer runs Burn's own (the same values, drawn in the same order) and keeps a
-//! weak reference to the storage of the value it made. At each initialisation, the bytes of
-//! such values of the observed parameters that are still alive anywhere in the process are
-//! summed; the most at once is what the test bounds by one layer. Gathers during the passes are counted by `zero::gathered_bytes`.
+//! What a process holds whole of the parameters outside its share of `zero::partition` (the test's
+//! observed set: at stage 3 no process keeps a parameter whole, each keeps a slice of every one) is
+//! observed at their source: every lazy parameter of the model is wrapped in one whose initializer
+//! runs Burn's own (the same values, drawn in the same order) and keeps a weak reference to the
+//! storage of the value it made. At each initialisation, the bytes of such values of the observed
+//! parameters that are still alive anywhere in the process are summed; the most at once is what the
+//! test bounds by one layer. Gathers during the passes are counted by `zero::gathered_bytes`.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
