@@ -97,8 +97,8 @@ pub struct AccelerateConfig {
     pub fp8_recipe: DelayedScaling,
     /// Sharded data parallel over several processes (DeepSpeed's ZeRO stages; see
     /// [`ZeroStage`]): each process steps, and keeps optimizer state for, its own partition
-    /// of the parameters (at stage 3 it also keeps only its partition's parameters between
-    /// steps). Nothing changes for one process.
+    /// of the parameters (at stage 3, its slice of every parameter, and it keeps only those
+    /// slices between steps). Nothing changes for one process.
     #[config(default = "ZeroStage::None")]
     pub zero_stage: ZeroStage,
     /// How a checkpoint of a sharded run is written
@@ -503,10 +503,10 @@ impl<B: AutodiffBackend> Accelerator<B> {
     /// At ZeRO stage 3 ([`ZeroStage::Parameters`](crate::zero::ZeroStage::Parameters), on
     /// `Accelerated<Autodiff<B>>`, from the second window on, or from the first after
     /// [`prepare_model`](Self::prepare_model)), the backward pass of the batch
-    /// that completes a window reduces each gradient to the process that owns its parameter
-    /// as soon as it is final (FSDP's post-backward reduce-scatter): afterwards
-    /// [`gradients`](Self::gradients) holds this process's partition's averaged gradients
-    /// only, as at stage 2 after [`unscale_gradients`](Self::unscale_gradients). Every
+    /// that completes a window reduce-scatters each gradient as soon as it is final (FSDP's
+    /// post-backward reduce-scatter): afterwards [`gradients`](Self::gradients) holds this
+    /// process's slice of every averaged gradient only (shaped `[1, .., 1, slice]`), as the
+    /// optimizer steps the slices. Every
     /// process must call it for the same batches.
     pub fn backward<M: AutodiffModule<B>, const D: usize>(
         &mut self,
@@ -514,8 +514,8 @@ impl<B: AutodiffBackend> Accelerator<B> {
         model: &M,
     ) {
         let loss = self.core.transform_loss(loss);
-        // At ZeRO stage 3, the pass that completes a window reduces each gradient to its
-        // owner as soon as it is final.
+        // At ZeRO stage 3, the pass that completes a window reduce-scatters each gradient as
+        // soon as it is final.
         let context = &self.context;
         self.core.backward_pass(model, || {
             // In the training's context: fp8's backward records its gradients' amaxes there.
@@ -641,11 +641,11 @@ impl<B: AutodiffBackend> Accelerator<B> {
 
     /// `model`, prepared for training (Accelerate's `prepare_model`): at ZeRO stage 3
     /// ([`ZeroStage::Parameters`](crate::zero::ZeroStage::Parameters)) across processes, each
-    /// process keeps only its partition's parameters from here on, as after every step,
+    /// process keeps only its slice of every parameter from here on, as after every step,
     /// instead of holding the whole model until the first step (FSDP shards a model when it
     /// wraps it). Parameters Burn has not initialised yet (`Module::init`'s lazy ones) are
-    /// initialised one at a time and dropped where this process does not own them, so a
-    /// model larger than one process can hold never is whole. Every process must call it, at
+    /// initialised one at a time and dropped once this process cut its slice, so a model
+    /// larger than one process can hold never is whole. Every process must call it, at
     /// the same point, before the first forward pass. At other stages, or on one process, the
     /// model as it is.
     ///
@@ -673,8 +673,9 @@ impl<B: AutodiffBackend> Accelerator<B> {
     /// At ZeRO stages 1 and 2 each process's optimizer holds its partition's state only: the
     /// parts are merged on the main process (torch's `consolidate_state_dict`), so the record
     /// is the one a stage 0 run saves, and resumes at any stage on any number of processes
-    /// ([`shard_optimizer_record`](Self::shard_optimizer_record)). Otherwise every process
-    /// holds the whole state already and nothing is sent.
+    /// ([`shard_optimizer_record`](Self::shard_optimizer_record)). At stage 3 each holds its
+    /// slice of every parameter's state: the slices are joined on the main process into the
+    /// same record. Otherwise every process holds the whole state already and nothing is sent.
     ///
     /// ```no_run
     /// # use burn::backend::{Autodiff, Flex};
@@ -713,10 +714,10 @@ impl<B: AutodiffBackend> Accelerator<B> {
     /// The whole record of `model` for a checkpoint, on the main process (`None` on the
     /// others): Burn's `into_record`, each parameter's save mapper applied, so any Burn
     /// program loads it without this crate. At ZeRO stage 3, where each process holds only
-    /// its partition's parameters between steps, each parameter goes from its owner to the
-    /// main process alone, point to point (FSDP's `FULL_STATE_DICT` on rank 0): every process
-    /// must call it at the same point, the processes other than the main one hold no
-    /// parameter but their own, and the model stays sharded. Otherwise the main process's
+    /// its slice of every parameter between steps, every process sends its slices to the
+    /// main process alone, point to point (FSDP's `FULL_STATE_DICT` on rank 0), which joins
+    /// them: every process must call it at the same point, the processes other than the main
+    /// one hold no parameter whole, and the model stays sharded. Otherwise the main process's
     /// own model is recorded and nothing is sent.
     ///
     /// ```no_run
@@ -751,8 +752,9 @@ impl<B: AutodiffBackend> Accelerator<B> {
     /// [`consolidate_optimizer_record`](Self::consolidate_optimizer_record) or a stage 0 run)
     /// that this process steps at this run's ZeRO stage, for the optimizer's `load_record`:
     /// its own partition's at stages 1 and 2 (its slice of every parameter's at stage 3),
-    /// whatever the number of processes that saved it; all of it otherwise. `model` is the model the optimizer steps (loaded from the
-    /// same checkpoint: the state is keyed by its parameters' ids).
+    /// whatever the number of processes that saved it; all of it otherwise. `model` is the
+    /// model the optimizer steps (loaded from the same checkpoint: the state is keyed by its
+    /// parameters' ids).
     ///
     /// # Errors
     /// [`AccelerateError::OptimizerState`] where ZeRO stage 3 cannot cut the record into this

@@ -2,14 +2,14 @@
 //! parameter's full shape that holds no values, recognised by the decorator by its autodiff
 //! node id, and resolved to the whole parameter by every op that reads it.
 //!
-//! Stage 3 (`crate::zero::release_parameters`) gives each released parameter, on its first
-//! `Param::val()`, a placeholder (on the processes that do not own it: a stride-0 view of
-//! one `-0.0`) or its own value (on its owner), and registers either here with its [`Shard`],
-//! which runs the gather (a collective: the owner sends, the others receive). Every use of a
-//! registered tensor by an op is then one gather on every process, in the order the
-//! processes run their ops, so the collectives pair up as the lazy gather's did. Before the
-//! optimizer steps (which reads the owner's values on the owner alone) stage 3 forgets every
-//! registered tensor ([`forget_all`]), until it releases the parameters again.
+//! Stage 3 (`crate::zero::release_parameters`) leaves each process a flat slice of every
+//! parameter; on its first `Param::val()` a released parameter gives a placeholder (a
+//! stride-0 view of one `-0.0`) on every process, registered here with its [`Shard`], which
+//! holds this process's slice and runs the gather (an all-gather of every process's slice).
+//! Every use of a registered tensor by an op is then one gather on every process, in the
+//! order the processes run their ops, so the collectives pair up as the lazy gather's do.
+//! Before the optimizer steps (on each process's slices, with no collective) stage 3 forgets
+//! every registered tensor ([`forget_all`]), until it releases the parameters again.
 //!
 //! # Which ops hold the bound
 //!
@@ -21,8 +21,8 @@
 //! - `linear`, and `matmul` with a parameter operand (its batch dimensions equal to the
 //!   other operand's or broadcast over them), under bf16/f16 autocast on `Autodiff<Flex>`,
 //!   where autocast runs them on the crate's half kernels: the same bound, with the
-//!   parameters gathered in the half type (the owner casts and sends halves: FSDP's
-//!   `param_dtype`; a broadcast one expanded as a view), and the gradients summed over a
+//!   parameters gathered in the half type (each process casts its slice and sends halves:
+//!   FSDP's `param_dtype`; a broadcast one expanded as a view), and the gradients summed over a
 //!   broadcast and cast back to f32 for the parameters, as autocast's expand and cast nodes
 //!   do (`half`). Where autocast reads the parameters in f32 (an op the small-op rule keeps
 //!   in f32 as too small for the half type, or one of the fp32 class), the bound of autocast
@@ -33,8 +33,8 @@
 //!   registered backend (wgpu, CUDA, LibTorch, NdArray), and on `Autodiff<Flex>` where the
 //!   process runs Flex's own half ops (`HalfPath::Own`): where autocast casts the f32
 //!   parameters to the half type and the backend's `linear` (`float_matmul`) runs on the
-//!   half operands, the parameters gathered in the half type (the owner casts with
-//!   autocast's cast and sends halves) for Burn's node on them, the weight again for the
+//!   half operands, the parameters gathered in the half type (each process casts its slice
+//!   with autocast's cast and sends halves) for Burn's node on them, the weight again for the
 //!   other operand's gradient, each parameter's gradient cast to f32 as its cast node's
 //!   backward casts it (tested on wgpu, LibTorch and Flex's own half ops by
 //!   `stage3_backends`).
@@ -54,21 +54,21 @@
 //!   where gamma and beta are read as they are: the normalisation runs as Burn decomposes
 //!   it; gamma and beta are gathered for the affine part alone, and gamma again for the
 //!   normalised input's gradient (`norm`).
-//! - The convolutions (Burn's `nn::conv`: `conv1d`, `conv2d`, `conv3d` and the transposed
-//!   ones), where autocast is off and the operands share a dtype: as `linear`, the weight
-//!   (and a registered bias) gathered for the op alone, the weight again for the input's
-//!   gradient, in Burn's convolution node's ops and order; the weight's and bias's gradients
-//!   read only their placeholders' shapes (`conv`). Under autocast, each convolution's cast
-//!   plan decided once: parameters it reads as they are (an f32-kept op) gathered as with
-//!   autocast off; f32 parameters it casts to bf16/f16 gathered in the half type (the owner
-//!   casts and sends halves), for Burn's convolution node on the half operands (`conv`), or
-//!   on `Autodiff<Flex>` where autocast runs `conv2d` or `conv1d` (as a 2-D one, the weight
-//!   reshaped inside the node) on the crate's half convolution, for its node, the weight
-//!   again for the backward pass, whose GEMMs read it for both the input's and the weight's
-//!   gradients (`half_conv`). Under fp8 autocast (fp8's cast node registered for the
-//!   backend), f32 parameters gathered in f32 for Burn's convolution node, the weight rounded
-//!   there by the op's own fp8 cast and again for the input's gradient, and its gradient
-//!   rounded as the cast node's backward rounds it, as `linear` under fp8 (tested by
+//! - The convolutions (Burn's `nn::conv`: `conv1d`, `conv2d`, `conv3d` and the transposed ones),
+//!   where autocast is off and the operands share a dtype: as `linear`, the weight (and a
+//!   registered bias) gathered for the op alone, the weight again for the input's gradient, in
+//!   Burn's convolution node's ops and order; the weight's and bias's gradients read only their
+//!   placeholders' shapes (`conv`). Under autocast, each convolution's cast plan decided once:
+//!   parameters it reads as they are (an f32-kept op) gathered as with autocast off; f32 parameters
+//!   it casts to bf16/f16 gathered in the half type (each process casts its slice and sends
+//!   halves), for Burn's convolution node on the half operands (`conv`), or on `Autodiff<Flex>`
+//!   where autocast runs `conv2d` or `conv1d` (as a 2-D one, the weight reshaped inside the node)
+//!   on the crate's half convolution, for its node, the weight again for the backward pass, whose
+//!   GEMMs read it for both the input's and the weight's gradients (`half_conv`). Under fp8
+//!   autocast (fp8's cast node registered for the backend), f32 parameters gathered in f32 for
+//!   Burn's convolution node, the weight rounded there by the op's own fp8 cast and again for the
+//!   input's gradient, and its gradient rounded as the cast node's backward rounds it, as `linear`
+//!   under fp8 (tested by
 //!   `stage_3_under_fp8_gathers_each_convolutions_parameters_for_its_op_alone_like_stage_2`).
 //! - `reshape` of a registered parameter (Burn's `unsqueeze` of `nn::RmsNorm`'s gamma):
 //!   nothing is gathered; the result is a *view*, a placeholder of the new shape registered
@@ -87,7 +87,7 @@
 //!   input is gathered in full and the op reads `anchor + gathered` (the gathered value bit
 //!   for bit, since `-0.0` is the additive identity, with the gradient flowing to the
 //!   anchor). The numbers are right; the gathered value stays whole while the autodiff graph
-//!   keeps it (until the step), as the lazy gather's did: no per-op bound for these ops.
+//!   keeps it (until the step), as the lazy gather does: no per-op bound for these ops.
 //!   Reads that build no graph (`into_data`, the decorator's `AutodiffBackend::inner`:
 //!   `Module::valid`'s copy) gather the same way, without an anchor.
 //!
@@ -96,8 +96,8 @@
 //! Every op of a pass reads a registered parameter through its anchor, an identity node made
 //! at the parameter's first use in the pass: its backward sees the sum of every use's
 //! gradient, and hands it to the parameter as it is, or (in the backward pass that completes
-//! an accumulation window, `crate::zero::post_backward`) reduces it to the parameter's owner
-//! first, the other processes keeping nothing of it. `linear`, `matmul` and the
+//! an accumulation window, `crate::zero::post_backward`) reduce-scatters it first, each
+//! process keeping its slice's mean. `linear`, `matmul` and the
 //! convolutions place their anchors just above their other input (`layer_norm` above its
 //! normalised input), so that they run right after the op's backward; other ops' anchors (an
 //! embedding's among them: its input is integers) sit above the parameter alone and run at
@@ -164,14 +164,14 @@ pub trait Shard: Send + Sync + 'static {
     /// same point of the same backward pass. Panics as [`gather`](Self::gather) does.
     fn reduce(&self, grad: Vec<f32>) -> Vec<f32>;
 
-    /// The shard as [`Any`], for the owner of the slice (ZeRO stage 3) to read it back.
+    /// The shard as [`Any`], for ZeRO stage 3 (which made it) to read its slice back.
     fn as_any(&self) -> &dyn Any;
 }
 
 /// The gathered parameters' bytes that are whole right now on this process, and the most
-/// that were at once since [`reset_gathered_peak`]: what the per-layer bound bounds. A
-/// parameter this process owns is not counted (it is whole between steps too); one gathered
-/// by an op without a bound is counted until the step releases the parameters.
+/// that were at once since [`reset_gathered_peak`]: what the per-layer bound bounds. Every
+/// gather is counted (no process holds a parameter whole between steps); one gathered by an
+/// op without a bound is counted until the step releases the parameters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct GatheredBytes {
     /// Bytes gathered and not yet dropped.
@@ -192,7 +192,7 @@ struct Registry {
     // Reshaped parameters (`view`), by their node ids: registered in `shards` too, with their
     // parameter's shard.
     views: BTreeMap<u64, view::View>,
-    // Whether the anchors' backward reduces each parameter's gradient to its owner (the
+    // Whether the anchors' backward reduce-scatters each parameter's gradient (the
     // backward pass that completes an accumulation window), or hands it to the parameter
     // as it is (the window's earlier passes).
     reducing: bool,
@@ -435,7 +435,7 @@ pub(crate) fn recognised<B: Backend>() -> bool {
     hooks::get::<DecoratorHooks, B, Resolves>().is_some() && tracked::<B>().is_some()
 }
 
-/// Registers `tensor` (a placeholder, or the owner's value) as the parameter `shard` gathers,
+/// Registers `tensor` (a placeholder) as the parameter `shard` gathers,
 /// where `B` has the hook (see [`recognised`]).
 pub(crate) fn register_tensor<B: Backend>(tensor: &FloatTensor<B>, shard: Arc<dyn Shard>) {
     if let Some(tracked) = tracked::<B>() {
@@ -603,8 +603,8 @@ fn to_param<B: Backend>(half: Option<FloatDType>, grad: FloatTensor<B>) -> Float
 }
 
 /// `tensor` for an op that reads it: a registered parameter gathered whole (`anchor +
-/// gathered`, so the gradient reaches the parameter through its anchor; the owner's own value
-/// through its anchor), any other tensor as it is.
+/// gathered`, so the gradient reaches the parameter through its anchor), any other tensor as
+/// it is.
 pub(crate) fn resolve<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
     let Some(shard) = shard_of::<B>(&tensor) else {
         return tensor;
@@ -835,7 +835,7 @@ fn autocast_matmul<B: Backend>(
     // Where the plan casts the f32 parameter operands to the half type and `lowered::matmul`
     // runs `B::float_matmul` on the half operands (a backend without the crate's half
     // kernel, or the backend's own half path chosen): the parameters gathered in the half
-    // type, the owner casting with autocast's cast, for Burn's node on them.
+    // type, each process casting its slice with autocast's cast, for Burn's node on them.
     if let Some(dtype) = half_operands {
         let (lhs, rhs) = anchored_operands::<B>(lhs, rhs, &lhs_shard, &rhs_shard);
         return (tracked.matmul)(lhs, rhs, lhs_shard, rhs_shard, Some(dtype));
@@ -937,9 +937,9 @@ fn autocast_linear<B: Backend>(
     }
     // Where the plan casts the f32 parameters to the half type and `lowered::linear` runs
     // `B::linear` on the half operands (a backend without the crate's half kernels, or the
-    // backend's own half path chosen): the parameters gathered in the half type, the owner
-    // casting with autocast's cast, for Burn's node on them. Where `lowered::linear` would
-    // run the crate's kernels instead (a bias that is no parameter, which the kernels' path
+    // backend's own half path chosen): the parameters gathered in the half type, each process
+    // casting its slice with autocast's cast, for Burn's node on them. Where `lowered::linear`
+    // would run the crate's kernels instead (a bias that is no parameter, which the kernels' path
     // above leaves to the op's own path), the op's own path, for the kernels' bits.
     let half_input = target.filter(|t| x.dtype() == DType::from(*t));
     let f32_params =
@@ -1079,8 +1079,8 @@ pub(crate) fn embedding<B: Backend>(
     Ok((tracked.embedding)(weights, indices, shard))
 }
 
-// The weight as a backward node keeps it: its placeholder (or the owner's value) and shard,
-// gathered again where the input's gradient needs it.
+// The weight as a backward node keeps it: its placeholder and shard, gathered again where
+// the input's gradient needs it.
 struct Weight<B: Backend> {
     tensor: FloatTensor<B>,
     shard: Arc<dyn Shard>,
@@ -1225,9 +1225,9 @@ fn up_to_three<B: Backend, C: CheckpointStrategy, T: WithOptionalThird<B>>(
     }
 }
 
-// Burn's `linear` on `Autodiff<B, C>` with the weight (and a registered bias) gathered for
-// the forward op alone, in `half` where given (autocast's half type, the owner casting), and
-// a node that keeps the placeholder instead of the gathered weight.
+// Burn's `linear` on `Autodiff<B, C>` with the weight (and a registered bias) gathered for the
+// forward op alone, in `half` where given (autocast's half type, each process casting its slice),
+// and a node that keeps the placeholder instead of the gathered weight.
 fn bounded_linear<B: Backend, C: CheckpointStrategy>(
     x: FloatTensor<Autodiff<B, C>>,
     weight: FloatTensor<Autodiff<B, C>>,
@@ -1321,8 +1321,8 @@ impl<B: Backend, C: CheckpointStrategy> Backward<B, 1> for AnchorAlone<C> {
 // A parameter's anchor: an identity node between the parameter (a leaf) and every op of this
 // pass that reads it, so that Burn's autodiff has summed every use's gradient before the
 // anchor's backward runs (a layer used twice, tied weights), and the anchor alone hands the
-// sum on: as it is while a window accumulates, reduced to the parameter's owner on the pass
-// that completes it (`Registry::reducing`), where the other processes keep nothing of it.
+// sum on: as it is while a window accumulates, reduce-scattered on the pass that completes
+// it (`Registry::reducing`), each process keeping its slice's mean.
 //
 // Burn runs a backward pass deepest node first (`depth`: one more than the deepest parent).
 // A parameter's depth is 0, so an anchor over the parameter alone would run after every
@@ -1468,7 +1468,7 @@ pub(crate) fn registered<B: Backend>(tensor: &FloatTensor<B>) -> Option<(u64, Ar
     registry(|r| r.shards.get(&id).cloned()).map(|shard| (id, shard))
 }
 
-/// Starts a backward pass that reduces each parameter's gradient to its owner as soon as its
+/// Starts a backward pass that reduce-scatters each parameter's gradient as soon as its
 /// anchor has summed it: `window` holds the accumulation window's earlier passes' sums (an
 /// inner backend's float primitives) by the parameters' node ids, added in before each
 /// reduction.
@@ -1489,8 +1489,8 @@ pub(crate) fn end_reducing() -> BTreeMap<u64, Box<dyn Any + Send>> {
 }
 
 // A `matmul` operand as its backward node keeps it: a registered parameter as its placeholder
-// (or the owner's value) and shard, gathered again where the other operand's gradient needs
-// it; any other tensor as it is.
+// and shard, gathered again where the other operand's gradient needs it; any other tensor as
+// it is.
 struct Operand<B: Backend> {
     tensor: FloatTensor<B>,
     shard: Option<Arc<dyn Shard>>,
@@ -1572,9 +1572,9 @@ impl<B: Backend> Operand<B> {
     }
 }
 
-// Burn's `matmul` on `Autodiff<B, C>` with each registered operand gathered for the forward
-// op alone (in `half` where given: autocast's half type, the owner casting), and a node that
-// keeps its placeholder instead of the gathered value.
+// Burn's `matmul` on `Autodiff<B, C>` with each registered operand gathered for the forward op
+// alone (in `half` where given: autocast's half type, each process casting its slice), and a node
+// that keeps its placeholder instead of the gathered value.
 fn bounded_matmul<B: Backend, C: CheckpointStrategy>(
     lhs: FloatTensor<Autodiff<B, C>>,
     rhs: FloatTensor<Autodiff<B, C>>,

@@ -56,8 +56,9 @@ impl<B: AutodiffBackend> Accelerator<B> {
     /// checkpoint is listed. Call it after an optimizer step, when the window is complete.
     ///
     /// With [`CheckpointLayout::Sharded`] (`AccelerateConfig::with_checkpoint_layout`), at
-    /// ZeRO stages 1 to 3 on several processes, nothing is gathered: each process writes its
-    /// own partition's parameters and optimizer state, and the main process lists them all
+    /// ZeRO stages 1 to 3 on several processes, nothing is gathered on the main process: each
+    /// process writes its own partition's parameters and optimizer state (at stage 3, joined
+    /// from every process's slices), and the main process lists them all
     /// once every process wrote; [`resume`](Self::resume) reads them back for any number of
     /// processes at any stage.
     ///
@@ -204,7 +205,8 @@ impl<B: AutodiffBackend> Accelerator<B> {
         let device = self.device().clone();
         let group = self.core_group();
         // A sharded checkpoint's process reads the files holding its partition (of the
-        // parameters at stage 3, of the optimizer state at stages 1 to 3); the main process
+        // parameters at stage 3, of the optimizer state at stages 1 and 2; at stage 3 every
+        // optimizer file, as it keeps a slice of every parameter's state); the main process
         // verifies every file of the one it picks (and that none is missing), and keeps those.
         let (keep, shards_parameters) =
             sharded::resume_reads::<B, M>(&model, group, self.config().zero_stage);

@@ -1,32 +1,37 @@
-//! A sharded checkpoint ([`CheckpointLayout::Sharded`](super::CheckpointLayout::Sharded)):
-//! each process writes its own partition's parameters and optimizer state into the checkpoint
-//! directory, and the main process lists every process's files, with their checksums, in one
-//! manifest entry once all are on the disk; and the resume, which re-partitions them for any
-//! number of processes at any stage.
+//! A sharded checkpoint ([`CheckpointLayout::Sharded`](super::CheckpointLayout::Sharded)): each
+//! process writes its own partition's parameters and optimizer state ([`zero::partition`], at stage
+//! 3 too) into the checkpoint directory, and the main process lists every process's files, with
+//! their checksums, in one manifest entry once all are on the disk; and the resume, which
+//! re-partitions them for any number of processes at any stage.
 //!
 //! # The files
 //!
 //! Process `R` of `W` writes `model-N.shard-R-of-W.mpk` (the model's record, Burn's `NamedMpk`,
-//! each parameter of its partition with its save mapper applied, every other parameter a
-//! tensor of no elements) and `optimizer-N.shard-R-of-W.mpk` (its optimizer state, keyed by
-//! each parameter's place in the model's visiting order: ids are drawn per process). The main
-//! process writes the state file (the `Accelerator`'s `accelerator-N.json`, `with_accelerate`'s
-//! `accelerate-N.json`) and the loop's own files (`with_accelerate`'s scheduler record). Each file is
-//! written aside, flushed and renamed ([`write_atomic`](super::write_atomic)); each process
-//! sends the main one its files' digests (or why it could not write them), and the main
-//! process lists the checkpoint only when every process wrote both of its files: a checkpoint
-//! missing a process's part is never listed, and the processes all return the same error.
+//! each parameter of its partition with its save mapper applied, every other parameter a tensor of
+//! no elements) and `optimizer-N.shard-R-of-W.mpk` (its optimizer state, keyed by each parameter's
+//! place in the model's visiting order: ids are drawn per process). At stage 3, where each process
+//! holds a slice of every parameter and of its state, each released parameter's slices go to the
+//! process whose partition holds it, and the state's slices are joined there, so the files are
+//! those stages 1 and 2 write. The main process writes the state file (the `Accelerator`'s
+//! `accelerator-N.json`, `with_accelerate`'s `accelerate-N.json`) and the loop's own files
+//! (`with_accelerate`'s scheduler record). Each file is written aside, flushed and renamed
+//! ([`write_atomic`](super::write_atomic)); each process sends the main one its files' digests (or
+//! why it could not write them), and the main process lists the checkpoint only when every process
+//! wrote both of its files: a checkpoint missing a process's part is never listed, and the
+//! processes all return the same error.
 //!
 //! # The resume
 //!
-//! The main process picks the newest checkpoint whose entry lists both files of every process
-//! (one written otherwise is incomplete, passed over as a damaged one is) and whose files all
-//! verify. Each process then reads only the files holding what it loads ([`keeps`], for both
-//! entry points): of the optimizer state (where it is sharded) and at stage 3 of the
-//! parameters, the files of the saved processes whose partitions overlap its new one (on as
-//! many processes, its own); every file of what it loads whole. A parameter is taken from the
-//! file that holds it whole: no index is needed. Before a run, `check_checkpoint_fits` checks
-//! the model files against the model from their shapes ([`precheck_model`]).
+//! The main process picks the newest checkpoint whose entry lists both files of every process (one
+//! written otherwise is incomplete, passed over as a damaged one is) and whose files all verify.
+//! Each process then reads only the files holding what it loads ([`keeps`], for both entry points):
+//! of the optimizer state at stages 1 and 2 and of the parameters at stage 3, the files of the
+//! saved processes whose partitions overlap its new one (on as many processes, its own); every file
+//! of what it loads whole (at stage 3 every optimizer file: it keeps its slice of every parameter's
+//! state). At stage 3 each process then sends the parameters of its partition to every process,
+//! each keeping its slice. A parameter is taken from the file that holds it whole: no index is
+//! needed. Before a run, `check_checkpoint_fits` checks the model files against the model from
+//! their shapes ([`precheck_model`]).
 
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::tensor::backend::AutodiffBackend;
@@ -161,7 +166,8 @@ pub(crate) fn resume_reads<B: AutodiffBackend, M: AutodiffModule<B>>(
 /// that the partition of `model` over `W` processes gives to `S` (the one the writers computed,
 /// from the same model); this process loads of the optimizer state its own partition's where
 /// the state is sharded (`shards_state`) and of the parameters its own partition's where they
-/// are (`shards_parameters`: the `Accelerator` at ZeRO stage 3), everything otherwise. So on as
+/// are (`shards_parameters`: ZeRO stage 3, which sends each to every process to slice),
+/// everything otherwise. So on as
 /// many processes as saved, a process reads its own files; on another number, the files of the
 /// processes whose partitions overlap its own. A process that loads no optimizer state at all
 /// (it owns no parameter) reads process 0's optimizer file, for a record of the optimizer's
@@ -425,11 +431,12 @@ fn commit(
         .map_err(|err| err.to_string())
 }
 
-/// Reads sharded checkpoint `loaded` (its state file, named by `scheme`, and the shard files
-/// this process kept: [`keeps`]) into `model` and an optimizer record keyed by `model`'s ids, for process `rank`
-/// of `world`: where `shards_parameters` (stage 3 on several processes) only the parameters
-/// of this process's partition are loaded, and `model` comes back released (each other
-/// parameter gathered from its owner at its use, as after a step).
+/// Reads sharded checkpoint `loaded` (its state file, named by `scheme`, and the shard files this
+/// process kept: [`keeps`]) into `model` and an optimizer record keyed by `model`'s ids, for
+/// process `rank` of `world`: where `shards_parameters` (stage 3 on several processes) only the
+/// parameters of this process's partition are loaded, each sent to every process to keep its slice
+/// (`zero::release_loaded`), and `model` comes back released (every parameter gathered from the
+/// slices at its use, as after a step).
 ///
 /// # Errors
 /// [`AccelerateError::Checkpoint`] naming the file that does not decode, or the parameter no
@@ -713,7 +720,7 @@ mod tests {
         let read = |keep: &dyn Fn(&str) -> bool, name: fn(usize, usize) -> String| {
             (0..2).filter(|&r| keep(&name(r, 2))).collect::<Vec<_>>()
         };
-        // Stage 3 on as many processes: its own files alone.
+        // Both parts by partition, on as many processes: its own files alone.
         let keep = keeps::<B, _>(&model, 1, 2, true, true);
         assert_eq!(read(&keep, model_file), [1]);
         assert_eq!(read(&keep, optimizer), [1]);
@@ -722,8 +729,9 @@ mod tests {
         let keep = keeps::<B, _>(&model, 1, 2, true, false);
         assert_eq!(read(&keep, model_file), [0, 1]);
         assert_eq!(read(&keep, optimizer), [1]);
-        // Saved on 2, resumed on 3 at stage 3: process 0 owns the 40 (saved by process 0),
-        // process 1 the 30 (saved by process 1), process 2 the 10 and the 20 (one each).
+        // Saved on 2, resumed on 3 with both parts by partition: process 0 owns the 40 (saved
+        // by process 0), process 1 the 30 (saved by process 1), process 2 the 10 and the 20
+        // (one each).
         for (rank, files) in [(0, vec![0usize]), (1, vec![1]), (2, vec![0, 1])] {
             let keep = keeps::<B, _>(&model, rank, 3, true, true);
             assert_eq!(read(&keep, model_file), files, "process {rank} of 3");

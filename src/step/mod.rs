@@ -1,8 +1,8 @@
 //! What a training step is, written once: the loss scale, the gradient-accumulation window
 //! and its divisor ([`LossTransform`] and the rule beside it), the gradient sync (none, an
-//! all-reduce, or ZeRO stage 1, 2 or 3 over its partition), the agreement on overflow, clipping
-//! by the global norm, the fp8 recipe's step, and the optimizer step over the parameters this
-//! process owns.
+//! all-reduce, ZeRO stage 1 or 2 over its partition, or stage 3 over slices of every
+//! parameter), the agreement on overflow, clipping by the global norm, the fp8 recipe's step,
+//! and the optimizer step over the parameters (or, at stage 3, the slices) this process owns.
 //!
 //! The [`Accelerator`](crate::Accelerator) (a hand-written loop's calls) and the
 //! `with_accelerate` strategy ([`train`](crate::train), Burn's events) are adapters over one
@@ -79,7 +79,8 @@ pub(crate) struct StepCore<B: AutodiffBackend> {
     unscaled: Option<OverflowCheck<B::InnerBackend>>,
     group: Option<ProcessGroup>,
     zero_stage: ZeroStage,
-    // The parameters' owners, once a sharded step saw the model.
+    // The parameters' owners, once a sharded step saw the model (at stage 3, the layout of a
+    // sharded checkpoint's files).
     partition: Option<Partition>,
     // Model replicas on this process's devices whose gradients the window sums.
     replicas: usize,
@@ -90,8 +91,8 @@ pub(crate) struct StepCore<B: AutodiffBackend> {
     // The training's context, entered for fp8's step: the forward passes recorded their amaxes
     // in its fp8 state, whichever thread ends the pass.
     context: Option<Context>,
-    // Stage 3: this window's gradients were reduced to their owners in its last backward pass
-    // (`zero::post_backward`); `grads` holds this process's partition's means.
+    // Stage 3: this window's gradients were reduce-scattered in its last backward pass
+    // (`zero::post_backward`); `grads` holds this process's slices of the means.
     reduced_in_backward: bool,
     // Stage 3: gradients of backward passes after that one in the same window (a loop that
     // differentiates twice before its step), reduce-scattered at the unscale.
@@ -197,10 +198,10 @@ impl<B: AutodiffBackend> StepCore<B> {
     /// the strategy around the user's `TrainStep`, whose `loss.backward()` is the pass.
     ///
     /// At ZeRO stage 3 (parameters released, on the decorator), the pass that completes a
-    /// window (its first such pass) reduces each parameter's gradient to its owner as soon as
-    /// it is final, the window's earlier sums included (`zero::post_backward`), and the
-    /// parameters the pass does not reach are reduced after it: afterwards this process holds
-    /// its partition's gradients only. `model` must hold the very parameter values the pass
+    /// window (its first such pass) reduce-scatters each parameter's gradient as soon as it is
+    /// final, the window's earlier sums included (`zero::post_backward`), and the parameters
+    /// the pass does not reach are reduced after it: afterwards this process holds its slice
+    /// of every gradient only. `model` must hold the very parameter values the pass
     /// reads (the same tensors, not a lazy copy initialised apart): their autodiff nodes are
     /// what the window's sums are handed to. It is visited only once the parameters were
     /// released (`prepare_model`, or a step).
@@ -345,9 +346,9 @@ impl<B: AutodiffBackend> StepCore<B> {
     }
 
     /// The whole record of `model`, for a checkpoint, on process 0 (`None` on the others):
-    /// gathered parameter by parameter from their owners at ZeRO stage 3 (every process must
-    /// call it at the same point; see [`zero::gather_model_record`]), the main process's own
-    /// model's otherwise (the others hold the same model, and send nothing).
+    /// gathered parameter by parameter from every process's slice at ZeRO stage 3 (every
+    /// process must call it at the same point; see [`zero::gather_model_record`]), the main
+    /// process's own model's otherwise (the others hold the same model, and send nothing).
     ///
     /// # Errors
     /// [`AccelerateError::Distributed`] for a group that cannot gather on process 0.
@@ -368,9 +369,9 @@ impl<B: AutodiffBackend> StepCore<B> {
     }
 
     /// `model` with every parameter whole on this process, for what follows the training: at
-    /// ZeRO stage 3 each released parameter is gathered from its owner (every process must
-    /// call it at the same point; see [`zero::gather_model`]) and no parameter is gathered at
-    /// its uses any more; otherwise `model`, whose parameters are whole already.
+    /// ZeRO stage 3 each released parameter is gathered from every process's slice (every
+    /// process must call it at the same point; see [`zero::gather_model`]) and no parameter is
+    /// gathered at its uses any more; otherwise `model`, whose parameters are whole already.
     pub fn whole_model<M: AutodiffModule<B>>(&self, model: M) -> M {
         match self.sharded() {
             Some((_, stage)) if stage.gathers_whole_model() => {
@@ -411,8 +412,8 @@ impl<B: AutodiffBackend> StepCore<B> {
     }
 
     /// Averages the window's gradients over the processes (at stage 2, this process's
-    /// partition's only), unscales them and records whether they overflowed: once per
-    /// window, on the batch that completes it, and nowhere else.
+    /// partition's only; at stage 3, this process's slices), unscales them and records whether
+    /// they overflowed: once per window, on the batch that completes it, and nowhere else.
     ///
     /// # Errors
     /// [`AccelerateError::Distributed`] when the processes' gradients cannot be averaged.
@@ -480,7 +481,8 @@ impl<B: AutodiffBackend> StepCore<B> {
 
     /// Clips the window's gradients, unscaled first, to a global 2-norm of `max_norm` and
     /// returns the norm before clipping (`None` on a batch that does not sync, or without
-    /// gradients). Sharded at stage 2, the norm sums every process's partition.
+    /// gradients). Sharded at stages 2 and 3, the norm sums every process's part (its
+    /// partition's gradients, or its slices).
     ///
     /// # Errors
     /// What [`unscale`](Self::unscale) returns; [`AccelerateError::Distributed`] when the
@@ -505,8 +507,8 @@ impl<B: AutodiffBackend> StepCore<B> {
                 max_norm,
             ));
         };
-        // Each process holds its partition's gradients: the global norm sums every process's
-        // part (ShardedGradScaler's and FSDP's clip_grad_norm_).
+        // Each process holds its part of the gradients (a partition's, or slices): the global
+        // norm sums every process's part (ShardedGradScaler's and FSDP's clip_grad_norm_).
         let local = grads::sum_of_squares::<B, M>(model, &self.grads);
         let mut total = [local
             .as_ref()
@@ -539,13 +541,14 @@ impl<B: AutodiffBackend> StepCore<B> {
 
     /// The optimizer step of a batch. On a batch that completes its window: unscales the
     /// gradients (unless done), clips them to `max_grad_norm` (unless the loop clipped),
-    /// agrees with the other processes on an overflow (stage 2: each checked its own
-    /// partition), adjusts the loss scale, and then either skips the step or runs `apply`
-    /// (the scheduler's and the optimizer's step: it returns the model and the learning rate)
-    /// on this process's gradients (at stage 1, its partition's), after which every parameter
-    /// comes from its owner (at stage 3, every other process's parameter is released until
-    /// its next use, on a skipped step too). Drops the window's gradients either way.
-    /// Elsewhere, nothing.
+    /// agrees with the other processes on an overflow (stages 2 and 3: each checked its own
+    /// part), adjusts the loss scale, and then either skips the step or runs `apply` (the
+    /// scheduler's and the optimizer's step: it returns the model and the learning rate) on
+    /// this process's gradients (at stage 1, its partition's), after which every parameter
+    /// comes from its owner. At stage 3 `apply` is given the model of this process's slices
+    /// and their gradients (`zero::to_slices`), and the stepped slices are released again
+    /// until the parameters' next use (on a skipped step the parameters are released as they
+    /// were). Drops the window's gradients either way. Elsewhere, nothing.
     ///
     /// # Errors
     /// [`AccelerateError::Distributed`] when the processes cannot average, agree or share.
@@ -605,12 +608,12 @@ impl<B: AutodiffBackend> StepCore<B> {
         Ok((model, StepOutcome::Applied { lr }))
     }
 
-    /// `model` before its first step: at ZeRO stage 3 across processes, every parameter but
-    /// this process's partition's released, as after a step (the first window is then
+    /// `model` before its first step: at ZeRO stage 3 across processes, every parameter
+    /// released (this process keeping its slice), as after a step (the first window is then
     /// sharded too); otherwise `model` as it is. Every process must call it at the same point.
     /// A model released already (by another core's `prepare_model`, the strategy's, or a
-    /// sharded checkpoint's resume) is taken as it is, with its partition: released again,
-    /// each placeholder would only be replaced by another.
+    /// sharded checkpoint's resume) is taken as it is: released again, each placeholder would
+    /// only be replaced by another.
     pub fn prepare_model<M: AutodiffModule<B>>(&mut self, model: M) -> M {
         let shards_parameters = self
             .sharded()
@@ -623,8 +626,8 @@ impl<B: AutodiffBackend> StepCore<B> {
         self.release(model)
     }
 
-    // Where the stage keeps the parameters sharded between steps: every parameter but this
-    // process's partition's released, to be gathered at its next use. Elsewhere the model.
+    // Where the stage keeps the parameters sharded between steps: every parameter released
+    // (this process keeping its slice), to be gathered at its next use. Elsewhere the model.
     fn release<M: AutodiffModule<B>>(&mut self, model: M) -> M {
         match self.sharded() {
             Some((group, stage)) if stage.shards_parameters() => {
@@ -636,7 +639,7 @@ impl<B: AutodiffBackend> StepCore<B> {
         }
     }
 
-    // At stage 2 each process checked its own partition: an inf in any skips the step on
+    // At stages 2 and 3 each process checked its own part: an inf in any skips the step on
     // every process (ShardedGradScaler). Elsewhere every process checked the same gradients.
     fn agree_on_overflow(&self, found_inf: bool) -> Result<bool, AccelerateError> {
         let Some((group, _)) = self

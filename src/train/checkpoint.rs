@@ -204,10 +204,10 @@ where
             }
             _ => None,
         };
-        // At ZeRO stage 3 each process holds its partition of the parameters: the model's
-        // record is gathered on the main process one parameter at a time (every process takes
-        // part), and the main process's learner holds the whole model while Burn's
-        // checkpointer and the strategy's own read it, then its own partition again.
+        // At ZeRO stage 3 each process holds its slice of every parameter: the model's record
+        // is gathered on the main process one parameter at a time (every process sends its
+        // slices), and the main process's learner holds the whole model while Burn's
+        // checkpointer and the strategy's own read it, then its released model again.
         let sharded = match (core.sharded(), writes) {
             (Some((_, stage)), true) if stage.gathers_whole_model() => core
                 .whole_model_record(&learner.model())

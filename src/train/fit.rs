@@ -84,7 +84,7 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
             let batch = self.state.accumulate();
             // The learner's own parameters (a clone shares their values): the user's
             // `loss.backward()` runs through the step core's backward pass, as the
-            // `Accelerator`'s does (at ZeRO stage 3, each gradient reduced to its owner in it).
+            // `Accelerator`'s does (at ZeRO stage 3, each gradient reduce-scattered in it).
             let model: TrainingModel<LC> = learner.model();
             let items: Vec<_> = match workers {
                 Some(workers) => workers
@@ -129,7 +129,8 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
                 // The next batches' losses at the adjusted scale.
                 armed.set(core.loss_transform());
                 if core.sharded().is_some() {
-                    // Every parameter as its owner stepped it.
+                    // Every parameter as its owner stepped it (at stage 3, released again after
+                    // each process stepped its slices).
                     learner.load_model(model.into_record());
                 }
                 {
@@ -397,9 +398,9 @@ where
         } else {
             self.valid_part(&dataloader_valid, self.device.inner())
         };
-        // A model resumed from a sharded checkpoint at ZeRO stage 3 holds its partition alone
-        // (the others' placeholders), read onto the main device as new leaves already: Burn's
-        // fork would move and detach each placeholder, an op that gathers it whole.
+        // A model resumed from a sharded checkpoint at ZeRO stage 3 holds its slices alone
+        // (every parameter a placeholder), read onto the main device as new leaves already:
+        // Burn's fork would move and detach each placeholder, an op that gathers it whole.
         // So does a model released before Burn's `launch` (`AccelerateStrategy::prepare_model`).
         let released = crate::zero::holds_released::<TrainingBackend<LC>, _>(&learner.model());
         if !released {
@@ -431,13 +432,12 @@ where
         let mut core = self
             .fit_core(accumulation, loss_scale, loaders.len())
             .with_context(context.clone());
-        // At ZeRO stage 3 across processes, every parameter but this process's partition's is
-        // released before the first forward pass, as the `Accelerator`'s `prepare_model`
+        // At ZeRO stage 3 across processes, every parameter is released (this process keeping
+        // its slice) before the first forward pass, as the `Accelerator`'s `prepare_model`
         // releases it: the first window gathers per layer and reduces in backward as every
         // later one does, and the learner's model is never whole again. Burn's reload holds
         // the placeholders, as after each step (nothing is gathered). A model released already
-        // (the strategy's `prepare_model`, or a sharded resume) is kept as it is: the core only
-        // takes its partition.
+        // (the strategy's `prepare_model`, or a sharded resume) is kept as it is.
         if core
             .sharded()
             .is_some_and(|(_, stage)| stage.shards_parameters())
@@ -451,13 +451,14 @@ where
         // divides and scales its loss as the `Accelerator`'s `backward` would, on this thread.
         let armed = ThreadArmed::arm(core.loss_transform());
         // The learner's optimizer and scheduler records are read through it: sharded, to keep
-        // this process's partition of the optimizer state and to gather the whole of it for a
+        // this process's part of the optimizer state and to gather the whole of it for a
         // checkpoint; on the main process, to write the strategy's own checkpoints.
         let mut tap = (core.sharded().is_some()
             || (self.checkpoint_dir.is_some() && self.process.is_main_process()))
         .then(RecordTap::<LC>::new);
-        // Sharded, this process's optimizer keeps its partition's state only (a resumed run's
-        // learner was just given the whole state).
+        // Sharded, this process's optimizer keeps its own part of the state only (its
+        // partition's, or at stage 3 its slices; a resumed run's learner was just given the
+        // whole state).
         if let (Some(_), Some(tap)) = (core.sharded(), tap.as_mut()) {
             let whole = tap
                 .optimizer(&learner, &training_components.event_store)
@@ -546,7 +547,7 @@ where
         }
         // Once, however the epochs ended (an interrupt, early stopping).
         self.report.lock().lower_ops = autocast::thread_tally().since(&tally_start);
-        // Whole on every process (at ZeRO stage 3, gathered from the owners): Burn's `train`
+        // Whole on every process (at ZeRO stage 3, gathered from the slices): Burn's `train`
         // and the caller use it on one process alone (its summary, saving it).
         let model = core.whole_model(learner.model());
         if self.process.is_main_process() {

@@ -82,26 +82,30 @@
 //! [`ZeroStage`]), each process's optimizer steps and keeps
 //! state for its own partition of the parameters, and the updated parameters are shared back
 //! after each step; at stage 2 each process keeps only its partition's averaged gradients,
-//! and an overflow in any partition skips the step on every process. Burn's checkpoints hold
+//! and an overflow in any partition skips the step on every process. At stage 3 each
+//! process's part is its slice of every parameter instead (its gradients, its optimizer
+//! state, and between steps the parameters themselves). Burn's checkpoints hold
 //! the whole optimizer state, gathered on the main process before it writes, so a run
 //! resumes at any stage and on any number of processes. The optimizer's record must keep its
 //! state per parameter ([`ParamStateRecord`]: every Burn optimizer's does).
 //!
-//! At stage 3 the learner's model keeps each process's partition of the parameters from the
+//! At stage 3 the learner's model keeps each process's slice of every parameter from the
 //! start of the fit (released before its first forward pass, as the `Accelerator`'s
 //! `prepare_model` releases it, so that the first accumulation window is sharded too) and
 //! between steps; [`AccelerateStrategy::prepare_model`] releases it before Burn's `launch`,
 //! which would otherwise initialise a lazy model whole on every process, and the fit then
-//! releases nothing again. Between steps Burn reloads the stepped model (its `load_model`),
-//! and on the decorator ([`Accelerated`](crate::Accelerated)) each other parameter comes back
-//! as a placeholder,
-//! gathered from its owner where an op reads it (on Burn's backends without the decorator it
-//! is gathered whole at the reload, as their lazy gather would at the first use: stage 2's
-//! peak). For a checkpoint (Burn's file checkpointer, the strategy's own) the model's record is
-//! gathered on the main process parameter by parameter, and its learner holds the whole model
-//! while they write it. The fit hands Burn back the model whole on every process. Burn's
-//! parameter mappers (`Param::save_mapper`, `load_mapper`) are not supported at stage 3 here:
-//! the reload after each step would run them on placeholders.
+//! releases nothing again. Before its optimizer steps, the learner is given the model of
+//! this process's slices (Burn's optimizers step them as they would whole parameters); after
+//! it, Burn reloads the released model (its `load_model`), and on the decorator
+//! ([`Accelerated`](crate::Accelerated)) every parameter comes back as a placeholder,
+//! gathered from every process's slice where an op reads it (on Burn's backends without the
+//! decorator it is gathered whole at the reload, as their lazy gather would at the first use:
+//! stage 2's peak). For a checkpoint (Burn's file checkpointer, the strategy's own) the
+//! model's record is gathered on the main process parameter by parameter, from every
+//! process's slices, and its learner holds the whole model while they write it. The fit hands
+//! Burn back the model whole on every process. Burn's parameter mappers (`Param::save_mapper`,
+//! `load_mapper`) are not supported at stage 3 here: the reload after each step would run
+//! them on placeholders.
 //!
 //! Burn's own DDP (`ExecutionStrategy::DistributedDataParallel`) is not used: its gradient
 //! all-reduce is `DistributedBackend::all_reduce`, which only cubecl's CUDA runtime
@@ -445,17 +449,17 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
     /// Accelerate's `prepare(model)` for the model the learner will train, before Burn's
     /// `Learner` is built: at ZeRO stage 3
     /// ([`ZeroStage::Parameters`]) across processes, each
-    /// process keeps only its partition's parameters from here on, as the fit keeps them
+    /// process keeps only its slice of every parameter from here on, as the fit keeps them
     /// after every step. Parameters Burn has not initialised yet (`Module::init`'s lazy ones)
-    /// are initialised one at a time, in visiting order, and dropped where this process does
-    /// not own them: a model no process can hold whole is never whole on any process.
+    /// are initialised one at a time, in visiting order, and dropped once this process cut its
+    /// slice: a model no process can hold whole is never whole on any process.
     ///
     /// Without it the fit still shards the model before its first forward pass, but Burn's
     /// `SupervisedTraining::launch` reads the learner's model (`devices()`) before the strategy
     /// sees it, and so initialises every lazy parameter whole on every process, from `launch`
     /// until the fit starts. With it, that read finds each released parameter's placeholder
-    /// (a few bytes, on the decorator [`Accelerated`](crate::Accelerated)) or this process's
-    /// own value, and the fit releases nothing again. The numbers are the same either way: the
+    /// (a few bytes, on the decorator [`Accelerated`](crate::Accelerated)), and the fit
+    /// releases nothing again. The numbers are the same either way: the
     /// parameters are initialised in the order `launch` would initialise them.
     ///
     /// At other stages, or on one process, `model` as it is. Every process must call it, with

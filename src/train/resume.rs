@@ -1,22 +1,23 @@
 //! The strategy's own checkpoints, and resuming from them without code of the user's.
 //!
-//! With [`AccelerateStrategy::with_checkpoint_dir`], the main process writes, after each
-//! epoch, a crash-safe checkpoint into the directory ([`crate::checkpoint`]): the model's, the
-//! optimizer's (whole, under ZeRO) and the scheduler's records, in full precision
-//! (`accelerate-<epoch>-{model,optim,scheduler}.mpk`, Burn's `NamedMpk` format), and the
-//! strategy's state beside them (`accelerate-<epoch>.json`: the loss scale, the gradient
-//! state, the loaders' positions). With `CheckpointLayout::Sharded` at ZeRO stages 1 to 3 on
-//! several processes, each process writes its partition's model and optimizer files instead
-//! (`{model,optimizer}-<epoch>.shard-R-of-W.mpk`, through [`crate::checkpoint::sharded`],
-//! the `Accelerator`'s writer) and the main process the scheduler's record and the state; on
-//! resume each process reads, as the `Accelerator`'s does (`sharded::resume_reads`), the model files
-//! holding its partition's parameters at ZeRO stage 3 (the others come back released, and the
-//! fit keeps them so from its start) and every model file at other stages (each parameter from
-//! the one that holds it), and the optimizer files holding its partition's state (every one
-//! where the state is not sharded), which the fit then partitions for this run's processes
-//! and stage as a consolidated checkpoint's. They are the strategy's and not Burn's checkpointer's
-//! because Burn's `FileCheckpointer` writes in place, on threads of its own, with nothing that
-//! says when a file is whole: a crash in the middle leaves a torn file under its final name.
+//! With [`AccelerateStrategy::with_checkpoint_dir`], the main process writes, after each epoch, a
+//! crash-safe checkpoint into the directory ([`crate::checkpoint`]): the model's, the optimizer's
+//! (whole, under ZeRO) and the scheduler's records, in full precision
+//! (`accelerate-<epoch>-{model,optim,scheduler}.mpk`, Burn's `NamedMpk` format), and the strategy's
+//! state beside them (`accelerate-<epoch>.json`: the loss scale, the gradient state, the loaders'
+//! positions). With `CheckpointLayout::Sharded` at ZeRO stages 1 to 3 on several processes, each
+//! process writes its partition's model and optimizer files instead
+//! (`{model,optimizer}-<epoch>.shard-R-of-W.mpk`, through [`crate::checkpoint::sharded`], the
+//! `Accelerator`'s writer) and the main process the scheduler's record and the state; on resume
+//! each process reads, as the `Accelerator`'s does (`sharded::resume_reads`), the model files
+//! holding its partition's parameters at ZeRO stage 3 (each sent to every process, which keeps its
+//! slice: the model comes back released, and the fit keeps it so from its start) and every model
+//! file at other stages (each parameter from the one that holds it), and the optimizer files
+//! holding its partition's state at stages 1 and 2 (every one otherwise, at stage 3 too: it keeps a
+//! slice of every parameter's state), which the fit then splits for this run's processes and stage
+//! as a consolidated checkpoint's. They are the strategy's and not Burn's checkpointer's because
+//! Burn's `FileCheckpointer` writes in place, on threads of its own, with nothing that says when a
+//! file is whole: a crash in the middle leaves a torn file under its final name.
 //!
 //! What a checkpoint holds and the order it is read back in are the same as for the
 //! `Accelerator`'s ([`crate::checkpoint::contents`]); this module is the strategy's adapter:
@@ -150,10 +151,11 @@ impl<LC: LearningComponentsTypes> AccelerateStrategy<LC> {
         // another model without a word) and every record against what Burn would panic on,
         // before any of it is loaded. Of a sharded checkpoint (`CheckpointLayout::Sharded`)
         // each process reads the files the `Accelerator`'s resume reads (`sharded::resume_reads`):
-        // at ZeRO stage 3 the model files holding its partition's parameters (the others
-        // come back released, as the fit keeps them from its start), at other stages every
-        // model file; of the optimizer files those holding the state of its partition where
-        // the state is sharded (the fit keeps its partition's alone), every one otherwise.
+        // at ZeRO stage 3 the model files holding its partition's parameters (each sent to
+        // every process to slice: the model comes back released, as the fit keeps it from its
+        // start), at other stages every model file; of the optimizer files those holding the
+        // state of its partition at stages 1 and 2 (the fit keeps its partition's alone), every
+        // one otherwise (at stage 3 the fit keeps its slice of every parameter's state).
         let model = learner.model();
         let group = self.group.as_ref();
         let (keep, shards_parameters) =

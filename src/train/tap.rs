@@ -12,10 +12,10 @@
 //! is the learner's `model()`).
 //!
 //! Both uses read through the one tap of a fit: sharded training (ZeRO) reads the optimizer's
-//! record to keep this process's partition of it and to gather the whole of it for a checkpoint
-//! (`fit`, `checkpoint`), and the main process's own checkpoints read both records to write them
-//! (`resume`). Each read takes both records, so that neither channel keeps a record for the next
-//! read.
+//! record to keep this process's part of it (a partition's, or slices) and to gather the whole of
+//! it for a checkpoint (`fit`, `checkpoint`), and the main process's own checkpoints read both
+//! records to write them (`resume`). Each read takes both records, so that neither channel keeps a
+//! record for the next read.
 //!
 //! The resume loads the records it read and checked through Burn's own resume path
 //! (`LearningCheckpointer::load_checkpoint`, what `SupervisedTraining::checkpoint(epoch)` runs),

@@ -30,12 +30,13 @@ pub enum CheckpointLayout {
     /// whole optimizer state (and at stage 3 the whole model) while it writes.
     #[default]
     Consolidated,
-    /// Each process writes its own partition's parameters and optimizer state
-    /// (`model-N.shard-R-of-W.mpk`, `optimizer-N.shard-R-of-W.mpk`; FSDP's
-    /// `SHARDED_STATE_DICT`, DeepSpeed's per-rank files), and the main process lists every
-    /// process's files in the manifest once all are written: no process holds more than its
-    /// partition to save. `with_accelerate`'s main process also writes the scheduler's record
-    /// (`accelerate-N-scheduler.mpk`) and its state file (`accelerate-N.json`). At stage 0, or
-    /// on one process, nothing is partitioned, and the checkpoint is consolidated.
+    /// Each process writes its own partition's parameters and optimizer state (at ZeRO stage 3,
+    /// joined from every process's slices) (`model-N.shard-R-of-W.mpk`,
+    /// `optimizer-N.shard-R-of-W.mpk`; FSDP's `SHARDED_STATE_DICT`, DeepSpeed's per-rank files),
+    /// and the main process lists every process's files in the manifest once all are written: no
+    /// process holds more than its partition to save. `with_accelerate`'s main process also writes
+    /// the scheduler's record (`accelerate-N-scheduler.mpk`) and its state file
+    /// (`accelerate-N.json`). At stage 0, or on one process, nothing is partitioned, and the
+    /// checkpoint is consolidated.
     Sharded,
 }

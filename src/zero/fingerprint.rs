@@ -1,5 +1,6 @@
-//! The processes of a sharded run train one model: each owns a partition of its parameters,
-//! computed by every process from its own copy ([`Partition`](super::Partition)), and the
+//! The processes of a sharded run train one model: each owns a partition of its parameters
+//! (stages 1 and 2: [`Partition`](super::Partition)) or a slice of every one (stage 3:
+//! [`slice_range`](super::slice_range)), computed by every process from its own copy, and the
 //! collectives carry parameters and gradients by their place in the model's visiting order.
 //! A process whose model differs (another width, another layer) would otherwise fail inside
 //! the first reduce-scatter with buffer lengths that say nothing of the model, or, where the

@@ -1,30 +1,34 @@
 //! ZeRO stage 3 ([`ZeroStage::Parameters`](super::ZeroStage::Parameters), FSDP's
-//! `FULL_SHARD`): between steps each process holds only the parameters its partition owns,
-//! and gathers every other one from its owner where an op uses it.
+//! `FULL_SHARD`): between steps each process holds a flat 1/N slice of every parameter
+//! ([`slice_range`]: the parameter flattened, zero-padded to a multiple of the processes, cut
+//! into equal slices), and every use of a parameter gathers the slices.
 //!
 //! # The mechanism
 //!
-//! After the optimizer steps this process's partition, [`release_parameters`] turns every float
-//! parameter of the model into one of Burn's lazy parameters (`Param::uninitialized`, the
-//! form `Module::init` builds): the value is dropped, and the parameter keeps its id, shape,
-//! device, gradient requirement and an initializer. The owner's initializer holds the owned
-//! value; the others' hold nothing but the owner's rank. What the first `Param::val()` of the
-//! next forward pass caches in the `Param` depends on the backend:
+//! After the optimizer steps the slices, [`release_parameters`] (or `release_stepped`) turns
+//! every float parameter of the model into one of Burn's lazy parameters
+//! (`Param::uninitialized`, the form `Module::init` builds): the value is dropped, and the
+//! parameter keeps its id, shape, device, gradient requirement and an initializer. Each
+//! process keeps its slice in a [`FlatShard`], kept by parameter id
+//! (`crate::backend::placeholder::keep_slices`); no process holds a parameter whole. What the
+//! first `Param::val()` of the next forward pass caches in the `Param` depends on the backend:
 //!
 //! - On the decorator over Burn's autodiff over a backend this crate has a feature for
-//!   (`Accelerated<Autodiff<Flex>>`, and over NdArray, wgpu, CUDA and LibTorch): the owner's
-//!   value on its owner, elsewhere a
-//!   *placeholder* of the full shape (a stride-0 view of one `-0.0`: a few bytes), each
-//!   registered with the collective that gathers it (`crate::backend::placeholder`). Every
-//!   op that reads it is then one gather on every process (the owner sends, the others
-//!   receive): the per-layer bound below.
+//!   (`Accelerated<Autodiff<Flex>>`, and over NdArray, wgpu, CUDA and LibTorch): on every
+//!   process a *placeholder* of the full shape (a stride-0 view of one `-0.0`: a few bytes),
+//!   registered with the shard that gathers it (`crate::backend::placeholder`). Every op that
+//!   reads it is then one all-gather of the slices on every process: the per-layer bound
+//!   below.
 //! - On any other backend (Burn's `Autodiff<Flex>` without the decorator, whose ops cannot
 //!   recognise a placeholder): the gathered value itself. The gather runs once, at the first
 //!   use, and the value stays whole until the step releases it (FSDP's `FULL_SHARD` with the
 //!   whole model as its one unit; the peak is stage 2's).
 //!
-//! Before the optimizer steps, [`end_gathers`] makes the parameters' uses plain reads again
-//! (the optimizer reads the values it steps on their owner alone), until the release.
+//! Before the optimizer steps, [`to_slices`] replaces every parameter by this process's
+//! slice, shaped `[1, .., 1, slice]` in the parameter's rank (Burn's optimizers are
+//! elementwise: they step a slice and keep slice-shaped state as they would the whole), and
+//! [`end_gathers`] makes the uses plain reads; after it, `release_stepped` releases the
+//! stepped slices again.
 //!
 //! Every process runs the same forward and backward passes, so every process gathers the
 //! same parameter at the same moment, and the collectives pair up with no schedule agreed
@@ -33,25 +37,27 @@
 //! only, a module visited on the main process only) fail at once with an error naming both,
 //! and the op (or initializer) panics with it (neither has an error channel).
 //!
-//! Gradients and optimizer state follow stage 2's partition: each process's optimizer keeps
-//! state for its own partition and steps it. The gradients are reduced to their owners in the
-//! backward pass that completes an accumulation window, each as soon as it is final
+//! Gradients follow the slices: in the backward pass that completes an accumulation window,
+//! each parameter's gradient is reduce-scattered as soon as it is final
 //! ([`post_backward`](super::post_backward): every op reads a parameter through an anchor
-//! node that sums its uses' gradients and reduces the sum to the owner; the other processes
-//! keep nothing of it), with the sums in stage 2's order (so stage 3 ends bit for bit where
-//! stage 2 does, and where stage 0 does on two processes). The window's earlier passes
-//! accumulate whole gradients (FSDP's `no_sync`); the first window, before any parameter is
-//! released, and backends without the decorator reduce-scatter the window at the step
-//! ([`reduce_scatter_gradients`](super::reduce_scatter_gradients)), as stage 2 does. Ownership
-//! is per parameter ([`partition`](super::partition): whole parameters, largest first), not
-//! FSDP's 1/N slice of each parameter: a process's share of the model is balanced to within
-//! its largest parameter, and "reduce-scatter" is, per parameter, a reduction to its owner.
+//! node that sums its uses' gradients and reduce-scatters the sum: the mean, in f32, padded
+//! as the parameter is), and every process keeps its slice's mean. The window's earlier
+//! passes accumulate whole gradients (FSDP's `no_sync`); the first window, before any
+//! parameter is released, backends without the decorator, and a pass after the reducing one
+//! reduce-scatter into slices at the step ([`reduce_scatter_slices`]).
+//!
+//! On two processes stage 3 ends bit for bit where stage 2 does, and where stage 0 does (a
+//! mean of two values is one rounding, whatever the order). On more, stage 2 sums each
+//! parameter in its owner's block's ring order and stage 3 each slice in its own block's, so
+//! the runs agree to rounding. A global norm that clips the gradients sums slices instead of
+//! whole parameters: with clipping too the runs agree to rounding.
 //!
 //! # What is bounded
 //!
 //! Between steps (from the end of one step to the next forward pass) a process holds its
-//! partition's parameters and optimizer state and no gradients: about 1/N of the model's
-//! training state.
+//! slice of every parameter and of its optimizer state, and no gradients: about 1/N of the
+//! model's training state (a parameter of fewer values than processes is padded: some
+//! processes hold padding only).
 //!
 //! During the forward and backward passes, on the decorator, the parameters of Burn's
 //! `linear` op (`nn::Linear`: the product and its bias add) are whole for that op alone,
@@ -60,10 +66,10 @@
 //! backward node keeps the placeholder (a few bytes) instead of the weight, and gathers the
 //! weight again for the input's gradient (the weight's and bias's gradients need only the
 //! input and the output's gradient). At most one layer's gathered weight and bias are whole
-//! at a time, besides the process's own partition
-//! ([`gathered_bytes`](super::gathered_bytes) counts them). The forward and backward ops
-//! are Burn's own (`B::linear`, `linear_x_backward`, `linear_weight_backward`,
-//! `linear_bias_backward`, in Burn's order), so the numbers are stage 2's bit for bit.
+//! at a time, on every process ([`gathered_bytes`](super::gathered_bytes) counts every
+//! gather). The forward and backward ops are Burn's own (`B::linear`, `linear_x_backward`,
+//! `linear_weight_backward`, `linear_bias_backward`, in Burn's order), so the op's numbers
+//! are stage 2's bit for bit.
 //!
 //! `matmul` with a parameter operand (autocast off) and `embedding` hold the same bound: the
 //! parameter is gathered for the op alone; `matmul`'s node gathers it again for the other
@@ -71,13 +77,13 @@
 //!
 //! Under bf16/f16 autocast, on `Autodiff<Flex>` (whose autocast runs `linear` and `matmul`
 //! on the crate's half kernels), `linear` and `matmul` (a parameter operand, no broadcast)
-//! hold the same bound and gather in the half type the op runs in
-//! (FSDP's `param_dtype`): the owner casts its f32 weight and bias and sends halves (half an
-//! f32 gather's bytes), the op runs as autocast runs it on the cast values, and the gradients
-//! reach the f32 parameters cast back as autocast's cast nodes cast them. The cast of a
-//! gathered f32 value and the gathered cast of the owner's value are the same bits (one
-//! elementwise rounding of the same values), so the numbers are stage 2's under the same
-//! autocast, bit for bit; the gradients are reduced in f32.
+//! hold the same bound and gather in the half type the op runs in (FSDP's `param_dtype`):
+//! each process casts its f32 slice with autocast's cast on the op's backend and sends halves
+//! (half an f32 gather's bytes), the op runs as autocast runs it on the cast values, and the
+//! gradients reach the f32 parameters cast back as autocast's cast nodes cast them. The
+//! gathered casts of the slices and the cast of the gathered f32 value are the same bits (one
+//! elementwise rounding of the same values), so the op's numbers are stage 2's under the same
+//! autocast, bit for bit; the gradients are reduce-scattered in f32.
 //!
 //! Every other op that reads a placeholder (convolutions, layer norms, casts under autocast,
 //! `linear` and `matmul` in fp8 autocast or where autocast keeps them in f32, a broadcast
@@ -88,24 +94,23 @@
 //! `crate::backend::placeholder`'s docs.
 //!
 //! The gradients, on the decorator: in the window's last backward pass each parameter's
-//! gradient is whole from the op that computes it to its anchor's reduction, which runs right
-//! after the backward of the layer that first reads the parameter (a `linear` or `matmul`
-//! anchor sits just above the op's other input; an anchor made by another op, an
+//! gradient is whole from the op that computes it to its anchor's reduce-scatter, which runs
+//! right after the backward of the layer that first reads the parameter (a `linear` or
+//! `matmul` anchor sits just above the op's other input; an anchor made by another op, an
 //! embedding's among them, sits above the parameter alone, and reduces at the end of the
-//! pass: right, but not bounded). Afterwards a process holds
-//! its partition's averaged gradients only. The window's earlier passes hold every gradient
-//! whole, as FSDP's `no_sync` does. Not bounded: the activations the graph keeps are every
-//! process's own.
+//! pass: right, but not bounded). Afterwards a process holds its slice of every parameter's
+//! averaged gradient only. The window's earlier passes hold every gradient whole, as FSDP's
+//! `no_sync` does. Not bounded: the activations the graph keeps are every process's own.
 //!
-//! Traffic per step (the built-in engine's ring, [`sent_bytes`](super::sent_bytes)): every
-//! use of a parameter is a broadcast from its owner that every process but one passes on, and
-//! every reduction is the owner's block of a reduce-scatter that every process but the owner
-//! sends once; summed over the `n` processes, `(n - 1)` × (the parameters once for the
-//! forward pass, the weights read again in backward, the parameters once for the reduction):
-//! about 3 (n - 1) / n of the parameters' bytes per process, as FSDP's, against stage 0's
-//! 2 (n - 1) / n. Under bf16/f16 autocast the gathers of `linear` and `matmul` send two bytes a
-//! value (the reductions stay f32): about 2 (n - 1) / n of the f32 bytes. Each gather and reduction is preceded by a 16-byte-per-process agreement
-//! on the parameter.
+//! Traffic per process per step (the built-in engine's ring,
+//! [`sent_bytes`](super::sent_bytes)), for each parameter on `n` processes: each gather
+//! sends `(n - 1)` × [`slice_len`] values in the gathered dtype, each reduce-scatter
+//! `(n - 1)` × `slice_len` f32 values, and each collective first agrees on the parameter
+//! (2 × 8 × (n - 1) bytes). With a gather for the forward pass, one more of the weights read
+//! again in backward, and a reduce-scatter, that is about 3 (n - 1) / n of the parameters'
+//! bytes per process, as FSDP's, against stage 0's 2 (n - 1) / n. Under bf16/f16 autocast the
+//! gathers of `linear` and `matmul` send two bytes a value (the reduce-scatters stay f32):
+//! about 2 (n - 1) / n of the f32 bytes.
 //!
 //! A released parameter keeps Burn's parameter mappers (the transforms a record applies on
 //! save and load), which a checkpoint's record applies
@@ -391,8 +396,6 @@ impl<B: AutodiffBackend, const D: usize> HeldParam<B, D> {
         }
     }
 
-    // The parameter released: a lazy one whose reads give a placeholder registered with its
-    // new shard (or the gathered value, where placeholders are not recognised), and the shard.
     // The slice as the shard of the parameter at `place`.
     fn shard(&self, group: &ProcessGroup, place: u64) -> Arc<FlatShard<Inner<B>>> {
         Arc::new(FlatShard::<Inner<B>> {
@@ -404,6 +407,8 @@ impl<B: AutodiffBackend, const D: usize> HeldParam<B, D> {
         })
     }
 
+    // The parameter released: a lazy one whose reads give a placeholder registered with its
+    // new shard (or the gathered value, where placeholders are not recognised), and the shard.
     fn release(self, group: &ProcessGroup, place: u64) -> (Param<Tensor<B, D>>, Arc<dyn Shard>) {
         let shard = self.shard(group, place);
         let (shape, dtype) = (self.shape.clone(), self.dtype);

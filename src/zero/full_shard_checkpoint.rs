@@ -5,15 +5,15 @@
 //! what follows the training (FSDP's `summon_full_params`: `with_accelerate` hands Burn back a
 //! whole model).
 //!
-//! Between steps a stage 3 process holds its partition's parameters only
+//! Between steps a stage 3 process holds its slice of every parameter only
 //! ([`release_parameters`](super::release_parameters)); a record made the way Burn makes one
 //! (`into_record` on the main process alone) would gather on the main process alone, whose
-//! collectives no other process meets. Here every process visits the model in the same order;
-//! each released parameter's owner reads its own value where it holds it and sends it to the
-//! root alone, point to point (torch's `gather` to rank 0, not a broadcast: the save's traffic
-//! is the model once, not `N - 1` times), and the root receives each in visiting order. A
-//! process other than the root never holds a parameter it does not own; the root holds the
-//! whole model while it writes, as it holds the whole optimizer state
+//! collectives no other process meets. Here every process visits the model in the same order
+//! and sends its slice of each released parameter to the root alone, point to point (torch's
+//! `gather` to rank 0, not an all-gather: the save's traffic is the model once, not `N - 1`
+//! times); the root receives the slices in visiting order, joins them in rank order and cuts
+//! the padding. A process other than the root never holds a parameter whole; the root holds
+//! the whole model while it writes, as it holds the whole optimizer state
 //! ([`consolidate_state`](super::consolidate_state)).
 //!
 //! The record keeps Burn's parameter mappers: a released parameter keeps its mappers
@@ -37,17 +37,17 @@ use super::sharded::Partition;
 /// (ZeRO stage 3, between steps) or whole. Every process must call it at the same point, with
 /// the same model, and no process may read the model in between.
 ///
-/// Each released parameter goes from its owner to `root` alone, point to point, in visiting
-/// order: its owner reads the value it holds, and no other process receives it (the save's
-/// traffic is the model once). A parameter held whole (on one process, or read already during
-/// a step) is read as an op reads it. `module` itself is left as it was: its released
+/// Each process sends its slice of each released parameter to `root` alone, point to point, in
+/// visiting order, and no other process receives it (the save's traffic is the model once); `root`
+/// joins the slices and cuts the padding. A parameter held whole (on one process, or read already
+/// during a step) is read as an op reads it. `module` itself is left as it was: its released
 /// parameters stay released.
 ///
 /// # Errors
 /// [`DistributedError::InvalidCall`] when `root` is not a process of `group`; what the group's
 /// point-to-point messages return (a process that left); [`DistributedError::Mismatch`] when
-/// an owner sends another parameter than the one `root` expects, or another size (the
-/// processes' models differ).
+/// a process sends a slice of another parameter than the one `root` expects, or of another
+/// size (the processes' models differ).
 pub fn gather_model_record<B, M>(
     group: &ProcessGroup,
     module: &M,
@@ -89,15 +89,15 @@ where
     Ok(keep.then(|| gathered.into_record()))
 }
 
-/// The record of `module` with the values of the parameters `partition` gives to `rank` alone
-/// (each with its save mapper applied), every other parameter a value of no elements: this
-/// process's part of a sharded checkpoint (FSDP's `SHARDED_STATE_DICT`, DeepSpeed's per-rank
-/// files), in the layout stages 1 and 2 write, so that a run resumes from it at any stage on
-/// any number of processes. A whole parameter (stages 1 and 2) gives its own value, with
-/// nothing sent; a released one (ZeRO stage 3) is gathered from every process's slice to its
-/// owner alone, point to point (the save's traffic is the model once). Every process must
-/// call it at the same point, with the same model (`group`: the processes' group, which a
-/// model with released parameters needs). `module` itself is left as it was.
+/// The record of `module` with the values of the parameters `partition` gives to `rank` alone (each
+/// with its save mapper applied), every other parameter a value of no elements: this process's part
+/// of a sharded checkpoint (FSDP's `SHARDED_STATE_DICT`, DeepSpeed's per-rank files), in the layout
+/// stages 1 and 2 write, so that a run resumes from it at any stage on any number of processes. A
+/// whole parameter (stages 1 and 2) gives its own value, with nothing sent; a released one (ZeRO
+/// stage 3) is gathered from every process's slice to the process `partition` gives it to alone,
+/// point to point (the save's traffic is the model once). Every process must call it at the same
+/// point, with the same model (`group`: the processes' group, which a model with released
+/// parameters needs). `module` itself is left as it was.
 ///
 /// # Errors
 /// What the group's point-to-point messages return (a process that left);
@@ -135,13 +135,14 @@ where
 /// [`release_parameters`](super::release_parameters) of a model whose parameters `partition`
 /// gives to this process were loaded from a sharded checkpoint (whole), and the others are
 /// fresh (Burn's lazy initializers) or released already (`Accelerator::prepare_model`'s):
-/// each parameter goes from its owner to every process, one at a time in visiting order, and
-/// each keeps its slice; the others' values are dropped as they are held, without gathering
-/// them. Every process must call it at the same point.
+/// each parameter goes from the process `partition` gives it to (whose file held it) to every
+/// process, one at a time in visiting order, and each keeps its slice; the others' values are
+/// dropped as they are held, without gathering them. Every process must call it at the same
+/// point.
 ///
 /// # Errors
-/// What the broadcasts return; [`DistributedError::Mismatch`] when an owner sends another
-/// size than this process's model has (the processes' models differ).
+/// What the broadcasts return; [`DistributedError::Mismatch`] when a parameter's sender sends
+/// another size than this process's model has (the processes' models differ).
 pub(crate) fn release_loaded<B, M>(
     group: &ProcessGroup,
     module: M,
@@ -222,11 +223,11 @@ where
     }
 }
 
-/// `module` with every parameter whole on this process: each released parameter gathered
-/// from its owner (as an op gathers it, in visiting order), with its gradient requirement and
+/// `module` with every parameter whole on this process: each released parameter gathered from every
+/// process's slice (as an op gathers it, in visiting order), with its gradient requirement and
 /// mappers; a whole one as it is. Every process must call it at the same point, with the same
-/// model. The result reads no placeholder and gathers nothing at its uses: every process may
-/// use it alone (evaluate it, save it).
+/// model. The result reads no placeholder and gathers nothing at its uses: every process may use it
+/// alone (evaluate it, save it).
 ///
 /// A gather that fails (a process that left, or whose model differs) panics with the gather's
 /// error, as it does inside an op.
@@ -294,7 +295,8 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Gather {
     }
 }
 
-// Where a released parameter's slices go: to one process, or each to its owner.
+// Where a released parameter's slices go: to one process, or each parameter's to the process
+// whose file holds it in a sharded checkpoint (`zero::partition`'s owner).
 enum Root<'a> {
     One(usize),
     Owner(&'a Partition),

@@ -1,10 +1,12 @@
-//! Sharded data parallel (DeepSpeed's ZeRO stages 1 to 3): which process owns which
-//! parameter ([`partition`], pure arithmetic), the stage-2 gradient sync that leaves each
-//! process its partition's mean ([`reduce_scatter_gradients`]), the parameters shared from
-//! their owners after the step ([`share_parameters`]) or, at stage 3, released until their
-//! next use ([`release_parameters`]), and the optimizer state kept per partition and merged
-//! whole for a checkpoint ([`consolidate_state`], [`keep_own_state`]), with, at stage 3, the
-//! model's record gathered whole on one process ([`gather_model_record`]).
+//! Sharded data parallel (DeepSpeed's ZeRO stages 1 to 3): at stages 1 and 2, which process
+//! owns which parameter ([`partition`], pure arithmetic), the stage-2 gradient sync that
+//! leaves each process its partition's mean ([`reduce_scatter_gradients`]) and the
+//! parameters shared from their owners after the step ([`share_parameters`]); at stage 3,
+//! each process's flat 1/N slice of every parameter ([`slice_range`]), the parameters
+//! released until their next use ([`release_parameters`]) and the model's record gathered
+//! whole on one process ([`gather_model_record`]); the optimizer state kept per process
+//! (a partition's, or slices) and merged whole for a checkpoint ([`consolidate_state`],
+//! [`keep_own_state`], [`keep_own_slices`]).
 //!
 //! The step core ([`step`](crate::step)) runs them for both entry points; this module sits on
 //! the process group of [`distributed`](crate::distributed), which carries the bytes.

@@ -1,11 +1,13 @@
-//! The optimizer state of sharded training: split among its owners while training, and whole
-//! in a checkpoint.
+//! The optimizer state of sharded training: split among the processes while training, and
+//! whole in a checkpoint.
 //!
 //! At ZeRO stages 1 and 2 each process's optimizer holds state for its own partition of the
-//! parameters alone ([`Partition`]). A checkpoint holds the whole state, merged on the main
-//! process ([`consolidate_state`], torch's `ZeroRedundancyOptimizer.consolidate_state_dict`), so it
-//! is the record a stage 0 run writes: it resumes at any stage, on any number of processes,
-//! each keeping its new partition's part ([`keep_own_state`]).
+//! parameters alone ([`Partition`]); at stage 3, slice-shaped state for its slice of every
+//! parameter. A checkpoint holds the whole state, merged (or joined from the slices) on the
+//! main process ([`consolidate_state`], torch's
+//! `ZeroRedundancyOptimizer.consolidate_state_dict`), so it is the record a stage 0 run
+//! writes: it resumes at any stage, on any number of processes, each keeping its new
+//! partition's part ([`keep_own_state`]) or its slices ([`keep_own_slices`]).
 
 use burn::module::{AutodiffModule, ParamId};
 use burn::record::{Record, Recorder};
@@ -19,7 +21,7 @@ use super::sharded::{Partition, param_ids, param_shapes};
 use super::state_slices::{join_state, slice_state};
 
 /// An optimizer record that keeps its state per parameter, so that sharded training can split
-/// it among the parameters' owners and merge it back.
+/// it among the processes (by parameter, or into slices) and merge it back.
 ///
 /// Burn's optimizers (`OptimizerAdaptor`: Adam, AdamW, SGD, RMSProp, ...) record
 /// `hashbrown::HashMap<ParamId, _>`, which implements it; implement it for an optimizer of your own to

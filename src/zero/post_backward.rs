@@ -1,6 +1,6 @@
 //! ZeRO stage 3's reduction in the backward pass (FSDP's post-backward reduce-scatter): on the
-//! pass that completes an accumulation window, each parameter's gradient goes to its owner as
-//! soon as it is final, and the other processes keep nothing of it; the window's earlier
+//! pass that completes an accumulation window, each parameter's gradient is reduce-scattered
+//! as soon as it is final, every process keeping its slice's mean; the window's earlier
 //! passes accumulate whole gradients locally (FSDP's `no_sync`).
 //!
 //! Every op of a pass reads a released parameter through its *anchor*
@@ -8,12 +8,14 @@
 //! made at the first use and placed just above that op's input, so that Burn's autodiff runs
 //! it once every use's gradient is summed into it (a layer used twice, tied weights) and
 //! before the layers below. On the reducing pass the anchor adds the window's earlier sum
-//! (handed to it by [`begin`]), reduces the total to the owner (in the order and with the
-//! division of stage 2's reduce-scatter: stage 3's gradients are stage 2's bit for bit) and
-//! registers it on the parameter on the owner alone. A parameter the pass does not reach is
-//! reduced by [`end`], in the model's visiting order. The step then finds each process's
-//! partition's averaged gradients, as after stage 2's reduce-scatter: the loss scaler's
-//! overflow check and the global norm's clipping read them as they read stage 2's.
+//! (handed to it by [`begin`]), reduce-scatters the total (the mean, in f32, padded as the
+//! parameter is: [`slice_len`](super::slice_len)) and registers this process's slice of it
+//! on the parameter, shaped as the optimizer steps the slice (`[1, .., 1, slice]`). A
+//! parameter the pass does not reach is reduced by [`end`], in the model's visiting order.
+//! The step then finds each process's slice of every averaged gradient: the loss scaler's
+//! overflow check and the global norm's clipping read them as they read stage 2's
+//! partition's (on two processes the means are stage 2's bit for bit; on more, each slice
+//! sums in its own ring order, so they agree to rounding).
 //!
 //! An anchor lives until its backward runs, the parameters are released, or no pass is
 //! being built: the `Accelerator`'s `accumulate` (a batch starts) and the end of each backward
@@ -27,9 +29,9 @@
 //!
 //! The reduction needs every parameter released (by `prepare_model`, which the
 //! `with_accelerate` fit runs before its first forward pass, or else from the first step on:
-//! the first window is then reduced at the step, as at stage 2) and the decorator over a registered autodiff
-//! backend (whose ops make anchors); elsewhere [`begin`] declines and the step
-//! reduce-scatters the window at its end.
+//! the first window is then reduce-scattered at the step) and the decorator over a registered
+//! autodiff backend (whose ops make anchors); elsewhere [`begin`] declines and the step
+//! reduce-scatters the window into slices at its end.
 
 use std::any::Any;
 use std::collections::BTreeMap;
@@ -91,8 +93,8 @@ pub(crate) fn begin<B: AutodiffBackend, M: AutodiffModule<B>>(
 }
 
 /// After the pass [`begin`] started: the window's sums of the parameters the pass did not
-/// reach are reduced to their owners in the model's visiting order (every process the same)
-/// and registered in `grads` on the owner.
+/// reach are reduce-scattered in the model's visiting order (every process the same), each
+/// process registering its slice's mean in `grads`.
 pub(crate) fn end<B: AutodiffBackend, M: AutodiffModule<B>>(
     model: &M,
     grads: &mut GradientsParams,

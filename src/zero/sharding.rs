@@ -1,38 +1,42 @@
-//! Sharded data parallel's arithmetic: which process owns which parameter (its optimizer
-//! state and, at stage 2, its averaged gradient), as pure functions.
+//! Sharded data parallel's arithmetic, as pure functions: which process owns which parameter
+//! at stages 1 and 2 (its optimizer state and, at stage 2, its averaged gradient), and which
+//! slice of every parameter each process holds at stage 3.
 //!
-//! Parameters go whole to their owners, as torch's `ZeroRedundancyOptimizer` places them:
-//! largest first, each to the process that owns the fewest values so far (the lowest rank on a
-//! tie). Every process computes the same partition from the same model, with no
-//! communication.
+//! At stages 1 and 2 parameters go whole to their owners, as torch's
+//! `ZeroRedundancyOptimizer` places them: largest first, each to the process that owns the
+//! fewest values so far (the lowest rank on a tie). At stage 3 every parameter is cut into
+//! equal flat slices, one a process, as FSDP's `FULL_SHARD` cuts it. Every process computes
+//! the same partition and the same slices from the same model, with no communication.
 
 use serde::{Deserialize, Serialize};
 
 /// How much of the training state each process keeps for the whole model, and how much only
-/// for its own partition of the parameters.
+/// for its own part of the parameters (its partition's parameters at stages 1 and 2, its
+/// slice of every parameter at stage 3).
 ///
 /// | stage | DeepSpeed | FSDP | each process keeps |
 /// |---|---|---|---|
 /// | [`None`](Self::None) | ZeRO stage 0 | `NO_SHARD` (DDP) | every gradient and optimizer state |
 /// | [`OptimizerState`](Self::OptimizerState) | ZeRO stage 1 | — (torch's `ZeroRedundancyOptimizer`) | every gradient, its partition's optimizer state |
 /// | [`Gradients`](Self::Gradients) | ZeRO stage 2 | `SHARD_GRAD_OP` | its partition's averaged gradients and optimizer state |
-/// | [`Parameters`](Self::Parameters) | ZeRO stage 3 | `FULL_SHARD` | its partition's averaged gradients and optimizer state, and between steps its partition's parameters only |
+/// | [`Parameters`](Self::Parameters) | ZeRO stage 3 | `FULL_SHARD` | its slice of every parameter's averaged gradient and optimizer state, and between steps its slice of every parameter only |
 ///
-/// At stages 0 to 2 parameters stay whole on every process. At stage 3 they are whole only
-/// from their first use in a forward pass to the step (see
-/// [`release_parameters`](crate::zero::release_parameters) for what is and is not bounded).
+/// At stages 0 to 2 parameters stay whole on every process. At stage 3 no process holds a
+/// parameter whole between steps: it is gathered from every process's slice where an op uses
+/// it (see [`release_parameters`](crate::zero::release_parameters) for what is and is not
+/// bounded).
 ///
 /// Where it runs: the [`Accelerator`](crate::Accelerator)'s hand-written loops and
-/// `with_accelerate` (`AccelerateConfig::with_zero_stage`), across processes (a
-/// data-parallel strategy over one process's devices refuses a stage). Each process's
-/// optimizer then holds its own partition's state only; checkpoints hold the whole state,
-/// merged on the main process ([`consolidate_state`](crate::zero::consolidate_state);
-/// `with_accelerate` does it for Burn's checkpoints, a hand-written loop calls
-/// `Accelerator::consolidate_optimizer_record`), so a run resumes at any stage on any number
-/// of processes. At stage 3 a checkpoint's model record is gathered on the main process too,
-/// parameter by parameter ([`gather_model_record`](crate::zero::gather_model_record); a
-/// hand-written loop calls `Accelerator::consolidate_model_record`; `with_accelerate` does it
-/// for Burn's checkpoints and its own).
+/// `with_accelerate` (`AccelerateConfig::with_zero_stage`), across processes (a data-parallel
+/// strategy over one process's devices refuses a stage). Each process's optimizer then holds its
+/// own part's state only; checkpoints hold the whole state, merged on the main process
+/// ([`consolidate_state`](crate::zero::consolidate_state); `with_accelerate` does it for Burn's
+/// checkpoints, a hand-written loop calls `Accelerator::consolidate_optimizer_record`), so a run
+/// resumes at any stage on any number of processes. At stage 3 a checkpoint's model record is
+/// gathered on the main process too, parameter by parameter, from every process's slice
+/// ([`gather_model_record`](crate::zero::gather_model_record); a hand-written loop calls
+/// `Accelerator::consolidate_model_record`; `with_accelerate` does it for Burn's checkpoints and
+/// its own).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum ZeroStage {
     /// Data parallel: every process steps the whole model.
@@ -44,9 +48,11 @@ pub enum ZeroStage {
     /// As [`OptimizerState`](Self::OptimizerState), with gradients reduce-scattered: each
     /// process keeps only its partition's averaged gradients.
     Gradients,
-    /// As [`Gradients`](Self::Gradients), and between steps each process holds only its
-    /// partition's parameters: the others' are gathered from their owners at their first use
-    /// in the next forward pass ([`release_parameters`](crate::zero::release_parameters)).
+    /// Each process holds a flat 1/N slice of every parameter ([`slice_range`]: FSDP's
+    /// `FULL_SHARD`), and keeps that slice's averaged gradient and optimizer state; between
+    /// steps no process holds a parameter whole: each use by an op gathers every process's
+    /// slice ([`release_parameters`](crate::zero::release_parameters)), and the optimizer
+    /// steps the slices.
     /// Both entry points (the [`Accelerator`](crate::Accelerator), whose
     /// [`prepare_model`](crate::Accelerator::prepare_model) releases the model before its
     /// first step, and `with_accelerate`, whose fit releases it before its first forward
@@ -80,8 +86,9 @@ impl ZeroStage {
     }
 }
 
-/// The owner of each parameter, for parameters of `sizes` values (in the model's visiting
-/// order) over `processes` processes.
+/// The owner of each parameter at ZeRO stages 1 and 2 (and the process whose file holds it
+/// in a sharded checkpoint, at every stage), for parameters of `sizes` values (in the model's
+/// visiting order) over `processes` processes.
 ///
 /// ```
 /// use burn_accelerate::zero::partition;

@@ -218,9 +218,9 @@ impl Stage3Expected {
     /// prepared) nothing travels or is gathered before the step, which reduce-scatters as
     /// stage 2 does: every gradient is held after backward. From then on the gathered peak is
     /// as `peak` says, at most the largest layer's and below every parameter's together, the
-    /// bytes sent are `sent`'s, and a batch that completes a window leaves `rank` only its own
-    /// partition's gradients (each went to its owner in backward), any other batch every one
-    /// (`no_sync`).
+    /// bytes sent are `sent`'s, and a batch that completes a window leaves `rank` only its
+    /// slice of every gradient (each reduce-scattered in backward), any other batch every one
+    /// whole (`no_sync`).
     fn check<O>(
         &self,
         rank: usize,
@@ -284,7 +284,9 @@ fn assert_like_stage_2(stage3: &[f32], stage2: &[f32], exact: bool, what: &str) 
 /// How stage 3's parameters must agree with stage 2's.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Agreement {
-    /// Bit for bit: the CPU backends run the same ops in the same order at both stages.
+    /// Bit for bit: the CPU backends run the same ops in the same order at both stages (on
+    /// two processes; on more, `stage_3_against_stage_2` holds [`STAGE_3_ROUNDING`]: slices
+    /// sum in another order).
     Bits,
     /// Within this relative difference (`max_relative_difference`): a backend that picks
     /// its kernels by timing (cubecl's autotuned matmuls) need not sum in the same order in
@@ -792,7 +794,8 @@ fn sharded_stages_end_where_stage_0_does() {
         return report(&hand_loop::<Accelerated<Autodiff<Flex>>>(&args));
     }
     for processes in [2, 3] {
-        // Adam (state per parameter, kept by each parameter's owner), clipping to a global
+        // Adam (state per parameter, kept by each parameter's owner, in slices at stage 3),
+        // clipping to a global
         // norm, and f16 with an overflow on one rank: every stage skips the same step.
         let cases = [
             (Precision::F32, Some(0.5)),
@@ -861,7 +864,8 @@ fn stage_3_keeps_parameters_sharded_between_steps_and_ends_where_stage_0_does() 
     // The net's parameters: two weights and two biases.
     const PARAMETERS: usize = 4;
     for processes in [2, 3] {
-        // Adam (state per parameter, kept by its owner), with and without clipping to the
+        // Adam (state per parameter, kept by its owner, in slices at stage 3), with and
+        // without clipping to the
         // global norm, a window of 1 and of 2 batches (the parameters stay gathered while the
         // window accumulates), and f16 with an overflow on one rank (a skipped step releases
         // the parameters too).
@@ -905,8 +909,8 @@ fn stage_3_keeps_parameters_sharded_between_steps_and_ends_where_stage_0_does() 
                 let what = format!("{what}, rank {rank}");
                 assert_eq!(r.outcomes, stage0[0].outcomes, "{what}");
                 assert_eq!(r.loss_scale, stage0[0].loss_scale, "{what}");
-                // Between steps every parameter is released (lazy: its owner's value waits in
-                // its initializer, the others' are dropped); mid-window they stay gathered.
+                // Between steps every parameter is released (lazy: each process's slice waits in
+                // its shard, the rest is dropped); mid-window they stay gathered.
                 for (outcome, held) in r.outcomes.iter().zip(&r.held_after_step) {
                     let expected = if outcome == "Accumulating" {
                         PARAMETERS
@@ -926,7 +930,7 @@ fn stage_3_keeps_parameters_sharded_between_steps_and_ends_where_stage_0_does() 
                 // Against stage 0's all-reduce: a mean of two values is one rounding whatever
                 // the order, so two processes end bit for bit without clipping. Of three, the
                 // ring sums in another order than the reduce-scatter, and clipping's norm sums
-                // partition by partition: rounding, compounded through Adam's 24 steps (about
+                // part by part: rounding, compounded through Adam's 24 steps (about
                 // 2.5e-7 at most here).
                 if processes == 2 && clip_norm.is_none() {
                     assert_eq!(bits(&r.parameters), bits(&stage0[0].parameters), "{what}");
@@ -1048,7 +1052,7 @@ fn stage_3_gathers_a_layer_used_twice_once_and_an_unused_layer_where_gradients_a
             r.held_after_step
         );
         // Two processes: every mean is one rounding, as stage 0's. The unused layer has no
-        // gradient at either stage: stage 3 gathers it from its owner unchanged.
+        // gradient at either stage: stage 3 gathers it from the slices unchanged.
         assert_eq!(
             bits(&r.parameters),
             bits(&stage0[0].parameters),
@@ -1446,8 +1450,8 @@ fn autocast_layered_against_stage_2(
     layered_against_stage_2(test, processes, training, reads);
 }
 
-/// The model is built whole on every process; from the first step on, each process owns
-/// some layers and gathers the others' per use: something is gathered, never more than the
+/// The model is built whole on every process; from the first step on, each process holds a
+/// slice of every parameter and gathers each per use: something is gathered, never more than the
 /// largest layer's weight and bias at once (its forward op, or its input gradient's backward
 /// op), and nothing is left whole once the backward pass is over.
 #[test]
@@ -1473,11 +1477,12 @@ fn stage_3_holds_one_linear_layers_gathered_parameters_at_a_time_and_ends_where_
 
 /// Under bf16 and f16 autocast (FSDP's `param_dtype`), a linear layer gathers its weight and
 /// bias in the half type the op runs in (as does a `matmul` of a parameter, in a second
-/// model of bare matrices; and a linear layer of a 3-D input, through its matrix of rows): the owner casts its f32 values and sends halves, for
-/// the forward op and again (the weight) for the input's gradient; the gradients, cast back
-/// to f32, are reduced in f32 to their owners. Stage 3 ends where stage 2 does under the same
-/// autocast, bit for bit (f16 with the loss scaler: the same outcomes and scale), at most one layer's
-/// halves are whole at a time, and each batch sends what the formula says: stage 3's f32
+/// model of bare matrices; and a linear layer of a 3-D input, through its matrix of rows):
+/// each process casts its f32 slice and sends halves, for the forward op and again (the
+/// weight) for the input's gradient; the gradients, cast back to f32, are reduce-scattered in
+/// f32. Stage 3 ends where stage 2 does under the same autocast (bit for bit on 2 processes,
+/// to rounding on 3; f16 with the loss scaler: the same outcomes and scale), at most one
+/// layer's halves are whole at a time, and each batch sends what the formula says: stage 3's f32
 /// formula (`stage_3_reduces_each_gradient_to_its_owner_in_backward_and_sends_what_the_formula_says`)
 /// with two bytes a value for the gathers.
 #[test]
@@ -1500,18 +1505,18 @@ fn stage_3_under_autocast_gathers_linear_and_matmul_parameters_in_the_half_type_
     }
 }
 
-/// Stage 3's traffic and gradients per parameter owner, in f32 (the gather dtype without
-/// autocast), on the built-in engine's ring of `n` processes. Each use of a parameter of `P`
-/// bytes is a broadcast from its owner `o`, which every process passes on but the last
-/// before `o` on the ring; each gradient's reduction to `o` is the owner's block of a
-/// reduce-scatter, which every process but `o` sends once. Before each, the processes agree
-/// on the parameter: two all-gathers of one `u64` each (the counts, then the places), `n - 1`
-/// blocks passed on by every process. A step gathers every parameter in forward, every
-/// weight again in backward but the first layer's (its input is the data: no input
-/// gradient), and reduces every gradient once: summed over the processes, `(n - 1)` times
-/// (every parameter twice and the weights above the first once more), against stage 0's
-/// all-reduce, `2 (n - 1)` times the parameters (FSDP: 3 against DDP's 2, per process and
-/// times `(n - 1) / n`).
+/// Stage 3's traffic and gradients, in f32 (the gather dtype without autocast), on the
+/// built-in engine's ring of `n` processes, each holding a slice of every parameter
+/// (`zero::slice_len` values, padded). Each use of a parameter is a ring all-gather of the
+/// slices, in which every process sends `n - 1` slices; each gradient's reduction is a ring
+/// reduce-scatter of the padded gradient, in which every process sends `n - 1` slices too.
+/// Before each, the processes agree on the parameter: two all-gathers of one `u64` each (the
+/// counts, then the places), `n - 1` blocks passed on by every process. A step gathers every
+/// parameter in forward, every weight again in backward but the first layer's (its input is
+/// the data: no input gradient), and reduce-scatters every gradient once: per process about
+/// `(n - 1) / n` times (every parameter twice and the weights above the first once more),
+/// against stage 0's all-reduce, `2 (n - 1) / n` times the parameters (FSDP: 3 against DDP's
+/// 2). Every process keeps its slice of every gradient.
 #[test]
 fn stage_3_reduces_each_gradient_to_its_owner_in_backward_and_sends_what_the_formula_says() {
     const TEST: &str =
@@ -1549,8 +1554,8 @@ fn stage_3_reduces_each_gradient_to_its_owner_in_backward_and_sends_what_the_for
                 // lazy parameters are initialised in the order a first forward pass would.
                 assert_eq!(bits(&r.parameters), bits(&reports[0].parameters), "{what}");
                 // The first window of a model built whole sends nothing; from then on each
-                // gradient goes to its owner during the backward pass of a window's last
-                // batch (this process holds its own partition's and no other), and the
+                // gradient is reduce-scattered during the backward pass of a window's last
+                // batch (this process holds its slice of every one), and the
                 // window's earlier batches gather but reduce nothing (`no_sync`).
                 expected.check(rank, r, &training(prepare), Peak::OneLayer, &what);
             }
@@ -1760,8 +1765,8 @@ fn a_stage_3_checkpoint_resumes_on_other_process_counts_and_stages() {
     let loaded = saved_net(listed.files["model-1.mpk"].clone());
     assert_eq!(bits(&parameters(&loaded)), bits(&saved[0].parameters));
     assert_eq!(saved_adam_states(&dir), 4, "two weights and two biases");
-    // The same processes and stage, and stage 2 on them (stage 3 steps as stage 2 does, in
-    // the same order): bit for bit.
+    // The same processes and stage, and stage 2 on them (on two processes every mean is one
+    // rounding, whatever the order): bit for bit.
     for zero_stage in [3, 2] {
         let same = checkpoint.resume(2, zero_stage, &dir);
         checkpoint.assert_bit_for_bit(&same, &format!("stage {zero_stage}"));
@@ -1830,9 +1835,9 @@ fn a_sharded_stage_3_checkpoint_resumes_on_other_process_counts_and_stages() {
     }
 
     // Saved sharded at stage 2 (every process holds the whole model, and writes its own
-    // partition's part), resumed at stage 2 and at stage 3 on 2 processes: stage 3 steps as
-    // stage 2 does, in the same order, so both end where the uninterrupted run does, bit for
-    // bit.
+    // partition's part), resumed at stage 2 and at stage 3 on 2 processes: on two processes
+    // every mean is one rounding, whatever the order, so both end where the uninterrupted run
+    // does, bit for bit.
     let stage_2 = harness::scratch_dir("sharded-stage-2-checkpoint");
     checkpoint.save(2, &stage_2);
     for zero_stage in [2, 3] {
@@ -2012,12 +2017,12 @@ fn a_stage_3_model_record_is_gathered_on_the_main_process_with_its_save_mappers(
             assert_eq!(r.record.is_some(), rank == 0, "{what}");
             // The gathering read clones: the model's parameters stay released.
             assert_eq!(r.held_after, 0, "{what}");
-            // Each parameter goes from its owner to the main process alone, not through the
-            // placeholders' gather (a broadcast, which every process would count, holding
-            // each parameter it does not own).
+            // Each process sends its slices to the main process alone, not through the
+            // placeholders' gather (an all-gather, which every process would count, holding
+            // each parameter whole).
             assert_eq!(r.gathered_during, 0, "{what}");
-            // Point to point, on a stream of its own: no collective carries a parameter (a
-            // broadcast sends each one around the ring; the counter counts the ring's bytes,
+            // Point to point, on a stream of its own: no collective carries a parameter (an
+            // all-gather sends every slice around the ring; the counter counts the ring's bytes,
             // not a stream's).
             assert_eq!(r.collective_bytes_during, 0, "{what}");
             assert_eq!(bits(&r.parameters), bits(whole), "{what}");
@@ -2032,10 +2037,10 @@ fn stage_3_trains_a_parameter_smaller_than_the_process_count_and_a_process_ownin
     if let Some(args) = worker::<HandLoop>() {
         return report(&hand_loop::<Accelerated<Autodiff<Flex>>>(&args));
     }
-    // Net's four parameters (128, 64, 16 and 4 values) over 5 processes: parameters go whole
-    // to their owners (nothing is split, so nothing is padded), the 4-value bias is owned by
-    // one process, and process 4 owns nothing: it gathers every parameter at its use and
-    // steps none.
+    // Net's four parameters (128, 64, 16 and 4 values) over 5 processes: every parameter is
+    // sliced in five and padded (the 4-value bias to one value a process), and process 4
+    // holds padding only of the 16- and 4-value ones: every process gathers every parameter
+    // at its use and steps its slices, padding included.
     let run = |zero_stage: u8| -> Vec<HandLoopReport> {
         launch(TEST, 5, &HandLoop::adam(2, zero_stage, 1), &[])
             .assert_success()
@@ -2095,7 +2100,7 @@ fn processes_whose_models_differ_fail_at_the_first_step_naming_the_difference() 
         mismatched_worker(zero_stage);
         return report(&());
     }
-    // Where each process keeps its partition's gradients (stages 2 and 3): before the first
+    // Where each process keeps its part of the gradients (stages 2 and 3): before the first
     // reduce-scatter, by name, on every process.
     for zero_stage in [2, 3] {
         let launched = launch(TEST, 2, &zero_stage, &[]);
@@ -2722,8 +2727,8 @@ fn stage_3_with_accelerate_ends_where_stage_2_and_the_hand_written_loop_do() {
         }
         for rank in 0..processes {
             let what = format!("{processes} processes, f16 {f16}, rank {rank}");
-            // Under Burn's learner too, stage 3's parameters were gathered from their owners
-            // at their uses (placeholders), not held whole by every process.
+            // Under Burn's learner too, stage 3's parameters were gathered from the slices at
+            // their uses (placeholders), not held whole by every process.
             assert!(stage3[rank].gathered_peak > 0, "{what}");
             assert_eq!(stage2[rank].gathered_peak, 0, "{what}");
             for (other, name) in [(&stage2[rank], "stage 2"), (&hand3[rank], "by hand")] {

@@ -8,13 +8,14 @@
 //! `stage3_norm`'s linear layers with `LayerNorm`s or `RmsNorm`s between them, on 2 and 3
 //! real processes, windows of 1 and 2, in f32 and under the half autocast the backend
 //! runs (f16 on lavapipe, bf16 on LibTorch's CPU and on CUDA), hold one layer's gathered
-//! parameters at a time (the peak equals the largest layer
-//! a process does not own, in the gather dtype, on every batch), leave nothing gathered after
+//! parameters at a time (the peak equals the largest layer's gathered bytes, in the gather
+//! dtype, on every batch and process), leave nothing gathered after
 //! the backward pass, send what stage 3's formula says (halves for the gathers under
 //! autocast) and end where stage 2 does, with the same step outcomes and loss scale
 //! (`stage_3_against_stage_2`).
 //!
-//! Where stage 2 ends is checked bit for bit on Flex and within 1e-5 relative elsewhere:
+//! Where stage 2 ends is checked bit for bit on Flex (on 2 processes; to rounding on 3, where
+//! slices sum in another order than stage 2's owners) and within 1e-5 relative elsewhere:
 //! cubecl picks its matmul kernels by timing (autotune), so two runs of the same product need
 //! not sum in the same order.
 

@@ -1,13 +1,13 @@
 //! ZeRO stage 3's per-layer bound for the ops that autocast leaves reading a parameter in f32:
-//! `nn::RmsNorm`'s product (`normalized * gamma.unsqueeze()`, a promote-class `mul`: under
-//! bf16/f16 autocast the half `normalized` is cast up to f32 and gamma read in f32), a
-//! `Linear` that the small-op rule keeps in f32, a `matmul` of the fp32 class, and the
-//! convolutions under fp8 autocast (f32 operands, the weight rounded by its fp8 cast). Each
-//! gathers its parameters in f32 for the op alone (again in backward where the other
-//! operand's gradient reads them), and stage 3 ends bit for bit where stage 2 does under the
-//! same autocast (f16 with the loss scaler: the same outcomes and scale; fp8: the same amax
-//! histories and scales), with at most one layer's gathered parameters whole at a time and
-//! each batch sending stage 3's formula in the dtype each parameter is gathered in.
+//! `nn::RmsNorm`'s product (`normalized * gamma.unsqueeze()`, a promote-class `mul`: under bf16/f16
+//! autocast the half `normalized` is cast up to f32 and gamma read in f32), a `Linear` that the
+//! small-op rule keeps in f32, a `matmul` of the fp32 class, and the convolutions under fp8
+//! autocast (f32 operands, the weight rounded by its fp8 cast). Each gathers its parameters in f32
+//! for the op alone (again in backward where the other operand's gradient reads them), and stage 3
+//! ends where stage 2 does under the same autocast (bit for bit on 2 processes, to rounding on 3;
+//! f16 with the loss scaler: the same outcomes and scale; fp8: the same amax histories and scales),
+//! with at most one layer's gathered parameters whole at a time and each batch sending stage 3's
+//! formula in the dtype each parameter is gathered in.
 
 use super::stage3_norm::{NormKind, Normed, normed_layers};
 use super::*;
@@ -175,7 +175,7 @@ const CASES: [(usize, Precision, usize); 4] = [
 /// product reads gamma in f32 (autocast casts the half `normalized` up to f32: `mul` is a
 /// promote-class op): gamma is gathered in f32 for the product alone and again for
 /// `normalized`'s gradient, while the linear layers gather halves; stage 3 ends where stage 2
-/// does, bit for bit.
+/// does.
 #[test]
 fn stage_3_under_autocast_gathers_rms_norm_gamma_in_f32_for_its_product_alone_like_stage_2() {
     // The launcher runs the test by its path (`--exact`).
@@ -191,7 +191,7 @@ fn stage_3_under_autocast_gathers_rms_norm_gamma_in_f32_for_its_product_alone_li
 /// Under bf16 and f16 autocast with the small-op rule's default, which keeps these tiny
 /// `Linear`s in f32, each layer's weight and bias are gathered in f32 for its op alone (the
 /// weight again for the input's gradient), as with autocast off, and the RMS norms' gammas as
-/// above; stage 3 ends where stage 2 does, bit for bit.
+/// above; stage 3 ends where stage 2 does.
 #[test]
 fn stage_3_under_autocast_gathers_a_linear_kept_in_f32_for_its_op_alone_like_stage_2() {
     // The launcher runs the test by its path (`--exact`).
@@ -212,7 +212,7 @@ fn stage_3_under_autocast_gathers_a_linear_kept_in_f32_for_its_op_alone_like_sta
 
 /// Under bf16 and f16 autocast with `matmul` in the fp32 class, a bare matrix read by
 /// `matmul` is gathered in f32 for the product alone (again for the activations' gradient),
-/// as with autocast off; stage 3 ends where stage 2 does, bit for bit.
+/// as with autocast off; stage 3 ends where stage 2 does.
 #[test]
 fn stage_3_under_autocast_gathers_an_fp32_class_matmul_parameter_for_its_op_alone_like_stage_2() {
     // The launcher runs the test by its path (`--exact`).
@@ -229,8 +229,8 @@ fn stage_3_under_autocast_gathers_an_fp32_class_matmul_parameter_for_its_op_alon
 /// f32 operands, the weight rounded by its fp8 cast: each gathers its weight and bias in f32
 /// for its op alone, rounds the weight there with the op's own cast (its key, scale and amax
 /// record), gathers and rounds it again for its input's gradient, and rounds the weight's
-/// gradient as the cast node's backward does; stage 3 ends where stage 2 does, bit for bit,
-/// the fp8 state included.
+/// gradient as the cast node's backward does; stage 3 ends where stage 2 does, the fp8 state
+/// bit for bit.
 #[test]
 fn stage_3_under_fp8_gathers_each_convolutions_parameters_for_its_op_alone_like_stage_2() {
     // The launcher runs the test by its path (`--exact`).

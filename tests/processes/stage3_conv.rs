@@ -1,7 +1,7 @@
-//! ZeRO stage 3's per-layer bound on convolutions: a small CNN (two `Conv2d`, a
-//! `ConvTranspose2d`, a `Conv1d` and a linear head) gathers each convolution's weight and
-//! bias for its forward op alone, and its weight again for its input's gradient, and ends
-//! where stage 2 does, bit for bit; under bf16/f16 autocast a CNN of `Conv2d` layers does the
+//! ZeRO stage 3's per-layer bound on convolutions: a small CNN (two `Conv2d`, a `ConvTranspose2d`,
+//! a `Conv1d` and a linear head) gathers each convolution's weight and bias for its forward op
+//! alone, and its weight again for its input's gradient, and ends where stage 2 does (bit for bit
+//! on 2 processes, to rounding on 3); under bf16/f16 autocast a CNN of `Conv2d` layers does the
 //! same in the half type, and so does a net of a `ConvTranspose2d`, a `Conv1d` and a `Conv3d`.
 
 use super::*;
@@ -258,7 +258,7 @@ pub(super) fn conv_training<B: Backend>(
 
 // Runs `(processes, precision, window)` of `net`, sharded from the start (every batch
 // gathers), at stages 2 and 3, and checks stage 3 against stage 2, the formula and the
-// bound: on every process and batch the largest layer it does not own at the peak.
+// bound: on every process and batch the largest layer's gathered bytes at the peak.
 fn conv_against_stage_2(
     test: &str,
     net: Net,
@@ -277,13 +277,13 @@ fn conv_against_stage_2(
 }
 
 /// Each layer's parameters are gathered for its ops alone: the most whole at once on a
-/// process is one layer's weight and bias that it does not own (the largest such layer),
+/// process is one layer's weight and bias (the largest layer's),
 /// where a convolution that kept its gathered parameters in the graph until the step would
 /// hold several layers' at once, and still hold them after the backward pass. Each batch
 /// sends what stage 3's f32 formula says (see
 /// `stage_3_reduces_each_gradient_to_its_owner_in_backward_and_sends_what_the_formula_says`):
 /// every parameter gathered in forward, every weight above the first layer again for its
-/// input's gradient, every gradient reduced to its owner on the batch that completes a window.
+/// input's gradient, every gradient reduce-scattered on the batch that completes a window.
 #[test]
 fn stage_3_gathers_each_convolutions_parameters_for_its_ops_alone_and_ends_where_stage_2_does() {
     // The launcher runs the test by its whole path (`--exact`), this module's included.
@@ -299,13 +299,13 @@ fn stage_3_gathers_each_convolutions_parameters_for_its_ops_alone_and_ends_where
     }
 }
 
-/// Under bf16 and f16 autocast (FSDP's `param_dtype`), a `Conv2d` gathers its weight and bias
-/// in the half type the crate's half convolution runs in, for the forward op, and its weight
-/// again for the backward pass (whose GEMMs read it for the input's gradient and the
-/// weight's: the first layer's too); the gradients, cast back to f32, are reduced in f32 to
-/// their owners. Stage 3 ends where stage 2 does under the same autocast, bit for bit (f16
-/// with the loss scaler: the same outcomes and scale), one layer's halves are whole at a time,
-/// and each batch sends what the formula says with two bytes a gathered value.
+/// Under bf16 and f16 autocast (FSDP's `param_dtype`), a `Conv2d` gathers its weight and bias in
+/// the half type the crate's half convolution runs in, for the forward op, and its weight again for
+/// the backward pass (whose GEMMs read it for the input's gradient and the weight's: the first
+/// layer's too); the gradients, cast back to f32, are reduce-scattered in f32. Stage 3 ends where
+/// stage 2 does under the same autocast (bit for bit on 2 processes, to rounding on 3; f16 with the
+/// loss scaler: the same outcomes and scale), one layer's halves are whole at a time, and each
+/// batch sends what the formula says with two bytes a gathered value.
 #[test]
 fn stage_3_under_autocast_gathers_conv2d_parameters_in_the_half_type_like_stage_2() {
     const TEST: &str = "stage3_conv::\
@@ -333,7 +333,8 @@ fn stage_3_under_autocast_gathers_conv2d_parameters_in_the_half_type_like_stage_
 /// their weight and bias in the half type for the forward op alone, and their weight again
 /// where backward reads it (the `Conv1d`'s GEMMs for both gradients; the others' input
 /// gradient, which the first layer, reading the data, does not take). Stage 3 ends where
-/// stage 2 does under the same autocast, bit for bit (f16: the same outcomes and loss scale),
+/// stage 2 does under the same autocast (bit for bit on 2 processes, to rounding on 3; f16:
+/// the same outcomes and loss scale),
 /// one layer's halves are whole at a time, none after backward, and each batch sends what the
 /// formula says with two bytes a gathered value. With the convolutions in autocast's f32
 /// class, they gather in f32 for their ops alone, with the same checks.

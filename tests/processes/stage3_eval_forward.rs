@@ -4,7 +4,7 @@
 //! through `model.valid()`. The dropped passes leave nothing behind: the next training pass
 //! makes its own anchors, its backward sends what stage 3's formula says for it alone,
 //! nothing gathered stays whole, the registry does not grow, and the parameters (and the
-//! evaluation losses) are stage 2's, bit for bit.
+//! evaluation losses) are stage 2's (bit for bit on 2 processes, to rounding on 3).
 
 use super::*;
 
@@ -212,7 +212,8 @@ fn eval_worker(args: &EvalRun) -> Stage3Report<Evaluations> {
 /// parameter once the model is released (none before), at most one layer's gathered
 /// parameters are whole at a time, nothing gathered is left whole after a backward or a
 /// step, the registry ends each step as it ended the one before, and the parameters and
-/// the evaluation losses are stage 2's (which runs the same evaluations), bit for bit.
+/// the evaluation losses are stage 2's (which runs the same evaluations), bit for bit on 2
+/// processes and to rounding on 3.
 #[test]
 fn stage_3_forward_passes_dropped_without_backward_leave_nothing_and_end_where_stage_2_does() {
     const TEST: &str = "stage3_eval_forward::stage_3_forward_passes_dropped_without_backward_leave_nothing_and_end_where_stage_2_does";

@@ -2,7 +2,7 @@
 //! and without beta) gathers gamma and beta for its op alone, and `nn::RmsNorm`
 //! (`normalized * gamma.unsqueeze()`: a reshape of gamma, then a broadcast product) gathers
 //! gamma for its product alone; each gathers gamma again for its input's gradient, and ends
-//! where stage 2 does, bit for bit.
+//! where stage 2 does (bit for bit on 2 processes, to rounding on 3).
 
 use super::*;
 
@@ -115,15 +115,15 @@ fn norm_worker(args: &NormRun) -> Stage3Report {
     observed_training(args.training, config, model, samples, forward, ())
 }
 
-/// Stage 3 through layer norms and RMS norms: from the first step on, at most one layer's
-/// gathered parameters are whole at a time (a linear layer's weight and bias, a layer norm's
-/// gamma and beta, or an RMS norm's gamma, whose reshape gathers nothing), nothing gathered
-/// is left whole after the backward pass, each batch sends what stage 3's formula says
-/// (`stage_3_reduces_each_gradient_to_its_owner_in_backward_and_sends_what_the_formula_says`,
-/// with a norm's gamma gathered again in backward for its input's gradient, as a linear
-/// layer's weight above the first is), and the parameters end where stage 2's do, bit for
-/// bit. Under bf16 autocast the linear layers gather halves and the norms gather f32 (a layer
-/// norm runs in f32; an RMS norm's product reads gamma in f32: its bound there, on a model
+/// Stage 3 through layer norms and RMS norms: from the first step on, at most one layer's gathered
+/// parameters are whole at a time (a linear layer's weight and bias, a layer norm's gamma and beta,
+/// or an RMS norm's gamma, whose reshape gathers nothing), nothing gathered is left whole after the
+/// backward pass, each batch sends what stage 3's formula says
+/// (`stage_3_reduces_each_gradient_to_its_owner_in_backward_and_sends_what_the_formula_says`, with
+/// a norm's gamma gathered again in backward for its input's gradient, as a linear layer's weight
+/// above the first is), and the parameters end where stage 2's do (bit for bit on 2 processes, to
+/// rounding on 3). Under bf16 autocast the linear layers gather halves and the norms gather f32 (a
+/// layer norm runs in f32; an RMS norm's product reads gamma in f32: its bound there, on a model
 /// sharded from the start, `stage3_bounds`).
 #[test]
 fn stage_3_holds_one_layer_or_rms_norms_gathered_parameters_at_a_time_and_ends_where_stage_2_does()

@@ -4,11 +4,12 @@
 //! every parameter before the strategy sees the learner, finds placeholders instead of
 //! initialising the whole model on every process.
 //!
-//! What a process holds of the parameters it does not own is observed at their source: every
-//! lazy parameter of the model is wrapped in one whose initializer runs Burn's own (the same
-//! values, drawn in the same order) and keeps a weak reference to the storage of the value it
-//! made. At each initialisation, the bytes of such values of parameters this process does not
-//! own that are still alive anywhere in the process are summed; the most at once is what the
+//! What a process holds whole of the parameters outside its share of `zero::partition` (the test's
+//! observed set: at stage 3 no process keeps a parameter whole, each keeps a slice of every one) is
+//! observed at their source: every lazy parameter of the model is wrapped in one whose initializer
+//! runs Burn's own (the same values, drawn in the same order) and keeps a weak reference to the
+//! storage of the value it made. At each initialisation, the bytes of such values of the observed
+//! parameters that are still alive anywhere in the process are summed; the most at once is what the
 //! test bounds by one layer. Gathers during the passes are counted by `zero::gathered_bytes`.
 
 use std::path::PathBuf;
@@ -38,7 +39,8 @@ use crate::{parameters, resume};
 type Train = Accelerated<Autodiff<Flex>>;
 
 /// The widths of the stack's linear layers: five layers, none holding more than a fifth of
-/// the model, so that what a process does not own is more than one layer on 2 and 3 processes.
+/// the model, so that the parameters outside a process's share are more than one layer on 2
+/// and 3 processes.
 const WIDTHS: [usize; 6] = [FEATURES, 16, 16, 16, 16, CLASSES];
 
 /// Linear layers with ReLUs between them, built by Burn's `LinearConfig::init` (lazy).
@@ -81,7 +83,7 @@ struct FirstStep {
     /// The most gathered bytes whole at once from before `prepare_model` to the end of the
     /// first step's backward pass.
     gathered_peak: u64,
-    /// Bytes of Burn-initialised values of parameters this process does not own still alive.
+    /// Bytes of Burn-initialised values of parameters outside this process's share still alive.
     not_owned_alive: u64,
 }
 
@@ -124,10 +126,11 @@ struct Initialised {
     alive: Box<dyn Fn() -> bool + Send>,
 }
 
-/// Every value Burn's initializers made on this process, and which places this process owns.
+/// Every value Burn's initializers made on this process, and which places `zero::partition`
+/// gives this process (the others are observed).
 static INITIALISED: Mutex<Vec<Initialised>> = Mutex::new(Vec::new());
 static OWNED: Mutex<Vec<bool>> = Mutex::new(Vec::new());
-/// The most bytes of such values of parameters this process does not own alive at once.
+/// The most bytes of such values of parameters outside this process's share alive at once.
 static NOT_OWNED_PEAK: AtomicU64 = AtomicU64::new(0);
 
 fn not_owned_alive() -> u64 {
@@ -213,8 +216,8 @@ fn sizes() -> Vec<usize> {
         .collect()
 }
 
-/// One layer's weight and bias, in f32 bytes: the most that may be whole at once of what a
-/// process does not own.
+/// One layer's weight and bias, in f32 bytes: the most that may be whole at once of the
+/// parameters outside a process's share.
 fn largest_layer() -> u64 {
     WIDTHS
         .windows(2)
@@ -261,12 +264,13 @@ fn train(args: &Run) -> RunReport {
 
 /// A lazily built model prepared by `AccelerateStrategy::prepare_model` before Burn's `Learner`
 /// and `launch`, on 2 and 3 processes: (i) at stage 2 (where preparing changes nothing) and
-/// stage 3 the parameters end bit for bit alike; (ii) at stage 3 no process ever holds more of
-/// the parameters it does not own than one layer, from their initialisation through `launch`
-/// to the end of the first step (Burn's initialised values, then the gathers), and none of
-/// those values is alive at the first step. Without `prepare_model` (the same run), Burn's
-/// `launch` initialises every parameter whole on every process: more than one layer of what a
-/// process does not own is alive at once, which shows that the observation sees it.
+/// stage 3 the parameters end alike (bit for bit on 2 processes, to rounding on 3: slices sum
+/// in another order); (ii) at stage 3 no process ever holds more of the parameters outside its
+/// `zero::partition` share than one layer, from their initialisation through `launch` to the
+/// end of the first step (Burn's initialised values, then the gathers), and none of those
+/// values is alive at the first step. Without `prepare_model` (the same run), Burn's `launch`
+/// initialises every parameter whole on every process: more than one layer of them is alive
+/// at once, which shows that the observation sees it.
 #[test]
 fn a_model_prepared_before_the_learner_is_never_whole_and_trains_as_stage_2() {
     const TEST: &str = "stage3_prepared_learner::\
@@ -298,7 +302,7 @@ fn a_model_prepared_before_the_learner_is_never_whole_and_trains_as_stage_2() {
             assert_eq!(s3.optimizer_steps, s2.optimizer_steps, "{what}");
             assert_like_stage_2(&s3.parameters, &s2.parameters, processes == 2, &what);
             assert_eq!(bits(&bare.parameters), bits(&s3.parameters), "{what}");
-            // (ii) Never more than one layer of what this process does not own.
+            // (ii) Never more than one layer of the parameters outside this process's share.
             assert!(
                 s3.not_owned_peak > 0 && s3.not_owned_peak <= layer,
                 "{what}: {} bytes of parameters it does not own were whole at once, one \

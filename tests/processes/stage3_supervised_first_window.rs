@@ -1,9 +1,10 @@
 //! ZeRO stage 3 under `with_accelerate` from the first window on (issue 48): the strategy's fit
 //! releases the learner's model before its first forward pass, as the `Accelerator`'s
 //! `prepare_model` does, so that the first window's passes gather one layer at a time and
-//! reduce each gradient to its owner in the user's own `loss.backward()`, as every later
-//! window's do; and a sharded stage 3 checkpoint is resumed with each process reading only the
-//! model files of its partition (the parameters it does not own come back released).
+//! reduce-scatter each gradient in the user's own `loss.backward()`, as every later window's
+//! do; and a sharded stage 3 checkpoint is resumed with each process reading only the model
+//! files of its partition (each parameter it reads goes to every process, which keeps its
+//! slice: the model comes back released).
 //!
 //! That a process reads no other file is shown as in `sharded_resume.rs`: each process is given
 //! a copy of the checkpoint directory from which the files it does not need are deleted.
@@ -130,14 +131,15 @@ fn observed(args: &ObservedRun) -> ObservedReport {
     }
 }
 
-/// The strategy's training step at stage 3 reduces each gradient to its owner inside the
-/// user's own `loss.backward()`, as the `Accelerator`'s `backward` does, and from the first
+/// The strategy's training step at stage 3 reduce-scatters each gradient inside the user's own
+/// `loss.backward()`, as the `Accelerator`'s `backward` does, and from the first
 /// batch on holds what it holds from the second window on: each pass gathers at most one linear
-/// layer's weight and bias at a time, the backward pass that completes a window reduces each
-/// gradient to its owner (this process keeps its own partition's and no other, and sent what
+/// layer's weight and bias at a time, the backward pass that completes a window
+/// reduce-scatters each gradient (this process keeps its slice of every one, and sent what
 /// `Stage3Expected::sent` says: every parameter gathered in forward, every weight but the first
 /// layer's again in backward, every gradient reduced once), the window's earlier passes gather
-/// but reduce nothing; and the parameters still end where stage 2's do, bit for bit. On 2 and
+/// but reduce nothing; and the parameters still end where stage 2's do (bit for bit on 2
+/// processes, to rounding on 3). On 2 and
 /// 3 processes, windows of 1 (every batch completes one, the first before any step) and 3 (a
 /// partial window at each epoch's end).
 #[test]

@@ -5,16 +5,16 @@
 //! input's gradient, the one gradient that reads its values.
 //!
 //! The node is Burn's own (`burn-autodiff`'s `Conv2DWithBias` and its kin): the same inner
-//! ops in the same order (the input's gradient, the weight's, the bias's), so stage 3 ends
-//! bit for bit where stage 2 does. The weight's and the bias's gradients are given the
+//! ops in the same order (the input's gradient, the weight's, the bias's), so the op's values
+//! and gradients are stage 2's bit for bit. The weight's and the bias's gradients are given the
 //! placeholders: Burn's defaults of `conv*_weight_backward` and `conv*_bias_backward` read
 //! only their shape, dtype and device (a grouped convolution's zeros of the weight's shape),
 //! and Flex and NdArray keep those defaults.
 //!
 //! Under autocast (`autocast_dispatch`) the op's cast plan is decided once: parameters it
 //! reads as they are take the path above on the cast input; f32 parameters it casts to
-//! bf16/f16 are gathered in the half type (the owner casts with autocast's cast and sends
-//! halves: the bits of the cast of the gathered value), for the same node on the half
+//! bf16/f16 are gathered in the half type (each process casts its slice with autocast's cast
+//! and sends halves: the bits of the cast of the gathered value), for the same node on the half
 //! operands with each parameter's gradient cast to f32 as its cast node's backward casts
 //! it, or on `Autodiff<Flex>` for the crate's half convolution where autocast runs the op
 //! there (`half_conv`: `conv2d`, and `conv1d` as a 2-D one). Under fp8, where the plan rounds
@@ -241,7 +241,8 @@ type ConvHook<B, K> = fn(
 enum Reads {
     // As they are (autocast off, or a plan that leaves them alone).
     AsIs,
-    // Cast to this half type by autocast: gathered in it (the owner casts and sends halves).
+    // Cast to this half type by autocast: gathered in it (each process casts its slice and
+    // sends halves).
     Half(FloatDType),
     // Under fp8 autocast: gathered in f32, the weight rounded by the op's own fp8 cast (its
     // key, scale and amax record) where the op reads it, the bias kept in f32 (as autocast
@@ -331,7 +332,7 @@ fn dispatch<B: Backend, K: Convolution>(
 // op reads them in. Where the plan reads them as they are (an fp32-class or small op of f32
 // parameters), the bounded path of autocast off on the cast input; under fp8, gathered in
 // f32 and the weight rounded by its cast where the node reads it; where it casts f32
-// parameters to bf16/f16, gathered in the half type (the owner casts and sends halves), on
+// parameters to bf16/f16, gathered in the half type (each process casts its slice), on
 // the crate's half convolution where `K::own` runs it there, else on `B`'s op as Burn's node;
 // otherwise (parameters of another dtype, a bias that is no parameter under fp8) the op's
 // own path with the parameters gathered whole, as every op without a bound reads them.

@@ -15,11 +15,11 @@
 //! `Matmul` nodes: the same inner ops in the same order), and the parameter's gradient is
 //! rounded by the cast node's backward quantizer before it reaches the anchor.
 //!
-//! The bytes gathered are f32's: torchao's float8 all-gather sends the fp8 bytes instead,
-//! which would need the owner's scale on every process and an fp8 encoding of the rounded
-//! values; every process's scale is the same (a parameter's amax history is), but the
-//! rounding here is emulated in f32 (`crate::fp8::quantize_dequantize`), so there are no
-//! fp8 bytes to send.
+//! The bytes gathered are f32's: torchao's float8 all-gather sends the fp8 bytes instead, which
+//! would need each process to round its slice with the parameter's scale and an fp8 encoding of the
+//! rounded values; every process's scale is the same (a parameter's amax history is), but the
+//! rounding here is emulated in f32 (`crate::fp8::quantize_dequantize`), so there are no fp8 bytes
+//! to send.
 
 use std::sync::Arc;
 
@@ -148,8 +148,8 @@ pub(super) fn autocast_matmul<B: Backend>(
     super::super::lowered::matmul::<B>(&plan, lhs, rhs)
 }
 
-// An operand as a node keeps it: a registered parameter as its placeholder (or the owner's
-// value), its shard and its rounding (gathered and rounded again where the other operand's
+// An operand as a node keeps it: a registered parameter as its placeholder, its shard and
+// its rounding (gathered and rounded again where the other operand's
 // gradient needs it); any other operand as it is (rounded already, by its own cast node).
 struct Operand<B: Backend> {
     tensor: FloatTensor<B>,

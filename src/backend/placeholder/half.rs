@@ -1,16 +1,16 @@
 //! ZeRO stage 3's bounded `linear` and `matmul` under bf16 and f16 autocast (FSDP's
 //! `param_dtype`), on `Autodiff<Flex>` where autocast runs the crate's half kernels: a
 //! `linear`'s weight and bias (a `matmul`'s parameter operand, also one Burn broadcasts over
-//! the other operand's batch) are gathered in the half type the op runs in, so the owner
-//! casts its f32 value and sends halves (half the bytes of an f32 gather), for the forward op
+//! the other operand's batch) are gathered in the half type the op runs in, so each process
+//! casts its f32 slice and sends halves (half the bytes of an f32 gather), for the forward op
 //! alone and again for the input's gradient; the gradients reach the f32 parameters through
 //! their anchors, summed over a broadcast and cast back to f32 as autocast's expand and cast
 //! nodes do it.
 //!
 //! The numbers are the op's own under autocast at stage 2, bit for bit: autocast casts the
 //! f32 weight with the crate's cast kernel (`crate::cpu::table::cast`, an elementwise
-//! rounding), and so does the owner here before it sends, so the halves every process
-//! receives are the cast of the gathered f32 value, the same bits; the forward and backward
+//! rounding), and so does each process here to its slice before it sends, so the halves every
+//! process receives are the cast of the gathered f32 value, the same bits; the forward and backward
 //! are [`low_gemm::linear_tracked`]'s and [`low_gemm::gemm_tracked`]'s (the same GEMMs on the
 //! same route, the same bias add and bias gradient; a broadcast operand expanded as the
 //! same stride-0 view `lowered::matmul` makes, its gradient summed by the same
@@ -66,8 +66,8 @@ pub(super) fn gather_cast(
     received::<Flex>(shard, tensor.shape(), DType::from(dtype), &device)
 }
 
-// The weight as the node keeps it: its f32 placeholder (or the owner's value) and shard,
-// gathered again in the half type where the input's gradient needs it.
+// The weight as the node keeps it: its f32 placeholder and shard, gathered again in the half type
+// where the input's gradient needs it.
 #[derive(Clone)]
 pub(super) struct HalfWeight {
     pub(super) tensor: FlexTensor,
@@ -179,8 +179,8 @@ pub(super) type HalfMatmul<B> = fn(
     Route,
 ) -> FloatTensor<B>;
 
-// A `matmul` operand as the node keeps it: a registered parameter as its f32 placeholder (or
-// the owner's value) and shard, gathered again in the half type where the other operand's
+// A `matmul` operand as the node keeps it: a registered parameter as its f32 placeholder and
+// shard, gathered again in the half type where the other operand's
 // gradient needs it; any other operand as it is (half). `batch` is the shape the kernel
 // takes it in: its own, or its batch dimensions broadcast to the other operand's
 // (`lowered::broadcast_batches`).

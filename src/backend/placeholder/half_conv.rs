@@ -2,7 +2,7 @@
 //! convolution of one-pixel-high images: here with the weight's reshape inside the node)
 //! under bf16 and f16 autocast (FSDP's `param_dtype`), on `Autodiff<Flex>` where autocast
 //! runs the crate's half convolution ([`low_conv::conv2d_tracked`]): the weight and bias are gathered in the half type the op
-//! runs in (the owner casts its f32 value and sends halves, as `half` does for `linear`), for
+//! runs in (each process casts its f32 slice and sends halves, as `half` does for `linear`), for
 //! the forward op alone, and the weight again for the backward pass, whose input and weight
 //! gradients both read it there (the im2col GEMMs take the weight whole); the gradients
 //! reach the f32 parameters through their anchors, cast back to f32 as autocast's cast node

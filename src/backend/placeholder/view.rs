@@ -2,8 +2,8 @@
 //! `normalized * gamma.unsqueeze()`).
 //!
 //! A reshape of a registered parameter gathers nothing: it gives a *view*, a placeholder of
-//! the new shape (on the owner its own value reshaped) registered with the parameter's shard
-//! and remembered with the parameter it views. The gathered bytes of a view are the
+//! the new shape registered with the parameter's shard and remembered with the parameter it
+//! views. The gathered bytes of a view are the
 //! parameter's, in the same logical order, so every op reads a view as it reads a parameter;
 //! its anchor is the parameter's anchor reshaped, so that its gradient is reshaped back and
 //! summed into the parameter's (Burn's `ReshapeDim` backward), reduced once with the
