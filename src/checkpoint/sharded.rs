@@ -150,14 +150,20 @@ pub(crate) fn resume_reads<B: AutodiffBackend, M: AutodiffModule<B>>(
     stage: zero::ZeroStage,
 ) -> (impl Fn(&str) -> bool + Clone + use<B, M>, bool) {
     let (rank, world) = group.map_or((0, 1), |g| (g.rank(), g.world_size()));
-    let shards = zero::shards(stage, group);
-    let shards_parameters = shards && stage.shards_parameters();
-    // At stage 3 each process keeps its slice of every parameter's state: it reads every
-    // optimizer file (and the model files of its partition, whose parameters it sends to
-    // every process to slice).
-    let shards_state = shards && !shards_parameters;
+    let (shards_state, shards_parameters) = read_by_partition(stage, world);
     let keep = keeps::<B, M>(model, rank, world, shards_state, shards_parameters);
     (keep, shards_parameters)
+}
+
+/// Which parts of a sharded checkpoint a process resuming at `stage` on `world` processes reads
+/// by its partition alone: the optimizer state's (stages 1 and 2: each process steps its
+/// partition), the parameters' (stage 3: each process loads its partition's parameters and
+/// sends each to every process to slice). At stage 3 every optimizer file is read: each
+/// process keeps a slice of every parameter's state. On one process, everything.
+fn read_by_partition(stage: zero::ZeroStage, world: usize) -> (bool, bool) {
+    let shards = stage.partitions_state() && world > 1;
+    let shards_parameters = shards && stage.shards_parameters();
+    (shards && !shards_parameters, shards_parameters)
 }
 
 /// Which files of a checkpoint process `rank` of `world` reads to resume `model` (every file
@@ -747,6 +753,20 @@ mod tests {
             assert_eq!(read(&keep, model_file), [0, 1]);
             assert_eq!(read(&keep, optimizer), [0, 1]);
         }
+        // Which parts each stage reads by partition: at stage 3 the parameters' alone (every
+        // optimizer file: each process keeps a slice of every parameter's state).
+        use crate::zero::ZeroStage;
+        assert_eq!(read_by_partition(ZeroStage::None, 2), (false, false));
+        assert_eq!(
+            read_by_partition(ZeroStage::OptimizerState, 2),
+            (true, false)
+        );
+        assert_eq!(read_by_partition(ZeroStage::Gradients, 2), (true, false));
+        assert_eq!(read_by_partition(ZeroStage::Parameters, 2), (false, true));
+        assert_eq!(read_by_partition(ZeroStage::Parameters, 1), (false, false));
+        let keep = keeps::<B, _>(&model, 1, 2, false, true);
+        assert_eq!(read(&keep, model_file), [1]);
+        assert_eq!(read(&keep, optimizer), [0, 1]);
         // A process owning no parameter (5 processes, 4 parameters): no model file, and
         // process 0's optimizer file alone, for a record to load.
         let keep = keeps::<B, _>(&model, 4, 5, true, true);

@@ -1483,7 +1483,7 @@ fn stage_3_holds_one_linear_layers_gathered_parameters_at_a_time_and_ends_where_
 /// f32. Stage 3 ends where stage 2 does under the same autocast (bit for bit on 2 processes,
 /// to rounding on 3; f16 with the loss scaler: the same outcomes and scale), at most one
 /// layer's halves are whole at a time, and each batch sends what the formula says: stage 3's f32
-/// formula (`stage_3_reduces_each_gradient_to_its_owner_in_backward_and_sends_what_the_formula_says`)
+/// formula (`stage_3_reduce_scatters_each_gradient_in_backward_and_sends_what_the_formula_says`)
 /// with two bytes a value for the gathers.
 #[test]
 fn stage_3_under_autocast_gathers_linear_and_matmul_parameters_in_the_half_type_like_stage_2() {
@@ -1518,9 +1518,9 @@ fn stage_3_under_autocast_gathers_linear_and_matmul_parameters_in_the_half_type_
 /// against stage 0's all-reduce, `2 (n - 1) / n` times the parameters (FSDP: 3 against DDP's
 /// 2). Every process keeps its slice of every gradient.
 #[test]
-fn stage_3_reduces_each_gradient_to_its_owner_in_backward_and_sends_what_the_formula_says() {
+fn stage_3_reduce_scatters_each_gradient_in_backward_and_sends_what_the_formula_says() {
     const TEST: &str =
-        "stage_3_reduces_each_gradient_to_its_owner_in_backward_and_sends_what_the_formula_says";
+        "stage_3_reduce_scatters_each_gradient_in_backward_and_sends_what_the_formula_says";
     if let Some(args) = worker::<LayeredRun>() {
         return report(&layered_worker(&args));
     }
@@ -2031,9 +2031,8 @@ fn a_stage_3_model_record_is_gathered_on_the_main_process_with_its_save_mappers(
 }
 
 #[test]
-fn stage_3_trains_a_parameter_smaller_than_the_process_count_and_a_process_owning_none() {
-    const TEST: &str =
-        "stage_3_trains_a_parameter_smaller_than_the_process_count_and_a_process_owning_none";
+fn stage_3_pads_a_parameter_smaller_than_the_process_count_on_every_process() {
+    const TEST: &str = "stage_3_pads_a_parameter_smaller_than_the_process_count_on_every_process";
     if let Some(args) = worker::<HandLoop>() {
         return report(&hand_loop::<Accelerated<Autodiff<Flex>>>(&args));
     }

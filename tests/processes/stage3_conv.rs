@@ -281,7 +281,7 @@ fn conv_against_stage_2(
 /// where a convolution that kept its gathered parameters in the graph until the step would
 /// hold several layers' at once, and still hold them after the backward pass. Each batch
 /// sends what stage 3's f32 formula says (see
-/// `stage_3_reduces_each_gradient_to_its_owner_in_backward_and_sends_what_the_formula_says`):
+/// `stage_3_reduce_scatters_each_gradient_in_backward_and_sends_what_the_formula_says`):
 /// every parameter gathered in forward, every weight above the first layer again for its
 /// input's gradient, every gradient reduce-scattered on the batch that completes a window.
 #[test]

@@ -119,7 +119,7 @@ fn norm_worker(args: &NormRun) -> Stage3Report {
 /// parameters are whole at a time (a linear layer's weight and bias, a layer norm's gamma and beta,
 /// or an RMS norm's gamma, whose reshape gathers nothing), nothing gathered is left whole after the
 /// backward pass, each batch sends what stage 3's formula says
-/// (`stage_3_reduces_each_gradient_to_its_owner_in_backward_and_sends_what_the_formula_says`, with
+/// (`stage_3_reduce_scatters_each_gradient_in_backward_and_sends_what_the_formula_says`, with
 /// a norm's gamma gathered again in backward for its input's gradient, as a linear layer's weight
 /// above the first is), and the parameters end where stage 2's do (bit for bit on 2 processes, to
 /// rounding on 3). Under bf16 autocast the linear layers gather halves and the norms gather f32 (a
