@@ -324,26 +324,14 @@ impl<B: AutodiffBackend, const D: usize> HeldParam<B, D> {
             .as_deref()
             .and_then(|s| s.as_any().downcast_ref::<FlatShard<Inner<B>>>());
         match (held, shard) {
-            (Held::Stepped, Some(shard)) => Self {
-                id,
-                slice: value.inner().reshape([shard.len()]),
-                len: shard.len(),
-                shape: shard.shape.clone(),
-                dtype: shard.dtype,
-                device,
-                require_grad,
-                mappers,
-            },
-            (Held::AsReleased, Some(shard)) if registered || !initialized => Self {
-                id,
-                slice: shard.slice.clone(),
-                len: shard.len(),
-                shape: shard.shape.clone(),
-                dtype: shard.dtype,
-                device,
-                require_grad,
-                mappers,
-            },
+            (Held::Stepped, Some(shard)) => {
+                let slice = value.inner().reshape([shard.len()]);
+                Self::of_shard(id, slice, shard, (device, require_grad), mappers)
+            }
+            (Held::AsReleased, Some(shard)) if registered || !initialized => {
+                let slice = shard.slice.clone();
+                Self::of_shard(id, slice, shard, (device, require_grad), mappers)
+            }
             (Held::Stepped, None) => unreachable!(
                 "ZeRO stage 3 stepped a parameter it never released (its slice has no shard)"
             ),
@@ -360,14 +348,32 @@ impl<B: AutodiffBackend, const D: usize> HeldParam<B, D> {
             .as_any()
             .downcast_ref::<FlatShard<Inner<B>>>()
             .expect("a released parameter's shard is of its backend");
+        let (device, require_grad) = (value.device(), value.is_require_grad());
+        Self::of_shard(
+            id,
+            shard.slice.clone(),
+            shard,
+            (device, require_grad),
+            mappers,
+        )
+    }
+
+    // `slice` as the slice of the parameter `shard` holds (its shape, dtype and length).
+    fn of_shard(
+        id: ParamId,
+        slice: Tensor<Inner<B>, 1>,
+        shard: &FlatShard<Inner<B>>,
+        (device, require_grad): (B::Device, bool),
+        mappers: burn::module::ParamMapper<Tensor<B, D>>,
+    ) -> Self {
         Self {
             id,
-            slice: shard.slice.clone(),
+            slice,
             len: shard.len(),
             shape: shard.shape.clone(),
             dtype: shard.dtype,
-            device: value.device(),
-            require_grad: value.is_require_grad(),
+            device,
+            require_grad,
             mappers,
         }
     }
