@@ -376,7 +376,7 @@ impl<B: AutodiffBackend> StepCore<B> {
         match self.sharded() {
             Some((_, stage)) if stage.gathers_whole_model() => {
                 let model = zero::gather_model::<B, M>(model);
-                zero::end_gathers();
+                zero::end_sharding();
                 model
             }
             _ => model,

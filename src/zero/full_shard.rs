@@ -511,6 +511,13 @@ pub(crate) fn end_gathers() {
     placeholder::forget_all();
 }
 
+/// Stage 3 over: the model is whole ([`gather_model`](super::gather_model)), its uses are
+/// plain reads again, and the slices are dropped (nothing reads them any more).
+pub(crate) fn end_sharding() {
+    placeholder::forget_all();
+    placeholder::keep_slices(BTreeMap::new());
+}
+
 /// Stage 3, where the window's gradients were not reduced in its backward pass (the first
 /// window before any release, a backend whose ops make no anchors, a pass after the
 /// reducing one): each parameter's gradient in `grads` replaced by this process's slice of

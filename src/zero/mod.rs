@@ -31,7 +31,7 @@ pub use checkpoint_layout::CheckpointLayout;
 pub use fingerprint::check_same_model;
 pub use full_shard::release_parameters;
 pub(crate) use full_shard::{
-    end_gathers, holds_released, reduce_scatter_slices, release_stepped, to_slices,
+    end_gathers, end_sharding, holds_released, reduce_scatter_slices, release_stepped, to_slices,
 };
 pub use full_shard_checkpoint::{gather_model, gather_model_record};
 pub(crate) use full_shard_checkpoint::{held_record, own_model_record, release_loaded};
