@@ -59,6 +59,10 @@ pub enum ZeroStage {
     /// pass, or [`AccelerateStrategy::prepare_model`](crate::train::AccelerateStrategy::prepare_model)
     /// before Burn's `launch`), checkpoints and restarts run it; see
     /// `docs/zero.md` for what is bounded.
+    ///
+    /// Clip by norm with the accelerator (`max_grad_norm`, `clip_grad_norm`: the global norm
+    /// over every process's slices), not with an optimizer's own per-tensor clipping (Burn's
+    /// `with_grad_clipping`), which would see each slice alone.
     Parameters,
 }
 
