@@ -401,13 +401,14 @@ impl<B: AutodiffBackend> StepCore<B> {
             return Ok(record);
         };
         let (rank, world) = (group.rank(), group.world_size());
+        let partition = Partition::of::<B, M>(model, world);
         let own = if stage.shards_parameters() {
             zero::keep_own_slices::<B, M, R>(model, record, world, rank, device)
                 .map_err(|reason| AccelerateError::OptimizerState { reason })?
         } else {
-            zero::keep_own_state(record, &Partition::of::<B, M>(model, world), rank)
+            zero::keep_own_state(record, &partition, rank)
         };
-        self.partition = Some(Partition::of::<B, M>(model, world));
+        self.partition = Some(partition);
         Ok(own)
     }
 

@@ -125,10 +125,10 @@ use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Shape, Tensor, TensorData};
 
-use crate::backend::placeholder::{self, Shard};
+use crate::backend::placeholder::{self, Shard, slice_shape};
 use crate::distributed::bucket::Inner;
 use crate::distributed::gradients;
-use crate::distributed::{DistributedError, Element, ProcessGroup, ReduceOp};
+use crate::distributed::{DistributedError, ProcessGroup, ReduceOp};
 
 use super::sharding::{slice_len, slice_range};
 
@@ -203,7 +203,8 @@ pub(crate) fn to_slices<B: AutodiffBackend, M: AutodiffModule<B>>(
             let shard = held.shard(self.group, self.place);
             self.place += 1;
             self.slices.insert(held.id.val(), shard);
-            let value = Tensor::<B, D>::from_inner(held.slice.reshape(slice_dims::<D>(held.len)));
+            let len = held.slice.dims()[0];
+            let value = Tensor::<B, D>::from_inner(held.slice.reshape(slice_shape(D, len)));
             let value = value.set_require_grad(held.require_grad);
             Param::from_mapped_value(held.id, value, held.mappers)
         }
@@ -300,9 +301,8 @@ impl<'a> Releasing<'a> {
 /// make it a parameter again.
 pub(crate) struct HeldParam<B: AutodiffBackend, const D: usize> {
     pub(crate) id: ParamId,
-    /// This process's slice, padded to `len` values, in the parameter's dtype.
+    /// This process's slice (padded), in the parameter's dtype.
     pub(crate) slice: Tensor<Inner<B>, 1>,
-    pub(crate) len: usize,
     pub(crate) shape: Shape,
     pub(crate) dtype: DType,
     pub(crate) device: B::Device,
@@ -314,28 +314,25 @@ impl<B: AutodiffBackend, const D: usize> HeldParam<B, D> {
     // `param` read (under `placeholder::reading_held`: a released lazy parameter gives its
     // placeholder, with no collective) into this process's slice.
     fn read(param: Param<Tensor<B, D>>, group: &ProcessGroup, held: Held) -> Self {
-        let initialized = param.is_initialized();
-        let (id, value, mappers) = param.consume();
-        let (device, require_grad) = (value.device(), value.is_require_grad());
-        let primitive = value.clone().into_primitive().tensor();
-        let registered = placeholder::registered::<B>(&primitive).is_some();
-        let shard = placeholder::slice_shard(id.val());
-        let shard = shard
-            .as_deref()
-            .and_then(|s| s.as_any().downcast_ref::<FlatShard<Inner<B>>>());
-        match (held, shard) {
-            (Held::Stepped, Some(shard)) => {
+        match held {
+            Held::Stepped => {
+                let (id, value, mappers) = param.consume();
+                let (device, require_grad) = (value.device(), value.is_require_grad());
+                let shard = kept_shard(id).unwrap_or_else(|| {
+                    unreachable!(
+                        "ZeRO stage 3 stepped a parameter it never released (its slice has no \
+                         shard)"
+                    )
+                });
+                let shard = flat::<Inner<B>>(shard.as_ref());
                 let slice = value.inner().reshape([shard.len()]);
                 Self::of_shard(id, slice, shard, (device, require_grad), mappers)
             }
-            (Held::AsReleased, Some(shard)) if registered || !initialized => {
-                let slice = shard.slice.clone();
-                Self::of_shard(id, slice, shard, (device, require_grad), mappers)
+            Held::AsReleased if is_released(&param) => Self::released(param),
+            Held::AsReleased => {
+                let (id, value, mappers) = param.consume();
+                Self::whole(id, value, mappers, group)
             }
-            (Held::Stepped, None) => unreachable!(
-                "ZeRO stage 3 stepped a parameter it never released (its slice has no shard)"
-            ),
-            _ => Self::whole(id, value, mappers, group),
         }
     }
 
@@ -343,19 +340,11 @@ impl<B: AutodiffBackend, const D: usize> HeldParam<B, D> {
     /// its shard's slice, with no collective.
     pub(crate) fn released(param: Param<Tensor<B, D>>) -> Self {
         let (id, value, mappers) = param.consume();
-        let shard = placeholder::slice_shard(id.val()).expect("a released parameter's shard");
-        let shard = shard
-            .as_any()
-            .downcast_ref::<FlatShard<Inner<B>>>()
-            .expect("a released parameter's shard is of its backend");
+        let shard = kept_shard(id).expect("a released parameter's shard");
+        let shard = flat::<Inner<B>>(shard.as_ref());
         let (device, require_grad) = (value.device(), value.is_require_grad());
-        Self::of_shard(
-            id,
-            shard.slice.clone(),
-            shard,
-            (device, require_grad),
-            mappers,
-        )
+        let slice = shard.slice.clone();
+        Self::of_shard(id, slice, shard, (device, require_grad), mappers)
     }
 
     // `slice` as the slice of the parameter `shard` holds (its shape, dtype and length).
@@ -369,7 +358,6 @@ impl<B: AutodiffBackend, const D: usize> HeldParam<B, D> {
         Self {
             id,
             slice,
-            len: shard.len(),
             shape: shard.shape.clone(),
             dtype: shard.dtype,
             device,
@@ -393,7 +381,6 @@ impl<B: AutodiffBackend, const D: usize> HeldParam<B, D> {
         Self {
             id,
             slice: cut_slice(value.inner().reshape([-1]), len, n, rank),
-            len,
             shape,
             dtype,
             device,
@@ -469,20 +456,26 @@ pub(crate) fn cut_slice<I: Backend>(
     Tensor::from_data(TensorData::from_bytes_vec(bytes, [len], dtype), &device)
 }
 
-// `[1, .., 1, len]` in rank `D`.
-fn slice_dims<const D: usize>(len: usize) -> [usize; D] {
-    let mut dims = [1; D];
-    dims[D - 1] = len;
-    dims
-}
-
 /// Whether `param` is released (this process holds its slice, in its shard): lazy, or read
 /// as a placeholder, and not replaced by a whole value since (a checkpoint loaded, the model
 /// gathered whole).
 pub(crate) fn is_released<B: AutodiffBackend, const D: usize>(param: &Param<Tensor<B, D>>) -> bool {
-    placeholder::slice_shard(param.id.val()).is_some()
+    kept_shard(param.id).is_some()
         && (!param.is_initialized()
             || placeholder::registered::<B>(&param.val().into_primitive().tensor()).is_some())
+}
+
+// The shard this process keeps of the released parameter `id`, if any.
+fn kept_shard(id: ParamId) -> Option<Arc<dyn Shard>> {
+    placeholder::slice_shard(id.val())
+}
+
+// A kept shard as what stage 3 made it.
+fn flat<I: Backend>(shard: &dyn Shard) -> &FlatShard<I> {
+    shard
+        .as_any()
+        .downcast_ref::<FlatShard<I>>()
+        .expect("a released parameter's shard is of its backend")
 }
 
 /// Whether `module` holds a released parameter as it was read on this process (a
@@ -541,40 +534,36 @@ pub(crate) fn reduce_scatter_slices<B: AutodiffBackend, M: AutodiffModule<B>>(
             continue;
         }
         let values: usize = slot.dims.iter().product();
-        let len = slice_len(values, n);
-        let grad = slot
-            .grad
-            .unwrap_or_else(|| Tensor::zeros([values], &slot.device));
-        let mut bytes = padded_bytes(grad, len * n);
-        let mine = reduce_scatter_padded(group, &mut bytes, len)?;
-        let mean = TensorData::from_bytes_vec(bytes[mine].to_vec(), [len], DType::F32);
-        let mut dims = vec![1; slot.dims.len()];
-        *dims.last_mut().expect("a parameter has a dimension") = len;
-        reduced.insert(
-            slot.id,
-            (Tensor::from_data(mean, &slot.device), slot.dtype, dims),
-        );
+        let grad = match slot.grad {
+            Some(grad) => grad
+                .into_data()
+                .into_vec::<f32>()
+                .expect("the slots' gradients are f32"),
+            None => vec![0.0; values],
+        };
+        let mean = slice_of_mean(group, grad, slice_len(values, n))?;
+        let len = mean.len();
+        let mean = Tensor::from_data(TensorData::new(mean, [len]), &slot.device);
+        let dims = slice_shape(slot.dims.len(), len).to_vec();
+        reduced.insert(slot.id, (mean, slot.dtype, dims));
     }
     gradients::put_back(module, grads, reduced);
     Ok(())
 }
 
-// The f32 values of `flat`, zero-padded to `padded` values, as bytes.
-fn padded_bytes<I: Backend>(flat: Tensor<I, 1>, padded: usize) -> Vec<u8> {
-    let mut bytes = flat.into_data().bytes.to_vec();
-    bytes.resize(padded * Element::F32.size(), 0);
-    bytes
-}
-
-// The mean over the processes of `bytes` (f32, padded to `len` values a process): this
-// process's slice of it, in `bytes`.
-fn reduce_scatter_padded(
+// This process's slice (`len` values) of the mean over the processes of `grad` (a
+// parameter's gradient in logical order), padded as the parameter is: the reduce-scatter of
+// stage 3's gradients.
+fn slice_of_mean(
     group: &ProcessGroup,
-    bytes: &mut [u8],
+    mut grad: Vec<f32>,
     len: usize,
-) -> Result<std::ops::Range<usize>, DistributedError> {
-    let counts = vec![len; group.world_size()];
-    group.reduce_scatter_bytes(Element::F32, bytes, &counts, ReduceOp::Mean)
+) -> Result<Vec<f32>, DistributedError> {
+    let n = group.world_size();
+    grad.resize(len * n, 0.0);
+    Ok(group
+        .reduce_scatter(&mut grad, &vec![len; n], ReduceOp::Mean)?
+        .to_vec())
 }
 
 // Every process gathers the parameter at `place` (in the model's visiting order) now: a
@@ -703,16 +692,9 @@ impl<I: Backend> Shard for FlatShard<I> {
 impl<I: Backend> FlatShard<I> {
     // The mean over the processes of the parameter's gradient, this process's slice of it (a
     // reduce-scatter of the gradient padded as the parameter is).
-    fn reduced(&self, mut grad: Vec<f32>) -> Result<Vec<f32>, DistributedError> {
+    fn reduced(&self, grad: Vec<f32>) -> Result<Vec<f32>, DistributedError> {
         agree_on(&self.group, self.place)?;
-        let len = self.len();
-        grad.resize(len * self.group.world_size(), 0.0);
-        let counts = vec![len; self.group.world_size()];
-        let mine = self
-            .group
-            .reduce_scatter(&mut grad, &counts, ReduceOp::Mean)?
-            .to_vec();
-        Ok(mine)
+        slice_of_mean(&self.group, grad, self.len())
     }
 }
 
