@@ -163,11 +163,10 @@ impl Stage3Expected {
         Self { layers, processes }
     }
 
-    /// The bytes each process sends in a training batch's forward and backward passes:
-    /// `stage_3_sent` of the gathers in each parameter's width and, where the batch completes
-    /// a window (`reduces`), the reduce-scatters of the f32 gradients. Every process sends
-    /// the same (`_rank`: the process whose report is checked).
-    fn sent(&self, _rank: usize, reduces: bool) -> u64 {
+    /// The bytes each process sends in a training batch's forward and backward passes (every
+    /// process the same): `stage_3_sent` of the gathers in each parameter's width and, where
+    /// the batch completes a window (`reduces`), the reduce-scatters of the f32 gradients.
+    fn sent(&self, reduces: bool) -> u64 {
         stage_3_sent(
             self.layers.iter().flatten().copied(),
             self.processes,
@@ -177,7 +176,7 @@ impl Stage3Expected {
 
     /// The bytes each process sends in a forward pass without a backward (an evaluation's):
     /// one gather per parameter.
-    fn sent_by_forward(&self, _rank: usize) -> u64 {
+    fn sent_by_forward(&self) -> u64 {
         let params = self.layers.iter().flatten();
         let params = params.map(|&(values, width, _)| (values, width, false));
         stage_3_sent(params, self.processes, false)
@@ -194,9 +193,9 @@ impl Stage3Expected {
         self.layers.iter().map(layer).collect()
     }
 
-    /// Per parameter in visiting order, whether process `rank` keeps a gradient for it after
-    /// the backward pass that completes a window: its slice's, of every parameter.
-    fn own(&self, _rank: usize) -> Vec<bool> {
+    /// Per parameter in visiting order, whether a process keeps a gradient for it after the
+    /// backward pass that completes a window: its slice's, of every parameter.
+    fn own(&self) -> Vec<bool> {
         vec![true; self.layers.iter().flatten().count()]
     }
 
@@ -213,26 +212,19 @@ impl Stage3Expected {
         self.largest()
     }
 
-    /// Checks process `rank`'s stage 3 report of `training`, batch by batch: nothing gathered
+    /// Checks a process's stage 3 report of `training`, batch by batch: nothing gathered
     /// is left whole after a backward pass. In the first window of a model built whole (not
     /// prepared) nothing travels or is gathered before the step, which reduce-scatters as
     /// stage 2 does: every gradient is held after backward. From then on the gathered peak is
     /// as `peak` says, at most the largest layer's and below every parameter's together, the
-    /// bytes sent are `sent`'s, and a batch that completes a window leaves `rank` only its
+    /// bytes sent are `sent`'s, and a batch that completes a window leaves the process only its
     /// slice of every gradient (each reduce-scattered in backward), any other batch every one
     /// whole (`no_sync`).
-    fn check<O>(
-        &self,
-        rank: usize,
-        report: &Stage3Report<O>,
-        training: &Training,
-        peak: Peak,
-        what: &str,
-    ) {
+    fn check<O>(&self, report: &Stage3Report<O>, training: &Training, peak: Peak, what: &str) {
         let window = training.grad_accum;
         let largest = self.largest();
         let all: u64 = self.layer_bytes().into_iter().sum();
-        let own = self.own(rank);
+        let own = self.own();
         assert_eq!(report.sent.len(), training.batches, "{what}");
         for batch in 0..training.batches {
             let what = format!("{what}, batch {batch}");
@@ -251,7 +243,7 @@ impl Stage3Expected {
             }
             assert!(gathered <= largest, "{what}: {gathered} > {largest}");
             assert!(gathered < all, "{what}: {gathered} against {all}");
-            assert_sent(sent, self.sent(rank, completes), &what);
+            assert_sent(sent, self.sent(completes), &what);
             if completes {
                 assert_eq!(holds, &own, "{what}");
             } else {
@@ -345,7 +337,7 @@ fn stage_3_against_stage_2<R: Serialize + std::fmt::Debug, O: serde::de::Deseria
         for (batch, (&sent, &gathered)) in s2.sent.iter().zip(&s2.gathered_peak).enumerate() {
             assert_eq!((sent, gathered), (0, 0), "{what}, batch {batch} at stage 2");
         }
-        expected.check(rank, s3, &training, peak, &what);
+        expected.check(s3, &training, peak, &what);
     }
     match training.precision {
         // The loss scaler scaled the f16 losses (and compared its scale above).
@@ -1557,7 +1549,7 @@ fn stage_3_reduce_scatters_each_gradient_in_backward_and_sends_what_the_formula_
                 // gradient is reduce-scattered during the backward pass of a window's last
                 // batch (this process holds its slice of every one), and the
                 // window's earlier batches gather but reduce nothing (`no_sync`).
-                expected.check(rank, r, &training(prepare), Peak::OneLayer, &what);
+                expected.check(r, &training(prepare), Peak::OneLayer, &what);
             }
         }
     }

@@ -341,7 +341,7 @@ fn stage_3_forward_passes_dropped_without_backward_leave_nothing_and_end_where_s
                     continue;
                 }
                 // One gather per parameter, nothing again, no reduction.
-                assert_sent(e3.sent, expected.sent_by_forward(rank), &what);
+                assert_sent(e3.sent, expected.sent_by_forward(), &what);
                 if e3.place != Place::ValidAfterBackward {
                     // The training model's layers gather for their ops alone; `valid()`'s
                     // copy is the whole model, counted until the step.

@@ -194,7 +194,7 @@ fn stage_3_with_accelerate_gathers_per_layer_and_reduces_in_backward_from_the_fi
                 s3.optimizer_steps,
                 "{what}"
             );
-            let own = expected.own(rank);
+            let own = expected.own();
             for batch in 0..steps {
                 let what = format!("{what}, batch {batch}");
                 // Stage 2 gathers and sends nothing in backward, and keeps every gradient
@@ -210,10 +210,10 @@ fn stage_3_with_accelerate_gathers_per_layer_and_reduces_in_backward_from_the_fi
                     "{what}: {gathered} bytes gathered at once, one layer is {largest_layer}"
                 );
                 if completes(batch) {
-                    assert_sent(p3.sent, expected.sent(rank, true), &what);
+                    assert_sent(p3.sent, expected.sent(true), &what);
                     assert_eq!(p3.holds_gradient, own, "{what}");
                 } else {
-                    assert_sent(p3.sent, expected.sent(rank, false), &what);
+                    assert_sent(p3.sent, expected.sent(false), &what);
                     assert!(p3.holds_gradient.iter().all(|&h| h), "{what}");
                 }
             }
