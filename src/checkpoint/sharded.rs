@@ -150,18 +150,18 @@ pub(crate) fn resume_reads<B: AutodiffBackend, M: AutodiffModule<B>>(
     stage: zero::ZeroStage,
 ) -> (impl Fn(&str) -> bool + Clone + use<B, M>, bool) {
     let (rank, world) = group.map_or((0, 1), |g| (g.rank(), g.world_size()));
-    let (shards_state, shards_parameters) = read_by_partition(stage, world);
+    let (shards_state, shards_parameters) = read_by_partition(stage, zero::shards(stage, group));
     let keep = keeps::<B, M>(model, rank, world, shards_state, shards_parameters);
     (keep, shards_parameters)
 }
 
-/// Which parts of a sharded checkpoint a process resuming at `stage` on `world` processes reads
-/// by its partition alone: the optimizer state's (stages 1 and 2: each process steps its
-/// partition), the parameters' (stage 3: each process loads its partition's parameters and
-/// sends each to every process to slice). At stage 3 every optimizer file is read: each
-/// process keeps a slice of every parameter's state. On one process, everything.
-fn read_by_partition(stage: zero::ZeroStage, world: usize) -> (bool, bool) {
-    let shards = stage.partitions_state() && world > 1;
+/// Which parts of a sharded checkpoint a process resuming at `stage` reads by its partition
+/// alone, where the stage shards anything across the processes (`shards`: `zero::shards`):
+/// the optimizer state's (stages 1 and 2: each process steps its partition), the
+/// parameters' (stage 3: each process loads its partition's parameters and sends each to
+/// every process to slice). At stage 3 every optimizer file is read: each process keeps a
+/// slice of every parameter's state. Where nothing is sharded, everything.
+fn read_by_partition(stage: zero::ZeroStage, shards: bool) -> (bool, bool) {
     let shards_parameters = shards && stage.shards_parameters();
     (shards && !shards_parameters, shards_parameters)
 }
@@ -756,14 +756,20 @@ mod tests {
         // Which parts each stage reads by partition: at stage 3 the parameters' alone (every
         // optimizer file: each process keeps a slice of every parameter's state).
         use crate::zero::ZeroStage;
-        assert_eq!(read_by_partition(ZeroStage::None, 2), (false, false));
+        assert_eq!(read_by_partition(ZeroStage::None, false), (false, false));
         assert_eq!(
-            read_by_partition(ZeroStage::OptimizerState, 2),
+            read_by_partition(ZeroStage::OptimizerState, true),
             (true, false)
         );
-        assert_eq!(read_by_partition(ZeroStage::Gradients, 2), (true, false));
-        assert_eq!(read_by_partition(ZeroStage::Parameters, 2), (false, true));
-        assert_eq!(read_by_partition(ZeroStage::Parameters, 1), (false, false));
+        assert_eq!(read_by_partition(ZeroStage::Gradients, true), (true, false));
+        assert_eq!(
+            read_by_partition(ZeroStage::Parameters, true),
+            (false, true)
+        );
+        assert_eq!(
+            read_by_partition(ZeroStage::Parameters, false),
+            (false, false)
+        );
         let keep = keeps::<B, _>(&model, 1, 2, false, true);
         assert_eq!(read(&keep, model_file), [1]);
         assert_eq!(read(&keep, optimizer), [0, 1]);
