@@ -220,8 +220,8 @@ impl Links {
                         continue;
                     }
                 };
+                let ticket = pending.admit().await;
                 let Some(links) = weak.upgrade() else { return };
-                let ticket = pending.admit();
                 tokio::spawn(async move {
                     if let Err(why) = links.accept(stream, ticket).await {
                         log::warn!("burn-accelerate: a connection from {from} was refused: {why}");

@@ -12,12 +12,18 @@
 //! long as it lasts. A dropped connection is told so ([`auth::BUSY`](super::auth::BUSY), in
 //! place of the proof) and its dialer tries again within its own timeout, so even a real peer
 //! pushed out by a faster flood is only delayed.
+//!
+//! The cap bounds the connections that are *alive*, not only those in the table: a pushed-out
+//! connection holds its place until its task has ended, and the listener accepts no new
+//! connection while every place is held. Otherwise a burst accepted faster than the pushed-out
+//! tasks run (a thousand connections in a few milliseconds, on a busy machine) holds every
+//! one of them at once, cap or no cap; the kernel's accept queue holds the rest meanwhile.
 
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use tokio::sync::oneshot;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, oneshot};
 
 /// Connections of one listener that may be in their handshake at once. A run's own
 /// connections arrive at most a few per peer at a time (every process at the rendezvous at
@@ -28,6 +34,8 @@ pub(crate) const MAX_PENDING: usize = 128;
 pub(crate) struct Pending {
     cap: usize,
     state: Mutex<State>,
+    /// One per connection alive, pushed out or not: `cap` in all.
+    places: Arc<Semaphore>,
 }
 
 #[derive(Default)]
@@ -42,14 +50,19 @@ pub(crate) struct Ticket {
     pending: Arc<Pending>,
     id: u64,
     pushed_out: oneshot::Receiver<()>,
+    // Dropped after `Drop::drop` has left the table, so that a free place never finds the
+    // table full.
+    _place: OwnedSemaphorePermit,
 }
 
 impl Pending {
     /// No handshake in progress; at most `cap` at once.
     pub(crate) fn new(cap: usize) -> Arc<Self> {
+        let cap = cap.max(1);
         Arc::new(Self {
-            cap: cap.max(1),
+            cap,
             state: Mutex::default(),
+            places: Arc::new(Semaphore::new(cap)),
         })
     }
 
@@ -57,22 +70,39 @@ impl Pending {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// A place for a new connection, pushing out the oldest one when all are taken.
-    pub(crate) fn admit(self: &Arc<Self>) -> Ticket {
+    /// A place for a new connection. When every place is held, the oldest connection in its
+    /// handshake is pushed out, and this waits until its task has ended and given its place
+    /// back (or, if one pushed out earlier is still ending, until that one has).
+    pub(crate) async fn admit(self: &Arc<Self>) -> Ticket {
+        let place = match Arc::clone(&self.places).try_acquire_owned() {
+            Ok(place) => place,
+            Err(_) => {
+                {
+                    let mut state = self.lock();
+                    // Every place held and every holder in the table: none is already leaving.
+                    if state.waiting.len() == self.cap {
+                        // Its sender dropped: the oldest connection's `handshake` ends with
+                        // `None`.
+                        state.waiting.pop_first();
+                    }
+                }
+                Arc::clone(&self.places)
+                    .acquire_owned()
+                    .await
+                    .expect("the places are never closed")
+            }
+        };
         let (sender, pushed_out) = oneshot::channel();
         let mut state = self.lock();
         let id = state.next;
         state.next += 1;
         state.waiting.insert(id, sender);
-        if state.waiting.len() > self.cap {
-            // Its sender dropped: the oldest connection's `handshake` ends with `None`.
-            state.waiting.pop_first();
-        }
         drop(state);
         Ticket {
             pending: Arc::clone(self),
             id,
             pushed_out,
+            _place: place,
         }
     }
 
@@ -123,7 +153,7 @@ mod tests {
             let pending = Pending::new(3);
             let mut silent = Vec::new();
             for _ in 0..5 {
-                let ticket = pending.admit();
+                let ticket = pending.admit().await;
                 silent.push(tokio::spawn(ticket.handshake(std::future::pending::<()>())));
                 tokio::task::yield_now().await;
                 assert!(pending.len() <= 3);
@@ -134,7 +164,7 @@ mod tests {
                 assert_eq!(task.is_finished(), i < 2, "connection {i}");
             }
             // A real peer arriving now answers at once, and the oldest silent one goes.
-            let real = pending.admit();
+            let real = pending.admit().await;
             let done = real.handshake(async { "proved" }).await;
             assert_eq!(done, Some("proved"));
             tokio::time::sleep(Duration::from_millis(10)).await;
@@ -142,6 +172,31 @@ mod tests {
             // A finished handshake gives its place back.
             assert_eq!(pending.len(), 2);
             for task in silent.drain(..) {
+                task.abort();
+                let _ = task.await;
+            }
+            assert_eq!(pending.len(), 0);
+        });
+    }
+
+    // The accept loop takes connections as fast as the kernel hands them over and never
+    // yields to their tasks between two, as a listener under a burst does.
+    #[test]
+    fn a_burst_faster_than_its_tasks_never_keeps_more_than_the_cap_alive() {
+        block_on(async {
+            let pending = Pending::new(4);
+            let mut tasks = Vec::new();
+            for i in 0..50 {
+                let ticket = pending.admit().await;
+                let alive = tasks
+                    .iter()
+                    .filter(|task: &&tokio::task::JoinHandle<_>| !task.is_finished())
+                    .count();
+                assert!(alive < 4, "connection {i}: {alive} others alive");
+                tasks.push(tokio::spawn(ticket.handshake(std::future::pending::<()>())));
+            }
+            assert_eq!(pending.len(), 4);
+            for task in tasks.drain(..) {
                 task.abort();
                 let _ = task.await;
             }

@@ -268,7 +268,7 @@ pub(crate) fn serve(
             let handle = handle.clone();
             let secret = Arc::clone(&secret);
             let control = Arc::clone(&control);
-            let ticket = pending.admit();
+            let ticket = pending.admit().await;
             tokio::spawn(async move {
                 let _ = stream.set_nodelay(true);
                 let (mut reader, mut writer) = stream.into_split();
