@@ -34,6 +34,39 @@ pub trait ParamStateRecord<B: Backend>: Record<B> {
     /// The state of both records (parameters are in one or the other).
     fn merge(self, other: Self) -> Self;
 
+    /// The record cut into `parts` records: part `i` holds the state of each parameter
+    /// `part_of` gives `i` (and none holds that of a parameter it gives `None`), its tensors
+    /// on `device`.
+    ///
+    /// A sharded checkpoint at ZeRO stage 3 sends each process's slices of every parameter's
+    /// state to that parameter's owner, one part per owner. The default encodes the record
+    /// once and reads it back once per part, keeping each part's own parameters
+    /// ([`rekey`](Self::rekey)), since a record need not be `Clone`; override it where the
+    /// record can be cut without that (Burn's records are).
+    ///
+    /// # Errors
+    /// The record cannot be encoded or read back (the default only).
+    fn split(
+        self,
+        part_of: &dyn Fn(ParamId) -> Option<usize>,
+        parts: usize,
+        device: &B::Device,
+    ) -> Result<Vec<Self>, String>
+    where
+        Self: Sized,
+    {
+        let encoded = Bytes::default()
+            .record(self, ())
+            .map_err(|e| format!("cannot encode the state: {e}"))?;
+        (0..parts)
+            .map(|i| {
+                let whole: Self = from_bytes::<B, Self>(encoded.clone(), device)
+                    .map_err(|e| format!("cannot read the state back: {e}"))?;
+                Ok(whole.rekey(&mut |id| (part_of(id) == Some(i)).then_some(id)))
+            })
+            .collect()
+    }
+
     /// The record with the state of each parameter whose shape `shapes` gives cut to process
     /// `rank`'s flat slice of `processes` (the state of a parameter it gives none of stays as
     /// it is), its tensors on `device`.
@@ -106,6 +139,21 @@ impl<B: Backend, R: Record<B>> ParamStateRecord<B> for HashMap<ParamId, R> {
     fn merge(mut self, other: Self) -> Self {
         self.extend(other);
         self
+    }
+
+    fn split(
+        self,
+        part_of: &dyn Fn(ParamId) -> Option<usize>,
+        parts: usize,
+        _: &B::Device,
+    ) -> Result<Vec<Self>, String> {
+        let mut split: Vec<Self> = (0..parts).map(|_| Self::new()).collect();
+        for (id, state) in self {
+            if let Some(part) = part_of(id).and_then(|i| split.get_mut(i)) {
+                part.insert(id, state);
+            }
+        }
+        Ok(split)
     }
 
     fn slice(
@@ -327,19 +375,22 @@ where
     let shapes = param_shapes::<B, M>(module);
     let owners: Vec<usize> = shapes.iter().map(|(id, _)| partition.owner(*id)).collect();
     let by_place = |place: ParamId| shapes.get(place.val() as usize).map(|(_, s)| s.clone());
-    // Records need not be `Clone`: each owner's share is decoded from one encoding.
     let part = keyed_by_place::<B, M, R>(module, part);
-    let encoded = Bytes::default()
-        .record(part, ())
-        .map_err(|e| DistributedError::InvalidCall(format!("cannot encode the state: {e}")))?;
+    let shares = part
+        .split(
+            &|place| owners.get(place.val() as usize).copied(),
+            n,
+            device,
+        )
+        .map_err(DistributedError::InvalidCall)?;
+    if shares.len() != n {
+        return Err(DistributedError::InvalidCall(format!(
+            "`ParamStateRecord::split` cut the optimizer state into {} parts for {n} owners",
+            shares.len()
+        )));
+    }
     let mut own = None;
-    for owner in 0..n {
-        let share: R = from_bytes::<B, R>(encoded.clone(), device).map_err(|detail| {
-            DistributedError::InvalidCall(format!("cannot read the state back: {detail}"))
-        })?;
-        let share = share.rekey(&mut |place| {
-            (owners.get(place.val() as usize) == Some(&owner)).then_some(place)
-        });
+    for (owner, share) in shares.into_iter().enumerate() {
         if let Some(parts) = parts_at(group, share, owner, device)? {
             let joined = R::join(parts, &by_place, device).map_err(|detail| {
                 DistributedError::Malformed {
@@ -477,5 +528,80 @@ mod tests {
             .err()
             .unwrap();
         assert!(err.contains("cannot be cut along ZeRO stage 3's"), "{err}");
+    }
+
+    /// A record of the user's own that cuts and joins by parameter but keeps `split`'s
+    /// default.
+    #[derive(Record)]
+    struct Moments<B: Backend> {
+        ids: Vec<u64>,
+        moments: Vec<Tensor<B, 1>>,
+    }
+
+    impl<B: Backend> ParamStateRecord<B> for Moments<B> {
+        fn rekey(self, key: &mut dyn FnMut(ParamId) -> Option<ParamId>) -> Self {
+            let (ids, moments) = self
+                .ids
+                .into_iter()
+                .zip(self.moments)
+                .filter_map(|(id, moment)| Some((key(ParamId::from(id))?.val(), moment)))
+                .unzip();
+            Self { ids, moments }
+        }
+
+        fn merge(mut self, other: Self) -> Self {
+            self.ids.extend(other.ids);
+            self.moments.extend(other.moments);
+            self
+        }
+    }
+
+    // Parameters 0..6 go to part `id % 3`, except 4, which goes to none.
+    fn part_of(id: ParamId) -> Option<usize> {
+        (id.val() != 4).then_some(id.val() as usize % 3)
+    }
+
+    fn moment(id: u64, device: &burn::tensor::Device<Flex>) -> Tensor<Flex, 1> {
+        Tensor::from_floats([id as f32, id as f32 + 0.5], device)
+    }
+
+    fn values(tensor: &Tensor<Flex, 1>) -> Vec<f32> {
+        tensor.to_data().to_vec().unwrap()
+    }
+
+    #[test]
+    fn splitting_a_record_keeps_each_parameters_state_in_its_part_alone() {
+        let device = Default::default();
+        let whole = Moments::<Flex> {
+            ids: (0..6).collect(),
+            moments: (0..6).map(|id| moment(id, &device)).collect(),
+        };
+        let parts = whole.split(&part_of, 3, &device).unwrap();
+        assert_eq!(parts.len(), 3);
+        let ids: Vec<_> = parts.iter().map(|part| part.ids.clone()).collect();
+        assert_eq!(ids, [vec![0, 3], vec![1], vec![2, 5]]);
+        for part in &parts {
+            for (id, moment) in part.ids.iter().zip(&part.moments) {
+                assert_eq!(
+                    values(moment),
+                    [*id as f32, *id as f32 + 0.5],
+                    "parameter {id}"
+                );
+            }
+        }
+
+        let whole: HashMap<ParamId, Tensor<Flex, 1>> = (0..6)
+            .map(|id| (ParamId::from(id), moment(id, &device)))
+            .collect();
+        let parts = whole.split(&part_of, 3, &device).unwrap();
+        for (i, part) in parts.iter().enumerate() {
+            let mut ids: Vec<_> = part.keys().map(|id| id.val()).collect();
+            ids.sort_unstable();
+            assert_eq!(ids, [[0, 3].as_slice(), &[1], &[2, 5]][i], "part {i}");
+            for (id, moment) in part {
+                let id = id.val() as f32;
+                assert_eq!(values(moment), [id, id + 0.5]);
+            }
+        }
     }
 }
