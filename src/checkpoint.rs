@@ -57,7 +57,7 @@ pub(crate) mod sharded;
 mod state;
 pub use crate::zero::CheckpointLayout;
 pub use accelerator::Resumed;
-#[cfg(test)]
+#[cfg(all(test, feature = "flex"))]
 pub(crate) use agree::agree_on_checkpoint;
 pub(crate) use agree::agree_on_checkpoint_keeping;
 pub(crate) use fits::decode_model;

@@ -16,7 +16,7 @@ use burn::module::Module;
 use burn::record::Record;
 use burn::tensor::backend::Backend;
 
-#[cfg(test)]
+#[cfg(all(test, feature = "flex"))]
 use super::agree_on_checkpoint;
 use super::records::{self, Scheme, record_error};
 use super::{CheckpointDir, CheckpointState, LoadedCheckpoint};
@@ -185,7 +185,7 @@ pub(crate) enum Resume<M, O, S> {
 ///
 /// # Errors
 /// What [`agree_on_checkpoint`] and [`read`] return.
-#[cfg(test)]
+#[cfg(all(test, feature = "flex"))]
 pub(crate) fn resume<B: Backend, M: Module<B>, O: Record<B>, S: Record<B>>(
     group: Option<&ProcessGroup>,
     checkpoints: &CheckpointDir,

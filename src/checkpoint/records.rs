@@ -14,7 +14,7 @@ use crate::AccelerateError;
 use crate::record_bytes::{Shapes, build, check_tensors};
 
 pub(crate) use crate::record_bytes::Bytes;
-#[cfg(test)]
+#[cfg(all(test, feature = "flex"))]
 pub(crate) use crate::record_bytes::from_bytes;
 
 /// Which entry point's names a checkpoint's files have.

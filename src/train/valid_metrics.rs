@@ -695,6 +695,7 @@ mod tests {
 
     // Burn's own metrics, fed batches and asked for their running values, as Burn's processor
     // does (`MetricWrapper::update`).
+    #[cfg(feature = "flex")]
     fn checked<M>(metric: &mut M, inputs: &[M::Input]) -> BTreeMap<String, Uncombinable>
     where
         M: burn::train::metric::Metric + burn::train::metric::Numeric,

@@ -488,7 +488,7 @@ where
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "flex"))]
 mod tests {
     use burn::backend::Flex;
     use burn::record::Record;
