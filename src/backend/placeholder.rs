@@ -496,6 +496,14 @@ fn shard_of<B: Backend>(tensor: &FloatTensor<B>) -> Option<Arc<dyn Shard>> {
     registry(|r| r.shards.get(&id).cloned())
 }
 
+// `tensor`'s values, read where an op has no error channel: a failed read panics, saying
+// what stage 3 was reading (`what`).
+fn data_of<B: Backend>(tensor: FloatTensor<B>, what: &str) -> TensorData {
+    try_read_sync(B::float_into_data(tensor))
+        .and_then(Result::ok)
+        .unwrap_or_else(|| panic!("ZeRO stage 3 could not read {what}"))
+}
+
 // One use's gather of the parameter `tensor` stands for, as a tensor of `B` beside it (same
 // shape, dtype, device), counted as whole until `count_dropped`.
 fn gather<B: Backend>(shard: &dyn Shard, tensor: &FloatTensor<B>) -> FloatTensor<B> {
@@ -524,9 +532,7 @@ fn received<B: Backend>(
         // (an elementwise rounding).
         let own = B::float_from_data(own, device);
         let cast = crate::cpu::table::cast::<B>(own, FloatDType::from(dtype));
-        try_read_sync(B::float_into_data(cast))
-            .and_then(Result::ok)
-            .expect("ZeRO stage 3 could not read its slice to send it")
+        data_of::<B>(cast, "its slice to send it")
     };
     let data = shard.gather(&own.bytes, dtype);
     let expected = shape.num_elements() * dtype.size();
@@ -1437,10 +1443,7 @@ pub(crate) fn reduce_to_slice<B: Backend>(
     };
     // The gradient's own buffer where it is not shared (no copy), and the slice's handed to
     // the tensor as it is.
-    let grad = try_read_sync(B::float_into_data(grad))
-        .and_then(Result::ok)
-        .expect("ZeRO stage 3 could not read a gradient to reduce it");
-    let grad = grad
+    let grad = data_of::<B>(grad, "a gradient to reduce it")
         .into_vec::<f32>()
         .expect("the gradient was cast to f32");
     let mean = shard.reduce(grad);
