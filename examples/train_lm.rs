@@ -86,8 +86,8 @@ struct Args {
     #[arg(long, default_value_t = 1)]
     grad_accum: usize,
     /// Shards the training state across processes as DeepSpeed's ZeRO stage does: 0 data
-    /// parallel, 1 the optimizer state, 2 also the gradients (3, also the parameters, runs in
-    /// hand-written loops only for now: this example's `with_accelerate` refuses it by name).
+    /// parallel, 1 the optimizer state, 2 also the gradients, 3 also the parameters (FSDP's
+    /// `FULL_SHARD`: each process keeps a flat slice of every parameter).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
     zero_stage: u8,
     /// A text file to train on instead of the crate's own files.

@@ -70,8 +70,8 @@ struct Args {
     #[arg(long, value_enum, default_value_t = BackendName::Flex)]
     backend: BackendName,
     /// Shards the training state across processes as DeepSpeed's ZeRO stage does: 0 data
-    /// parallel, 1 the optimizer state, 2 also the gradients (3, also the parameters, runs in
-    /// hand-written loops only for now: this example's `with_accelerate` refuses it by name).
+    /// parallel, 1 the optimizer state, 2 also the gradients, 3 also the parameters (FSDP's
+    /// `FULL_SHARD`: each process keeps a flat slice of every parameter).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
     zero_stage: u8,
     /// Pin each CPU thread to a core of its own (Linux; under the launcher, the processes on
