@@ -12,7 +12,7 @@
 //!
 //! Numerics: each value of the product is the instruction's arithmetic applied step after
 //! step in k order (see [`super::tiles::model`]): per step, the even and the odd elements'
-//! products summed apart in f32, then added to the sum. Storing a sum between k blocks keeps
+//! products summed apart in f32, then those two sums added, and their sum added to the sum. Storing a sum between k blocks keeps
 //! it exact, so the bits depend on neither the blocking nor the threads. Like the dot-product
 //! kernel's, these are f32 sums of exact bf16 products, in another order than an f32 GEMM's.
 
@@ -512,7 +512,7 @@ mod tests {
 
     /// Each value of `a @ b` as the tile instructions compute it, one value at a time: k in
     /// steps of 16 pairs, each step's even and odd products summed apart (fused
-    /// multiply-adds, flushed), then added to the sum. What the packing and blocking must
+    /// multiply-adds, flushed), then those two sums added and their sum added to the sum. What the packing and blocking must
     /// reproduce bit for bit, whatever the shape, layout or threads.
     fn instruction_order(a: &Bf16Matrix, b: &Bf16Matrix) -> Vec<f32> {
         let k = a.cols;
@@ -528,7 +528,7 @@ mod tests {
                         even = flush(half(a.bits(i, 2 * p)).mul_add(half(b_at(2 * p)), even));
                         odd = flush(half(a.bits(i, 2 * p + 1)).mul_add(half(b_at(2 * p + 1)), odd));
                     }
-                    sum = flush(flush(sum + even) + odd);
+                    sum = flush(sum + flush(even + odd));
                 }
                 out.push(sum);
             }

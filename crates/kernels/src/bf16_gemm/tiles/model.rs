@@ -3,8 +3,9 @@
 //! `tdpbf16ps` as the Intel SDM's pseudo-code defines it: for each row `m` and column `n` of
 //! `C`, the products of the even elements of each pair (`A[m][2k] · B[k][2n]`) are summed in
 //! one f32 temporary and those of the odd elements in another, each starting from zero and
-//! adding the tile's 16 pairs in k order by fused multiply-add; then
-//! `C[m][n] = (C[m][n] + even) + odd`. Every operation rounds to nearest even, treats
+//! adding the tile's 16 pairs in k order by fused multiply-add; then the two temporaries are
+//! added (`tmpf32 := temp1.fp32[2*n] + temp1.fp32[2*n+1]`) and their sum added to `C`
+//! (`C[m][n] = C[m][n] + (even + odd)`). Every operation rounds to nearest even, treats
 //! subnormal inputs as zero (bf16 operands, and `C`'s old value) and flushes subnormal
 //! results to zero, keeping the sign, whatever MXCSR says. A bf16 product is exact in f32, so
 //! the fused multiply-add rounds once, as the sum alone would.
@@ -108,7 +109,7 @@ impl Tiles for TileModel {
                 }
                 let sum = &mut c[m * TILE_WORDS + n];
                 let old = flush(f32::from_bits(*sum));
-                *sum = flush(flush(old + even) + odd).to_bits();
+                *sum = flush(old + flush(even + odd)).to_bits();
             }
         }
     }
@@ -144,7 +145,7 @@ mod tests {
     }
 
     #[test]
-    fn even_and_odd_products_are_summed_apart_then_added_to_c_in_that_order() {
+    fn even_and_odd_products_are_summed_apart_and_their_sum_added_to_c() {
         // Row 0 of A: pair 0 = (2^24, 1), pair 1 = (-2^24, 1); column 0 of B: all ones.
         // Summed apart: even = 2^24 - 2^24 = 0, odd = 1 + 1 = 2, so C = (0 + 0) + 2 = 2. One
         // f32 sum in k order would round 2^24 + 1 to 2^24 and end at 1.
@@ -155,15 +156,16 @@ mod tests {
         b[16] = pair(1.0, 1.0);
         let out = dot(&a, &b, &[0; 256]);
         assert_eq!(f32::from_bits(out[0]), 2.0);
-        // C's old value takes the even sum first: with C = 2^24, even = 1 and odd = 2,
-        // (2^24 + 1) rounds to 2^24 (a tie, to even), then + 2 is exact: 2^24 + 2. Adding
-        // even + odd = 3 first would round 2^24 + 3 to 2^24 + 4.
+        // The two sums meet first, then C (the SDM's `tmpf32 := temp1.fp32[2*n] +
+        // temp1.fp32[2*n+1]`, then `C + tmpf32`): with C = 2^24, even = 1 and odd = 2, even +
+        // odd = 3 and 2^24 + 3 rounds to 2^24 + 4 (a tie, to even). C taking the even sum
+        // first would round 2^24 + 1 to 2^24, then add 2 exactly: 2^24 + 2.
         let mut c = [0u32; 256];
         c[0] = 16_777_216f32.to_bits();
         a[0] = pair(1.0, 1.0);
         a[1] = pair(0.0, 1.0);
         let out = dot(&a, &b, &c);
-        assert_eq!(f32::from_bits(out[0]), 16_777_216.0 + 2.0);
+        assert_eq!(f32::from_bits(out[0]), 16_777_216.0 + 4.0);
         // Rows and columns land where the pseudo-code puts them: C[m][n] reads A's row m and
         // B's column n only.
         let (mut a, mut b) = ([0u32; 256], [0u32; 256]);
@@ -193,6 +195,15 @@ mod tests {
         a[0] = pair(-(2f32.powi(-63)), 0.0);
         b[0] = pair(2f32.powi(-63), 0.0);
         assert_eq!(dot(&a, &b, &c)[0], 0);
+        // The two sums' sum is flushed before it meets C: even = 2^-125 and odd =
+        // -1.75 · 2^-126 are normal, their sum 2^-128 is not, so C = 2^-126 stays 2^-126
+        // (unflushed, or added to C one sum at a time, it would end at 1.25 · 2^-126).
+        let (mut a, mut b) = ([0u32; 256], [0u32; 256]);
+        let mut c = [0u32; 256];
+        c[0] = 2f32.powi(-126).to_bits();
+        a[0] = pair(2f32.powi(-62), -1.75 * 2f32.powi(-63));
+        b[0] = pair(2f32.powi(-63), 2f32.powi(-63));
+        assert_eq!(f32::from_bits(dot(&a, &b, &c)[0]), 2f32.powi(-126));
         // A subnormal C counts as zero.
         let mut c = [0u32; 256];
         c[0] = 1;
