@@ -11,6 +11,13 @@
 //!     cargo build --release --example gemm_ab
 //!     OMP_NUM_THREADS=2 RAYON_NUM_THREADS=2 target/release/examples/gemm_ab --rounds 7
 //!
+//! oneDNN's OpenMP threads wait passively here (`OMP_WAIT_POLICY=PASSIVE` unless the
+//! environment sets a policy): libgomp's default keeps them spinning on the cores after each
+//! call, where they take the cores from the next variant's threads, so that whichever variant
+//! ran after oneDNN's lost half its speed (on a 2-core Zen 5, ours at 0.32–0.52 of oneDNN
+//! with them spinning, 0.83–1.06 with them passive, and the f32 GEMM at half its speed too).
+//! Passive, each side's idle threads leave the cores to the other, as rayon's do.
+//!
 //! Without it the oneDNN column says so. `ONEDNN_VERBOSE=1` shows which oneDNN kernel ran
 //! (`brg:avx512_core_amx_bf16` on an AMX Xeon); the run prints it too.
 
@@ -50,15 +57,21 @@ const SHAPES: [(&str, [usize; 3]); 9] = [
 
 fn main() {
     let args = Args::parse();
+    if std::env::var_os("OMP_WAIT_POLICY").is_none() {
+        // SAFETY: no other thread runs yet (rayon's pool and oneDNN's OpenMP start later),
+        // so none reads the environment meanwhile.
+        unsafe { std::env::set_var("OMP_WAIT_POLICY", "PASSIVE") };
+    }
     let onednn = OneDnn::load();
     println!(
-        "CPU: {}; AMX: {}; oneDNN: {}",
+        "CPU: {}; AMX: {}; oneDNN: {} (OMP_WAIT_POLICY={})",
         cpu_model(),
         burn_accelerate::capability::amx_status(),
         match &onednn {
             Ok(_) => "libdnnl.so.2 loaded".to_string(),
             Err(e) => format!("not loaded ({e}; `apt-get install libdnnl-dev`)"),
-        }
+        },
+        std::env::var("OMP_WAIT_POLICY").unwrap_or_default(),
     );
     let mut variants: Vec<Variant> = [Bf16Gemm::AmxTiles, Bf16Gemm::DotProducts]
         .into_iter()
