@@ -656,6 +656,36 @@ mod tests {
     }
 
     #[test]
+    fn tiles_load_and_store_inside_operands_of_exactly_their_size() {
+        // Row-major operands in buffers of exactly `m · k` and `k · n` values (the other
+        // tests' are larger, for their strided layouts and offsets), A read in place where k
+        // is whole steps of 32 and packed otherwise, into a product of exactly `m · n`
+        // values: the bits of the instructions applied value by value, and, under valgrind's
+        // memcheck (.ci/run), no tile load or store past a buffer's end. Values read past a
+        // row of A would not show in the bits (B's rows past k are packed as zeros), so the
+        // shapes end A on a whole micro row too, with k short of a step (64 × 20, 32 × 48).
+        let more = [
+            [70, 64, 40],
+            [33, 1056, 17],
+            [96, 32, 300],
+            [64, 20, 24],
+            [32, 48, 16],
+        ];
+        for [m, k, n] in SHAPES.into_iter().chain(more) {
+            let a_values = matrix(&values(m * k, 11));
+            let b_values = matrix(&values(k * n, 12));
+            let a = Bf16Matrix::new(&a_values, 0, [m, k], [k, 1]).unwrap();
+            let b = Bf16Matrix::new(&b_values, 0, [k, n], [n, 1]).unwrap();
+            let bits = |c: Vec<f32>| c.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+            let want = bits(instruction_order(&a, &b));
+            for parallel in [false, true] {
+                let got = bits(on_the_model(a, b, parallel));
+                assert_eq!(got, want, "{m}×{k}×{n}, parallel {parallel}");
+            }
+        }
+    }
+
+    #[test]
     fn the_tile_gemm_sums_exact_bf16_products_in_f32() {
         // The results contract of both kernels, checked against an f64 sum.
         let [m, k, n] = [33, 301, 40];
