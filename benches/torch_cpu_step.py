@@ -9,7 +9,8 @@ order rotating every round), with a short pause between variants so that neither
 threads still spin while the other runs, and `--repeat` steps of a variant in a row of which
 the last is timed (the first after a switch ran 1.5-2x slower on our side: the other process's
 traces in the caches, and its threads). Run torch with `OMP_WAIT_POLICY=PASSIVE`: its OpenMP
-threads otherwise spin on the cores after each step. Both sides time a step the same way: forward (under
+threads otherwise spin on the cores after each step (the script sets it where the environment
+does not). Both sides time a step the same way: forward (under
 autocast or not), the mean square of the output minus a target, backward, and the gradients
 dropped (`set_to_none`), so a step allocates them afresh, as Burn's does.
 
@@ -35,7 +36,11 @@ import subprocess
 import sys
 import time
 
-import torch
+# torch's OpenMP threads read the policy when they start: passive unless the environment says
+# otherwise, so that they do not spin on the cores our process's steps run on between torch's.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402 (after the policy)
 from torch import nn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -172,7 +177,8 @@ def main():
     best = {n: min(t) for n, t in times.items()}
     extra = f" hidden {args.hidden}" if args.model == "lstm" else ""
     print(f"torch {torch.__version__}, model {args.model}{extra}, {args.threads} threads, "
-          f"{args.rounds} rounds, load average {os.getloadavg()[0]:.2f}")
+          f"{args.rounds} rounds, load average {os.getloadavg()[0]:.2f}, "
+          f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}")
     for n in names:
         who, precision = n.split()
         other = ("torch " if who == "ours" else "ours ") + precision
