@@ -43,6 +43,8 @@ use burn_accelerate_comm::layout::MAX_WAIT_SECS;
 use burn_accelerate_comm::{self as distributed, DistributedError, ProcessLayout, RunSecret, env};
 use clap::{Args, Parser, Subcommand};
 
+pub mod cpu;
+
 #[derive(Parser)]
 #[command(
     name = "burn-accelerate",
@@ -1342,6 +1344,9 @@ fn report_env() {
         "cores: {}",
         std::thread::available_parallelism().map_or(1, |n| n.get())
     );
+    if let Some(cpu) = cpu::this_machine() {
+        println!("cpu: {cpu}");
+    }
     match ProcessLayout::from_env() {
         Ok(layout) => println!(
             "process: {} of {} (local {} of {}, machine {} of {})",

@@ -173,6 +173,14 @@ fn env_names_the_variable_of_a_bad_layout_and_says_where_the_backend_probes_are(
         stdout.contains("not probed by the launcher alone"),
         "{stdout}"
     );
+    // The CPU, named with its family and its bf16 kernels' flags (Linux's /proc/cpuinfo).
+    #[cfg(all(target_os = "linux", target_arch = "x86_64"))]
+    assert!(
+        stdout
+            .lines()
+            .any(|l| l.starts_with("cpu: ") && l.contains("(family ") && l.contains("amx_bf16 ")),
+        "{stdout}"
+    );
 }
 
 // Issue 49: every number-taking flag of `launch` at its edges (too large for a wait, negative,
