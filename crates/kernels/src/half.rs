@@ -407,7 +407,9 @@ pub fn widen_in_tasks<H: Half>(src: &[H], dst: &mut [f32]) {
 
 /// A new buffer of `len` values, each task of values (as `in_tasks` splits them) written by
 /// `write(start, task)`: straight into the buffer, where [`filled`] writes a block on the stack
-/// and copies it out (that copy was 3% of an MLP's bf16 step on a Zen 5, for the casts alone).
+/// and copies it out (`filled`'s copies were 3% of the samples of an MLP's bf16 step on a
+/// Zen 5; with the casts written straight, the casts and copies together fell from 12.9% to
+/// 11.5%).
 ///
 /// # Safety
 ///
