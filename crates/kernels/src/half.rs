@@ -45,17 +45,10 @@ pub trait Half: bytemuck::Pod + Default + PartialEq + core::fmt::Debug + Send + 
 impl Half for bf16 {
     const KIND: HalfKind = HalfKind::Bf16;
     fn widen(src: &[Self], dst: &mut [f32]) {
-        #[cfg(target_arch = "x86_64")]
-        if avx512::available() {
-            // SAFETY: the CPU has AVX512-F and AVX512-BW (checked just above).
-            return unsafe { avx512::widen_bf16(src, dst) };
-        }
-        #[cfg(target_arch = "x86_64")]
-        if std::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU has AVX2 (checked just above).
-            return unsafe { avx2::widen_bf16(src, dst) };
-        }
-        widen_bf16(src, dst);
+        // SAFETY: `MaybeUninit<f32>` has `f32`'s layout, and only widened values are written
+        // through it.
+        let dst = unsafe { &mut *(dst as *mut [f32] as *mut [MaybeUninit<f32>]) };
+        widen_bf16_into(src, dst);
     }
     fn round(src: &[f32], dst: &mut [Self]) {
         #[cfg(target_arch = "x86_64")]
@@ -82,15 +75,8 @@ impl Half for bf16 {
 
 // `half` 2.7 converts bf16 slices with an indexed loop that does not vectorise. A bf16 is the
 // high half of the f32 it stands for, NaNs made quiet as `half` does; the loop has no branch,
-// so it vectorises (to AVX2's width where the CPU has it, see `avx2`).
-#[inline(always)]
-fn widen_bf16(src: &[bf16], dst: &mut [f32]) {
-    for (dst, src) in dst.iter_mut().zip(src) {
-        *dst = bf16_as_f32(*src);
-    }
-}
-
-// `widen_bf16` into memory that may not be initialised yet.
+// so it vectorises (to AVX2's width where the CPU has it, see `avx2`). It writes memory that
+// may not be initialised yet (a new tensor's), as well as a slice's values.
 #[inline(always)]
 fn widen_bf16_uninit(src: &[bf16], dst: &mut [MaybeUninit<f32>]) {
     for (dst, src) in dst.iter_mut().zip(src) {
@@ -138,8 +124,9 @@ pub fn round_bf16_into(src: &[f32], dst: &mut [MaybeUninit<bf16>]) {
     round_bf16_uninit(src, dst);
 }
 
-/// `src` widened to f32 as [`Half::widen`] widens bf16, into `dst` (as long), memory that
-/// need not be initialised: the AVX-512 or AVX2 loop where the CPU has it.
+/// `src` widened to f32 (each bf16 the high half of its f32, a NaN made quiet as `half` does),
+/// into `dst` (as long), memory that need not be initialised: the AVX-512 or AVX2 loop where
+/// the CPU has it. [`Half::widen`] of bf16 is this, into a slice's values.
 pub fn widen_bf16_into(src: &[bf16], dst: &mut [MaybeUninit<f32>]) {
     assert_eq!(src.len(), dst.len(), "one value widened per value");
     #[cfg(target_arch = "x86_64")]
@@ -155,18 +142,11 @@ pub fn widen_bf16_into(src: &[bf16], dst: &mut [MaybeUninit<f32>]) {
     widen_bf16_uninit(src, dst);
 }
 
-// `widen_bf16` and `round_bf16` compiled for the target features `$features`, to be chosen
+// `widen_bf16_uninit` and `round_bf16` compiled for the target features `$features`, to be chosen
 // at run time: the crate is built for baseline x86-64, whose SSE2 lacks the unsigned compares
 // these loops vectorise to.
 macro_rules! bf16_loops_for {
     ($features:literal) => {
-        /// # Safety
-        /// The CPU must have the module's target features.
-        #[target_feature(enable = $features)]
-        pub(super) unsafe fn widen_bf16(src: &[half::bf16], dst: &mut [f32]) {
-            super::widen_bf16(src, dst);
-        }
-
         /// # Safety
         /// The CPU must have the module's target features.
         #[target_feature(enable = $features)]
@@ -666,6 +646,12 @@ mod tests {
         }
     }
 
+    // `values` as memory a conversion may write without reading.
+    fn as_uninit(values: &mut [f32]) -> &mut [MaybeUninit<f32>] {
+        // SAFETY: `MaybeUninit<f32>` has `f32`'s layout; only f32 values are written to it.
+        unsafe { &mut *(values as *mut [f32] as *mut [MaybeUninit<f32>]) }
+    }
+
     #[test]
     fn bf16_conversions_are_halfs() {
         conversions_are_halfs(bf16::from_bits, bf16::to_f32, bf16::from_f32);
@@ -674,7 +660,7 @@ mod tests {
         if avx512::available() {
             let avx512 = Slices {
                 // SAFETY: the CPU has AVX512-F and AVX512-BW (checked just above).
-                widen: |src, dst| unsafe { avx512::widen_bf16(src, dst) },
+                widen: |src, dst| unsafe { avx512::widen_bf16_uninit(src, as_uninit(dst)) },
                 // SAFETY: as above.
                 round: |src, dst| unsafe { avx512::round_bf16(src, dst) },
             };
@@ -685,7 +671,7 @@ mod tests {
         if std::is_x86_feature_detected!("avx2") {
             let avx2 = Slices {
                 // SAFETY: the CPU has AVX2 (checked just above).
-                widen: |src, dst| unsafe { avx2::widen_bf16(src, dst) },
+                widen: |src, dst| unsafe { avx2::widen_bf16_uninit(src, as_uninit(dst)) },
                 // SAFETY: as above.
                 round: |src, dst| unsafe { avx2::round_bf16(src, dst) },
             };
