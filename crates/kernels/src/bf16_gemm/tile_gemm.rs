@@ -842,10 +842,16 @@ mod tests {
                 })
                 .collect()
         };
-        for shape @ [m, k, n] in SHAPES
-            .into_iter()
-            .chain([[1536, 384, 512], [128, 1536, 384]])
-        {
+        // The edges of SHAPES, two of the LM's shapes, and A read in place across k blocks,
+        // with an edge micro row, and past a task's rows (as the model's in-place test).
+        let more = [
+            [1536, 384, 512],
+            [128, 1536, 384],
+            [70, 64, 40],
+            [33, 1056, 17],
+            [96, 32, 300],
+        ];
+        for shape @ [m, k, n] in SHAPES.into_iter().chain(more) {
             let inputs = [
                 (
                     matrix(&values(2 * m * k + 1, 1)),
