@@ -45,19 +45,15 @@ pub trait Half: bytemuck::Pod + Default + PartialEq + core::fmt::Debug + Send + 
 impl Half for bf16 {
     const KIND: HalfKind = HalfKind::Bf16;
     fn widen(src: &[Self], dst: &mut [f32]) {
-        // SAFETY: `MaybeUninit<f32>` has `f32`'s layout, and only widened values are written
-        // through it.
-        let dst = unsafe { &mut *(dst as *mut [f32] as *mut [MaybeUninit<f32>]) };
-        widen_bf16_into(src, dst);
+        // SAFETY: `widen_bf16_into` writes widened values only.
+        widen_bf16_into(src, unsafe { as_uninit(dst) });
     }
     fn round(src: &[f32], dst: &mut [Self]) {
         #[cfg(target_arch = "x86_64")]
         if avx512::converts() {
-            // SAFETY: `MaybeUninit<bf16>` has `bf16`'s layout, and only rounded values are
-            // written through it.
-            let dst = unsafe { &mut *(dst as *mut [bf16] as *mut [MaybeUninit<bf16>]) };
-            // SAFETY: the CPU has AVX512-F, AVX512-BW and AVX512-BF16 (checked just above).
-            return unsafe { avx512::round_bf16_by_conversion(src, dst) };
+            // SAFETY: the CPU has AVX512-F, AVX512-BW and AVX512-BF16 (checked just above);
+            // the conversion writes rounded values only.
+            return unsafe { avx512::round_bf16_by_conversion(src, as_uninit(dst)) };
         }
         #[cfg(target_arch = "x86_64")]
         if avx512::available() {
@@ -71,6 +67,18 @@ impl Half for bf16 {
         }
         round_bf16(src, dst);
     }
+}
+
+/// `values` as memory a conversion writes without reading, for the loops that also fill new
+/// buffers.
+///
+/// # Safety
+///
+/// Only values of `T` are written through the result (never `MaybeUninit::uninit()`), so that
+/// `values` stays initialised.
+pub(crate) unsafe fn as_uninit<T>(values: &mut [T]) -> &mut [MaybeUninit<T>] {
+    // SAFETY: `MaybeUninit<T>` has `T`'s layout; the caller's promise keeps `values` valid.
+    unsafe { &mut *(values as *mut [T] as *mut [MaybeUninit<T>]) }
 }
 
 // `half` 2.7 converts bf16 slices with an indexed loop that does not vectorise. A bf16 is the
@@ -142,9 +150,9 @@ pub fn widen_bf16_into(src: &[bf16], dst: &mut [MaybeUninit<f32>]) {
     widen_bf16_uninit(src, dst);
 }
 
-// `widen_bf16_uninit` and `round_bf16` compiled for the target features `$features`, to be chosen
-// at run time: the crate is built for baseline x86-64, whose SSE2 lacks the unsigned compares
-// these loops vectorise to.
+// `widen_bf16_uninit` and `round_bf16` compiled for the target features `$features`, to be
+// chosen at run time: the crate is built for baseline x86-64, whose SSE2 lacks the unsigned
+// compares these loops vectorise to.
 macro_rules! bf16_loops_for {
     ($features:literal) => {
         /// # Safety
@@ -646,12 +654,6 @@ mod tests {
         }
     }
 
-    // `values` as memory a conversion may write without reading.
-    fn as_uninit(values: &mut [f32]) -> &mut [MaybeUninit<f32>] {
-        // SAFETY: `MaybeUninit<f32>` has `f32`'s layout; only f32 values are written to it.
-        unsafe { &mut *(values as *mut [f32] as *mut [MaybeUninit<f32>]) }
-    }
-
     #[test]
     fn bf16_conversions_are_halfs() {
         conversions_are_halfs(bf16::from_bits, bf16::to_f32, bf16::from_f32);
@@ -659,7 +661,8 @@ mod tests {
         #[cfg(target_arch = "x86_64")]
         if avx512::available() {
             let avx512 = Slices {
-                // SAFETY: the CPU has AVX512-F and AVX512-BW (checked just above).
+                // SAFETY: the CPU has AVX512-F and AVX512-BW (checked just above); the loop
+                // writes widened values only.
                 widen: |src, dst| unsafe { avx512::widen_bf16_uninit(src, as_uninit(dst)) },
                 // SAFETY: as above.
                 round: |src, dst| unsafe { avx512::round_bf16(src, dst) },
@@ -670,7 +673,8 @@ mod tests {
         #[cfg(target_arch = "x86_64")]
         if std::is_x86_feature_detected!("avx2") {
             let avx2 = Slices {
-                // SAFETY: the CPU has AVX2 (checked just above).
+                // SAFETY: the CPU has AVX2 (checked just above); the loop writes widened values
+                // only.
                 widen: |src, dst| unsafe { avx2::widen_bf16_uninit(src, as_uninit(dst)) },
                 // SAFETY: as above.
                 round: |src, dst| unsafe { avx2::round_bf16(src, dst) },

@@ -29,7 +29,6 @@
 //! net's training step.
 
 use std::cell::RefCell;
-use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use half::bf16;
@@ -39,7 +38,7 @@ use super::bf16_gemm::{
     self, Bf16Matrix, Finish, Packed, Product, release_large, scratch_of, with_scratch,
 };
 use crate::f32_gemm::{Kernel, f32_gemm, parallel};
-use crate::half::{Half, HalfKind, as_half, half_buffer, in_row_tasks};
+use crate::half::{Half, HalfKind, as_half, as_uninit, half_buffer, in_row_tasks};
 
 /// A 2-D convolution's options, as Burn's `Conv2dOptions` holds them: per axis (height,
 /// width) the stride, the zeros padded on each side and the kernel's dilation, and the number
@@ -291,9 +290,8 @@ impl Patch for bf16 {
             HalfKind::Bf16 => bytemuck::cast_slice_mut(out),
             _ => return None,
         };
-        // SAFETY: `MaybeUninit<bf16>` has `bf16`'s layout, and the GEMM writes only
-        // initialised values through it.
-        let out = unsafe { &mut *(out as *mut [bf16] as *mut [MaybeUninit<bf16>]) };
+        // SAFETY: the GEMM writes only initialised values through it.
+        let out = unsafe { as_uninit(out) };
         let a = Bf16Matrix::new(weight, 0, [m, k], weight_strides)?;
         let b = Bf16Matrix::new(patches, 0, [k, n], patch_strides)?;
         let finish = Finish::Planes {
