@@ -18,8 +18,9 @@
 //! operands: the sums run in another order, and the two kernels' orders differ too. The dot
 //! products add each k-pair's two products to a lane's sum, pair after pair in k order; the
 //! tiles sum each step of 16 pairs' even and odd products apart, add the two, and add that
-//! to the sum, step after step (see `tiles::model`). Both treat bf16 subnormal inputs as zero and flush
-//! subnormal sums to zero (Intel SDM, `VDPBF16PS`, `TDPBF16PS`), as oneDNN's bf16 GEMM does.
+//! to the sum, step after step (see `tiles::model`). Both treat bf16 subnormal inputs as zero
+//! and flush subnormal sums to zero (Intel SDM, `VDPBF16PS`, `TDPBF16PS`), as oneDNN's bf16
+//! GEMM does.
 //! Neither result depends on the number of threads.
 //!
 //! The dot products' layout is the classic one (Goto and van de Geijn): both operands packed once into

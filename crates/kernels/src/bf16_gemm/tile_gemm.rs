@@ -12,9 +12,10 @@
 //!
 //! Numerics: each value of the product is the instruction's arithmetic applied step after
 //! step in k order (see [`super::tiles::model`]): per step, the even and the odd elements'
-//! products summed apart in f32, then those two sums added, and their sum added to the sum. Storing a sum between k blocks keeps
-//! it exact, so the bits depend on neither the blocking nor the threads. Like the dot-product
-//! kernel's, these are f32 sums of exact bf16 products, in another order than an f32 GEMM's.
+//! products summed apart in f32, then those two sums added, and their sum added to the sum.
+//! Storing a sum between k blocks keeps it exact, so the bits depend on neither the blocking
+//! nor the threads. Like the dot-product kernel's, these are f32 sums of exact bf16 products,
+//! in another order than an f32 GEMM's.
 
 use std::mem::MaybeUninit;
 
@@ -512,8 +513,9 @@ mod tests {
 
     /// Each value of `a @ b` as the tile instructions compute it, one value at a time: k in
     /// steps of 16 pairs, each step's even and odd products summed apart (fused
-    /// multiply-adds, flushed), then those two sums added and their sum added to the sum. What the packing and blocking must
-    /// reproduce bit for bit, whatever the shape, layout or threads.
+    /// multiply-adds, flushed), then those two sums added and their sum added to the sum.
+    /// What the packing and blocking must reproduce bit for bit, whatever the shape, layout
+    /// or threads.
     fn instruction_order(a: &Bf16Matrix, b: &Bf16Matrix) -> Vec<f32> {
         let k = a.cols;
         let half = |bits: u32| widen_daz(bits as u16);
@@ -566,6 +568,11 @@ mod tests {
         [32, 64, 32],
     ];
 
+    // Shapes whose row-major A the tiles load in place (k whole steps of 32): a micro row with
+    // an edge (70 rows: 6 past two micro rows), k across three blocks (33 steps: 16, 16, 1),
+    // one row, rows past a task's.
+    const IN_PLACE: [[usize; 3]; 4] = [[70, 64, 40], [33, 1056, 17], [1, 32, 1], [96, 32, 300]];
+
     // The four layouts of `[m, k]` by `[k, n]` operands the GEMM reads: row-major, both
     // transposed, neither dimension contiguous (every other value from an offset), and rows
     // of A and columns of B along k.
@@ -612,12 +619,9 @@ mod tests {
     #[test]
     fn an_a_loaded_in_place_gives_the_bits_of_a_packed_a_on_the_model() {
         use super::super::tiles::model::TileModel;
-        // Whole steps of k only (else A is packed): a micro row with an edge (70 rows: 6
-        // past two micro rows), k across three blocks (33 steps: 16, 16, 1), one row, rows
-        // past a task's; A from an offset with rows an odd count of values apart (the tiles'
-        // rows start unaligned).
-        let shapes = [[70, 64, 40], [33, 1056, 17], [1, 32, 1], [96, 32, 300]];
-        for [m, k, n] in shapes {
+        // `IN_PLACE`'s shapes, A from an offset with rows an odd count of values apart (the
+        // tiles' rows start unaligned).
+        for [m, k, n] in IN_PLACE {
             let a_values = matrix(&values(m * (k + 3) + 1, 9));
             let b_values = matrix(&values(k * n, 10));
             let b = Bf16Matrix::new(&b_values, 0, [k, n], [n, 1]).unwrap();
@@ -664,14 +668,8 @@ mod tests {
         // memcheck (.ci/run), no tile load or store past a buffer's end. Values read past a
         // row of A would not show in the bits (B's rows past k are packed as zeros), so the
         // shapes end A on a whole micro row too, with k short of a step (64 × 20, 32 × 48).
-        let more = [
-            [70, 64, 40],
-            [33, 1056, 17],
-            [96, 32, 300],
-            [64, 20, 24],
-            [32, 48, 16],
-        ];
-        for [m, k, n] in SHAPES.into_iter().chain(more) {
+        let ends = [[64, 20, 24], [32, 48, 16]];
+        for [m, k, n] in SHAPES.into_iter().chain(IN_PLACE).chain(ends) {
             let a_values = matrix(&values(m * k, 11));
             let b_values = matrix(&values(k * n, 12));
             let a = Bf16Matrix::new(&a_values, 0, [m, k], [k, 1]).unwrap();
@@ -842,16 +840,9 @@ mod tests {
                 })
                 .collect()
         };
-        // The edges of SHAPES, two of the LM's shapes, and A read in place across k blocks,
-        // with an edge micro row, and past a task's rows (as the model's in-place test).
-        let more = [
-            [1536, 384, 512],
-            [128, 1536, 384],
-            [70, 64, 40],
-            [33, 1056, 17],
-            [96, 32, 300],
-        ];
-        for shape @ [m, k, n] in SHAPES.into_iter().chain(more) {
+        // The edges of SHAPES, two of the LM's shapes, and those whose A is loaded in place.
+        let lm = [[1536, 384, 512], [128, 1536, 384]];
+        for shape @ [m, k, n] in SHAPES.into_iter().chain(lm).chain(IN_PLACE) {
             let inputs = [
                 (
                     matrix(&values(2 * m * k + 1, 1)),
