@@ -89,7 +89,7 @@ python3 benches/lm_ab.py --venv "$twin" --target "$CARGO_TARGET_DIR" --precision
   --processes 1,2 --steps "$steps" --rounds "$rounds"
 
 section "A user's MLP step against torch's ($threads threads)"
-RAYON_NUM_THREADS="$threads" OMP_WAIT_POLICY=PASSIVE "$twin/bin/python" \
+RAYON_NUM_THREADS="$threads" "$twin/bin/python" \
   benches/torch_cpu_step.py --model mlp --rounds $((rounds * 7)) --threads "$threads" \
   --binary "$release/examples/autocast_ab"
 

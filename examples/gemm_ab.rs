@@ -65,7 +65,7 @@ fn main() {
     let onednn = OneDnn::load();
     println!(
         "CPU: {}; AMX: {}; oneDNN: {} (OMP_WAIT_POLICY={})",
-        cpu_model(),
+        burn_accelerate_launch::cpu::this_machine().unwrap_or_else(|| "unknown".into()),
         burn_accelerate::capability::amx_status(),
         match &onednn {
             Ok(_) => "libdnnl.so.2 loaded".to_string(),
@@ -209,18 +209,6 @@ fn values(n: usize, seed: u32) -> Vec<bf16> {
             bf16::from_f32(((i.wrapping_mul(2_654_435_761) ^ seed) % 2000) as f32 / 1000.0 - 1.0)
         })
         .collect()
-}
-
-fn cpu_model() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split(':').nth(1))
-                .map(|m| m.trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown".into())
 }
 
 /// oneDNN 2.x's C API, the few calls a matmul needs, loaded from `libdnnl.so.2`. Constants
