@@ -128,37 +128,45 @@ def main():
                         help="steps per variant and round, the last one timed: the first "
                              "after a switch pays for the other process's traces (caches, "
                              "its threads waking and sleeping)")
-    parser.add_argument("--binary",
-                        default=os.path.join(os.environ.get("CARGO_TARGET_DIR",
-                                                            os.path.join(ROOT, "target")),
-                                             "release", "examples", "autocast_ab"))
+    parser.add_argument("--binary", action="append",
+                        help="our build (examples/autocast_ab); several, each named "
+                             "`ours#<i>` by its order, to compare builds against torch in one "
+                             "run. Default: the release build under CARGO_TARGET_DIR or "
+                             "target/")
     parser.add_argument("--ours-args", default="",
                         help="more arguments for autocast_ab (e.g. --cast-small)")
     args = parser.parse_args()
 
+    binaries = args.binary or [os.path.join(
+        os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target")),
+        "release", "examples", "autocast_ab")]
     torch.set_num_threads(args.threads)
     env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads))
-    ours = subprocess.Popen(
-        [args.binary, "--serve", "--model", args.model, "--hidden", str(args.hidden),
-         *args.ours_args.split()],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    ours = {}
+    for i, binary in enumerate(binaries):
+        name = "ours" if len(binaries) == 1 else f"ours#{i + 1}"
+        ours[name] = (binary, subprocess.Popen(
+            [binary, "--serve", "--model", args.model, "--hidden", str(args.hidden),
+             *args.ours_args.split()],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))
 
-    def our_step(precision):
-        ours.stdin.write(precision + "\n")
-        ours.stdin.flush()
-        line = ours.stdout.readline()
+    def our_step(name, precision):
+        binary, process = ours[name]
+        process.stdin.write(precision + "\n")
+        process.stdin.flush()
+        line = process.stdout.readline()
         if not line:
-            sys.exit(f"{args.binary} exited ({ours.wait()})")
+            sys.exit(f"{binary} exited ({process.wait()})")
         return float(line)
 
     torch.manual_seed(7)
     net, x, y = build(args.model, args.hidden)
-    variants = {
-        "ours f32": lambda: our_step("f32"),
-        "torch f32": lambda: torch_step(net, x, y, False),
-        "ours bf16": lambda: our_step("bf16"),
-        "torch bf16": lambda: torch_step(net, x, y, True),
-    }
+    variants = {}
+    for precision in ["f32", "bf16"]:
+        for name in ours:
+            variants[f"{name} {precision}"] = lambda n=name, p=precision: our_step(n, p)
+        variants[f"torch {precision}"] = lambda bf16=precision == "bf16": torch_step(
+            net, x, y, bf16)
     names = list(variants)
     for name in names:  # warm-up
         variants[name]()
@@ -170,8 +178,9 @@ def main():
             for _ in range(args.repeat):
                 t = variants[name]()
             times[name].append(t)
-    ours.stdin.close()
-    ours.wait()
+    for _, process in ours.values():
+        process.stdin.close()
+        process.wait()
 
     med = {n: statistics.median(t) for n, t in times.items()}
     best = {n: min(t) for n, t in times.items()}
@@ -179,13 +188,16 @@ def main():
     print(f"torch {torch.__version__}, model {args.model}{extra}, {args.threads} threads, "
           f"{args.rounds} rounds, load average {os.getloadavg()[0]:.2f}, "
           f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}")
+    for i, (name, (binary, _)) in enumerate(ours.items()):
+        if len(ours) > 1:
+            print(f"{name}: {binary}")
     for n in names:
         who, precision = n.split()
-        other = ("torch " if who == "ours" else "ours ") + precision
+        torch_n = "torch " + precision
         print(f"{n:<11} median {med[n]:8.2f} ms  fastest {best[n]:8.2f} ms  "
               f"vs {who} f32 {med[n] / med[who + ' f32']:.2f}x  "
-              + (f"ours/torch {med[n] / med[other]:.2f}x (fastest {best[n] / best[other]:.2f}x)"
-                 if who == "ours" else ""))
+              + (f"ours/torch {med[n] / med[torch_n]:.2f}x "
+                 f"(fastest {best[n] / best[torch_n]:.2f}x)" if who != "torch" else ""))
 
 
 if __name__ == "__main__":

@@ -1,14 +1,19 @@
 //! The thread that runs a training step, made one of the CPU threads its ops compute on.
 //!
 //! Flex, the `gemm` crate and this crate's CPU kernels split their work over rayon's global
-//! thread pool. Called from a thread outside that pool, such as a program's `main`, each
-//! parallel op hands its work to the pool and sleeps until the pool's threads are done with
-//! it: a sleeping worker woken, and the caller woken back, for every op, tens of times a
-//! step. With [`use_current_thread`], the thread that runs the step is the pool's first
-//! thread: it computes its share of each op itself, as an OpenMP program's main thread does
-//! (PyTorch's CPU ops), and a step runs on as many threads as the pool has, not one more.
+//! thread pool. Called from a thread outside that pool, such as a program's `main`, each of
+//! Flex's and `gemm`'s parallel ops hands its work to the pool and sleeps until the pool's
+//! threads are done with it: a sleeping worker woken, and the caller woken back, for every
+//! op. This crate's kernels (its GEMMs, conversions, softmax, GELU: most of an autocast
+//! step's time) do not: their caller computes its share, helped by the pool's threads as they
+//! come (`burn_accelerate_kernels::tasks`), on every thread and without this call. With
+//! [`use_current_thread`], the thread that runs the step is also the pool's first thread for
+//! the rest: it computes its share of every op itself, as an OpenMP program's main thread
+//! does (PyTorch's CPU ops), and a step runs on as many threads as the pool has, not one
+//! more.
 //!
-//! On a 2-core virtual machine (AMD Zen 4), a bf16 step of the small conv net took 0.90× as
+//! On a 2-core virtual machine (AMD Zen 4), before the kernels shared their loops with their
+//! caller, a bf16 step of the small conv net took 0.90× as
 //! long, and one of the README's MLP 0.77–0.98× (the more the host is loaded, the more a
 //! wake-up costs); Burn's LSTM, whose ops are too small to run in parallel, is unchanged
 //! (BENCHMARKS.md, issue 28).

@@ -25,6 +25,7 @@
 //! process runs, before it calls in (`crate::backend::lowered`).
 
 use std::cell::RefCell;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
@@ -37,7 +38,6 @@ use burn_backend::DType;
 use burn_backend::ops::{FloatTensorOps, ModuleOps};
 use burn_backend::tensor::FloatTensor;
 use half::bf16;
-use rayon::prelude::*;
 
 use burn_accelerate_kernels::bf16_gemm::{
     self, Bf16Kernel, Bf16Matrix, Epilogue, Finish, Packed, Product, SCRATCH_KEPT, release_large,
@@ -45,6 +45,7 @@ use burn_accelerate_kernels::bf16_gemm::{
 };
 use burn_accelerate_kernels::f32_gemm::{Kernel, f32_gemm, large, parallel};
 use burn_accelerate_kernels::several_threads;
+use burn_accelerate_kernels::tasks::for_each_chunk;
 
 use super::Route;
 use super::half_kernels::{
@@ -256,12 +257,14 @@ fn each_matrix<T: Send>(
     f: impl Fn(usize, &mut [T]) -> bool + Sync,
 ) -> bool {
     let size = (dims.m * dims.n).max(1);
-    if dims.matrices() > 1 && several_threads() && !large(dims.m, dims.n, dims.k) {
-        let all = product.par_chunks_mut(size).enumerate();
-        all.map(|(i, c)| f(i, c)).reduce(|| true, |a, b| a && b)
-    } else {
-        product.chunks_mut(size).enumerate().all(|(i, c)| f(i, c))
-    }
+    let parallel = dims.matrices() > 1 && several_threads() && !large(dims.m, dims.n, dims.k);
+    let failed = AtomicBool::new(false);
+    for_each_chunk(product, size, parallel, |i, c| {
+        if !f(i, c) {
+            failed.store(true, Ordering::Relaxed);
+        }
+    });
+    !failed.into_inner()
 }
 
 /// `a @ b + bias` of half matrices: f32 sums of the products, rounded once to the half

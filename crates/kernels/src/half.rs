@@ -16,9 +16,9 @@ use std::mem::MaybeUninit;
 
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
-use rayon::prelude::*;
 
 use crate::several_threads;
+use crate::tasks::for_each_chunk;
 
 // Small enough that the f32 buffers stay in L1 beside the data they stream.
 const BLOCK: usize = 256;
@@ -353,13 +353,8 @@ pub fn in_row_tasks<T: Send>(row: usize, values: &mut [T], f: impl Fn(usize, &mu
     let row = row.max(1);
     let rows = (TASK / row).max(1);
     let task = rows * row;
-    match values.len() > task && several_threads() {
-        true => values
-            .par_chunks_mut(task)
-            .enumerate()
-            .for_each(|(i, chunk)| f(i * rows, chunk)),
-        false => f(0, values),
-    }
+    let parallel = values.len() > task && several_threads();
+    for_each_chunk(values, task, parallel, |i, chunk| f(i * rows, chunk));
 }
 
 /// A new buffer of `len` values, written block by block by `fill(start, block)` (the block of

@@ -32,13 +32,13 @@ use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use half::bf16;
-use rayon::prelude::*;
 
 use super::bf16_gemm::{
     self, Bf16Matrix, Finish, Packed, Product, release_large, scratch_of, with_scratch,
 };
 use crate::f32_gemm::{Kernel, f32_gemm, parallel};
 use crate::half::{Half, HalfKind, as_half, as_uninit, half_buffer, in_row_tasks};
+use crate::tasks::for_each_chunk;
 
 /// A 2-D convolution's options, as Burn's `Conv2dOptions` holds them: per axis (height,
 /// width) the stride, the zeros padded on each side and the kernel's dilation, and the number
@@ -910,16 +910,16 @@ pub fn channel_sums<H: Half>(
             }
         })
     };
-    match parallel {
-        true => (0..channels)
-            .into_par_iter()
-            .map_init(Vec::new, |wide, c| channel_sum(c, wide))
-            .collect(),
-        false => {
-            let mut wide = Vec::new();
-            (0..channels).map(|c| channel_sum(c, &mut wide)).collect()
+    // Channels in about 8 tasks a thread, each with one widening buffer.
+    let per_task = channels.div_ceil(8 * rayon::current_num_threads()).max(1);
+    let mut sums = vec![0f32; channels];
+    for_each_chunk(&mut sums, per_task, parallel, |t, sums| {
+        let mut wide = Vec::new();
+        for (c, sum) in sums.iter_mut().enumerate() {
+            *sum = channel_sum(t * per_task + c, &mut wide);
         }
-    }
+    });
+    sums
 }
 
 // The sum of `values` in 16 running sums (one vector's worth), then across them.

@@ -19,6 +19,9 @@
 //! - [`philox`]: Philox4x32-10 words on every core, and Bernoulli values written from them.
 //! - [`strided`]: strided views copied out in order, and values filled through a broadcast
 //!   mask read by its own strides.
+//! - [`tasks`]: the parallel loops all of the above run on rayon's threads, in which a
+//!   calling thread outside rayon's pool (a program's `main`) computes its share instead of
+//!   sleeping until the pool is done.
 //!
 //! What the process holds here (6 statics, none a setting): the CPU's capabilities, detected
 //! once (`OnceLock`s: `AVAILABLE` twice and `KERNEL` in [`bf16_gemm`], `SUPPORT` for its AMX
@@ -37,6 +40,7 @@ pub mod isa;
 pub mod philox;
 pub mod softmax;
 pub mod strided;
+pub mod tasks;
 
 /// Whether rayon has several threads to share work among. The kernels run their parallel
 /// loops only then: from outside the pool, a loop in a pool of one thread only adds a

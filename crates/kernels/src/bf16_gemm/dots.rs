@@ -13,9 +13,9 @@
 use std::arch::x86_64::*;
 
 use half::bf16;
-use rayon::prelude::*;
 
 use super::Bf16Matrix;
+use crate::tasks::for_each_chunk;
 
 /// A rows and B columns of one kernel call: `R × R` dot products, 16 accumulators.
 const R: usize = 4;
@@ -46,11 +46,9 @@ pub(super) unsafe fn gemm(a: Bf16Matrix, b: Bf16Matrix, c: &mut [f32], parallel:
     }
     let n = b.cols;
     // SAFETY: the caller's promises; tasks own disjoint rows of `c`.
-    let task = |(block, c): (usize, &mut [f32])| unsafe { rows(a, b, block * R, c) };
-    match parallel {
-        true => c.par_chunks_mut(R * n).enumerate().for_each(task),
-        false => c.chunks_mut(R * n).enumerate().for_each(task),
-    }
+    for_each_chunk(c, R * n, parallel, |block, c| unsafe {
+        rows(a, b, block * R, c)
+    });
 }
 
 // The product's rows from `i0` (up to `R` of them: `c`), k block by k block.

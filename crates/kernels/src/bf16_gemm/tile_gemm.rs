@@ -20,10 +20,10 @@
 use std::mem::MaybeUninit;
 
 use half::bf16;
-use rayon::prelude::*;
 
 use super::tiles::{TILE_ROW_BYTES, TILE_ROWS, TILE_WORDS, Tiles};
 use super::{Bf16Matrix, Out, Product, finish_block, through_local, zero_product};
+use crate::tasks::{for_each_chunk, for_each_task};
 
 /// Pairs of k per tile step: a tile row of bf16 pairs.
 const STEP: usize = TILE_WORDS;
@@ -117,10 +117,7 @@ unsafe fn gemm_reading_a<T: Tiles>(
             tiles.release();
         }
     };
-    match parallel {
-        true => (0..row_blocks * col_blocks).into_par_iter().for_each(task),
-        false => (0..row_blocks * col_blocks).for_each(task),
-    }
+    for_each_task(row_blocks * col_blocks, parallel, task);
 }
 
 /// How a packed tile lays out its 16 rows of the matrix and 16 pairs of k.
@@ -151,15 +148,11 @@ fn pack<'p>(
         packed.resize(len, MaybeUninit::uninit());
     }
     let packed = &mut packed[..len];
-    let fill = |(q, panel): (usize, &mut [MaybeUninit<u32>])| {
+    for_each_chunk(packed, panel_len, parallel, |q, panel| {
         for (s, tile) in panel.chunks_exact_mut(TILE).enumerate() {
             pack_tile(m, q * TILE_ROWS, s * STEP, order, tile);
         }
-    };
-    match parallel {
-        true => packed.par_chunks_mut(panel_len).enumerate().for_each(fill),
-        false => packed.chunks_mut(panel_len).enumerate().for_each(fill),
-    }
+    });
     // SAFETY: the panels cover `packed`, and `pack_tile` wrote every word of each tile.
     unsafe { &*(packed as *const [MaybeUninit<u32>] as *const [u32]) }
 }

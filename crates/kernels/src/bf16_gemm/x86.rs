@@ -4,9 +4,9 @@ use std::arch::x86_64::*;
 use std::mem::MaybeUninit;
 
 use half::bf16;
-use rayon::prelude::*;
 
 use super::{Bf16Matrix, Out, Packed, Product, RUN, finish_block, through_local, zero_product};
+use crate::tasks::{for_each_chunk, for_each_task};
 
 /// Rows of the product one micro-kernel call computes, at most.
 const MR: usize = 12;
@@ -121,10 +121,7 @@ unsafe fn gemm_reading_a(
         // disjoint blocks of `c`.
         unsafe { blocks.block(t / col_blocks * mc, t % col_blocks * NC) }
     };
-    match parallel {
-        true => (0..row_blocks * col_blocks).into_par_iter().for_each(task),
-        false => (0..row_blocks * col_blocks).for_each(task),
-    }
+    for_each_task(row_blocks * col_blocks, parallel, task);
 }
 
 /// Where the tiles read A's k-pairs.
@@ -161,19 +158,10 @@ unsafe fn pack<'p>(
     let panels = m.rows.div_ceil(width);
     let group = (GROUP_ROWS / width).min(panels.div_ceil(8)).max(1);
     // SAFETY: as for `pack`.
-    let fill = |(g, panels): (usize, &mut [MaybeUninit<u32>])| unsafe {
+    let fill = |g: usize, panels: &mut [MaybeUninit<u32>]| unsafe {
         pack_panels(m, g * group * width, width, panel_len, panels)
     };
-    match parallel {
-        true => packed
-            .par_chunks_mut(group * panel_len)
-            .enumerate()
-            .for_each(fill),
-        false => packed
-            .chunks_mut(group * panel_len)
-            .enumerate()
-            .for_each(fill),
-    }
+    for_each_chunk(packed, group * panel_len, parallel, fill);
     // SAFETY: the panels cover `packed`, and each wrote every word of its own.
     unsafe { &*(packed as *const [MaybeUninit<u32>] as *const [u32]) }
 }
