@@ -13,10 +13,9 @@
 //! more.
 //!
 //! On a 2-core virtual machine (AMD Zen 4), before the kernels shared their loops with their
-//! caller, a bf16 step of the small conv net took 0.90× as
-//! long, and one of the README's MLP 0.77–0.98× (the more the host is loaded, the more a
-//! wake-up costs); Burn's LSTM, whose ops are too small to run in parallel, is unchanged
-//! (BENCHMARKS.md, issue 28).
+//! caller, a bf16 step of the small conv net took 0.90× as long, and one of the README's MLP
+//! 0.77–0.98× (the more the host is loaded, the more a wake-up costs); Burn's LSTM, whose ops
+//! are too small to run in parallel, is unchanged (BENCHMARKS.md, issue 28).
 //!
 //! It is a choice for the whole process, so the crate never makes it on its own: rayon's
 //! global pool is built once, by whichever comes first, this call or the first parallel op.
