@@ -20,12 +20,16 @@
 //! Inside a pool (under `with_accelerate`'s step pool, a `ThreadPool::install`, or a rayon
 //! worker of any kind) the loop is rayon's own `for_each`, whose caller already works.
 //!
+//! A task's panic reaches the caller, as from rayon's loops: no task starts after it, and the
+//! caller carries the panic on once no helper is inside a task any more.
+//!
 //! The tasks write disjoint results and each value is computed alone, so the split (which
 //! thread runs which task) never shows in the bits.
 
+use std::any::Any;
 use std::panic::AssertUnwindSafe;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread::{self, Thread};
 use std::time::{Duration, Instant};
 
@@ -112,9 +116,11 @@ struct Loop {
     ranges: Box<[Range]>,
     // Tasks finished.
     done: AtomicUsize,
-    // Helpers inside `work`, and whether the caller has stopped the loop (it is unwinding).
+    // Helpers inside `work`, and whether a task panicked (no more are taken then).
     active: AtomicUsize,
     stopped: AtomicBool,
+    // A helper's panic, for the caller to carry on.
+    panic: Mutex<Option<Box<dyn Any + Send>>>,
     // The loop's body, on the caller's stack: valid while the caller waits (see
     // `shared_with_the_pool`), and read only by a thread that has just taken a task.
     body: *const (dyn Fn(usize) + Sync + 'static),
@@ -158,13 +164,25 @@ impl Loop {
         (1..n).find_map(|k| self.ranges[(thief + k) % n].take_back_half())
     }
 
-    // A helper's `work`, counted in `active` so that an unwinding caller can wait for it.
+    // A helper's `work`, counted in `active` so that a caller whose loop stopped can wait
+    // for it; a panic is kept for the caller, as rayon's loops carry a task's panic to theirs.
     fn help(&self, own: usize) {
-        // SeqCst, with the caller's store of `stopped` and load of `active`: either the
-        // caller sees this helper active and waits for it, or the helper sees `stopped`.
+        // SeqCst, with the stores of `stopped` and the caller's loads of `stopped` and then
+        // `active`: either the caller sees this helper active and waits for it, or the helper
+        // sees `stopped`.
         self.active.fetch_add(1, Ordering::SeqCst);
-        self.work(own);
+        if let Err(panic) = std::panic::catch_unwind(AssertUnwindSafe(|| self.work(own))) {
+            self.stopped.store(true, Ordering::SeqCst);
+            let mut kept = self.panic.lock().unwrap_or_else(|e| e.into_inner());
+            kept.get_or_insert(panic);
+        }
         self.active.fetch_sub(1, Ordering::SeqCst);
+        self.caller.unpark();
+    }
+
+    // Whether the loop stopped (a task panicked) and no helper is inside `work` any more.
+    fn stopped_and_left(&self) -> bool {
+        self.stopped.load(Ordering::SeqCst) && self.active.load(Ordering::SeqCst) == 0
     }
 
     // Waits until `ready()`: spinning for about a task's time, then parked.
@@ -268,6 +286,7 @@ fn shared_with_the_pool(tasks: usize, task: &(dyn Fn(usize) + Sync)) {
         done: AtomicUsize::new(0),
         active: AtomicUsize::new(0),
         stopped: AtomicBool::new(false),
+        panic: Mutex::new(None),
         body,
         caller: thread::current(),
     });
@@ -276,22 +295,26 @@ fn shared_with_the_pool(tasks: usize, task: &(dyn Fn(usize) + Sync)) {
         rayon::spawn(move || shared.help(own));
     }
     let worked = std::panic::catch_unwind(AssertUnwindSafe(|| shared.work(0)));
-    match worked {
-        // Every task is taken: wait for the helpers' last ones.
-        Ok(()) => shared.wait_until(|| shared.done.load(Ordering::Acquire) == tasks),
-        Err(panic) => {
-            shared.stopped.store(true, Ordering::SeqCst);
-            shared.wait_until(|| shared.active.load(Ordering::SeqCst) == 0);
-            std::panic::resume_unwind(panic);
-        }
+    if let Err(panic) = worked {
+        shared.stopped.store(true, Ordering::SeqCst);
+        shared.wait_until(|| shared.active.load(Ordering::SeqCst) == 0);
+        std::panic::resume_unwind(panic);
+    }
+    // Every task is taken: wait for the helpers' last ones, or for a helper's panic.
+    shared.wait_until(|| shared.done.load(Ordering::Acquire) == tasks || shared.stopped_and_left());
+    let panic = shared
+        .panic
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .take();
+    if let Some(panic) = panic {
+        std::panic::resume_unwind(panic);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Mutex;
-    use std::sync::atomic::AtomicBool;
 
     // Taken by the tests that need the global pool's threads free, or that block them.
     static GLOBAL_POOL: Mutex<()> = Mutex::new(());
@@ -378,6 +401,29 @@ mod tests {
             running.load(Ordering::SeqCst),
             1,
             "only the panicking task left open"
+        );
+    }
+
+    #[test]
+    fn a_helpers_panic_reaches_the_caller() {
+        if rayon::current_num_threads() < 2 {
+            eprintln!("skipped: rayon's pool has one thread here");
+            return;
+        }
+        let _pool = GLOBAL_POOL.lock().unwrap_or_else(|e| e.into_inner());
+        let result = std::panic::catch_unwind(|| {
+            for_each_task(64, true, |i| {
+                thread::sleep(Duration::from_millis(2));
+                if rayon::current_thread_index().is_some() {
+                    panic!("task {i} on a helper");
+                }
+            });
+        });
+        let panic = result.expect_err("a helper ran a task, and its panic was lost");
+        assert!(
+            panic
+                .downcast_ref::<String>()
+                .is_some_and(|m| m.ends_with("on a helper"))
         );
     }
 
