@@ -39,7 +39,7 @@ use std::sync::{Mutex, PoisonError};
 
 use burn::backend::flex::{FlexTensor, Layout};
 use burn::backend::{Autodiff, Flex};
-use burn::tensor::DType;
+use burn::tensor::{Bytes, DType};
 use burn_accelerate_kernels::philox::{bernoulli, counter, philox4x32_10};
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{AutodiffBackend, Distribution, FloatDType, Shape};
@@ -98,17 +98,17 @@ const ONE_F16: u16 = 0x3C00;
 fn draw(shape: &Shape, sample: Sample, out: Out, key: u64, stream: u64) -> FlexTensor {
     let len = shape.num_elements();
     let bytes = match (sample, out) {
-        (Sample::Ones, Out::F32) => super::recycled::bytes(vec![ONE_F32; len]),
-        (Sample::Ones, Out::Bf16) => super::recycled::bytes(vec![ONE_BF16; len]),
-        (Sample::Ones, Out::F16) => super::recycled::bytes(vec![ONE_F16; len]),
+        (Sample::Ones, Out::F32) => Bytes::from_elems(vec![ONE_F32; len]),
+        (Sample::Ones, Out::Bf16) => Bytes::from_elems(vec![ONE_BF16; len]),
+        (Sample::Ones, Out::F16) => Bytes::from_elems(vec![ONE_F16; len]),
         (Sample::Bernoulli { threshold }, Out::F32) => {
-            super::recycled::bytes(bernoulli(len, key, stream, threshold, ONE_F32))
+            Bytes::from_elems(bernoulli(len, key, stream, threshold, ONE_F32))
         }
         (Sample::Bernoulli { threshold }, Out::Bf16) => {
-            super::recycled::bytes(bernoulli(len, key, stream, threshold, ONE_BF16))
+            Bytes::from_elems(bernoulli(len, key, stream, threshold, ONE_BF16))
         }
         (Sample::Bernoulli { threshold }, Out::F16) => {
-            super::recycled::bytes(bernoulli(len, key, stream, threshold, ONE_F16))
+            Bytes::from_elems(bernoulli(len, key, stream, threshold, ONE_F16))
         }
     };
     let dtype = match out {

@@ -20,7 +20,7 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
 use burn::backend::flex::{FlexTensor, Layout};
 use burn::backend::{Autodiff, Flex};
-use burn::tensor::DType;
+use burn::tensor::{Bytes, DType};
 use burn_backend::FloatDType;
 use burn_backend::ops::FloatTensorOps;
 use burn_backend::tensor::FloatTensor;
@@ -38,14 +38,10 @@ pub(crate) fn convert(tensor: FlexTensor, dtype: FloatDType) -> FlexTensor {
     let tensor = tensor.to_contiguous();
     let shape = tensor.layout().shape().clone();
     let bytes = match (from, to) {
-        (DType::F32, DType::BF16) => super::recycled::bytes(rounded::<bf16>(tensor.storage())),
-        (DType::F32, DType::F16) => super::recycled::bytes(rounded::<f16>(tensor.storage())),
-        (DType::BF16, DType::F32) => {
-            super::recycled::bytes(widened_in_tasks::<bf16>(tensor.storage()))
-        }
-        (DType::F16, DType::F32) => {
-            super::recycled::bytes(widened_in_tasks::<f16>(tensor.storage()))
-        }
+        (DType::F32, DType::BF16) => Bytes::from_elems(rounded::<bf16>(tensor.storage())),
+        (DType::F32, DType::F16) => Bytes::from_elems(rounded::<f16>(tensor.storage())),
+        (DType::BF16, DType::F32) => Bytes::from_elems(widened_in_tasks::<bf16>(tensor.storage())),
+        (DType::F16, DType::F32) => Bytes::from_elems(widened_in_tasks::<f16>(tensor.storage())),
         _ => return Flex::float_cast(tensor, dtype),
     };
     FlexTensor::new(bytes, Layout::contiguous(shape), to)

@@ -74,7 +74,7 @@ fn forward<E: FlexReal>(mut t: FlexTensor, isa: Isa) -> FlexTensor {
     let src = t.as_slice::<E>().expect("gelu takes tensors that fit");
     let out = kernels::gelu_to(isa, src);
     FlexTensor::new(
-        super::recycled::bytes(out),
+        burn::tensor::Bytes::from_elems(out),
         burn::backend::flex::Layout::contiguous(t.layout().shape().clone()),
         E::dtype(),
     )
@@ -91,7 +91,7 @@ fn backward<E: FlexReal>(x: &FlexTensor, mut grad: FlexTensor, isa: Isa) -> Flex
     let gs = grad.as_slice::<E>().expect("contiguous by now");
     let out = kernels::gelu_backward_to(isa, xs, gs);
     FlexTensor::new(
-        super::recycled::bytes(out),
+        burn::tensor::Bytes::from_elems(out),
         burn::backend::flex::Layout::contiguous(grad.layout().shape().clone()),
         E::dtype(),
     )

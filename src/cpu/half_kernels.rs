@@ -6,7 +6,7 @@
 //! once), so the bits are Flex's own: tested against Flex below.
 
 use burn::backend::flex::{FlexTensor, Layout};
-use burn::tensor::Element;
+use burn::tensor::{Bytes, Element};
 use burn_accelerate_kernels::half as kernels;
 
 pub(crate) use burn_accelerate_kernels::half::{
@@ -50,7 +50,7 @@ fn values_mut<H: Half>(t: &mut FlexTensor) -> Option<&mut [H]> {
 }
 
 fn output<H: Half>(values: Vec<u16>, layout: Layout) -> FlexTensor {
-    FlexTensor::new(super::recycled::bytes(values), layout, H::dtype())
+    FlexTensor::new(Bytes::from_elems(values), layout, H::dtype())
 }
 
 /// Whether the kernels take `t`: a tensor whose values lie contiguous, in order. The caller
@@ -206,7 +206,7 @@ mod tests {
 
             let flex_sum = Flex::float_sum_dim(flex.clone(), 0);
             let fast_sum = with_half!(DType::from(dtype), H => {
-                let sums = crate::cpu::recycled::bytes(sum_rows::<H>(&flex).unwrap());
+                let sums = Bytes::from_elems(sum_rows::<H>(&flex).unwrap());
                 FlexTensor::new(sums, Layout::contiguous([1, n].into()), H::dtype())
             }, _ => unreachable!());
             assert_eq!(bits(fast_sum), bits(flex_sum), "{dtype:?} row sums");

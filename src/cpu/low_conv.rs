@@ -29,7 +29,7 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::flex::{FlexTensor, Layout};
 use burn::backend::{Autodiff, Flex};
-use burn::tensor::DType;
+use burn::tensor::{Bytes, DType};
 use burn_backend::FloatDType;
 use burn_backend::ops::{ConvOptions, ModuleOps};
 use burn_backend::tensor::FloatTensor;
@@ -93,7 +93,7 @@ fn gemm_conv(
 
 fn half_tensor(bits: Vec<u16>, shape: &[usize], dtype: DType) -> FlexTensor {
     let layout = Layout::contiguous(shape.to_vec().into());
-    FlexTensor::new(super::recycled::bytes(bits), layout, dtype)
+    FlexTensor::new(Bytes::from_elems(bits), layout, dtype)
 }
 
 // The convolution as `im2col` GEMMs, where they apply.
@@ -138,7 +138,7 @@ fn bias_grad(grad: &FlexTensor, route: Route) -> FlexTensor {
         let sums = half_conv::channel_sums(values, sizes, order, parallel);
         let mut out = vec![H::default(); sums.len()];
         H::round(&sums, &mut out);
-        super::recycled::bytes(out)
+        Bytes::from_elems(out)
     }, _ => unreachable!("the hook admits half tensors only"));
     FlexTensor::new(bytes, Layout::contiguous([sizes[1]].into()), dtype)
 }

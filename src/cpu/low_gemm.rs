@@ -33,6 +33,7 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, binary};
 use burn::backend::flex::{FlexTensor, Layout};
 use burn::backend::{Autodiff, Flex};
+use burn::tensor::Bytes;
 use burn_backend::DType;
 use burn_backend::ops::{FloatTensorOps, ModuleOps};
 use burn_backend::tensor::FloatTensor;
@@ -43,7 +44,6 @@ use burn_accelerate_kernels::bf16_gemm::{
     scratch_of, with_scratch,
 };
 use burn_accelerate_kernels::f32_gemm::{Kernel, f32_gemm, large, parallel};
-use burn_accelerate_kernels::recycle;
 use burn_accelerate_kernels::several_threads;
 use burn_accelerate_kernels::tasks::for_each_chunk;
 
@@ -208,7 +208,7 @@ fn bf16_dot_rounded(
         None => None,
     };
     let len = dims.matrices() * dims.m * dims.n;
-    let mut values = recycle::vec_with_capacity(len);
+    let mut values = Vec::with_capacity(len);
     let out = &mut values.spare_capacity_mut()[..len];
     let done = bf16_dot(a, b, dims, out, |am, bm, out, threads, packed| {
         let product = Product::Bf16 {
@@ -290,7 +290,7 @@ fn half_gemm(
     // fresh buffer 500 more times a step (and 2% less time where freed memory is kept).
     let rounded = match dot {
         Some(kernel) if len * size_of::<f32>() > SCRATCH_KEPT => {
-            bf16_dot_rounded(kernel, a, b, bias.as_ref(), &dims).map(super::recycled::bytes)
+            bf16_dot_rounded(kernel, a, b, bias.as_ref(), &dims).map(Bytes::from_elems)
         }
         _ => None,
     };
@@ -309,7 +309,7 @@ fn half_gemm(
             }
             let values = with_half!(dtype, H => {
                 let bias = bias.as_ref().map(|b| b.storage::<H>());
-                super::recycled::bytes(round_add_row::<H>(&scratch.product[..len], bias))
+                Bytes::from_elems(round_add_row::<H>(&scratch.product[..len], bias))
             }, _ => unreachable!("the hooks admit half operands only"));
             scratch.release_large();
             values
@@ -364,7 +364,7 @@ pub(crate) fn add_bias(product: FlexTensor, bias: FlexTensor) -> FlexTensor {
 pub(crate) fn bias_grad(grad: FlexTensor) -> FlexTensor {
     let n = grad.layout().shape()[1];
     let sums = with_half!(grad.dtype(), H => {
-        sum_rows::<H>(&grad).map(super::recycled::bytes)
+        sum_rows::<H>(&grad).map(Bytes::from_elems)
     }, _ => None);
     match sums {
         Some(values) => FlexTensor::new(values, Layout::contiguous([n].into()), grad.dtype()),

@@ -18,7 +18,7 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
 use burn::backend::flex::{FlexTensor, Layout};
 use burn::backend::{Autodiff, Flex};
-use burn::tensor::{DType, Shape};
+use burn::tensor::{Bytes, DType, Shape};
 use burn_backend::Scalar;
 use burn_backend::ops::FloatTensorOps;
 use burn_backend::tensor::{BoolTensor, FloatTensor};
@@ -70,7 +70,7 @@ fn fill<T: bytemuck::Pod + burn_backend::Element + Send + Sync>(
     let mask_at = (mask.bytes(), mask.layout().start_offset(), &strides[..]);
     let out = strided::masked_fill(values, &shape, mask_at, value);
     Some(FlexTensor::new(
-        super::recycled::bytes(out),
+        Bytes::from_elems(out),
         Layout::contiguous(Shape::from(shape)),
         tensor.dtype(),
     ))

@@ -96,8 +96,6 @@ pub(crate) mod low_gemm;
 #[cfg(feature = "flex")]
 pub(crate) mod masked_fill;
 #[cfg(feature = "flex")]
-pub(crate) mod recycled;
-#[cfg(feature = "flex")]
 pub(crate) mod softmax;
 #[cfg(feature = "flex")]
 pub(crate) mod strided_copy;

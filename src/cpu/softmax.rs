@@ -31,7 +31,7 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
 use burn::backend::flex::{FlexTensor, Layout};
 use burn::backend::{Autodiff, Flex};
-use burn::tensor::DType;
+use burn::tensor::{Bytes, DType};
 use burn_backend::FloatDType;
 use burn_backend::ops::{ActivationOps, FloatTensorOps};
 use burn_backend::tensor::FloatTensor;
@@ -113,7 +113,7 @@ fn rows_in_place(
         f(first, rows)
     });
     FlexTensor::new(
-        super::recycled::bytes(out),
+        Bytes::from_elems(out),
         Layout::contiguous(t.layout().shape().clone()),
         DType::F32,
     )
@@ -162,7 +162,7 @@ fn forward_widening(t: FlexTensor, len: usize, kind: Kind, isa: Isa) -> FlexTens
         _ => rows_of_type::<f16>(&t, len, kind, isa),
     };
     FlexTensor::new(
-        super::recycled::bytes(out),
+        Bytes::from_elems(out),
         Layout::contiguous(t.layout().shape().clone()),
         DType::F32,
     )
@@ -270,7 +270,7 @@ fn backward_rounding(
         _ => rows_of_type::<f16>(ys, gs, len, kind, isa),
     };
     FlexTensor::new(
-        super::recycled::bytes(out),
+        Bytes::from_elems(out),
         Layout::contiguous(y.layout().shape().clone()),
         dtype,
     )

@@ -71,7 +71,7 @@ fn copy<T: bytemuck::Pod + Send + Sync>(
     strides: &[usize],
 ) -> Bytes {
     let src: &[T] = bytemuck::cast_slice(t.bytes());
-    super::recycled::bytes(strided::copy(
+    Bytes::from_elems(strided::copy(
         src,
         t.layout().start_offset(),
         sizes,

@@ -396,11 +396,11 @@ pub fn widen_in_tasks<H: Half>(src: &[H], dst: &mut [f32]) {
 /// # Safety
 ///
 /// `write` writes every value of the task it is given.
-unsafe fn written<T: bytemuck::Pod + Send>(
+unsafe fn written<T: Send>(
     len: usize,
     write: impl Fn(usize, &mut [MaybeUninit<T>]) + Sync,
 ) -> Vec<T> {
-    let mut out = crate::recycle::vec_with_capacity(len);
+    let mut out = Vec::with_capacity(len);
     in_tasks(&mut out.spare_capacity_mut()[..len], write);
     // SAFETY: the tasks cover the first `len` values, and `write` wrote each (the caller's
     // promise).

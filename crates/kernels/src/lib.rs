@@ -19,19 +19,16 @@
 //! - [`philox`]: Philox4x32-10 words on every core, and Bernoulli values written from them.
 //! - [`strided`]: strided views copied out in order, and values filled through a broadcast
 //!   mask read by its own strides.
-//! - [`recycle`]: the memory of large outputs, kept when their tensor is dropped and handed
-//!   to the next output of the same size, so that a step does not map and zero it afresh.
 //! - [`tasks`]: the parallel loops all of the above run on rayon's threads, in which a
 //!   calling thread outside rayon's pool (a program's `main`) computes its share instead of
 //!   sleeping until the pool is done.
 //!
-//! What the process holds here (7 statics, none a setting): the CPU's capabilities, detected
+//! What the process holds here (6 statics, none a setting): the CPU's capabilities, detected
 //! once (`OnceLock`s: `AVAILABLE` twice and `KERNEL` in [`bf16_gemm`], `SUPPORT` for its AMX
-//! tiles, which also asks Linux for the tile state once), per-thread scratch reused across
+//! tiles, which also asks Linux for the tile state once), and per-thread scratch reused across
 //! calls, as a fresh buffer is mapped and page-faulted in on every call (`thread_local`s
-//! `SCRATCH` and `IMAGE_WORK` in [`half_conv`]), and the outputs' memory kept for reuse
-//! (`KEPT` in [`recycle`], at most [`recycle::MAX_HELD`] bytes). Each kernel gives the same
-//! values whichever thread runs it.
+//! `SCRATCH` and `IMAGE_WORK` in [`half_conv`]). Each kernel gives the same values whichever
+//! thread runs it.
 
 pub mod bf16_gemm;
 pub mod exp;
@@ -41,7 +38,6 @@ pub mod half;
 pub mod half_conv;
 pub mod isa;
 pub mod philox;
-pub mod recycle;
 pub mod softmax;
 pub mod strided;
 pub mod tasks;
