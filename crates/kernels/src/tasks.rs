@@ -60,7 +60,8 @@ pub fn for_each_task(tasks: usize, parallel: bool, task: impl Fn(usize) + Sync) 
     } else if rayon::current_thread_index().is_some() {
         (0..tasks).into_par_iter().for_each(&task);
     } else {
-        shared_with_the_pool(tasks, &task);
+        let participants = rayon::current_num_threads().min(tasks);
+        shared_with_the_pool(tasks, participants, &|job| rayon::spawn(job), &task);
     }
 }
 
@@ -266,9 +267,14 @@ impl Range {
     }
 }
 
-// The loop of `for_each_task` from a thread outside rayon's pools: see the module docs.
-fn shared_with_the_pool(tasks: usize, task: &(dyn Fn(usize) + Sync)) {
-    let participants = rayon::current_num_threads().min(tasks);
+// The loop of `for_each_task` from a thread outside rayon's pools, in `participants`
+// ranges, the caller's and one per helper job given to `spawn`: see the module docs.
+fn shared_with_the_pool(
+    tasks: usize,
+    participants: usize,
+    spawn: &dyn Fn(Box<dyn FnOnce() + Send>),
+    task: &(dyn Fn(usize) + Sync),
+) {
     // Task numbers and counts fit a range's halves.
     assert!(u32::try_from(tasks).is_ok(), "{tasks} tasks in one loop");
     // SAFETY (of erasing the closure's lifetime): threads call `body` only after taking a
@@ -297,7 +303,7 @@ fn shared_with_the_pool(tasks: usize, task: &(dyn Fn(usize) + Sync)) {
     });
     for own in 1..participants {
         let shared = Arc::clone(&shared);
-        rayon::spawn(move || shared.help(own));
+        spawn(Box::new(move || shared.help(own)));
     }
     let worked = std::panic::catch_unwind(AssertUnwindSafe(|| shared.work(0)));
     if let Err(panic) = worked {
@@ -344,6 +350,45 @@ mod tests {
             .build()
             .unwrap();
         pool.install(check);
+    }
+
+    #[test]
+    fn many_helpers_stealing_from_each_other_run_every_task_once() {
+        // More participants than the global pool has threads: helpers on a pool of their
+        // own, uneven tasks so that ranges run dry at different times and are stolen from.
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(4)
+            .build()
+            .unwrap();
+        let spawn = |job: Box<dyn FnOnce() + Send>| pool.spawn(job);
+        for (tasks, participants) in [(2, 2), (5, 5), (7, 3), (64, 5), (1000, 8)] {
+            let runs: Vec<AtomicUsize> = (0..tasks).map(|_| AtomicUsize::new(0)).collect();
+            shared_with_the_pool(tasks, participants, &spawn, &|i| {
+                if i % 7 == 0 {
+                    thread::sleep(Duration::from_micros(300));
+                }
+                runs[i].fetch_add(1, Ordering::Relaxed);
+            });
+            let counts: Vec<usize> = runs.iter().map(|r| r.load(Ordering::Relaxed)).collect();
+            assert!(
+                counts.iter().all(|c| *c == 1),
+                "{tasks} tasks, {participants}: {counts:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_range_gives_its_front_to_its_owner_and_its_back_half_to_thieves() {
+        let range = Range::new(10, 20);
+        assert_eq!(range.take_front(), Some(10));
+        // 11..20 left, 9 tasks: a thief takes the back 5 (half, rounded up).
+        assert_eq!(range.take_back_half(), Some((15, 20)));
+        assert_eq!(range.take_back_half(), Some((13, 15)));
+        assert_eq!(range.take_front(), Some(11));
+        assert_eq!(range.take_back_half(), Some((12, 13)));
+        assert_eq!((range.take_front(), range.take_back_half()), (None, None));
+        range.set(30, 31);
+        assert_eq!((range.take_front(), range.take_front()), (Some(30), None));
     }
 
     #[test]
