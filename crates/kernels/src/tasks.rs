@@ -330,6 +330,16 @@ mod tests {
     // Taken by the tests that need the global pool's threads free, or that block them.
     static GLOBAL_POOL: Mutex<()> = Mutex::new(());
 
+    // The global pool to oneself, where it has several threads (else the test is skipped,
+    // and says so).
+    fn several_pool_threads() -> Option<std::sync::MutexGuard<'static, ()>> {
+        if rayon::current_num_threads() < 2 {
+            eprintln!("skipped: rayon's pool has one thread here");
+            return None;
+        }
+        Some(GLOBAL_POOL.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
     #[test]
     fn every_task_runs_once_from_outside_the_pool_and_inside_it() {
         let check = || {
@@ -411,11 +421,9 @@ mod tests {
     fn a_caller_outside_the_pool_shares_the_tasks_with_it() {
         // From outside the pool, with a pool of several threads, tasks run on this thread and
         // on the pool's: the point of the module. Tasks long enough that a helper starts.
-        if rayon::current_num_threads() < 2 {
-            eprintln!("skipped: rayon's pool has one thread here");
+        let Some(_pool) = several_pool_threads() else {
             return;
-        }
-        let _pool = GLOBAL_POOL.lock().unwrap_or_else(|e| e.into_inner());
+        };
         let me = thread::current().id();
         let threads = Mutex::new(Vec::new());
         for_each_task(64, true, |_| {
@@ -437,7 +445,7 @@ mod tests {
             for_each_task(1 << 20, true, |i| {
                 running.fetch_add(1, Ordering::SeqCst);
                 thread::sleep(Duration::from_micros(200));
-                // Once, in a task of the caller's (a helper's panic would abort).
+                // Once, in a task of the caller's (a helper's: the next test).
                 let caller = rayon::current_thread_index().is_none();
                 if caller && i >= 5 && !panicked.swap(true, Ordering::SeqCst) {
                     panic!("task {i}");
@@ -456,11 +464,9 @@ mod tests {
 
     #[test]
     fn a_helpers_panic_reaches_the_caller() {
-        if rayon::current_num_threads() < 2 {
-            eprintln!("skipped: rayon's pool has one thread here");
+        let Some(_pool) = several_pool_threads() else {
             return;
-        }
-        let _pool = GLOBAL_POOL.lock().unwrap_or_else(|e| e.into_inner());
+        };
         let result = std::panic::catch_unwind(|| {
             for_each_task(64, true, |i| {
                 thread::sleep(Duration::from_millis(2));
