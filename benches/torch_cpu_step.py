@@ -188,8 +188,8 @@ def main():
     print(f"torch {torch.__version__}, model {args.model}{extra}, {args.threads} threads, "
           f"{args.rounds} rounds, load average {os.getloadavg()[0]:.2f}, "
           f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}")
-    for i, (name, (binary, _)) in enumerate(ours.items()):
-        if len(ours) > 1:
+    if len(ours) > 1:
+        for name, (binary, _) in ours.items():
             print(f"{name}: {binary}")
     for n in names:
         who, precision = n.split()

@@ -258,9 +258,10 @@ fn each_matrix<T: Send>(
 ) -> bool {
     let size = (dims.m * dims.n).max(1);
     let parallel = dims.matrices() > 1 && several_threads() && !large(dims.m, dims.n, dims.k);
+    // Once one matrix failed the product is computed another way: the rest are skipped.
     let failed = AtomicBool::new(false);
     for_each_chunk(product, size, parallel, |i, c| {
-        if !f(i, c) {
+        if !failed.load(Ordering::Relaxed) && !f(i, c) {
             failed.store(true, Ordering::Relaxed);
         }
     });

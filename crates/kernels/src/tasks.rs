@@ -35,6 +35,8 @@ use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
 
+use crate::several_threads;
+
 /// How long a caller waiting for helpers' last tasks spins before it parks: about a task's
 /// time, so that the common wait (a helper finishing its last task) costs no wake-up.
 const SPIN: Duration = Duration::from_micros(100);
@@ -55,7 +57,7 @@ const PARK: Duration = Duration::from_millis(1);
 /// assert_eq!(sum.into_inner(), 4950);
 /// ```
 pub fn for_each_task(tasks: usize, parallel: bool, task: impl Fn(usize) + Sync) {
-    if !parallel || tasks < 2 || rayon::current_num_threads() < 2 {
+    if !parallel || tasks < 2 || !several_threads() {
         (0..tasks).for_each(task);
     } else if rayon::current_thread_index().is_some() {
         (0..tasks).into_par_iter().for_each(&task);
